@@ -1,0 +1,1 @@
+"""ANDREA: GPT-2-style language models trained with minitensor."""

@@ -1,0 +1,1 @@
+"""minitensor: layers with hand-derived forward and backward passes over NumPy or CuPy arrays."""

@@ -1,0 +1,144 @@
+"""Backend selection: NumPy on the CPU, CuPy on an NVIDIA GPU.
+
+The device is chosen once, at the entry point (`get_backend("auto" | "cpu" | "gpu")`, or the
+`ANDREA_DEVICE` environment variable when no device is given), and layers then take the array
+module from their inputs (`array_module(x)`). This file and `kernels.py` are the only ones that
+import CuPy, and only on demand: importing minitensor without CuPy, or with CuPy but no GPU,
+costs nothing and cannot fail.
+
+A GPU counts as usable only after a tiny elementwise kernel and a tiny matmul have run on it:
+CuPy imports fine without a driver, and a missing NVRTC or cuBLAS shows only at the first
+kernel or GEMM (SPEC 5).
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+DEVICES = ("auto", "cpu", "gpu")
+INSTALL_HINT = "pip install 'andrea[cuda12]' or 'andrea[cuda13]' (matching your CUDA driver)"
+
+
+class GPUUnavailable(RuntimeError):
+    """`--device gpu` was asked for but no usable GPU is there; the message says why."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The array module a model runs on, with its device name."""
+
+    xp: object
+    device: str  # "cpu" or "gpu"
+
+    def asarray(self, a, dtype=None):
+        return self.xp.asarray(a, dtype=dtype)
+
+
+_gpu_probe = None  # (ok: bool, reason: str), cached after the first probe
+_fallback_reported = False
+
+
+def _probe_gpu():
+    """Returns (True, "") if CuPy can run a kernel and a matmul here, else (False, why)."""
+    global _gpu_probe
+    if _gpu_probe is not None:
+        return _gpu_probe
+    try:
+        import cupy
+    except ImportError:
+        _gpu_probe = (False, "CuPy is not installed")
+        return _gpu_probe
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError without a driver
+        _gpu_probe = (False, f"no CUDA device ({_first_line(e)})")
+        return _gpu_probe
+    if n == 0:
+        _gpu_probe = (False, "no CUDA device found")
+        return _gpu_probe
+    try:
+        a = cupy.arange(4, dtype=cupy.float32)
+        b = (a * 2 + 1).sum()  # an elementwise and a reduction kernel: needs NVRTC
+        float(b)
+    except Exception as e:
+        _gpu_probe = (False, f"CuPy cannot compile or run a kernel; is NVRTC installed? ({_first_line(e)})")
+        return _gpu_probe
+    try:
+        m = cupy.ones((4, 4), dtype=cupy.float32)
+        float((m @ m)[0, 0])
+    except Exception as e:
+        _gpu_probe = (False, f"CuPy cannot run a matmul; is cuBLAS installed? ({_first_line(e)})")
+        return _gpu_probe
+    _gpu_probe = (True, "")
+    return _gpu_probe
+
+
+def _first_line(e):
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def gpu_available():
+    """True if a GPU is usable through CuPy; never raises."""
+    return _probe_gpu()[0]
+
+
+def resolve_device(device=None):
+    """Normalises a device request: None means $ANDREA_DEVICE, else "auto"."""
+    if device is None:
+        device = os.environ.get("ANDREA_DEVICE", "auto") or "auto"
+    device = str(device).lower()
+    if device == "cuda":
+        device = "gpu"
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
+    return device
+
+
+def get_backend(device=None, quiet=False):
+    """Returns the Backend for a device request, or raises GPUUnavailable for an unusable "gpu".
+
+    "auto" uses the GPU when one works, and otherwise falls back to NumPy, saying so once on
+    stderr (unless quiet).
+    """
+    global _fallback_reported
+    device = resolve_device(device)
+    if device == "cpu":
+        return Backend(np, "cpu")
+    ok, why = _probe_gpu()
+    if ok:
+        import cupy
+
+        return Backend(cupy, "gpu")
+    if device == "gpu":
+        raise GPUUnavailable(f"--device gpu: no usable GPU: {why}. To use one: {INSTALL_HINT}")
+    if not quiet and not _fallback_reported:
+        print(f"note: no usable GPU ({why}); running on the CPU with NumPy", file=sys.stderr)
+        _fallback_reported = True
+    return Backend(np, "cpu")
+
+
+def array_module(x):
+    """numpy or cupy, whichever owns the array x (NumPy for anything that is not a CuPy array)."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def to_numpy(x):
+    """A NumPy copy (or the array itself) of a NumPy or CuPy array."""
+    if type(x).__module__.startswith("cupy"):
+        return x.get()
+    return np.asarray(x)
+
+
+def resolve_dtype(dtype):
+    """float32 (the default) or float64; anything else is refused."""
+    dt = np.dtype(dtype if dtype is not None else "float32")
+    if dt not in (np.float32, np.float64):
+        raise ValueError(f"unsupported dtype {dt}: use float32 or float64")
+    return dt

@@ -1,0 +1,24 @@
+"""The contract every layer follows, and the one piece of it that is shared: the forward cache.
+
+A layer's `forward(x)` returns y and keeps what its backward needs; `backward(dy)` accumulates
+(`+=`) the parameter gradients into the gradient views it was given, returns dx, and drops the
+cache, so a second backward without a new forward fails at once instead of reusing stale state.
+"""
+
+
+class Layer:
+    _cache = None
+
+    def _save(self, *tensors):
+        self._cache = tensors
+
+    def _pop(self):
+        cache = self._cache
+        if cache is None:
+            raise RuntimeError(f"{type(self).__name__}.backward called without a forward (or twice)")
+        self._cache = None
+        return cache
+
+    @property
+    def has_cache(self):
+        return self._cache is not None

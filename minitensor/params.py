@@ -1,0 +1,81 @@
+"""All parameters in one flat buffer, all gradients in a second buffer of the same layout.
+
+    p = Params({"fc.weight": (3, 4), "fc.bias": (4,)}, xp=numpy, dtype="float32")
+    p["fc.weight"]        # (3, 4) view into p.data
+    p.grad("fc.weight")   # (3, 4) view into p.grads, same offsets
+    p.zero_grad()         # one fill
+
+Layers hold these views and update them in place; nothing may rebind them, because the flat
+buffers are the truth that AdamW, gradient clipping and checkpoints work on (as in llm.c).
+Each tensor starts at a multiple of 16 elements (64 bytes in float32), so views stay aligned.
+"""
+
+import math
+
+import numpy as np
+
+ALIGN = 16
+
+
+class Params:
+    """Named views into one parameter buffer (`data`) and one gradient buffer (`grads`)."""
+
+    def __init__(self, shapes, xp=np, dtype="float32"):
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self.shapes = {name: tuple(int(s) for s in shape) for name, shape in shapes.items()}
+        self.offsets = {}
+        offset = 0
+        for name, shape in self.shapes.items():
+            self.offsets[name] = offset
+            offset += -(-math.prod(shape) // ALIGN) * ALIGN
+        self.size = offset
+        self.data = xp.zeros(offset, dtype=self.dtype)
+        self.grads = xp.zeros(offset, dtype=self.dtype)
+        self._views = {n: self._view(self.data, n) for n in self.shapes}
+        self._grad_views = {n: self._view(self.grads, n) for n in self.shapes}
+
+    def _view(self, flat, name):
+        start = self.offsets[name]
+        shape = self.shapes[name]
+        return flat[start:start + math.prod(shape)].reshape(shape)
+
+    def __getitem__(self, name):
+        return self._views[name]
+
+    def __contains__(self, name):
+        return name in self.shapes
+
+    def __len__(self):
+        return len(self.shapes)
+
+    def grad(self, name):
+        return self._grad_views[name]
+
+    def names(self):
+        return list(self.shapes)
+
+    def items(self):
+        return self._views.items()
+
+    def grad_items(self):
+        return self._grad_views.items()
+
+    def zero_grad(self):
+        self.grads.fill(0)
+
+    def num_elements(self):
+        """Parameters actually held (the padding between tensors is not counted)."""
+        return sum(math.prod(s) for s in self.shapes.values())
+
+    def mask(self, predicate):
+        """A 0/1 vector over the flat buffer: 1 on the tensors where predicate(name, shape) holds.
+
+        Padding is 0. Used for example to weight-decay only the matrices.
+        """
+        m = np.zeros(self.size, dtype=self.dtype)
+        for name, shape in self.shapes.items():
+            if predicate(name, shape):
+                start = self.offsets[name]
+                m[start:start + math.prod(shape)] = 1
+        return self.xp.asarray(m)

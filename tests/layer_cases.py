@@ -1,0 +1,212 @@
+"""Each layer as a test case: its parameters, its inputs, and a slow reference written the obvious way.
+
+A case builder takes (xp, dtype, seed, dims) and returns a Case whose forward()/backward(dy) run
+the layer on the arrays held in the case (so the gradient checker can perturb them in place), and
+whose reference() recomputes the forward in float64 NumPy with plain loops.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minitensor.attention import CausalSelfAttention
+from minitensor.backend import to_numpy
+from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
+from minitensor.gelu import GELU
+from minitensor.layernorm import LayerNorm
+from minitensor.linear import Linear
+from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.params import Params
+
+
+@dataclass
+class Case:
+    layer: object
+    params: Params
+    inputs: dict                       # differentiable inputs by name
+    forward: object                    # () -> y
+    backward: object                   # dy -> {input name: dx}
+    reference: object                  # () -> y in float64, from plain loops
+    out_shape: tuple
+    extra: dict = field(default_factory=dict)
+
+    def param_pairs(self):
+        return {n: (self.params[n], self.params.grad(n)) for n in self.params.names()}
+
+
+def _params(xp, dtype, rng, shapes, scale=1.0):
+    p = Params(shapes, xp=xp, dtype=dtype)
+    for name, view in p.items():
+        view[...] = xp.asarray(rng.standard_normal(view.shape) * scale)
+    return p
+
+
+def _np(a):
+    return to_numpy(a).astype(np.float64)
+
+
+def gelu_scalar(x):
+    return 0.5 * x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def linear_case(xp, dtype, seed, dims):
+    rng = np.random.default_rng(seed)
+    B, T, n_in, n_out = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
+    p = _params(xp, dtype, rng, {"w": (n_in, n_out), "b": (n_out,)})
+    layer = Linear(p["w"], p.grad("w"), p["b"], p.grad("b"))
+    x = xp.asarray(rng.standard_normal((B, T, n_in)), dtype=dtype)
+
+    def reference():
+        xs, W, b = _np(x), _np(p["w"]), _np(p["b"])
+        y = np.zeros((B, T, n_out))
+        for i in np.ndindex(B, T):
+            for j in range(n_out):
+                y[i + (j,)] = sum(xs[i + (k,)] * W[k, j] for k in range(n_in)) + b[j]
+        return y
+
+    return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
+                reference, (B, T, n_out))
+
+
+def layernorm_case(xp, dtype, seed, dims):
+    rng = np.random.default_rng(seed)
+    B, T, C = dims["B"], dims["T"], dims["C"]
+    p = _params(xp, dtype, rng, {"w": (C,), "b": (C,)})
+    layer = LayerNorm(p["w"], p.grad("w"), p["b"], p.grad("b"))
+    # a per-row offset and scale, so the statistics matter; the linspace keeps every row's variance
+    # away from 0, where rstd -> 1/sqrt(eps) amplifies float32 rounding 300-fold (ill-conditioned)
+    x = rng.permuted(np.broadcast_to(np.linspace(-1.5, 1.5, C), (B, T, C)), axis=-1)
+    x = x + 0.3 * rng.standard_normal((B, T, C))
+    x = x * rng.uniform(0.5, 3, (B, T, 1)) + rng.standard_normal((B, T, 1))
+    x = xp.asarray(x, dtype=dtype)
+
+    def reference():
+        xs, w, b = _np(x), _np(p["w"]), _np(p["b"])
+        y = np.zeros_like(xs)
+        for i in np.ndindex(B, T):
+            row = xs[i]
+            mu = sum(row) / C
+            var = sum((r - mu) ** 2 for r in row) / C
+            y[i] = [(r - mu) / math.sqrt(var + 1e-5) * w[j] + b[j] for j, r in enumerate(row)]
+        return y
+
+    return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
+                reference, (B, T, C))
+
+
+def gelu_case(xp, dtype, seed, dims):
+    rng = np.random.default_rng(seed)
+    shape = (dims["B"], dims["T"], dims["C"])
+    layer = GELU()
+    p = Params({}, xp=xp, dtype=dtype)
+    x = xp.asarray(rng.standard_normal(shape) * 2, dtype=dtype)
+
+    def reference():
+        return np.vectorize(gelu_scalar)(_np(x))
+
+    return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
+                reference, shape)
+
+
+def attention_case(xp, dtype, seed, dims):
+    rng = np.random.default_rng(seed)
+    B, T, C, nh = dims["B"], dims["T"], dims["C"], dims["n_head"]
+    shapes = {"c_attn.weight": (C, 3 * C), "c_attn.bias": (3 * C,), "c_proj.weight": (C, C), "c_proj.bias": (C,)}
+    p = _params(xp, dtype, rng, shapes, scale=0.5)
+    c_attn = Linear(p["c_attn.weight"], p.grad("c_attn.weight"), p["c_attn.bias"], p.grad("c_attn.bias"))
+    c_proj = Linear(p["c_proj.weight"], p.grad("c_proj.weight"), p["c_proj.bias"], p.grad("c_proj.bias"))
+    layer = CausalSelfAttention(c_attn, c_proj, nh)
+    x = xp.asarray(rng.standard_normal((B, T, C)), dtype=dtype)
+
+    def reference():
+        xs = _np(x)
+        Wa, ba, Wp, bp = (_np(p[n]) for n in shapes)
+        hs = C // nh
+        y = np.zeros((B, T, C))
+        for b in range(B):
+            qkv = xs[b] @ Wa + ba
+            for h in range(nh):
+                q = qkv[:, h * hs:(h + 1) * hs]
+                k = qkv[:, C + h * hs:C + (h + 1) * hs]
+                v = qkv[:, 2 * C + h * hs:2 * C + (h + 1) * hs]
+                for t in range(T):
+                    scores = [float(q[t] @ k[s]) / math.sqrt(hs) for s in range(t + 1)]
+                    m = max(scores)
+                    w = [math.exp(sc - m) for sc in scores]
+                    y[b, t, h * hs:(h + 1) * hs] = sum(wi * v[s] for s, wi in enumerate(w)) / sum(w)
+            y[b] = y[b] @ Wp + bp
+        return y
+
+    return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
+                reference, (B, T, C))
+
+
+def embedding_case(xp, dtype, seed, dims):
+    """Token plus position embedding; ids drawn from a small vocabulary so they repeat."""
+    rng = np.random.default_rng(seed)
+    B, T, C, V = dims["B"], dims["T"], dims["C"], dims["V"]
+    p = _params(xp, dtype, rng, {"wte": (V, C), "wpe": (T + 2, C)})
+    tok = Embedding(p["wte"], p.grad("wte"))
+    pos = PositionEmbedding(p["wpe"], p.grad("wpe"))
+    idx = xp.asarray(rng.integers(0, V, (B, T)))
+
+    def forward():
+        return tok.forward(idx) + pos.forward(B, T)
+
+    def backward(dy):
+        tok.backward(dy)
+        pos.backward(dy)
+        return {}
+
+    def reference():
+        wte, wpe, ids = _np(p["wte"]), _np(p["wpe"]), to_numpy(idx)
+        return np.array([[wte[ids[b, t]] + wpe[t] for t in range(T)] for b in range(B)])
+
+    return Case(tok, p, {}, forward, backward, reference, (B, T, C), {"idx": idx, "pos": pos})
+
+
+def head_case(xp, dtype, seed, dims):
+    rng = np.random.default_rng(seed)
+    B, T, C, V = dims["B"], dims["T"], dims["C"], dims["V"]
+    p = _params(xp, dtype, rng, {"wte": (V, C)})
+    layer = TiedHead(p["wte"], p.grad("wte"))
+    x = xp.asarray(rng.standard_normal((B, T, C)), dtype=dtype)
+
+    def reference():
+        xs, W = _np(x), _np(p["wte"])
+        return np.array([[[xs[b, t] @ W[v] for v in range(V)] for t in range(T)] for b in range(B)])
+
+    return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
+                reference, (B, T, V))
+
+
+def loss_case(xp, dtype, seed, dims):
+    rng = np.random.default_rng(seed)
+    B, T, V = dims["B"], dims["T"], dims["V"]
+    layer = SoftmaxCrossEntropy()
+    p = Params({}, xp=xp, dtype=dtype)
+    logits = xp.asarray(rng.standard_normal((B, T, V)) * 3, dtype=dtype)
+    targets = xp.asarray(rng.integers(0, V, (B, T)))
+
+    def reference():
+        z, t = _np(logits), to_numpy(targets)
+        total = 0.0
+        for i in np.ndindex(B, T):
+            m = max(z[i])
+            total += m + math.log(sum(math.exp(v - m) for v in z[i])) - z[i][t[i]]
+        return np.float64(total / (B * T))
+
+    return Case(layer, p, {"logits": logits}, lambda: layer.forward(logits, targets),
+                lambda dy: {"logits": layer.backward(dy)}, reference, (), {"targets": targets})
+
+
+CASES = {
+    "linear": linear_case,
+    "layernorm": layernorm_case,
+    "gelu": gelu_case,
+    "attention": attention_case,
+    "embedding": embedding_case,
+    "head": head_case,
+    "loss": loss_case,
+}

@@ -1,0 +1,176 @@
+"""Properties the generic checks do not pin down: repeated ids, causality, the loss gradient's rows,
+bad targets, the checker catching a wrong backward, and a small stack checked end to end.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import strategies as S
+from layer_cases import attention_case, embedding_case, linear_case, loss_case
+from minitensor.attention import CausalSelfAttention
+from minitensor.backend import to_numpy
+from minitensor.embedding import Embedding, PositionEmbedding, TiedHead, scatter_add_rows
+from minitensor.gelu import GELU
+from minitensor.gradcheck import check_gradients
+from minitensor.layernorm import LayerNorm
+from minitensor.linear import Linear
+from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.params import Params
+
+examples = settings(max_examples=15, deadline=None)
+
+
+def test_embedding_sums_gradients_of_repeated_ids(xp):
+    case = embedding_case(xp, np.float64, 0, {"B": 2, "T": 3, "C": 4, "V": 5})
+    idx = case.extra["idx"]
+    idx[...] = xp.asarray([[1, 1, 3], [1, 0, 3]])
+    case.forward()
+    dy = xp.asarray(np.arange(24, dtype=np.float64).reshape(2, 3, 4))
+    case.backward(dy)
+    dW = to_numpy(case.params.grad("wte"))
+    d = to_numpy(dy)
+    np.testing.assert_allclose(dW[1], d[0, 0] + d[0, 1] + d[1, 0])
+    np.testing.assert_allclose(dW[3], d[0, 2] + d[1, 2])
+    np.testing.assert_allclose(dW[0], d[1, 1])
+    np.testing.assert_allclose(dW[[2, 4]], 0)
+
+
+@examples
+@given(seed=S.seeds, n=S.time, V=S.vocab, C=S.width)
+def test_scatter_add_equals_add_at(xp, seed, n, V, C):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, V, n)
+    rows = rng.standard_normal((n, C))
+    expected = rng.standard_normal((V, C))
+    dW = xp.asarray(expected.copy())
+    np.add.at(expected, idx, rows)
+    scatter_add_rows(dW, xp.asarray(idx), xp.asarray(rows))
+    np.testing.assert_allclose(to_numpy(dW), expected, rtol=1e-12, atol=1e-12)
+
+
+@examples
+@given(seed=S.seeds, d=S.attention_dims())
+def test_attention_is_causal(xp, seed, d):
+    case = attention_case(xp, np.float64, seed, d)
+    y0 = to_numpy(case.forward()).copy()
+    x = case.inputs["x"]
+    t_changed = int(np.random.default_rng(seed).integers(0, d["T"]))
+    x[:, t_changed:] += 1.0
+    y1 = to_numpy(case.forward())
+    np.testing.assert_array_equal(y1[:, :t_changed], y0[:, :t_changed])
+    assert not np.allclose(y1[:, t_changed:], y0[:, t_changed:])
+
+
+@examples
+@given(seed=S.seeds, B=S.batch, T=S.time, V=S.vocab)
+def test_cross_entropy_gradient_rows_sum_to_zero(xp, seed, B, T, V):
+    case = loss_case(xp, np.float64, seed, {"B": B, "T": T, "V": V})
+    case.forward()
+    dlogits = to_numpy(case.backward(1.0)["logits"])
+    np.testing.assert_allclose(dlogits.sum(axis=-1), 0, atol=1e-15)
+
+
+def test_cross_entropy_is_stable_for_huge_logits(xp):
+    logits = xp.asarray([[1000.0, 0.0, -1000.0]])
+    loss = SoftmaxCrossEntropy().forward(logits, xp.asarray([1]))
+    assert abs(float(loss) - 1000.0) < 1e-9
+
+
+@pytest.mark.parametrize("bad", [-1, 5])
+def test_cross_entropy_refuses_targets_out_of_range(xp, bad):
+    logits = xp.zeros((1, 2, 5))
+    with pytest.raises(ValueError, match=f"target id {bad} is out of range"):
+        SoftmaxCrossEntropy().forward(logits, xp.asarray([[0, bad]]))
+
+
+def test_embedding_refuses_ids_out_of_range(xp):
+    p = Params({"w": (4, 2)}, xp=xp)
+    with pytest.raises(ValueError, match="token id 4 is out of range"):
+        Embedding(p["w"], p.grad("w")).forward(xp.asarray([[0, 4]]))
+
+
+def test_checker_catches_a_wrong_backward(xp):
+    case = linear_case(xp, np.float64, 0, {"B": 2, "T": 3, "n_in": 4, "n_out": 5})
+    layer = case.layer
+    right = layer.backward
+
+    def wrong(dy):
+        dx = right(dy)
+        layer.dW[0, 0] *= 1.001  # one entry off by 0.1%
+        return dx
+
+    dy = xp.asarray(np.random.default_rng(1).standard_normal((2, 3, 5)))
+    case.forward()
+    good = check_gradients(case.forward, lambda g: {"x": right(g)}, case.inputs, case.param_pairs(), dy)
+    case.forward()
+    bad = check_gradients(case.forward, lambda g: {"x": wrong(g)}, case.inputs, case.param_pairs(), dy)
+    assert good.max_rel_error < 1e-8
+    assert bad.max_rel_error > 1e-4
+    assert bad.worst.name == "w" and bad.worst.index == (0, 0)
+
+
+def test_checker_directional_mode_catches_a_wrong_backward(xp):
+    case = linear_case(xp, np.float64, 0, {"B": 2, "T": 3, "n_in": 4, "n_out": 5})
+    right = case.layer.backward
+    dy = xp.asarray(np.random.default_rng(1).standard_normal((2, 3, 5)))
+    case.forward()
+    good = check_gradients(case.forward, lambda g: {"x": right(g)}, case.inputs, case.param_pairs(), dy,
+                           directions=4)
+    case.forward()
+    bad = check_gradients(case.forward, lambda g: {"x": 1.01 * right(g)}, case.inputs, case.param_pairs(), dy,
+                          directions=4)
+    assert good.max_rel_error < 1e-8 and good.checked["x"] == 4
+    assert bad.max_rel_error > 1e-3 and bad.worst.name == "x"
+
+
+def test_backward_without_forward_raises(xp):
+    with pytest.raises(RuntimeError, match="without a forward"):
+        GELU().backward(xp.ones(3))
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=S.seeds, d=S.attention_dims(), V=S.vocab)
+def test_small_stack_end_to_end(xp, seed, d, V):
+    """embedding + position + one pre-norm block + final norm + tied head + loss, every parameter."""
+    rng = np.random.default_rng(seed)
+    B, T, C, nh = d["B"], d["T"], d["C"], d["n_head"]
+    shapes = {"wte": (V, C), "wpe": (T, C), "ln1.w": (C,), "ln1.b": (C,), "attn.w": (C, 3 * C),
+              "attn.b": (3 * C,), "proj.w": (C, C), "proj.b": (C,), "ln2.w": (C,), "ln2.b": (C,),
+              "fc.w": (C, 4 * C), "fc.b": (4 * C,), "fcp.w": (4 * C, C), "fcp.b": (C,), "lnf.w": (C,), "lnf.b": (C,)}
+    p = Params(shapes, xp=xp, dtype=np.float64)
+    for name, view in p.items():
+        base = 1.0 if name.endswith(".w") and name.startswith("ln") else 0.0
+        view[...] = xp.asarray(base + 0.3 * rng.standard_normal(view.shape))
+
+    def lin(n):
+        return Linear(p[n + ".w"], p.grad(n + ".w"), p[n + ".b"], p.grad(n + ".b"))
+
+    def ln(n):
+        return LayerNorm(p[n + ".w"], p.grad(n + ".w"), p[n + ".b"], p.grad(n + ".b"))
+
+    wte, wpe = Embedding(p["wte"], p.grad("wte")), PositionEmbedding(p["wpe"], p.grad("wpe"))
+    ln1, attn, ln2, fc, gelu, fcp, lnf = ln("ln1"), CausalSelfAttention(lin("attn"), lin("proj"), nh), \
+        ln("ln2"), lin("fc"), GELU(), lin("fcp"), ln("lnf")
+    head, loss = TiedHead(p["wte"], p.grad("wte")), SoftmaxCrossEntropy()
+    idx = xp.asarray(rng.integers(0, V, (B, T)))
+    targets = xp.asarray(rng.integers(0, V, (B, T)))
+
+    def forward():
+        x = wte.forward(idx) + wpe.forward(B, T)
+        x = x + attn.forward(ln1.forward(x))
+        x = x + fcp.forward(gelu.forward(fc.forward(ln2.forward(x))))
+        return loss.forward(head.forward(lnf.forward(x)), targets)
+
+    def backward(dloss):
+        dx = lnf.backward(head.backward(loss.backward(dloss)))
+        dx = dx + ln2.backward(fc.backward(gelu.backward(fcp.backward(dx))))
+        dx = dx + ln1.backward(attn.backward(dx))
+        wte.backward(dx)
+        wpe.backward(dx)
+        return {}
+
+    forward()
+    pairs = {n: (p[n], p.grad(n)) for n in p.names()}
+    report = check_gradients(forward, backward, {}, pairs, 1.0)
+    assert report.max_rel_error <= 1e-6, report

@@ -1,0 +1,88 @@
+"""Every layer: forward against a slow reference, gradients against finite differences in float64,
+accumulation, the dropped cache, and float32 against float64. Shapes and seeds come from hypothesis.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import strategies as S
+from layer_cases import CASES
+from minitensor.backend import to_numpy
+from minitensor.gradcheck import check_gradients
+
+
+@st.composite
+def dims(draw):
+    d = draw(S.attention_dims())
+    d.update(n_in=draw(S.width), n_out=draw(S.width), V=draw(S.vocab))
+    return d
+
+
+def upstream(case, xp, dtype, seed):
+    rng = np.random.default_rng(seed + 1)
+    if case.out_shape == ():
+        return float(rng.uniform(0.5, 2.0))
+    return xp.asarray(rng.standard_normal(case.out_shape), dtype=dtype)
+
+
+names = pytest.mark.parametrize("name", sorted(CASES))
+examples = settings(max_examples=12, deadline=None)
+
+
+@names
+@examples
+@given(seed=S.seeds, d=dims())
+def test_forward_matches_reference(xp, name, seed, d):
+    case = CASES[name](xp, np.float64, seed, d)
+    y = to_numpy(case.forward())
+    np.testing.assert_allclose(y, case.reference(), rtol=1e-10, atol=1e-12)
+
+
+@names
+@examples
+@given(seed=S.seeds, d=dims())
+def test_gradients_match_finite_differences(xp, name, seed, d):
+    case = CASES[name](xp, np.float64, seed, d)
+    dy = upstream(case, xp, np.float64, seed)
+    case.forward()
+    report = check_gradients(case.forward, case.backward, case.inputs, case.param_pairs(), dy)
+    assert report.max_rel_error <= 1e-6, report
+    assert set(report.checked) == set(case.inputs) | set(case.params.names())
+
+
+@names
+@examples
+@given(seed=S.seeds, d=dims())
+def test_backward_accumulates_and_drops_cache(xp, name, seed, d):
+    case = CASES[name](xp, np.float64, seed, d)
+    dy = upstream(case, xp, np.float64, seed)
+    case.forward()
+    once_inputs = {k: to_numpy(v).copy() for k, v in case.backward(dy).items()}
+    once = to_numpy(case.params.grads).copy()
+    with pytest.raises(RuntimeError, match="without a forward"):
+        case.backward(dy)
+    case.forward()
+    twice_inputs = case.backward(dy)
+    np.testing.assert_allclose(to_numpy(case.params.grads), 2 * once, rtol=1e-12, atol=1e-14)
+    for k, v in twice_inputs.items():  # input gradients are returned, not accumulated
+        np.testing.assert_allclose(to_numpy(v), once_inputs[k], rtol=1e-12, atol=1e-14)
+
+
+@names
+@examples
+@given(seed=S.seeds, d=dims())
+def test_float32_agrees_with_float64(xp, name, seed, d):
+    results = {}
+    for dtype in (np.float32, np.float64):
+        case = CASES[name](xp, dtype, seed, d)
+        y = case.forward()
+        assert y.dtype == dtype
+        grads = case.backward(upstream(case, xp, dtype, seed))
+        results[dtype] = [to_numpy(y)] + [to_numpy(g) for g in grads.values()] + [to_numpy(case.params.grads)]
+    for a32, a64 in zip(results[np.float32], results[np.float64]):
+        # float32 keeps ~7 digits of the O(1) inputs; a result that cancels to near 0 keeps that
+        # absolute error, so the tolerance is absolute at the scale of max(result, 1)
+        scale = max(float(np.abs(a64).max(initial=0.0)), 1.0)
+        np.testing.assert_allclose(a32, a64, rtol=1e-4, atol=1e-5 * scale)
