@@ -1,0 +1,511 @@
+"""The CUDA kernels of the project, each beside the NumPy formula it must equal, and their checks.
+
+GELU, the tanh approximation (SPEC 1), elementwise over any shape, float32 or float64:
+
+    y  = 0.5 x (1 + tanh(u)),   u = sqrt(2/pi) (x + 0.044715 x^3)
+    dx = dy (0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
+
+(Hendrycks & Gimpel 2016, "Gaussian Error Linear Units"; the form GPT-2 uses.) `gelu_forward`
+and `gelu_backward` take NumPy or CuPy arrays: NumPy runs the formula in place over cache-sized
+chunks, CuPy runs the ElementwiseKernels 'gelu_fwd' and 'gelu_bwd' (type placeholder `T`, so
+float64 works on the GPU too). `gelu_*_reference` are the formulas written plainly, for tests.
+
+`KERNELS` registers every CUDA kernel of the project. A spec holds what CuPy needs to build the
+kernel (built lazily, once) and can produce the exact source NVRTC compiles for a dtype, which
+makes two checks possible without a GPU:
+
+    python -m minitensor.kernels --check       NVRTC compiles every kernel x dtype x arch
+    python -m minitensor.kernels --host-check  g++ runs each elementwise operation on the CPU
+                                               and compares it with its NumPy formula
+
+The compile check uses CuPy private APIs (SPEC 5), so CuPy's minor version is pinned by the
+`kernel-check` extra. Importing this module costs nothing: CuPy is imported only by the
+functions that need it.
+"""
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU needed)"
+DTYPES = ("float32", "float64")
+ARCHS = ("sm_80", "sm_90")
+_CHUNK = 65536  # elements per NumPy pass, so a chunk's operands stay in cache: 1.3-1.6x faster on 4-12 MB
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementwiseSpec:
+    """A `cupy.ElementwiseKernel`, described without CuPy.
+
+    `reference(**inputs)` is the NumPy formula the kernel must equal (one output array, or a
+    tuple for several). `scalars` names the in-params passed as host scalars, each with a sample
+    value for the host check; every other param is an array. Only the type placeholder `T`.
+    """
+
+    name: str
+    in_params: str
+    out_params: str
+    operation: str
+    reference: Callable = dataclasses.field(compare=False)
+    preamble: str = ""
+    options: tuple = ()
+    scalars: tuple = ()  # ((name, sample value), ...)
+
+    def kernel(self, dtype=None):
+        """The CuPy kernel; one object serves every dtype."""
+        return _elementwise_kernel(self)
+
+    def source(self, dtype):
+        """The exact source CuPy hands NVRTC for contiguous arguments of `dtype`."""
+        return _elementwise_source(self, np.dtype(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class RawSpec:
+    """A `cupy.RawKernel` whose code is written against the type name `T` (one build per dtype)."""
+
+    name: str
+    code: str
+    options: tuple = ()
+
+    def kernel(self, dtype):
+        return _raw_kernel(self, np.dtype(dtype))
+
+    def source(self, dtype):
+        return f"typedef {_C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
+
+
+# name -> spec, for every CUDA kernel in the project. A spec has `name`, `options` (passed to
+# NVRTC before CuPy's own), `source(dtype)` (the exact source NVRTC compiles) and `kernel(dtype)`
+# (the CuPy kernel, built once); a ReductionKernel spec would add its generated source likewise.
+KERNELS = {}
+_C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}
+
+
+def register(spec):
+    if spec.name in KERNELS:
+        raise ValueError(f"a kernel named {spec.name!r} is already registered")
+    KERNELS[spec.name] = spec
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# GELU
+
+_C = math.sqrt(2.0 / math.pi)
+_A = 0.044715
+_AC = _A * _C  # u = x (AC x^2 + C)
+_AC3 = 3.0 * _A * _C  # du/dx = AC3 x^2 + C
+
+
+def gelu_forward_reference(x):
+    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3))
+    return 0.5 * x * (1.0 + t)
+
+
+def gelu_backward_reference(x, dy):
+    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3))
+    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t**2) * np.sqrt(2.0 / np.pi) * (1.0 + 3.0 * 0.044715 * x**2))
+
+
+# The kernels and the NumPy blocks below compute the same factored form, in the same order:
+#   t = tanh(x (AC x^2 + C)),  y = x * (0.5 (1 + t))
+#   g = x (AC3 x^2 + C),       dx = dy * ((1 + (1 - t) g) * (1 - 0.5 (1 - t)))
+# using 1 - t^2 = (1 - t)(1 + t), so dGELU = 0.5 (1 + t) (1 + (1 - t) g).
+
+GELU_FWD = register(ElementwiseSpec(
+    "gelu_fwd", "T x", "T y",
+    f"const T t = tanh(x * ((T){_AC!r} * x * x + (T){_C!r}));\n"
+    "y = x * ((T)0.5 * ((T)1 + t));",
+    reference=gelu_forward_reference,
+))
+
+GELU_BWD = register(ElementwiseSpec(
+    "gelu_bwd", "T x, T dy", "T dx",
+    "const T x2 = x * x;\n"
+    f"const T s = (T)1 - tanh(x * ((T){_AC!r} * x2 + (T){_C!r}));\n"
+    f"const T g = x * ((T){_AC3!r} * x2 + (T){_C!r});\n"
+    "dx = dy * (((T)1 + s * g) * ((T)1 - (T)0.5 * s));",
+    reference=gelu_backward_reference,
+))
+
+
+def gelu_forward(x, out=None):
+    """GELU of x (NumPy or CuPy, float32/float64, any shape), into `out` if given; returns y."""
+    _check_operands("gelu_forward", x, out)
+    if isinstance(x, np.ndarray):
+        out = np.empty_like(x) if out is None else out
+        x = _unaliased(x, out)
+        for x_, y_, w in _blocks((x, out), n_work=1):
+            _gelu_fwd_block(x_, y_, w)
+        return out
+    kern = GELU_FWD.kernel()
+    return kern(x) if out is None else kern(x, out)
+
+
+def gelu_backward(x, dy, out=None):
+    """dL/dx from the forward input x and dy = dL/dy, into `out` if given; returns dx."""
+    _check_operands("gelu_backward", x, out, dy)
+    if isinstance(x, np.ndarray):
+        out = np.empty_like(x) if out is None else out
+        x, dy = _unaliased(x, out), _unaliased(dy, out)
+        for x_, dy_, dx_, w1, w2 in _blocks((x, dy, out), n_work=2):
+            _gelu_bwd_block(x_, dy_, dx_, w1, w2)
+        return out
+    kern = GELU_BWD.kernel()
+    return kern(x, dy) if out is None else kern(x, dy, out)
+
+
+def _gelu_fwd_block(x, y, w):
+    np.multiply(x, x, out=w)
+    w *= _AC
+    w += _C
+    w *= x
+    np.tanh(w, out=w)
+    w += 1.0
+    w *= 0.5
+    np.multiply(x, w, out=y)  # y is written last: it may be x itself
+
+
+def _gelu_bwd_block(x, dy, dx, g, s):
+    np.multiply(x, x, out=g)
+    np.multiply(g, _AC, out=s)
+    s += _C
+    s *= x
+    np.tanh(s, out=s)
+    np.subtract(1.0, s, out=s)  # s = 1 - t
+    g *= _AC3
+    g += _C
+    g *= x
+    g *= s
+    g += 1.0  # 1 + (1 - t) g
+    s *= -0.5
+    s += 1.0  # 0.5 (1 + t)
+    g *= s
+    np.multiply(g, dy, out=dx)  # dx is written last: it may be x or dy itself
+
+
+def _check_operands(fn, x, out, dy=None):
+    dtype = getattr(x, "dtype", None)
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"{fn}: x must be a float32 or float64 NumPy/CuPy array, got {type(x).__name__}"
+                        + (f" of {dtype}" if dtype is not None else ""))
+    if not isinstance(x, np.ndarray) and type(x).__module__.split(".")[0] != "cupy":
+        raise TypeError(f"{fn}: x must be a NumPy or CuPy array, got {type(x).__name__}")
+    for name, a in (("dy", dy), ("out", out)):
+        if a is not None and (type(a) is not type(x) or a.shape != x.shape or a.dtype != x.dtype):
+            raise ValueError(f"{fn}: {name} must be a {type(x).__name__} of shape {x.shape} and dtype "
+                             f"{x.dtype}, like x; got {type(a).__name__} {getattr(a, 'shape', '')} "
+                             f"{getattr(a, 'dtype', '')}")
+
+
+def _unaliased(a, out):
+    """`a`, or a copy of it if it partly overlaps `out` (an exact alias is fine elementwise)."""
+    same = (a.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+            and a.strides == out.strides)
+    return a.copy() if not same and np.may_share_memory(a, out) else a
+
+
+def _blocks(arrays, n_work):
+    """Yields matching pieces of same-shape arrays followed by `n_work` work buffers of that shape:
+    _CHUNK-element slices when all are C-contiguous, else the whole arrays in one piece."""
+    size, dtype = arrays[0].size, arrays[0].dtype
+    if size > _CHUNK and all(a.flags.c_contiguous for a in arrays):
+        flat = [a.reshape(-1) for a in arrays]
+        work = [np.empty(_CHUNK, dtype) for _ in range(n_work)]
+        for start in range(0, size, _CHUNK):
+            stop = min(start + _CHUNK, size)
+            yield [f[start:stop] for f in flat] + [w[: stop - start] for w in work]
+    else:
+        yield list(arrays) + [np.empty(arrays[0].shape, dtype) for _ in range(n_work)]
+
+
+# ---------------------------------------------------------------------------------------------
+# CuPy: lazy builds and exact sources
+
+
+class ToolchainMissing(ImportError):
+    """CuPy (with NVRTC) is not importable here; the message says how to install it."""
+
+
+@functools.cache
+def _toolchain():
+    """CuPy's modules that the builds and the compile check use, with NVRTC proven loadable."""
+    try:
+        import cupy
+        from cupy._core import _carray, _kernel, _scalar, core
+        from cupy.cuda import compiler
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc_version = nvrtc.getVersion()  # loads libnvrtc: fails here if it is missing
+    except Exception as e:
+        raise ToolchainMissing(f"CuPy with NVRTC is not importable ({type(e).__name__}: {e}); "
+                               f"install it with: {INSTALL_HINT}") from e
+    return argparse.Namespace(cupy=cupy, carray=_carray, kernel=_kernel, scalar=_scalar, core=core,
+                              compiler=compiler, nvrtc_version=nvrtc_version)
+
+
+@functools.cache
+def _elementwise_kernel(spec):
+    import cupy
+
+    return cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name,
+                                  preamble=spec.preamble, options=spec.options)
+
+
+@functools.cache
+def _raw_kernel(spec, dtype):
+    import cupy
+
+    return cupy.RawKernel(spec.source(dtype), spec.name, options=spec.options)
+
+
+# Values of CuPy's `_ArgKind` enum (cupy/_core/_kernel.pxd), not exported to Python.
+_ARG_NDARRAY, _ARG_INDEXER, _ARG_SCALAR = 1, 2, 3
+
+
+def _elementwise_source(spec, dtype):
+    """Rebuilds what `ElementwiseKernel.__call__` compiles for C-contiguous arrays of fewer than
+    2**31 elements (reduced to 1-D, 32-bit indexing), and what `compile_with_cache` prepends."""
+    tc = _toolchain()
+    kern = spec.kernel()
+    scalars = {name for name, _ in spec.scalars}
+    in_dtypes = tuple(None if p.name in scalars else p.dtype or dtype for p in kern.in_params)
+    in_types, out_types, type_map = kern._decide_params_type(in_dtypes, ())
+
+    def arg(p, t):
+        if p.name in scalars:
+            return tc.kernel._ArgInfo(_ARG_SCALAR, tc.scalar.CScalar, t, 0, True, True)
+        return tc.kernel._ArgInfo(_ARG_NDARRAY, tc.cupy.ndarray, t, 1, True, True)
+
+    arginfos = tuple(arg(p, t) for p, t in zip(kern.in_params + kern.out_params, in_types + out_types))
+    arginfos += (tc.kernel._ArgInfo(_ARG_INDEXER, tc.carray.Indexer, None, 1, True, True),)
+    code = tc.kernel._get_elementwise_kernel_code(arginfos, type_map, kern.params, kern.operation,
+                                                  kern.name, kern.preamble, **kern.kwargs)
+    if f"void {spec.name}(" not in code or "CIndexer<1, 1> _ind" not in code:
+        raise RuntimeError(f"CuPy {tc.cupy.__version__} generated unexpected code for {spec.name}: its "
+                           f"private kernel-code API changed; {INSTALL_HINT}")
+    header = "".join(f"#include <{h}>\n" for h in tc.core._cupy_header_list)
+    return header + code
+
+
+# ---------------------------------------------------------------------------------------------
+# The compile check: NVRTC, as CuPy calls it, for an arch given rather than queried from a GPU
+
+
+@dataclasses.dataclass
+class CheckResult:
+    name: str
+    dtype: str
+    arch: str
+    seconds: float
+    error: str = ""  # the first error line; empty when it compiled
+
+    @property
+    def ok(self):
+        return not self.error
+
+    def line(self, width=0):
+        status = "ok  " if self.ok else "FAIL"
+        text = f"{status} {self.name:<{width}} {self.dtype} {self.arch}  ({self.seconds:.2f} s)"
+        return text + (f"  {self.error}" if self.error else "")
+
+
+def compile_source(source, name, options=(), arch="sm_90"):
+    """NVRTC-compiles `source` to a cubin with the options CuPy would use; returns the cubin.
+    Raises cupy.cuda.compiler.CompileException with NVRTC's log on an error."""
+    tc = _toolchain()
+    opts = tc.core.assemble_cupy_compiler_options(tuple(options))
+    opts += ("-ftz=true", f"-arch={arch}", "--device-as-default-execution-space")
+    cubin, _ = tc.compiler._NVRTCProgram(source, f"{name}.cu", method="cubin").compile(opts)
+    return cubin
+
+
+def check_kernels(specs=None, dtypes=DTYPES, archs=ARCHS):
+    """Compiles every spec x dtype x arch; yields a CheckResult for each as it finishes."""
+    tc = _toolchain()
+    for spec in KERNELS.values() if specs is None else specs:
+        for dtype in dtypes:
+            for arch in archs:
+                start = time.perf_counter()
+                try:
+                    compile_source(spec.source(dtype), spec.name, spec.options, arch)
+                    error = ""
+                except (tc.compiler.CompileException, RuntimeError) as e:
+                    error = _first_error_line(e)
+                yield CheckResult(spec.name, dtype, arch, time.perf_counter() - start, error)
+
+
+def _first_error_line(e):
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or [type(e).__name__])[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The host check: an elementwise operation compiled as plain C++ and compared with its formula
+
+_HOST_PRELUDE = """#include <math.h>  /* in C++, also the float overloads: tanh(float) stays float */
+#include <stdio.h>
+#include <stdlib.h>
+template <class U> U rsqrt(U v) { return U(1) / sqrt(v); }
+"""
+
+
+@dataclasses.dataclass
+class HostCheckResult:
+    name: str
+    dtype: str
+    worst: float  # max over elements of |kernel - formula| / tolerance: <= 1 passes
+
+    @property
+    def ok(self):
+        return self.worst <= 1.0
+
+    def line(self, width=0):
+        status = "ok  " if self.ok else "FAIL"
+        return f"{status} {self.name:<{width}} {self.dtype}  worst error {self.worst:.3g} x tolerance"
+
+
+def host_check(spec, dtype, n=4096, seed=0):
+    """Runs `spec.operation` as C++ (T = float or double) over sample inputs and compares it with
+    `spec.reference` in float64, elementwise: |got - want| <= rtol (1 + |want|) prod(1 + |input|),
+    rtol 1e-12 for float64, 16 float32 epsilons for float32."""
+    dtype = np.dtype(dtype)
+    ins, outs = _parse_params(spec.in_params), _parse_params(spec.out_params)
+    scalars = dict(spec.scalars)
+    arrays = {name: _sample(np.random.default_rng([seed, i]), n, _param_dtype(t, dtype))
+              for i, (_, t, name) in enumerate(ins) if name not in scalars}
+    program = _host_program(spec, dtype, ins, outs, scalars)
+    blob = b"".join(arrays[name].tobytes() for _, _, name in ins if name in arrays)
+    raw = _run_host_program(program, n, blob)
+    got, offset = [], 0
+    for _, t, _ in outs:
+        dt = _param_dtype(t, dtype)
+        got.append(np.frombuffer(raw, dt, n, offset).astype(np.float64))
+        offset += n * dt.itemsize
+    want = spec.reference(**{k: v.astype(np.float64) for k, v in arrays.items()},
+                         **{k: float(v) for k, v in scalars.items()})
+    want = want if isinstance(want, tuple) else (want,)
+    rtol = 1e-12 if dtype == np.float64 else 16 * float(np.finfo(np.float32).eps)
+    scale = np.prod([1.0 + np.abs(a.astype(np.float64)) for a in arrays.values()], axis=0)
+    worst = max(float(np.max(np.abs(g - w) / (rtol * (1.0 + np.abs(w)) * scale))) for g, w in zip(got, want))
+    return HostCheckResult(spec.name, dtype.name, worst if np.isfinite(worst) else math.inf)
+
+
+def _parse_params(params):
+    """'T x, raw T y' -> [(raw, type, name), ...]"""
+    parsed = []
+    for p in params.split(","):
+        *mods, t, name = p.split()
+        parsed.append(("raw" in mods, t, name))
+    return parsed
+
+
+def _param_dtype(t, dtype):
+    return dtype if t == "T" else np.dtype(t)
+
+
+def _sample(rng, n, dtype):
+    special = np.array([0.0, 1e-3, -1e-3, 1.0, -1.0, 5.0, -5.0, 12.0, -12.0])
+    values = np.concatenate([special, 3.0 * rng.standard_normal(n)])[:n]
+    return values.astype(dtype)
+
+
+def _host_program(spec, dtype, ins, outs, scalars):
+    def c(t):
+        return "T" if t == "T" else _C_TYPES[np.dtype(t).name]
+
+    decl, read, bind, write = [], [], [], []
+    for raw, t, name in ins:
+        if name in scalars:
+            decl.append(f"const {c(t)} {name} = ({c(t)}){scalars[name]!r};")
+            continue
+        decl.append(f"{c(t)} *_raw_{name} = ({c(t)} *)malloc(n * sizeof({c(t)}));")
+        read.append(f"if (fread(_raw_{name}, sizeof({c(t)}), n, stdin) != (size_t)n) return 1;")
+        bind.append(f"const {c(t)} *{name} = _raw_{name};" if raw else f"const {c(t)} &{name} = _raw_{name}[i];")
+    for raw, t, name in outs:
+        decl.append(f"{c(t)} *_raw_{name} = ({c(t)} *)malloc(n * sizeof({c(t)}));")
+        write.append(f"fwrite(_raw_{name}, sizeof({c(t)}), n, stdout);")
+        bind.append(f"{c(t)} *{name} = _raw_{name};" if raw else f"{c(t)} &{name} = _raw_{name}[i];")
+    body = "\n".join([*decl, *read, "for (long i = 0; i < n; ++i) {", *bind, spec.operation + ";", "}", *write])
+    return (f"{_HOST_PRELUDE}typedef {_C_TYPES[dtype.name]} T;\n{spec.preamble}\n"
+            f"int main(int argc, char **argv) {{\nconst long n = atol(argv[1]);\n{body}\nreturn 0;\n}}\n")
+
+
+def _run_host_program(program, n, stdin_bytes):
+    cxx = os.environ.get("CXX") or shutil.which("g++")
+    if not cxx:
+        raise FileNotFoundError("the host check needs a C++ compiler: install g++ or set CXX")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, "op.cpp"), os.path.join(tmp, "op")
+        with open(src, "w") as f:
+            f.write(program)
+        built = subprocess.run([cxx, "-O1", "-std=c++17", src, "-o", exe], capture_output=True, text=True,
+                               check=False)
+        if built.returncode:
+            raise RuntimeError(f"the operation does not compile as C++:\n{built.stderr}\n{program}")
+        ran = subprocess.run([exe, str(n)], input=stdin_bytes, capture_output=True, check=True)
+    return ran.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m minitensor.kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="NVRTC-compile every kernel (no GPU needed)")
+    parser.add_argument("--host-check", action="store_true", help="run elementwise operations as C++ vs NumPy")
+    parser.add_argument("--arch", nargs="+", default=list(ARCHS), help="GPU archs to compile for (sm_XX)")
+    args = parser.parse_args(argv)
+    if not (args.check or args.host_check):
+        print("kernels:", ", ".join(KERNELS))
+        parser.print_usage()
+        return 0
+    width = max(map(len, KERNELS), default=0)
+    failed = 0
+    if args.host_check:
+        for spec in (s for s in KERNELS.values() if isinstance(s, ElementwiseSpec)):
+            for dtype in DTYPES:
+                result = host_check(spec, dtype)
+                failed += not result.ok
+                print(result.line(width), flush=True)
+    if args.check:
+        try:
+            tc = _toolchain()
+        except ToolchainMissing as e:
+            print(f"cannot run the compile check: {e}")
+            return 2
+        start, count = time.perf_counter(), 0
+        for result in check_kernels(archs=args.arch):
+            count += 1
+            failed += not result.ok
+            print(result.line(width), flush=True)
+        nvrtc = ".".join(map(str, tc.nvrtc_version))
+        print(f"{count} compiled in {time.perf_counter() - start:.1f} s with NVRTC {nvrtc}, "
+              f"CuPy {tc.cupy.__version__}")
+    print(f"{failed} failed" if failed else "all passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    # Run the registry of the imported module, where kernels defined elsewhere register too,
+    # rather than this __main__ copy of it.
+    from minitensor.kernels import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,253 @@
+"""The kernels module: NumPy GELU against its plain formula and finite differences, the NVRTC
+compile check (and that it can fail), the host C++ check of each elementwise operation, and, on
+a GPU, the CuPy kernels against NumPy."""
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import strategies as S
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from minitensor import backend, kernels
+from minitensor.kernels import gelu_backward, gelu_backward_reference, gelu_forward, gelu_forward_reference
+
+DTYPES = [np.float32, np.float64]
+shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=9)
+chunks = st.sampled_from([1, 7, 64, kernels._CHUNK])  # small chunks exercise the chunk edges
+
+
+def assert_close(got, want, *inputs):
+    """The host check's rule: |got - want| <= rtol (1 + |want|) prod(1 + |input|)."""
+    rtol = 1e-12 if got.dtype == np.float64 else 16 * np.finfo(np.float32).eps
+    scale = np.prod([1.0 + np.abs(np.asarray(a, np.float64)) for a in inputs], axis=0)
+    err = np.abs(got.astype(np.float64) - want) / (rtol * (1.0 + np.abs(want)) * scale)
+    assert got.shape == np.shape(want)
+    assert err.size == 0 or err.max() <= 1.0, f"worst error {err.max():.3g} x tolerance"
+
+
+def sample(seed, shape, dtype, scale=3.0):
+    return np.asarray(scale * np.random.default_rng(seed).standard_normal(shape), dtype)  # 0-d stays an array
+
+
+toolchain_reason = None
+try:
+    kernels._toolchain()
+except kernels.ToolchainMissing as e:
+    toolchain_reason = str(e)
+needs_nvrtc = pytest.mark.skipif(toolchain_reason is not None, reason=str(toolchain_reason))
+needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the host check")
+
+
+# --- NumPy GELU ----------------------------------------------------------------------------------
+
+
+@settings(deadline=None)
+@given(shape=shapes, seed=S.seeds, dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.1, 1.0, 4.0]),
+       use_out=st.booleans(), chunk=chunks)
+def test_gelu_forward_matches_formula(shape, seed, dtype, scale, use_out, chunk):
+    x = sample(seed, shape, dtype, scale)
+    out = np.full_like(x, np.nan) if use_out else None
+    with mock.patch.object(kernels, "_CHUNK", chunk):
+        y = gelu_forward(x, out=out)
+    assert y.dtype == dtype and (out is None or y is out)
+    assert_close(y, gelu_forward_reference(x.astype(np.float64)), x)
+
+
+@settings(deadline=None)
+@given(shape=shapes, seed=S.seeds, dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.1, 1.0, 4.0]),
+       use_out=st.booleans(), chunk=chunks)
+def test_gelu_backward_matches_formula(shape, seed, dtype, scale, use_out, chunk):
+    x, dy = sample(seed, shape, dtype, scale), sample(seed + 1, shape, dtype, 1.0)
+    out = np.full_like(x, np.nan) if use_out else None
+    with mock.patch.object(kernels, "_CHUNK", chunk):
+        dx = gelu_backward(x, dy, out=out)
+    assert dx.dtype == dtype and (out is None or dx is out)
+    assert_close(dx, gelu_backward_reference(x.astype(np.float64), dy.astype(np.float64)), x, dy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_large_odd_size_in_chunks(dtype):
+    n = 2 * kernels._CHUNK + 13
+    x, dy = sample(0, n, dtype), sample(1, n, dtype)
+    assert_close(gelu_forward(x), gelu_forward_reference(x.astype(np.float64)), x)
+    assert_close(gelu_backward(x, dy), gelu_backward_reference(x.astype(np.float64), dy.astype(np.float64)),
+                 x, dy)
+
+
+def test_gelu_strided_and_aliased_operands():
+    base = sample(2, (6, 10), np.float64)
+    x, dy = base[:, ::2], sample(3, (6, 5), np.float64)  # non-contiguous
+    y_ref, dx_ref = gelu_forward_reference(x), gelu_backward_reference(x, dy)
+    assert_close(gelu_forward(x), y_ref, x)
+    out = np.empty((6, 10))[:, 1::2]  # a non-contiguous out
+    assert gelu_forward(x, out=out) is out
+    assert_close(out, y_ref, x)
+    for alias in ("x", "dy"):  # dx written over one of its inputs
+        xa, dya = x.copy(), dy.copy()
+        dx = gelu_backward(xa, dya, out=xa if alias == "x" else dya)
+        assert_close(dx, dx_ref, x, dy)
+    xa = x.copy()
+    assert_close(gelu_forward(xa, out=xa), y_ref, x)
+    flat = sample(4, 40, np.float64)  # out overlaps x shifted by one element
+    x = flat[1:31].copy()
+    assert_close(gelu_forward(flat[1:31], out=flat[0:30]), gelu_forward_reference(x), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_keeps_extremes_finite(dtype):
+    x = np.array([0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 1e4, -1e4], dtype)
+    y, dx = gelu_forward(x), gelu_backward(x, np.ones_like(x))
+    np.testing.assert_allclose(y, [0, 0, 5e-31, -5e-31, 30, 0, 1e4, 0], rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(dx, [0.5, 0.5, 0.5, 0.5, 1, 0, 1, 0], rtol=1e-6)
+
+
+def test_gelu_derivative_matches_central_differences():
+    x = np.concatenate([np.linspace(-6, 6, 241), sample(5, 200, np.float64)])
+    h = 1e-5
+    numeric = (gelu_forward(x + h) - gelu_forward(x - h)) / (2 * h)
+    np.testing.assert_allclose(gelu_backward(x, np.ones_like(x)), numeric, rtol=1e-8, atol=1e-9)
+    dy = sample(6, x.shape, np.float64)
+    np.testing.assert_allclose(gelu_backward(x, dy), dy * numeric, rtol=1e-8, atol=1e-8)
+
+
+def test_gelu_is_the_tanh_form_not_erf():
+    x = np.array([-3.0, -1.0, 0.5, 2.0])
+    from math import erf
+
+    exact = np.array([0.5 * v * (1 + erf(v / np.sqrt(2))) for v in x])
+    assert 1e-5 < np.max(np.abs(gelu_forward(x) - exact)) < 5e-4
+
+
+def test_gelu_rejects_bad_operands():
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        gelu_forward(np.ones(3, np.int64))
+    with pytest.raises(TypeError, match="float32 or float64"):
+        gelu_forward([1.0, 2.0])
+    with pytest.raises(ValueError, match="out must be"):
+        gelu_forward(x, out=np.empty((3, 2), np.float32))
+    with pytest.raises(ValueError, match="dy must be"):
+        gelu_backward(x, np.ones((2, 3), np.float64))
+
+
+def test_import_needs_no_cupy():
+    code = "import sys, minitensor.kernels; assert 'cupy' not in sys.modules, 'cupy imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+# --- The NVRTC compile check ---------------------------------------------------------------------
+
+
+@needs_nvrtc
+def test_every_kernel_compiles_with_nvrtc():
+    results = list(kernels.check_kernels())
+    assert len(results) == len(kernels.KERNELS) * len(kernels.DTYPES) * len(kernels.ARCHS)
+    assert [r.line() for r in results if not r.ok] == []
+
+
+@needs_nvrtc
+def test_check_fails_on_what_nvrtc_rejects(monkeypatch, capsys):
+    # nvcc accepts INFINITY; NVRTC, which CuPy uses, does not (SPEC 5).
+    broken = kernels.ElementwiseSpec("broken", "T x", "T y", "y = x < 0 ? -INFINITY : x",
+                                     reference=lambda x: x)
+    monkeypatch.setattr(kernels, "KERNELS", {"broken": broken})
+    assert kernels.main(["--check", "--arch", "sm_90"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL broken float32 sm_90" in out and "INFINITY" in out
+    syntax = kernels.RawSpec("syntax", 'extern "C" __global__ void syntax(T *y) { y[0] = ; }')
+    [result] = kernels.check_kernels([syntax], dtypes=["float64"], archs=["sm_80"])
+    assert not result.ok and "error" in result.error
+
+
+@needs_nvrtc
+def test_raw_kernels_register_with_their_source():
+    raw = kernels.RawSpec("scale", 'extern "C" __global__ void scale(T *y, T a, int n) {\n'
+                                   "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+                                   "  if (i < n) y[i] *= a;\n}\n")
+    assert raw.source("float32").startswith("typedef float T;")
+    assert all(r.ok for r in kernels.check_kernels([raw], archs=["sm_90"]))
+
+
+@needs_nvrtc
+def test_elementwise_source_is_what_cupy_generates():
+    src = kernels.GELU_FWD.source("float32")
+    assert src.startswith("#include <cupy/complex.cuh>")
+    assert 'extern "C" __global__ void gelu_fwd(const CArray<float, 1, 1, 1> _raw_x, ' in src
+    assert "typedef double T;" in kernels.GELU_FWD.source("float64")
+
+
+def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
+    kernels._toolchain.cache_clear()
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    try:
+        assert kernels.main(["--check"]) == 2
+    finally:
+        kernels._toolchain.cache_clear()
+    assert "pip install -e '.[kernel-check]'" in capsys.readouterr().out
+
+
+# --- The host C++ check --------------------------------------------------------------------------
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", sorted(n for n, s in kernels.KERNELS.items()
+                                        if isinstance(s, kernels.ElementwiseSpec)))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
+    result = kernels.host_check(kernels.KERNELS[name], dtype)
+    assert result.ok, result.line()
+
+
+@needs_cxx
+def test_host_check_catches_a_wrong_formula():
+    right = kernels.ElementwiseSpec("scale", "T x, T a", "T y", "y = a * x", reference=lambda x, a: a * x,
+                                    scalars=(("a", 0.5),))
+    assert kernels.host_check(right, "float32").ok
+    slip = dataclasses.replace(right, operation="y = a * x * ((T)1 + (T)1e-9 * x)")
+    assert not kernels.host_check(slip, "float64").ok
+
+
+# --- On a GPU ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    ok, why = backend._probe_gpu()
+    if not ok:
+        pytest.skip(f"no usable GPU: {why}")
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cupy_gelu_equals_numpy(cupy, dtype):
+    x, dy = sample(7, (37, 129), dtype), sample(8, (37, 129), dtype)
+    x_gpu, dy_gpu = cupy.asarray(x), cupy.asarray(dy)
+    assert_close(cupy.asnumpy(gelu_forward(x_gpu)), gelu_forward_reference(x.astype(np.float64)), x)
+    dx = cupy.empty_like(x_gpu)
+    assert gelu_backward(x_gpu, dy_gpu, out=dx) is dx
+    assert_close(cupy.asnumpy(dx), gelu_backward_reference(x.astype(np.float64), dy.astype(np.float64)),
+                 x, dy)
+    y = cupy.asnumpy(gelu_forward(x_gpu[:, ::2]))  # strided input: another generated kernel
+    assert_close(y, gelu_forward_reference(x[:, ::2].astype(np.float64)), x[:, ::2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_registered_source_is_the_source_cupy_compiled(cupy, dtype):
+    for spec in (kernels.GELU_FWD, kernels.GELU_BWD):
+        fresh = cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name)
+        n_in = len(spec.in_params.split(","))
+        fresh(*[cupy.ones((10, 100), dtype)] * n_in)  # contiguous: reduced to 1-D, 32-bit indexing
+        [compiled] = fresh.cached_codes.values()
+        assert spec.source(dtype).endswith(compiled)
