@@ -1,0 +1,256 @@
+"""Configuration: the model, training and data sections of a YAML file, with command-line overrides.
+
+    cfg = load_config("tiny", overrides=["train.lr=1e-3", "model.n_layer=2"])
+    cfg.model.d_model, cfg.train.lr, cfg.data.data_dir
+
+A config name (`tiny`, `small`, `120m`, `andrea-tiny`) resolves to the YAML files shipped inside
+the package (andrea/configs/), so the defaults work without the repository; a path to a .yaml
+file works too. Every mistake is a `UserError` naming the key and what is allowed: an unknown
+key (with a "did you mean"), a wrong type, an impossible value.
+"""
+
+import difflib
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from andrea.errors import UserError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8449
+    context_length: int = 1024
+    d_model: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    mlp_dim: int | None = None      # 4 * d_model when not given
+    ln_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.mlp_dim is None:
+            self.mlp_dim = 4 * self.d_model
+        for name in ("vocab_size", "context_length", "d_model", "n_layer", "n_head", "mlp_dim"):
+            _require(getattr(self, name) >= 1, f"model.{name} must be at least 1, got {getattr(self, name)}")
+        _require(self.d_model % self.n_head == 0,
+                 f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        _require(self.ln_eps > 0, f"model.ln_eps must be positive, got {self.ln_eps}")
+
+    @property
+    def head_size(self):
+        return self.d_model // self.n_head
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16            # sequences per micro-batch
+    seq_len: int = 0                # tokens per sequence; 0 means the model's context_length
+    tokens_per_step: int = 0        # optimizer batch in tokens (gradient accumulation); 0 = one micro-batch
+    max_steps: int = 800
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0          # 0 disables clipping
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_batches: int = 8
+    checkpoint_interval: int = 200
+    keep_last: int = 3
+    max_bad_steps: int = 5          # non-finite steps in a row before training stops
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "float32"
+    tf32: bool = False
+    sample_tokens: int = 120        # length of the sample printed at the end (0: none)
+    sample_prompt: str = "def "
+
+    def validate(self, model):
+        for name in ("batch_size", "max_steps", "log_interval", "eval_interval", "eval_batches",
+                     "checkpoint_interval", "keep_last", "max_bad_steps"):
+            _require(getattr(self, name) >= 1, f"train.{name} must be at least 1, got {getattr(self, name)}")
+        _require(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
+        _require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
+        _require(self.eps > 0, f"train.eps must be positive, got {self.eps}")
+        _require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
+        _require(self.seq_len >= 0, f"train.seq_len must be >= 0, got {self.seq_len}")
+        _require(self.seq_len <= model.context_length,
+                 f"train.seq_len ({self.seq_len}) exceeds model.context_length ({model.context_length}), "
+                 "the size of the position table")
+        _require(self.device in ("auto", "cpu", "gpu"), f"train.device must be auto, cpu or gpu, got {self.device!r}")
+        _require(self.dtype in ("float32", "float64"), f"train.dtype must be float32 or float64, got {self.dtype!r}")
+        micro = self.batch_size * self.sequence_length(model)
+        _require(self.tokens_per_step == 0 or self.tokens_per_step % micro == 0,
+                 f"train.tokens_per_step ({self.tokens_per_step}) must be a multiple of "
+                 f"batch_size x seq_len ({micro})")
+
+    def sequence_length(self, model):
+        return self.seq_len or model.context_length
+
+    def accumulation_steps(self, model):
+        micro = self.batch_size * self.sequence_length(model)
+        return max(1, self.tokens_per_step // micro) if self.tokens_per_step else 1
+
+
+@dataclass
+class DataConfig:
+    inputs: list = field(default_factory=list)   # files, directories or globs; empty: the Python stdlib
+    data_dir: str = ""                            # where tokens and tokenizer live; "" = data/<name>
+    val_fraction: float = 0.01
+
+    def validate(self):
+        _require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        if isinstance(self.inputs, str):
+            self.inputs = [self.inputs]
+
+    def resolved_dir(self):
+        if self.data_dir:
+            return Path(self.data_dir)
+        return Path("data") / ("stdlib" if not self.inputs else "custom")
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig
+    name: str = "custom"
+
+    def to_dict(self):
+        return {"name": self.name, "model": asdict(self.model), "train": asdict(self.train),
+                "data": asdict(self.data)}
+
+
+SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def _require(ok, message):
+    if not ok:
+        raise UserError(message)
+
+
+def config_path(name):
+    """A shipped config by short or full name, or a path to a YAML file."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise UserError(f"config file {name} does not exist")
+        return p
+    shipped = sorted(f.stem for f in CONFIG_DIR.glob("*.yaml"))
+    for candidate in (name, f"andrea-{name}"):
+        if candidate in shipped:
+            return CONFIG_DIR / f"{candidate}.yaml"
+    raise UserError(f"unknown config {name!r}: use one of {', '.join(shipped)} or a path to a .yaml file")
+
+
+def _did_you_mean(key, options):
+    close = difflib.get_close_matches(key, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(section, key, value, kind):
+    """Converts value (from YAML or a command-line string) to the field's type, or explains why not."""
+    where = f"{section}.{key}"
+    if value is None and "None" in str(kind):
+        return None
+    text = isinstance(value, str)
+    try:
+        if "bool" in str(kind):
+            if text and value.lower() in ("true", "yes", "1", "on"):
+                return True
+            if text and value.lower() in ("false", "no", "0", "off"):
+                return False
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if "int" in str(kind):
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value) if text else value
+            if isinstance(number, float) and (not math.isfinite(number) or number != int(number)):
+                raise ValueError
+            return int(number)
+        if "float" in str(kind):
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError
+            return number
+        if "list" in str(kind):
+            if text:
+                return [v for v in value.split(",") if v]
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                return value
+            raise ValueError
+        if "str" in str(kind):
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise UserError(f"{where} must be {_type_name(kind)}, got {value!r}")
+
+
+def _type_name(kind):
+    k = str(kind)
+    for t, name in (("bool", "true or false"), ("int", "an integer"), ("float", "a number"),
+                    ("list", "a list of strings"), ("str", "a string")):
+        if t in k:
+            return name
+    return k
+
+
+def _apply(values, section, data):
+    known = {f.name: f.type for f in fields(SECTIONS[section])}
+    for key, value in data.items():
+        if key not in known:
+            raise UserError(f"unknown key {section}.{key}{_did_you_mean(key, list(known))}")
+        values[section][key] = _coerce(section, key, value, known[key])
+
+
+def load_config(name="tiny", overrides=()):
+    """Reads a config (shipped name or path) and applies `section.key=value` overrides, then validates."""
+    path = config_path(name)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"cannot read config {path}: {str(e).splitlines()[0]}") from e
+    if not isinstance(raw, dict):
+        raise UserError(f"config {path} must be a mapping with sections model, train, data")
+    values = {s: {} for s in SECTIONS}
+    for section, data in raw.items():
+        if section not in SECTIONS:
+            raise UserError(f"unknown section {section!r} in {path}{_did_you_mean(section, list(SECTIONS))}")
+        if not isinstance(data, dict):
+            raise UserError(f"section {section!r} in {path} must be a mapping")
+        _apply(values, section, data)
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise UserError(f"override {item!r} must look like section.key=value (e.g. train.lr=1e-3)")
+        key, value = item.split("=", 1)
+        section, key = key.split(".", 1)
+        if section not in SECTIONS:
+            raise UserError(f"unknown section {section!r} in override {item!r}{_did_you_mean(section, list(SECTIONS))}")
+        _apply(values, section, {key: value})
+    return build_config(values, name=path.stem)
+
+
+def build_config(values, name="custom"):
+    """A validated Config from {"model": {...}, "train": {...}, "data": {...}} (missing keys default)."""
+    model = ModelConfig(**values.get("model", {}))
+    train = TrainConfig(**values.get("train", {}))
+    data = DataConfig(**values.get("data", {}))
+    train.validate(model)
+    data.validate()
+    return Config(model, train, data, name=name)

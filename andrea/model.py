@@ -1,0 +1,263 @@
+"""ANDREA: a GPT-2-architecture decoder-only transformer built from minitensor layers (SPEC 1).
+
+    x = wte[idx] + wpe[0..T-1]                   # (B, T, C)
+    for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))
+    logits = ln_f(x) @ wte.T                     # (B, T, V), the head tied to the token embedding
+    loss = mean cross-entropy(logits, targets)
+
+Parameters carry the key names of a Hugging Face GPT2LMHeadModel state dict, weights stored
+(in, out), all inside one flat buffer (minitensor.params). Backward runs the blocks in reverse,
+with the residual joins written out: dx = dx + sublayer.backward(dx).
+"""
+
+import math
+
+import numpy as np
+
+from andrea.config import ModelConfig
+from andrea.errors import UserError
+from minitensor import kernels
+from minitensor.attention import CausalSelfAttention
+from minitensor.backend import array_module, get_backend, resolve_dtype, to_numpy
+from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
+from minitensor.gelu import GELU
+from minitensor.layernorm import LayerNorm
+from minitensor.linear import Linear
+from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.params import Params
+
+
+def param_shapes(cfg):
+    """{GPT-2 name: shape} in the order of the flat buffer."""
+    C, V, F = cfg.d_model, cfg.vocab_size, cfg.mlp_dim
+    shapes = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (cfg.context_length, C)}
+    for i in range(cfg.n_layer):
+        h = f"transformer.h.{i}."
+        shapes.update({
+            h + "ln_1.weight": (C,), h + "ln_1.bias": (C,),
+            h + "attn.c_attn.weight": (C, 3 * C), h + "attn.c_attn.bias": (3 * C,),
+            h + "attn.c_proj.weight": (C, C), h + "attn.c_proj.bias": (C,),
+            h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
+            h + "mlp.c_fc.weight": (C, F), h + "mlp.c_fc.bias": (F,),
+            h + "mlp.c_proj.weight": (F, C), h + "mlp.c_proj.bias": (C,),
+        })
+    shapes["transformer.ln_f.weight"] = (C,)
+    shapes["transformer.ln_f.bias"] = (C,)
+    return shapes
+
+
+def parameter_breakdown(cfg):
+    """The exact count by part, as in SPEC 1's table; the tied matrix is counted once."""
+    C, F = cfg.d_model, cfg.mlp_dim
+    ln = 2 * C
+    attn = C * 3 * C + 3 * C + C * C + C
+    mlp = C * F + F + F * C + C
+    block = 2 * ln + attn + mlp
+    parts = {
+        "token embedding (tied with the output head)": cfg.vocab_size * C,
+        "position embedding": cfg.context_length * C,
+        f"{cfg.n_layer} blocks ({block:,} each: 2 LayerNorms {2 * ln:,} + attention {attn:,} + MLP {mlp:,})":
+            cfg.n_layer * block,
+        "final LayerNorm": ln,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def format_breakdown(cfg):
+    parts = parameter_breakdown(cfg)
+    width = max(len(k) for k in parts)
+    return "\n".join(f"  {k:<{width}}  {v:>13,}" for k, v in parts.items())
+
+
+def flops_per_token(cfg, T, n_params):
+    """Training FLOPs per token: 6 N + 12 n_layer d T (the nanoGPT/PaLM convention, SPEC 1)."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.d_model * T
+
+
+def _linear(p, name):
+    return Linear(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"))
+
+
+def _layernorm(p, name, eps):
+    return LayerNorm(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"), eps)
+
+
+class Block:
+    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, p, prefix, cfg):
+        self.ln_1 = _layernorm(p, prefix + "ln_1", cfg.ln_eps)
+        self.attn = CausalSelfAttention(_linear(p, prefix + "attn.c_attn"), _linear(p, prefix + "attn.c_proj"),
+                                        cfg.n_head)
+        self.ln_2 = _layernorm(p, prefix + "ln_2", cfg.ln_eps)
+        self.c_fc = _linear(p, prefix + "mlp.c_fc")
+        self.gelu = GELU()
+        self.c_proj = _linear(p, prefix + "mlp.c_proj")
+
+    def forward(self, x):
+        # each sublayer's output is a fresh array no layer caches, so the residual adds into it
+        a = self.attn.forward(self.ln_1.forward(x))
+        a += x
+        x = a
+        m = self.c_proj.forward(self.gelu.forward(self.c_fc.forward(self.ln_2.forward(x))))
+        m += x
+        return m
+
+    def backward(self, dx):
+        # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x))
+        d = self.ln_2.backward(self.c_fc.backward(self.gelu.backward(self.c_proj.backward(dx))))
+        d += dx
+        dx = d
+        d = self.ln_1.backward(self.attn.backward(dx))
+        d += dx
+        return d
+
+
+class ANDREA:
+    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0):
+        self.cfg = cfg
+        self.backend = get_backend(device)
+        self.xp = self.backend.xp
+        self.dtype = resolve_dtype(dtype)
+        self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype)
+        p = self.params
+        self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"))
+        self.wpe = PositionEmbedding(p["transformer.wpe.weight"], p.grad("transformer.wpe.weight"))
+        self.blocks = [Block(p, f"transformer.h.{i}.", cfg) for i in range(cfg.n_layer)]
+        self.ln_f = _layernorm(p, "transformer.ln_f", cfg.ln_eps)
+        self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"))
+        self.loss_fn = SoftmaxCrossEntropy()
+        self.init_weights(seed)
+
+    def init_weights(self, seed):
+        """GPT-2 initialisation, drawn in float64 on the CPU so every device and dtype starts alike."""
+        rng = np.random.default_rng(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, view in self.params.items():
+            if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name.endswith("ln_f.weight"):
+                view[...] = 1
+            elif name.endswith(".bias"):
+                view[...] = 0
+            else:
+                std = residual_std if name.endswith("c_proj.weight") else 0.02
+                view[...] = self.xp.asarray(rng.normal(0.0, std, view.shape).astype(self.dtype))
+
+    # --- inputs ---
+
+    def _ids(self, a, what):
+        a = np.asarray(to_numpy(a)) if not hasattr(a, "__cuda_array_interface__") else a
+        if a.ndim == 1:
+            a = a[None, :]
+        if a.ndim != 2:
+            raise UserError(f"{what} must have shape (B, T), got {a.shape}")
+        if a.dtype.kind not in "iu":
+            raise UserError(f"{what} must be integers, got {a.dtype}")
+        if a.shape[1] > self.cfg.context_length:
+            raise UserError(f"{what} has {a.shape[1]} positions; the context length is {self.cfg.context_length}")
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= self.cfg.vocab_size):
+            bad = int(a.min()) if int(a.min()) < 0 else int(a.max())
+            raise UserError(f"{what} contains id {bad}, outside [0, {self.cfg.vocab_size})")
+        return self.xp.asarray(a, dtype=np.int64)
+
+    # --- training ---
+
+    def forward(self, idx, targets=None):
+        """Logits (B, T, V) without targets; with targets, the mean cross-entropy as a Python float."""
+        if targets is None:
+            return self.logits(idx)
+        return float(self.loss(idx, targets))
+
+    def logits(self, idx):
+        return self.head.forward(self._trunk(self._ids(idx, "idx")))
+
+    def loss(self, idx, targets):
+        """The mean cross-entropy as a 0-d device array (no host synchronisation); keeps what backward needs."""
+        idx = self._ids(idx, "idx")
+        targets = self._ids(targets, "targets")
+        if targets.shape != idx.shape:
+            raise UserError(f"targets of shape {targets.shape} do not match idx of shape {idx.shape}")
+        logits = self.head.forward(self._trunk(idx))
+        return self.loss_fn.forward(logits, targets, inplace=True)
+
+    def _trunk(self, idx):
+        B, T = idx.shape
+        x = self.wte.forward(idx)                            # (B, T, C), a fresh array
+        x += self.wpe.forward(B, T)
+        for block in self.blocks:
+            x = block.forward(x)
+        return self.ln_f.forward(x)
+
+    def backward(self, dloss=1.0):
+        """Accumulates the gradients of the last loss into the gradient buffer."""
+        dx = self.ln_f.backward(self.head.backward(self.loss_fn.backward(dloss)))
+        for block in reversed(self.blocks):
+            dx = block.backward(dx)
+        self.wpe.backward(dx)
+        self.wte.backward(dx)
+
+    def zero_grad(self):
+        self.params.zero_grad()
+
+    # --- parameters ---
+
+    def named_parameters(self):
+        return self.params.items()
+
+    def named_grads(self):
+        return self.params.grad_items()
+
+    def num_parameters(self):
+        return self.params.num_elements()
+
+    def state_dict(self):
+        """{GPT-2 name: NumPy array copy}, weights (in, out)."""
+        return {name: to_numpy(view).copy() for name, view in self.params.items()}
+
+    def load_state_dict(self, state):
+        expected = self.params.shapes
+        missing = sorted(set(expected) - set(state))
+        unknown = sorted(set(state) - set(expected))
+        if missing or unknown:
+            raise UserError(f"state dict does not fit this model: missing {missing[:3]}, unexpected {unknown[:3]}")
+        for name, shape in expected.items():
+            if tuple(state[name].shape) != shape:
+                raise UserError(f"{name} has shape {tuple(state[name].shape)}, this model needs {shape}")
+        for name, view in self.params.items():
+            view[...] = self.xp.asarray(state[name], dtype=self.dtype)
+
+    # --- inference with a key/value cache ---
+
+    def new_kv_cache(self, batch_size=1):
+        shape = (batch_size, self.cfg.n_head, self.cfg.context_length, self.cfg.head_size)
+        return [(self.xp.zeros(shape, self.dtype), self.xp.zeros(shape, self.dtype)) for _ in self.blocks]
+
+    def forward_kv(self, idx, cache, pos):
+        """Logits (B, V) of the last of the new tokens idx (B, T_new) at positions pos..pos+T_new-1.
+
+        Each new token costs one row of attention over the cached keys and values.
+        """
+        idx = self._ids(idx, "idx")
+        B, T = idx.shape
+        if pos + T > self.cfg.context_length:
+            raise UserError(f"positions {pos}..{pos + T - 1} exceed the context length {self.cfg.context_length}")
+        x = self.wte.W[idx] + self.wpe.W[pos:pos + T]
+        for block, kv in zip(self.blocks, cache):
+            x = x + block.attn.forward_kv(_normed(block.ln_1, x), kv, pos)
+            x = x + _mlp(block, _normed(block.ln_2, x))
+        x = _normed(self.ln_f, x[:, -1])
+        return x @ self.wte.W.T
+
+
+def _normed(ln, x):
+    """LayerNorm's forward without keeping a cache (inference)."""
+    xp = array_module(x)
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + ln.eps)
+    return xc * rstd * ln.w + ln.b
+
+
+def _mlp(block, x):
+    h = x @ block.c_fc.W + block.c_fc.b
+    return kernels.gelu_forward(h) @ block.c_proj.W + block.c_proj.b

@@ -1,0 +1,123 @@
+"""AdamW over the flat parameter and gradient buffers, in a few vectorised passes.
+
+    m = b1 m + (1 - b1) g                      g = the gradient times grad_scale (clipping)
+    v = b2 v + (1 - b2) g^2
+    p = p (1 - lr wd mask) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as PyTorch's AdamW
+does, and only where `decay_mask` is 1 (tensors of 2+ dimensions: matmul weights and
+embeddings). On NumPy the update runs over chunks of the buffers so its temporaries stay in
+cache instead of streaming whole-buffer intermediates through memory.
+"""
+
+import math
+
+import numpy as np
+
+from minitensor.backend import array_module
+
+CHUNK = 1 << 16
+
+
+def global_norm(grads):
+    """sqrt(sum(g^2)) over a flat buffer, accumulated in float64 chunk by chunk on NumPy."""
+    xp = array_module(grads)
+    if xp is not np:
+        return float(xp.sqrt(xp.dot(grads, grads)))
+    total = 0.0
+    for start in range(0, grads.size, 1 << 20):
+        g = grads[start:start + (1 << 20)]
+        total += float(np.dot(g, g))
+    return math.sqrt(total)
+
+
+class AdamW:
+    def __init__(self, params, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay_mask=None):
+        """params: a minitensor Params; decay_mask: 0/1 over its flat buffer (default: 2+-D tensors)."""
+        if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        self.params = params
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        xp = params.xp
+        self.m = xp.zeros_like(params.data)
+        self.v = xp.zeros_like(params.data)
+        if decay_mask is None:
+            decay_mask = params.mask(lambda name, shape: len(shape) >= 2)
+        self.decay_mask = decay_mask
+        self.t = 0
+        self._work = None
+
+    def step(self, lr=None, grad_scale=1.0):
+        """One update from params.grads (times grad_scale); lr overrides the default for this step."""
+        lr = self.lr if lr is None else lr
+        self.t += 1
+        b1, b2 = self.betas
+        c1 = 1.0 - b1 ** self.t
+        c2 = 1.0 - b2 ** self.t
+        p, g, m, v = self.params.data, self.params.grads, self.m, self.v
+        # m/c1 / (sqrt(v/c2) + eps) == (m * s) / (sqrt(v) + eps * sqrt(c2)) with s = sqrt(c2) / c1
+        step_size = lr * math.sqrt(c2) / c1
+        eps_hat = self.eps * math.sqrt(c2)
+        decay = lr * self.weight_decay
+        if array_module(p) is not np:
+            self._step_xp(p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay)
+            return
+        if self._work is None:
+            self._work = (np.empty(CHUNK, p.dtype), np.empty(CHUNK, p.dtype))
+        w1, w2 = self._work
+        for s in range(0, p.size, CHUNK):
+            e = min(s + CHUNK, p.size)
+            n = e - s
+            self._step_chunk(p[s:e], g[s:e], m[s:e], v[s:e], self.decay_mask[s:e], w1[:n], w2[:n],
+                             b1, b2, grad_scale, step_size, eps_hat, decay)
+
+    @staticmethod
+    def _step_chunk(p, g, m, v, mask, w1, w2, b1, b2, grad_scale, step_size, eps_hat, decay):
+        np.multiply(g, (1.0 - b1) * grad_scale, out=w1)          # (1 - b1) g
+        m *= b1
+        m += w1
+        np.multiply(g, g, out=w1)
+        w1 *= (1.0 - b2) * grad_scale * grad_scale                # (1 - b2) g^2
+        v *= b2
+        v += w1
+        np.multiply(mask, -decay, out=w2)                         # p *= 1 - lr wd mask
+        w2 += 1.0
+        p *= w2
+        np.sqrt(v, out=w1)
+        w1 += eps_hat
+        np.divide(m, w1, out=w1)
+        w1 *= step_size
+        p -= w1
+
+    def _step_xp(self, p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay):
+        xp = array_module(p)
+        gs = g * grad_scale
+        m *= b1
+        m += (1.0 - b1) * gs
+        v *= b2
+        v += (1.0 - b2) * gs * gs
+        p *= 1.0 - decay * self.decay_mask
+        p -= step_size * m / (xp.sqrt(v) + eps_hat)
+
+    def state_dict(self):
+        return {"m": self.m, "v": self.v, "t": self.t}
+
+    def load_state_dict(self, state):
+        if state["m"].shape != self.m.shape or state["v"].shape != self.v.shape:
+            raise ValueError(f"optimizer state of size {state['m'].shape} does not fit {self.m.shape}")
+        self.m[...] = self.params.xp.asarray(state["m"])
+        self.v[...] = self.params.xp.asarray(state["v"])
+        self.t = int(state["t"])
+
+
+def cosine_lr(step, max_lr, min_lr, warmup_steps, total_steps):
+    """Linear warmup from max_lr / warmup_steps to max_lr, then cosine decay to min_lr at total_steps.
+
+    step counts from 0; past total_steps the rate stays at min_lr.
+    """
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step >= total_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
