@@ -107,6 +107,7 @@ class DataConfig:
     inputs: list = field(default_factory=list)   # files, directories or globs; empty: the Python stdlib
     data_dir: str = ""                            # where tokens and tokenizer live; "" = data/<name>
     val_fraction: float = 0.01
+    allow_smaller_vocab: bool = False             # a small corpus may run out of merges before 8449 ids
 
     def validate(self):
         _require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
@@ -228,12 +229,19 @@ def load_config(name="tiny", overrides=()):
         raise UserError(f"cannot read config {path}: {str(e).splitlines()[0]}") from e
     if not isinstance(raw, dict):
         raise UserError(f"config {path} must be a mapping with sections model, train, data")
+    return make_config(raw, overrides, name=path.stem, source=str(path))
+
+
+def make_config(raw, overrides=(), name="custom", source="the config"):
+    """A validated Config from {section: {key: value}} (YAML or JSON values) plus overrides."""
     values = {s: {} for s in SECTIONS}
     for section, data in raw.items():
+        if section == "name":
+            continue
         if section not in SECTIONS:
-            raise UserError(f"unknown section {section!r} in {path}{_did_you_mean(section, list(SECTIONS))}")
+            raise UserError(f"unknown section {section!r} in {source}{_did_you_mean(section, list(SECTIONS))}")
         if not isinstance(data, dict):
-            raise UserError(f"section {section!r} in {path} must be a mapping")
+            raise UserError(f"section {section!r} in {source} must be a mapping")
         _apply(values, section, data)
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
@@ -243,7 +251,7 @@ def load_config(name="tiny", overrides=()):
         if section not in SECTIONS:
             raise UserError(f"unknown section {section!r} in override {item!r}{_did_you_mean(section, list(SECTIONS))}")
         _apply(values, section, {key: value})
-    return build_config(values, name=path.stem)
+    return build_config(values, name=name)
 
 
 def build_config(values, name="custom"):

@@ -1,0 +1,128 @@
+"""Text generation from a trained ANDREA, streamed token by token with a key/value cache.
+
+    python -m andrea.sample --checkpoint out/andrea-tiny --prompt "def " --max-new-tokens 200
+
+--checkpoint takes a run directory (its newest good checkpoint is used) or one ckpt-* directory.
+The prompt is encoded, run through the model once (prefill), and every new token then costs one
+position of attention over the cached keys and values. When the sequence reaches the context
+length, the cache is rebuilt from the last half of the context (positions are absolute, so the
+cached keys cannot simply slide), which keeps the amortised cost near one position per token.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from andrea.checkpoint import latest_checkpoint, load_checkpoint
+from andrea.cli import run_cli
+from andrea.config import build_config
+from andrea.errors import UserError
+from andrea.model import ANDREA
+from andrea.tokenizer import Tokenizer
+from minitensor.backend import GPUUnavailable, to_numpy
+
+
+def sample_next(logits, rng, temperature=1.0, top_k=None):
+    """One id per row of logits (B, V): greedy at temperature 0, else softmax(logits / T) over the top k."""
+    logits = np.asarray(to_numpy(logits), dtype=np.float64)
+    if temperature <= 0:
+        return logits.argmax(axis=-1)
+    logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = np.partition(logits, -top_k, axis=-1)[:, -top_k][:, None]
+        logits = np.where(logits < kth, -np.inf, logits)
+    logits -= logits.max(axis=-1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])
+
+
+def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
+    """Yields new token ids one at a time after the prompt (a list of ids, at least one)."""
+    if not len(prompt_ids):
+        raise UserError("the prompt encodes to no tokens: give at least one character")
+    rng = np.random.default_rng(seed)
+    ctx = model.cfg.context_length
+    ids = list(prompt_ids)
+    cache = model.new_kv_cache(1)
+    window = ids[-ctx:]
+    logits = model.forward_kv(np.array([window]), cache, 0)
+    pos = len(window)
+    for _ in range(max_new_tokens):
+        nxt = int(sample_next(logits, rng, temperature, top_k)[0])
+        ids.append(nxt)
+        yield nxt
+        if pos == ctx:  # full: rebuild the cache from the last half of the context
+            window = ids[-(ctx // 2 or 1):]
+            cache = model.new_kv_cache(1)
+            logits = model.forward_kv(np.array([window]), cache, 0)
+            pos = len(window)
+        else:
+            logits = model.forward_kv(np.array([[nxt]]), cache, pos)
+            pos += 1
+
+
+def load_model(checkpoint, device="cpu"):
+    """(model, tokenizer, meta) from a run directory or a ckpt-* directory."""
+    path = Path(checkpoint)
+    if not path.exists():
+        raise UserError(f"checkpoint {path} does not exist")
+    if (path / "meta.json").exists():
+        tensors, meta = load_checkpoint(path)
+        run_dir = path.parent
+    else:
+        path, tensors, meta = latest_checkpoint(path)
+        run_dir = path.parent
+    cfg = build_config(meta["config"])
+    tok_path = run_dir / "tokenizer.json"
+    tokenizer = Tokenizer.load(tok_path)
+    if tokenizer.fingerprint() != meta.get("tokenizer_fingerprint"):
+        raise UserError(f"{tok_path} is not the tokenizer this checkpoint was trained with")
+    try:
+        model = ANDREA(cfg.model, device=device, dtype=cfg.train.dtype)
+    except GPUUnavailable as e:
+        raise UserError(str(e)) from e
+    model.load_state_dict({k: v for k, v in tensors.items() if k.startswith("transformer.")})
+    return model, tokenizer, meta
+
+
+def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, out=sys.stdout):
+    """Writes the prompt and then each new piece of text as soon as it is complete UTF-8."""
+    ids = tokenizer.encode(prompt)
+    ctx = model.cfg.context_length
+    if len(ids) > ctx:
+        print(f"note: the prompt is {len(ids)} tokens; only its last {ctx} (the context length) are used",
+              file=sys.stderr)
+    out.write(prompt)
+    out.flush()
+    decoder = tokenizer.stream_decoder()
+    for nxt in generate(model, ids, max_new_tokens, temperature, top_k, seed):
+        piece = decoder.feed(nxt)
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write(decoder.flush() + "\n")
+    out.flush()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m andrea.sample", description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="a run directory or a ckpt-* directory")
+    ap.add_argument("--prompt", default="def ")
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 0 or args.temperature < 0:
+        raise UserError("--max-new-tokens and --temperature must be >= 0")
+    model, tokenizer, _ = load_model(args.checkpoint, args.device)
+    stream(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,346 @@
+"""Train an ANDREA model: `python -m andrea.train` (no arguments: the tiny model on the Python stdlib).
+
+    python -m andrea.train                                   # prepare data if missing, train, sample
+    python -m andrea.train --config small --out runs/small --set train.lr=1e-3
+    python -m andrea.train --out runs/small --resume         # continue from the newest good checkpoint
+
+Each optimizer step: accumulate gradients over micro-batches, check the loss and gradient norm
+are finite (a non-finite step applies no update), clip by global norm, set the learning rate
+(warmup then cosine), and take an AdamW step. Logs a line every log_interval steps, evaluates
+the validation loss every eval_interval, appends to OUT/metrics.jsonl, and writes crash-safe
+checkpoints (weights, optimizer moments, data-loader and random states, config) to OUT.
+Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
+"""
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from andrea import checkpoint as ckpt
+from andrea import data
+from andrea.prepare import prepare
+from andrea.cli import run_cli
+from andrea.config import load_config, make_config
+from andrea.errors import UserError
+from andrea.model import ANDREA, flops_per_token, format_breakdown
+from andrea.optim import AdamW
+from andrea.perf import format_duration, matmul_peak_flops, synchronize
+from andrea.sample import stream
+from andrea.tokenizer import Tokenizer
+from minitensor.backend import GPUUnavailable
+from minitensor.optim import cosine_lr, global_norm
+
+EXIT_INTERRUPTED = 130
+EXIT_NONFINITE = 3
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+def note(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Trainer:
+    """One training run: the model, optimizer, data and bookkeeping, checkpointable as a whole."""
+
+    def __init__(self, cfg, out_dir, tokens, val_tokens, tokenizer):
+        self.cfg, self.out_dir = cfg, Path(out_dir)
+        t = cfg.train
+        if t.tf32:
+            os.environ.setdefault("CUPY_TF32", "1")  # must precede the first matmul on the GPU
+        try:
+            self.model = ANDREA(cfg.model, device=t.device, dtype=t.dtype, seed=t.seed)
+        except GPUUnavailable as e:
+            raise UserError(str(e)) from e
+        self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+        self.T = t.sequence_length(cfg.model)
+        self.accum = t.accumulation_steps(cfg.model)
+        self.loader = data.BatchLoader(tokens, t.batch_size, self.T, seed=t.seed)
+        self.val_tokens, self.tokenizer = val_tokens, tokenizer
+        self.step = 0
+        self.bad_in_a_row = 0
+        self.bad_total = 0
+        self.last_checkpoint = None
+        self.stop_signal = None
+        self.tokens_per_step = t.batch_size * self.T * self.accum
+        self.flops_per_step = flops_per_token(cfg.model, self.T, self.model.num_parameters()) * self.tokens_per_step
+
+    # --- checkpoints ---
+
+    def state(self):
+        tensors = dict(self.model.state_dict())
+        tensors["optimizer.m"] = _host(self.opt.m)
+        tensors["optimizer.v"] = _host(self.opt.v)
+        meta = {
+            "config": self.cfg.to_dict(),
+            "step": self.step,
+            "optimizer_t": self.opt.t,
+            "loader": self.loader.state_dict(),
+            "bad_steps_total": self.bad_total,
+            "tokenizer_fingerprint": self.tokenizer.fingerprint(),
+            "numpy_random_state": _json_rng_state(),
+        }
+        return tensors, meta
+
+    def save(self):
+        tensors, meta = self.state()
+        path = ckpt.save_checkpoint(self.out_dir, self.step, tensors, meta, keep_last=self.cfg.train.keep_last)
+        self.last_checkpoint = path
+        return path
+
+    def validate_checkpoint(self, tensors, meta):
+        """Refuses a checkpoint this run cannot continue from exactly (raises CheckpointError)."""
+        saved_model = meta.get("config", {}).get("model")
+        current = self.cfg.to_dict()["model"]
+        if saved_model != current:
+            diff = sorted(k for k in current if saved_model is None or saved_model.get(k) != current[k])
+            raise ckpt.CheckpointError(f"its model config differs from this run's in {', '.join(diff)}")
+        if meta.get("tokenizer_fingerprint") != self.tokenizer.fingerprint():
+            raise ckpt.CheckpointError("it was trained with a different tokenizer")
+        if tensors.get("optimizer.m") is None or tensors["optimizer.m"].shape != self.opt.m.shape:
+            raise ckpt.CheckpointError("its optimizer state does not fit this model")
+
+    def restore(self, tensors, meta):
+        self.model.load_state_dict({k: v for k, v in tensors.items() if k.startswith("transformer.")})
+        self.opt.load_state_dict({"m": tensors["optimizer.m"], "v": tensors["optimizer.v"], "t": meta["optimizer_t"]})
+        self.loader.load_state_dict(meta["loader"])
+        self.step = int(meta["step"])
+        self.bad_total = int(meta.get("bad_steps_total", 0))
+        _set_json_rng_state(meta.get("numpy_random_state"))
+
+    # --- one step ---
+
+    def train_step(self, lr):
+        """Forward/backward over the micro-batches and one AdamW step; returns (loss, grad_norm, applied)."""
+        model = self.model
+        model.zero_grad()
+        total = 0.0
+        for _ in range(self.accum):
+            x, y = self.loader.next_batch()
+            total += float(model.loss(x, y))
+            model.backward(1.0 / self.accum)
+        loss = total / self.accum
+        norm = global_norm(model.params.grads)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return loss, norm, False
+        clip = self.cfg.train.grad_clip
+        scale = clip / (norm + 1e-6) if clip and norm > clip else 1.0
+        self.opt.step(lr=lr, grad_scale=scale)
+        return loss, norm, True
+
+    def evaluate(self):
+        t = self.cfg.train
+        losses = [float(self.model.loss(x, y))
+                  for x, y in data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches)]
+        return float(np.mean(losses))
+
+    # --- the loop ---
+
+    def run(self, stop_at_step=None):
+        """Trains to max_steps (or stop_at_step); returns the exit code."""
+        t = self.cfg.train
+        metrics = open(self.out_dir / "metrics.jsonl", "a")
+        peak = matmul_peak_flops(self.model.xp)
+        window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
+        previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
+        for sig in previous:
+            signal.signal(sig, self._on_signal)
+        try:
+            while self.step < t.max_steps:
+                lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
+                loss, norm, applied = self.train_step(lr)
+                self.step += 1
+                window_steps += 1
+                if not applied:
+                    code = self._non_finite(loss, norm, metrics)
+                    if code is not None:
+                        return code
+                else:
+                    self.bad_in_a_row = 0
+                record = None
+                if self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps:
+                    synchronize(self.model.xp)
+                    elapsed = time.perf_counter() - window_start
+                    tps = window_steps * self.tokens_per_step / elapsed
+                    mfu = window_steps * self.flops_per_step / elapsed / peak
+                    eta = (time.perf_counter() - run_start) / (self.step - run_start_step) * (t.max_steps - self.step)
+                    record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                              "tokens_per_s": tps, "mfu": mfu}
+                    log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
+                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% | ETA {format_duration(eta)}")
+                    window_start, window_steps = time.perf_counter(), 0
+                if self.step % t.eval_interval == 0 or self.step == t.max_steps:
+                    val = self.evaluate()
+                    record = record or {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm}
+                    record["val_loss"] = val
+                    log(f"step {self.step:>6}: val loss {val:.4f}")
+                    window_start = time.perf_counter()  # evaluation time is not training throughput
+                if record:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                stopping = self.stop_signal is not None or self.step == stop_at_step
+                if self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping:
+                    self._checkpoint_or_warn()
+                    window_start = time.perf_counter()
+                if stopping:
+                    return self._stopped()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            metrics.close()
+        return 0
+
+    def _checkpoint_or_warn(self):
+        try:
+            path = self.save()
+            log(f"step {self.step:>6}: saved checkpoint {path}")
+        except ckpt.CheckpointError as e:  # e.g. a full disk: keep training, the previous one is intact
+            note(f"warning: {e}")
+
+    def _non_finite(self, loss, norm, metrics):
+        self.bad_in_a_row += 1
+        self.bad_total += 1
+        metrics.write(json.dumps({"step": self.step, "loss": _num(loss), "grad_norm": _num(norm),
+                                  "skipped": True}) + "\n")
+        note(f"warning: step {self.step}: non-finite loss {loss} or gradient norm {norm}; update skipped "
+             f"({self.bad_in_a_row} in a row, {self.bad_total} in total)")
+        if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
+            good = self.last_checkpoint or (ckpt.list_checkpoints(self.out_dir) or [None])[0]
+            note(f"error: training stopped at step {self.step} after {self.bad_in_a_row} non-finite steps in a "
+                 f"row; last good checkpoint: {good or 'none'}. Lower train.lr or check the data, then resume "
+                 f"with --resume")
+            return EXIT_NONFINITE
+        return None
+
+    def _on_signal(self, signum, frame):
+        if self.stop_signal is not None:  # a second Ctrl-C: stop now; checkpoints are atomic
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+        note(f"\n{signal.Signals(signum).name} received: finishing step {self.step + 1}, then saving a checkpoint "
+             "(press Ctrl-C again to stop at once)")
+
+    def _stopped(self):
+        resume = f"python -m andrea.train --out {self.out_dir} --resume"
+        if self.stop_signal is not None:
+            note(f"interrupted at step {self.step}; checkpoint in {self.out_dir}. Resume with: {resume}")
+            return EXIT_INTERRUPTED
+        log(f"stopped at step {self.step} (--stop-at-step); resume with: {resume}")
+        return 0
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def _num(x):
+    return x if math.isfinite(x) else str(x)
+
+
+def _json_rng_state():
+    """NumPy's legacy global RNG (used by nothing here, but by user code in hooks), as JSON."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def _set_json_rng_state(s):
+    if s:
+        np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
+
+
+def prepare_data(cfg):
+    """Tokens and tokenizer for the config's corpus, preparing them first if they are missing."""
+    data_dir = cfg.data.resolved_dir()
+    if not all((data_dir / f).exists() for f in ("train.bin", "val.bin", "tokenizer.json")):
+        corpus = ", ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
+        note(f"preparing data from {corpus} into {data_dir} (once)")
+        prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
+                val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab)
+    tokenizer = Tokenizer.load(data_dir / "tokenizer.json")
+    if cfg.data.allow_smaller_vocab and tokenizer.vocab_size < cfg.model.vocab_size:
+        note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
+        cfg.model.vocab_size = tokenizer.vocab_size
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        raise UserError(f"the tokenizer in {data_dir} has {tokenizer.vocab_size} ids but model.vocab_size is "
+                        f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size} or prepare again")
+    fp = tokenizer.fingerprint()
+    train_tokens = data.read_tokens(data_dir / "train.bin", cfg.model.vocab_size, fp)
+    val_tokens = data.read_tokens(data_dir / "val.bin", cfg.model.vocab_size, fp)
+    return tokenizer, train_tokens, val_tokens
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m andrea.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="tiny", help="tiny (default), small, 120m, or a .yaml path")
+    ap.add_argument("--out", help="output directory (default: out/<config name>)")
+    ap.add_argument("--max-steps", type=int, help="total optimizer steps (sets train.max_steps)")
+    ap.add_argument("--stop-at-step", type=int, help="stop after this step as an interruption would, schedule unchanged")
+    ap.add_argument("--device", choices=["auto", "cpu", "gpu"], help="sets train.device")
+    ap.add_argument("--seed", type=int, help="sets train.seed")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return ap.parse_args(argv)
+
+
+def build_run_config(args):
+    overrides = list(args.set)
+    for flag, key in ((args.max_steps, "train.max_steps"), (args.device, "train.device"), (args.seed, "train.seed")):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    out_dir = Path(args.out) if args.out else None
+    if args.resume:
+        if out_dir is None:
+            out_dir = Path("out") / load_config(args.config).name
+        saved = out_dir / "config.json"
+        if not saved.exists():
+            raise UserError(f"nothing to resume in {out_dir}: it has no config.json (start a run without --resume)")
+        base = json.loads(saved.read_text())
+        cfg = make_config(base, overrides, name=base.get("name", "custom"), source=str(saved))
+    else:
+        cfg = load_config(args.config, overrides)
+        out_dir = out_dir or Path("out") / cfg.name
+    if args.stop_at_step is not None and not 1 <= args.stop_at_step <= cfg.train.max_steps:
+        raise UserError(f"--stop-at-step must be between 1 and train.max_steps ({cfg.train.max_steps})")
+    return cfg, out_dir
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg, out_dir = build_run_config(args)
+    tokenizer, train_tokens, val_tokens = prepare_data(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer)
+    if args.resume:
+        path, tensors, meta = ckpt.latest_checkpoint(out_dir, validate=trainer.validate_checkpoint)
+        trainer.restore(tensors, meta)
+        trainer.last_checkpoint = path
+        log(f"resumed from {path} at step {trainer.step}")
+    elif ckpt.list_checkpoints(out_dir):
+        raise UserError(f"{out_dir} already holds checkpoints: add --resume to continue, or choose another --out")
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    tokenizer.save(out_dir / "tokenizer.json")
+    m, t = cfg.model, cfg.train
+    log(f"ANDREA {cfg.name}: {trainer.model.num_parameters():,} parameters on {trainer.model.backend.device} "
+        f"({t.dtype})\n{format_breakdown(m)}")
+    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} micro-batches = {trainer.tokens_per_step:,} "
+        f"tokens/step; {len(train_tokens):,} train tokens, {len(val_tokens):,} val tokens; output in {out_dir}")
+    code = trainer.run(stop_at_step=args.stop_at_step)
+    if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0:
+        log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
+        stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
+        log("-" * 60 + f"\nmore: python -m andrea.sample --checkpoint {out_dir} --prompt 'import '")
+    return code
+
+
+if __name__ == "__main__":
+    run_cli(main)
