@@ -69,7 +69,7 @@ def load_model(checkpoint, device="cpu"):
     path = Path(checkpoint)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
-    if (path / "meta.json").exists():
+    if path.name.startswith("ckpt-") or (path / "meta.json").exists():
         tensors, meta = load_checkpoint(path)
         run_dir = path.parent
     else:
