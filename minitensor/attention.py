@@ -20,15 +20,27 @@ from minitensor.backend import array_module
 from minitensor.layer import Layer
 
 
+_mask_cache = {}
+
+
+def causal_mask(xp, T, dtype):
+    """(T, T) additive mask: 0 on and below the diagonal, -inf above; cached per size and dtype."""
+    key = (xp.__name__, T, np.dtype(dtype).str)
+    if key not in _mask_cache:
+        m = np.triu(np.full((T, T), -np.inf, dtype=dtype), k=1)
+        _mask_cache[key] = xp.asarray(m)
+    return _mask_cache[key]
+
+
 def causal_softmax(att):
     """Row softmax of (..., T, T) scores with position t attending to positions <= t only.
 
-    In place; the max is taken over the visible entries, so a row's largest score becomes exp(0).
+    In place. The mask is added (one broadcast pass) rather than assigned through a boolean
+    index, which NumPy executes as a slow scatter. Every row keeps its diagonal entry, so the
+    row maximum is finite and exp(-inf - max) is exactly 0.
     """
     xp = array_module(att)
-    T = att.shape[-1]
-    hidden = xp.triu(xp.ones((T, T), dtype=bool), k=1)
-    att[..., hidden] = -xp.inf
+    att += causal_mask(xp, att.shape[-1], att.dtype)
     att -= att.max(axis=-1, keepdims=True)
     xp.exp(att, out=att)
     att /= att.sum(axis=-1, keepdims=True)

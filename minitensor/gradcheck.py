@@ -4,7 +4,7 @@ For a function y = f(inputs, params) and a fixed random upstream gradient dy, th
 L = sum(y * dy) has dL/da = what backward returns (inputs) or accumulates (params) when fed dy.
 Each entry is compared with the fourth-order central difference
 (-L(a + 2h) + 8 L(a + h) - 8 L(a - h) + L(a - 2h)) / 12h, whose O(h^4) truncation error lets h be
-large (1e-3), which keeps float64 rounding noise (~1e-16 |L| / h) near 1e-13. For large
+large (1e-4), which keeps float64 rounding noise (~1e-16 |L| / h) near 1e-12. For large
 tensors, `directions=k` compares k random directional derivatives <g, u> instead of every entry.
 
     report = check_gradients(forward, backward, inputs={"x": x}, params={"W": (W, dW)}, dy=dy)
@@ -51,14 +51,14 @@ def _scalar(y, dy):
     return float(to_numpy(xp.sum(y * dy)))
 
 
-def check_gradients(forward, backward, inputs, params, dy, eps=1e-3, directions=None, floor=1e-3, atol=1e-8, seed=0):
+def check_gradients(forward, backward, inputs, params, dy, eps=1e-4, directions=None, floor=1e-3, atol=1e-8, seed=0):
     """Compares backward's gradients with central differences; returns a GradReport.
 
     inputs: {name: array} whose gradient backward returns; params: {name: (array, grad_array)}
     whose gradient backward accumulates (zeroed here first).
     rel error = |a - n| / max(|a|, |n|, floor * max|g|, atol), max|g| over all analytic gradients: an
     entry whose true gradient is ~0 is judged against a thousandth of the largest gradient,
-    since float64 differences of L carry ~1e-13 |L| of rounding noise. A wrong backward is off by
+    since float64 differences of L carry ~1e-12 |L| of rounding noise. A wrong backward is off by
     the order of the gradient itself, far above that.
     """
     for _, g in params.values():

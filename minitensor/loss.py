@@ -6,9 +6,13 @@ first, so large logits cannot overflow. The forward caches the probabilities (on
 size of the logits) and, with `inplace=True`, writes them over the logits to save that memory.
 """
 
+import numpy as np
+
 from minitensor.backend import array_module
 from minitensor.embedding import check_ids
 from minitensor.layer import Layer
+
+ROWS_IN_CACHE = 1 << 18  # elements per block of rows on NumPy (1 MiB of float32)
 
 
 class SoftmaxCrossEntropy(Layer):
@@ -21,15 +25,19 @@ class SoftmaxCrossEntropy(Layer):
         z = logits.reshape(-1, V)                            # (N, V)
         t = targets.reshape(-1)                              # (N,)
         N = z.shape[0]
-        rows = xp.arange(N)
-        zmax = z.max(axis=1, keepdims=True)
-        probs = z if inplace else z.copy()
-        probs -= zmax
-        picked = probs[rows, t].copy()                       # z[target] - max
-        xp.exp(probs, out=probs)
-        sumexp = probs.sum(axis=1, keepdims=True)
-        probs /= sumexp
-        loss = (xp.log(sumexp[:, 0]) - picked).mean()
+        probs = z if inplace else xp.empty_like(z)
+        logsumexp = xp.empty(N, dtype=z.dtype)
+        picked = z[xp.arange(N), t].astype(z.dtype)          # z[target], before z is overwritten
+        rows = max(1, ROWS_IN_CACHE // V) if xp is np else N
+        for s in range(0, N, rows):                          # row blocks that stay in cache for all passes
+            zb, pb = z[s:s + rows], probs[s:s + rows]
+            zmax = zb.max(axis=1, keepdims=True)
+            xp.subtract(zb, zmax, out=pb)
+            xp.exp(pb, out=pb)
+            sumexp = pb.sum(axis=1, keepdims=True)
+            pb /= sumexp
+            logsumexp[s:s + rows] = xp.log(sumexp[:, 0]) + zmax[:, 0]
+        loss = (logsumexp - picked).mean()
         self._save(probs, t, logits.shape)
         return loss
 

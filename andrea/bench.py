@@ -1,0 +1,229 @@
+"""Benchmark: training speed, MFU, peak memory and KV-cache generation speed, per config.
+
+    python -m andrea.bench                          # tiny, small, 120m on the CPU; a table and bench.json
+    python -m andrea.bench --configs tiny --torch   # and PyTorch eager on the identical model, side by side
+    python -m andrea.bench --configs 120m --profile # where a step's time goes, per layer
+
+Each config runs in a fresh process, so its peak resident memory is its own. A training step is
+forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny 16 x 128,
+small 8 x 256, 120m 1 x 1024), timed after warm-up; tokens/s is reported as the median with
+min and max. MFU divides the model's FLOP/s (6 N + 12 L d T per token) by the best of a few
+4096^3 float32 matmuls measured in the same process.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from andrea.cli import run_cli
+from andrea.config import load_config
+from andrea.model import ANDREA, flops_per_token
+from andrea.optim import AdamW
+from andrea.perf import matmul_peak_flops, peak_rss_bytes, synchronize
+from minitensor.optim import global_norm
+
+SHAPES = {"tiny": (16, 128), "small": (8, 256), "120m": (1, 1024)}
+STEPS = {"tiny": (3, 15), "small": (2, 8), "120m": (1, 4)}          # (warm-up, timed)
+GEN_CONTEXTS = {"tiny": (16, 64, 120), "small": (16, 128, 250), "120m": (16, 256, 1000)}
+
+
+def _timed(xp, fn):
+    synchronize(xp)
+    t = time.perf_counter()
+    out = fn()
+    synchronize(xp)
+    return out, time.perf_counter() - t
+
+
+def bench_training(model, opt, B, T, warmup, steps, seed=0):
+    """Median/min/max tokens/s over `steps` timed steps and the forward/backward/optimizer split."""
+    xp = model.xp
+    rng = np.random.default_rng(seed)
+    V = model.cfg.vocab_size
+    splits = defaultdict(list)
+    for i in range(warmup + steps):
+        x = rng.integers(0, V, (B, T + 1))
+        _, f = _timed(xp, lambda: model.loss(x[:, :-1], x[:, 1:]))
+        _, b = _timed(xp, lambda: (model.zero_grad(), model.backward()))
+        _, o = _timed(xp, lambda: opt.step(grad_scale=min(1.0, 1.0 / (global_norm(model.params.grads) + 1e-6))))
+        if i >= warmup:
+            splits["forward"].append(f)
+            splits["backward"].append(b)
+            splits["optimizer"].append(o)
+    step = np.array(splits["forward"]) + np.array(splits["backward"]) + np.array(splits["optimizer"])
+    tps = B * T / step
+    return {
+        "tokens_per_s_median": float(np.median(tps)), "tokens_per_s_min": float(tps.min()),
+        "tokens_per_s_max": float(tps.max()), "step_s_median": float(np.median(step)),
+        "split_s": {k: float(np.median(v)) for k, v in splits.items()},
+    }
+
+
+def bench_generation(model, contexts, new_tokens=16, seed=0):
+    """Tokens/s generating `new_tokens` one at a time with the KV cache already holding L positions."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for L in contexts:
+        L = min(L, model.cfg.context_length - new_tokens)
+        cache = model.new_kv_cache(1)
+        model.forward_kv(rng.integers(0, model.cfg.vocab_size, (1, L)), cache, 0)
+        ids = rng.integers(0, model.cfg.vocab_size, new_tokens)
+        _, dt = _timed(model.xp, lambda: [model.forward_kv(ids[None, i:i + 1], cache, L + i) for i in range(new_tokens)])
+        out[str(L)] = new_tokens / dt
+    return out
+
+
+def profile_step(model, opt, B, T, steps=3, seed=0):
+    """Seconds per step by layer kind and pass, from timers wrapped around every layer's forward/backward."""
+    xp = model.xp
+    totals = defaultdict(float)
+
+    def wrap(layer, label):
+        for pass_name in ("forward", "backward"):
+            fn = getattr(layer, pass_name)
+
+            def timed(*a, _fn=fn, _key=(label, pass_name), **k):
+                synchronize(xp)
+                t = time.perf_counter()
+                r = _fn(*a, **k)
+                synchronize(xp)
+                totals[_key] += time.perf_counter() - t
+                return r
+
+            setattr(layer, pass_name, timed)
+
+    for blk in model.blocks:
+        wrap(blk.ln_1, "layernorm")
+        wrap(blk.ln_2, "layernorm")
+        wrap(blk.attn.c_attn, "attn.c_attn (linear)")
+        wrap(blk.attn.c_proj, "attn.c_proj (linear)")
+        wrap(blk.c_fc, "mlp.c_fc (linear)")
+        wrap(blk.c_proj, "mlp.c_proj (linear)")
+        wrap(blk.gelu, "gelu")
+    for blk in model.blocks:  # attention minus its two projections, timed as a whole
+        wrap(blk.attn, "attention (whole)")
+    wrap(model.ln_f, "layernorm")
+    wrap(model.head, "tied head")
+    wrap(model.loss_fn, "cross-entropy")
+    wrap(model.wte, "embeddings")
+    wrap(model.wpe, "embeddings")
+    rng = np.random.default_rng(seed)
+    step_total = 0.0
+    opt_total = 0.0
+    for _ in range(steps):
+        x = rng.integers(0, model.cfg.vocab_size, (B, T + 1))
+        _, dt = _timed(xp, lambda: (model.loss(x[:, :-1], x[:, 1:]), model.zero_grad(), model.backward()))
+        _, do = _timed(xp, lambda: opt.step())
+        step_total += dt + do
+        opt_total += do
+    rows = {f"{k[0]} {k[1]}": v / steps for k, v in totals.items()}
+    for pass_name in ("forward", "backward"):  # attention's own work = whole minus its projections
+        whole = rows.pop(f"attention (whole) {pass_name}", 0.0)
+        proj = rows.get(f"attn.c_attn (linear) {pass_name}", 0.0) + rows.get(f"attn.c_proj (linear) {pass_name}", 0.0)
+        rows[f"attention core {pass_name}"] = whole - proj
+    rows["adamw step"] = opt_total / steps
+    rows["other (residual adds, zero_grad, glue)"] = step_total / steps - sum(rows.values())
+    return {"step_s": step_total / steps, "rows": dict(sorted(rows.items(), key=lambda kv: -kv[1]))}
+
+
+def run_one(name, device, profile):
+    """Everything measured for one config, in this process."""
+    cfg = load_config(name).model
+    B, T = SHAPES[name]
+    warmup, steps = STEPS[name]
+    model = ANDREA(cfg, device=device, dtype="float32", seed=0)
+    opt = AdamW(model, lr=6e-4)
+    peak = matmul_peak_flops(model.xp, n=4096, repeats=3)
+    result = {"config": name, "device": model.backend.device, "batch": B, "seq_len": T,
+              "parameters": model.num_parameters(), "matmul_peak_flops": peak}
+    result.update(bench_training(model, opt, B, T, warmup, steps))
+    result["mfu"] = result["tokens_per_s_median"] * flops_per_token(cfg, T, model.num_parameters()) / peak
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    if profile:
+        result["profile"] = profile_step(model, opt, B, T)
+    result["generation_tokens_per_s"] = bench_generation(model, GEN_CONTEXTS[name])
+    return result
+
+
+def _subprocess_json(cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def print_table(results):
+    head = (f"{'config':<7} {'B x T':>9} {'tokens/s (min-max)':>24} {'MFU':>6} {'peak RSS':>9} "
+            f"{'fwd/bwd/opt ms':>18} {'torch tok/s':>11} {'torch RSS':>9} {'ratio':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:<7} error: {r['error']}")
+            continue
+        s = r["split_s"]
+        t = r.get("torch", {})
+        ratio = r["tokens_per_s_median"] / t["tokens_per_s_median"] if "tokens_per_s_median" in t else None
+        print(f"{r['config']:<7} {r['batch']:>3} x {r['seq_len']:<4} "
+              f"{r['tokens_per_s_median']:>9,.0f} ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
+              f"{100 * r['mfu']:>6.1f}% {r['peak_rss_bytes'] / 2**30:>7.2f}Gi "
+              f"{1e3 * s['forward']:>6.0f}/{1e3 * s['backward']:.0f}/{1e3 * s['optimizer']:.0f}"
+              f"{t.get('tokens_per_s_median', float('nan')):>12,.0f} "
+              f"{t.get('peak_rss_bytes', float('nan')) / 2**30:>7.2f}Gi {ratio or float('nan'):>6.2f}")
+    print()
+    for r in results:
+        if "generation_tokens_per_s" in r:
+            gen = ", ".join(f"{v:,.0f} tok/s at {k}" for k, v in r["generation_tokens_per_s"].items())
+            print(f"{r['config']:<7} generation with the KV cache: {gen}")
+        if "profile" in r:
+            print(f"\n{r['config']} profile: {1e3 * r['profile']['step_s']:.0f} ms per step")
+            for k, v in r["profile"]["rows"].items():
+                print(f"  {k:<40} {1e3 * v:>9.1f} ms  {100 * v / r['profile']['step_s']:>5.1f}%")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="tiny,small,120m", help="comma-separated: tiny, small, 120m")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu", "auto"])
+    ap.add_argument("--profile", action="store_true", help="also time every layer's forward and backward")
+    ap.add_argument("--torch", action="store_true", help="also run PyTorch eager (2 threads) on the identical model")
+    ap.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
+    ap.add_argument("--debug", action="store_true")
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(args.one, args.device, args.profile)))
+        return 0
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        from andrea.errors import UserError
+
+        raise UserError(f"unknown config {unknown[0]!r} for the benchmark: use {', '.join(SHAPES)}")
+    results = []
+    for name in names:
+        print(f"measuring {name} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "andrea.bench", "--one", name, "--device", args.device]
+        r = _subprocess_json(cmd + (["--profile"] if args.profile else []))
+        r.setdefault("config", name)
+        if args.torch:
+            B, T = SHAPES[name]
+            warmup, steps = STEPS[name]
+            r["torch"] = _subprocess_json([sys.executable, "-m", "andrea.torch_reference", "--config", name,
+                                           "--batch", str(B), "--seq", str(T), "--steps", str(steps),
+                                           "--warmup", str(warmup), "--threads", "2"])
+        results.append(r)
+    print_table(results)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
