@@ -1,0 +1,41 @@
+"""Small command-line tools: the parameter count and the config loader's messages."""
+
+import pytest
+
+from andrea import params
+from andrea.config import load_config
+from andrea.errors import UserError
+
+
+def test_params_prints_the_exact_count_of_andrea_120m(capsys):
+    params.main(["120m"])
+    out = capsys.readouterr().out
+    assert "92,331,264" in out and "85,054,464" in out and "7,087,872 each" in out
+
+
+def test_shipped_configs_load_and_match_the_spec():
+    tiny, small, big = (load_config(n) for n in ("tiny", "small", "120m"))
+    assert (tiny.model.d_model, tiny.model.n_layer, tiny.model.n_head, tiny.model.context_length) == (128, 4, 4, 128)
+    assert (small.model.d_model, small.model.n_layer, small.model.n_head, small.model.context_length) == (384, 6, 6, 256)
+    assert (big.model.d_model, big.model.n_layer, big.model.mlp_dim, big.model.context_length) == (768, 12, 3072, 1024)
+    assert load_config("andrea-tiny").name == "andrea-tiny"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.n_layr=2", "unknown key model.n_layr (did you mean 'n_layer'?)"),
+    ("trian.lr=1", "unknown section 'trian' in override 'trian.lr=1' (did you mean 'train'?)"),
+    ("train.max_steps=2.5", "train.max_steps must be an integer, got '2.5'"),
+    ("train.tf32=maybe", "train.tf32 must be true or false"),
+    ("lr=1", "must look like section.key=value"),
+    ("train.min_lr=1", "train.min_lr must be in [0, train.lr]"),
+])
+def test_config_mistakes_say_what_to_fix(override, message):
+    with pytest.raises(UserError) as err:
+        load_config("tiny", [override])
+    assert message in str(err.value)
+
+
+def test_overrides_are_typed():
+    cfg = load_config("tiny", ["train.lr=1e-3", "model.n_layer=2", "train.tf32=true", "data.inputs=a,b"])
+    assert cfg.train.lr == 1e-3 and cfg.model.n_layer == 2 and cfg.train.tf32 is True
+    assert cfg.data.inputs == ["a", "b"]
