@@ -47,14 +47,15 @@ from andrea.errors import UserError
 from andrea.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
 
 META_VERSION = 1
-BATCH_BYTES = 1 << 20    # documents per encode_batch call: parallel enough, small Encoding objects
-PIECE_CHARS = 1 << 20    # longer documents are encoded in pieces cut after a newline
+BATCH_BYTES = 1 << 20  # documents per encode_batch call: parallel enough, small Encoding objects
+PIECE_CHARS = 1 << 20  # longer documents are encoded in pieces cut after a newline
+CLEAR_TO_EOL = "\x1b[K"  # a redrawn progress line may be shorter than the last one
 
 
 @dataclass(frozen=True)
 class Corpus:
     files: list[Path]
-    root: Path           # validation membership hashes the path relative to this
+    root: Path  # validation membership hashes the path relative to this
     description: str
 
 
@@ -96,25 +97,20 @@ def prepare(
     log = _Log(progress)
     corpus = load_corpus(inputs)
     settings = {"signature": _signature(corpus), "requested_vocab_size": vocab_size, "val_fraction": val_fraction}
-    old = _read_meta(data_dir / "meta.json")
-    if old is not None and not force:
-        if _is_current(old, data_dir, settings):
-            return {**old, "skipped": True}
-        if old.get("signature") != settings["signature"]:
-            raise UserError(
-                f"{data_dir} holds data prepared from another corpus ({old.get('corpus')}): choose another "
-                "--data-dir, or pass --force to re-encode this corpus there with its existing tokenizer.json"
-            )
+    old = None if force else _existing_meta(data_dir, settings)
+    if old is not None:
+        return {**old, "skipped": True}
     sizes = {p: p.stat().st_size for p in corpus.files}
-    if sum(sizes.values()) == 0:
+    nonempty = [p for p in corpus.files if sizes[p]]  # an empty file must not become the val set
+    if not nonempty:
         raise UserError(f"the corpus is empty: {len(corpus.files)} files, all of them empty")
 
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "meta.json").unlink(missing_ok=True)
-    if len(corpus.files) == 1:
-        train_files, val_files = list(corpus.files), []
+    if len(nonempty) == 1:
+        train_files, val_files = nonempty, []
     else:
-        train_files, val_files = split_validation(corpus.files, corpus.root, val_fraction)
+        train_files, val_files = split_validation(nonempty, corpus.root, val_fraction)
 
     t1 = time.perf_counter()
     tok, origin = _tokenizer(data_dir / "tokenizer.json", train_files, sizes, vocab_size, allow_smaller_vocab, log)
@@ -144,6 +140,23 @@ def prepare(
     return {**meta, "skipped": False}
 
 
+def _existing_meta(data_dir: Path, settings: dict) -> dict | None:
+    """The saved stats when `data_dir` already holds this corpus, prepared with these settings.
+
+    None when there is nothing there or it must be rebuilt; a UserError when it holds another
+    corpus, which a rebuild would overwrite.
+    """
+    meta = _read_meta(data_dir / "meta.json")
+    if meta is None:
+        return None
+    if meta.get("signature") != settings["signature"]:
+        raise UserError(
+            f"{data_dir} holds data prepared from another corpus ({meta.get('corpus')}): choose another "
+            "--data-dir, or pass --force to re-encode this corpus there with its existing tokenizer.json"
+        )
+    return meta if _is_current(meta, data_dir, settings) else None
+
+
 def _read_meta(path: Path) -> dict | None:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -161,10 +174,9 @@ def _is_current(meta: dict, data_dir: Path, settings: dict) -> bool:
         train, val = (read_token_header(data_dir / name) for name in ("train.bin", "val.bin"))
     except UserError:
         return False
-    return (
-        fingerprint == meta.get("tokenizer_fingerprint") == train.fingerprint == val.fingerprint
-        and (train.count, val.count) == (meta.get("train_tokens"), meta.get("val_tokens"))
-    )
+    same_tokenizer = fingerprint == meta.get("tokenizer_fingerprint") == train.fingerprint == val.fingerprint
+    same_counts = (train.count, val.count) == (meta.get("train_tokens"), meta.get("val_tokens"))
+    return same_tokenizer and same_counts
 
 
 def _tokenizer(
@@ -191,7 +203,10 @@ def _tokenizer(
 def _encode_corpus(
     tok: Tokenizer, files: list[Path], val_files: set, val_fraction: float, data_dir: Path, sizes: dict, log: _Log
 ) -> dict:
-    """Encode every file into train.bin or val.bin (EOT after each document); return the counts."""
+    """Encode every file into train.bin or val.bin (EOT after each document); return the counts.
+
+    No val files means a corpus of one non-empty file, whose tokens are split instead.
+    """
     V, eot = tok.vocab_size, np.array([tok.eot_id])
     counts = {"train": np.zeros(V, np.int64), "val": np.zeros(V, np.int64)}
     n_bytes = {"train": 0, "val": 0}
@@ -209,7 +224,7 @@ def _encode_corpus(
                 empty += 1
                 continue
             split = "val" if doc.path in val_files else "train"
-            parts = _single_file_split(ids, val_fraction) if len(files) == 1 else {split: ids}
+            parts = {split: ids} if val_files else _single_file_split(ids, val_fraction)
             for name, part in parts.items():
                 sinks[name].write(part)
                 sinks[name].write(eot)
@@ -218,6 +233,8 @@ def _encode_corpus(
                 documents += 1
             n_bytes[split] += doc.n_bytes
     bar.done()
+    if not_utf8 > max(10, len(files) // 10):
+        log.line(f"note: {not_utf8} of {len(files)} files are not UTF-8: is the corpus binary in part?")
     n_tokens = {name: int(c.sum()) for name, c in counts.items()}
     total_bytes = sum(n_bytes.values())
     return {
@@ -314,22 +331,24 @@ class _Progress:
         now = time.perf_counter()
         if self.tty and now - self.last >= 0.25:
             self.last = now
-            print("\r" + self._text(now), end="", file=self.log.stream, flush=True)
+            print("\r" + self._text(now) + CLEAR_TO_EOL, end="", file=self.log.stream, flush=True)
         elif not self.tty and 4 * self.bytes >= (self.quarter + 1) * self.total_bytes:
             self.quarter = 4 * self.bytes // self.total_bytes
             self.log.line(self._text(now))
 
     def done(self) -> None:
         if self.tty:
-            print("\r" + self._text(time.perf_counter()), file=self.log.stream, flush=True)
+            print("\r" + self._text(time.perf_counter()) + CLEAR_TO_EOL, file=self.log.stream, flush=True)
 
     def _text(self, now: float) -> str:
         elapsed = max(now - self.start, 1e-9)
         rate = self.bytes / elapsed
-        eta = (self.total_bytes - self.bytes) / rate if rate > 0 else 0.0
+        left = max(self.total_bytes - self.bytes, 0)
+        # The first second's rate is mostly start-up: no ETA from it.
+        eta = f"{left / rate:.0f}s" if left == 0 or (rate > 0 and elapsed > 1) else "?"
         return (
             f"{self.label} {self.files:>{len(str(self.total_files))}}/{self.total_files} files  "
-            f"{self.bytes / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB  {rate / 1e6:.1f} MB/s  ETA {eta:.0f}s "
+            f"{self.bytes / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB  {rate / 1e6:.1f} MB/s  ETA {eta}"
         )
 
 
@@ -352,14 +371,23 @@ def default_data_dir(inputs: list[str] | None) -> Path:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m andrea.prepare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", dest="inputs", nargs="+", action="extend", metavar="PATH_OR_GLOB",
-                   help="files, directories or glob patterns of UTF-8 text (default: Python's stdlib)")
+    p.add_argument(
+        "--input",
+        dest="inputs",
+        nargs="+",
+        action="extend",
+        metavar="PATH_OR_GLOB",
+        help="files, directories or glob patterns of UTF-8 text (default: Python's stdlib)",
+    )
     p.add_argument("--data-dir", type=Path, help="where to write (default: data/stdlib, or data/<input name>)")
     p.add_argument("--force", action="store_true", help="re-encode even if the directory is up to date")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids, EOT included (8449)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of files for validation (0.01)")
-    p.add_argument("--allow-smaller-vocab", action="store_true",
-                   help="keep fewer ids when the corpus is too small to reach --vocab-size")
+    p.add_argument(
+        "--allow-smaller-vocab",
+        action="store_true",
+        help="keep fewer ids when the corpus is too small to reach --vocab-size",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -395,8 +423,13 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     data_dir = args.data_dir or default_data_dir(args.inputs)
     stats = prepare(
-        args.inputs, data_dir, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
-        progress=not args.quiet, allow_smaller_vocab=args.allow_smaller_vocab, force=args.force,
+        args.inputs,
+        data_dir,
+        vocab_size=args.vocab_size,
+        val_fraction=args.val_fraction,
+        progress=not args.quiet,
+        allow_smaller_vocab=args.allow_smaller_vocab,
+        force=args.force,
     )
     print(format_summary(stats, data_dir))
     return 0

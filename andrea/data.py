@@ -1,0 +1,423 @@
+"""The data side of training: corpus files, the train/validation split, token files, batches.
+
+- A corpus is a sorted list of files; each file is one document (SPEC 3). The default corpus is the
+  `.py` source of the running interpreter's standard library, which needs no download.
+- A token file is a 128-byte header followed by the token ids as little-endian uint16:
+
+      offset  size  field
+      0       8     magic b"ANDREATK"
+      8       4     format version (uint32, currently 1)
+      12      4     vocab size the ids were made with (uint32)
+      16      8     token count (uint64)
+      24      64    tokenizer fingerprint, ASCII sha256 hex, NUL padded
+      88      40    zero
+
+  so a file made by another tokenizer, a cut-off copy or a stray file is refused before training.
+- `BatchLoader` draws (B, T) windows at random offsets from a seeded PCG64 and can be resumed
+  exactly; `iter_eval_batches` gives fixed windows for a comparable validation loss.
+
+Everything is written through `atomic_writer`: a file appears under its final name complete or
+not at all. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import os
+import struct
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from andrea.errors import UserError
+
+MAGIC = b"ANDREATK"
+FORMAT_VERSION = 1
+HEADER_SIZE = 128
+_HEADER = struct.Struct("<8sIIQ64s")
+TOKEN_DTYPE = np.dtype("<u2")
+MAX_VOCAB = 1 << 16  # ids must fit uint16
+
+# Directory and glob inputs take every file except these: hidden entries (.git, editor files) and
+# formats that are never text. An explicitly named file is always taken.
+SKIPPED_DIRS = {"__pycache__", "site-packages", "dist-packages", "node_modules"}
+BINARY_SUFFIXES = (
+    {".pyc", ".pyo", ".so", ".dll", ".dylib", ".o", ".a", ".exe", ".bin", ".whl", ".jar"}  # compiled
+    | {".npy", ".npz", ".pkl", ".pt", ".safetensors", ".db", ".sqlite"}  # data
+    | {".zip", ".gz", ".bz2", ".xz", ".zst", ".tar", ".7z"}  # archives
+    | {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".ico", ".webp", ".pdf", ".mp3", ".wav", ".mp4"}  # media
+    | {".ttf", ".otf", ".woff", ".woff2"}  # fonts
+)
+
+
+@contextlib.contextmanager
+def atomic_writer(path) -> Iterator[BinaryIO]:
+    """Open `path` for binary writing so that it appears complete or not at all.
+
+    Writes go to a hidden temporary file beside `path`, which is fsync'ed and renamed over
+    `path` only when the block ends without an exception; on any exception it is removed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is durable only once the directory entry is; not every OS can open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- corpus files
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_corpus_files() -> list[Path]:
+    """The `.py` files of this interpreter's standard library, sorted, without site-packages."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(stdlib_root()):
+        # Pruned, not filtered: site-packages can be far larger than the stdlib itself.
+        dirnames[:] = [d for d in dirnames if d not in {"site-packages", "dist-packages", "__pycache__"}]
+        files.extend(Path(dirpath, name) for name in filenames if name.endswith(".py"))
+    return sorted(p for p in files if p.is_file())
+
+
+def resolve_inputs(specs: Iterable[str]) -> list[Path]:
+    """Expand files, directories and glob patterns into a sorted, deduplicated list of files.
+
+    A named file is taken as is. A directory is searched recursively for every file except
+    hidden ones, those under `SKIPPED_DIRS` (`__pycache__`, ...) and known binary formats
+    (`BINARY_SUFFIXES`). A pattern with `*`, `?` or `[` is a glob (`**` recurses): the files it
+    matches are filtered the same way, the directories searched. A spec that yields no file is a
+    UserError.
+    """
+    found: set[Path] = set()
+    for spec in specs:
+        matches = _expand_spec(spec)
+        if not matches:
+            raise UserError(f"input {spec!r} matches no file")
+        found.update(Path(os.path.abspath(p)) for p in matches)
+    return sorted(found)
+
+
+def _expand_spec(spec: str) -> list[Path]:
+    path = Path(os.path.expanduser(spec))
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return _text_files_under(path)
+    if not any(ch in spec for ch in "*?["):
+        return []
+    files = []
+    for match in sorted(glob.glob(os.path.expanduser(spec), recursive=True)):
+        m = Path(match)
+        if m.is_dir():
+            files.extend(_text_files_under(m))
+        elif m.is_file() and _looks_like_text(m):
+            files.append(m)
+    return files
+
+
+def _text_files_under(directory: Path) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS]
+        for name in filenames:
+            p = Path(dirpath, name)
+            if not name.startswith(".") and _looks_like_text(p) and p.is_file():
+                files.append(p)
+    return files
+
+
+def _looks_like_text(path: Path) -> bool:
+    return path.suffix.lower() not in BINARY_SUFFIXES and not SKIPPED_DIRS & set(path.parts)
+
+
+@dataclass(frozen=True)
+class Document:
+    path: Path
+    text: str
+    n_bytes: int  # size of the file on disk
+    valid_utf8: bool  # False: undecodable bytes were replaced by U+FFFD
+
+
+def read_documents(paths: Iterable[Path]) -> Iterator[Document]:
+    """Read each file as one document.
+
+    A file that is not valid UTF-8 is kept, its bad bytes replaced by U+FFFD, and flagged
+    (`valid_utf8=False`) so the caller can count it: dropping it would silently shrink the
+    corpus (the stdlib has a few Latin-1 test files). An unreadable file is a UserError.
+    """
+    for path in paths:
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as e:
+            raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+        try:
+            yield Document(Path(path), raw.decode("utf-8"), len(raw), True)
+        except UnicodeDecodeError:
+            yield Document(Path(path), raw.decode("utf-8", errors="replace"), len(raw), False)
+
+
+def split_validation(paths: list[Path], root: Path, val_fraction: float) -> tuple[list[Path], list[Path]]:
+    """Split files into (train, val): a file is in val when a hash of its path under `root` falls
+    below `val_fraction`, so the split is the same on every machine and for every run.
+
+    With two or more files, each side gets at least one file.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    key = {p: _split_key(Path(p).relative_to(root).as_posix()) for p in paths}
+    val = [p for p in paths if key[p] < val_fraction]
+    if len(paths) >= 2:
+        if not val:
+            val = [min(paths, key=key.__getitem__)]
+        elif len(val) == len(paths):
+            val.remove(max(val, key=key.__getitem__))
+    val_set = set(val)
+    return [p for p in paths if p not in val_set], val
+
+
+def _split_key(relative_path: str) -> float:
+    digest = hashlib.sha256(relative_path.encode("utf-8", errors="surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+# ----------------------------------------------------------------------------- token files
+
+
+@dataclass(frozen=True)
+class TokenFileHeader:
+    version: int
+    vocab_size: int
+    count: int
+    fingerprint: str
+
+
+class TokenSink:
+    """Appends token ids to an open token file and counts them (see `token_writer`)."""
+
+    def __init__(self, f: BinaryIO, vocab_size: int):
+        self._f = f
+        self.vocab_size = vocab_size
+        self.count = 0
+
+    def write(self, tokens) -> None:
+        ids = np.asarray(tokens)
+        if ids.size == 0:
+            return
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"tokens must be a 1-D integer array, got {ids.dtype} of shape {ids.shape}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"token id {hi if hi >= self.vocab_size else lo} is outside 0..{self.vocab_size - 1}")
+        self._f.write(np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes())
+        self.count += ids.size
+
+
+@contextlib.contextmanager
+def token_writer(path, vocab_size: int, fingerprint: str) -> Iterator[TokenSink]:
+    """Stream token ids into a new token file; it appears under `path` only if the block succeeds."""
+    _check_vocab_size(vocab_size)
+    fp = fingerprint.encode("ascii")
+    if len(fp) > 64:
+        raise ValueError("a tokenizer fingerprint has at most 64 ASCII characters")
+    with atomic_writer(path) as f:
+        f.write(bytes(HEADER_SIZE))  # the count is known only at the end
+        sink = TokenSink(f, vocab_size)
+        yield sink
+        f.seek(0)
+        f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, vocab_size, sink.count, fp))
+
+
+def write_tokens(path, tokens: np.ndarray, vocab_size: int, fingerprint: str) -> None:
+    """Write `tokens` (1-D ints < vocab_size) as an andrea token file, atomically."""
+    with token_writer(path, vocab_size, fingerprint) as sink:
+        sink.write(tokens)
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if not 0 < vocab_size <= MAX_VOCAB:
+        raise ValueError(f"token files hold uint16 ids: vocab_size must be in 1..{MAX_VOCAB}, got {vocab_size}")
+
+
+def read_token_header(path) -> TokenFileHeader:
+    """Read and check the header of a token file: magic, version and the file's length."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise UserError(f"token file {path} does not exist: run python -m andrea.prepare") from None
+    except OSError as e:
+        raise UserError(f"cannot read token file {path}: {e.strerror or e}") from e
+    if not head.startswith(MAGIC):
+        raise UserError(f"{path} is not an andrea token file (made by python -m andrea.prepare)")
+    if len(head) < HEADER_SIZE:
+        raise UserError(f"{path} is truncated (shorter than its header): re-run python -m andrea.prepare --force")
+    _, version, vocab_size, count, fp = _HEADER.unpack_from(head)
+    if version != FORMAT_VERSION:
+        raise UserError(
+            f"{path} is token file format version {version}; this andrea reads version {FORMAT_VERSION}: "
+            "re-run python -m andrea.prepare --force"
+        )
+    expected = HEADER_SIZE + count * TOKEN_DTYPE.itemsize
+    if size != expected:
+        raise UserError(
+            f"{path} is truncated or corrupt: its header promises {count} tokens ({expected} bytes) "
+            f"but the file has {size} bytes: re-run python -m andrea.prepare --force"
+        )
+    return TokenFileHeader(version, vocab_size, count, fp.rstrip(b"\0").decode("ascii", errors="replace"))
+
+
+def read_tokens(path, vocab_size: int | None = None, fingerprint: str | None = None) -> np.ndarray:
+    """Open a token file as a read-only uint16 memmap, refusing files that do not fit.
+
+    `vocab_size` and `fingerprint`, when given, must match what the file was made with. Every id is
+    checked against the file's vocab size (one pass of `max` over the map).
+    """
+    path = Path(path)
+    header = read_token_header(path)
+    if vocab_size is not None and header.vocab_size != vocab_size:
+        raise UserError(
+            f"{path} was made with a tokenizer of {header.vocab_size} ids, this model has {vocab_size}: "
+            "re-run python -m andrea.prepare"
+        )
+    if fingerprint is not None and header.fingerprint != fingerprint:
+        raise UserError(
+            f"{path} was made with a different tokenizer (fingerprint {header.fingerprint[:12]}, "
+            f"expected {fingerprint[:12]}): re-run python -m andrea.prepare --force"
+        )
+    if header.count == 0:
+        empty = np.zeros(0, dtype=TOKEN_DTYPE)
+        empty.flags.writeable = False
+        return empty
+    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_SIZE, shape=(header.count,))
+    top = int(tokens.max())
+    if top >= header.vocab_size:
+        raise UserError(
+            f"{path} holds token id {top} but was made with only {header.vocab_size} ids: the file is "
+            "corrupt; re-run python -m andrea.prepare --force"
+        )
+    return tokens
+
+
+def unigram_entropy(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
+    """Cross-entropy in nats/token of the val tokens under the train unigram distribution.
+
+    Both arguments are (V,) id counts. Add-one smoothing over all V ids keeps ids unseen in
+    train finite. This is the loss of a model that ignores context: the first bar to beat.
+    """
+    V = len(train_counts)
+    log_p = np.log((np.asarray(train_counts, dtype=np.float64) + 1.0) / (np.sum(train_counts) + V))  # (V,)
+    return float(-(np.asarray(val_counts, dtype=np.float64) @ log_p) / max(np.sum(val_counts), 1))
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _check_window(n_tokens: int, batch_size: int, seq_len: int) -> None:
+    if batch_size < 1 or seq_len < 1:
+        raise UserError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+    if n_tokens < seq_len + 1:
+        raise UserError(
+            f"the data holds {n_tokens} tokens, too few for the context length {seq_len} "
+            f"(a window needs {seq_len + 1}): use a larger corpus or a shorter context_length"
+        )
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    chunk = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # (B, T+1)
+    return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
+
+
+class BatchLoader:
+    """Random (B, T) training windows: x = tokens[o:o+T], y = tokens[o+1:o+T+1] per row.
+
+    Offsets come from `np.random.Generator(PCG64(seed))`, so a seed fixes the whole stream, and
+    `state_dict()` / `load_state_dict()` let a resumed run draw exactly the batches it would have.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int):
+        _check_window(len(tokens), batch_size, seq_len)
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.batches = 0
+        self._rng = np.random.Generator(np.random.PCG64(seed))
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Return (x, y), both int64 of shape (B, T)."""
+        starts = self._rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+        self.batches += 1
+        return _windows(self.tokens, starts, self.seq_len)
+
+    def state_dict(self) -> dict:
+        """JSON-safe state: PCG64's 128-bit integers are kept as decimal strings."""
+        s = self._rng.bit_generator.state
+        return {
+            "bit_generator": s["bit_generator"],
+            "state": str(s["state"]["state"]),
+            "inc": str(s["state"]["inc"]),
+            "has_uint32": int(s["has_uint32"]),
+            "uinteger": int(s["uinteger"]),
+            "batches": self.batches,
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        try:
+            state = {
+                "bit_generator": d["bit_generator"],
+                "state": {"state": int(d["state"]), "inc": int(d["inc"])},
+                "has_uint32": int(d["has_uint32"]),
+                "uinteger": int(d["uinteger"]),
+            }
+            self._rng.bit_generator.state = state
+            self.batches = int(d["batches"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"the saved data-loader state is not one this version can resume from: {e}") from e
+
+
+def iter_eval_batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield up to `max_batches` fixed (x, y) int64 batches of shape (B, T) for validation.
+
+    Windows start at evenly spaced offsets from the first token to the last full window, so they
+    sample the whole file and never overlap; every batch is full unless the file holds fewer than
+    B windows, in which case there is one smaller batch.
+    """
+    _check_window(len(tokens), batch_size, seq_len)
+    n_windows = min(max_batches * batch_size, (len(tokens) - 1) // seq_len)
+    if n_windows >= batch_size:
+        n_windows -= n_windows % batch_size
+    starts = np.linspace(0, len(tokens) - seq_len - 1, n_windows).round().astype(np.int64)
+    for i in range(0, n_windows, batch_size):
+        yield _windows(tokens, starts[i : i + batch_size], seq_len)

@@ -1,0 +1,286 @@
+"""Byte-level BPE with a fixed id layout (SPEC 2).
+
+    ids 0..255            the raw bytes, id == byte value
+    ids 256..V-2          merged tokens, in the order the merges first created them
+    id  V-1               <|endoftext|> (EOT), placed between documents by the data code
+
+V is 8449 (8192 merges) unless a corpus too small to reach it is trained with `allow_smaller`.
+
+Training and encoding run in Hugging Face `tokenizers` (GPT-2's ByteLevel pre-tokenizer: the
+GPT-2 regex split, no prefix space). Its trainer numbers the 256 byte symbols in Unicode order,
+so its output is translated into the layout above and the encoder is rebuilt from it. EOT is
+never registered with the encoder: a literal "<|endoftext|>" in a document is ordinary text.
+Decoding is our own table lookup (id -> bytes, then UTF-8 with U+FFFD for invalid sequences),
+so it never fails.
+
+The saved form is our own JSON: the merges as pairs of ids. Everything else (the byte string of
+each id, the HF vocabulary) follows from them, and the fingerprint is a hash of them.
+
+Reference: Sennrich et al. 2016 (BPE for subwords); Radford et al. 2019 (GPT-2, byte-level BPE).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers, trainers
+
+from andrea.data import MAX_VOCAB, atomic_writer
+from andrea.errors import UserError
+
+FORMAT = "andrea-bpe"
+FORMAT_VERSION = 1
+DEFAULT_VOCAB_SIZE = 8449
+
+
+def _byte_symbols() -> list[str]:
+    """The printable character GPT-2's byte-level BPE uses for each byte (index = byte value).
+
+    Bytes that are visible Latin-1 characters stand for themselves; the other 68 (controls,
+    space, NBSP, soft hyphen) are given the characters from U+0100 on, in byte order.
+    """
+    visible = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    symbols, n_moved = [], 0
+    for b in range(256):
+        if b in visible:
+            symbols.append(chr(b))
+        else:
+            symbols.append(chr(0x100 + n_moved))
+            n_moved += 1
+    return symbols
+
+
+BYTE_SYMBOLS = _byte_symbols()
+_SYMBOL_TO_BYTE = {s: b for b, s in enumerate(BYTE_SYMBOLS)}
+
+
+def _symbols(token: bytes) -> str:
+    return "".join(BYTE_SYMBOLS[b] for b in token)
+
+
+def _hf_pre_tokenizer():
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+class Tokenizer:
+    EOT_TEXT = "<|endoftext|>"
+
+    def __init__(self, merges: list[tuple[int, int]]):
+        """Build from merges given as (left id, right id) pairs in merge order.
+
+        The merged token of each pair that is new gets the next id; a pair that rebuilds a byte
+        string an earlier merge already made (possible in HF's trainer) adds no id.
+        """
+        token_bytes = [bytes([b]) for b in range(256)]
+        index = {t: i for i, t in enumerate(token_bytes)}
+        for left, right in merges:
+            if not (0 <= left < len(token_bytes) and 0 <= right < len(token_bytes)):
+                raise ValueError(f"merge ({left}, {right}) refers to an id not yet defined")
+            joined = token_bytes[left] + token_bytes[right]
+            if joined not in index:
+                index[joined] = len(token_bytes)
+                token_bytes.append(joined)
+        if len(token_bytes) + 1 > MAX_VOCAB:
+            raise ValueError(f"{len(token_bytes) + 1} ids do not fit the uint16 token files")
+        self._merges = [(int(a), int(b)) for a, b in merges]
+        self._token_bytes = token_bytes + [self.EOT_TEXT.encode("ascii")]
+        self.vocab_size = len(self._token_bytes)
+        self.eot_id = self.vocab_size - 1
+        self._fingerprint = hashlib.sha256(self._canonical().encode("ascii")).hexdigest()
+        self._hf = self._build_encoder(token_bytes)
+
+    def _canonical(self) -> str:
+        return json.dumps({"format": FORMAT, "eot": self.EOT_TEXT, "merges": self._merges}, separators=(",", ":"))
+
+    def _build_encoder(self, token_bytes: list[bytes]) -> HFTokenizer:
+        vocab = {_symbols(t): i for i, t in enumerate(token_bytes)}
+        merges = [(_symbols(token_bytes[a]), _symbols(token_bytes[b])) for a, b in self._merges]
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+        hf.pre_tokenizer = _hf_pre_tokenizer()
+        return hf
+
+    # --------------------------------------------------------------------------- training
+
+    @classmethod
+    def train(
+        cls, texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, allow_smaller: bool = False
+    ) -> Tokenizer:
+        """Learn `vocab_size - 257` merges from `texts` (deterministic: same texts, same merges).
+
+        A corpus too small to yield that many merges (about 1 MB of text is needed for 8449 ids)
+        is a UserError, unless `allow_smaller`, which keeps the merges found: then `vocab_size`
+        of the result is smaller, and EOT is still the last id.
+        """
+        if not 257 <= vocab_size <= MAX_VOCAB:
+            raise UserError(f"vocab_size must be in 257..{MAX_VOCAB} (256 bytes, merges, EOT), got {vocab_size}")
+        hf = HFTokenizer(models.BPE())
+        hf.pre_tokenizer = _hf_pre_tokenizer()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size - 1,  # EOT is added by us, after the merges
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        try:
+            hf.train_from_iterator(iter(texts), trainer)
+        except TypeError as e:
+            raise UserError(f"training text must be str that UTF-8 can represent (no lone surrogates): {e}") from e
+        tok = cls(_merges_from_hf(json.loads(hf.to_str())["model"]))
+        if tok.vocab_size < vocab_size and not allow_smaller:
+            raise UserError(
+                f"the corpus is too small for {vocab_size} token ids: BPE ran out of pairs after "
+                f"{tok.vocab_size - 257} merges ({tok.vocab_size} ids); about 1 MB of text is needed "
+                "(allow_smaller=True, or prepare --allow-smaller-vocab, keeps fewer ids)"
+            )
+        return tok
+
+    # --------------------------------------------------------------------------- files
+
+    @classmethod
+    def load(cls, path) -> Tokenizer:
+        """Read a tokenizer saved by `save`; a missing, foreign or corrupt file is a UserError."""
+        path = Path(path)
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"tokenizer file {path} does not exist: run python -m andrea.prepare") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read tokenizer file {path}: {e}; re-run python -m andrea.prepare --force") from e
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+            raise UserError(f"{path} is not an andrea tokenizer file (made by python -m andrea.prepare)")
+        if obj.get("version") != FORMAT_VERSION:
+            raise UserError(
+                f"{path} is tokenizer format version {obj.get('version')}; this andrea reads {FORMAT_VERSION}"
+            )
+        try:
+            tok = cls([(a, b) for a, b in obj["merges"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"tokenizer file {path} is corrupt ({e}): re-run python -m andrea.prepare --force") from e
+        if obj.get("vocab_size") != tok.vocab_size or obj.get("fingerprint") != tok.fingerprint():
+            raise UserError(
+                f"tokenizer file {path} is corrupt (its merges do not give its vocab_size/fingerprint): "
+                "re-run python -m andrea.prepare --force"
+            )
+        return tok
+
+    def save(self, path) -> None:
+        """Write the tokenizer as JSON, one merge per line, atomically."""
+        head = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "vocab_size": self.vocab_size,
+            "eot": self.EOT_TEXT,
+            "fingerprint": self._fingerprint,
+        }
+        lines = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+        merges = ",\n".join(f"    [{a}, {b}]" for a, b in self._merges)
+        text = "{\n" + "\n".join(lines) + '\n  "merges": [\n' + merges + "\n  ]\n}\n"
+        with atomic_writer(path) as f:
+            f.write(text.encode("ascii"))
+
+    def fingerprint(self) -> str:
+        """sha256 hex of the merges (which fix every id): equal fingerprints, equal tokenizers."""
+        return self._fingerprint
+
+    # --------------------------------------------------------------------------- encode / decode
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, which must be a str UTF-8 can represent (no lone surrogates).
+
+        Never yields `eot_id`, whatever the text contains.
+        """
+        try:
+            return self._hf.encode(text).ids
+        except TypeError as e:
+            raise (_text_error(text) or e) from None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` over many texts, in parallel threads inside `tokenizers`."""
+        try:
+            return [e.ids for e in self._hf.encode_batch_fast(list(texts))]
+        except TypeError as e:
+            raise next(filter(None, map(_text_error, texts)), e) from None
+
+    def decode(self, ids) -> str:
+        """Text of any sequence of ids in range (list or 1-D array); bad UTF-8 becomes U+FFFD."""
+        ids = self._checked_ids(ids)
+        return b"".join(self._token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes id `token_id` stands for (EOT: the ASCII of its text)."""
+        return self._token_bytes[self._checked_ids([token_id])[0]]
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+    def _checked_ids(self, ids) -> list[int]:
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            return []
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise UserError(f"token ids must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
+        bad = (arr < 0) | (arr >= self.vocab_size)
+        if bad.any():
+            raise UserError(
+                f"token id {int(arr[bad][0])} is out of range for a tokenizer of {self.vocab_size} ids "
+                f"(0..{self.vocab_size - 1})"
+            )
+        return arr.tolist()
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, fingerprint={self._fingerprint[:12]})"
+
+
+class StreamDecoder:
+    """Decode ids one at a time, emitting only complete characters.
+
+    A character whose UTF-8 bytes are split across tokens is held back until its last byte
+    arrives; the concatenation of every `feed` and the final `flush` equals `decode(ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Emit what is held back (an incomplete character becomes U+FFFD) and start afresh."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
+
+
+def _text_error(text) -> Exception | None:
+    """Why HF refused `text`: not a str, or a str with a lone surrogate; None if neither."""
+    if not isinstance(text, str):
+        return TypeError(f"encode takes str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return UserError(
+            f"text holds a lone surrogate (U+{ord(text[e.start]):04X} at index {e.start}), which UTF-8 "
+            "cannot represent: decode your input with errors='replace' first"
+        )
+    return None
+
+
+def _merges_from_hf(model: dict) -> list[tuple[int, int]]:
+    """Translate the merges of a trained HF byte-level BPE model into pairs of our ids.
+
+    HF writes each merge as a pair of symbol strings (older versions: one string "a b").
+    """
+    token_id = {bytes([b]): b for b in range(256)}
+    merges = []
+    for merge in model["merges"]:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        a, b = bytes(_SYMBOL_TO_BYTE[c] for c in left), bytes(_SYMBOL_TO_BYTE[c] for c in right)
+        merges.append((token_id[a], token_id[b]))
+        token_id.setdefault(a + b, len(token_id))
+    return merges

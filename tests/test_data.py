@@ -1,0 +1,410 @@
+"""The data pipeline: corpus files, the split, token files and their refusals, batches, prepare."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from andrea import data
+from andrea.cli import run_cli
+from andrea.data import BatchLoader, iter_eval_batches, read_tokens, write_tokens
+from andrea.errors import UserError
+from andrea.prepare import default_data_dir, main, prepare
+from andrea.tokenizer import Tokenizer
+
+FP = "ab" * 32
+
+
+# ----------------------------------------------------------------------------- corpus files
+
+
+def test_stdlib_corpus_files():
+    files = data.stdlib_corpus_files()
+    assert len(files) > 500 and files == sorted(files)
+    assert all(p.suffix == ".py" for p in files)
+    assert not any("site-packages" in p.parts for p in files)
+    assert any(p.name == "os.py" for p in files)
+
+
+def make_tree(root):
+    files = {
+        "a.txt": "alpha\n",
+        "sub/b.md": "beta\n",
+        "sub/deep/c.py": "gamma = 3\n",
+        "sub/.hidden.txt": "no",
+        ".git/config": "no",
+        "sub/__pycache__/c.cpython-311.pyc": "no",
+        "img.png": "no",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_resolve_directory_recurses_and_skips_non_text(tmp_path):
+    root = make_tree(tmp_path)
+    found = data.resolve_inputs([str(root)])
+    assert [p.relative_to(root).as_posix() for p in found] == ["a.txt", "sub/b.md", "sub/deep/c.py"]
+
+
+def test_resolve_globs_files_sorted_and_deduplicated(tmp_path):
+    root = make_tree(tmp_path)
+    specs = [root / "sub/**/*.py", root / "a.txt", root / "sub", root / "*.txt"]
+    found = data.resolve_inputs([str(s) for s in specs])
+    assert [p.relative_to(root).as_posix() for p in found] == ["a.txt", "sub/b.md", "sub/deep/c.py"]
+    assert data.resolve_inputs([str(root / "img.png")]) == [root / "img.png"]  # named: taken as is
+    star = data.resolve_inputs([str(root / "*")])  # globbed: filtered like a directory
+    assert [p.relative_to(root).as_posix() for p in star] == ["a.txt", "sub/b.md", "sub/deep/c.py"]
+    with pytest.raises(UserError, match="matches no file"):
+        data.resolve_inputs([str(root / "**/*.pyc")])
+
+
+def test_resolve_refuses_specs_matching_nothing(tmp_path):
+    make_tree(tmp_path)
+    (tmp_path / "empty_dir").mkdir()
+    for spec in (str(tmp_path / "missing.txt"), str(tmp_path / "*.rst"), str(tmp_path / "empty_dir")):
+        with pytest.raises(UserError, match="matches no file"):
+            data.resolve_inputs([str(tmp_path / "a.txt"), spec])
+
+
+def test_read_documents_replaces_bad_utf8_and_refuses_unreadable(tmp_path):
+    (tmp_path / "good.txt").write_text("olá\n", encoding="utf-8")
+    (tmp_path / "latin1.txt").write_bytes("olá\n".encode("latin-1"))
+    good, bad = data.read_documents([tmp_path / "good.txt", tmp_path / "latin1.txt"])
+    assert (good.text, good.valid_utf8, good.n_bytes) == ("olá\n", True, 5)
+    assert (bad.text, bad.valid_utf8, bad.n_bytes) == ("ol\ufffd\n", False, 4)
+    with pytest.raises(UserError, match="cannot read .*nope.txt"):
+        list(data.read_documents([tmp_path / "nope.txt"]))
+
+
+def test_split_is_deterministic_about_one_percent_and_never_one_sided(tmp_path):
+    paths = [tmp_path / f"d{i // 100}" / f"f{i}.py" for i in range(2000)]
+    train, val = data.split_validation(paths, tmp_path, 0.01)
+    assert 5 <= len(val) <= 45 and len(train) + len(val) == 2000
+    assert set(train).isdisjoint(val)
+    moved = [tmp_path / "elsewhere" / p.relative_to(tmp_path) for p in paths]
+    _, val_moved = data.split_validation(moved, tmp_path / "elsewhere", 0.01)
+    assert [p.relative_to(tmp_path / "elsewhere") for p in val_moved] == [p.relative_to(tmp_path) for p in val]
+    train2, val2 = data.split_validation(paths[:2], tmp_path, 0.01)
+    assert len(train2) == len(val2) == 1
+    train3, val3 = data.split_validation(paths[:3], tmp_path, 0.99)
+    assert len(train3) == 1 and len(val3) == 2
+
+
+def test_unigram_entropy():
+    V = 8
+    assert data.unigram_entropy(np.zeros(V), np.ones(V)) == pytest.approx(math.log(V))
+    train = np.array([3, 1, 0, 0])  # p = (4, 2, 1, 1) / 8
+    assert data.unigram_entropy(train, np.array([1, 1, 0, 0])) == pytest.approx((math.log(2) + math.log(4)) / 2)
+
+
+# ----------------------------------------------------------------------------- token files
+
+
+def test_token_file_round_trip(tmp_path):
+    tokens = np.array([0, 1, 299, 42, 7], dtype=np.int64)
+    write_tokens(tmp_path / "t.bin", tokens, 300, FP)
+    got = read_tokens(tmp_path / "t.bin", vocab_size=300, fingerprint=FP)
+    assert got.dtype == np.uint16 and not got.flags.writeable
+    np.testing.assert_array_equal(got, tokens)
+    assert (tmp_path / "t.bin").stat().st_size == data.HEADER_SIZE + 2 * len(tokens)
+    assert data.read_token_header(tmp_path / "t.bin") == data.TokenFileHeader(1, 300, 5, FP)
+
+
+def test_token_writer_streams_and_empty_files_read_back(tmp_path):
+    with data.token_writer(tmp_path / "t.bin", 65536, FP) as sink:
+        for chunk in ([1, 2], np.array([], np.int64), np.array([65535], np.uint16)):
+            sink.write(chunk)
+    np.testing.assert_array_equal(read_tokens(tmp_path / "t.bin"), [1, 2, 65535])
+    write_tokens(tmp_path / "e.bin", np.zeros(0, np.int64), 10, FP)
+    assert len(read_tokens(tmp_path / "e.bin", vocab_size=10)) == 0
+
+
+def patched(path, offset, new_bytes):
+    raw = bytearray(path.read_bytes())
+    raw[offset : offset + len(new_bytes)] = new_bytes
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "train.bin"
+    write_tokens(path, np.arange(100) % 300, 300, FP)
+    return path
+
+
+def test_refuses_wrong_magic(token_file, tmp_path):
+    patched(token_file, 0, b"NOTANDRE")
+    with pytest.raises(UserError, match="not an andrea token file"):
+        read_tokens(token_file)
+    (tmp_path / "short.bin").write_bytes(b"abc")
+    with pytest.raises(UserError, match="not an andrea token file"):
+        read_tokens(tmp_path / "short.bin")
+
+
+def test_refuses_unknown_version(token_file):
+    patched(token_file, 8, (7).to_bytes(4, "little"))
+    with pytest.raises(UserError, match="version 7"):
+        read_tokens(token_file)
+
+
+def test_refuses_other_vocab(token_file):
+    expected = "made with a tokenizer of 300 ids, this model has 8449: re-run python -m andrea.prepare"
+    with pytest.raises(UserError, match=expected):
+        read_tokens(token_file, vocab_size=8449)
+
+
+def test_refuses_other_fingerprint(token_file):
+    with pytest.raises(UserError, match="different tokenizer"):
+        read_tokens(token_file, vocab_size=300, fingerprint="cd" * 32)
+
+
+def test_refuses_truncated(token_file):
+    token_file.write_bytes(token_file.read_bytes()[:-1])
+    with pytest.raises(UserError, match="truncated"):
+        read_tokens(token_file)
+    token_file.write_bytes(token_file.read_bytes()[:50])
+    with pytest.raises(UserError, match="truncated"):
+        read_tokens(token_file)
+
+
+def test_refuses_out_of_range_ids(token_file):
+    patched(token_file, data.HEADER_SIZE + 2 * 10, (300).to_bytes(2, "little"))
+    with pytest.raises(UserError, match="token id 300 .* 300 ids"):
+        read_tokens(token_file, vocab_size=300)
+
+
+def test_refuses_missing(tmp_path):
+    with pytest.raises(UserError, match="nope.bin does not exist"):
+        read_tokens(tmp_path / "nope.bin")
+
+
+def test_failed_write_leaves_no_file_and_keeps_the_old_one(token_file):
+    before = token_file.read_bytes()
+    with pytest.raises(ValueError, match="outside"):
+        write_tokens(token_file, np.array([1, 2, 300]), 300, FP)
+    assert token_file.read_bytes() == before
+    with pytest.raises(RuntimeError), data.token_writer(token_file.with_name("new.bin"), 300, FP) as sink:
+        sink.write([1, 2, 3])
+        raise RuntimeError("interrupted")
+    assert sorted(p.name for p in token_file.parent.iterdir()) == ["train.bin"]
+    with pytest.raises(ValueError, match="uint16"):
+        write_tokens(token_file.with_name("big.bin"), [1], 70000, FP)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@pytest.fixture
+def tokens():
+    return np.random.default_rng(0).integers(0, 8449, size=5000).astype(np.uint16)
+
+
+def test_batches_are_shifted_windows_of_the_data(tokens):
+    x, y = BatchLoader(tokens, batch_size=4, seq_len=16, seed=1).next_batch()
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == np.int64
+    for row_x, row_y in zip(x, y):
+        starts = [o for o in range(len(tokens) - 16) if (tokens[o : o + 16] == row_x).all()]
+        assert any((tokens[o + 1 : o + 17] == row_y).all() for o in starts)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(2, 60), B=st.integers(1, 5), T=st.integers(1, 12), seed=st.integers(0, 2**32))
+def test_windows_stay_inside_the_data(n, B, T, seed):
+    tokens = np.arange(n, dtype=np.uint16)
+    if n < T + 1:
+        with pytest.raises(UserError, match="too few for the context length"):
+            BatchLoader(tokens, B, T, seed)
+        return
+    x, y = BatchLoader(tokens, B, T, seed).next_batch()
+    np.testing.assert_array_equal(y, x + 1)  # arange data: each target is the next token
+    assert x.min() >= 0 and y.max() <= n - 1
+
+
+def test_same_seed_same_batches_other_seed_other_batches(tokens):
+    a, b, c = (BatchLoader(tokens, 4, 16, seed) for seed in (5, 5, 6))
+    for _ in range(3):
+        (xa, ya), (xb, yb), (xc, _) = a.next_batch(), b.next_batch(), c.next_batch()
+        np.testing.assert_array_equal(xa, xb)
+        np.testing.assert_array_equal(ya, yb)
+        assert not np.array_equal(xa, xc)
+
+
+def test_resume_continues_exactly(tokens):
+    run = BatchLoader(tokens, 4, 16, seed=3)
+    for _ in range(3):
+        run.next_batch()
+    state = json.loads(json.dumps(run.state_dict()))
+    expected = [run.next_batch() for _ in range(3)]
+    resumed = BatchLoader(tokens, 4, 16, seed=999)
+    resumed.load_state_dict(state)
+    assert resumed.batches == 3
+    for (x, y), (rx, ry) in zip(expected, (resumed.next_batch() for _ in range(3))):
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+    with pytest.raises(UserError, match="cannot resume|not one"):
+        resumed.load_state_dict({"batches": 1})
+
+
+def test_eval_batches_are_fixed_full_and_disjoint(tokens):
+    batches = list(iter_eval_batches(tokens, 4, 16, max_batches=5))
+    again = list(iter_eval_batches(tokens, 4, 16, max_batches=5))
+    assert len(batches) == 5 and all(x.shape == (4, 16) for x, _ in batches)
+    for (x, y), (x2, _) in zip(batches, again):
+        np.testing.assert_array_equal(x, x2)
+        np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    rows = np.concatenate([x for x, _ in batches])
+    np.testing.assert_array_equal(rows[0], tokens[:16])
+    np.testing.assert_array_equal(batches[-1][1][-1], tokens[-16:])  # the last target is the last token
+    few = list(iter_eval_batches(np.arange(50), 4, 16, max_batches=5))  # only 3 windows fit
+    assert len(few) == 1 and few[0][0].shape == (3, 16)
+    assert len(np.unique(few[0][0][:, 0])) == 3 and np.diff(few[0][0][:, 0]).min() >= 16
+    with pytest.raises(UserError, match="context length"):
+        list(iter_eval_batches(np.arange(10), 4, 16, 5))
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+DOCS = {
+    "a.txt": "The quick brown fox jumps over the lazy dog.\n" * 20,
+    "b.py": "def add(x, y):\n    return x + y  # café ☕\n" * 15,
+    "sub/c.md": f"# Title\n\nA literal {Tokenizer.EOT_TEXT} stays text. 中文 😀\n" * 10,
+    "sub/d.txt": "lorem ipsum dolor sit amet " * 30,
+    "e.txt": "",
+}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    root = tmp_path / "corpus"
+    for rel, text in DOCS.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    return root
+
+
+def split_documents(tok, tokens):
+    """The texts between EOT ids."""
+    ids = np.asarray(tokens).tolist()
+    docs, current = [], []
+    for i in ids:
+        if i == tok.eot_id:
+            docs.append(tok.decode(current))
+            current = []
+        else:
+            current.append(i)
+    assert current == []  # every document ends with EOT
+    return docs
+
+
+def test_prepare_end_to_end(corpus, tmp_path):
+    out = tmp_path / "data"
+    stats = prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)
+    tok = Tokenizer.load(out / "tokenizer.json")
+    train = read_tokens(out / "train.bin", tok.vocab_size, tok.fingerprint())
+    val = read_tokens(out / "val.bin", tok.vocab_size, tok.fingerprint())
+    val_names = set(stats["val_file_names"])
+    assert stats["val_files"] == len(val_names) == 1 and "e.txt" not in val_names
+    expected_train = [t for rel, t in sorted(DOCS.items()) if t and rel not in val_names]
+    expected_val = [t for rel, t in sorted(DOCS.items()) if t and rel in val_names]
+    assert split_documents(tok, train) == expected_train
+    assert split_documents(tok, val) == expected_val
+    assert stats["files"] == 5 and stats["empty_files"] == 1 and stats["not_utf8_files"] == 0
+    assert (stats["train_tokens"], stats["val_tokens"]) == (len(train), len(val))
+    assert stats["bytes"] == sum(len(t.encode()) for t in DOCS.values())
+    assert stats["vocab_size"] == tok.vocab_size < 8449 and stats["tokenizer"] == "trained"
+    assert stats["unigram_val_nats"] > 0 and stats["bytes_per_token"] > 1
+    assert json.loads((out / "meta.json").read_text())["train_tokens"] == len(train)
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+
+
+def test_prepare_fast_path_force_and_other_corpus(corpus, tmp_path):
+    out = tmp_path / "data"
+    first = prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)
+    assert not first["skipped"]
+    assert prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)["skipped"]
+    forced = prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True, force=True)
+    assert not forced["skipped"] and forced["tokenizer"] == "loaded"
+    assert forced["tokenizer_fingerprint"] == first["tokenizer_fingerprint"]
+    (out / "val.bin").unlink()  # a damaged directory is rebuilt without --force
+    assert not prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)["skipped"]
+    (corpus / "new.txt").write_text("a new document\n")
+    with pytest.raises(UserError, match="another corpus"):
+        prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)
+    assert prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True, force=True)["files"] == 6
+
+
+def test_prepare_single_file_splits_its_tokens(tmp_path):
+    text = "".join(f"line {i}: some words to tokenize\n" for i in range(300))
+    (tmp_path / "one.txt").write_text(text)
+    stats = prepare([str(tmp_path / "one.txt")], tmp_path / "data", progress=False, allow_smaller_vocab=True)
+    tok = Tokenizer.load(tmp_path / "data" / "tokenizer.json")
+    train, val = (read_tokens(tmp_path / "data" / n) for n in ("train.bin", "val.bin"))
+    assert stats["val_tokens"] >= 2 and stats["train_tokens"] > 50 * stats["val_tokens"]
+    assert "".join(split_documents(tok, train) + split_documents(tok, val)) == text
+
+
+def test_prepare_counts_bad_utf8_and_refuses_empty_corpora(tmp_path, corpus):
+    (corpus / "latin1.txt").write_bytes("ação\n".encode("latin-1") * 50)
+    stats = prepare([str(corpus)], tmp_path / "data", progress=False, allow_smaller_vocab=True)
+    assert stats["not_utf8_files"] == 1
+    (tmp_path / "empty").mkdir()
+    for name in ("x.txt", "y.txt"):
+        (tmp_path / "empty" / name).write_text("")
+    with pytest.raises(UserError, match="corpus is empty"):
+        prepare([str(tmp_path / "empty")], tmp_path / "data2", progress=False)
+    with pytest.raises(UserError, match="too small"):
+        prepare([str(corpus)], tmp_path / "data3", progress=False)
+    assert not (tmp_path / "data3" / "tokenizer.json").exists()
+
+
+def test_prepare_progress_goes_to_stderr_only(corpus, tmp_path, capsys):
+    prepare([str(corpus)], tmp_path / "data", progress=True, allow_smaller_vocab=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "encoding" in err and "files" in err
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def test_cli_prepares_and_summarises(corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, ["--input", str(corpus), "--data-dir", str(tmp_path / "d"), "--allow-smaller-vocab", "--quiet"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "bytes/token" in out and "unigram" in out and "nats/token" in out
+
+
+def test_cli_user_error_is_one_line_exit_2(tmp_path, capsys):
+    argv = ["--input", str(tmp_path / "missing"), "--data-dir", str(tmp_path / "d")]
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: input") and err.count("\n") == 1 and "Traceback" not in err
+    with pytest.raises(UserError):
+        run_cli(main, [*argv, "--debug"])
+
+
+def test_cli_interrupt_exits_130(capsys):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(interrupted, [])
+    assert exit_info.value.code == 130 and "interrupted" in capsys.readouterr().err
+
+
+def test_default_data_dir():
+    assert default_data_dir(None) == default_data_dir([]) == data.Path("data/stdlib")
+    assert default_data_dir(["texts/shakespeare.txt"]).as_posix() == "data/shakespeare"
+    assert default_data_dir(["~/books/**/*.txt"]).as_posix() == "data/books"
+    assert default_data_dir(["corpus/"]).as_posix() == "data/corpus"
+    assert default_data_dir(["a.txt", "b.txt"]).as_posix() == "data/custom"
+    assert default_data_dir([os.path.join("x", "my corpus!")]).as_posix() == "data/my_corpus"
