@@ -18,6 +18,7 @@ import numpy as np
 
 from minitensor.backend import array_module
 from minitensor.layer import Layer
+from minitensor.parallel import parallel_for
 
 
 _mask_cache = {}
@@ -40,11 +41,36 @@ def causal_softmax(att):
     row maximum is finite and exp(-inf - max) is exactly 0.
     """
     xp = array_module(att)
-    att += causal_mask(xp, att.shape[-1], att.dtype)
-    att -= att.max(axis=-1, keepdims=True)
-    xp.exp(att, out=att)
-    att /= att.sum(axis=-1, keepdims=True)
+    mask = causal_mask(xp, att.shape[-1], att.dtype)
+
+    def softmax(a):
+        a += mask
+        a -= a.max(axis=-1, keepdims=True)
+        xp.exp(a, out=a)
+        a /= a.sum(axis=-1, keepdims=True)
+
+    if xp is np and att.flags.c_contiguous:              # split (B * nh) matrices over the threads
+        rows = att.reshape(-1, *att.shape[-2:])
+        parallel_for(rows.shape[0], lambda s, e: softmax(rows[s:e]), cost_per_item=mask.size)
+    else:
+        softmax(att)
     return att
+
+
+def _softmax_backward(datt, att):
+    """In place: datt <- att * (datt - rowsum(datt * att)), split over threads on NumPy."""
+    xp = array_module(att)
+
+    def rows(d, a):
+        d -= (d * a).sum(axis=-1, keepdims=True)
+        d *= a
+
+    if xp is np and datt.flags.c_contiguous and att.flags.c_contiguous:
+        T = att.shape[-1]
+        d2, a2 = datt.reshape(-1, T), att.reshape(-1, T)
+        parallel_for(d2.shape[0], lambda s, e: rows(d2[s:e], a2[s:e]), cost_per_item=T)
+    else:
+        rows(datt, att)
 
 
 class CausalSelfAttention(Layer):
@@ -86,8 +112,7 @@ class CausalSelfAttention(Layer):
         datt = xp.matmul(dy, v.transpose(0, 1, 3, 2))        # (B, nh, T, T)
         dv = xp.matmul(att.transpose(0, 1, 3, 2), dy)        # (B, nh, T, hs)
         # forward was: att = softmax(s) per row; ds = att * (datt - sum(datt * att))
-        datt -= (datt * att).sum(axis=-1, keepdims=True)
-        datt *= att
+        _softmax_backward(datt, att)
         # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
         dq = xp.matmul(datt, k)                              # d(scaled q)
         dq *= 1.0 / math.sqrt(hs)

@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from minitensor.parallel import parallel_for
+
 INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU needed)"
 DTYPES = ("float32", "float64")
 ARCHS = ("sm_80", "sm_90")
@@ -150,8 +152,7 @@ def gelu_forward(x, out=None):
     if isinstance(x, np.ndarray):
         out = np.empty_like(x) if out is None else out
         x = _unaliased(x, out)
-        for x_, y_, w in _blocks((x, out), n_work=1):
-            _gelu_fwd_block(x_, y_, w)
+        _run_blocks(_gelu_fwd_block, (x, out), n_work=1)
         return out
     kern = GELU_FWD.kernel()
     return kern(x) if out is None else kern(x, out)
@@ -163,8 +164,7 @@ def gelu_backward(x, dy, out=None):
     if isinstance(x, np.ndarray):
         out = np.empty_like(x) if out is None else out
         x, dy = _unaliased(x, out), _unaliased(dy, out)
-        for x_, dy_, dx_, w1, w2 in _blocks((x, dy, out), n_work=2):
-            _gelu_bwd_block(x_, dy_, dx_, w1, w2)
+        _run_blocks(_gelu_bwd_block, (x, dy, out), n_work=2)
         return out
     kern = GELU_BWD.kernel()
     return kern(x, dy) if out is None else kern(x, dy, out)
@@ -220,18 +220,23 @@ def _unaliased(a, out):
     return a.copy() if not same and np.may_share_memory(a, out) else a
 
 
-def _blocks(arrays, n_work):
-    """Yields matching pieces of same-shape arrays followed by `n_work` work buffers of that shape:
-    _CHUNK-element slices when all are C-contiguous, else the whole arrays in one piece."""
+def _run_blocks(block_fn, arrays, n_work):
+    """Calls block_fn(*pieces, *work) over matching pieces of same-shape arrays, with `n_work` work
+    buffers per piece: _CHUNK-element slices spread over the CPU threads when all arrays are
+    C-contiguous, else the whole arrays in one piece."""
     size, dtype = arrays[0].size, arrays[0].dtype
     if size > _CHUNK and all(a.flags.c_contiguous for a in arrays):
         flat = [a.reshape(-1) for a in arrays]
-        work = [np.empty(_CHUNK, dtype) for _ in range(n_work)]
-        for start in range(0, size, _CHUNK):
-            stop = min(start + _CHUNK, size)
-            yield [f[start:stop] for f in flat] + [w[: stop - start] for w in work]
+
+        def run(first, last):
+            work = [np.empty(_CHUNK, dtype) for _ in range(n_work)]
+            for start in range(first * _CHUNK, min(last * _CHUNK, size), _CHUNK):
+                stop = min(start + _CHUNK, size)
+                block_fn(*[f[start:stop] for f in flat], *[w[: stop - start] for w in work])
+
+        parallel_for(-(-size // _CHUNK), run, min_work=0)
     else:
-        yield list(arrays) + [np.empty(arrays[0].shape, dtype) for _ in range(n_work)]
+        block_fn(*arrays, *[np.empty(arrays[0].shape, dtype) for _ in range(n_work)])
 
 
 # ---------------------------------------------------------------------------------------------

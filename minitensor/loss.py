@@ -11,6 +11,7 @@ import numpy as np
 from minitensor.backend import array_module
 from minitensor.embedding import check_ids
 from minitensor.layer import Layer
+from minitensor.parallel import parallel_for
 
 ROWS_IN_CACHE = 1 << 18  # elements per block of rows on NumPy (1 MiB of float32)
 
@@ -29,14 +30,21 @@ class SoftmaxCrossEntropy(Layer):
         logsumexp = xp.empty(N, dtype=z.dtype)
         picked = z[xp.arange(N), t].astype(z.dtype)          # z[target], before z is overwritten
         rows = max(1, ROWS_IN_CACHE // V) if xp is np else N
-        for s in range(0, N, rows):                          # row blocks that stay in cache for all passes
-            zb, pb = z[s:s + rows], probs[s:s + rows]
-            zmax = zb.max(axis=1, keepdims=True)
-            xp.subtract(zb, zmax, out=pb)
-            xp.exp(pb, out=pb)
-            sumexp = pb.sum(axis=1, keepdims=True)
-            pb /= sumexp
-            logsumexp[s:s + rows] = xp.log(sumexp[:, 0]) + zmax[:, 0]
+
+        def blocks(first, last):                             # row blocks that stay in cache for all passes
+            for s in range(first * rows, min(last * rows, N), rows):
+                zb, pb = z[s:s + rows], probs[s:s + rows]
+                zmax = zb.max(axis=1, keepdims=True)
+                xp.subtract(zb, zmax, out=pb)
+                xp.exp(pb, out=pb)
+                sumexp = pb.sum(axis=1, keepdims=True)
+                pb /= sumexp
+                logsumexp[s:s + rows] = xp.log(sumexp[:, 0]) + zmax[:, 0]
+
+        if xp is np:
+            parallel_for(-(-N // rows), blocks, cost_per_item=rows * V)
+        else:
+            blocks(0, 1)
         loss = (logsumexp - picked).mean()
         self._save(probs, t, logits.shape)
         return loss

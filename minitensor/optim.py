@@ -6,8 +6,8 @@
 
 Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as PyTorch's AdamW
 does, and only where `decay_mask` is 1 (tensors of 2+ dimensions: matmul weights and
-embeddings). On NumPy the update runs over chunks of the buffers so its temporaries stay in
-cache instead of streaming whole-buffer intermediates through memory.
+embeddings). On NumPy the update runs over chunks of the buffers, spread over the CPU threads,
+so its temporaries stay in cache instead of streaming whole-buffer intermediates through memory.
 """
 
 import math
@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from minitensor.backend import array_module
+from minitensor.parallel import parallel_for
 
 CHUNK = 1 << 16
 
@@ -45,7 +46,6 @@ class AdamW:
             decay_mask = params.mask(lambda name, shape: len(shape) >= 2)
         self.decay_mask = decay_mask
         self.t = 0
-        self._work = None
 
     def step(self, lr=None, grad_scale=1.0):
         """One update from params.grads (times grad_scale); lr overrides the default for this step."""
@@ -62,14 +62,15 @@ class AdamW:
         if array_module(p) is not np:
             self._step_xp(p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay)
             return
-        if self._work is None:
-            self._work = (np.empty(CHUNK, p.dtype), np.empty(CHUNK, p.dtype))
-        w1, w2 = self._work
-        for s in range(0, p.size, CHUNK):
-            e = min(s + CHUNK, p.size)
-            n = e - s
-            self._step_chunk(p[s:e], g[s:e], m[s:e], v[s:e], self.decay_mask[s:e], w1[:n], w2[:n],
-                             b1, b2, grad_scale, step_size, eps_hat, decay)
+        args = (b1, b2, grad_scale, step_size, eps_hat, decay)
+
+        def chunks(first, last):
+            w1, w2 = np.empty(CHUNK, p.dtype), np.empty(CHUNK, p.dtype)
+            for s in range(first * CHUNK, min(last * CHUNK, p.size), CHUNK):
+                e = min(s + CHUNK, p.size)
+                self._step_chunk(p[s:e], g[s:e], m[s:e], v[s:e], self.decay_mask[s:e], w1[:e - s], w2[:e - s], *args)
+
+        parallel_for(-(-p.size // CHUNK), chunks, min_work=0)
 
     @staticmethod
     def _step_chunk(p, g, m, v, mask, w1, w2, b1, b2, grad_scale, step_size, eps_hat, decay):

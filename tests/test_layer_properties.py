@@ -132,9 +132,15 @@ def test_backward_without_forward_raises(xp):
 @settings(max_examples=6, deadline=None)
 @given(seed=S.seeds, d=S.attention_dims(), V=S.vocab)
 def test_small_stack_end_to_end(xp, seed, d, V):
-    """embedding + position + one pre-norm block + final norm + tied head + loss, every parameter."""
+    """embedding + position + one pre-norm block + final norm + tied head + loss, every parameter.
+
+    C >= 4: with 2 or 3 features, random residual rows can be nearly constant, and LayerNorm's
+    curvature there (rstd up to 1/sqrt(eps)) outgrows any finite-difference step; the LayerNorm
+    case itself covers C = 1..3 on well-conditioned rows.
+    """
     rng = np.random.default_rng(seed)
-    B, T, C, nh = d["B"], d["T"], d["C"], d["n_head"]
+    B, T, nh = d["B"], d["T"], d["n_head"]
+    C = nh * max(2, -(-4 // nh), d["C"] // nh)
     shapes = {"wte": (V, C), "wpe": (T, C), "ln1.w": (C,), "ln1.b": (C,), "attn.w": (C, 3 * C),
               "attn.b": (3 * C,), "proj.w": (C, C), "proj.b": (C,), "ln2.w": (C,), "ln2.b": (C,),
               "fc.w": (C, 4 * C), "fc.b": (4 * C,), "fcp.w": (4 * C, C), "fcp.b": (C,), "lnf.w": (C,), "lnf.b": (C,)}

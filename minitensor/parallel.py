@@ -1,0 +1,53 @@
+"""Elementwise and row-wise NumPy work split across CPU threads.
+
+NumPy runs a ufunc on one core; BLAS uses them all. Large ufunc calls release the GIL, so the
+elementwise parts of a step (GELU, LayerNorm, softmax, cross-entropy, AdamW) can run on every
+core by handing contiguous slices of the same arrays to a few Python threads:
+
+    parallel_for(n_rows, lambda start, stop: work(rows[start:stop]))
+
+Each call splits [0, n) into one range per thread and waits for all of them. Work smaller than
+`min_items` runs inline: below that, thread hand-off costs more than it saves. The thread count
+is ANDREA_NUM_THREADS, else the CPUs this process may use; 1 disables threading.
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+_pool = None
+_threads = None
+
+
+def num_threads():
+    global _threads
+    if _threads is None:
+        env = os.environ.get("ANDREA_NUM_THREADS")
+        if env:
+            _threads = max(1, int(env))
+        else:
+            _threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return _threads
+
+
+def _get_pool():
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=num_threads(), thread_name_prefix="minitensor")
+    return _pool
+
+
+def parallel_for(n, fn, min_items=1, cost_per_item=1, min_work=1 << 15):
+    """Calls fn(start, stop) over a split of range(n) into up to num_threads() contiguous parts.
+
+    Runs inline when there is one thread, one item too few, or n * cost_per_item < min_work
+    (elements of work). The calling thread takes the first part itself.
+    """
+    k = min(num_threads(), n // max(1, min_items))
+    if k <= 1 or n * cost_per_item < min_work:
+        fn(0, n)
+        return
+    bounds = [n * i // k for i in range(k + 1)]
+    futures = [_get_pool().submit(fn, bounds[i], bounds[i + 1]) for i in range(1, k)]
+    fn(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
