@@ -2,11 +2,11 @@
 
     m = b1 m + (1 - b1) g                      g = the gradient times grad_scale (clipping)
     v = b2 v + (1 - b2) g^2
-    p = p (1 - lr wd mask) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+    p = p (1 - lr wd [decayed]) - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 
 Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as PyTorch's AdamW
-does, and only where `decay_mask` is 1 (tensors of 2+ dimensions: matmul weights and
-embeddings). On NumPy the update runs over chunks of the buffers, spread over the CPU threads,
+does, and only to the tensors `decays` selects (by default those of 2+ dimensions: matmul
+weights and embeddings), so no buffer-sized mask is needed on the CPU. On NumPy the update runs over chunks of the buffers, spread over the CPU threads,
 so its temporaries stay in cache instead of streaming whole-buffer intermediates through memory.
 """
 
@@ -33,8 +33,9 @@ def global_norm(grads):
 
 
 class AdamW:
-    def __init__(self, params, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decay_mask=None):
-        """params: a minitensor Params; decay_mask: 0/1 over its flat buffer (default: 2+-D tensors)."""
+    def __init__(self, params, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decays=None):
+        """params: a minitensor Params; decays(name, shape) -> bool says which tensors are decayed
+        (default: those of 2+ dimensions)."""
         if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         self.params = params
@@ -42,9 +43,15 @@ class AdamW:
         xp = params.xp
         self.m = xp.zeros_like(params.data)
         self.v = xp.zeros_like(params.data)
-        if decay_mask is None:
-            decay_mask = params.mask(lambda name, shape: len(shape) >= 2)
-        self.decay_mask = decay_mask
+        self.decays = decays or (lambda name, shape: len(shape) >= 2)
+        # NumPy: (start, stop, decayed) pieces of at most CHUNK elements, tensor by tensor (the
+        # padding between tensors is never touched); CuPy: a 0/1 mask for one fused pass.
+        self._pieces = []
+        for name, shape in params.shapes.items():
+            start, size = params.offsets[name], math.prod(shape)
+            flag = bool(self.decays(name, shape))
+            self._pieces += [(s, min(s + CHUNK, start + size), flag) for s in range(start, start + size, CHUNK)]
+        self._decay_mask = None if xp is np else params.mask(self.decays)
         self.t = 0
 
     def step(self, lr=None, grad_scale=1.0):
@@ -62,33 +69,32 @@ class AdamW:
         if array_module(p) is not np:
             self._step_xp(p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay)
             return
-        args = (b1, b2, grad_scale, step_size, eps_hat, decay)
+        args = (b1, b2, grad_scale, step_size, eps_hat)
+        pieces = self._pieces
 
-        def chunks(first, last):
-            w1, w2 = np.empty(CHUNK, p.dtype), np.empty(CHUNK, p.dtype)
-            for s in range(first * CHUNK, min(last * CHUNK, p.size), CHUNK):
-                e = min(s + CHUNK, p.size)
-                self._step_chunk(p[s:e], g[s:e], m[s:e], v[s:e], self.decay_mask[s:e], w1[:e - s], w2[:e - s], *args)
+        def run(first, last):
+            w = np.empty(CHUNK, p.dtype)
+            for s, e, decayed in pieces[first:last]:
+                self._step_chunk(p[s:e], g[s:e], m[s:e], v[s:e], w[:e - s], *args, decay if decayed else 0.0)
 
-        parallel_for(-(-p.size // CHUNK), chunks, min_work=0)
+        parallel_for(len(pieces), run, min_work=0)
 
     @staticmethod
-    def _step_chunk(p, g, m, v, mask, w1, w2, b1, b2, grad_scale, step_size, eps_hat, decay):
-        np.multiply(g, (1.0 - b1) * grad_scale, out=w1)          # (1 - b1) g
+    def _step_chunk(p, g, m, v, w, b1, b2, grad_scale, step_size, eps_hat, decay):
+        np.multiply(g, (1.0 - b1) * grad_scale, out=w)           # (1 - b1) g
         m *= b1
-        m += w1
-        np.multiply(g, g, out=w1)
-        w1 *= (1.0 - b2) * grad_scale * grad_scale                # (1 - b2) g^2
+        m += w
+        np.multiply(g, g, out=w)
+        w *= (1.0 - b2) * grad_scale * grad_scale                 # (1 - b2) g^2
         v *= b2
-        v += w1
-        np.multiply(mask, -decay, out=w2)                         # p *= 1 - lr wd mask
-        w2 += 1.0
-        p *= w2
-        np.sqrt(v, out=w1)
-        w1 += eps_hat
-        np.divide(m, w1, out=w1)
-        w1 *= step_size
-        p -= w1
+        v += w
+        if decay:
+            p *= 1.0 - decay                                      # decoupled weight decay
+        np.sqrt(v, out=w)
+        w += eps_hat
+        np.divide(m, w, out=w)
+        w *= step_size
+        p -= w
 
     def _step_xp(self, p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay):
         xp = array_module(p)
@@ -97,7 +103,7 @@ class AdamW:
         m += (1.0 - b1) * gs
         v *= b2
         v += (1.0 - b2) * gs * gs
-        p *= 1.0 - decay * self.decay_mask
+        p *= 1.0 - decay * self._decay_mask
         p -= step_size * m / (xp.sqrt(v) + eps_hat)
 
     def state_dict(self):
