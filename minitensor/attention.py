@@ -33,28 +33,56 @@ def causal_mask(xp, T, dtype):
     return _mask_cache[key]
 
 
-def causal_softmax(att):
+def causal_softmax(att, lse=None):
     """Row softmax of (..., T, T) scores with position t attending to positions <= t only.
 
-    In place. The mask is added (one broadcast pass) rather than assigned through a boolean
-    index, which NumPy executes as a slow scatter. Every row keeps its diagonal entry, so the
-    row maximum is finite and exp(-inf - max) is exactly 0.
+    In place; if lse (..., T, 1) is given, each row's log-sum-exp is written into it, from which
+    `causal_softmax_again` recomputes the same probabilities later. The mask is added (one
+    broadcast pass) rather than assigned through a boolean index, which NumPy executes as a slow
+    scatter. Every row keeps its diagonal entry, so the row maximum is finite and
+    exp(-inf - max) is exactly 0.
     """
     xp = array_module(att)
     mask = causal_mask(xp, att.shape[-1], att.dtype)
 
-    def softmax(a):
+    def softmax(a, out_lse):
         a += mask
-        a -= a.max(axis=-1, keepdims=True)
+        top = a.max(axis=-1, keepdims=True)
+        a -= top
         xp.exp(a, out=a)
-        a /= a.sum(axis=-1, keepdims=True)
+        total = a.sum(axis=-1, keepdims=True)
+        a /= total
+        if out_lse is not None:
+            out_lse[...] = top + xp.log(total)
 
-    if xp is np and att.flags.c_contiguous:              # split (B * nh) matrices over the threads
-        rows = att.reshape(-1, *att.shape[-2:])
-        parallel_for(rows.shape[0], lambda s, e: softmax(rows[s:e]), cost_per_item=mask.size)
-    else:
-        softmax(att)
+    _over_matrices(att, lse, softmax)
     return att
+
+
+def causal_softmax_again(scores, lse):
+    """In place: the probabilities causal_softmax gave, from the same scores and its log-sum-exp."""
+    xp = array_module(scores)
+    mask = causal_mask(xp, scores.shape[-1], scores.dtype)
+
+    def again(s, row_lse):
+        s += mask
+        s -= row_lse
+        xp.exp(s, out=s)
+
+    _over_matrices(scores, lse, again)
+    return scores
+
+
+def _over_matrices(att, lse, fn):
+    """fn(att part, lse part) over the (B * nh) matrices, split over threads on NumPy."""
+    xp = array_module(att)
+    if xp is np and att.flags.c_contiguous:
+        mats = att.reshape(-1, *att.shape[-2:])
+        rows = None if lse is None else lse.reshape(-1, att.shape[-2], 1)
+        parallel_for(mats.shape[0], lambda s, e: fn(mats[s:e], None if rows is None else rows[s:e]),
+                     cost_per_item=att.shape[-1] * att.shape[-2])
+    else:
+        fn(att, lse)
 
 
 def _softmax_backward(datt, att):
@@ -74,6 +102,11 @@ def _softmax_backward(datt, att):
 
 
 class CausalSelfAttention(Layer):
+    # Probabilities (B, nh, T, T) larger than this are not kept from forward to backward but
+    # recomputed there from q, k and each row's log-sum-exp: one more q k^T GEMM instead of
+    # 4 B nh T^T bytes per layer (48 MiB a layer for ANDREA-120M at T = 1024).
+    keep_probs_max_bytes = 16 << 20
+
     def __init__(self, c_attn, c_proj, n_head):
         """c_attn: Linear C -> 3C; c_proj: Linear C -> C; n_head must divide C."""
         C = c_proj.W.shape[0]
@@ -82,7 +115,7 @@ class CausalSelfAttention(Layer):
         self.c_attn, self.c_proj, self.n_head = c_attn, c_proj, n_head
 
     def _heads(self, qkv, B, T):
-        """(B, T, 3C) -> three (B, nh, T, hs) arrays (views, then made contiguous by matmul use)."""
+        """(B, T, 3C) -> three (B, nh, T, hs) views."""
         C = qkv.shape[-1] // 3
         hs = C // self.n_head
         qkv = qkv.reshape(B, T, 3, self.n_head, hs)
@@ -96,16 +129,20 @@ class CausalSelfAttention(Layer):
         q, k, v = self._heads(qkv, B, T)                     # (B, nh, T, hs) each
         q = q * (1.0 / math.sqrt(hs))                        # scale q (T*hs work) rather than att (T*T)
         att = xp.matmul(q, k.transpose(0, 1, 3, 2))          # (B, nh, T, T)
-        causal_softmax(att)
+        keep = att.nbytes <= self.keep_probs_max_bytes
+        lse = None if keep else xp.empty((B, self.n_head, T, 1), dtype=att.dtype)
+        causal_softmax(att, lse)
         y = xp.matmul(att, v)                                # (B, nh, T, hs)
         y = y.transpose(0, 2, 1, 3).reshape(B, T, C)         # heads back in order
-        self._save(q, k, v, att)
+        self._save(q, k, v, att if keep else None, lse)
         return self.c_proj.forward(y)
 
     def backward(self, dout):
         xp = array_module(dout)
-        q, k, v, att = self._pop()
+        q, k, v, att, lse = self._pop()
         B, nh, T, hs = q.shape
+        if att is None:                                      # recompute: att = softmax(q k^T + mask)
+            att = causal_softmax_again(xp.matmul(q, k.transpose(0, 1, 3, 2)), lse)
         dy = self.c_proj.backward(dout)                      # (B, T, C)
         dy = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
         # forward was: y = att @ v
@@ -113,10 +150,12 @@ class CausalSelfAttention(Layer):
         dv = xp.matmul(att.transpose(0, 1, 3, 2), dy)        # (B, nh, T, hs)
         # forward was: att = softmax(s) per row; ds = att * (datt - sum(datt * att))
         _softmax_backward(datt, att)
+        del att
         # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
         dq = xp.matmul(datt, k)                              # d(scaled q)
         dq *= 1.0 / math.sqrt(hs)
         dk = xp.matmul(datt.transpose(0, 1, 3, 2), q)
+        del datt
         dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
         for i, d in enumerate((dq, dk, dv)):
             dqkv[:, :, i] = d.transpose(0, 2, 1, 3)
