@@ -1,0 +1,462 @@
+"""One-shot check of the GPU path: training parity with NumPy, the fused kernels against the
+generic CuPy code at ANDREA-120M shapes, and ANDREA-120M training throughput in float32 and TF32.
+
+    PYTHONPATH=. python scripts/gpu_check.py             # every part (gpu_check.sh runs the GPU tests first)
+    PYTHONPATH=. python scripts/gpu_check.py --dry-run   # the same code on NumPy at toy sizes, no GPU
+
+Parts (each in a fresh process with its own time limit, so a CUDA error or a hang in one does not
+hide the others, and CUPY_TF32 is in place before the first matmul; exit status 1 if any failed):
+
+    parity         a tiny ANDREA trained 5 steps on CuPy (float64, float32) and on NumPy float64
+                   from one seed: per-step losses and step-0 gradients, per tensor
+    kernels        each fused kernel against the generic xp code of its layer at ANDREA-120M
+                   shapes (float32): max error and time of each
+    bench-float32  ANDREA-120M, batch 8 x 1024, AdamW, float32 matmuls: tokens/s, MFU, peak memory
+    bench-tf32     the same with CUPY_TF32=1 (TF32 tensor-core matmuls)
+
+Everything printed also goes to gpu_check_results.txt in $OUT if set, else the current directory
+(unless gpu_check.sh already copies it there).
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (SPEC 4)
+PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
+PARTS = {"parity": 40, "kernels": 55, "bench-float32": 55, "bench-tf32": 55}  # seconds each, at most
+RESULTS = os.path.join(os.environ.get("OUT") or ".", "gpu_check_results.txt")
+
+
+def log(*lines):
+    for line in lines:
+        print(line, flush=True)
+        if not os.environ.get("GPU_CHECK_TEED"):
+            with open(RESULTS, "a") as f:
+                f.write(line + "\n")
+
+
+def normwise(got, want):
+    """max |got - want| / max |want|, on the host, in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = float(np.max(np.abs(want))) if want.size else 0.0
+    err = float(np.max(np.abs(got - want))) if want.size else 0.0
+    return err / scale if scale else err
+
+
+def verdict(ok):
+    return "ok  " if ok else "FAIL"
+
+
+# --- parity: the same training on CuPy and NumPy ---------------------------------------------------
+
+
+def part_parity(dry):
+    from andrea.config import load_config
+
+    cfg = load_config("tiny").model
+    B, T, steps = (2, 16, 3) if dry else (4, 64, 5)
+    rng = np.random.default_rng(1)
+    data = [rng.integers(0, cfg.vocab_size, (B, T + 1)) for _ in range(steps)]
+    ref_losses, ref_grads = _train(cfg, "cpu", "float64", data)
+    log(f"tiny ANDREA ({cfg.n_layer} layers, d {cfg.d_model}), {steps} AdamW steps of {B} x {T} from seed 0; "
+        f"NumPy float64 losses: {', '.join(f'{v:.6f}' for v in ref_losses)}")
+    failed = False
+    for dtype, tolerance in (("float64", 1e-10), ("float32", 1e-4)):
+        losses, grads = _train(cfg, "cpu" if dry else "gpu", dtype, data)
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        errs = {name: normwise(grads[name], ref_grads[name]) for name in ref_grads}
+        worst = max(errs, key=errs.get)
+        ok = loss_err <= tolerance and errs[worst] <= tolerance
+        failed |= not ok
+        log(f"{verdict(ok)} {'NumPy' if dry else 'CuPy'} {dtype}: losses within {loss_err:.2e} relative; step-0 "
+            f"gradients within {errs[worst]:.2e} (worst tensor {worst}; median "
+            f"{statistics.median(errs.values()):.2e}); tolerance {tolerance:g}")
+    return failed
+
+
+def _train(cfg, device, dtype, data):
+    """Per-step losses and the step-0 gradients {name: float64 NumPy array}, clipping at norm 1."""
+    from andrea.model import ANDREA
+    from andrea.optim import AdamW
+    from minitensor.backend import to_numpy
+    from minitensor.optim import global_norm
+
+    model = ANDREA(cfg, device=device, dtype=dtype, seed=0)
+    opt = AdamW(model, lr=1e-3)
+    losses, grads = [], None
+    for x in data:
+        losses.append(float(model.loss(x[:, :-1], x[:, 1:])))
+        model.zero_grad()
+        model.backward()
+        if grads is None:
+            grads = {name: to_numpy(g).astype(np.float64) for name, g in model.named_grads()}
+        norm = global_norm(model.params.grads)
+        opt.step(grad_scale=1.0 / (norm + 1e-6) if norm > 1.0 else 1.0)
+    return losses, grads
+
+
+# --- kernels: fused against generic, at model shapes ----------------------------------------------
+
+
+def part_kernels(dry):
+    from minitensor import attention
+    from minitensor import kernels as K
+    from minitensor.layernorm import LayerNorm
+    from minitensor.loss import SoftmaxCrossEntropy
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    if dry:
+        xp = np
+        K._launch = K.emulate_launch
+        N, C, F, BH, T, V = 6, 40, 64, 2, 20, 50
+        shapes, reps = {"w": (50, 40), "b": (40,)}, 1
+    else:
+        import cupy as xp
+
+        from andrea.config import load_config
+        from andrea.model import param_shapes
+
+        N, C, F, BH, T, V = 8 * 1024, 768, 3072, 8 * 12, 1024, 8449
+        shapes, reps = param_shapes(load_config("120m").model), 10
+    dtype = np.float32
+    drawn, state = {}, {}
+
+    def reseed():  # every setup gets the same inputs, so the fused and the generic run see equal ones
+        state["k"] = 0
+
+    def rand(*shape, scale=1.0, shift=0.0):
+        """A fresh device copy of the k-th draw of this setup, drawn once on the host: cupy.random
+        needs cuRAND, which a machine may lack."""
+        state["k"] += 1
+        key = (state["k"], shape, scale, shift)
+        if key not in drawn:
+            drawn[key] = shift + scale * np.random.default_rng(state["k"]).standard_normal(shape, dtype=dtype)
+        return xp.array(drawn[key])
+
+    def layernorm_setup():
+        reseed()
+        x, dy, w, b = rand(N, C, shift=0.3), rand(N, C), rand(C, scale=0.2, shift=1.0), rand(C, scale=0.1)
+        layer = LayerNorm(w, xp.zeros(C, dtype), b, xp.zeros(C, dtype))
+        layer.forward(x)
+        return dict(x=x, dy=dy, w=w, b=b, r=rand(N, C), layer=layer, cache=layer._cache,
+                    dw=xp.zeros(C, dtype), db=xp.zeros(C, dtype))
+
+    def ln_generic_fwd(d):
+        y = d["layer"].forward(d["x"])
+        return y, d["layer"]._cache[1], d["layer"]._cache[2]
+
+    def ln_generic_bwd(d, add_to=None):
+        layer = d["layer"]
+        layer._save(*d["cache"])
+        dx = layer.backward(d["dy"])
+        if add_to is not None:
+            dx += add_to
+        return dx, layer.dw, layer.db
+
+    def ln_generic_res(d):
+        d["x"] += d["r"]
+        return d["layer"].forward(d["x"]), d["x"]
+
+    def gelu_setup():
+        reseed()
+        a, b = rand(N, F, scale=2.0), rand(F, scale=0.1)
+        return dict(a=a, b=b, h=a + b, dy=rand(N, F), db=xp.zeros(F, dtype), hb=xp.empty_like(a))
+
+    def gelu_generic_fwd(d):
+        xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
+        return (K.gelu_forward(d["hb"]),)
+
+    def gelu_generic_bwd(d):
+        dh = K.gelu_backward(d["h"], d["dy"])
+        d["db"] += dh.sum(axis=0)
+        return dh, d["db"]
+
+    def softmax_setup():
+        reseed()
+        s = rand(BH, T, T, scale=2.0)
+        p, lse = s.copy(), xp.empty((BH, T, 1), dtype)
+        attention.causal_softmax(p, lse)
+        return dict(s=s, p=p, lse=lse, dp=rand(BH, T, T), lse_out=xp.empty((BH, T, 1), dtype))
+
+    def softmax_generic_fwd(d):
+        attention.causal_softmax(d["s"], d["lse_out"])
+        return d["s"], d["lse_out"]
+
+    def softmax_generic_bwd(d):
+        attention._softmax_backward(d["dp"], d["p"])
+        return (d["dp"],)
+
+    def xent_setup():
+        reseed()
+        z = rand(N, V, scale=2.0)
+        t = xp.asarray(np.random.default_rng(0).integers(0, V, N))
+        probs = z.copy()
+        loss_fn = SoftmaxCrossEntropy()
+        loss_fn.forward(probs, t, inplace=True)
+        return dict(z=z, t=t, probs=probs, cache=loss_fn._cache, loss_fn=loss_fn)
+
+    def xent_generic_fwd(d):
+        return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"]
+
+    def xent_generic_bwd(d):
+        d["loss_fn"]._save(*d["cache"])
+        return (d["loss_fn"].backward(1.0),)
+
+    hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def adamw_setup():
+        reseed()
+        params = Params(shapes, xp=xp, dtype=dtype)
+        params.data[...] = rand(params.size, scale=0.02)
+        params.grads[...] = rand(params.size, scale=1e-3)
+        opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                    weight_decay=hyper["weight_decay"])
+        return dict(params=params, opt=opt, mask=params.mask(opt.decays))
+
+    def adamw_generic(d):
+        d["opt"].step(grad_scale=0.5)
+        return d["params"].data, d["opt"].m, d["opt"].v
+
+    def adamw_fused(d):
+        p, opt = d["params"], d["opt"]
+        K.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        return p.data, opt.m, opt.v
+
+    cases = [  # name, setup, fused, generic, uses an ElementwiseKernel (not in the dry run)
+        ("layernorm fwd", layernorm_setup, lambda d: K.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
+         ln_generic_fwd, False),
+        ("layernorm bwd", layernorm_setup,
+         lambda d: (K.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"]),
+                    d["dw"], d["db"]), ln_generic_bwd, False),
+        ("layernorm fwd + residual", layernorm_setup,
+         lambda d: (K.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]), ln_generic_res,
+         False),
+        ("layernorm bwd + residual", layernorm_setup,
+         lambda d: (K.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"],
+                                             add_to=d["r"]), d["dw"], d["db"]),
+         lambda d: ln_generic_bwd(d, add_to=d["r"]), False),
+        ("bias + gelu fwd", gelu_setup, lambda d: (K.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd, True),
+        ("bias + gelu bwd", gelu_setup, lambda d: (K.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+                                                   d["db"]), gelu_generic_bwd, True),
+        ("causal softmax fwd", softmax_setup,
+         lambda d: (K.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         softmax_generic_fwd, False),
+        ("causal softmax bwd", softmax_setup, lambda d: (K.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),),
+         softmax_generic_bwd, False),
+        ("causal softmax recompute", softmax_setup,
+         lambda d: (K.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (attention.causal_softmax_again(d["s"], d["lse"]),), True),
+        ("cross-entropy fwd", xent_setup, lambda d: (K.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+         xent_generic_fwd, False),
+        ("cross-entropy bwd", xent_setup, lambda d: (K.softmax_xent_backward_gpu(d["probs"], d["t"]),),
+         xent_generic_bwd, True),
+        ("adamw step", adamw_setup, adamw_fused, adamw_generic, True),
+    ]
+    log(f"float32; rows N {N}, C {C}, mlp {F}, scores {BH} x {T} x {T}, vocab {V}; times are the mean of {reps} "
+        f"calls after one, with the device synchronised around them; tolerance 1e-5 (norm-wise)")
+    failed = False
+    for name, setup, fused, generic, elementwise in cases:
+        if dry and elementwise:
+            log(f"skip {name:<26} (an ElementwiseKernel: needs CuPy)")
+            continue
+        try:
+            errs = [normwise(_host(xp, f), _host(xp, g)) for f, g in zip(fused(setup()), generic(setup()))]
+            ok = max(errs) <= 1e-5
+            t_fused, t_generic = _time(xp, fused, setup(), reps), _time(xp, generic, setup(), reps)
+            log(f"{verdict(ok)} {name:<26} max error {max(errs):.1e}   fused {1e3 * t_fused:8.3f} ms   generic "
+                f"{1e3 * t_generic:8.3f} ms   ({t_generic / t_fused:.2f}x)")
+        except Exception as e:  # one case failing (a CUDA error, say) is reported, the others still run
+            ok = False
+            log(f"FAIL {name:<26} {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        failed |= not ok
+        with contextlib.suppress(Exception):  # a broken device is reported above already
+            _free(xp)
+    return failed
+
+
+def _host(xp, a):
+    return a.get() if xp is not np and hasattr(a, "get") else np.asarray(a)
+
+
+def _time(xp, fn, inputs, reps):
+    from andrea.perf import synchronize
+
+    fn(inputs)
+    synchronize(xp)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn(inputs)
+    synchronize(xp)
+    return (time.perf_counter() - start) / reps
+
+
+def _free(xp):
+    if xp is not np:
+        xp.get_default_memory_pool().free_all_blocks()
+
+
+# --- bench: ANDREA-120M at 8 x 1024 --------------------------------------------------------------
+
+
+def part_bench(mode, dry):
+    from andrea.config import load_config
+    from andrea.model import ANDREA, flops_per_token
+    from andrea.optim import AdamW
+    from andrea.perf import matmul_peak_flops, peak_rss_bytes, synchronize
+    from minitensor.optim import global_norm
+
+    cfg = load_config("tiny" if dry else "120m").model
+    B, T = (2, 32) if dry else (8, 1024)
+    warmup, steps = (1, 2) if dry else (3, 5)
+    log(f"{mode}: CUPY_TF32={os.environ.get('CUPY_TF32', '')!r}; {'tiny' if dry else 'ANDREA-120M'} at {B} x {T}, "
+        f"{warmup} warm-up steps then {steps} timed")
+    model = ANDREA(cfg, device="cpu" if dry else "gpu", dtype="float32", seed=0)
+    opt = AdamW(model, lr=6e-4)
+    xp = model.xp
+    rng = np.random.default_rng(0)
+    batches = [xp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1))) for _ in range(2)]
+    pool = None if dry else xp.get_default_memory_pool()
+    used = [0]
+    split = {"forward": [], "backward": [], "optimizer": []}
+
+    def step(i, timed_split=False):
+        x = batches[i % 2]
+        marks = [time.perf_counter()]
+        loss = model.loss(x[:, :-1], x[:, 1:])
+        if pool is not None:
+            used[0] = max(used[0], pool.used_bytes())
+        if timed_split:
+            synchronize(xp)
+            marks.append(time.perf_counter())
+        model.zero_grad()
+        model.backward()
+        if pool is not None:
+            used[0] = max(used[0], pool.used_bytes())
+        if timed_split:
+            synchronize(xp)
+            marks.append(time.perf_counter())
+        norm = global_norm(model.params.grads)  # one host synchronisation, as the training loop has
+        opt.step(grad_scale=1.0 / (norm + 1e-6) if norm > 1.0 else 1.0)
+        if timed_split:
+            synchronize(xp)
+            marks.append(time.perf_counter())
+            for key, a, b in zip(split, marks, marks[1:]):
+                split[key].append(b - a)
+        return loss
+
+    start = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    synchronize(xp)
+    log(f"warm-up (kernel compilation included): {time.perf_counter() - start:.1f} s")
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        loss = step(i)
+        synchronize(xp)
+        times.append(time.perf_counter() - t0)
+    step(0, timed_split=True)
+    final_loss = float(loss)
+    tokens_per_s = B * T / statistics.median(times)
+    n_params = model.num_parameters()
+    achieved = tokens_per_s * flops_per_token(cfg, T, n_params)
+    measured = matmul_peak_flops(xp, n=256 if dry else 4096, repeats=3)
+    result = {"mode": mode, "batch": B, "seq_len": T, "parameters": n_params, "tokens_per_s": tokens_per_s,
+              "step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times),
+              "step_ms_max": 1e3 * max(times), "achieved_tflops": achieved / 1e12,
+              "mfu_fp32_peak": achieved / PEAK_FP32, "mfu_tf32_peak": achieved / PEAK_TF32,
+              "matmul_peak_tflops": measured / 1e12, "mfu_measured_peak": achieved / measured,
+              "split_ms": {k: 1e3 * v[0] for k, v in split.items()}, "loss": final_loss}
+    if pool is not None:
+        free, total = xp.cuda.runtime.memGetInfo()
+        result.update(pool_used_peak_gib=used[0] / 2**30, pool_total_gib=pool.total_bytes() / 2**30,
+                      device_used_gib=(total - free) / 2**30,
+                      device=xp.cuda.runtime.getDeviceProperties(0)["name"].decode())
+    else:
+        result["peak_rss_gib"] = peak_rss_bytes() / 2**30
+    log(f"{tokens_per_s:,.0f} tokens/s (step {result['step_ms_median']:.1f} ms median, {result['step_ms_min']:.1f}-"
+        f"{result['step_ms_max']:.1f}); {achieved / 1e12:.1f} TFLOP/s achieved "
+        f"({flops_per_token(cfg, T, n_params) / 1e6:.0f} MFLOP/token, {n_params:,} parameters)",
+        f"MFU {100 * result['mfu_fp32_peak']:.1f}% of the FP32 peak (67 TFLOP/s), "
+        f"{100 * result['mfu_tf32_peak']:.1f}% of the TF32 dense peak (495 TFLOP/s), "
+        f"{100 * result['mfu_measured_peak']:.1f}% of the 4096^3 matmul measured here "
+        f"({result['matmul_peak_tflops']:.1f} TFLOP/s)",
+        "one step split (synchronised): " + ", ".join(f"{k} {v:.1f} ms" for k, v in result["split_ms"].items()))
+    if pool is not None:
+        log(f"memory: memory pool peak in use {result['pool_used_peak_gib']:.2f} GiB (sampled after forward and "
+            f"backward), pool holds {result['pool_total_gib']:.2f} GiB, device in use "
+            f"{result['device_used_gib']:.2f} GiB ({result['device']}); loss after the steps {final_loss:.4f}")
+    print("RESULT " + json.dumps(result), flush=True)
+    return not np.isfinite(final_loss)
+
+
+# --- the driver -------------------------------------------------------------------------------------
+
+
+def run_part(name, dry):
+    if name == "parity":
+        return part_parity(dry)
+    if name == "kernels":
+        return part_kernels(dry)
+    return part_bench(name.split("-", 1)[1], dry)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="NumPy at toy sizes: exercises this script without a GPU")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from: {', '.join(PARTS)}")
+    ap.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
+    args = ap.parse_args(argv)
+    if args.part:
+        return 1 if run_part(args.part, args.dry_run) else 0
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
+    summary, results = [], []
+    for name in args.parts.split(","):
+        env = dict(os.environ, CUPY_TF32="1" if name == "bench-tf32" else "0", GPU_CHECK_TEED="1")
+        cmd = [sys.executable, os.path.abspath(__file__), "--part", name] + (["--dry-run"] if args.dry_run else [])
+        log(f"== {name}")
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=PARTS[name])
+            out, err, status = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out, err, status = _text(e.stdout), _text(e.stderr), f"timed out after {PARTS[name]} s"
+        seconds = time.perf_counter() - start
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                results.append(json.loads(line[len("RESULT "):]))
+            else:
+                log(line)
+        if status != 0:
+            log(*(f"  stderr: {line}" for line in err.strip().splitlines()[-15:]))
+        summary.append((name, status, seconds))
+    log("== summary")
+    for name, status, seconds in summary:
+        log(f"{verdict(status == 0)} {name:<14} {seconds:6.1f} s" + (f"  (exit status {status})" if status else ""))
+    for r in results:
+        log(f"     {r['mode']:<8} {r['tokens_per_s']:>10,.0f} tokens/s  MFU {100 * r['mfu_fp32_peak']:.1f}% of FP32 "
+            f"peak, {100 * r['mfu_tf32_peak']:.1f}% of TF32 peak  "
+            + (f"pool peak {r['pool_used_peak_gib']:.2f} GiB" if "pool_used_peak_gib" in r else ""))
+    failed = [name for name, status, _ in summary if status != 0]
+    log("all parts passed" if not failed else f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def _text(data):
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+    sys.exit(main())
