@@ -191,7 +191,9 @@ def main(argv=None):
     ap.add_argument("--configs", default="tiny,small,120m", help="comma-separated: tiny, small, 120m")
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu", "auto"])
     ap.add_argument("--profile", action="store_true", help="also time every layer's forward and backward")
-    ap.add_argument("--torch", action="store_true", help="also run PyTorch eager (2 threads) on the identical model")
+    ap.add_argument("--torch", action="store_true",
+                    help="also run PyTorch eager (2 threads) on the identical model, with explicit and with "
+                         "fused (scaled_dot_product_attention) attention; the table shows the faster")
     ap.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--debug", action="store_true")
@@ -214,9 +216,14 @@ def main(argv=None):
         if args.torch:
             B, T = SHAPES[name]
             warmup, steps = STEPS[name]
-            r["torch"] = _subprocess_json([sys.executable, "-m", "andrea.torch_reference", "--config", name,
-                                           "--batch", str(B), "--seq", str(T), "--steps", str(steps),
-                                           "--warmup", str(warmup), "--threads", "2"])
+            variants = {}
+            for variant, flags in (("explicit", []), ("sdpa", ["--sdpa"])):
+                variants[variant] = _subprocess_json(
+                    [sys.executable, "-m", "andrea.torch_reference", "--config", name, "--batch", str(B),
+                     "--seq", str(T), "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", *flags])
+            ok = {k: v for k, v in variants.items() if "tokens_per_s_median" in v}
+            best = max(ok, key=lambda k: ok[k]["tokens_per_s_median"]) if ok else "explicit"
+            r["torch"] = {**variants[best], "attention": best, "variants": variants}
         results.append(r)
     print_table(results)
     with open(args.json, "w") as f:

@@ -50,7 +50,7 @@ class TrainConfig:
     batch_size: int = 16            # sequences per micro-batch
     seq_len: int = 0                # tokens per sequence; 0 means the model's context_length
     tokens_per_step: int = 0        # optimizer batch in tokens (gradient accumulation); 0 = one micro-batch
-    max_steps: int = 800
+    max_steps: int = 500
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 50

@@ -122,12 +122,13 @@ class ANDREA:
         self.dtype = resolve_dtype(dtype)
         self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype)
         p = self.params
-        self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"))
+        # ids are validated on the host in _ids, so the layers skip their own (device-syncing) checks
+        self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), check=False)
         self.wpe = PositionEmbedding(p["transformer.wpe.weight"], p.grad("transformer.wpe.weight"))
         self.blocks = [Block(p, f"transformer.h.{i}.", cfg) for i in range(cfg.n_layer)]
         self.ln_f = _layernorm(p, "transformer.ln_f", cfg.ln_eps)
         self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"))
-        self.loss_fn = SoftmaxCrossEntropy()
+        self.loss_fn = SoftmaxCrossEntropy(check=False)
         self.init_weights(seed)
 
     def init_weights(self, seed):
@@ -146,7 +147,8 @@ class ANDREA:
     # --- inputs ---
 
     def _ids(self, a, what):
-        a = np.asarray(to_numpy(a)) if not hasattr(a, "__cuda_array_interface__") else a
+        """Validates ids (B, T) or (T,) on the host and moves them to the model's device as int64."""
+        a = np.asarray(to_numpy(a))
         if a.ndim == 1:
             a = a[None, :]
         if a.ndim != 2:

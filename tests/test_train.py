@@ -70,6 +70,12 @@ def test_train_then_sample_end_to_end(tmp_path, data_dir, capsys):
                              "--max-new-tokens", "15", "--seed", "1"], capture_output=True, text=True, cwd=ROOT)
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("import ") and len(sample.stdout) > len("import \n")
+    long_prompt = "def f(x):\n    return x\n" * 20  # far more than the 16-position context
+    cropped = subprocess.run([sys.executable, "-m", "andrea.sample", "--checkpoint", str(out), "--prompt", long_prompt,
+                              "--max-new-tokens", "5"], capture_output=True, text=True, cwd=ROOT)
+    assert cropped.returncode == 0, cropped.stderr
+    assert "only its last 16 (the context length) are used" in cropped.stderr
+    assert cropped.stdout.startswith(long_prompt)
 
 
 def test_resume_is_bit_identical(tmp_path, data_dir):
