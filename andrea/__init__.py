@@ -6,6 +6,7 @@
     AdamW(model, lr=3e-3).step()
 """
 
+import minitensor  # noqa: F401  (first: it tunes OpenBLAS's threads before NumPy loads it)
 from andrea.config import ModelConfig
 from andrea.model import ANDREA
 from andrea.optim import AdamW

@@ -6,8 +6,11 @@
     y = att v                                 # (B, nh, T, hs), heads concatenated back in order
     out = y @ W_proj + b_proj                 # (B, T, C)
 
-The forward caches q, k, v and the attention probabilities; backward differentiates the softmax
-with the probabilities alone (masked entries are exactly 0 there, so they get no gradient).
+The core runs over blocks of `block` query rows: rows i0..i1 see keys 0..i1 only, so the
+scores above the diagonal are never computed (about half of them at long T), and no (T, T)
+matrix is ever materialised. The forward keeps each row's log-sum-exp; backward recomputes the
+probabilities from it (keeping them instead when they are small, `keep_probs_max_bytes`), and
+uses rowsum(dP * P) = rowsum(dY * Y) so the softmax backward needs no extra product over keys.
 `forward_kv` is the inference path for sampling: it appends to a key/value cache so each new
 token costs one row of attention instead of re-running the whole sequence.
 """
@@ -20,7 +23,6 @@ from minitensor.backend import array_module
 from minitensor.layer import Layer
 from minitensor.parallel import parallel_for
 
-
 _mask_cache = {}
 
 
@@ -28,83 +30,73 @@ def causal_mask(xp, T, dtype):
     """(T, T) additive mask: 0 on and below the diagonal, -inf above; cached per size and dtype."""
     key = (xp.__name__, T, np.dtype(dtype).str)
     if key not in _mask_cache:
-        m = np.triu(np.full((T, T), -np.inf, dtype=dtype), k=1)
-        _mask_cache[key] = xp.asarray(m)
+        _mask_cache[key] = xp.asarray(np.triu(np.full((T, T), -np.inf, dtype=dtype), k=1))
     return _mask_cache[key]
 
 
-def causal_softmax(att, lse=None):
-    """Row softmax of (..., T, T) scores with position t attending to positions <= t only.
+def _per_head(fn, *arrays):
+    """fn(*parts) over the leading (B * nh) matrices of same-led arrays, split over threads on NumPy."""
+    xp = array_module(arrays[0])
+    if xp is np and all(a.flags.c_contiguous for a in arrays):
+        mats = [a.reshape(-1, *a.shape[2:]) for a in arrays]
+        cost = math.prod(arrays[0].shape[2:])
+        parallel_for(mats[0].shape[0], lambda s, e: fn(*(m[s:e] for m in mats)), cost_per_item=cost)
+    else:
+        fn(*arrays)
 
-    In place; if lse (..., T, 1) is given, each row's log-sum-exp is written into it, from which
-    `causal_softmax_again` recomputes the same probabilities later. The mask is added (one
-    broadcast pass) rather than assigned through a boolean index, which NumPy executes as a slow
-    scatter. Every row keeps its diagonal entry, so the row maximum is finite and
-    exp(-inf - max) is exactly 0.
+
+def block_softmax(s, i0, lse):
+    """In place over scores s (B, nh, bq, i1) of query rows i0..i1 against keys 0..i1.
+
+    Masks the diagonal block (the last bq columns), turns each row into probabilities and writes
+    its log-sum-exp into lse (B, nh, bq, 1). Every row keeps its diagonal entry, so its maximum is
+    finite and exp(-inf - max) is exactly 0.
     """
-    xp = array_module(att)
-    mask = causal_mask(xp, att.shape[-1], att.dtype)
+    xp = array_module(s)
+    bq = s.shape[-2]
+    mask = causal_mask(xp, bq, s.dtype)
 
-    def softmax(a, out_lse):
-        a += mask
+    def rows(a, out_lse):
+        a[..., i0:] += mask
         top = a.max(axis=-1, keepdims=True)
         a -= top
         xp.exp(a, out=a)
         total = a.sum(axis=-1, keepdims=True)
         a /= total
-        if out_lse is not None:
-            out_lse[...] = top + xp.log(total)
+        out_lse[...] = top + xp.log(total)
 
-    _over_matrices(att, lse, softmax)
-    return att
-
-
-def causal_softmax_again(scores, lse):
-    """In place: the probabilities causal_softmax gave, from the same scores and its log-sum-exp."""
-    xp = array_module(scores)
-    mask = causal_mask(xp, scores.shape[-1], scores.dtype)
-
-    def again(s, row_lse):
-        s += mask
-        s -= row_lse
-        xp.exp(s, out=s)
-
-    _over_matrices(scores, lse, again)
-    return scores
+    _per_head(rows, s, lse)
+    return s
 
 
-def _over_matrices(att, lse, fn):
-    """fn(att part, lse part) over the (B * nh) matrices, split over threads on NumPy."""
-    xp = array_module(att)
-    if xp is np and att.flags.c_contiguous:
-        mats = att.reshape(-1, *att.shape[-2:])
-        rows = None if lse is None else lse.reshape(-1, att.shape[-2], 1)
-        parallel_for(mats.shape[0], lambda s, e: fn(mats[s:e], None if rows is None else rows[s:e]),
-                     cost_per_item=att.shape[-1] * att.shape[-2])
-    else:
-        fn(att, lse)
+def block_probs_again(s, i0, lse):
+    """In place: the probabilities block_softmax gave, from the same scores and its log-sum-exp."""
+    xp = array_module(s)
+    mask = causal_mask(xp, s.shape[-2], s.dtype)
+
+    def rows(a, row_lse):
+        a[..., i0:] += mask
+        a -= row_lse
+        xp.exp(a, out=a)
+
+    _per_head(rows, s, lse)
+    return s
 
 
-def _softmax_backward(datt, att):
-    """In place: datt <- att * (datt - rowsum(datt * att)), split over threads on NumPy."""
-    xp = array_module(att)
-
-    def rows(d, a):
-        d -= (d * a).sum(axis=-1, keepdims=True)
+def block_softmax_backward(dp, p, D):
+    """In place: dp <- p * (dp - D), D = rowsum(dP * P) given per row (B, nh, bq, 1)."""
+    def rows(d, a, dd):
+        d -= dd
         d *= a
 
-    if xp is np and datt.flags.c_contiguous and att.flags.c_contiguous:
-        T = att.shape[-1]
-        d2, a2 = datt.reshape(-1, T), att.reshape(-1, T)
-        parallel_for(d2.shape[0], lambda s, e: rows(d2[s:e], a2[s:e]), cost_per_item=T)
-    else:
-        rows(datt, att)
+    _per_head(rows, dp, p, D)
+    return dp
 
 
 class CausalSelfAttention(Layer):
-    # Probabilities (B, nh, T, T) larger than this are not kept from forward to backward but
-    # recomputed there from q, k and each row's log-sum-exp: one more q k^T GEMM instead of
-    # 4 B nh T^T bytes per layer (48 MiB a layer for ANDREA-120M at T = 1024).
+    block = 128                      # query rows per block
+    # Probabilities up to this many bytes in all are kept from forward to backward; larger ones
+    # are recomputed there from q, k and the row log-sum-exp (one more q k^T GEMM per block).
     keep_probs_max_bytes = 16 << 20
 
     def __init__(self, c_attn, c_proj, n_head):
@@ -121,44 +113,62 @@ class CausalSelfAttention(Layer):
         qkv = qkv.reshape(B, T, 3, self.n_head, hs)
         return [qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]
 
+    def _blocks(self, T):
+        return [(i0, min(i0 + self.block, T)) for i0 in range(0, T, self.block)]
+
     def forward(self, x):
         xp = array_module(x)
         B, T, C = x.shape
-        hs = C // self.n_head
+        nh, hs = self.n_head, C // self.n_head
         qkv = self.c_attn.forward(x)                         # (B, T, 3C)
         q, k, v = self._heads(qkv, B, T)                     # (B, nh, T, hs) each
-        q = q * (1.0 / math.sqrt(hs))                        # scale q (T*hs work) rather than att (T*T)
-        att = xp.matmul(q, k.transpose(0, 1, 3, 2))          # (B, nh, T, T)
-        keep = att.nbytes <= self.keep_probs_max_bytes
-        lse = None if keep else xp.empty((B, self.n_head, T, 1), dtype=att.dtype)
-        causal_softmax(att, lse)
-        y = xp.matmul(att, v)                                # (B, nh, T, hs)
-        y = y.transpose(0, 2, 1, 3).reshape(B, T, C)         # heads back in order
-        self._save(q, k, v, att if keep else None, lse)
-        return self.c_proj.forward(y)
+        q = q * (1.0 / math.sqrt(hs))                        # scale q (T*hs work) rather than scores (T*T)
+        k = xp.ascontiguousarray(k)
+        v = xp.ascontiguousarray(v)
+        kT = k.transpose(0, 1, 3, 2)
+        y = xp.empty((B, nh, T, hs), dtype=x.dtype)
+        blocks = self._blocks(T)
+        kept_bytes = x.itemsize * B * nh * sum((i1 - i0) * i1 for i0, i1 in blocks)
+        kept = [] if kept_bytes <= self.keep_probs_max_bytes else None
+        lse = []                                             # per block (B, nh, bq, 1)
+        for i0, i1 in blocks:
+            p = xp.matmul(q[:, :, i0:i1], kT[:, :, :, :i1])   # (B, nh, bq, i1): keys 0..i1 only
+            lse.append(xp.empty((B, nh, i1 - i0, 1), dtype=x.dtype))
+            block_softmax(p, i0, lse[-1])
+            xp.matmul(p, v[:, :, :i1], out=y[:, :, i0:i1])
+            if kept is not None:
+                kept.append(p)
+        self._save(q, k, v, y, lse, kept)
+        return self.c_proj.forward(y.transpose(0, 2, 1, 3).reshape(B, T, C))  # heads back in order
 
     def backward(self, dout):
         xp = array_module(dout)
-        q, k, v, att, lse = self._pop()
+        q, k, v, y, lse, kept = self._pop()
         B, nh, T, hs = q.shape
-        if att is None:                                      # recompute: att = softmax(q k^T + mask)
-            att = causal_softmax_again(xp.matmul(q, k.transpose(0, 1, 3, 2)), lse)
         dy = self.c_proj.backward(dout)                      # (B, T, C)
-        dy = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
-        # forward was: y = att @ v
-        datt = xp.matmul(dy, v.transpose(0, 1, 3, 2))        # (B, nh, T, T)
-        dv = xp.matmul(att.transpose(0, 1, 3, 2), dy)        # (B, nh, T, hs)
-        # forward was: att = softmax(s) per row; ds = att * (datt - sum(datt * att))
-        _softmax_backward(datt, att)
-        del att
-        # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
-        dq = xp.matmul(datt, k)                              # d(scaled q)
-        dq *= 1.0 / math.sqrt(hs)
-        dk = xp.matmul(datt.transpose(0, 1, 3, 2), q)
-        del datt
-        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
-        for i, d in enumerate((dq, dk, dv)):
-            dqkv[:, :, i] = d.transpose(0, 2, 1, 3)
+        dy = xp.ascontiguousarray(dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3))  # (B, nh, T, hs)
+        dqkv = xp.zeros((B, T, 3, nh, hs), dtype=dout.dtype)
+        dq = dqkv[:, :, 0].transpose(0, 2, 1, 3)             # (B, nh, T, hs) views into dqkv
+        dk = dqkv[:, :, 1].transpose(0, 2, 1, 3)
+        dv = dqkv[:, :, 2].transpose(0, 2, 1, 3)
+        kT = k.transpose(0, 1, 3, 2)
+        for n, (i0, i1) in enumerate(self._blocks(T)):
+            if kept is not None:
+                p = kept[n]
+            else:                                            # recompute: p = softmax(q k^T + mask)
+                p = block_probs_again(xp.matmul(q[:, :, i0:i1], kT[:, :, :, :i1]), i0, lse[n])
+            dyb = dy[:, :, i0:i1]
+            # softmax backward needs rowsum(dP * P) = rowsum(dY * Y), since Y = P V and dP = dY V^T
+            D = (dyb * y[:, :, i0:i1]).sum(axis=-1, keepdims=True)  # (B, nh, bq, 1)
+            # forward was: y = p @ v
+            dv[:, :, :i1] += xp.matmul(p.transpose(0, 1, 3, 2), dyb)
+            dp = xp.matmul(dyb, v[:, :, :i1].transpose(0, 1, 3, 2))  # (B, nh, bq, i1)
+            # forward was: p = softmax(s) per row; ds = p * (dp - rowsum(dp * p))
+            ds = block_softmax_backward(dp, p, D)
+            # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
+            dq[:, :, i0:i1] = xp.matmul(ds, k[:, :, :i1])
+            dk[:, :, :i1] += xp.matmul(ds.transpose(0, 1, 3, 2), q[:, :, i0:i1])
+        dq *= 1.0 / math.sqrt(hs)                            # d(q) from d(scaled q)
         return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs))
 
     def forward_kv(self, x, cache, pos):
@@ -170,17 +180,14 @@ class CausalSelfAttention(Layer):
         xp = array_module(x)
         B, T, C = x.shape
         hs = C // self.n_head
-        W, b = self.c_attn.W, self.c_attn.b
-        qkv = x.reshape(-1, C) @ W + b
+        qkv = x.reshape(-1, C) @ self.c_attn.W + self.c_attn.b
         q, k, v = self._heads(qkv.reshape(B, T, 3 * C), B, T)
         k_cache, v_cache = cache
         k_cache[:, :, pos:pos + T] = k
         v_cache[:, :, pos:pos + T] = v
         end = pos + T
         att = xp.matmul(q * (1.0 / math.sqrt(hs)), k_cache[:, :, :end].transpose(0, 1, 3, 2))  # (B, nh, T, end)
-        if T > 1:  # new row i sits at position pos + i and sees keys 0..pos + i
-            hidden = np.arange(end)[None, :] > (pos + np.arange(T))[:, None]
-            att[..., xp.asarray(hidden)] = -xp.inf
+        att[..., pos:end] += causal_mask(xp, T, att.dtype)  # new row i sits at position pos + i
         att -= att.max(axis=-1, keepdims=True)
         xp.exp(att, out=att)
         att /= att.sum(axis=-1, keepdims=True)

@@ -682,7 +682,7 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
     _row_values(fn, "lse", lse, s, rows)
     if s.size >= 2**31:
         raise ValueError(f"{fn}: s has {s.size} elements; at most 2**31 - 1 are supported")
-    _on_cupy(fn, s, "minitensor.attention.causal_softmax_again")
+    _on_cupy(fn, s, "minitensor.attention.block_probs_again")
     kern = CAUSAL_SOFTMAX_RECOMPUTE.kernel()
     args = (s, lse.reshape(-1), np.int32(T), s.dtype.type(scale))
     return kern(*args) if out is None else kern(*args, _out_like(fn, s, out))

@@ -184,15 +184,16 @@ def part_kernels(dry):
         reseed()
         s = rand(BH, T, T, scale=2.0)
         p, lse = s.copy(), xp.empty((BH, T, 1), dtype)
-        attention.causal_softmax(p, lse)
+        attention.block_softmax(p[None], 0, lse[None])
         return dict(s=s, p=p, lse=lse, dp=rand(BH, T, T), lse_out=xp.empty((BH, T, 1), dtype))
 
     def softmax_generic_fwd(d):
-        attention.causal_softmax(d["s"], d["lse_out"])
+        attention.block_softmax(d["s"][None], 0, d["lse_out"][None])
         return d["s"], d["lse_out"]
 
     def softmax_generic_bwd(d):
-        attention._softmax_backward(d["dp"], d["p"])
+        D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
+        attention.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
         return (d["dp"],)
 
     def xent_setup():
@@ -254,7 +255,7 @@ def part_kernels(dry):
          softmax_generic_bwd, False),
         ("causal softmax recompute", softmax_setup,
          lambda d: (K.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
-         lambda d: (attention.causal_softmax_again(d["s"], d["lse"]),), True),
+         lambda d: (attention.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
         ("cross-entropy fwd", xent_setup, lambda d: (K.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
          xent_generic_fwd, False),
         ("cross-entropy bwd", xent_setup, lambda d: (K.softmax_xent_backward_gpu(d["probs"], d["t"]),),

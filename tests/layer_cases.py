@@ -110,7 +110,7 @@ def gelu_case(xp, dtype, seed, dims):
 
 
 def attention_case(xp, dtype, seed, dims):
-    """dims["recompute"]: drop the probabilities in forward and recompute them in backward."""
+    """dims["block"]: query rows per block; dims["recompute"]: recompute the probabilities in backward."""
     rng = np.random.default_rng(seed)
     B, T, C, nh = dims["B"], dims["T"], dims["C"], dims["n_head"]
     shapes = {"c_attn.weight": (C, 3 * C), "c_attn.bias": (3 * C,), "c_proj.weight": (C, C), "c_proj.bias": (C,)}
@@ -118,6 +118,7 @@ def attention_case(xp, dtype, seed, dims):
     c_attn = Linear(p["c_attn.weight"], p.grad("c_attn.weight"), p["c_attn.bias"], p.grad("c_attn.bias"))
     c_proj = Linear(p["c_proj.weight"], p.grad("c_proj.weight"), p["c_proj.bias"], p.grad("c_proj.bias"))
     layer = CausalSelfAttention(c_attn, c_proj, nh)
+    layer.block = dims.get("block", layer.block)
     if dims.get("recompute"):
         layer.keep_probs_max_bytes = 0
     x = xp.asarray(rng.standard_normal((B, T, C)), dtype=dtype)
@@ -209,7 +210,9 @@ CASES = {
     "layernorm": layernorm_case,
     "gelu": gelu_case,
     "attention": attention_case,
-    "attention-recompute": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "recompute": True}),
+    "attention-blocks": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "block": 2}),
+    "attention-recompute": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed,
+                                                                        {**dims, "block": 3, "recompute": True}),
     "embedding": embedding_case,
     "head": head_case,
     "loss": loss_case,
