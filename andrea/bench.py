@@ -32,10 +32,10 @@ STEPS = {"tiny": (3, 15), "small": (2, 8), "120m": (1, 4)}          # (warm-up, 
 GEN_CONTEXTS = {"tiny": (16, 64, 120), "small": (16, 128, 250), "120m": (16, 256, 1000)}
 
 
-def _timed(xp, fn):
+def _timed(xp, fn, *args):
     synchronize(xp)
     t = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     synchronize(xp)
     return out, time.perf_counter() - t
 
@@ -48,7 +48,7 @@ def bench_training(model, opt, B, T, warmup, steps, seed=0):
     splits = defaultdict(list)
     for i in range(warmup + steps):
         x = rng.integers(0, V, (B, T + 1))
-        _, f = _timed(xp, lambda: model.loss(x[:, :-1], x[:, 1:]))
+        _, f = _timed(xp, model.loss, x[:, :-1], x[:, 1:])
         _, b = _timed(xp, lambda: (model.zero_grad(), model.backward()))
         _, o = _timed(xp, lambda: opt.step(grad_scale=min(1.0, 1.0 / (global_norm(model.params.grads) + 1e-6))))
         if i >= warmup:
@@ -73,9 +73,20 @@ def bench_generation(model, contexts, new_tokens=16, seed=0):
         cache = model.new_kv_cache(1)
         model.forward_kv(rng.integers(0, model.cfg.vocab_size, (1, L)), cache, 0)
         ids = rng.integers(0, model.cfg.vocab_size, new_tokens)
-        _, dt = _timed(model.xp, lambda: [model.forward_kv(ids[None, i:i + 1], cache, L + i) for i in range(new_tokens)])
+        _, dt = _timed(model.xp, _generate_steps, model, ids, cache, L)
         out[str(L)] = new_tokens / dt
     return out
+
+
+def _generate_steps(model, ids, cache, pos):
+    for i in range(len(ids)):
+        model.forward_kv(ids[None, i:i + 1], cache, pos + i)
+
+
+def _forward_backward(model, x):
+    model.loss(x[:, :-1], x[:, 1:])
+    model.zero_grad()
+    model.backward()
 
 
 def profile_step(model, opt, B, T, steps=3, seed=0):
@@ -117,8 +128,8 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
     opt_total = 0.0
     for _ in range(steps):
         x = rng.integers(0, model.cfg.vocab_size, (B, T + 1))
-        _, dt = _timed(xp, lambda: (model.loss(x[:, :-1], x[:, 1:]), model.zero_grad(), model.backward()))
-        _, do = _timed(xp, lambda: opt.step())
+        _, dt = _timed(xp, _forward_backward, model, x)
+        _, do = _timed(xp, opt.step)
         step_total += dt + do
         opt_total += do
     rows = {f"{k[0]} {k[1]}": v / steps for k, v in totals.items()}

@@ -25,13 +25,13 @@ import numpy as np
 
 from andrea import checkpoint as ckpt
 from andrea import data
-from andrea.prepare import prepare
 from andrea.cli import run_cli
 from andrea.config import load_config, make_config
 from andrea.errors import UserError
 from andrea.model import ANDREA, flops_per_token, format_breakdown
 from andrea.optim import AdamW
 from andrea.perf import format_duration, matmul_peak_flops, synchronize
+from andrea.prepare import prepare
 from andrea.sample import stream
 from andrea.tokenizer import Tokenizer
 from minitensor.backend import GPUUnavailable
@@ -148,7 +148,7 @@ class Trainer:
     def run(self, stop_at_step=None):
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
-        metrics = open(self.out_dir / "metrics.jsonl", "a")
+        metrics = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in the finally below)
         peak = matmul_peak_flops(self.model.xp, n=2048, repeats=2)  # ~0.5 s; the benchmark uses 4096
         window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
         previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
@@ -280,7 +280,8 @@ def parse_args(argv):
     ap.add_argument("--config", default="tiny", help="tiny (default), small, 120m, or a .yaml path")
     ap.add_argument("--out", help="output directory (default: out/<config name>)")
     ap.add_argument("--max-steps", type=int, help="total optimizer steps (sets train.max_steps)")
-    ap.add_argument("--stop-at-step", type=int, help="stop after this step as an interruption would, schedule unchanged")
+    ap.add_argument("--stop-at-step", type=int,
+                    help="stop after this step as an interruption would, schedule unchanged")
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], help="sets train.device")
     ap.add_argument("--seed", type=int, help="sets train.seed")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")

@@ -63,7 +63,7 @@ class PositionEmbedding(Layer):
         self.W, self.dW = W, dW
 
     def forward(self, B, T):
-        if T > self.W.shape[0]:
+        if self.W.shape[0] < T:
             raise ValueError(f"sequence length {T} exceeds the context length {self.W.shape[0]}")
         self._save(T)
         return self.W[:T]                                    # (T, C), broadcast over B

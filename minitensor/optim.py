@@ -6,8 +6,9 @@
 
 Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as PyTorch's AdamW
 does, and only to the tensors `decays` selects (by default those of 2+ dimensions: matmul
-weights and embeddings), so no buffer-sized mask is needed on the CPU. On NumPy the update runs over chunks of the buffers, spread over the CPU threads,
-so its temporaries stay in cache instead of streaming whole-buffer intermediates through memory.
+weights and embeddings), so no buffer-sized mask is needed on the CPU. On NumPy the update runs
+over chunks of the buffers, spread over the CPU threads, so its temporaries stay in cache instead
+of streaming whole-buffer intermediates through memory.
 """
 
 import math

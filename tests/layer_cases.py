@@ -37,7 +37,7 @@ class Case:
 
 def _params(xp, dtype, rng, shapes, scale=1.0):
     p = Params(shapes, xp=xp, dtype=dtype)
-    for name, view in p.items():
+    for _, view in p.items():
         view[...] = xp.asarray(rng.standard_normal(view.shape) * scale)
     return p
 

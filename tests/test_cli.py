@@ -16,7 +16,8 @@ def test_params_prints_the_exact_count_of_andrea_120m(capsys):
 def test_shipped_configs_load_and_match_the_spec():
     tiny, small, big = (load_config(n) for n in ("tiny", "small", "120m"))
     assert (tiny.model.d_model, tiny.model.n_layer, tiny.model.n_head, tiny.model.context_length) == (128, 4, 4, 128)
-    assert (small.model.d_model, small.model.n_layer, small.model.n_head, small.model.context_length) == (384, 6, 6, 256)
+    s = small.model
+    assert (s.d_model, s.n_layer, s.n_head, s.context_length) == (384, 6, 6, 256)
     assert (big.model.d_model, big.model.n_layer, big.model.mlp_dim, big.model.context_length) == (768, 12, 3072, 1024)
     assert load_config("andrea-tiny").name == "andrea-tiny"
 

@@ -4,10 +4,10 @@ bad targets, the checker catching a wrong backward, and a small stack checked en
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-
 import strategies as S
+from hypothesis import given, settings
 from layer_cases import attention_case, embedding_case, linear_case, loss_case
+
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import to_numpy
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead, scatter_add_rows

@@ -4,11 +4,11 @@ accumulation, the dropped cache, and float32 against float64. Shapes and seeds c
 
 import numpy as np
 import pytest
+import strategies as S
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import strategies as S
 from layer_cases import CASES
+
 from minitensor.backend import to_numpy
 from minitensor.gradcheck import check_gradients
 

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 import pytest
+import strategies as S
 from hypothesis import given, settings
 
-import strategies as S
 from andrea import ANDREA, AdamW, ModelConfig
 from andrea.errors import UserError
 from andrea.model import param_shapes, parameter_breakdown
@@ -53,7 +53,7 @@ def test_initialisation_follows_gpt2():
 def test_whole_model_gradients_match_finite_differences(seed, B, T):
     m = ANDREA(ModelConfig(**TINY), device="cpu", dtype="float64", seed=seed)
     rng = np.random.default_rng(seed)
-    for name, view in m.named_parameters():  # move off the symmetric init so every path matters
+    for _, view in m.named_parameters():  # move off the symmetric init so every path matters
         view += rng.normal(0, 0.3, view.shape)
     idx, targets = rng.integers(0, 13, (B, T)), rng.integers(0, 13, (B, T))
     pairs = {n: (m.params[n], m.params.grad(n)) for n in m.params.names()}
@@ -90,7 +90,7 @@ def test_adamw_step_equals_a_hand_computed_one():
     lr, b1, b2, eps, wd = 0.01, 0.8, 0.9, 1e-8, 0.5
     opt = AdamW(m, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
     grads = []
-    for t in (1, 2):
+    for _ in (1, 2):
         g = {n: rng.standard_normal(v.shape) for n, v in m.named_parameters()}
         for n, view in m.named_grads():
             view[...] = g[n]
