@@ -77,7 +77,9 @@ class Trainer:
     # --- checkpoints ---
 
     def state(self):
-        tensors = dict(self.model.state_dict())
+        # views into the flat buffers, not copies: a checkpoint of ANDREA-120M would otherwise
+        # hold a second 370 MB of weights in memory while it is written
+        tensors = {name: _host(view) for name, view in self.model.named_parameters()}
         tensors["optimizer.m"] = _host(self.opt.m)
         tensors["optimizer.v"] = _host(self.opt.v)
         meta = {
