@@ -1,6 +1,6 @@
-"""The kernels module: NumPy GELU against its plain formula and finite differences, the NVRTC
-compile check (and that it can fail), the host C++ check of each elementwise operation, and, on
-a GPU, the CuPy kernels against NumPy."""
+"""The kernels and kernelcheck modules: NumPy GELU against its plain formula and finite
+differences, the NVRTC compile check (and that it can fail), the host C++ check of each
+elementwise operation, and, on a GPU, the CuPy kernels against NumPy."""
 
 import dataclasses
 import shutil
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from minitensor import backend, kernels
+from minitensor import kernelcheck, kernels
 from minitensor.kernels import gelu_backward, gelu_backward_reference, gelu_forward, gelu_forward_reference
 
 DTYPES = [np.float32, np.float64]
@@ -148,7 +148,7 @@ def test_import_needs_no_cupy():
 
 @needs_nvrtc
 def test_every_kernel_compiles_with_nvrtc():
-    results = list(kernels.check_kernels())
+    results = list(kernelcheck.check_kernels())
     assert len(results) == len(kernels.KERNELS) * len(kernels.DTYPES) * len(kernels.ARCHS)
     assert [r.line() for r in results if not r.ok] == []
 
@@ -163,7 +163,7 @@ def test_check_fails_on_what_nvrtc_rejects(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "FAIL broken float32 sm_90" in out and "INFINITY" in out
     syntax = kernels.RawSpec("syntax", 'extern "C" __global__ void syntax(T *y) { y[0] = ; }')
-    [result] = kernels.check_kernels([syntax], dtypes=["float64"], archs=["sm_80"])
+    [result] = kernelcheck.check_kernels([syntax], dtypes=["float64"], archs=["sm_80"])
     assert not result.ok and "error" in result.error
 
 
@@ -173,7 +173,7 @@ def test_raw_kernels_register_with_their_source():
                                    "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
                                    "  if (i < n) y[i] *= a;\n}\n")
     assert raw.source("float32").startswith("typedef float T;")
-    assert all(r.ok for r in kernels.check_kernels([raw], archs=["sm_90"]))
+    assert all(r.ok for r in kernelcheck.check_kernels([raw], archs=["sm_90"]))
 
 
 @needs_nvrtc
@@ -202,7 +202,7 @@ def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
                                         if isinstance(s, kernels.ElementwiseSpec)))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
-    result = kernels.host_check(kernels.KERNELS[name], dtype)
+    result = kernelcheck.host_check(kernels.KERNELS[name], dtype)
     assert result.ok, result.line()
 
 
@@ -210,22 +210,12 @@ def test_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
 def test_host_check_catches_a_wrong_formula():
     right = kernels.ElementwiseSpec("scale", "T x, T a", "T y", "y = a * x", reference=lambda x, a: a * x,
                                     scalars=(("a", 0.5),))
-    assert kernels.host_check(right, "float32").ok
+    assert kernelcheck.host_check(right, "float32").ok
     slip = dataclasses.replace(right, operation="y = a * x * ((T)1 + (T)1e-9 * x)")
-    assert not kernels.host_check(slip, "float64").ok
+    assert not kernelcheck.host_check(slip, "float64").ok
 
 
 # --- On a GPU ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cupy():
-    ok, why = backend._probe_gpu()
-    if not ok:
-        pytest.skip(f"no usable GPU: {why}")
-    import cupy
-
-    return cupy
 
 
 @pytest.mark.gpu

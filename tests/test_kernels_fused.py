@@ -1,4 +1,4 @@
-"""The fused GPU kernels (minitensor/kernels.py) against their NumPy formulas.
+"""The fused GPU kernels (minitensor/fused.py) against their NumPy formulas.
 
 Without a GPU: each formula against the layer code it stands for; NVRTC compiles every new
 kernel; each elementwise operation runs as C++ on the host (and the check catches a slip in it);
@@ -17,8 +17,8 @@ import strategies as S
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minitensor import attention, backend, kernels
-from minitensor.kernels import (
+from minitensor import attention, fused, kernelcheck, kernels
+from minitensor.fused import (
     adamw_reference,
     bias_gelu_backward_reference,
     bias_gelu_forward_reference,
@@ -164,7 +164,7 @@ def test_adamw_kernel_form_equals_the_textbook_form():
     c1, c2 = 1 - b1**t, 1 - b2**t
     want = adamw_reference(p, g, m, v, mask, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, t=t,
                            grad_scale=0.5)
-    got = kernels._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
+    got = fused._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
     for a, b in zip(got, want):
         assert_close(a, b)
 
@@ -182,7 +182,7 @@ def test_bias_gelu_formula_is_gelu_of_the_biased_input():
 @needs_nvrtc
 def test_every_new_kernel_compiles_for_both_dtypes_and_archs():
     specs = [kernels.KERNELS[n] for n in NEW_KERNELS]
-    results = list(kernels.check_kernels(specs))
+    results = list(kernelcheck.check_kernels(specs))
     assert len(results) == len(NEW_KERNELS) * 2 * 2
     assert [r.line() for r in results if not r.ok] == []
     assert {(r.dtype, r.arch) for r in results} == {(d, a) for d in ("float32", "float64") for a in ("sm_80", "sm_90")}
@@ -190,18 +190,18 @@ def test_every_new_kernel_compiles_for_both_dtypes_and_archs():
 
 @needs_nvrtc
 def test_elementwise_sources_pass_raw_arrays_and_scalars():
-    src = kernels.BIAS_GELU_FWD.source("float32")
+    src = fused.BIAS_GELU_FWD.source("float32")
     assert "const CArray<float, 1, 1, 1> b, const int C," in src
-    src = kernels.SOFTMAX_XENT_BWD.source("float64")
+    src = fused.SOFTMAX_XENT_BWD.source("float64")
     assert "const CArray<long long, 1, 1, 1> targets, const int V, const double scale," in src
-    assert "const float beta1," in kernels.ADAMW_STEP.source("float32")
+    assert "const float beta1," in fused.ADAMW_STEP.source("float32")
 
 
 @needs_cxx
 @pytest.mark.parametrize("name", ELEMENTWISE)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_new_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
-    result = kernels.host_check(kernels.KERNELS[name], dtype)
+    result = kernelcheck.host_check(kernels.KERNELS[name], dtype)
     assert result.ok, result.line()
 
 
@@ -221,7 +221,7 @@ def test_host_check_catches_a_slip_in_each_operation(name):
     old, new = SLIPS[name]
     assert old in spec.operation
     slipped = dataclasses.replace(spec, name=name + "_slip", operation=spec.operation.replace(old, new))
-    assert not kernels.host_check(slipped, "float64").ok
+    assert not kernelcheck.host_check(slipped, "float64").ok
 
 
 # --- The RawKernels, through their wrappers, emulated on the host --------------------------------
@@ -231,7 +231,7 @@ def test_host_check_catches_a_slip_in_each_operation(name):
 def emulated(monkeypatch):
     if shutil.which("g++") is None:
         pytest.skip("no g++ for the emulation")
-    monkeypatch.setattr(kernels, "_launch", kernels.emulate_launch)
+    monkeypatch.setattr(fused, "_launch", kernelcheck.emulate_launch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -242,7 +242,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     x, dy, r = (normal(rng, shape, dtype, 2.0, 0.5) for _ in range(3))
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     x2, dy2, r2 = (f64(a).reshape(-1, C) for a in (x, dy, r))  # the formulas take rows (N, C)
-    y, mean, rstd = kernels.layernorm_forward_gpu(x, w, b, 1e-5)
+    y, mean, rstd = fused.layernorm_forward_gpu(x, w, b, 1e-5)
     y_ref, mean_ref, rstd_ref = layernorm_forward_reference(x2, f64(w), f64(b))
     assert y.shape == x.shape and mean.shape == rstd.shape == (x2.shape[0], 1)
     assert_close(y.reshape(-1, C), y_ref)
@@ -250,7 +250,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     assert_close(rstd, rstd_ref)
 
     dw, db = np.full(C, 0.5, dtype), np.full(C, -0.5, dtype)  # gradients accumulate
-    dx = kernels.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    dx = fused.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
     dx_ref, dw_ref, db_ref = layernorm_backward_reference(dy2, x2, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(dy2 * f64(w) * rstd_ref)))
     assert_close(dx.reshape(-1, C), dx_ref, scale=scale)
@@ -259,11 +259,11 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
 
     # fused residual joins: forward adds the residual into x first, backward adds dx into add_to
     xs = x.copy()
-    y2, _, _ = kernels.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
+    y2, _, _ = fused.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
     assert y2 is xs
     assert_close(y2.reshape(-1, C), layernorm_forward_reference(x2 + r2, f64(w), f64(b))[0])
     acc = r.copy()
-    assert kernels.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
+    assert fused.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)
 
 
@@ -274,7 +274,7 @@ def test_layernorm_param_gradients_over_several_row_chunks(emulated):
     w, b = normal(rng, C, np.float64), normal(rng, C, np.float64)
     _, mean, rstd = layernorm_forward_reference(x, w, b)
     dw, db = np.zeros(C), np.zeros(C)
-    kernels.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    fused.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
     _, dw_ref, db_ref = layernorm_backward_reference(dy, x, w, mean, rstd)
     assert_close(dw, dw_ref)
     assert_close(db, db_ref)
@@ -286,18 +286,18 @@ def test_causal_softmax_kernels_emulated(emulated, dtype, shape):
     rng = np.random.default_rng(7)
     s, dp = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype)
     lse = np.full((*shape[:-1], 1), np.nan, dtype)
-    p = kernels.causal_softmax_forward_gpu(s, 0.3, lse=lse)
+    p = fused.causal_softmax_forward_gpu(s, 0.3, lse=lse)
     p_ref, lse_ref = causal_softmax_reference(f64(s), 0.3)
     assert_close(p, p_ref)
     assert np.all(p[..., np.triu_indices(shape[-1], 1)[0], np.triu_indices(shape[-1], 1)[1]] == 0)
     assert_close(lse, lse_ref, scale=1.0)
-    ds = kernels.causal_softmax_backward_gpu(dp, p, 0.3)
+    ds = fused.causal_softmax_backward_gpu(dp, p, 0.3)
     assert_close(ds, causal_softmax_backward_reference(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
     inplace = s.copy()
-    assert kernels.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
+    assert fused.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
     assert_close(inplace, p_ref)
     d = dp.copy()
-    assert kernels.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
+    assert fused.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
     assert_close(d, causal_softmax_backward_reference(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
 
 
@@ -308,7 +308,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
     logits = normal(rng, (2, 3, V), dtype, 4.0, 10.0)  # large logits: the max is subtracted first
     targets = rng.integers(0, V, (2, 3)).astype(np.int32)  # any integer dtype: copied to int64
     z = logits.copy()
-    loss, losses = kernels.softmax_xent_forward_gpu(z, targets)
+    loss, losses = fused.softmax_xent_forward_gpu(z, targets)
     loss_ref, probs_ref, losses_ref = softmax_xent_forward_reference(f64(logits), targets)
     assert_close(losses, losses_ref, scale=1.0)
     assert_close(loss, loss_ref, scale=1.0)
@@ -318,7 +318,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cross_entropy_marks_a_bad_target_with_nan(emulated, dtype):
     logits = np.zeros((3, 4), dtype)
-    _, losses = kernels.softmax_xent_forward_gpu(logits, np.array([1, 4, -1]))
+    _, losses = fused.softmax_xent_forward_gpu(logits, np.array([1, 4, -1]))
     assert losses[0] == pytest.approx(np.log(4)) and np.isnan(losses[1]) and np.isnan(losses[2])
 
 
@@ -330,21 +330,21 @@ def test_launch_checks_the_c_types_of_its_arguments():
     w = np.ones(4, np.float32)
     mean = rstd = np.zeros((2, 1), np.float32)
     good = (x, x, w, w, x, mean, rstd, np.int32(4), np.float32(1e-5), np.int32(0))
-    kernels._check_launch_args(kernels.LAYERNORM_FWD, np.float32, good)
+    fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good)
     with pytest.raises(TypeError, match="argument C must be a NumPy scalar of int32"):
-        kernels._check_launch_args(kernels.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
+        fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
     with pytest.raises(TypeError, match="argument eps must be a NumPy scalar of float32"):
-        kernels._check_launch_args(kernels.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
+        fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
     with pytest.raises(TypeError, match="argument w must be a contiguous array of float32"):
-        kernels._check_launch_args(kernels.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
+        fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
     with pytest.raises(TypeError, match="takes 10 arguments"):
-        kernels._check_launch_args(kernels.LAYERNORM_FWD, np.float32, good[:-1])
+        fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good[:-1])
     with pytest.raises(TypeError, match="runs on CuPy arrays"):
-        kernels._launch(kernels.LAYERNORM_FWD, np.float32, (2,), (32,), good)
+        fused._launch(fused.LAYERNORM_FWD, np.float32, (2,), (32,), good)
 
 
 def test_raw_kernel_parameters_are_parsed_from_the_code():
-    assert kernels._raw_params(kernels.SOFTMAX_XENT_FWD) == [
+    assert fused._raw_params(fused.SOFTMAX_XENT_FWD) == [
         ("z", "T", True), ("targets", "long long", True), ("losses", "T", True), ("V", "int", False)]
 
 
@@ -352,28 +352,28 @@ def test_wrappers_refuse_bad_operands():
     x = np.zeros((4, 6), np.float32)
     w = np.ones(6, np.float32)
     with pytest.raises(ValueError, match="contiguous"):
-        kernels.layernorm_forward_gpu(np.zeros((6, 4), np.float32).T, w, w)
+        fused.layernorm_forward_gpu(np.zeros((6, 4), np.float32).T, w, w)
     with pytest.raises(ValueError, match="w must be"):
-        kernels.layernorm_forward_gpu(x, np.ones(5, np.float32), w)
+        fused.layernorm_forward_gpu(x, np.ones(5, np.float32), w)
     with pytest.raises(ValueError, match="residual must be"):
-        kernels.layernorm_forward_gpu(x, w, w, residual=np.zeros((4, 6)))
+        fused.layernorm_forward_gpu(x, w, w, residual=np.zeros((4, 6)))
     with pytest.raises(ValueError, match=r"\(\.\.\., T, T\)"):
-        kernels.causal_softmax_forward_gpu(x)
+        fused.causal_softmax_forward_gpu(x)
     with pytest.raises(ValueError, match="lse must hold 8"):
-        kernels.causal_softmax_forward_gpu(np.zeros((2, 4, 4)), lse=np.zeros(4))
+        fused.causal_softmax_forward_gpu(np.zeros((2, 4, 4)), lse=np.zeros(4))
     with pytest.raises(ValueError, match="targets must be integers"):
-        kernels.softmax_xent_forward_gpu(x, np.zeros(4))
+        fused.softmax_xent_forward_gpu(x, np.zeros(4))
     with pytest.raises(ValueError, match="b must be"):
-        kernels.bias_gelu_forward_gpu(x, np.ones(4, np.float32))
+        fused.bias_gelu_forward_gpu(x, np.ones(4, np.float32))
     hyper = dict(lr=1, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0)
     with pytest.raises(ValueError, match="t counts steps from 1"):
-        kernels.adamw_step_gpu(x, x, x, x, x, t=0, **hyper)
+        fused.adamw_step_gpu(x, x, x, x, x, t=0, **hyper)
     with pytest.raises(ValueError, match="g must be"):
-        kernels.adamw_step_gpu(x, x[:2], x, x, x, t=1, **hyper)
+        fused.adamw_step_gpu(x, x[:2], x, x, x, t=1, **hyper)
     with pytest.raises(TypeError, match="runs on CuPy arrays; on NumPy use minitensor.optim.AdamW"):
-        kernels.adamw_step_gpu(x, x, x, x, x, t=1, **hyper)
+        fused.adamw_step_gpu(x, x, x, x, x, t=1, **hyper)
     with pytest.raises(TypeError, match=r"on NumPy use gelu_forward\(x \+ b\)"):
-        kernels.bias_gelu_forward_gpu(x, w)
+        fused.bias_gelu_forward_gpu(x, w)
 
 
 def test_emulation_refuses_partly_overlapping_buffers():
@@ -382,21 +382,11 @@ def test_emulation_refuses_partly_overlapping_buffers():
     flat = np.zeros(17)
     dp, p, ds = flat[1:].reshape(1, 4, 4), np.zeros((1, 4, 4)), flat[:16].reshape(1, 4, 4)
     with pytest.raises(ValueError, match="partly overlaps"):
-        kernels.emulate_launch(kernels.CAUSAL_SOFTMAX_BWD, np.float64, (4,), (32,),
+        kernelcheck.emulate_launch(fused.CAUSAL_SOFTMAX_BWD, np.float64, (4,), (32,),
                                (dp, p, ds, np.int32(4), np.float64(1)))
 
 
 # --- On a GPU: every wrapper against its formula -------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cupy():
-    ok, why = backend._probe_gpu()
-    if not ok:
-        pytest.skip(f"no usable GPU: {why}")
-    import cupy
-
-    return cupy
 
 
 gpu_settings = settings(deadline=None, max_examples=15)
@@ -410,13 +400,13 @@ def test_gpu_bias_gelu(cupy, shape, dtype, seed):
     rng = np.random.default_rng(seed)
     x, dy, b = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype), normal(rng, shape[-1], dtype)
     xg, bg, dyg = cupy.asarray(x), cupy.asarray(b), cupy.asarray(dy)
-    assert_close(cupy.asnumpy(kernels.bias_gelu_forward_gpu(xg, bg)), bias_gelu_forward_reference(f64(x), f64(b)))
+    assert_close(cupy.asnumpy(fused.bias_gelu_forward_gpu(xg, bg)), bias_gelu_forward_reference(f64(x), f64(b)))
     db = cupy.zeros(shape[-1], dtype)
-    dh = kernels.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
+    dh = fused.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
     dh_ref = bias_gelu_backward_reference(f64(x), f64(b), f64(dy))
     assert_close(cupy.asnumpy(dh), dh_ref, scale=float(np.max(np.abs(dy))))
     assert_close(cupy.asnumpy(db), dh_ref.reshape(-1, shape[-1]).sum(0), scale=float(np.max(np.abs(dy))))
-    strided = kernels.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
+    strided = fused.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
     assert_close(cupy.asnumpy(strided), bias_gelu_forward_reference(f64(x[:, ::2]), f64(b)))
 
 
@@ -428,7 +418,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     x, dy, r = (normal(rng, (N, C), dtype, 2.0, 0.5) for _ in range(3))
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     xg = cupy.asarray(x)
-    y, mean, rstd = kernels.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
+    y, mean, rstd = fused.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
                                                   residual=cupy.asarray(r) if residual else None)
     x_in = f64(x) + f64(r) if residual else f64(x)
     y_ref, mean_ref, rstd_ref = layernorm_forward_reference(x_in, f64(w), f64(b))
@@ -438,7 +428,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     assert_close(cupy.asnumpy(rstd), rstd_ref)
     dw, db = cupy.zeros(C, dtype), cupy.zeros(C, dtype)
     add_to = cupy.asarray(r) if residual else None
-    dx = kernels.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
+    dx = fused.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
     dx_ref, dw_ref, db_ref = layernorm_backward_reference(f64(dy), x_in, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(f64(dy) * f64(w) * rstd_ref)))
     assert_close(cupy.asnumpy(dx), dx_ref + (f64(r) if residual else 0.0), scale=scale)
@@ -455,16 +445,16 @@ def test_gpu_causal_softmax(cupy, BH, T, dtype, scale, seed):
     s, dp = normal(rng, (BH, T, T), dtype, 3.0), normal(rng, (BH, T, T), dtype)
     lse = cupy.empty((BH, T, 1), dtype)
     sg = cupy.asarray(s)
-    p = kernels.causal_softmax_forward_gpu(sg, scale, lse=lse)
+    p = fused.causal_softmax_forward_gpu(sg, scale, lse=lse)
     p_ref, lse_ref = causal_softmax_reference(f64(s), scale)
     assert_close(cupy.asnumpy(p), p_ref)
     assert_close(cupy.asnumpy(lse), lse_ref, scale=1.0)
-    again = kernels.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
+    again = fused.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
     assert_close(cupy.asnumpy(again), p_ref)
-    ds = kernels.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
+    ds = fused.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
     assert_close(cupy.asnumpy(ds), causal_softmax_backward_reference(f64(dp), p_ref, scale),
                  scale=scale * float(np.max(np.abs(dp))))
-    assert kernels.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
+    assert fused.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
     assert_close(cupy.asnumpy(sg), p_ref)
 
 
@@ -476,13 +466,13 @@ def test_gpu_cross_entropy(cupy, N, V, dtype, dloss, seed):
     rng = np.random.default_rng(seed)
     logits, targets = normal(rng, (N, V), dtype, 4.0, 3.0), rng.integers(0, V, N)
     z = cupy.asarray(logits)
-    loss, losses = kernels.softmax_xent_forward_gpu(z, cupy.asarray(targets))
+    loss, losses = fused.softmax_xent_forward_gpu(z, cupy.asarray(targets))
     loss_ref, probs_ref, losses_ref = softmax_xent_forward_reference(f64(logits), targets)
     assert loss.shape == () and isinstance(loss, cupy.ndarray)  # stays on the device
     assert_close(cupy.asnumpy(losses), losses_ref, scale=1.0)
     assert_close(cupy.asnumpy(loss), loss_ref, scale=1.0)
     assert_close(cupy.asnumpy(z), probs_ref)
-    d = kernels.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
+    d = fused.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
     assert d is z
     assert_close(cupy.asnumpy(d), softmax_xent_backward_reference(probs_ref, targets, dloss), scale=dloss / N)
 
@@ -497,7 +487,7 @@ def test_gpu_adamw(cupy, n, dtype, t, grad_scale, seed):
     v, mask = np.abs(normal(rng, n, dtype)), (rng.random(n) > 0.3).astype(dtype)
     pg, gg, mg, vg = (cupy.asarray(a) for a in (p, g, m, v))
     hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=t, grad_scale=grad_scale)
-    assert kernels.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
+    assert fused.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
     for got, want in zip((pg, mg, vg), adamw_reference(f64(p), f64(g), f64(m), f64(v), f64(mask), **hyper)):
         assert_close(cupy.asnumpy(got), want)
 
@@ -510,7 +500,7 @@ def test_gpu_registered_source_is_what_cupy_compiles(cupy, name, dtype):
     fresh = cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name)
     scalars = dict(spec.scalars)
     args = []
-    for raw, t, pname in kernels._parse_params(spec.in_params):
+    for raw, t, pname in kernelcheck._parse_params(spec.in_params):
         if pname in scalars:
             args.append(scalars[pname])
         elif t == "int64":
