@@ -21,7 +21,7 @@ import numpy as np
 
 from minitensor.backend import array_module
 from minitensor.layer import Layer
-from minitensor.parallel import parallel_for
+from minitensor.parallel import blas_single_threaded, parallel_for
 
 _mask_cache = {}
 
@@ -34,63 +34,48 @@ def causal_mask(xp, T, dtype):
     return _mask_cache[key]
 
 
-def _per_head(fn, *arrays):
-    """fn(*parts) over the leading (B * nh) matrices of same-led arrays, split over threads on NumPy."""
-    xp = array_module(arrays[0])
-    if xp is np and all(a.flags.c_contiguous for a in arrays):
-        mats = [a.reshape(-1, *a.shape[2:]) for a in arrays]
-        cost = math.prod(arrays[0].shape[2:])
-        parallel_for(mats[0].shape[0], lambda s, e: fn(*(m[s:e] for m in mats)), cost_per_item=cost)
-    else:
-        fn(*arrays)
-
-
 def block_softmax(s, i0, lse):
-    """In place over scores s (B, nh, bq, i1) of query rows i0..i1 against keys 0..i1.
+    """In place over scores s (..., bq, i1) of query rows i0..i1 against keys 0..i1.
 
     Masks the diagonal block (the last bq columns), turns each row into probabilities and writes
-    its log-sum-exp into lse (B, nh, bq, 1). Every row keeps its diagonal entry, so its maximum is
+    its log-sum-exp into lse (..., bq, 1). Every row keeps its diagonal entry, so its maximum is
     finite and exp(-inf - max) is exactly 0.
     """
     xp = array_module(s)
-    bq = s.shape[-2]
-    mask = causal_mask(xp, bq, s.dtype)
-
-    def rows(a, out_lse):
-        a[..., i0:] += mask
-        top = a.max(axis=-1, keepdims=True)
-        a -= top
-        xp.exp(a, out=a)
-        total = a.sum(axis=-1, keepdims=True)
-        a /= total
-        out_lse[...] = top + xp.log(total)
-
-    _per_head(rows, s, lse)
+    s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
+    top = s.max(axis=-1, keepdims=True)
+    s -= top
+    xp.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    s /= total
+    lse[...] = top + xp.log(total)
     return s
 
 
 def block_probs_again(s, i0, lse):
     """In place: the probabilities block_softmax gave, from the same scores and its log-sum-exp."""
     xp = array_module(s)
-    mask = causal_mask(xp, s.shape[-2], s.dtype)
-
-    def rows(a, row_lse):
-        a[..., i0:] += mask
-        a -= row_lse
-        xp.exp(a, out=a)
-
-    _per_head(rows, s, lse)
+    s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
+    s -= lse
+    xp.exp(s, out=s)
     return s
 
 
 def block_softmax_backward(dp, p, D):
-    """In place: dp <- p * (dp - D), D = rowsum(dP * P) given per row (B, nh, bq, 1)."""
-    def rows(d, a, dd):
-        d -= dd
-        d *= a
-
-    _per_head(rows, dp, p, D)
+    """In place: dp <- p * (dp - D), D = rowsum(dP * P) given per row (..., bq, 1)."""
+    dp -= D
+    dp *= p
     return dp
+
+
+def _over_heads(xp, n, fn):
+    """fn(start, stop) over the n = B * nh heads: on NumPy split over minitensor's threads, each
+    running its heads' small GEMMs on one BLAS thread; on CuPy in one call."""
+    if xp is not np:
+        fn(0, n)
+        return
+    with blas_single_threaded():
+        parallel_for(n, fn, min_work=0)
 
 
 class CausalSelfAttention(Layer):
@@ -120,55 +105,65 @@ class CausalSelfAttention(Layer):
         xp = array_module(x)
         B, T, C = x.shape
         nh, hs = self.n_head, C // self.n_head
+        BH = B * nh
         qkv = self.c_attn.forward(x)                         # (B, T, 3C)
-        q, k, v = self._heads(qkv, B, T)                     # (B, nh, T, hs) each
-        q = q * (1.0 / math.sqrt(hs))                        # scale q (T*hs work) rather than scores (T*T)
-        k = xp.ascontiguousarray(k)
-        v = xp.ascontiguousarray(v)
-        kT = k.transpose(0, 1, 3, 2)
-        y = xp.empty((B, nh, T, hs), dtype=x.dtype)
+        q, k, v = self._heads(qkv, B, T)                     # (B, nh, T, hs) views
+        q = (q * (1.0 / math.sqrt(hs))).reshape(BH, T, hs)   # scale q (T*hs work) rather than scores (T*T)
+        k = xp.ascontiguousarray(k).reshape(BH, T, hs)
+        v = xp.ascontiguousarray(v).reshape(BH, T, hs)
+        y = xp.empty((BH, T, hs), dtype=x.dtype)
         blocks = self._blocks(T)
-        kept_bytes = x.itemsize * B * nh * sum((i1 - i0) * i1 for i0, i1 in blocks)
-        kept = [] if kept_bytes <= self.keep_probs_max_bytes else None
-        lse = []                                             # per block (B, nh, bq, 1)
-        for i0, i1 in blocks:
-            p = xp.matmul(q[:, :, i0:i1], kT[:, :, :, :i1])   # (B, nh, bq, i1): keys 0..i1 only
-            lse.append(xp.empty((B, nh, i1 - i0, 1), dtype=x.dtype))
-            block_softmax(p, i0, lse[-1])
-            xp.matmul(p, v[:, :, :i1], out=y[:, :, i0:i1])
-            if kept is not None:
-                kept.append(p)
-        self._save(q, k, v, y, lse, kept)
-        return self.c_proj.forward(y.transpose(0, 2, 1, 3).reshape(B, T, C))  # heads back in order
+        lse = [xp.empty((BH, i1 - i0, 1), dtype=x.dtype) for i0, i1 in blocks]
+        kept_bytes = x.itemsize * BH * sum((i1 - i0) * i1 for i0, i1 in blocks)
+        kept = [xp.empty((BH, i1 - i0, i1), dtype=x.dtype) for i0, i1 in blocks] \
+            if kept_bytes <= self.keep_probs_max_bytes else None
+
+        def heads(s, e):
+            for n, (i0, i1) in enumerate(blocks):
+                scores = xp.matmul(q[s:e, i0:i1], k[s:e, :i1].transpose(0, 2, 1),
+                                   out=None if kept is None else kept[n][s:e])  # keys 0..i1 only
+                block_softmax(scores, i0, lse[n][s:e])
+                xp.matmul(scores, v[s:e, :i1], out=y[s:e, i0:i1])
+
+        _over_heads(xp, BH, heads)
+        self._save(q, k, v, y, lse, kept, B)
+        y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, C)  # heads back in order
+        return self.c_proj.forward(y)
 
     def backward(self, dout):
         xp = array_module(dout)
-        q, k, v, y, lse, kept = self._pop()
-        B, nh, T, hs = q.shape
+        q, k, v, y, lse, kept, B = self._pop()
+        BH, T, hs = q.shape
+        nh = BH // B
         dy = self.c_proj.backward(dout)                      # (B, T, C)
-        dy = xp.ascontiguousarray(dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3))  # (B, nh, T, hs)
-        dqkv = xp.zeros((B, T, 3, nh, hs), dtype=dout.dtype)
-        dq = dqkv[:, :, 0].transpose(0, 2, 1, 3)             # (B, nh, T, hs) views into dqkv
-        dk = dqkv[:, :, 1].transpose(0, 2, 1, 3)
-        dv = dqkv[:, :, 2].transpose(0, 2, 1, 3)
-        kT = k.transpose(0, 1, 3, 2)
-        for n, (i0, i1) in enumerate(self._blocks(T)):
-            if kept is not None:
-                p = kept[n]
-            else:                                            # recompute: p = softmax(q k^T + mask)
-                p = block_probs_again(xp.matmul(q[:, :, i0:i1], kT[:, :, :, :i1]), i0, lse[n])
-            dyb = dy[:, :, i0:i1]
-            # softmax backward needs rowsum(dP * P) = rowsum(dY * Y), since Y = P V and dP = dY V^T
-            D = (dyb * y[:, :, i0:i1]).sum(axis=-1, keepdims=True)  # (B, nh, bq, 1)
-            # forward was: y = p @ v
-            dv[:, :, :i1] += xp.matmul(p.transpose(0, 1, 3, 2), dyb)
-            dp = xp.matmul(dyb, v[:, :, :i1].transpose(0, 1, 3, 2))  # (B, nh, bq, i1)
-            # forward was: p = softmax(s) per row; ds = p * (dp - rowsum(dp * p))
-            ds = block_softmax_backward(dp, p, D)
-            # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
-            dq[:, :, i0:i1] = xp.matmul(ds, k[:, :, :i1])
-            dk[:, :, :i1] += xp.matmul(ds.transpose(0, 1, 3, 2), q[:, :, i0:i1])
+        dy = xp.ascontiguousarray(dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)).reshape(BH, T, hs)
+        dq, dk, dv = xp.empty_like(q), xp.zeros_like(k), xp.zeros_like(v)
+        blocks = self._blocks(T)
+
+        def heads(s, e):
+            for n, (i0, i1) in enumerate(blocks):
+                if kept is not None:
+                    p = kept[n][s:e]
+                else:                                        # recompute: p = softmax(q k^T + mask)
+                    p = xp.matmul(q[s:e, i0:i1], k[s:e, :i1].transpose(0, 2, 1))
+                    block_probs_again(p, i0, lse[n][s:e])
+                dyb = dy[s:e, i0:i1]
+                # forward was: y = p @ v
+                dv[s:e, :i1] += xp.matmul(p.transpose(0, 2, 1), dyb)
+                dp = xp.matmul(dyb, v[s:e, :i1].transpose(0, 2, 1))  # (heads, bq, i1)
+                # forward was: p = softmax(s) per row; ds = p * (dp - rowsum(dp * p)), and
+                # rowsum(dP * P) = rowsum(dY * Y) since Y = P V and dP = dY V^T
+                D = (dyb * y[s:e, i0:i1]).sum(axis=-1, keepdims=True)
+                ds = block_softmax_backward(dp, p, D)
+                # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
+                xp.matmul(ds, k[s:e, :i1], out=dq[s:e, i0:i1])
+                dk[s:e, :i1] += xp.matmul(ds.transpose(0, 2, 1), q[s:e, i0:i1])
+
+        _over_heads(xp, BH, heads)
         dq *= 1.0 / math.sqrt(hs)                            # d(q) from d(scaled q)
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
+        for i, d in enumerate((dq, dk, dv)):
+            dqkv[:, :, i] = d.reshape(B, nh, T, hs).transpose(0, 2, 1, 3)
         return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs))
 
     def forward_kv(self, x, cache, pos):

@@ -11,11 +11,13 @@ Each call splits [0, n) into one range per thread and waits for all of them. Wor
 is ANDREA_NUM_THREADS, else the CPUs this process may use; 1 disables threading.
 """
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 _pool = None
 _threads = None
+_blas = None
 
 
 def num_threads():
@@ -51,3 +53,20 @@ def parallel_for(n, fn, min_items=1, cost_per_item=1, min_work=1 << 15):
     fn(bounds[0], bounds[1])
     for f in futures:
         f.result()
+
+
+def blas_single_threaded():
+    """A context in which BLAS runs each call on one thread (threadpoolctl), for work that is split
+    over minitensor's own threads: many small GEMMs (attention heads) run faster two at a time on
+    one core each than one at a time on two cores that must be woken for every call."""
+    global _blas
+    if _blas is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _blas = ThreadpoolController().select(user_api="blas")
+        except Exception:  # no threadpoolctl, or a BLAS it does not know: leave BLAS as it is
+            _blas = False
+    if not _blas or num_threads() == 1:
+        return contextlib.nullcontext()
+    return _blas.limit(limits=1)
