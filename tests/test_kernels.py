@@ -3,7 +3,6 @@ differences, the NVRTC compile check (and that it can fail), the host C++ check 
 elementwise operation, and, on a GPU, the CuPy kernels against NumPy."""
 
 import dataclasses
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import strategies as S
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from markers import needs_cxx, needs_nvrtc
 
 from minitensor import kernelcheck, kernels
 from minitensor.kernels import gelu_backward, gelu_backward_reference, gelu_forward, gelu_forward_reference
@@ -37,13 +37,6 @@ def sample(seed, shape, dtype, scale=3.0):
     return np.asarray(scale * np.random.default_rng(seed).standard_normal(shape), dtype)  # 0-d stays an array
 
 
-toolchain_reason = None
-try:
-    kernels._toolchain()
-except kernels.ToolchainMissing as e:
-    toolchain_reason = str(e)
-needs_nvrtc = pytest.mark.skipif(toolchain_reason is not None, reason=str(toolchain_reason))
-needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the host check")
 
 
 # --- NumPy GELU ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import strategies as S
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from markers import needs_cxx, needs_nvrtc
 
 from minitensor import attention, fused, kernelcheck, kernels
 from minitensor.fused import (
@@ -46,13 +47,6 @@ NEW_KERNELS = {
 ELEMENTWISE = sorted(n for n, kind in NEW_KERNELS.items() if kind is kernels.ElementwiseSpec)
 DTYPES = [np.float32, np.float64]
 
-toolchain_reason = None
-try:
-    kernels._toolchain()
-except kernels.ToolchainMissing as e:
-    toolchain_reason = str(e)
-needs_nvrtc = pytest.mark.skipif(toolchain_reason is not None, reason=str(toolchain_reason))
-needs_cxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the host checks")
 
 
 def assert_close(got, want, rtol=None, scale=None):
