@@ -326,6 +326,8 @@ def main(argv=None):
         trainer.restore(tensors, meta)
         trainer.last_checkpoint = path
         log(f"resumed from {path} at step {trainer.step}")
+        if args.stop_at_step is not None and args.stop_at_step <= trainer.step:
+            raise UserError(f"--stop-at-step {args.stop_at_step} is not after the resumed step {trainer.step}")
     elif ckpt.list_checkpoints(out_dir):
         raise UserError(f"{out_dir} already holds checkpoints: add --resume to continue, or choose another --out")
     (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

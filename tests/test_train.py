@@ -247,6 +247,14 @@ def test_gpu_without_a_gpu_is_a_clear_error(tmp_path, data_dir):
     assert "Traceback" not in proc.stderr
 
 
+def test_stop_at_step_must_lie_ahead_of_a_resumed_run(tmp_path, data_dir, capsys):
+    cfg = small_config(tmp_path, data_dir)
+    out = tmp_path / "run"
+    assert run_main(["--config", str(cfg), "--out", str(out), "--stop-at-step", "4"]) == 0
+    assert run_main(["--out", str(out), "--resume", "--stop-at-step", "3"]) == 2
+    assert "--stop-at-step 3 is not after the resumed step 4" in capsys.readouterr().err
+
+
 def test_existing_checkpoints_need_resume(tmp_path, data_dir, capsys):
     cfg = small_config(tmp_path, data_dir)
     out = tmp_path / "run"
