@@ -50,6 +50,14 @@ def run_main(argv):
     return exit_info.value.code
 
 
+def stopped_run(tmp_path, data_dir, step):
+    """A run of the small config interrupted by --stop-at-step after `step`; returns its directory."""
+    out = tmp_path / "run"
+    assert run_main(["--config", str(small_config(tmp_path, data_dir)), "--out", str(out),
+                     "--stop-at-step", str(step)]) == 0
+    return out
+
+
 def losses(out_dir):
     rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}
@@ -105,9 +113,7 @@ def test_resume_falls_back_past_a_corrupted_checkpoint(tmp_path, data_dir, capsy
 
 
 def test_resume_with_no_good_checkpoint_exits_2(tmp_path, data_dir, capsys):
-    cfg = small_config(tmp_path, data_dir)
-    out = tmp_path / "run"
-    assert run_main(["--config", str(cfg), "--out", str(out), "--stop-at-step", "4"]) == 0
+    out = stopped_run(tmp_path, data_dir, 4)
     for path in ckpt.list_checkpoints(out):
         (path / "meta.json").write_text("{not json")
     assert run_main(["--out", str(out), "--resume"]) == 2
@@ -115,9 +121,7 @@ def test_resume_with_no_good_checkpoint_exits_2(tmp_path, data_dir, capsys):
 
 
 def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path, data_dir, capsys):
-    cfg = small_config(tmp_path, data_dir)
-    out = tmp_path / "run"
-    assert run_main(["--config", str(cfg), "--out", str(out), "--stop-at-step", "4"]) == 0
+    out = stopped_run(tmp_path, data_dir, 4)
     assert run_main(["--out", str(out), "--resume", "--set", "model.d_model=32"]) == 2
     assert "differs from this run's in d_model" in capsys.readouterr().err
 
@@ -248,16 +252,12 @@ def test_gpu_without_a_gpu_is_a_clear_error(tmp_path, data_dir):
 
 
 def test_stop_at_step_must_lie_ahead_of_a_resumed_run(tmp_path, data_dir, capsys):
-    cfg = small_config(tmp_path, data_dir)
-    out = tmp_path / "run"
-    assert run_main(["--config", str(cfg), "--out", str(out), "--stop-at-step", "4"]) == 0
+    out = stopped_run(tmp_path, data_dir, 4)
     assert run_main(["--out", str(out), "--resume", "--stop-at-step", "3"]) == 2
     assert "--stop-at-step 3 is not after the resumed step 4" in capsys.readouterr().err
 
 
 def test_existing_checkpoints_need_resume(tmp_path, data_dir, capsys):
-    cfg = small_config(tmp_path, data_dir)
-    out = tmp_path / "run"
-    assert run_main(["--config", str(cfg), "--out", str(out), "--stop-at-step", "4"]) == 0
-    assert run_main(["--config", str(cfg), "--out", str(out)]) == 2
+    out = stopped_run(tmp_path, data_dir, 4)
+    assert run_main(["--config", str(small_config(tmp_path, data_dir)), "--out", str(out)]) == 2
     assert "add --resume" in capsys.readouterr().err
