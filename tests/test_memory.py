@@ -1,0 +1,39 @@
+"""minitensor.memory: the malloc thresholds are raised on glibc, and every opt-out is respected."""
+
+import ctypes.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_libc = ctypes.util.find_library("c") or ""
+glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or "libc.so" not in _libc, reason="glibc only")
+
+
+def _set_in_fresh_process(**env):
+    code = "import json, minitensor.memory as m; print(json.dumps(m.keep_freed_memory()))"
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("ANDREA_MALLOC_TUNE", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", code], env={**full, **env}, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@glibc
+def test_both_thresholds_raised_by_default():
+    assert _set_in_fresh_process() == {"mmap_threshold": 1 << 30, "trim_threshold": 1 << 30}
+
+
+@glibc
+def test_opt_out_and_user_settings_are_left_alone():
+    assert _set_in_fresh_process(ANDREA_MALLOC_TUNE="0") == {}
+    assert _set_in_fresh_process(MALLOC_MMAP_THRESHOLD_="65536") == {"trim_threshold": 1 << 30}
+    assert _set_in_fresh_process(GLIBC_TUNABLES="glibc.malloc.trim_threshold=1") == {"mmap_threshold": 1 << 30}
+
+
+def test_importing_minitensor_applies_it_once():
+    import minitensor.memory as m
+
+    first = m.keep_freed_memory()
+    assert m.keep_freed_memory() is first
