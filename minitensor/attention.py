@@ -34,12 +34,13 @@ def causal_mask(xp, T, dtype):
     return _mask_cache[key]
 
 
-def block_softmax(s, i0, lse):
+def block_exp(s, i0, lse):
     """In place over scores s (..., bq, i1) of query rows i0..i1 against keys 0..i1.
 
-    Masks the diagonal block (the last bq columns), turns each row into probabilities and writes
-    its log-sum-exp into lse (..., bq, 1). Every row keeps its diagonal entry, so its maximum is
-    finite and exp(-inf - max) is exactly 0.
+    Masks the diagonal block (the last bq columns), replaces each row by exp(row - max), writes
+    its log-sum-exp into lse (..., bq, 1) and returns the row sums (..., bq, 1): the
+    probabilities are s / sums. Every row keeps its diagonal entry, so its maximum is finite and
+    exp(-inf - max) is exactly 0.
     """
     xp = array_module(s)
     s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
@@ -47,8 +48,13 @@ def block_softmax(s, i0, lse):
     s -= top
     xp.exp(s, out=s)
     total = s.sum(axis=-1, keepdims=True)
-    s /= total
     lse[...] = top + xp.log(total)
+    return total
+
+
+def block_softmax(s, i0, lse):
+    """In place: block_exp, then each row divided by its sum; returns the probabilities s."""
+    s /= block_exp(s, i0, lse)
     return s
 
 
@@ -112,18 +118,25 @@ class CausalSelfAttention(Layer):
         k = xp.ascontiguousarray(k).reshape(BH, T, hs)
         v = xp.ascontiguousarray(v).reshape(BH, T, hs)
         y = xp.empty((BH, T, hs), dtype=x.dtype)
+        lse = xp.empty((BH, T, 1), dtype=x.dtype)            # each row's log-sum-exp
         blocks = self._blocks(T)
-        lse = [xp.empty((BH, i1 - i0, 1), dtype=x.dtype) for i0, i1 in blocks]
         kept_bytes = x.itemsize * BH * sum((i1 - i0) * i1 for i0, i1 in blocks)
         kept = [xp.empty((BH, i1 - i0, i1), dtype=x.dtype) for i0, i1 in blocks] \
             if kept_bytes <= self.keep_probs_max_bytes else None
 
-        def heads(s, e):
+        def heads(s, e):                                     # heads s..e, all query blocks
+            work = xp.empty((e - s) * self.block * T, dtype=x.dtype) if kept is None else None
             for n, (i0, i1) in enumerate(blocks):
-                scores = xp.matmul(q[s:e, i0:i1], k[s:e, :i1].transpose(0, 2, 1),
-                                   out=None if kept is None else kept[n][s:e])  # keys 0..i1 only
-                block_softmax(scores, i0, lse[n][s:e])
-                xp.matmul(scores, v[s:e, :i1], out=y[s:e, i0:i1])
+                shape = (e - s, i1 - i0, i1)
+                sc = kept[n][s:e] if kept is not None else work[:math.prod(shape)].reshape(shape)
+                xp.matmul(q[s:e, i0:i1], k[s:e, :i1].transpose(0, 2, 1), out=sc)  # keys 0..i1 only
+                yb = y[s:e, i0:i1]
+                if kept is not None:
+                    xp.matmul(block_softmax(sc, i0, lse[s:e, i0:i1]), v[s:e, :i1], out=yb)
+                else:  # nothing keeps the probabilities: normalise the (bq, hs) output, not the (bq, i1) scores
+                    total = block_exp(sc, i0, lse[s:e, i0:i1])
+                    xp.matmul(sc, v[s:e, :i1], out=yb)
+                    yb /= total
 
         _over_heads(xp, BH, heads)
         self._save(q, k, v, y, lse, kept, B)
@@ -140,24 +153,31 @@ class CausalSelfAttention(Layer):
         dq, dk, dv = xp.empty_like(q), xp.zeros_like(k), xp.zeros_like(v)
         blocks = self._blocks(T)
 
-        def heads(s, e):
+        def heads(s, e):                                     # heads s..e, all query blocks
+            work_p = xp.empty((e - s) * self.block * T, dtype=q.dtype) if kept is None else None
+            work_dp = xp.empty((e - s) * self.block * T, dtype=q.dtype)
+            work_kv = xp.empty((e - s) * T * hs, dtype=q.dtype)
+            # softmax backward needs D = rowsum(dP * P) per row; rowsum(dP * P) = rowsum(dY * Y)
+            # since Y = P V and dP = dY V^T, which costs hs per row instead of T
+            D = (dy[s:e] * y[s:e]).sum(axis=-1, keepdims=True)
             for n, (i0, i1) in enumerate(blocks):
+                shape = (e - s, i1 - i0, i1)
                 if kept is not None:
                     p = kept[n][s:e]
                 else:                                        # recompute: p = softmax(q k^T + mask)
-                    p = xp.matmul(q[s:e, i0:i1], k[s:e, :i1].transpose(0, 2, 1))
-                    block_probs_again(p, i0, lse[n][s:e])
+                    p = work_p[:math.prod(shape)].reshape(shape)
+                    xp.matmul(q[s:e, i0:i1], k[s:e, :i1].transpose(0, 2, 1), out=p)
+                    block_probs_again(p, i0, lse[s:e, i0:i1])
                 dyb = dy[s:e, i0:i1]
+                part = work_kv[:(e - s) * i1 * hs].reshape(e - s, i1, hs)  # this block's share of dk, dv
                 # forward was: y = p @ v
-                dv[s:e, :i1] += xp.matmul(p.transpose(0, 2, 1), dyb)
-                dp = xp.matmul(dyb, v[s:e, :i1].transpose(0, 2, 1))  # (heads, bq, i1)
-                # forward was: p = softmax(s) per row; ds = p * (dp - rowsum(dp * p)), and
-                # rowsum(dP * P) = rowsum(dY * Y) since Y = P V and dP = dY V^T
-                D = (dyb * y[s:e, i0:i1]).sum(axis=-1, keepdims=True)
-                ds = block_softmax_backward(dp, p, D)
+                dv[s:e, :i1] += xp.matmul(p.transpose(0, 2, 1), dyb, out=part)
+                dp = xp.matmul(dyb, v[s:e, :i1].transpose(0, 2, 1), out=work_dp[:math.prod(shape)].reshape(shape))
+                # forward was: p = softmax(s) per row, so ds = p * (dp - D)
+                ds = block_softmax_backward(dp, p, D[:, i0:i1])
                 # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
                 xp.matmul(ds, k[s:e, :i1], out=dq[s:e, i0:i1])
-                dk[s:e, :i1] += xp.matmul(ds.transpose(0, 2, 1), q[s:e, i0:i1])
+                dk[s:e, :i1] += xp.matmul(ds.transpose(0, 2, 1), q[s:e, i0:i1], out=part)
 
         _over_heads(xp, BH, heads)
         dq *= 1.0 / math.sqrt(hs)                            # d(q) from d(scaled q)
