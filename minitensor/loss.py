@@ -2,8 +2,9 @@
 
 Shapes: logits (..., V), targets (...) integer ids in [0, V). backward(dloss=1) returns
 dlogits = dloss * (softmax(z) - onehot(target)) / N. The log-sum-exp subtracts the row maximum
-first, so large logits cannot overflow. The forward caches the probabilities (one array of the
-size of the logits) and, with `inplace=True`, writes them over the logits to save that memory.
+first, so large logits cannot overflow. The forward caches the probabilities already divided by
+N (one array of the size of the logits; with `inplace=True` written over the logits to save that
+memory), so backward only subtracts 1/N at each target and, for dloss != 1, scales.
 """
 
 import numpy as np
@@ -43,7 +44,7 @@ class SoftmaxCrossEntropy(Layer):
                 xp.subtract(zb, zmax, out=pb)
                 xp.exp(pb, out=pb)
                 sumexp = pb.sum(axis=1, keepdims=True)
-                pb /= sumexp
+                xp.divide(pb, sumexp * N, out=pb)               # softmax / N: backward's scale, folded in
                 logsumexp[s:s + rows] = xp.log(sumexp[:, 0]) + zmax[:, 0]
 
         if xp is np:
@@ -55,11 +56,15 @@ class SoftmaxCrossEntropy(Layer):
         return loss
 
     def backward(self, dloss=1.0):
-        probs, t, shape = self._pop()
-        xp = array_module(probs)
-        N = probs.shape[0]
+        scaled, t, shape = self._pop()                       # scaled = softmax(z) / N
+        xp = array_module(scaled)
+        N = scaled.shape[0]
         # forward was: loss = mean_n(logsumexp(z_n) - z_n[t_n]); d/dz_n = (softmax(z_n) - onehot(t_n)) / N
-        dz = probs
-        dz[xp.arange(N), t] -= 1.0
-        dz *= dloss / N
+        dz = scaled
+        dz[xp.arange(N), t] -= 1.0 / N
+        if not (isinstance(dloss, (int, float)) and dloss == 1.0):
+            if xp is np:
+                parallel_for(N, lambda s, e: dz[s:e].__imul__(dloss), cost_per_item=dz.shape[1])
+            else:
+                dz *= dloss
         return dz.reshape(shape)
