@@ -96,22 +96,17 @@ class Block:
         self.c_proj = _linear(p, prefix + "mlp.c_proj")
 
     def forward(self, x):
-        # each sublayer's output is a fresh array no layer caches, so the residual adds into it
-        a = self.attn.forward(self.ln_1.forward(x))
-        a += x
-        x = a
-        m = self.c_proj.forward(self.gelu.forward(self.c_fc.forward(self.ln_2.forward(x))))
-        m += x
-        return m
+        # the residual adds run in the epilogue of each branch's last Linear, and c_fc's bias in
+        # GELU's pass: no separate pass over the activations for either
+        x1 = self.attn.forward(self.ln_1.forward(x), residual=x)
+        h = self.c_fc.forward(self.ln_2.forward(x1), bias=False)
+        return self.c_proj.forward(self.gelu.forward(h, bias=self.c_fc.b), residual=x1)
 
-    def backward(self, dx):
-        # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x))
-        d = self.ln_2.backward(self.c_fc.backward(self.gelu.backward(self.c_proj.backward(dx))))
-        d += dx
-        dx = d
-        d = self.ln_1.backward(self.attn.backward(dx))
-        d += dx
-        return d
+    def backward(self, dx2):
+        # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
+        # added in the pass of the LayerNorm backward it goes around
+        dx1 = self.ln_2.backward(self.c_fc.backward(self.gelu.backward(self.c_proj.backward(dx2))), residual=dx2)
+        return self.ln_1.backward(self.attn.backward(dx1), residual=dx1)
 
 
 class ANDREA:

@@ -107,16 +107,22 @@ class CausalSelfAttention(Layer):
     def _blocks(self, T):
         return [(i0, min(i0 + self.block, T)) for i0 in range(0, T, self.block)]
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """out = c_proj(attention(c_attn(x))) (+ residual, added in c_proj's epilogue, if given)."""
         xp = array_module(x)
         B, T, C = x.shape
         nh, hs = self.n_head, C // self.n_head
         BH = B * nh
-        qkv = self.c_attn.forward(x)                         # (B, T, 3C)
+        qkv = self.c_attn.forward(x, bias=False)             # (B, T, 3C); its bias is added in the copies below
         q, k, v = self._heads(qkv, B, T)                     # (B, nh, T, hs) views
-        q = (q * (1.0 / math.sqrt(hs))).reshape(BH, T, hs)   # scale q (T*hs work) rather than scores (T*T)
-        k = xp.ascontiguousarray(k).reshape(BH, T, hs)
-        v = xp.ascontiguousarray(v).reshape(BH, T, hs)
+        b = self.c_attn.b
+        if b is not None:                                    # the copies that make each head contiguous add it
+            bq, bk, bv = (b[i * C:(i + 1) * C].reshape(nh, 1, hs) for i in range(3))
+            q, k, v = q + bq, k + bk, v + bv
+        else:
+            q, k, v = xp.ascontiguousarray(q), xp.ascontiguousarray(k), xp.ascontiguousarray(v)
+        q *= 1.0 / math.sqrt(hs)                             # scale q (T*hs work) rather than scores (T*T)
+        q, k, v = q.reshape(BH, T, hs), k.reshape(BH, T, hs), v.reshape(BH, T, hs)
         y = xp.empty((BH, T, hs), dtype=x.dtype)
         lse = xp.empty((BH, T, 1), dtype=x.dtype)            # each row's log-sum-exp
         blocks = self._blocks(T)
@@ -141,7 +147,7 @@ class CausalSelfAttention(Layer):
         _over_heads(xp, BH, heads)
         self._save(q, k, v, y, lse, kept, B)
         y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, C)  # heads back in order
-        return self.c_proj.forward(y)
+        return self.c_proj.forward(y, residual=residual)
 
     def backward(self, dout):
         xp = array_module(dout)

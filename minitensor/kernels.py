@@ -152,9 +152,18 @@ GELU_BWD = register(ElementwiseSpec(
 ))
 
 
-def gelu_forward(x, out=None):
-    """GELU of x (NumPy or CuPy, float32/float64, any shape), into `out` if given; returns y."""
+def gelu_forward(x, out=None, bias=None):
+    """GELU of x (NumPy or CuPy, float32/float64, any shape), into `out` if given; returns y.
+
+    With bias (C,), x (..., C) must be C-contiguous: x += bias in place first (on NumPy in the same
+    cache-sized pass), and y = GELU(x + bias).
+    """
     _check_operands("gelu_forward", x, out)
+    if bias is not None:
+        _check_bias("gelu_forward", x, out, bias)
+        if isinstance(x, np.ndarray):
+            return _gelu_forward_bias(x, np.empty_like(x) if out is None else out, bias)
+        x += bias
     if isinstance(x, np.ndarray):
         out = np.empty_like(x) if out is None else out
         x = _unaliased(x, out)
@@ -204,6 +213,36 @@ def _gelu_bwd_block(x, dy, dx, g, s, w):
     w += 1.0
     w *= s
     np.multiply(w, dy, out=dx)  # dx is written last: it may be x or dy itself
+
+
+def _check_bias(fn, x, out, bias):
+    if x.ndim == 0 or bias.shape != x.shape[-1:] or bias.dtype != x.dtype or type(bias) is not type(x):
+        raise ValueError(f"{fn}: bias must be a {type(x).__name__} of shape {x.shape[-1:]} and dtype {x.dtype}, "
+                         f"got {type(bias).__name__} {getattr(bias, 'shape', '')} {getattr(bias, 'dtype', '')}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{fn}: with a bias, x must be C-contiguous (it is updated in place)")
+    if out is not None and out is not x and isinstance(x, np.ndarray) and np.may_share_memory(x, out):
+        raise ValueError(f"{fn}: with a bias, out must be x itself or not overlap it")
+
+
+def _gelu_forward_bias(x, out, bias):
+    """x += bias, out = GELU(x), over blocks of whole rows (the bias lines up with each row)."""
+    if x.size == 0:
+        return out
+    C = x.shape[-1]
+    x2, o2 = x.reshape(-1, C), out.reshape(-1, C)
+    N, rows = x2.shape[0], max(1, _CHUNK // max(1, C))
+
+    def run(first, last):
+        work = np.empty(rows * C, x.dtype)
+        for s in range(first * rows, min(last * rows, N), rows):
+            e = min(s + rows, N)
+            xb = x2[s:e]
+            xb += bias
+            _gelu_fwd_block(xb.reshape(-1), o2[s:e].reshape(-1), work[:(e - s) * C])
+
+    parallel_for(-(-N // rows), run, min_work=0)
+    return out
 
 
 def _check_operands(fn, x, out, dy=None):

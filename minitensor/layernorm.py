@@ -40,12 +40,15 @@ class LayerNorm(Layer):
         self._save(x2, mean, rstd, x.shape)
         return y.reshape(x.shape)
 
-    def backward(self, dy):
+    def backward(self, dy, residual=None):
+        """dx; plus residual (an array of x's shape) if given, added in the same pass: the gradient
+        that reaches x around this layer through a skip connection."""
         x2, mean, rstd, shape = self._pop()
         xp = array_module(dy)
         N, C = x2.shape
         dy2 = dy.reshape(N, C)
         dx = xp.empty_like(x2)
+        r2 = None if residual is None else residual.reshape(N, C)
         parts = []
 
         def rows(s, e):
@@ -63,6 +66,8 @@ class LayerNorm(Layer):
             xhat *= proj
             dxhat -= xhat
             dxhat *= rstd[s:e]
+            if r2 is not None:
+                dxhat += r2[s:e]
 
         _over_rows(xp, N, C, rows)
         for _, dw, db in sorted(parts, key=lambda p: p[0]):  # a fixed order: bit-reproducible sums

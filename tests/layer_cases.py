@@ -205,6 +205,39 @@ def loss_case(xp, dtype, seed, dims):
                 lambda dy: {"logits": layer.backward(dy)}, reference, (), {"targets": targets})
 
 
+def with_residual(base_case):
+    """The same layer with a skip connection fused in: forward(x, residual=r) = layer(x) + r,
+    r a second input whose gradient is dy."""
+
+    def build(xp, dtype, seed, dims):
+        case = base_case(xp, dtype, seed, dims)
+        r = xp.asarray(np.random.default_rng(seed + 7).standard_normal(case.out_shape), dtype=dtype)
+        x = case.inputs["x"]
+        return Case(case.layer, case.params, {"x": x, "r": r}, lambda: case.layer.forward(x, residual=r),
+                    lambda dy: {"x": case.layer.backward(dy), "r": dy}, lambda: case.reference() + _np(r),
+                    case.out_shape)
+
+    return build
+
+
+def layernorm_skip_case(xp, dtype, seed, dims):
+    """y = LayerNorm(x) + x, the skip's gradient added by backward(dy, residual=dy)."""
+    case = layernorm_case(xp, dtype, seed, dims)
+    x = case.inputs["x"]
+    return Case(case.layer, case.params, {"x": x}, lambda: case.layer.forward(x) + x,
+                lambda dy: {"x": case.layer.backward(dy, residual=dy)}, lambda: case.reference() + _np(x),
+                case.out_shape)
+
+
+def linear_gelu_case(xp, dtype, seed, dims):
+    """y = GELU(x @ W + b) with the bias added in GELU's pass: Linear(bias=False), GELU(bias=b)."""
+    case = linear_case(xp, dtype, seed, dims)
+    lin, p, x, gelu = case.layer, case.params, case.inputs["x"], GELU()
+    return Case(lin, p, {"x": x}, lambda: gelu.forward(lin.forward(x, bias=False), bias=p["b"]),
+                lambda dy: {"x": lin.backward(gelu.backward(dy))},
+                lambda: np.vectorize(gelu_scalar)(case.reference()), case.out_shape)
+
+
 CASES = {
     "linear": linear_case,
     "layernorm": layernorm_case,
@@ -213,6 +246,10 @@ CASES = {
     "attention-blocks": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "block": 2}),
     "attention-recompute": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed,
                                                                         {**dims, "block": 3, "recompute": True}),
+    "linear+residual": with_residual(linear_case),
+    "linear+gelu": linear_gelu_case,
+    "layernorm+residual": layernorm_skip_case,
+    "attention+residual": with_residual(attention_case),
     "embedding": embedding_case,
     "head": head_case,
     "loss": loss_case,

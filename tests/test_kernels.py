@@ -66,6 +66,35 @@ def test_gelu_backward_matches_formula(shape, seed, dtype, scale, use_out, chunk
     assert_close(dx, gelu_backward_reference(x.astype(np.float64), dy.astype(np.float64)), x, dy)
 
 
+@settings(deadline=None)
+@given(shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=9), seed=S.seeds,
+       dtype=st.sampled_from(DTYPES), out=st.sampled_from(["new", "given", "x"]), chunk=chunks)
+def test_gelu_forward_with_bias_adds_it_in_place_first(shape, seed, dtype, out, chunk):
+    x, b = sample(seed, shape, dtype), sample(seed + 1, shape[-1:], dtype)
+    want_x = x.astype(np.float64) + b
+    dest = {"new": None, "given": np.full_like(x, np.nan), "x": x}[out]
+    with mock.patch.object(kernels, "_CHUNK", chunk):  # row blocks of 1 row up to all of them
+        y = gelu_forward(x, out=dest, bias=b)
+    assert dest is None or y is dest
+    bb = np.broadcast_to(b, shape)
+    if out != "x":
+        assert_close(x, want_x, bb)  # x now holds x + b, what GELU's backward needs
+    assert_close(y, gelu_forward_reference(want_x), want_x)
+
+
+def test_gelu_forward_bias_errors():
+    x = np.zeros((4, 6), np.float32)
+    with pytest.raises(ValueError, match=r"bias must be a ndarray of shape \(6,\) and dtype float32"):
+        gelu_forward(x, bias=np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="bias must be"):
+        gelu_forward(x, bias=np.zeros(6, np.float64))
+    with pytest.raises(ValueError, match="x must be C-contiguous"):
+        gelu_forward(x.T, bias=np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="out must be x itself or not overlap it"):
+        flat = x.reshape(-1)
+        gelu_forward(flat[:6].reshape(2, 3), out=flat[1:7].reshape(2, 3), bias=np.zeros(3, np.float32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gelu_large_odd_size_in_chunks(dtype):
     n = 2 * kernels._CHUNK + 13

@@ -180,3 +180,16 @@ def test_small_stack_end_to_end(xp, seed, d, V):
     pairs = {n: (p[n], p.grad(n)) for n in p.names()}
     report = check_gradients(forward, backward, {}, pairs, 1.0)
     assert report.max_rel_error <= 1e-6, report
+
+
+def test_linear_epilogue_row_blocks_add_bias_and_residual(xp, monkeypatch):
+    from minitensor import linear
+
+    monkeypatch.setattr(linear, "EPILOGUE_BLOCK", 5)  # 5 // 3 = 1 row per block, and an odd count of rows
+    rng = np.random.default_rng(3)
+    y, b, r = (xp.asarray(rng.standard_normal(s)) for s in ((7, 3), (3,), (7, 3)))
+    want = to_numpy(y) + to_numpy(b) + to_numpy(r)
+    linear.add_epilogue(y, b, r)
+    np.testing.assert_allclose(to_numpy(y), want, rtol=1e-15)
+    linear.add_epilogue(y, None, r)
+    np.testing.assert_allclose(to_numpy(y), want + to_numpy(r), rtol=1e-15)
