@@ -11,6 +11,8 @@ scores above the diagonal are never computed (about half of them at long T), and
 matrix is ever materialised. The forward keeps each row's log-sum-exp; backward recomputes the
 probabilities from it (keeping them instead when they are small, `keep_probs_max_bytes`), and
 uses rowsum(dP * P) = rowsum(dY * Y) so the softmax backward needs no extra product over keys.
+b_attn is added by the copies that make each head's q, k, v contiguous, and a block's residual
+(`forward(x, residual=r)`) in c_proj's epilogue, so neither costs a pass of its own.
 `forward_kv` is the inference path for sampling: it appends to a key/value cache so each new
 token costs one row of attention instead of re-running the whole sequence.
 """
