@@ -118,13 +118,16 @@ class CausalSelfAttention(Layer):
         qkv = self.c_attn.forward(x, bias=False)             # (B, T, 3C); its bias is added in the copies below
         q, k, v = self._heads(qkv, B, T)                     # (B, nh, T, hs) views
         b = self.c_attn.b
-        if b is not None:                                    # the copies that make each head contiguous add it
-            bq, bk, bv = (b[i * C:(i + 1) * C].reshape(nh, 1, hs) for i in range(3))
-            q, k, v = q + bq, k + bk, v + bv
-        else:
-            q, k, v = xp.ascontiguousarray(q), xp.ascontiguousarray(k), xp.ascontiguousarray(v)
+        # each head contiguous, in C order (a ufunc's own output would keep qkv's interleaved layout
+        # and the reshape below would copy it again); the copies add c_attn's bias
+        dense = [xp.empty((B, nh, T, hs), dtype=x.dtype) for _ in range(3)]
+        for i, (src, dst) in enumerate(zip((q, k, v), dense)):
+            if b is not None:
+                xp.add(src, b[i * C:(i + 1) * C].reshape(nh, 1, hs), out=dst)
+            else:
+                dst[...] = src
+        q, k, v = (d.reshape(BH, T, hs) for d in dense)      # views, no copy
         q *= 1.0 / math.sqrt(hs)                             # scale q (T*hs work) rather than scores (T*T)
-        q, k, v = q.reshape(BH, T, hs), k.reshape(BH, T, hs), v.reshape(BH, T, hs)
         y = xp.empty((BH, T, hs), dtype=x.dtype)
         lse = xp.empty((BH, T, 1), dtype=x.dtype)            # each row's log-sum-exp
         blocks = self._blocks(T)
