@@ -1,13 +1,15 @@
 """andrea's hand-derived backprop against PyTorch autograd on the same weights, in float64.
 
 The loss, the logits and every parameter gradient (the tied wte included: lookup and head together)
-must agree to rounding. PyTorch is optional; without it this file is skipped.
+must agree to rounding. PyTorch comes with the `reference` extra; without it this file is skipped (never in CI).
 """
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+from optional import require  # noqa: E402
+
+torch = require("torch")
 
 from andrea import ANDREA, ModelConfig  # noqa: E402
 from andrea.torch_reference import build_torch_model, load_andrea_state, torch_grads  # noqa: E402

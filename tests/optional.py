@@ -1,0 +1,20 @@
+"""Optional dependencies of the tests (torch, transformers, mpi4py, matplotlib).
+
+Outside CI a test that needs one is skipped when it is missing, with the extra to install; in CI
+(`CI` set, as `.ci/run` does) every extra is installed, so a missing one is a failure, never a
+silent skip.
+"""
+
+import importlib
+import os
+
+import pytest
+
+EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "matplotlib": "plot"}
+
+
+def require(name):
+    """The module `name`, or a skip naming its extra (a hard error when CI is set)."""
+    if os.environ.get("CI"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason=f"{name} is not installed (pip install -e '.[{EXTRA.get(name, name)}]')")
