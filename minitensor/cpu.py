@@ -19,7 +19,9 @@ then differ from NumPy's by float32 rounding, and at a fixed machine and thread 
 bit-reproducible: every reduction is within one row (or one fixed block of rows) on one thread.
 
 Compilation is lazy (first call per dtype) and cached on disk (`cache=True`, in __pycache__), so
-a machine pays it once; a fresh clone pays it in its first run (see BENCHMARKS.md).
+a machine pays it once; a fresh clone pays it in its first run (see BENCHMARKS.md). numba keys a
+kernel's cache on its own file only: after editing `exp` here, delete __pycache__/*.nbi and
+*.nbc in minitensor/ (or set NUMBA_CACHE_DIR elsewhere), or the layers keep the old code.
 """
 
 import math

@@ -47,8 +47,9 @@ def scatter_add_rows(dW, idx, rows):
 def scatter_add_rows_cpu(dW, idx, rows, c0, c1):
     """dW (V, C), idx (n,), rows (n, C): dW[idx[i], c0:c1] += rows[i, c0:c1] for i = 0, 1, ..."""
     for i in range(idx.shape[0]):
-        for j in range(c0, c1):
-            dW[idx[i], j] += rows[i, j]
+        dst, src = dW[idx[i], c0:c1], rows[i, c0:c1]        # views indexed from 0 vectorise
+        for j in range(dst.size):
+            dst[j] += src[j]
 
 
 def check_ids(idx, V, what="token id"):

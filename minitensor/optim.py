@@ -144,13 +144,17 @@ def adamw_cpu(p, g, m, v, starts, stops, decayed, b1, b2, grad_scale, step_size,
     one = t(1)
     for k in range(starts.size):
         keep = one - decay if decayed[k] else one           # decoupled weight decay
-        for i in range(starts[k], stops[k]):
-            gi = g[i] * grad_scale
-            mi = b1 * m[i] + (one - b1) * gi
-            vi = b2 * v[i] + (one - b2) * gi * gi
-            m[i] = mi
-            v[i] = vi
-            p[i] = p[i] * keep - step_size * mi / (np.sqrt(vi) + eps_hat)
+        # views of the piece, indexed from 0: an index numba cannot prove >= 0 costs a
+        # wrap-around check per element, which stops LLVM from vectorising the loop
+        s, e = starts[k], stops[k]
+        pk, gk, mk, vk = p[s:e], g[s:e], m[s:e], v[s:e]
+        for i in range(pk.size):
+            gi = gk[i] * grad_scale
+            mi = b1 * mk[i] + (one - b1) * gi
+            vi = b2 * vk[i] + (one - b2) * gi * gi
+            mk[i] = mi
+            vk[i] = vi
+            pk[i] = pk[i] * keep - step_size * mi / (np.sqrt(vi) + eps_hat)
 
 
 def cosine_lr(step, max_lr, min_lr, warmup_steps, total_steps):
