@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from minitensor import cuda
 from minitensor.backend import array_module
 from minitensor.layer import Layer
 from minitensor.parallel import blas_single_threaded, parallel_for
@@ -219,3 +220,129 @@ class CausalSelfAttention(Layer):
         att /= att.sum(axis=-1, keepdims=True)
         y = xp.matmul(att, v_cache[:, :, :end]).transpose(0, 2, 1, 3).reshape(B, T, C)
         return (y.reshape(-1, C) @ self.c_proj.W + self.c_proj.b).reshape(B, T, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels Causal softmax over (..., T, T) attention scores (minitensor/attention.py)
+
+
+def _causal_mask(T):
+    return np.triu(np.full((T, T), -np.inf), k=1)
+
+
+def causal_softmax_reference(s, scale=1.0):
+    """(p, lse): p = softmax(scale s + mask) by rows, lse (..., T, 1) each row's log-sum-exp."""
+    z = scale * s + _causal_mask(s.shape[-1])
+    top = z.max(axis=-1, keepdims=True)
+    e = np.exp(z - top)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / total, top + np.log(total)
+
+
+def causal_softmax_backward_reference(dp, p, scale=1.0):
+    """ds = scale p (dp - rowsum(dp p)): through p = softmax(z), z = scale s + mask."""
+    return scale * (p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
+
+
+def causal_softmax_recompute_reference(s, lse, scale=1.0):
+    """The probabilities again from the scores and each row's log-sum-exp."""
+    return np.exp(scale * s + _causal_mask(s.shape[-1]) - lse)
+
+
+# One block per row; row r of a matrix attends to columns 0..r only (r = the row's index mod T).
+# The masked columns are never read and are written as exact zeros; p may be s itself.
+CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, T *lse, const int n_ctx, const T scale,
+                                              const int write_lse) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  const int last = row % n_ctx;
+  const T *sr = s + row * n_ctx;
+  T *pr = p + row * n_ctx;
+  T top = lowest_of(scale);
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) {
+    const T z = scale * sr[j];
+    top = z > top ? z : top;
+  }
+  top = block_max(top, buf);  /* finite: every row keeps its diagonal entry */
+  T total = 0;
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) total += exp_of(scale * sr[j] - top);
+  total = block_sum(total, buf);
+  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) pr[j] = j <= last ? exp_of(scale * sr[j] - top) / total : (T)0;
+  if (write_lse && threadIdx.x == 0) lse[row] = top + log_of(total);
+}
+"""))
+
+# forward was: p = softmax(z) by rows, z = scale s + mask. ds may be dp itself.
+CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void causal_softmax_bwd(const T *dp, const T *p, T *ds, const int n_ctx, const T scale) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  const int last = row % n_ctx;
+  const T *dpr = dp + row * n_ctx;
+  const T *pr = p + row * n_ctx;
+  T *dsr = ds + row * n_ctx;
+  T dot = 0;
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) dot += dpr[j] * pr[j];
+  dot = block_sum(dot, buf);
+  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) dsr[j] = j <= last ? scale * (pr[j] * (dpr[j] - dot)) : (T)0;
+}
+"""))
+
+# Elementwise: flat index i is row i / n_ctx (over all matrices), column i % n_ctx.
+CAUSAL_SOFTMAX_RECOMPUTE = cuda.register(cuda.ElementwiseSpec(
+    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p",
+    "const unsigned int row = (unsigned int)i / (unsigned int)n_ctx;\n"
+    "const unsigned int col = (unsigned int)i - row * (unsigned int)n_ctx;\n"
+    "p = col <= row % (unsigned int)n_ctx ? exp(scale * s - lse[row]) : (T)0;",
+    reference=lambda s, lse, n_ctx, scale: _recompute_flat(s, lse, int(n_ctx), scale),
+    scalars=(("n_ctx", 6), ("scale", 0.35)),
+))
+
+
+def _recompute_flat(s, lse, n_ctx, scale):
+    i = np.arange(s.size)
+    row, col = i // n_ctx, i % n_ctx
+    return np.where(col <= row % n_ctx, np.exp(scale * s - lse[row]), 0.0)
+
+
+def causal_softmax_forward_gpu(s, scale=1.0, lse=None, out=None):
+    """Causal row softmax of scale * s for s (..., T, T) (CuPy, contiguous), into `out` (which may
+    be s) or a new array; returns p. With `lse` (T values per matrix, e.g. (..., T, 1)), each row's
+    log-sum-exp is written there, for causal_softmax_recompute_gpu."""
+    fn = "causal_softmax_forward_gpu"
+    rows, T = cuda.square_rows(fn, s)
+    p = cuda.out_like(fn, s, out)
+    if lse is not None:
+        cuda.row_values(fn, "lse", lse, s, rows)
+    if rows:
+        cuda.launch(CAUSAL_SOFTMAX_FWD, s.dtype, (rows,), (cuda.threads(T, 128),),
+                (s, p, p if lse is None else lse, np.int32(T), s.dtype.type(scale), np.int32(lse is not None)))
+    return p
+
+
+def causal_softmax_backward_gpu(dp, p, scale=1.0, out=None):
+    """ds = scale p (dp - rowsum(dp p)) for dp, p (..., T, T) (CuPy, contiguous), into `out`
+    (which may be dp) or a new array; returns ds."""
+    fn = "causal_softmax_backward_gpu"
+    rows, T = cuda.square_rows(fn, p)
+    cuda.like(fn, "dp", dp, p)
+    ds = cuda.out_like(fn, p, out)
+    if rows:
+        cuda.launch(CAUSAL_SOFTMAX_BWD, p.dtype, (rows,), (cuda.threads(T, 128),),
+                (dp, p, ds, np.int32(T), p.dtype.type(scale)))
+    return ds
+
+
+def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
+    """The probabilities causal_softmax_forward_gpu gave, from the same s and its lse, into `out`
+    (which may be s) or a new array."""
+    fn = "causal_softmax_recompute_gpu"
+    rows, T = cuda.square_rows(fn, s)
+    cuda.row_values(fn, "lse", lse, s, rows)
+    if s.size >= 2**31:
+        raise ValueError(f"{fn}: s has {s.size} elements; at most 2**31 - 1 are supported")
+    cuda.on_cupy(fn, s, "minitensor.attention.block_probs_again")
+    kern = CAUSAL_SOFTMAX_RECOMPUTE.kernel()
+    args = (s, lse.reshape(-1), np.int32(T), s.dtype.type(scale))
+    return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))

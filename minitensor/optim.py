@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from minitensor import cuda
 from minitensor.backend import array_module
 from minitensor.parallel import parallel_for
 
@@ -129,3 +130,61 @@ def cosine_lr(step, max_lr, min_lr, warmup_steps, total_steps):
         return min_lr
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels AdamW over the whole flat buffer (minitensor/optim.py), one elementwise pass
+
+
+def adamw_reference(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+    """One AdamW step in textbook form; returns the new (p, m, v). Decoupled decay on mask == 1."""
+    gs = g * grad_scale
+    m = beta1 * m + (1.0 - beta1) * gs
+    v = beta2 * v + (1.0 - beta2) * gs * gs
+    m_hat = m / (1.0 - beta1**t)
+    v_hat = v / (1.0 - beta2**t)
+    return p * (1.0 - lr * weight_decay * mask) - lr * m_hat / (np.sqrt(v_hat) + eps), m, v
+
+
+def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, decay):
+    gs = g * grad_scale
+    m = beta1 * m_in + (1.0 - beta1) * gs
+    v = beta2 * v_in + (1.0 - beta2) * gs * gs
+    return p_in * (1.0 - decay * mask) - step_size * (m / (np.sqrt(v) + eps_hat)), m, v
+
+
+# optim.py's form: m_hat / (sqrt(v_hat) + eps) = (m sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)),
+# so the bias corrections are two host scalars (step_size, eps_hat). Each output is computed from
+# the inputs before any is written, so p, m, v may be passed as their own outputs (in place).
+ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
+    "adamw_step",
+    "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, T grad_scale, T step_size, T eps_hat, T decay",
+    "T p, T m, T v",
+    "const T gs = g * grad_scale;\n"
+    "const T m1 = beta1 * m_in + ((T)1 - beta1) * gs;\n"
+    "const T v1 = beta2 * v_in + ((T)1 - beta2) * gs * gs;\n"
+    "const T p1 = p_in * ((T)1 - decay * mask) - step_size * (m1 / (sqrt(v1) + eps_hat));\n"
+    "m = m1;\nv = v1;\np = p1;",
+    reference=_adamw_op_reference,
+    scalars=(("beta1", 0.9), ("beta2", 0.95), ("grad_scale", 0.7), ("step_size", 1e-3), ("eps_hat", 1e-8),
+             ("decay", 1e-4)),
+    domains=(("v_in", np.abs), ("mask", lambda a: (a > 0).astype(a.dtype))),
+))
+
+
+def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+    """One AdamW step, in place over the flat CuPy buffers p, m, v (same shape and dtype as g and
+    mask, mask 1 where weight decay applies, 0 elsewhere); t counts steps from 1. Equals
+    minitensor.optim.AdamW.step: the gradient is g * grad_scale (clipping)."""
+    fn = "adamw_step_gpu"
+    cuda.check_operands(fn, p, None)
+    for name, a in (("g", g), ("m", m), ("v", v), ("mask", mask)):
+        cuda.like(fn, name, a, p, contiguous=False)
+    if t < 1:
+        raise ValueError(f"{fn}: t counts steps from 1, got {t}")
+    c1, c2 = 1.0 - beta1**t, 1.0 - beta2**t
+    step_size = lr * math.sqrt(c2) / c1
+    eps_hat = eps * math.sqrt(c2)
+    cuda.on_cupy(fn, p, "minitensor.optim.AdamW")
+    ADAMW_STEP.kernel()(p, m, v, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, lr * weight_decay, p, m, v)
+    return p

@@ -107,8 +107,7 @@ def _train(cfg, device, dtype, data):
 
 
 def part_kernels(dry):
-    from minitensor import attention, kernelcheck
-    from minitensor import fused as K
+    from minitensor import attention, cuda, kernelcheck, kernels, layernorm, loss, optim
     from minitensor.kernels import gelu_backward, gelu_forward
     from minitensor.layernorm import LayerNorm
     from minitensor.loss import SoftmaxCrossEntropy
@@ -117,7 +116,7 @@ def part_kernels(dry):
 
     if dry:
         xp = np
-        K._launch = kernelcheck.emulate_launch
+        cuda.launch = kernelcheck.emulate_launch
         N, C, F, BH, T, V = 6, 40, 64, 2, 20, 50
         shapes, reps = {"w": (50, 40), "b": (40,)}, 1
     else:
@@ -232,36 +231,36 @@ def part_kernels(dry):
 
     def adamw_fused(d):
         p, opt = d["params"], d["opt"]
-        K.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        optim.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
         return p.data, opt.m, opt.v
 
     cases = [  # name, setup, fused, generic, uses an ElementwiseKernel (not in the dry run)
-        ("layernorm fwd", layernorm_setup, lambda d: K.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
+        ("layernorm fwd", layernorm_setup, lambda d: layernorm.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
          ln_generic_fwd, False),
         ("layernorm bwd", layernorm_setup,
-         lambda d: (K.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"]),
+         lambda d: (layernorm.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"]),
                     d["dw"], d["db"]), ln_generic_bwd, False),
         ("layernorm fwd + residual", layernorm_setup,
-         lambda d: (K.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]), ln_generic_res,
+         lambda d: (layernorm.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]), ln_generic_res,
          False),
         ("layernorm bwd + residual", layernorm_setup,
-         lambda d: (K.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"],
+         lambda d: (layernorm.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"],
                                              add_to=d["r"]), d["dw"], d["db"]),
          lambda d: ln_generic_bwd(d, add_to=d["r"]), False),
-        ("bias + gelu fwd", gelu_setup, lambda d: (K.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd, True),
-        ("bias + gelu bwd", gelu_setup, lambda d: (K.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+        ("bias + gelu fwd", gelu_setup, lambda d: (kernels.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd, True),
+        ("bias + gelu bwd", gelu_setup, lambda d: (kernels.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
                                                    d["db"]), gelu_generic_bwd, True),
         ("causal softmax fwd", softmax_setup,
-         lambda d: (K.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         lambda d: (attention.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
          softmax_generic_fwd, False),
-        ("causal softmax bwd", softmax_setup, lambda d: (K.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),),
+        ("causal softmax bwd", softmax_setup, lambda d: (attention.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),),
          softmax_generic_bwd, False),
         ("causal softmax recompute", softmax_setup,
-         lambda d: (K.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (attention.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
          lambda d: (attention.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
-        ("cross-entropy fwd", xent_setup, lambda d: (K.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+        ("cross-entropy fwd", xent_setup, lambda d: (loss.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
          xent_generic_fwd, False),
-        ("cross-entropy bwd", xent_setup, lambda d: (K.softmax_xent_backward_gpu(d["probs"], d["t"]),),
+        ("cross-entropy bwd", xent_setup, lambda d: (loss.softmax_xent_backward_gpu(d["probs"], d["t"]),),
          xent_generic_bwd, True),
         ("adamw step", adamw_setup, adamw_fused, adamw_generic, True),
     ]
