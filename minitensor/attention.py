@@ -13,6 +13,13 @@ probabilities from it (keeping them instead when they are small, `keep_probs_max
 uses rowsum(dP * P) = rowsum(dY * Y) so the softmax backward needs no extra product over keys.
 b_attn is added by the copies that make each head's q, k, v contiguous, and a block's residual
 (`forward(x, residual=r)`) in c_proj's epilogue, so neither costs a pass of its own.
+On CuPy, when the probabilities of all heads fit a budget of GPU memory (`dense_max_bytes`,
+a 64th of the device's memory per layer: 2.2 GB on an H200, where ANDREA-120M at 8 x 1024 needs
+384 MiB), the core is instead one batched GEMM per product over the contiguous (B*nh, T, hs)
+operands, with no loop over query blocks and the probabilities kept for backward; every
+(T, T) operand is used as stored (backward computes dv^T = dy^T p and dk^T = q^T ds, so only the
+small (T, hs) operands are transposed), and the causal softmax is the fused kernel pair
+'causal_softmax_fwd'/'_bwd' when the piece `causal_softmax` is in use (minitensor.cuda).
 `forward_kv` is the inference path for sampling: it appends to a key/value cache so each new
 token costs one row of attention instead of re-running the whole sequence.
 """
@@ -24,6 +31,7 @@ import numpy as np
 from minitensor import cuda
 from minitensor.backend import array_module
 from minitensor.layer import Layer
+from minitensor.linear import Linear
 from minitensor.parallel import blas_single_threaded, parallel_for
 
 _mask_cache = {}
@@ -92,6 +100,10 @@ class CausalSelfAttention(Layer):
     # Probabilities up to this many bytes in all are kept from forward to backward; larger ones
     # are recomputed there from q, k and the row log-sum-exp (one more q k^T GEMM per block).
     keep_probs_max_bytes = 16 << 20
+    # The dense core: None chooses it on CuPy within dense_max_bytes (None: a 64th of the GPU's
+    # memory); True or False forces it either way (the tests run it on NumPy in float64).
+    dense = None
+    dense_max_bytes = None
 
     def __init__(self, c_attn, c_proj, n_head):
         """c_attn: Linear C -> 3C; c_proj: Linear C -> C; n_head must divide C."""
@@ -129,6 +141,8 @@ class CausalSelfAttention(Layer):
                 dst[...] = src
         q, k, v = (d.reshape(BH, T, hs) for d in dense)      # views, no copy
         q *= 1.0 / math.sqrt(hs)                             # scale q (T*hs work) rather than scores (T*T)
+        if self._use_dense(xp, BH * T * T * x.itemsize):
+            return self._forward_dense(q, k, v, B, residual)
         y = xp.empty((BH, T, hs), dtype=x.dtype)
         lse = xp.empty((BH, T, 1), dtype=x.dtype)            # each row's log-sum-exp
         blocks = self._blocks(T)
@@ -162,6 +176,19 @@ class CausalSelfAttention(Layer):
         nh = BH // B
         dy = self.c_proj.backward(dout)                      # (B, T, C)
         dy = xp.ascontiguousarray(dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)).reshape(BH, T, hs)
+        if lse is None:                                      # the dense forward: kept = p (BH, T, T)
+            dq, dk, dv = self._backward_dense(dy, q, k, v, y, kept)
+        else:
+            dq, dk, dv = self._backward_blocks(dy, q, k, v, y, lse, kept)
+        dq *= 1.0 / math.sqrt(hs)                            # d(q) from d(scaled q)
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
+        for i, d in enumerate((dq, dk, dv)):
+            dqkv[:, :, i] = d.reshape(B, nh, T, hs).transpose(0, 2, 1, 3)
+        return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs))
+
+    def _backward_blocks(self, dy, q, k, v, y, lse, kept):
+        xp = array_module(dy)
+        BH, T, hs = q.shape
         dq, dk, dv = xp.empty_like(q), xp.zeros_like(k), xp.zeros_like(v)
         blocks = self._blocks(T)
 
@@ -192,11 +219,45 @@ class CausalSelfAttention(Layer):
                 dk[s:e, :i1] += xp.matmul(ds.transpose(0, 2, 1), q[s:e, i0:i1], out=part)
 
         _over_heads(xp, BH, heads)
-        dq *= 1.0 / math.sqrt(hs)                            # d(q) from d(scaled q)
-        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
-        for i, d in enumerate((dq, dk, dv)):
-            dqkv[:, :, i] = d.reshape(B, nh, T, hs).transpose(0, 2, 1, 3)
-        return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs))
+        return dq, dk, dv
+
+    # --- the dense core (CuPy within the budget) ---
+
+    def _use_dense(self, xp, probs_bytes):
+        if self.dense is not None:
+            return self.dense
+        return xp is not np and probs_bytes <= (self.dense_max_bytes or _gpu_memory(xp) // 64)
+
+    def _forward_dense(self, q, k, v, B, residual):
+        """q (scaled), k, v (BH, T, hs) contiguous: all heads in one GEMM per product."""
+        xp = array_module(q)
+        BH, T, hs = q.shape
+        s = xp.matmul(q, k.transpose(0, 2, 1))              # (BH, T, T) scores
+        if cuda.uses("causal_softmax", s):
+            p = causal_softmax_forward_gpu(s, out=s)
+        else:
+            p = block_softmax(s, 0, xp.empty((BH, T, 1), dtype=q.dtype))
+        y = xp.matmul(p, v)                                  # (BH, T, hs)
+        self._save(q, k, v, y, None, p, B)                   # lse None marks the dense cache
+        nh = BH // B
+        y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # heads back in order
+        return self.c_proj.forward(y, residual=residual)
+
+    def _backward_dense(self, dy, q, k, v, y, p):
+        """(dq, dk, dv) of the dense core; dk and dv as transposed views of (BH, hs, T) products."""
+        xp = array_module(dy)
+        # forward was: y = p @ v, so dv = p^T dy, computed as dv^T = dy^T p with p read as stored
+        dvT = xp.matmul(dy.transpose(0, 2, 1), p)            # (BH, hs, T)
+        dp = xp.matmul(dy, v.transpose(0, 2, 1))             # (BH, T, T)
+        # forward was: p = softmax(s) per row, so ds = p * (dp - D), D = rowsum(dp p) = rowsum(dy y)
+        if cuda.uses("causal_softmax", dp):
+            ds = causal_softmax_backward_gpu(dp, p, out=dp)
+        else:
+            ds = block_softmax_backward(dp, p, (dy * y).sum(axis=-1, keepdims=True))
+        # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
+        dq = xp.matmul(ds, k)                                # (BH, T, hs)
+        dkT = xp.matmul(q.transpose(0, 2, 1), ds)            # (BH, hs, T)
+        return dq, dkT.transpose(0, 2, 1), dvT.transpose(0, 2, 1)
 
     def forward_kv(self, x, cache, pos):
         """Inference: x (B, T_new, C) at positions pos.., with cache = (k, v) arrays (B, nh, T_max, hs).
@@ -223,7 +284,7 @@ class CausalSelfAttention(Layer):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA kernels Causal softmax over (..., T, T) attention scores (minitensor/attention.py)
+# CUDA: the causal softmax over (..., T, T) attention scores, forward, backward, recomputed
 
 
 def _causal_mask(T):
@@ -346,3 +407,29 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
     kern = CAUSAL_SOFTMAX_RECOMPUTE.kernel()
     args = (s, lse.reshape(-1), np.int32(T), s.dtype.type(scale))
     return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))
+
+
+_gpu_memory_bytes = {}
+
+
+def _gpu_memory(xp):
+    """The current GPU's total memory in bytes, asked once per device."""
+    device = xp.cuda.Device()
+    if device.id not in _gpu_memory_bytes:
+        _gpu_memory_bytes[device.id] = device.mem_info[1]
+    return _gpu_memory_bytes[device.id]
+
+
+@cuda.self_check("causal_softmax")
+def _self_check(xp, rng):
+    """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
+    def draw(*shape, scale=1.0):
+        return xp.asarray((scale * rng.standard_normal(shape)).astype(np.float32))
+
+    B, T, C, nh = 2, 40, 48, 4
+    grads = [xp.zeros(shape, np.float32) for shape in ((C, 3 * C), (3 * C,), (C, C), (C,))]
+    attn = CausalSelfAttention(Linear(draw(C, 3 * C, scale=0.3), grads[0], draw(3 * C), grads[1]),
+                               Linear(draw(C, C, scale=0.3), grads[2], draw(C), grads[3]), nh)
+    attn.dense = True
+    out = attn.forward(draw(B, T, C))
+    return (out, attn.backward(draw(B, T, C)), *grads)

@@ -37,8 +37,8 @@ DTYPES = ("float32", "float64")
 ARCHS = ("sm_80", "sm_90")
 
 # The layer modules that register kernels, imported by all_kernels().
-KERNEL_MODULES = ("minitensor.kernels", "minitensor.layernorm", "minitensor.attention", "minitensor.loss",
-                  "minitensor.optim")
+KERNEL_MODULES = ("minitensor.kernels", "minitensor.gelu", "minitensor.layernorm", "minitensor.attention",
+                  "minitensor.loss", "minitensor.optim")
 
 # The fused pieces the layers can use on CuPy, each the name of what it replaces:
 #   layernorm       LayerNorm forward and backward          (layernorm_fwd, _bwd, _bwd_params)
@@ -70,8 +70,26 @@ def using(names):
         in_use = saved
 
 
+# name -> check(xp, rng): runs the layer piece `name` (forward and backward) on small random inputs
+# drawn from the NumPy Generator rng, moved to xp, and returns its outputs; the self-check runs it
+# with and without the fused kernel and compares. Each layer module registers its own.
+CHECKS = {}
+
+
+def self_check(name):
+    """Decorator: registers a layer's check of its fused piece `name` (one of FUSED)."""
+    if name not in FUSED:
+        raise ValueError(f"unknown fused piece {name!r}: one of {', '.join(FUSED)}")
+
+    def add(fn):
+        CHECKS[name] = fn
+        return fn
+
+    return add
+
+
 def all_kernels():
-    """KERNELS, after importing every module that registers kernels."""
+    """KERNELS, after importing every module that registers kernels (and their CHECKS)."""
     for name in KERNEL_MODULES:
         importlib.import_module(name)
     return KERNELS

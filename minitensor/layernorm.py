@@ -19,6 +19,8 @@ class LayerNorm(Layer):
         self.w, self.dw, self.b, self.db, self.eps = w, dw, b, db, eps
 
     def forward(self, x):
+        if cuda.uses("layernorm", x):
+            return self._forward_fused(x)
         xp = array_module(x)
         C = x.shape[-1]
         x2 = x.reshape(-1, C)                                # (N, C)
@@ -47,6 +49,8 @@ class LayerNorm(Layer):
         x2, mean, rstd, shape = self._pop()
         xp = array_module(dy)
         N, C = x2.shape
+        if cuda.uses("layernorm", dy):
+            return self._backward_fused(dy, residual, x2, mean, rstd, shape)
         dy2 = dy.reshape(N, C)
         dx = xp.empty_like(x2)
         r2 = None if residual is None else residual.reshape(N, C)
@@ -76,6 +80,24 @@ class LayerNorm(Layer):
             self.db += db
         return dx.reshape(shape)
 
+    def _forward_fused(self, x):
+        """forward through layernorm_fwd: the same cache (x as (N, C) rows, mean, rstd)."""
+        xp = array_module(x)
+        x2 = xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+        y, mean, rstd = layernorm_forward_gpu(x2, self.w, self.b, self.eps)
+        self._save(x2, mean, rstd, x.shape)
+        return y.reshape(x.shape)
+
+    def _backward_fused(self, dy, residual, x2, mean, rstd, shape):
+        xp = array_module(dy)
+        dy2 = xp.ascontiguousarray(dy.reshape(x2.shape))
+        if residual is None:
+            dx = layernorm_backward_gpu(dy2, x2, self.w, mean, rstd, self.dw, self.db)
+        else:  # the kernel adds dx into a copy of the residual gradient: the caller's array is kept
+            dx = layernorm_backward_gpu(dy2, x2, self.w, mean, rstd, self.dw, self.db,
+                                        add_to=xp.array(residual.reshape(x2.shape), order="C"))
+        return dx.reshape(shape)
+
 
 def _over_rows(xp, N, C, fn):
     if xp is np:
@@ -85,7 +107,7 @@ def _over_rows(xp, N, C, fn):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA kernels LayerNorm over the last axis (minitensor/layernorm.py): one block per row
+# CUDA: LayerNorm over the last axis, one block per row
 
 
 def layernorm_forward_reference(x, w, b, eps=1e-5):
@@ -259,3 +281,17 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None):
     dw += part_w.sum(axis=0)
     db += part_b.sum(axis=0)
     return dx
+
+
+@cuda.self_check("layernorm")
+def _self_check(xp, rng):
+    """LayerNorm forward and backward (with a residual gradient) over 40 rows of 100 columns."""
+    def draw(*shape, scale=1.0, shift=0.0):
+        return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
+
+    C = 100  # not a multiple of the 32-thread warps
+    dw, db = xp.zeros(C, np.float32), xp.zeros(C, np.float32)
+    ln = LayerNorm(draw(C, shift=1.0), dw, draw(C), db)
+    y = ln.forward(draw(4, 10, C, scale=3.0, shift=0.5))
+    dx = ln.backward(draw(4, 10, C), residual=draw(4, 10, C))
+    return y, dx, dw, db

@@ -18,6 +18,7 @@ import numpy as np
 from minitensor import cuda
 from minitensor.backend import array_module
 from minitensor.parallel import parallel_for
+from minitensor.params import Params
 
 CHUNK = 1 << 16
 
@@ -57,7 +58,10 @@ class AdamW:
         self.t = 0
 
     def step(self, lr=None, grad_scale=1.0):
-        """One update from params.grads (times grad_scale); lr overrides the default for this step."""
+        """One update from params.grads (times grad_scale); lr overrides the default for this step.
+
+        grad_scale may be a 0-d array on the parameters' device (the clipping scale computed
+        there), so a GPU step needs no host read."""
         lr = self.lr if lr is None else lr
         self.t += 1
         b1, b2 = self.betas
@@ -68,10 +72,14 @@ class AdamW:
         step_size = lr * math.sqrt(c2) / c1
         eps_hat = self.eps * math.sqrt(c2)
         decay = lr * self.weight_decay
+        if cuda.uses("adamw", p):
+            adamw_step_gpu(p, g, m, v, self._decay_mask, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
+                           weight_decay=self.weight_decay, t=self.t, grad_scale=grad_scale)
+            return
         if array_module(p) is not np:
             self._step_xp(p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay)
             return
-        args = (b1, b2, grad_scale, step_size, eps_hat)
+        args = (b1, b2, float(grad_scale), step_size, eps_hat)  # on the host already: no sync
         pieces = self._pieces
 
         def run(first, last):
@@ -133,7 +141,7 @@ def cosine_lr(step, max_lr, min_lr, warmup_steps, total_steps):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA kernels AdamW over the whole flat buffer (minitensor/optim.py), one elementwise pass
+# CUDA: AdamW over the whole flat buffer, one elementwise pass
 
 
 def adamw_reference(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
@@ -147,27 +155,28 @@ def adamw_reference(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t,
 
 
 def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, decay):
-    gs = g * grad_scale
+    gs = g * np.asarray(grad_scale).reshape(-1)[0]  # the kernel reads grad_scale[0]
     m = beta1 * m_in + (1.0 - beta1) * gs
     v = beta2 * v_in + (1.0 - beta2) * gs * gs
     return p_in * (1.0 - decay * mask) - step_size * (m / (np.sqrt(v) + eps_hat)), m, v
 
 
 # optim.py's form: m_hat / (sqrt(v_hat) + eps) = (m sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)),
-# so the bias corrections are two host scalars (step_size, eps_hat). Each output is computed from
-# the inputs before any is written, so p, m, v may be passed as their own outputs (in place).
+# so the bias corrections are two host scalars (step_size, eps_hat). grad_scale is a one-element
+# device array (the clipping scale, computed on the device: reading it would stall the step).
+# Each output is computed from the inputs before any is written, so p, m, v may be passed as
+# their own outputs (in place).
 ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
     "adamw_step",
-    "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, T grad_scale, T step_size, T eps_hat, T decay",
+    "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay",
     "T p, T m, T v",
-    "const T gs = g * grad_scale;\n"
+    "const T gs = g * grad_scale[0];\n"
     "const T m1 = beta1 * m_in + ((T)1 - beta1) * gs;\n"
     "const T v1 = beta2 * v_in + ((T)1 - beta2) * gs * gs;\n"
     "const T p1 = p_in * ((T)1 - decay * mask) - step_size * (m1 / (sqrt(v1) + eps_hat));\n"
     "m = m1;\nv = v1;\np = p1;",
     reference=_adamw_op_reference,
-    scalars=(("beta1", 0.9), ("beta2", 0.95), ("grad_scale", 0.7), ("step_size", 1e-3), ("eps_hat", 1e-8),
-             ("decay", 1e-4)),
+    scalars=(("beta1", 0.9), ("beta2", 0.95), ("step_size", 1e-3), ("eps_hat", 1e-8), ("decay", 1e-4)),
     domains=(("v_in", np.abs), ("mask", lambda a: (a > 0).astype(a.dtype))),
 ))
 
@@ -175,7 +184,8 @@ ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
 def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
     """One AdamW step, in place over the flat CuPy buffers p, m, v (same shape and dtype as g and
     mask, mask 1 where weight decay applies, 0 elsewhere); t counts steps from 1. Equals
-    minitensor.optim.AdamW.step: the gradient is g * grad_scale (clipping)."""
+    minitensor.optim.AdamW.step: the gradient is g * grad_scale (clipping), grad_scale a number
+    or a one-element device array."""
     fn = "adamw_step_gpu"
     cuda.check_operands(fn, p, None)
     for name, a in (("g", g), ("m", m), ("v", v), ("mask", mask)):
@@ -186,5 +196,18 @@ def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, 
     step_size = lr * math.sqrt(c2) / c1
     eps_hat = eps * math.sqrt(c2)
     cuda.on_cupy(fn, p, "minitensor.optim.AdamW")
-    ADAMW_STEP.kernel()(p, m, v, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, lr * weight_decay, p, m, v)
+    scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
+    ADAMW_STEP.kernel()(p, m, v, g, mask, beta1, beta2, scale, step_size, eps_hat, lr * weight_decay, p, m, v)
     return p
+
+
+@cuda.self_check("adamw")
+def _self_check(xp, rng):
+    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
+    params = Params({"w": (7, 33), "b": (33,)}, xp=xp, dtype=np.float32)
+    params.data[...] = xp.asarray(rng.standard_normal(params.data.shape).astype(np.float32))
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    for scale in (1.0, 0.5):
+        params.grads[...] = xp.asarray(rng.standard_normal(params.grads.shape).astype(np.float32))
+        opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
+    return params.data, opt.m, opt.v
