@@ -15,7 +15,6 @@ Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to 
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -30,12 +29,13 @@ from andrea.config import load_config, make_config
 from andrea.errors import UserError
 from andrea.model import ANDREA, flops_per_token, format_breakdown
 from andrea.optim import AdamW
-from andrea.perf import format_duration, matmul_peak_flops, synchronize
+from andrea.perf import format_duration, matmul_peak_flops, peak_label, synchronize
 from andrea.prepare import prepare
 from andrea.sample import stream
 from andrea.tokenizer import Tokenizer
-from minitensor.backend import GPUUnavailable
-from minitensor.optim import cosine_lr, global_norm
+from minitensor.backend import GPUUnavailable, set_tf32
+from minitensor.optim import clip_scale, cosine_lr, global_norm
+from minitensor.selfcheck import select_kernels
 
 EXIT_INTERRUPTED = 130
 EXIT_NONFINITE = 3
@@ -55,12 +55,12 @@ class Trainer:
     def __init__(self, cfg, out_dir, tokens, val_tokens, tokenizer):
         self.cfg, self.out_dir = cfg, Path(out_dir)
         t = cfg.train
-        if t.tf32:
-            os.environ.setdefault("CUPY_TF32", "1")  # must precede the first matmul on the GPU
         try:
             self.model = ANDREA(cfg.model, device=t.device, dtype=t.dtype, seed=t.seed)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
+        # process-wide choices for the GPU, made once here and said in the log
+        self.startup = [set_tf32(self.model.xp, t.tf32), select_kernels(t.kernels, self.model.xp)]
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
         self.T = t.sequence_length(cfg.model)
         self.accum = t.accumulation_steps(cfg.model)
@@ -122,28 +122,34 @@ class Trainer:
     # --- one step ---
 
     def train_step(self, lr):
-        """Forward/backward over the micro-batches and one AdamW step; returns (loss, grad_norm, applied)."""
+        """Forward/backward over the micro-batches and one AdamW step; returns (loss, grad_norm, applied),
+        loss and grad_norm as values on the model's device (read them to log, not every step).
+
+        On a GPU nothing here waits for the device but one read: whether the loss and the gradient
+        norm are finite, which decides whether the step is applied (the non-finite guard). The loss
+        adds up on the device, and the clipping scale goes to AdamW as a device array."""
         model = self.model
         model.zero_grad()
         total = 0.0
         for _ in range(self.accum):
             x, y = self.loader.next_batch()
-            total += float(model.loss(x, y))
+            total = total + model.loss(x, y)
             model.backward(1.0 / self.accum)
         loss = total / self.accum
         norm = global_norm(model.params.grads)
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        scale, finite = clip_scale(norm, self.cfg.train.grad_clip, loss)
+        if not bool(finite):  # the step's one host read
             return loss, norm, False
-        clip = self.cfg.train.grad_clip
-        scale = clip / (norm + 1e-6) if clip and norm > clip else 1.0
         self.opt.step(lr=lr, grad_scale=scale)
         return loss, norm, True
 
     def evaluate(self):
+        """The mean validation loss: the batches' losses add up on the device, read once at the end."""
         t = self.cfg.train
-        losses = [float(self.model.loss(x, y))
-                  for x, y in data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches)]
-        return float(np.mean(losses))
+        total, n = 0.0, 0
+        for x, y in data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches):
+            total, n = total + self.model.loss(x, y), n + 1
+        return float(total / n) if n else math.nan
 
     # --- the loop ---
 
@@ -151,9 +157,13 @@ class Trainer:
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
         metrics = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in the finally below)
-        # the best of 5 (~0.6 s): a single 2048^3 product can come out 40% low on a shared VM, which
-        # would inflate MFU; the benchmark uses 4096^3
-        peak = matmul_peak_flops(self.model.xp, n=2048, repeats=5)
+        # CPU: the best of 5 2048^3 products (~0.6 s; a single one can come out 40% low on a shared
+        # VM, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
+        # set_tf32, so the peak is the one of the GEMM mode the run uses.
+        xp = self.model.xp
+        peak = matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)
+        peak_name = peak_label(xp, self.cfg.train.tf32)
+        log(f"MFU is against the {peak_name}: {peak / 1e12:.2f} TFLOP/s measured here")
         window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
         previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
         for sig in previous:
@@ -165,13 +175,16 @@ class Trainer:
                 self.step += 1
                 window_steps += 1
                 if not applied:
-                    code = self._non_finite(loss, norm, metrics)
+                    code = self._non_finite(float(loss), float(norm), metrics)
                     if code is not None:
                         return code
                 else:
                     self.bad_in_a_row = 0
                 record = None
-                if self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps:
+                logging = self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps
+                if logging or self.step % t.eval_interval == 0:
+                    loss, norm = float(loss), float(norm)  # the reads wait for the step to finish
+                if logging:
                     synchronize(self.model.xp)
                     elapsed = time.perf_counter() - window_start
                     tps = window_steps * self.tokens_per_step / elapsed
@@ -180,7 +193,7 @@ class Trainer:
                     record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                               "tokens_per_s": tps, "mfu": mfu}
                     log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
-                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% | ETA {format_duration(eta)}")
+                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {peak_name} | ETA {format_duration(eta)}")
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % t.eval_interval == 0 or self.step == t.max_steps:
                     val = self.evaluate()
@@ -337,6 +350,8 @@ def main(argv=None):
     m, t = cfg.model, cfg.train
     log(f"ANDREA {cfg.name}: {trainer.model.num_parameters():,} parameters on {trainer.model.backend.device} "
         f"({t.dtype})\n{format_breakdown(m)}")
+    for line in trainer.startup:
+        log(line)
     log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} micro-batches = {trainer.tokens_per_step:,} "
         f"tokens/step; {len(train_tokens):,} train tokens, {len(val_tokens):,} val tokens; output in {out_dir}")
     code = trainer.run(stop_at_step=args.stop_at_step)

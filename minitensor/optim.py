@@ -24,15 +24,26 @@ CHUNK = 1 << 16
 
 
 def global_norm(grads):
-    """sqrt(sum(g^2)) over a flat buffer, accumulated in float64 chunk by chunk on NumPy."""
+    """sqrt(sum(g^2)) over a flat buffer: a float accumulated in float64 chunk by chunk on NumPy, a
+    0-d array on CuPy."""
     xp = array_module(grads)
-    if xp is not np:
-        return float(xp.sqrt(xp.dot(grads, grads)))
+    if xp is not np:  # a 0-d device array: reading it would wait for the whole step
+        return xp.sqrt(xp.dot(grads, grads))
     total = 0.0
     for start in range(0, grads.size, 1 << 20):
         g = grads[start:start + (1 << 20)]
         total += float(np.dot(g, g))
     return math.sqrt(total)
+
+
+def clip_scale(norm, clip, loss):
+    """(scale, finite) on norm's device, read nothing: scale = clip / (norm + 1e-6) when clip and
+    norm > clip, else 1; finite says whether both the loss and the norm are finite (the step's
+    guard). The AdamW step takes scale as it is; the host reads only finite."""
+    xp = array_module(norm)
+    norm = xp.asanyarray(norm)  # asanyarray: a NumPy float becomes 0-d, any array stays what it is
+    scale = xp.where(norm > clip, clip / (norm + 1e-6), 1.0) if clip else xp.ones((), norm.dtype)
+    return scale, xp.isfinite(norm) & xp.isfinite(xp.asanyarray(loss))
 
 
 class AdamW:

@@ -17,7 +17,6 @@ from minitensor import attention, cuda, kernelcheck, layernorm, selfcheck
 from minitensor.layernorm import LayerNorm
 
 
-
 class NumPyStandingInForCuPy:
     """An array module that is not numpy itself (so the self-check runs) but makes NumPy arrays."""
 
