@@ -24,8 +24,10 @@ from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.model import ANDREA, flops_per_token
 from andrea.optim import AdamW
-from andrea.perf import matmul_peak_flops, peak_rss_bytes, synchronize
-from minitensor.optim import global_norm
+from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
+from minitensor.backend import set_tf32
+from minitensor.optim import clip_scale, global_norm
+from minitensor.selfcheck import select_kernels
 
 SHAPES = {"tiny": (16, 128), "small": (8, 256), "120m": (1, 1024)}
 STEPS = {"tiny": (3, 15), "small": (2, 8), "120m": (1, 4)}          # (warm-up, timed)
@@ -50,7 +52,7 @@ def bench_training(model, opt, B, T, warmup, steps, seed=0):
         x = rng.integers(0, V, (B, T + 1))
         _, f = _timed(xp, model.loss, x[:, :-1], x[:, 1:])
         _, b = _timed(xp, lambda: (model.zero_grad(), model.backward()))
-        _, o = _timed(xp, lambda: opt.step(grad_scale=min(1.0, 1.0 / (global_norm(model.params.grads) + 1e-6))))
+        _, o = _timed(xp, lambda: opt.step(grad_scale=clip_scale(global_norm(model.params.grads), 1.0, 0.0)[0]))
         if i >= warmup:
             splits["forward"].append(f)
             splits["backward"].append(b)
@@ -144,14 +146,18 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
 
 def run_one(name, device, profile):
     """Everything measured for one config, in this process."""
-    cfg = load_config(name).model
+    full = load_config(name)
+    cfg = full.model
     B, T = SHAPES[name]
     warmup, steps = STEPS[name]
     model = ANDREA(cfg, device=device, dtype="float32", seed=0)
     opt = AdamW(model, lr=6e-4)
+    # the config's TF32 setting and the self-checked kernels, as training would run (GPU only)
+    gpu_setup = [set_tf32(model.xp, full.train.tf32), select_kernels(full.train.kernels, model.xp)]
     peak = matmul_peak_flops(model.xp, n=4096, repeats=3)
     result = {"config": name, "device": model.backend.device, "batch": B, "seq_len": T,
-              "parameters": model.num_parameters()}
+              "parameters": model.num_parameters(), "gpu_setup": gpu_setup,
+              "peak": peak_label(model.xp, full.train.tf32)}
     result.update(bench_training(model, opt, B, T, warmup, steps))
     # the peak is measured again after training and the best kept: on a shared VM one
     # measurement alone can come out 40% low, which would inflate MFU
@@ -191,6 +197,10 @@ def print_table(results):
               f"{t.get('tokens_per_s_median', float('nan')):>12,.0f} "
               f"{t.get('peak_rss_bytes', float('nan')) / 2**30:>7.2f}Gi {ratio or float('nan'):>6.2f}")
     print()
+    for r in results:
+        if r.get("peak"):
+            print(f"{r['config']:<7} MFU against the {r['peak']}: {r['matmul_peak_flops'] / 1e12:.2f} TFLOP/s; "
+                  + "; ".join(r.get("gpu_setup", [])))
     for r in results:
         if "generation_tokens_per_s" in r:
             gen = ", ".join(f"{v:,.0f} tok/s at {k}" for k, v in r["generation_tokens_per_s"].items())
