@@ -259,28 +259,26 @@ class CausalSelfAttention(Layer):
         dkT = xp.matmul(q.transpose(0, 2, 1), ds)            # (BH, hs, T)
         return dq, dkT.transpose(0, 2, 1), dvT.transpose(0, 2, 1)
 
-    def forward_kv(self, x, cache, pos):
+    def forward_kv(self, x, cache, pos, residual=None):
         """Inference: x (B, T_new, C) at positions pos.., with cache = (k, v) arrays (B, nh, T_max, hs).
 
-        Writes the new keys and values into the cache and attends over positions [0, pos + T_new).
-        Keeps nothing for backward.
+        Writes the new keys and values into the cache and attends over positions [0, pos + T_new),
+        with the training forward's layers and softmax (c_attn, c_proj through `infer`); keeps
+        nothing for backward. residual as in forward.
         """
         xp = array_module(x)
         B, T, C = x.shape
         hs = C // self.n_head
-        qkv = x.reshape(-1, C) @ self.c_attn.W + self.c_attn.b
-        q, k, v = self._heads(qkv.reshape(B, T, 3 * C), B, T)
+        q, k, v = self._heads(self.c_attn.infer(x), B, T)
         k_cache, v_cache = cache
         k_cache[:, :, pos:pos + T] = k
         v_cache[:, :, pos:pos + T] = v
         end = pos + T
         att = xp.matmul(q * (1.0 / math.sqrt(hs)), k_cache[:, :, :end].transpose(0, 1, 3, 2))  # (B, nh, T, end)
-        att[..., pos:end] += causal_mask(xp, T, att.dtype)  # new row i sits at position pos + i
-        att -= att.max(axis=-1, keepdims=True)
-        xp.exp(att, out=att)
-        att /= att.sum(axis=-1, keepdims=True)
+        # new row i sits at position pos + i: the block of query rows pos..end against keys 0..end
+        block_softmax(att, pos, xp.empty((*att.shape[:-1], 1), dtype=att.dtype))
         y = xp.matmul(att, v_cache[:, :, :end]).transpose(0, 2, 1, 3).reshape(B, T, C)
-        return (y.reshape(-1, C) @ self.c_proj.W + self.c_proj.b).reshape(B, T, C)
+        return self.c_proj.infer(y, residual=residual)
 
 
 # ---------------------------------------------------------------------------------------------
