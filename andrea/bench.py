@@ -26,6 +26,7 @@ from andrea.model import ANDREA, flops_per_token
 from andrea.optim import AdamW
 from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
 from minitensor.backend import set_tf32
+from minitensor.memory import keep_freed_memory
 from minitensor.optim import clip_scale, global_norm
 from minitensor.selfcheck import select_kernels
 
@@ -212,6 +213,7 @@ def print_table(results):
 
 
 def main(argv=None):
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     ap = argparse.ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,small,120m", help="comma-separated: tiny, small, 120m")
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu", "auto"])

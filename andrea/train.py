@@ -34,6 +34,7 @@ from andrea.prepare import prepare
 from andrea.sample import stream
 from andrea.tokenizer import Tokenizer
 from minitensor.backend import GPUUnavailable, set_tf32
+from minitensor.memory import keep_freed_memory
 from minitensor.optim import clip_scale, cosine_lr, global_norm
 from minitensor.selfcheck import select_kernels
 
@@ -331,6 +332,7 @@ def build_run_config(args):
 
 
 def main(argv=None):
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     args = parse_args(argv)
     cfg, out_dir = build_run_config(args)
     tokenizer, train_tokens, val_tokens = prepare_data(cfg)
