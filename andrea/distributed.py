@@ -22,8 +22,8 @@ with two ranks the sum a + b is exactly the float32 sum one process accumulates 
 micro-batches.
 
 `python -m andrea.distributed --nccl-self-test` checks the NCCL path at one rank on a GPU (the
-library loads, the id exchange, an all-reduce and a broadcast); `--allreduce-bench MIB` times
-MPI's in-place Allreduce of a float32 buffer under mpiexec.
+library loads, the id exchange, an all-reduce and a broadcast); `--allreduce-bench ELEMENTS`
+times the gradient all-reduce (MPI under mpiexec; `--gpu`: NCCL), as andrea.bench reports it.
 """
 
 from __future__ import annotations
@@ -356,23 +356,42 @@ def time_allreduce(reducer, buf, repeats=5, sync=None) -> float:
     return float(np.median(times))
 
 
+def bench_allreduce(elements: int, gpu: bool) -> dict | None:
+    """The gradient all-reduce of a model with `elements` float32 parameters, timed on this world.
+
+    On the CPU it is MPI's in-place Allreduce between the launched processes; with `gpu` it is
+    NCCL's on this rank's GPU (one rank without mpiexec: NCCL's local pass, no transfer).
+    Returns the measurement on rank 0, None elsewhere.
+    """
+    world = init()
+    if gpu:
+        nccl, cupy = _load_nccl()
+        use_local_gpu(world)
+        reducer, buf = NcclReducer(world, nccl, cupy), cupy.ones(elements, dtype=cupy.float32)
+        sync = cupy.cuda.get_current_stream().synchronize
+    else:
+        reducer, buf, sync = world, np.ones(elements, dtype=np.float32), None
+    seconds = time_allreduce(reducer, buf, sync=sync)
+    if not world.is_main:
+        return None
+    return {"backend": reducer.name, "processes": world.size, "bytes": int(buf.nbytes), "seconds": seconds}
+
+
 def main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m andrea.distributed", description=__doc__.splitlines()[0])
     ap.add_argument("--nccl-self-test", action="store_true", help="check NCCL at one rank on this GPU")
-    ap.add_argument("--allreduce-bench", type=float, metavar="MIB",
-                    help="time MPI's in-place Allreduce of this many MiB of float32 (run under mpiexec)")
+    ap.add_argument("--allreduce-bench", type=int, metavar="ELEMENTS",
+                    help="time the in-place all-reduce of this many float32 values; prints JSON on rank 0")
+    ap.add_argument("--gpu", action="store_true", help="with --allreduce-bench: NCCL on GPUs instead of MPI")
     args = ap.parse_args(argv)
     if args.nccl_self_test:
         return nccl_self_test()
     if args.allreduce_bench:
-        world = init()
-        buf = np.ones(int(args.allreduce_bench * (1 << 20)) // 4, dtype=np.float32)
-        seconds = time_allreduce(world, buf)
-        if world.is_main:
-            print(f"{world.name} Allreduce of {buf.nbytes / 2**20:.1f} MiB float32 over {world.size} "
-                  f"processes: {seconds * 1e3:.2f} ms")
+        result = bench_allreduce(args.allreduce_bench, args.gpu)
+        if result is not None:
+            print(json.dumps(result))
         return 0
     ap.print_help()
     return 0
