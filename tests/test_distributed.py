@@ -19,13 +19,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
+from optional import require
 
 from andrea import checkpoint as ckpt
 from andrea import distributed as dist
 from andrea.data import BatchLoader, iter_eval_batches
 from andrea.errors import UserError
 from andrea.prepare import prepare
-from tests.optional import require
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB_JSON = Path(json.__file__).parent
