@@ -178,8 +178,9 @@ class Trainer:
         main_rank = self.world.is_main
         metrics = open(self.out_dir / "metrics.jsonl" if main_rank else os.devnull, "a")  # noqa: SIM115 (closed in the finally below)
         # the best of 5 (~0.6 s): a single 2048^3 product can come out 40% low on a shared VM, which
-        # would inflate MFU; the benchmark uses 4096^3. Only rank 0 logs MFU.
-        peak = matmul_peak_flops(self.model.xp, n=2048, repeats=5) if main_rank else 1.0
+        # would inflate MFU; the benchmark uses 4096^3. Only rank 0 logs MFU, of the global FLOP/s
+        # against N times its own peak.
+        peak = matmul_peak_flops(self.model.xp, n=2048, repeats=5) * self.world.size if main_rank else 1.0
         window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
         previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
         for sig in previous:
