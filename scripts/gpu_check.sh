@@ -12,7 +12,8 @@
 #                (two query blocks): per-step losses and step-0 gradients
 #   4 train      python -m andrea.train --device gpu for 3 steps (--stop-at-step), --resume to 6,
 #                then python -m andrea.sample --device gpu from the checkpoint
-#   5 bench      ANDREA-120M at 8 x 1024 with tf32: true: tokens/s, MFU, peak GPU memory
+#   5 nccl       python -m andrea.distributed --nccl-self-test (NCCL at one rank)
+#   6 bench      ANDREA-120M at 8 x 1024 with tf32: true: tokens/s, MFU, peak GPU memory
 #
 #     PYTHONPATH=. bash scripts/gpu_check.sh              (from the repository root)
 #     bash scripts/gpu_check.sh --dry-run                 (the same phases on NumPy at toy sizes)
@@ -71,7 +72,15 @@ train_stop_resume_sample() {
     "$PY" -m andrea.sample --device "$DEVICE" --checkpoint "$run" --prompt "def " --max-new-tokens 40
 }
 
-export -f gpu_tests train_stop_resume_sample
+nccl_one_rank() {  # NCCL refuses two ranks on one GPU: the communicator and an all-reduce at one rank
+    if [ -n "$DRY" ]; then
+        "$PY" -m andrea.distributed --help > /dev/null && echo "dry run: the NCCL self-test needs a GPU (entry point found)"
+        return
+    fi
+    "$PY" -m andrea.distributed --nccl-self-test
+}
+
+export -f gpu_tests train_stop_resume_sample nccl_one_rank
 export PY DRY DEVICE WORK
 
 main() {
@@ -92,11 +101,12 @@ if sys.argv[1] == "gpu":
         print(f"no usable GPU: {type(e).__name__}: {e}")
         sys.exit(1)
 EOF
-    phase 1 tests 75 gpu_tests
+    phase 1 tests 70 gpu_tests
     phase 2 kernels 25 "$PY" scripts/gpu_check.py --parts kernels $DRY
     phase 3 gradients 25 "$PY" scripts/gpu_check.py --parts gradients $DRY
-    phase 4 train 45 train_stop_resume_sample
-    phase 5 bench 50 "$PY" scripts/gpu_check.py --parts bench $DRY
+    phase 4 train 40 train_stop_resume_sample
+    phase 5 nccl 20 nccl_one_rank
+    phase 6 bench 50 "$PY" scripts/gpu_check.py --parts bench $DRY
     echo "== summary"
     cat "$RESULTS_DIR/summary.txt"
     if [ "$FAILED" -eq 0 ]; then echo "== gpu_check: every phase passed"; else echo "== gpu_check: SOME PHASES FAILED"; fi

@@ -20,7 +20,7 @@ def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
     assert "FAIL" not in out, out[-4000:]
     summary = (tmp_path / "gpu_check" / "summary.txt").read_text().splitlines()
     assert [line.split()[2:4] for line in summary] == [["1", "tests"], ["2", "kernels"], ["3", "gradients"],
-                                                       ["4", "train"], ["5", "bench"]], summary
+                                                       ["4", "train"], ["5", "nccl"], ["6", "bench"]], summary
     assert all(line.startswith("ok") for line in summary), summary
     phases = {p.name: p.read_text() for p in (tmp_path / "gpu_check").glob("*-*.txt")}
     assert "ok   cross-entropy fwd" in phases["2-kernels.txt"]
@@ -28,5 +28,5 @@ def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
     train = phases["4-train.txt"]
     assert "stopped at step 3" in train and "resumed from" in train and "step      6/6" in train
     assert "kernels: generic (NumPy)" in train and "tf32: not applicable" in train
-    assert "tokens/s" in phases["5-bench.txt"]
-    assert (tmp_path / "gpu_check_results.txt").read_text().count("== phase") == 5
+    assert "tokens/s" in phases["6-bench.txt"]
+    assert (tmp_path / "gpu_check_results.txt").read_text().count("== phase") == 6
