@@ -20,8 +20,16 @@ import sys
 ENTRY_POINTS = ("andrea.train", "andrea.bench", "andrea.sample")
 __all__ = ["ANDREA", "AdamW", "ModelConfig"]
 
-_main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-if _main_spec is not None and _main_spec.name in ENTRY_POINTS:
+
+
+def entry_point(orig_argv=None):
+    """The module run by `python -m MODULE`, from the interpreter's own command line (this file runs
+    before that module's __spec__ is in place); None for any other start."""
+    argv = list(sys.orig_argv if orig_argv is None else orig_argv)
+    return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
+
+
+if entry_point() in ENTRY_POINTS:
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 

@@ -48,3 +48,19 @@ def test_importing_the_library_tunes_nothing():
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "None", "None"]
+
+
+def test_the_entry_points_are_recognised_from_the_command_line():
+    import andrea
+
+    assert andrea.entry_point(["python", "-m", "andrea.train", "--out", "x"]) == "andrea.train"
+    assert andrea.entry_point(["python", "-c", "import andrea"]) is None
+    assert andrea.entry_point(["python", "script.py", "-m"]) is None
+    # as `python -m andrea.train` starts: andrea/__init__.py runs before anything loads NumPy
+    code = ("import sys; sys.orig_argv = ['python', '-m', 'andrea.train']; import andrea, os; "
+            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'numpy' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for want, extra in (("4", {}), ("7", {"OPENBLAS_THREAD_TIMEOUT": "7"})):  # the environment wins
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.split() == [want, "False"]
