@@ -81,7 +81,11 @@ class Trainer:
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
         self.loader = data.BatchLoader(tokens, t.batch_size, self.T, seed=t.seed,
                                        accum=self.accum, rank=world.rank, world=world.size)
-        self.reducer = world.reducer_for(self.model.xp)
+        # NCCL's set-up is a collective, which must not run inside a `together` block (a rank that
+        # failed before it would meet the others in another collective): run_training connects it
+        self.reducer = world.reducer_for(self.model.xp) if world.size == 1 or self.model.xp is np else None
+        if self.reducer is None:
+            dist.require_nccl()
         self.val_tokens, self.tokenizer = val_tokens, tokenizer
         self.step = 0
         self.bad_in_a_row = 0
@@ -379,7 +383,11 @@ def main(argv=None):
 
 
 def run_training(args, world):
-    """The whole run on one rank; every collective inside is issued by all ranks in this order."""
+    """The whole run on one rank; every collective inside is issued by all ranks in this order.
+
+    A `together` block holds no collective of its own, so a rank that fails in one meets the others
+    in its agreement; an error anywhere else ends every rank through dist.guard.
+    """
     with world.together():
         cfg, out_dir = build_run_config(args)
     with world.together():  # data preparation once, on rank 0, while the others wait here
@@ -389,6 +397,12 @@ def run_training(args, world):
         if world.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
         trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
+    gpus = int(world.sum_scalars([trainer.model.xp is not np])[0])
+    with world.together():
+        if 0 < gpus < world.size:
+            raise UserError(f"{gpus} of {world.size} processes found a GPU: choose --device cpu or gpu for all")
+    if trainer.reducer is None:
+        trainer.reducer = world.reducer_for(trainer.model.xp)  # NCCL: the unique id goes out over MPI
     if args.resume:
         resume(trainer, args.stop_at_step)
     else:
