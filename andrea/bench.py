@@ -9,15 +9,23 @@ Each config runs in a fresh process, so its peak resident memory is its own. A t
 forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny 16 x 128,
 small 8 x 256, 120m 1 x 1024), timed after warm-up; tokens/s is reported as the median with
 min and max. MFU divides the model's FLOP/s (6 N + 12 L d T per token) by the best of a few
-4096^3 float32 matmuls measured in the same process.
+4096^3 float32 matmuls measured in the same process (on a GPU, 8192^3 in event-timed loops, in the
+config's TF32 mode; the fused kernels are self-checked first, as training does).
+
+Each config's gradient all-reduce (one flat float32 buffer of all its parameters, once per
+optimizer step in data-parallel training) is timed too: between 2 MPI processes on the CPU
+(`mpiexec` from the mpi extra), with NCCL on a GPU (`--device gpu`, one rank: NCCL's local pass).
 """
 
 import argparse
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -25,8 +33,11 @@ from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.model import ANDREA, flops_per_token
 from andrea.optim import AdamW
-from andrea.perf import matmul_peak_flops, peak_rss_bytes, synchronize
-from minitensor.optim import global_norm
+from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
+from minitensor.backend import set_tf32
+from minitensor.memory import keep_freed_memory
+from minitensor.optim import clip_scale, global_norm
+from minitensor.selfcheck import select_kernels
 
 SHAPES = {"tiny": (16, 128), "small": (8, 256), "120m": (1, 1024)}
 STEPS = {"tiny": (3, 15), "small": (2, 8), "120m": (1, 4)}          # (warm-up, timed)
@@ -51,7 +62,7 @@ def bench_training(model, opt, B, T, warmup, steps, seed=0):
         x = rng.integers(0, V, (B, T + 1))
         _, f = _timed(xp, model.loss, x[:, :-1], x[:, 1:])
         _, b = _timed(xp, lambda: (model.zero_grad(), model.backward()))
-        _, o = _timed(xp, lambda: opt.step(grad_scale=min(1.0, 1.0 / (global_norm(model.params.grads) + 1e-6))))
+        _, o = _timed(xp, lambda: opt.step(grad_scale=clip_scale(global_norm(model.params.grads), 1.0, 0.0)[0]))
         if i >= warmup:
             splits["forward"].append(f)
             splits["backward"].append(b)
@@ -145,14 +156,18 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
 
 def run_one(name, device, profile):
     """Everything measured for one config, in this process."""
-    cfg = load_config(name).model
+    full = load_config(name)
+    cfg = full.model
     B, T = SHAPES[name]
     warmup, steps = STEPS[name]
     model = ANDREA(cfg, device=device, dtype="float32", seed=0)
     opt = AdamW(model, lr=6e-4)
+    # the config's TF32 setting and the self-checked kernels, as training would run (GPU only)
+    gpu_setup = [set_tf32(model.xp, full.train.tf32), select_kernels(full.train.kernels, model.xp)]
     peak = matmul_peak_flops(model.xp, n=4096, repeats=3)
     result = {"config": name, "device": model.backend.device, "batch": B, "seq_len": T,
-              "parameters": model.num_parameters()}
+              "parameters": model.num_parameters(), "gpu_setup": gpu_setup,
+              "peak": peak_label(model.xp, full.train.tf32)}
     result.update(bench_training(model, opt, B, T, warmup, steps))
     # the peak is measured again after training and the best kept: on a shared VM one
     # measurement alone can come out 40% low, which would inflate MFU
@@ -166,11 +181,23 @@ def run_one(name, device, profile):
     return result
 
 
-def _subprocess_json(cmd):
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _subprocess_json(cmd, env=None):
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_allreduce(parameters, device):
+    """The gradient all-reduce for `parameters` float32 values: 2 MPI processes, or NCCL on a GPU."""
+    cmd = [sys.executable, "-m", "andrea.distributed", "--allreduce-bench", str(parameters)]
+    if device == "gpu":
+        return _subprocess_json([*cmd, "--gpu"])
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if importlib.util.find_spec("mpi4py") is None or not mpiexec.exists():
+        return {"error": "no mpi4py and mpiexec beside this Python (pip install -e '.[mpi]')"}
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", ANDREA_NUM_THREADS="1")
+    return _subprocess_json([str(mpiexec), "-n", "2", *cmd], env=env)
 
 
 def print_table(results):
@@ -193,6 +220,18 @@ def print_table(results):
               f"{t.get('peak_rss_bytes', float('nan')) / 2**30:>7.2f}Gi {ratio or float('nan'):>6.2f}")
     print()
     for r in results:
+        if r.get("peak"):
+            print(f"{r['config']:<7} MFU against the {r['peak']}: {r['matmul_peak_flops'] / 1e12:.2f} TFLOP/s; "
+                  + "; ".join(r.get("gpu_setup", [])))
+    for r in results:
+        a = r.get("allreduce")
+        if a and "error" in a:
+            print(f"{r['config']:<7} gradient all-reduce: {a['error']}")
+        elif a:
+            step = r["batch"] * r["seq_len"] / r["tokens_per_s_median"] if "tokens_per_s_median" in r else None
+            share = f", {100 * a['seconds'] / step:.1f}% of the measured step" if step else ""
+            print(f"{r['config']:<7} gradient all-reduce: {a['bytes'] / 1e6:.1f} MB over {a['processes']} "
+                  f"{a['backend']} rank(s) in {1e3 * a['seconds']:.1f} ms{share}")
         if "generation_tokens_per_s" in r:
             gen = ", ".join(f"{v:,.0f} tok/s at {k}" for k, v in r["generation_tokens_per_s"].items())
             print(f"{r['config']:<7} generation with the KV cache: {gen}")
@@ -203,6 +242,7 @@ def print_table(results):
 
 
 def main(argv=None):
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     ap = argparse.ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,small,120m", help="comma-separated: tiny, small, 120m")
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu", "auto"])
@@ -214,6 +254,7 @@ def main(argv=None):
                     help="time each non-GEMM component (forward + backward, 120m shapes) against PyTorch's own "
                          "kernel in this process, interleaved (andrea.components); with --torch, then the configs")
     ap.add_argument("--repeats", type=int, default=7, help="runs per engine and component with --components")
+    ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
     ap.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--debug", action="store_true")
@@ -237,6 +278,8 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "andrea.bench", "--one", name, "--device", args.device]
         r = _subprocess_json(cmd + (["--profile"] if args.profile else []))
         r.setdefault("config", name)
+        if not args.no_allreduce and "parameters" in r:
+            r["allreduce"] = bench_allreduce(r["parameters"], r.get("device", args.device))
         if args.torch:
             B, T = SHAPES[name]
             warmup, steps = STEPS[name]

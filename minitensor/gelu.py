@@ -4,7 +4,9 @@
 
 The formulas live in `kernels.py`: a NumPy version and the CuPy ElementwiseKernels 'gelu_fwd'
 and 'gelu_bwd' that must equal it. Shapes: any; y has the shape of x. `forward(h, bias=b)` is
-GELU(h + b), with the Linear's bias added in the same pass (the MLP's c_fc runs with bias=False).
+GELU(h + b), with the Linear's bias added in the same pass (the MLP's c_fc runs with bias=False);
+on CuPy with the fused piece `bias_gelu` in use (minitensor.cuda), the kernels
+'bias_gelu_fwd'/'bias_gelu_bwd' do that in one launch each, and h is kept without its bias.
 
 On the CPU with numba (minitensor.cpu), `gelu_forward_cpu` and `gelu_backward_cpu` below make
 one pass each over rows of C, in the sigmoid form the NumPy blocks use:
@@ -15,7 +17,7 @@ import math
 
 import numpy as np
 
-from minitensor import cpu, kernels
+from minitensor import cpu, cuda, kernels
 from minitensor.layer import Layer
 from minitensor.parallel import parallel_for
 
@@ -27,6 +29,9 @@ class GELU(Layer):
     def forward(self, x, bias=None):
         """GELU(x), or GELU(x + bias) for bias (C,) over the last axis: then x += bias in place first,
         in the same pass (the bias of the Linear before, left out of its epilogue)."""
+        if bias is not None and cuda.uses("bias_gelu", x):
+            self._save(x, bias)                              # h = x + bias is recomputed in backward
+            return kernels.bias_gelu_forward_gpu(x, bias)
         if _fast(x, bias):
             y = np.empty_like(x)
             C = x.shape[-1]
@@ -44,7 +49,10 @@ class GELU(Layer):
         return kernels.gelu_forward(x)
 
     def backward(self, dy):
-        (x,) = self._pop()
+        cache = self._pop()
+        if len(cache) == 2:                                  # the fused forward: (x, bias)
+            return kernels.bias_gelu_backward_gpu(*cache, dy)
+        (x,) = cache
         if _fast(x, None, dy):
             dx = np.empty_like(x)
             C = x.shape[-1]
@@ -89,3 +97,13 @@ def gelu_backward_cpu(x, dy, dx):
             xi = x[i, j]
             sig = one / (one + cpu.exp(xi * (m2c + m2ac * xi * xi)))
             dx[i, j] = dy[i, j] * sig * (one + (one - sig) * xi * (c2 + ac6 * xi * xi))
+
+
+@cuda.self_check("bias_gelu")
+def _self_check(xp, rng):
+    """GELU(x + b) forward and backward over (3, 50, 70), wide enough to reach the tails."""
+    x = xp.asarray((4.0 * rng.standard_normal((3, 50, 70))).astype(np.float32))
+    b = xp.asarray(rng.standard_normal(70).astype(np.float32))
+    gelu = GELU()
+    y = gelu.forward(x, bias=b)
+    return y, gelu.backward(xp.asarray(rng.standard_normal((3, 50, 70)).astype(np.float32)))
