@@ -12,7 +12,6 @@ checkpoints (weights, optimizer moments, data-loader and random states, config) 
 Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
 """
 
-import argparse
 import json
 import math
 import os
@@ -24,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data
-from andrea.cli import run_cli
+from andrea import data, preflight, runlog
+from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config, make_config
 from andrea.errors import UserError
 from andrea.model import ANDREA, flops_per_token, format_breakdown
@@ -58,7 +57,8 @@ class Trainer:
         if t.tf32:
             os.environ.setdefault("CUPY_TF32", "1")  # must precede the first matmul on the GPU
         try:
-            self.model = ANDREA(cfg.model, device=t.device, dtype=t.dtype, seed=t.seed)
+            # "auto" lets $ANDREA_DEVICE decide (checked by preflight.train_device)
+            self.model = ANDREA(cfg.model, device=preflight.train_device(t.device), dtype=t.dtype, seed=t.seed)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
@@ -150,7 +150,8 @@ class Trainer:
     def run(self, stop_at_step=None):
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
-        metrics = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in the finally below)
+        # a failed write (full disk) warns and training goes on; closed in the finally below
+        metrics = self.metrics = runlog.MetricsFile(self.out_dir / "metrics.jsonl")
         # the best of 5 (~0.6 s): a single 2048^3 product can come out 40% low on a shared VM, which
         # would inflate MFU; the benchmark uses 4096^3
         peak = matmul_peak_flops(self.model.xp, n=2048, repeats=5)
@@ -263,9 +264,14 @@ def _set_json_rng_state(s):
 def prepare_data(cfg):
     """Tokens and tokenizer for the config's corpus, preparing them first if they are missing."""
     data_dir = cfg.data.resolved_dir()
+    if preflight.prepared_counts(data_dir) is None:
+        note(f"first run on this corpus: preparing {data_dir} (tokenizer and token files; later runs reuse it)")
     # prepare() returns at once when data_dir already holds this corpus, and refuses another one
-    prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
-            val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab)
+    try:
+        prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
+                val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab)
+    except UserError as e:
+        raise UserError(preflight.in_train_terms(str(e))) from e
     tokenizer = Tokenizer.load(data_dir / "tokenizer.json")
     if cfg.data.allow_smaller_vocab and tokenizer.vocab_size < cfg.model.vocab_size:
         note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
@@ -280,8 +286,9 @@ def prepare_data(cfg):
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m andrea.train", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny", help="tiny (default), small, 120m, or a .yaml path")
+    ap = ArgumentParser(prog="python -m andrea.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="tiny (default), small, 120m, or a .yaml path; with --resume the run's own "
+                                     "config.json is used, and --config may only repeat it")
     ap.add_argument("--out", help="output directory (default: out/<config name>)")
     ap.add_argument("--max-steps", type=int, help="total optimizer steps (sets train.max_steps)")
     ap.add_argument("--stop-at-step", type=int,
@@ -289,6 +296,10 @@ def parse_args(argv):
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], help="sets train.device")
     ap.add_argument("--seed", type=int, help="sets train.seed")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    ap.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds another run, "
+                                                            "deleting its checkpoints and metrics")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check everything (config, paths, device, memory, data), print the plan and exit")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -302,44 +313,85 @@ def build_run_config(args):
             overrides.append(f"{key}={flag}")
     out_dir = Path(args.out) if args.out else None
     if args.resume:
+        if args.overwrite:
+            raise UserError("--resume continues the run in --out and --overwrite deletes it: choose one")
         if out_dir is None:
-            out_dir = Path("out") / load_config(args.config).name
-        saved = out_dir / "config.json"
-        if not saved.exists():
-            raise UserError(f"nothing to resume in {out_dir}: it has no config.json (start a run without --resume)")
-        base = json.loads(saved.read_text())
-        cfg = make_config(base, overrides, name=base.get("name", "custom"), source=str(saved))
+            out_dir = Path("out") / load_config(args.config or "tiny").name
+        preflight.check_directory(out_dir, "--out")
+        base = runlog.read_saved_config(out_dir)
+        cfg = make_config(base, overrides, name=str(base.get("name", "custom")), source=str(out_dir / "config.json"))
+        if args.config is not None:
+            _refuse_another_config(args.config, overrides, cfg, out_dir)
     else:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config or "tiny", overrides)
         out_dir = out_dir or Path("out") / cfg.name
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= cfg.train.max_steps:
         raise UserError(f"--stop-at-step must be between 1 and train.max_steps ({cfg.train.max_steps})")
     return cfg, out_dir
 
 
+def _refuse_another_config(name, overrides, cfg, out_dir):
+    """--config with --resume may only name the run's own config: a different one would be ignored."""
+    given, saved = load_config(name, overrides).to_dict(), cfg.to_dict()
+    diff = [f"{s}.{k}" for s in ("model", "train", "data") for k in saved[s] if given[s].get(k) != saved[s][k]]
+    if diff:
+        raise UserError(f"--config {name} differs from the config of the run in {out_dir} in {', '.join(diff[:4])}: "
+                        "drop --config to resume that run (change values with --set), or start a new run "
+                        "with another --out")
+
+
+def _header(cfg, args, trainer, n_train, n_val, out_dir):
+    """The run's first lines, from the effective config (overrides included), not the file's name."""
+    m, t = cfg.model, cfg.train
+    changed = [o for o in args.set if o.startswith("model.")]
+    name = f"{cfg.name} with {', '.join(changed)}" if changed else cfg.name
+    log(f"ANDREA {name} ({preflight.describe_model(m)}): {trainer.model.num_parameters():,} parameters on "
+        f"{trainer.model.backend.device} ({t.dtype})\n{format_breakdown(m)}")
+    micro = "micro-batch" if trainer.accum == 1 else "micro-batches"
+    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} {micro} = {trainer.tokens_per_step:,} "
+        f"tokens/step; {n_train:,} train tokens, {n_val:,} val tokens; output in {out_dir}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     cfg, out_dir = build_run_config(args)
+    plan = preflight.check(cfg, out_dir)
+    if args.dry_run:
+        log(plan.describe())
+        return 0
+    if not args.resume:
+        runlog.claim_run_dir(out_dir, args.resume, args.overwrite)
+    runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
     tokenizer, train_tokens, val_tokens = prepare_data(cfg)
+    preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
+    preflight.check_prompt(tokenizer, cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer)
     if args.resume:
         path, tensors, meta = ckpt.latest_checkpoint(out_dir, validate=trainer.validate_checkpoint)
         trainer.restore(tensors, meta)
         trainer.last_checkpoint = path
-        log(f"resumed from {path} at step {trainer.step}")
+        if trainer.step >= cfg.train.max_steps:
+            log(f"the run in {out_dir} has already finished: {path} is step {trainer.step} of train.max_steps "
+                f"{cfg.train.max_steps}; nothing to do (to train longer: --resume --max-steps N)")
+            return 0
+        dropped = runlog.drop_rows_after(out_dir / "metrics.jsonl", trainer.step, path)
+        log(f"resumed from {path} at step {trainer.step}"
+            + (f"; dropped {dropped} metrics rows of later steps, which this run recomputes" if dropped else ""))
         if args.stop_at_step is not None and args.stop_at_step <= trainer.step:
             raise UserError(f"--stop-at-step {args.stop_at_step} is not after the resumed step {trainer.step}")
-    elif ckpt.list_checkpoints(out_dir):
-        raise UserError(f"{out_dir} already holds checkpoints: add --resume to continue, or choose another --out")
     (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     tokenizer.save(out_dir / "tokenizer.json")
-    m, t = cfg.model, cfg.train
-    log(f"ANDREA {cfg.name}: {trainer.model.num_parameters():,} parameters on {trainer.model.backend.device} "
-        f"({t.dtype})\n{format_breakdown(m)}")
-    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} micro-batches = {trainer.tokens_per_step:,} "
-        f"tokens/step; {len(train_tokens):,} train tokens, {len(val_tokens):,} val tokens; output in {out_dir}")
+    _header(cfg, args, trainer, len(train_tokens), len(val_tokens), out_dir)
+    if trainer.accum > 1:
+        trainer.loader = runlog.MicroBatchProgress(trainer.loader, trainer.accum)
+    start_step, started = trainer.step, time.perf_counter()
     code = trainer.run(stop_at_step=args.stop_at_step)
+    code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
+    if code in (0, EXIT_INTERRUPTED):
+        log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, time.perf_counter() - started,
+                           trainer.tokens_per_step, trainer.metrics.last, trainer.last_checkpoint))
+    t = cfg.train
     if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0:
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
         stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
