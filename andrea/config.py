@@ -161,7 +161,7 @@ def config_path(name):
 
 
 def _did_you_mean(key, options):
-    close = difflib.get_close_matches(key, options, n=1)
+    close = difflib.get_close_matches(str(key), options, n=1)  # YAML keys may be numbers
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

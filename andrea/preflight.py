@@ -7,8 +7,8 @@ What is checked, each a one-line `UserError` naming the flag or `--set` key to c
 - the device: `--device`/`train.device`, or `$ANDREA_DEVICE` when the config says `auto`;
 - the paths: `--out` and `data.data_dir` must be (or be creatable as) directories;
 - the sample prompt: a run that ends with a sample needs a prompt that encodes to tokens;
-- the schedule: `train.warmup_steps` may not exceed `train.max_steps` (the peak rate would never
-  be reached, silently);
+- the schedule: `train.warmup_steps` beyond `train.max_steps` is a warning saying the peak rate
+  the run reaches (it was silent; refusing it would break quick `--max-steps 10` runs);
 - memory: parameters, gradients and the two AdamW moments (4 N floats) plus the activations kept
   from forward to backward at the configured micro-batch, against what the machine has
   (`MemAvailable` and the cgroup limit on Linux, free GPU memory on a GPU): an error when the
@@ -18,7 +18,7 @@ What is checked, each a one-line `UserError` naming the flag or `--set` key to c
 
 Activation memory follows BENCHMARKS.md's measurement on ANDREA-120M: 17 d_model floats per
 token and layer, plus V + 3 d_model floats per token outside the blocks (logits, final LayerNorm
-and head inputs), plus attention probabilities where a layer keeps them (at most 16 MiB each).
+and head inputs), plus attention probabilities where a layer keeps them (only when they take at most 16 MiB).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from andrea.model import parameter_breakdown
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 17  # d_model floats per token and layer (BENCHMARKS.md, Memory)
-KEPT_PROBS_MAX_BYTES = 16 << 20   # minitensor.attention keeps probabilities up to this size per layer
+KEPT_PROBS_MAX_BYTES = 16 << 20   # minitensor.attention keeps a layer's probabilities only up to this size
 WARN_FRACTION = 0.8
+AUTO = " (a GPU if one works, else the CPU)"
 
 
 def choose_device(flag, fallback="auto", flag_name="--device"):
@@ -114,7 +115,8 @@ def estimate_memory(cfg) -> MemoryEstimate:
     size = 8 if t.dtype == "float64" else 4
     B, T = t.batch_size, t.sequence_length(m)
     per_token = ACTIVATION_FLOATS_PER_LAYER * m.d_model * m.n_layer + m.vocab_size + 3 * m.d_model
-    probs = m.n_layer * min(B * m.n_head * T * T * size, KEPT_PROBS_MAX_BYTES)
+    causal = B * m.n_head * T * T * size  # an upper bound on the kept (lower-triangular) blocks
+    probs = m.n_layer * causal if causal <= KEPT_PROBS_MAX_BYTES else 0
     return MemoryEstimate(n, 4 * n * size, B * T * per_token * size + probs)
 
 
@@ -221,7 +223,7 @@ class Plan:
         rows = [
             ("model", f"{self.cfg.name}: {describe_model(m)}"),
             ("parameters", f"{self.memory.parameters:,}"),
-            ("device", f"{self.device}{' (a GPU if one works, else the CPU)' if self.device == 'auto' else ''} ({t.dtype})"),
+            ("device", f"{self.device}{AUTO if self.device == 'auto' else ''} ({t.dtype})"),
             ("memory", self.memory_verdict),
             ("tokens/step", f"{tokens:,} (batch {t.batch_size} x {T} tokens x {accum} micro-batch"
                             f"{'es' if accum != 1 else ''})"),
@@ -245,8 +247,11 @@ def check(cfg, out_dir, warn=None) -> Plan:
     data_dir = cfg.data.resolved_dir()
     check_directory(data_dir, "data.data_dir")
     if t.warmup_steps > t.max_steps:
-        raise UserError(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
-                        f"learning rate would never reach train.lr; lower --set train.warmup_steps")
+        # refusing would break quick runs (`--max-steps 10` on a config warming up for 50): say what happens
+        peak = t.lr * t.max_steps / t.warmup_steps
+        (warn or _warn)(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
+                        f"learning rate rises to {peak:.2e} at the last step and never reaches train.lr "
+                        f"({t.lr:g}); --set train.warmup_steps={t.max_steps // 10} gives warmup then decay")
     if t.sample_tokens > 0 and not t.sample_prompt:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
     mem = estimate_memory(cfg)

@@ -334,6 +334,8 @@ def _refuse_another_config(name, overrides, cfg, out_dir):
     """--config with --resume may only name the run's own config: a different one would be ignored."""
     given, saved = load_config(name, overrides).to_dict(), cfg.to_dict()
     diff = [f"{s}.{k}" for s in ("model", "train", "data") for k in saved[s] if given[s].get(k) != saved[s][k]]
+    if given["data"]["allow_smaller_vocab"] and saved["model"]["vocab_size"] < given["model"]["vocab_size"]:
+        diff.remove("model.vocab_size")  # lowered to the tokenizer's size when the run started
     if diff:
         raise UserError(f"--config {name} differs from the config of the run in {out_dir} in {', '.join(diff[:4])}: "
                         "drop --config to resume that run (change values with --set), or start a new run "
