@@ -3,6 +3,7 @@
     python -m andrea.train                                   # prepare data if missing, train, sample
     python -m andrea.train --config small --out runs/small --set train.lr=1e-3
     python -m andrea.train --out runs/small --resume         # continue from the newest good checkpoint
+    python -m andrea.train --config 120m --dry-run           # the pre-flight checks and the plan, no training
 
 Each optimizer step: accumulate gradients over micro-batches, check the loss and gradient norm
 are finite (a non-finite step applies no update), clip by global norm, set the learning rate
@@ -10,6 +11,9 @@ are finite (a non-finite step applies no update), clip by global norm, set the l
 the validation loss every eval_interval, appends to OUT/metrics.jsonl, and writes crash-safe
 checkpoints (weights, optimizer moments, data-loader and random states, config) to OUT.
 Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
+Before any of this, andrea.preflight checks everything that could fail later (device, paths,
+prompt, memory, data); andrea.runlog keeps the run directory to one run and one story (metrics
+that survive a full disk, each step once after a resume, exit code 4 when the last save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
