@@ -368,3 +368,14 @@ def test_preparation_inside_train_and_tokenizer_progress_are_announced(tmp_path,
     assert "first run on this corpus: preparing" in err and "tokenizer: reading" in err
     msg = one_line_error(err)
     assert "--set data.allow_smaller_vocab=true" in msg and "--allow-smaller-vocab" not in msg
+
+
+def test_an_unhandled_file_system_failure_is_one_line_exit_1(tmp_path, capsys):
+    def main(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+
+    assert cli(main, []) == 1
+    assert one_line_error(capsys.readouterr().err) == (f"error: {tmp_path / 'x'}: No space left on device "
+                                                      "(add --debug for the traceback)")
+    with pytest.raises(OSError):
+        run_cli(main, ["--debug"])
