@@ -73,10 +73,6 @@ class _World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def any(self, flag) -> bool:
-        """True on every rank if `flag` is true on any."""
-        return self.sum_scalars([1.0 if flag else 0.0])[0] > 0
-
     def max_int(self, value: int) -> int:
         """The largest of one non-negative int per rank (a signal number, say), on every rank."""
         flags = np.zeros(64)
@@ -88,6 +84,9 @@ class _World:
     @contextlib.contextmanager
     def together(self):
         """Run a block on every rank; if it raises on any rank, all ranks stop here.
+
+        The block itself must issue no collective: a rank that failed before it would wait in
+        this agreement while the others wait in the block's collective.
 
         The lowest failing rank re-raises its error (a UserError becomes an AgreedError, naming the
         rank unless all failed); the others exit with code 2 without a message, so a
@@ -275,6 +274,11 @@ class NcclReducer:
     def broadcast_(self, buf):
         ptr, n, dtype, stream = self._call(buf)
         self.comm.bcast(ptr, n, dtype, 0, stream)
+
+
+def require_nccl() -> None:
+    """Raise the UserError _load_nccl would, without any collective (see NcclReducer)."""
+    _load_nccl()
 
 
 def _load_nccl():

@@ -23,6 +23,7 @@ from andrea.errors import UserError
 from andrea.model import ANDREA
 from andrea.tokenizer import Tokenizer
 from minitensor.backend import GPUUnavailable, to_numpy
+from minitensor.memory import keep_freed_memory
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=None):
@@ -128,6 +129,7 @@ def _check_args(args):
 
 
 def main(argv=None):
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     ap = ArgumentParser(prog="python -m andrea.sample", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a run directory or a ckpt-* directory")
     ap.add_argument("--prompt", default="def ")
