@@ -69,6 +69,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "float32"
     tf32: bool = False
+    kernels: str = "auto"           # fused GPU kernels: auto (self-checked at start-up), fused, or generic
     sample_tokens: int = 120        # length of the sample printed at the end (0: none)
     sample_prompt: str = "def "
 
@@ -89,6 +90,8 @@ class TrainConfig:
                  "the size of the position table")
         _require(self.device in ("auto", "cpu", "gpu"), f"train.device must be auto, cpu or gpu, got {self.device!r}")
         _require(self.dtype in ("float32", "float64"), f"train.dtype must be float32 or float64, got {self.dtype!r}")
+        _require(self.kernels in ("auto", "fused", "generic"),
+                 f"train.kernels must be auto, fused or generic, got {self.kernels!r}")
         micro = self.batch_size * self.sequence_length(model)
         _require(self.tokens_per_step == 0 or self.tokens_per_step % micro == 0,
                  f"train.tokens_per_step ({self.tokens_per_step}) must be a multiple of "

@@ -22,6 +22,7 @@ from andrea.errors import UserError
 from andrea.model import ANDREA
 from andrea.tokenizer import Tokenizer
 from minitensor.backend import GPUUnavailable, to_numpy
+from minitensor.memory import keep_freed_memory
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=None):
@@ -108,6 +109,7 @@ def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, o
 
 
 def main(argv=None):
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     ap = argparse.ArgumentParser(prog="python -m andrea.sample", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a run directory or a ckpt-* directory")
     ap.add_argument("--prompt", default="def ")

@@ -35,12 +35,14 @@ from andrea.config import load_config, make_config
 from andrea.errors import UserError
 from andrea.model import ANDREA, flops_per_token, format_breakdown
 from andrea.optim import AdamW
-from andrea.perf import format_duration, matmul_peak_flops, synchronize
+from andrea.perf import format_duration, matmul_peak_flops, peak_label, synchronize
 from andrea.prepare import prepare
 from andrea.sample import stream
 from andrea.tokenizer import Tokenizer
-from minitensor.backend import GPUUnavailable
-from minitensor.optim import cosine_lr, global_norm
+from minitensor.backend import GPUUnavailable, set_tf32
+from minitensor.memory import keep_freed_memory
+from minitensor.optim import clip_scale, cosine_lr, global_norm
+from minitensor.selfcheck import select_kernels
 
 EXIT_INTERRUPTED = 130
 EXIT_NONFINITE = 3
@@ -66,14 +68,14 @@ class Trainer:
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.world = world = world or dist.Single()
         t = cfg.train
-        if t.tf32:
-            os.environ.setdefault("CUPY_TF32", "1")  # must precede the first matmul on the GPU
         if t.device != "cpu":
             dist.use_local_gpu(world)
         try:
             self.model = ANDREA(cfg.model, device=t.device, dtype=t.dtype, seed=t.seed)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
+        # process-wide choices for the GPU, made once here and said in the log
+        self.startup = [set_tf32(self.model.xp, t.tf32), select_kernels(t.kernels, self.model.xp)]
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
         self.T = t.sequence_length(cfg.model)
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
@@ -147,32 +149,41 @@ class Trainer:
     # --- one step ---
 
     def train_step(self, lr):
-        """Forward/backward over the micro-batches and one AdamW step; returns (loss, grad_norm, applied)."""
+        """Forward/backward over the micro-batches and one AdamW step; returns (loss, grad_norm, applied),
+        loss and grad_norm as values on the model's device (read them to log, not every step).
+
+        On a GPU nothing here waits for the device but one read: whether the loss and the gradient
+        norm are finite, which decides whether the step is applied (the non-finite guard). The loss
+        adds up on the device, and the clipping scale goes to AdamW as a device array."""
         model = self.model
         model.zero_grad()
         total = 0.0
         micro_batches = self.accum * self.world.size
         for _ in range(self.accum):
             x, y = self.loader.next_batch()
-            total += float(model.loss(x, y))
+            total = total + model.loss(x, y)
             model.backward(1.0 / micro_batches)  # so that the sum over ranks is the mean
         self.reducer.sum_(model.params.grads)  # the step's one gradient collective
-        loss = float(self.world.sum_scalars([total])[0]) / micro_batches
+        if self.world.size > 1:  # the ranks' losses summed on the host: a second read, with several processes
+            total = self.world.sum_scalars([float(total)])[0]
+        loss = total / micro_batches
         norm = global_norm(model.params.grads)  # of the summed buffer: the same on every rank
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        scale, finite = clip_scale(norm, self.cfg.train.grad_clip, loss)
+        if not bool(finite):  # the step's one host read
             return loss, norm, False
-        clip = self.cfg.train.grad_clip
-        scale = clip / (norm + 1e-6) if clip and norm > clip else 1.0
         self.opt.step(lr=lr, grad_scale=scale)
         return loss, norm, True
 
     def evaluate(self):
+        """The mean validation loss: the batches' losses add up on the device, read once at the end."""
         t = self.cfg.train
         w = self.world
-        losses = [float(self.model.loss(x, y)) for x, y in
-                  data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches, w.rank, w.size)]
-        total, count = w.sum_scalars([sum(losses), len(losses)])
-        return float(total / count)
+        total, n = 0.0, 0
+        for x, y in data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches, w.rank, w.size):
+            total, n = total + self.model.loss(x, y), n + 1
+        if w.size > 1:
+            total, n = w.sum_scalars([float(total), n])
+        return float(total / n) if n else math.nan
 
     # --- the loop ---
 
@@ -181,10 +192,18 @@ class Trainer:
         t = self.cfg.train
         main_rank = self.world.is_main
         metrics = open(self.out_dir / "metrics.jsonl" if main_rank else os.devnull, "a")  # noqa: SIM115 (closed in the finally below)
-        # the best of 5 (~0.6 s): a single 2048^3 product can come out 40% low on a shared VM, which
-        # would inflate MFU; the benchmark uses 4096^3. Only rank 0 logs MFU, of the global FLOP/s
-        # against N times its own peak.
-        peak = matmul_peak_flops(self.model.xp, n=2048, repeats=5) * self.world.size if main_rank else 1.0
+        # CPU: the best of 5 2048^3 products (~0.6 s; a single one can come out 40% low on a shared
+        # VM, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
+        # set_tf32, so the peak is the one of the GEMM mode the run uses. Only rank 0 logs MFU, of
+        # the global FLOP/s against N times its own peak.
+        xp = self.model.xp
+        peak_name = peak_label(xp, self.cfg.train.tf32)
+        if self.world.size > 1:
+            peak_name = f"{self.world.size} x {peak_name}"
+        peak = 1.0
+        if main_rank:
+            peak = (matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)) * self.world.size
+            log(f"MFU is against the {peak_name}: {peak / 1e12:.2f} TFLOP/s measured here")
         window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
         previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
         for sig in previous:
@@ -196,13 +215,16 @@ class Trainer:
                 self.step += 1
                 window_steps += 1
                 if not applied:
-                    code = self._non_finite(loss, norm, metrics)
+                    code = self._non_finite(float(loss), float(norm), metrics)
                     if code is not None:
                         return code
                 else:
                     self.bad_in_a_row = 0
                 record = None
-                if self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps:
+                logging = self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps
+                if logging or self.step % t.eval_interval == 0:
+                    loss, norm = float(loss), float(norm)  # the reads wait for the step to finish
+                if logging:
                     synchronize(self.model.xp)
                     elapsed = time.perf_counter() - window_start
                     tps = window_steps * self.tokens_per_step / elapsed
@@ -211,7 +233,7 @@ class Trainer:
                     record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                               "tokens_per_s": tps, "mfu": mfu}
                     log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
-                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% | ETA {format_duration(eta)}")
+                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {peak_name} | ETA {format_duration(eta)}")
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % t.eval_interval == 0 or self.step == t.max_steps:
                     val = self.evaluate()
@@ -353,6 +375,7 @@ def build_run_config(args):
 
 
 def main(argv=None):
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     global WORLD
     WORLD = dist.init()
     with dist.guard(WORLD):
@@ -394,6 +417,8 @@ def run_training(args, world):
     m, t = cfg.model, cfg.train
     log(f"ANDREA {cfg.name}: {trainer.model.num_parameters():,} parameters on {trainer.model.backend.device} "
         f"({t.dtype})\n{format_breakdown(m)}")
+    for line in trainer.startup:
+        log(line)
     ranks = f" x {world.size} processes ({trainer.reducer.name})" if world.size > 1 else ""
     log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} micro-batches{ranks} = "
         f"{trainer.tokens_per_step:,} tokens/step; {len(train_tokens):,} train tokens, {len(val_tokens):,} val "
