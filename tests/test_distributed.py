@@ -199,6 +199,19 @@ def test_a_signal_on_one_rank_stops_all_after_the_same_step(tmp_path, data_dir):
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["ckpt-00000002"]
 
 
+def test_data_is_prepared_once_by_rank_0(tmp_path, data_dir):
+    require("mpi4py")
+    fresh = tmp_path / "fresh"
+    cfg = yaml.safe_load(config(tmp_path, data_dir, max_steps=1).read_text())
+    cfg["data"]["data_dir"] = str(fresh)
+    cfg["model"]["vocab_size"] = 8449
+    path = tmp_path / "fresh.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = run(["--config", str(path), "--out", str(tmp_path / "o")])
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("-id BPE tokenizer on") == 1 and (fresh / "train.bin").exists()
+
+
 def test_gpu_under_mpi_without_a_gpu_is_one_line_error(tmp_path, data_dir):
     require("mpi4py")
     r = run(["--config", str(config(tmp_path, data_dir)), "--out", str(tmp_path / "o"), "--device", "gpu"],
