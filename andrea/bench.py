@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.cli import run_cli
+from andrea import preflight
+from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config
 from andrea.model import ANDREA, flops_per_token
 from andrea.optim import AdamW
@@ -243,9 +244,9 @@ def print_table(results):
 
 def main(argv=None):
     keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
-    ap = argparse.ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,small,120m", help="comma-separated: tiny, small, 120m")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu", "auto"])
+    ap.add_argument("--device", choices=["cpu", "gpu", "auto"], help="default: $ANDREA_DEVICE, else cpu")
     ap.add_argument("--profile", action="store_true", help="also time every layer's forward and backward")
     ap.add_argument("--torch", action="store_true",
                     help="also run PyTorch eager (2 threads) on the identical model, with explicit and with "
@@ -259,6 +260,9 @@ def main(argv=None):
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
+    args.device = preflight.choose_device(args.device, fallback="cpu")
+    if not args.one:
+        preflight.check_output_file(args.json, "--json")  # before minutes of measuring, not after
     if args.one:
         print(json.dumps(run_one(args.one, args.device, args.profile)))
         return 0
