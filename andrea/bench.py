@@ -253,7 +253,7 @@ def main(argv=None):
                          "fused (scaled_dot_product_attention) attention; the table shows the faster")
     ap.add_argument("--components", action="store_true",
                     help="time each non-GEMM component (forward + backward, 120m shapes) against PyTorch's own "
-                         "kernel in this process, interleaved (andrea.components); with --torch, then the configs")
+                         "kernel in this process, interleaved (andrea.components); with --torch, after the configs")
     ap.add_argument("--repeats", type=int, default=7, help="runs per engine and component with --components")
     ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
     ap.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
@@ -267,10 +267,8 @@ def main(argv=None):
         print(json.dumps(run_one(args.one, args.device, args.profile)))
         return 0
     results = []
-    if args.components:
-        results.append({"components": _components(args.repeats)})
-        if not args.torch:
-            return _write(args.json, results)
+    if args.components and not args.torch:
+        return _write(args.json, [{"components": _components(args.repeats)}])
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
@@ -296,13 +294,23 @@ def main(argv=None):
             best = max(ok, key=lambda k: ok[k]["tokens_per_s_median"]) if ok else "explicit"
             r["torch"] = {**variants[best], "attention": best, "variants": variants}
         results.append(r)
-    print_table([r for r in results if "components" not in r])
+    print_table(results)
+    if args.components:  # after the configs: a child's peak RSS starts from its parent's at the fork
+        print()
+        results.append({"components": _components(args.repeats)})
     return _write(args.json, results)
 
 
 def _components(repeats):
     from andrea import components
+    from andrea.errors import UserError
     from minitensor import cpu
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise UserError("--components compares with PyTorch, which is not installed: "
+                        "pip install -e '.[reference]'") from None
 
     print("measuring the components ...", file=sys.stderr, flush=True)
     table = components.measure(repeats=repeats)
