@@ -52,10 +52,11 @@ def parameter_breakdown(cfg):
     attn = C * 3 * C + 3 * C + C * C + C
     mlp = C * F + F + F * C + C
     block = 2 * ln + attn + mlp
+    blocks = f"{cfg.n_layer} {'block' if cfg.n_layer == 1 else 'blocks'}"
     parts = {
         "token embedding (tied with the output head)": cfg.vocab_size * C,
         "position embedding": cfg.context_length * C,
-        f"{cfg.n_layer} blocks ({block:,} each: 2 LayerNorms {2 * ln:,} + attention {attn:,} + MLP {mlp:,})":
+        f"{blocks} ({block:,} each: 2 LayerNorms {2 * ln:,} + attention {attn:,} + MLP {mlp:,})":
             cfg.n_layer * block,
         "final LayerNorm": ln,
     }

@@ -3,6 +3,7 @@
     python -m andrea.train                                   # prepare data if missing, train, sample
     python -m andrea.train --config small --out runs/small --set train.lr=1e-3
     python -m andrea.train --out runs/small --resume         # continue from the newest good checkpoint
+    python -m andrea.train --config 120m --dry-run           # the pre-flight checks and the plan, no training
 
 Each optimizer step: accumulate gradients over micro-batches, check the loss and gradient norm
 are finite (a non-finite step applies no update), clip by global norm, set the learning rate
@@ -10,13 +11,15 @@ are finite (a non-finite step applies no update), clip by global norm, set the l
 the validation loss every eval_interval, appends to OUT/metrics.jsonl, and writes crash-safe
 checkpoints (weights, optimizer moments, data-loader and random states, config) to OUT.
 Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
+Before any of this, andrea.preflight checks everything that could fail later (device, paths,
+prompt, memory, data); andrea.runlog keeps the run directory to one run and one story (metrics
+that survive a full disk, each step once after a resume, exit code 4 when the last save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
 andrea.distributed); rank 0 alone prints, writes metrics, checkpoints and samples.
 """
 
-import argparse
 import json
 import math
 import os
@@ -28,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data
+from andrea import data, preflight, runlog
 from andrea import distributed as dist
-from andrea.cli import run_cli
+from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config, make_config
 from andrea.errors import UserError
 from andrea.model import ANDREA, flops_per_token, format_breakdown
@@ -68,10 +71,11 @@ class Trainer:
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.world = world = world or dist.Single()
         t = cfg.train
-        if t.device != "cpu":
+        device = preflight.train_device(t.device)  # "auto" lets $ANDREA_DEVICE decide
+        if device != "cpu":
             dist.use_local_gpu(world)
         try:
-            self.model = ANDREA(cfg.model, device=t.device, dtype=t.dtype, seed=t.seed)
+            self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         # process-wide choices for the GPU, made once here and said in the log
@@ -191,7 +195,8 @@ class Trainer:
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
         main_rank = self.world.is_main
-        metrics = open(self.out_dir / "metrics.jsonl" if main_rank else os.devnull, "a")  # noqa: SIM115 (closed in the finally below)
+        # a failed write (full disk) warns and training goes on; closed in the finally below
+        metrics = self.metrics = runlog.MetricsFile(self.out_dir / "metrics.jsonl" if main_rank else os.devnull)
         # CPU: the best of 5 2048^3 products (~0.6 s; a single one can come out 40% low on a shared
         # VM, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
         # set_tf32, so the peak is the one of the GEMM mode the run uses. Only rank 0 logs MFU, of
@@ -319,10 +324,15 @@ def _set_json_rng_state(s):
 def prepare_data(cfg, build=True):
     """Tokens and tokenizer for the config's corpus, preparing them first if they are missing (build)."""
     data_dir = cfg.data.resolved_dir()
+    if preflight.prepared_counts(data_dir) is None:
+        note(f"first run on this corpus: preparing {data_dir} (tokenizer and token files; later runs reuse it)")
     # prepare() returns at once when data_dir already holds this corpus, and refuses another one
     if build:
-        prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
-                val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab)
+        try:
+            prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
+                    val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab)
+        except UserError as e:
+            raise UserError(preflight.in_train_terms(str(e))) from e
     tokenizer = Tokenizer.load(data_dir / "tokenizer.json")
     if cfg.data.allow_smaller_vocab and tokenizer.vocab_size < cfg.model.vocab_size:
         note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
@@ -337,8 +347,9 @@ def prepare_data(cfg, build=True):
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m andrea.train", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny", help="tiny (default), small, 120m, or a .yaml path")
+    ap = ArgumentParser(prog="python -m andrea.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="tiny (default), small, 120m, or a .yaml path; with --resume the run's own "
+                                     "config.json is used, and --config may only repeat it")
     ap.add_argument("--out", help="output directory (default: out/<config name>)")
     ap.add_argument("--max-steps", type=int, help="total optimizer steps (sets train.max_steps)")
     ap.add_argument("--stop-at-step", type=int,
@@ -346,6 +357,10 @@ def parse_args(argv):
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], help="sets train.device")
     ap.add_argument("--seed", type=int, help="sets train.seed")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    ap.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds another run, "
+                                                            "deleting its checkpoints and metrics")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check everything (config, paths, device, memory, data), print the plan and exit")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -359,19 +374,53 @@ def build_run_config(args):
             overrides.append(f"{key}={flag}")
     out_dir = Path(args.out) if args.out else None
     if args.resume:
+        if args.overwrite:
+            raise UserError("--resume continues the run in --out and --overwrite deletes it: choose one")
         if out_dir is None:
-            out_dir = Path("out") / load_config(args.config).name
-        saved = out_dir / "config.json"
-        if not saved.exists():
-            raise UserError(f"nothing to resume in {out_dir}: it has no config.json (start a run without --resume)")
-        base = json.loads(saved.read_text())
-        cfg = make_config(base, overrides, name=base.get("name", "custom"), source=str(saved))
+            out_dir = Path("out") / load_config(args.config or "tiny").name
+        preflight.check_directory(out_dir, "--out")
+        base = runlog.read_saved_config(out_dir)
+        cfg = make_config(base, overrides, name=str(base.get("name", "custom")), source=str(out_dir / "config.json"))
+        if args.config is not None:
+            _refuse_another_config(args.config, overrides, cfg, out_dir)
     else:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config or "tiny", overrides)
         out_dir = out_dir or Path("out") / cfg.name
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= cfg.train.max_steps:
         raise UserError(f"--stop-at-step must be between 1 and train.max_steps ({cfg.train.max_steps})")
     return cfg, out_dir
+
+
+def _refuse_another_config(name, overrides, cfg, out_dir):
+    """--config with --resume may only name the run's own config: a different one would be ignored."""
+    given, saved = load_config(name, overrides).to_dict(), cfg.to_dict()
+    diff = [f"{s}.{k}" for s in ("model", "train", "data") for k in saved[s] if given[s].get(k) != saved[s][k]]
+    if given["data"]["allow_smaller_vocab"] and saved["model"]["vocab_size"] < given["model"]["vocab_size"]:
+        diff.remove("model.vocab_size")  # lowered to the tokenizer's size when the run started
+    if diff:
+        raise UserError(f"--config {name} differs from the config of the run in {out_dir} in {', '.join(diff[:4])}: "
+                        "drop --config to resume that run (change values with --set), or start a new run "
+                        "with another --out")
+
+
+def _header(cfg, args, trainer, n_train, n_val, out_dir):
+    """The run's first lines, from the effective config (overrides included), not the file's name."""
+    m, t = cfg.model, cfg.train
+    changed = [o for o in args.set if o.startswith("model.")]
+    name = f"{cfg.name} with {', '.join(changed)}" if changed else cfg.name
+    log(f"ANDREA {name} ({preflight.describe_model(m)}): {trainer.model.num_parameters():,} parameters on "
+        f"{trainer.model.backend.device} ({t.dtype})\n{format_breakdown(m)}")
+    for line in trainer.startup:
+        log(line)
+    micro = "micro-batch" if trainer.accum == 1 else "micro-batches"
+    world = trainer.world
+    ranks = f" x {world.size} processes ({trainer.reducer.name})" if world.size > 1 else ""
+    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} {micro}{ranks} = "
+        f"{trainer.tokens_per_step:,} tokens/step; {n_train:,} train tokens, {n_val:,} val tokens; output in {out_dir}")
+
+
+def _quiet(msg):
+    """Warnings of the pre-flight pass on ranks other than 0: rank 0 prints them once."""
 
 
 def main(argv=None):
@@ -390,10 +439,21 @@ def run_training(args, world):
     """
     with world.together():
         cfg, out_dir = build_run_config(args)
+        plan = preflight.check(cfg, out_dir, warn=None if world.is_main else _quiet)
+    if args.dry_run:
+        log(plan.describe())
+        return 0
+    with world.together():
+        if world.is_main:
+            if not args.resume:
+                runlog.claim_run_dir(out_dir, args.resume, args.overwrite)
+            runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
     with world.together():  # data preparation once, on rank 0, while the others wait here
         prepared = prepare_data(cfg) if world.is_main else None
     with world.together():
         tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
+        preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
+        preflight.check_prompt(tokenizer, cfg)
         if world.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
         trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
@@ -404,26 +464,24 @@ def run_training(args, world):
     if trainer.reducer is None:
         trainer.reducer = world.reducer_for(trainer.model.xp)  # NCCL: the unique id goes out over MPI
     if args.resume:
-        resume(trainer, args.stop_at_step)
+        if resume(trainer, args.stop_at_step) == "finished":
+            return 0
     else:
-        with world.together():
-            if world.is_main and ckpt.list_checkpoints(out_dir):
-                raise UserError(f"{out_dir} already holds checkpoints: add --resume to continue, "
-                                "or choose another --out")
         share_state(trainer)
     if world.is_main:
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         tokenizer.save(out_dir / "tokenizer.json")
-    m, t = cfg.model, cfg.train
-    log(f"ANDREA {cfg.name}: {trainer.model.num_parameters():,} parameters on {trainer.model.backend.device} "
-        f"({t.dtype})\n{format_breakdown(m)}")
-    for line in trainer.startup:
-        log(line)
-    ranks = f" x {world.size} processes ({trainer.reducer.name})" if world.size > 1 else ""
-    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} micro-batches{ranks} = "
-        f"{trainer.tokens_per_step:,} tokens/step; {len(train_tokens):,} train tokens, {len(val_tokens):,} val "
-        f"tokens; output in {out_dir}")
+    _header(cfg, args, trainer, len(train_tokens), len(val_tokens), out_dir)
+    if trainer.accum > 1 and world.is_main:
+        trainer.loader = runlog.MicroBatchProgress(trainer.loader, trainer.accum)
+    start_step, started = trainer.step, time.perf_counter()
     code = trainer.run(stop_at_step=args.stop_at_step)
+    if world.is_main:
+        code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
+        if code in (0, EXIT_INTERRUPTED):
+            log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, time.perf_counter() - started,
+                               trainer.tokens_per_step, trainer.metrics.last, trainer.last_checkpoint))
+    t = cfg.train
     if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0 and world.is_main:
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
         stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
@@ -432,7 +490,9 @@ def run_training(args, world):
 
 
 def resume(trainer, stop_at_step):
-    """Rank 0 reads the newest good checkpoint; the others get it by broadcast (share_state)."""
+    """Rank 0 reads the newest good checkpoint; the others get it by broadcast (share_state).
+
+    Returns "finished" when that checkpoint is already at train.max_steps (nothing to train)."""
     world, out_dir = trainer.world, trainer.out_dir
     with world.together():
         meta = None
@@ -445,8 +505,14 @@ def resume(trainer, stop_at_step):
     with world.together():
         if not world.is_main:
             trainer.restore_meta(meta)
+    if trainer.step >= trainer.cfg.train.max_steps:
+        log(f"the run in {out_dir} has already finished: {meta['path']} is step {trainer.step} of "
+            f"train.max_steps {trainer.cfg.train.max_steps}; nothing to do (to train longer: --resume --max-steps N)")
+        return "finished"
     share_state(trainer)
-    log(f"resumed from {meta['path']} at step {trainer.step}")
+    dropped = runlog.drop_rows_after(out_dir / "metrics.jsonl", trainer.step, meta["path"]) if world.is_main else 0
+    log(f"resumed from {meta['path']} at step {trainer.step}"
+        + (f"; dropped {dropped} metrics rows of later steps, which this run recomputes" if dropped else ""))
     saved = int(meta.get("processes", 1))
     if saved != world.size:
         log(f"note: the checkpoint was written by {saved} process(es), this run has {world.size}: same batches in "
