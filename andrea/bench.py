@@ -3,6 +3,7 @@
     python -m andrea.bench                          # tiny, small, 120m on the CPU; a table and bench.json
     python -m andrea.bench --configs tiny --torch   # and PyTorch eager on the identical model, side by side
     python -m andrea.bench --configs 120m --profile # where a step's time goes, per layer
+    python -m andrea.bench --components             # GELU, LayerNorm, ... against PyTorch's kernels
 
 Each config runs in a fresh process, so its peak resident memory is its own. A training step is
 forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny 16 x 128,
@@ -250,6 +251,10 @@ def main(argv=None):
     ap.add_argument("--torch", action="store_true",
                     help="also run PyTorch eager (2 threads) on the identical model, with explicit and with "
                          "fused (scaled_dot_product_attention) attention; the table shows the faster")
+    ap.add_argument("--components", action="store_true",
+                    help="time each non-GEMM component (forward + backward, 120m shapes) against PyTorch's own "
+                         "kernel in this process, interleaved (andrea.components); with --torch, then the configs")
+    ap.add_argument("--repeats", type=int, default=7, help="runs per engine and component with --components")
     ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
     ap.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
@@ -261,13 +266,17 @@ def main(argv=None):
     if args.one:
         print(json.dumps(run_one(args.one, args.device, args.profile)))
         return 0
+    results = []
+    if args.components:
+        results.append({"components": _components(args.repeats)})
+        if not args.torch:
+            return _write(args.json, results)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
         from andrea.errors import UserError
 
         raise UserError(f"unknown config {unknown[0]!r} for the benchmark: use {', '.join(SHAPES)}")
-    results = []
     for name in names:
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "andrea.bench", "--one", name, "--device", args.device]
@@ -287,10 +296,25 @@ def main(argv=None):
             best = max(ok, key=lambda k: ok[k]["tokens_per_s_median"]) if ok else "explicit"
             r["torch"] = {**variants[best], "attention": best, "variants": variants}
         results.append(r)
-    print_table(results)
-    with open(args.json, "w") as f:
+    print_table([r for r in results if "components" not in r])
+    return _write(args.json, results)
+
+
+def _components(repeats):
+    from andrea import components
+    from minitensor import cpu
+
+    print("measuring the components ...", file=sys.stderr, flush=True)
+    table = components.measure(repeats=repeats)
+    components.print_table(table, cpu.mode())
+    print()
+    return table
+
+
+def _write(path, results):
+    with open(path, "w") as f:
         json.dump(results, f, indent=2)
-    print(f"\nwrote {args.json}")
+    print(f"\nwrote {path}")
     return 0
 
 

@@ -22,13 +22,18 @@ small (T, hs) operands are transposed), and the causal softmax is the fused kern
 'causal_softmax_fwd'/'_bwd' when the piece `causal_softmax` is in use (minitensor.cuda).
 `forward_kv` is the inference path for sampling: it appends to a key/value cache so each new
 token costs one row of attention instead of re-running the whole sequence.
+
+On the CPU with numba (minitensor.cpu), the row-wise work between the GEMMs of a block (mask,
+max, exp, sum; the recomputed probabilities; the softmax backward) runs in the kernels
+`block_exp_cpu`, `block_probs_again_cpu` and `block_softmax_backward_cpu` below, one pass each
+over the block's (bq, i1) scores, without the GIL (the heads run on minitensor's threads).
 """
 
 import math
 
 import numpy as np
 
-from minitensor import cuda
+from minitensor import cpu, cuda
 from minitensor.backend import array_module
 from minitensor.layer import Layer
 from minitensor.linear import Linear
@@ -55,7 +60,11 @@ def block_exp(s, i0, lse):
     """
     xp = array_module(s)
     s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
-    top = s.max(axis=-1, keepdims=True)
+    top = s.max(axis=-1, keepdims=True)                     # NumPy's SIMD max, on every path
+    if _fast(s, lse):
+        total = np.empty(lse.shape, s.dtype)
+        block_exp_cpu(s, top[:, :, 0], lse[:, :, 0], total[:, :, 0], False)
+        return total
     s -= top
     xp.exp(s, out=s)
     total = s.sum(axis=-1, keepdims=True)
@@ -65,12 +74,20 @@ def block_exp(s, i0, lse):
 
 def block_softmax(s, i0, lse):
     """In place: block_exp, then each row divided by its sum; returns the probabilities s."""
+    if _fast(s, lse):
+        s[..., i0:] += causal_mask(np, s.shape[-2], s.dtype)
+        top = s.max(axis=-1, keepdims=True)
+        block_exp_cpu(s, top[:, :, 0], lse[:, :, 0], np.empty(top.shape[:2], s.dtype), True)
+        return s
     s /= block_exp(s, i0, lse)
     return s
 
 
 def block_probs_again(s, i0, lse):
     """In place: the probabilities block_softmax gave, from the same scores and its log-sum-exp."""
+    if _fast(s, lse):
+        block_probs_again_cpu(s, i0, lse[:, :, 0])
+        return s
     xp = array_module(s)
     s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
     s -= lse
@@ -80,9 +97,68 @@ def block_probs_again(s, i0, lse):
 
 def block_softmax_backward(dp, p, D):
     """In place: dp <- p * (dp - D), D = rowsum(dP * P) given per row (..., bq, 1)."""
+    if _fast(dp, p, D) and dp.shape == p.shape:
+        block_softmax_backward_cpu(dp, p, D[:, :, 0])
+        return dp
     dp -= D
     dp *= p
     return dp
+
+
+def _fast(s, *others):
+    """The numba kernels take s (n, bq, i1) and the per-row arrays (n, bq, 1), in any layout (the
+    loops run fastest over a contiguous last axis, as the callers' blocks are)."""
+    return cpu.enabled(s, *others) and s.ndim == 3 and all(o.ndim == 3 and o.shape[-1] == 1 for o in others)
+
+
+@cpu.kernel()
+def block_exp_cpu(s, top, lse, total, normalise):
+    """s (n, bq, i1) masked scores (-inf above the diagonal), in place; top, lse, total (n, bq):
+    each row becomes exp(row - top) (0 where masked), or with normalise those divided by their
+    sum; lse = top + log(sum), total = sum."""
+    t = s.dtype.type
+    n, bq, i1 = s.shape
+    for h in range(n):
+        for r in range(bq):
+            m = top[h, r]
+            acc = t(0)
+            for j in range(i1):
+                e = cpu.exp(s[h, r, j] - m)                  # exp(-inf) = 0
+                s[h, r, j] = e
+                acc += e
+            if normalise:
+                inv = t(1) / acc
+                for j in range(i1):
+                    s[h, r, j] *= inv
+            lse[h, r] = m + np.log(acc)
+            total[h, r] = acc
+
+
+@cpu.kernel()
+def block_probs_again_cpu(s, i0, lse):
+    """s (n, bq, i1) the same scores as block_exp_cpu saw, lse (n, bq) its log-sum-exp: in place,
+    the probabilities exp(s - lse) (0 where masked)."""
+    t = s.dtype.type
+    n, bq, i1 = s.shape
+    for h in range(n):
+        for r in range(bq):
+            last = i0 + r + 1
+            m = lse[h, r]
+            for j in range(last):
+                s[h, r, j] = cpu.exp(s[h, r, j] - m)
+            for j in range(last, i1):
+                s[h, r, j] = t(0)
+
+
+@cpu.kernel()
+def block_softmax_backward_cpu(dp, p, D):
+    """dp, p (n, bq, i1), D (n, bq): dp <- p * (dp - D) in place."""
+    n, bq, i1 = dp.shape
+    for h in range(n):
+        for r in range(bq):
+            d = D[h, r]
+            for j in range(i1):
+                dp[h, r, j] = p[h, r, j] * (dp[h, r, j] - d)
 
 
 def _over_heads(xp, n, fn):
