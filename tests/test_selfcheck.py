@@ -151,3 +151,41 @@ def test_every_layer_takes_its_fused_path_and_agrees_with_the_generic_one(host_g
     line = selfcheck.select_kernels("auto", FAKE_GPU, checks)
     assert line == f"kernels: fused {', '.join(checks)}"
     assert cuda.in_use == set(cuda.FUSED)
+
+
+@needs_cxx
+def test_a_whole_model_step_with_every_fused_piece_equals_the_generic_one(host_gpu, monkeypatch):
+    """ANDREA (2 blocks) forward, backward and an AdamW step, with every fused piece and the dense
+    attention core, against the generic code, in float64: the model's use of the fused paths."""
+    from andrea import ANDREA, AdamW, ModelConfig
+    from minitensor.attention import CausalSelfAttention
+
+    monkeypatch.setattr(CausalSelfAttention, "dense", True)
+    launched = []
+    monkeypatch.setattr(cuda, "launch", lambda spec, *args: (launched.append(spec.name),
+                                                             kernelcheck.emulate_launch(spec, *args)))
+    built = []
+    monkeypatch.setattr(cuda.ElementwiseSpec, "kernel",
+                        lambda spec, dtype=None: (built.append(spec.name), elementwise_on_the_host(spec))[1])
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 13, (2, 9))
+    results = []
+    for names in ((), cuda.FUSED):
+        m = ANDREA(ModelConfig(vocab_size=13, context_length=8, d_model=8, n_layer=2, n_head=2), dtype="float64",
+                   seed=4)
+        with cuda.using(names):
+            loss = float(m.loss(x[:, :-1], x[:, 1:]))
+            m.zero_grad()
+            m.backward(0.5)
+            grads = m.params.grads.copy()
+            opt = AdamW(m, lr=1e-2)
+            opt._decay_mask = m.params.mask(opt.decays)  # what a CuPy model's optimizer makes
+            opt.step(grad_scale=np.asarray(0.7))
+        results.append((loss, grads, m.params.data.copy()))
+    (loss_g, grads_g, p_g), (loss_f, grads_f, p_f) = results
+    assert set(launched) == {"layernorm_fwd", "layernorm_bwd", "layernorm_bwd_params", "causal_softmax_fwd",
+                             "causal_softmax_bwd", "softmax_xent_fwd"}
+    assert {"bias_gelu_fwd", "bias_gelu_bwd", "softmax_xent_bwd", "adamw_step"} <= set(built)
+    assert loss_f == pytest.approx(loss_g, rel=1e-12)
+    np.testing.assert_allclose(grads_f, grads_g, rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(p_f, p_g, rtol=1e-12, atol=1e-14)
