@@ -19,8 +19,8 @@ from andrea.checkpoint import latest_checkpoint, load_checkpoint
 from andrea.cli import run_cli
 from andrea.config import build_config
 from andrea.errors import UserError
+from andrea.hf import load_tokenizer
 from andrea.model import ANDREA
-from andrea.tokenizer import Tokenizer
 from minitensor.backend import GPUUnavailable, to_numpy
 
 
@@ -77,7 +77,7 @@ def load_model(checkpoint, device="cpu"):
         run_dir = path.parent
     cfg = build_config(meta["config"])
     tok_path = run_dir / "tokenizer.json"
-    tokenizer = Tokenizer.load(tok_path)
+    tokenizer = load_tokenizer(tok_path)
     if tokenizer.fingerprint() != meta.get("tokenizer_fingerprint"):
         raise UserError(f"{tok_path} is not the tokenizer this checkpoint was trained with")
     try:

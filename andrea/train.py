@@ -24,16 +24,17 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data
+from andrea import data, hf
 from andrea.cli import run_cli
 from andrea.config import load_config, make_config
 from andrea.errors import UserError
+from andrea.hf import load_tokenizer
 from andrea.model import ANDREA, flops_per_token, format_breakdown
 from andrea.optim import AdamW
 from andrea.perf import format_duration, matmul_peak_flops, synchronize
+from andrea.plot import plot_after_training
 from andrea.prepare import prepare
 from andrea.sample import stream
-from andrea.tokenizer import Tokenizer
 from minitensor.backend import GPUUnavailable
 from minitensor.optim import cosine_lr, global_norm
 
@@ -260,13 +261,17 @@ def _set_json_rng_state(s):
         np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
 
 
-def prepare_data(cfg):
-    """Tokens and tokenizer for the config's corpus, preparing them first if they are missing."""
+def prepare_data(cfg, tokenizer=None):
+    """Tokens and tokenizer for the config's corpus, preparing them first if they are missing.
+
+    `tokenizer` (a path) is the one to encode with instead of training one (--init-from's).
+    """
     data_dir = cfg.data.resolved_dir()
     # prepare() returns at once when data_dir already holds this corpus, and refuses another one
     prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
-            val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab)
-    tokenizer = Tokenizer.load(data_dir / "tokenizer.json")
+            val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab,
+            tokenizer=tokenizer)
+    tokenizer = load_tokenizer(data_dir / "tokenizer.json")
     if cfg.data.allow_smaller_vocab and tokenizer.vocab_size < cfg.model.vocab_size:
         note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
         cfg.model.vocab_size = tokenizer.vocab_size
@@ -289,6 +294,8 @@ def parse_args(argv):
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], help="sets train.device")
     ap.add_argument("--seed", type=int, help="sets train.seed")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    ap.add_argument("--init-from", metavar="DIR",
+                    help="start from the weights, model config and tokenizer of a GPT-2 directory (save_pretrained's)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -310,8 +317,13 @@ def build_run_config(args):
         base = json.loads(saved.read_text())
         cfg = make_config(base, overrides, name=base.get("name", "custom"), source=str(saved))
     else:
-        cfg = load_config(args.config, overrides)
+        if args.init_from and not args.resume:
+            cfg = hf.init_from_config(args.config, args.init_from, overrides)
+        else:
+            cfg = load_config(args.config, overrides)
         out_dir = out_dir or Path("out") / cfg.name
+    if args.init_from and args.resume:
+        raise UserError("--init-from starts a run from a GPT-2 directory and --resume continues one: give only one")
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= cfg.train.max_steps:
         raise UserError(f"--stop-at-step must be between 1 and train.max_steps ({cfg.train.max_steps})")
     return cfg, out_dir
@@ -320,9 +332,12 @@ def build_run_config(args):
 def main(argv=None):
     args = parse_args(argv)
     cfg, out_dir = build_run_config(args)
-    tokenizer, train_tokens, val_tokens = prepare_data(cfg)
+    tokenizer, train_tokens, val_tokens = prepare_data(cfg, tokenizer=args.init_from)
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer)
+    if args.init_from:
+        hf.load_weights(trainer.model, args.init_from)
+        log(f"initialised from {args.init_from}")
     if args.resume:
         path, tensors, meta = ckpt.latest_checkpoint(out_dir, validate=trainer.validate_checkpoint)
         trainer.restore(tensors, meta)
@@ -344,6 +359,8 @@ def main(argv=None):
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
         stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
         log("-" * 60 + f"\nmore: python -m andrea.sample --checkpoint {out_dir} --prompt 'import '")
+    if code == 0:
+        log(plot_after_training(out_dir))
     return code
 
 
