@@ -204,26 +204,34 @@ def test_exported_tokenizer_gives_andreas_ids_for_any_text(exported_tokenizer, t
 # ----------------------------------------------------------------------------- foreign tokenizers
 
 
-def foreign_tokenizer(directory, texts, vocab_size=400):
-    """A HF byte-level BPE laid out as transformers' own are, not as andrea's: <|endoftext|> at id 0."""
+def foreign_tokenizer(directory, texts, vocab_size=400, transformers=None):
+    """A HF byte-level BPE not laid out as andrea's: <|endoftext|> at id 0, or, saved by transformers'
+    GPT2Tokenizer when `transformers` is given, at the end as in GPT-2. Returns its vocabulary size."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     t = HFTokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    special = [] if transformers else ["<|endoftext|>"]
+    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                      show_progress=False))
-    t.save(str(directory / "tokenizer.json"))
-    return t
+    if transformers is None:
+        t.save(str(directory / "tokenizer.json"))
+        return t.get_vocab_size()
+    model = json.loads(t.to_str())["model"]
+    vocab = {**model["vocab"], "<|endoftext|>": len(model["vocab"])}
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    transformers.GPT2Tokenizer(vocab=vocab, merges=merges).save_pretrained(directory)
+    return len(vocab)
 
 
 def test_a_foreign_tokenizer_encodes_and_decodes_as_andrea_does(tmp_path, tok):
     texts = [p.read_text() for p in sorted(STDLIB_JSON.glob("*.py"))]
-    original = foreign_tokenizer(tmp_path, texts)
+    vocab = foreign_tokenizer(tmp_path, texts)
     t = hf.load_tokenizer(tmp_path)
-    assert t.eot_id == 0 and t.vocab_size == original.get_vocab_size()
+    assert t.eot_id == 0 and t.vocab_size == vocab
     for text in TEXTS:
         ids = t.encode(text)
         assert 0 not in ids and t.decode(ids) == text
@@ -264,7 +272,8 @@ def run_train(argv):
 
 
 def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
-    """transformers' GPT-2 + its own tokenizer -> andrea.train --init-from -> export -> transformers."""
+    """transformers' GPT-2 and GPT2Tokenizer, saved by transformers -> andrea.train --init-from -> export ->
+    transformers again."""
     torch, transformers = require("torch"), require("transformers")
     from andrea import data
     from andrea.train import main as train_main  # noqa: F401 (the entry point under test, via run_train)
@@ -272,7 +281,7 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     texts = [p.read_text() for p in sorted(STDLIB_JSON.glob("*.py"))]
-    vocab = foreign_tokenizer(gpt2, texts).get_vocab_size()
+    vocab = foreign_tokenizer(gpt2, texts, transformers=transformers)
     reference = random_gpt2(transformers, torch, gpt2, vocab_size=vocab, n_positions=32, n_embd=16, n_layer=2,
                             n_head=2)
     cfg = tmp_path / "ft.yaml"
@@ -306,7 +315,7 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
     np.testing.assert_allclose(hf_logits(torch, tuned, x), mine.logits(x), rtol=0, atol=1e-5)
     assert not np.allclose(hf_logits(torch, tuned, x), hf_logits(torch, reference, x))
     hf_tok = transformers.AutoTokenizer.from_pretrained(exported)
-    assert hf_tok.eos_token_id == tok.eot_id == 0
+    assert hf_tok.eos_token_id == tok.eot_id == vocab - 1
     assert all(hf_tok(t)["input_ids"] == tok.encode(t) for t in TEXTS)
 
     # the model's shape comes from the directory: a --set model.* that disagrees is refused
