@@ -9,14 +9,21 @@ forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny
 small 8 x 256, 120m 1 x 1024), timed after warm-up; tokens/s is reported as the median with
 min and max. MFU divides the model's FLOP/s (6 N + 12 L d T per token) by the best of a few
 4096^3 float32 matmuls measured in the same process.
+
+Each config's gradient all-reduce (one flat float32 buffer of all its parameters, once per
+optimizer step in data-parallel training) is timed too: between 2 MPI processes on the CPU
+(`mpiexec` from the mpi extra), with NCCL on a GPU (`--device gpu`, one rank: NCCL's local pass).
 """
 
 import argparse
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -165,11 +172,23 @@ def run_one(name, device, profile):
     return result
 
 
-def _subprocess_json(cmd):
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _subprocess_json(cmd, env=None):
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_allreduce(parameters, device):
+    """The gradient all-reduce for `parameters` float32 values: 2 MPI processes, or NCCL on a GPU."""
+    cmd = [sys.executable, "-m", "andrea.distributed", "--allreduce-bench", str(parameters)]
+    if device == "gpu":
+        return _subprocess_json([*cmd, "--gpu"])
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if importlib.util.find_spec("mpi4py") is None or not mpiexec.exists():
+        return {"error": "no mpi4py and mpiexec beside this Python (pip install -e '.[mpi]')"}
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", ANDREA_NUM_THREADS="1")
+    return _subprocess_json([str(mpiexec), "-n", "2", *cmd], env=env)
 
 
 def print_table(results):
@@ -192,6 +211,14 @@ def print_table(results):
               f"{t.get('peak_rss_bytes', float('nan')) / 2**30:>7.2f}Gi {ratio or float('nan'):>6.2f}")
     print()
     for r in results:
+        a = r.get("allreduce")
+        if a and "error" in a:
+            print(f"{r['config']:<7} gradient all-reduce: {a['error']}")
+        elif a:
+            step = r["batch"] * r["seq_len"] / r["tokens_per_s_median"] if "tokens_per_s_median" in r else None
+            share = f", {100 * a['seconds'] / step:.1f}% of the measured step" if step else ""
+            print(f"{r['config']:<7} gradient all-reduce: {a['bytes'] / 1e6:.1f} MB over {a['processes']} "
+                  f"{a['backend']} rank(s) in {1e3 * a['seconds']:.1f} ms{share}")
         if "generation_tokens_per_s" in r:
             gen = ", ".join(f"{v:,.0f} tok/s at {k}" for k, v in r["generation_tokens_per_s"].items())
             print(f"{r['config']:<7} generation with the KV cache: {gen}")
@@ -209,6 +236,7 @@ def main(argv=None):
     ap.add_argument("--torch", action="store_true",
                     help="also run PyTorch eager (2 threads) on the identical model, with explicit and with "
                          "fused (scaled_dot_product_attention) attention; the table shows the faster")
+    ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
     ap.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--debug", action="store_true")
@@ -228,6 +256,8 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "andrea.bench", "--one", name, "--device", args.device]
         r = _subprocess_json(cmd + (["--profile"] if args.profile else []))
         r.setdefault("config", name)
+        if not args.no_allreduce and "parameters" in r:
+            r["allreduce"] = bench_allreduce(r["parameters"], r.get("device", args.device))
         if args.torch:
             B, T = SHAPES[name]
             warmup, steps = STEPS[name]

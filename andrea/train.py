@@ -10,6 +10,10 @@ are finite (a non-finite step applies no update), clip by global norm, set the l
 the validation loss every eval_interval, appends to OUT/metrics.jsonl, and writes crash-safe
 checkpoints (weights, optimizer moments, data-loader and random states, config) to OUT.
 Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
+
+Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
+its share of every step's windows and the gradients are summed across them once per step (see
+andrea.distributed); rank 0 alone prints, writes metrics, checkpoints and samples.
 """
 
 import argparse
@@ -25,6 +29,7 @@ import numpy as np
 
 from andrea import checkpoint as ckpt
 from andrea import data, hf
+from andrea import distributed as dist
 from andrea.cli import run_cli
 from andrea.config import load_config, make_config
 from andrea.errors import UserError
@@ -42,37 +47,51 @@ EXIT_INTERRUPTED = 130
 EXIT_NONFINITE = 3
 
 
+WORLD = dist.Single()  # replaced by main() under mpiexec
+
+
 def log(msg):
-    print(msg, flush=True)
+    if WORLD.is_main:
+        print(msg, flush=True)
 
 
 def note(msg):
-    print(msg, file=sys.stderr, flush=True)
+    if WORLD.is_main:
+        print(msg, file=sys.stderr, flush=True)
 
 
 class Trainer:
     """One training run: the model, optimizer, data and bookkeeping, checkpointable as a whole."""
 
-    def __init__(self, cfg, out_dir, tokens, val_tokens, tokenizer):
+    def __init__(self, cfg, out_dir, tokens, val_tokens, tokenizer, world=None):
         self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.world = world = world or dist.Single()
         t = cfg.train
         if t.tf32:
             os.environ.setdefault("CUPY_TF32", "1")  # must precede the first matmul on the GPU
+        if t.device != "cpu":
+            dist.use_local_gpu(world)
         try:
             self.model = ANDREA(cfg.model, device=t.device, dtype=t.dtype, seed=t.seed)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
         self.T = t.sequence_length(cfg.model)
-        self.accum = t.accumulation_steps(cfg.model)
-        self.loader = data.BatchLoader(tokens, t.batch_size, self.T, seed=t.seed)
+        self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
+        self.loader = data.BatchLoader(tokens, t.batch_size, self.T, seed=t.seed,
+                                       accum=self.accum, rank=world.rank, world=world.size)
+        # NCCL's set-up is a collective, which must not run inside a `together` block (a rank that
+        # failed before it would meet the others in another collective): run_training connects it
+        self.reducer = world.reducer_for(self.model.xp) if world.size == 1 or self.model.xp is np else None
+        if self.reducer is None:
+            dist.require_nccl()
         self.val_tokens, self.tokenizer = val_tokens, tokenizer
         self.step = 0
         self.bad_in_a_row = 0
         self.bad_total = 0
         self.last_checkpoint = None
         self.stop_signal = None
-        self.tokens_per_step = t.batch_size * self.T * self.accum
+        self.tokens_per_step = t.batch_size * self.T * self.accum * world.size
         self.flops_per_step = flops_per_token(cfg.model, self.T, self.model.num_parameters()) * self.tokens_per_step
 
     # --- checkpoints ---
@@ -88,6 +107,7 @@ class Trainer:
             "step": self.step,
             "optimizer_t": self.opt.t,
             "loader": self.loader.state_dict(),
+            "processes": self.world.size,
             "bad_steps_total": self.bad_total,
             "tokenizer_fingerprint": self.tokenizer.fingerprint(),
             "numpy_random_state": _json_rng_state(),
@@ -115,6 +135,11 @@ class Trainer:
     def restore(self, tensors, meta):
         self.model.load_state_dict({k: v for k, v in tensors.items() if k.startswith("transformer.")})
         self.opt.load_state_dict({"m": tensors["optimizer.m"], "v": tensors["optimizer.v"], "t": meta["optimizer_t"]})
+        self.restore_meta(meta)
+
+    def restore_meta(self, meta):
+        """The non-tensor state; the ranks that did not read the checkpoint get the tensors by broadcast."""
+        self.opt.t = meta["optimizer_t"]
         self.loader.load_state_dict(meta["loader"])
         self.step = int(meta["step"])
         self.bad_total = int(meta.get("bad_steps_total", 0))
@@ -127,12 +152,14 @@ class Trainer:
         model = self.model
         model.zero_grad()
         total = 0.0
+        micro_batches = self.accum * self.world.size
         for _ in range(self.accum):
             x, y = self.loader.next_batch()
             total += float(model.loss(x, y))
-            model.backward(1.0 / self.accum)
-        loss = total / self.accum
-        norm = global_norm(model.params.grads)
+            model.backward(1.0 / micro_batches)  # so that the sum over ranks is the mean
+        self.reducer.sum_(model.params.grads)  # the step's one gradient collective
+        loss = float(self.world.sum_scalars([total])[0]) / micro_batches
+        norm = global_norm(model.params.grads)  # of the summed buffer: the same on every rank
         if not (math.isfinite(loss) and math.isfinite(norm)):
             return loss, norm, False
         clip = self.cfg.train.grad_clip
@@ -142,19 +169,23 @@ class Trainer:
 
     def evaluate(self):
         t = self.cfg.train
-        losses = [float(self.model.loss(x, y))
-                  for x, y in data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches)]
-        return float(np.mean(losses))
+        w = self.world
+        losses = [float(self.model.loss(x, y)) for x, y in
+                  data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches, w.rank, w.size)]
+        total, count = w.sum_scalars([sum(losses), len(losses)])
+        return float(total / count)
 
     # --- the loop ---
 
     def run(self, stop_at_step=None):
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
-        metrics = open(self.out_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in the finally below)
+        main_rank = self.world.is_main
+        metrics = open(self.out_dir / "metrics.jsonl" if main_rank else os.devnull, "a")  # noqa: SIM115 (closed in the finally below)
         # the best of 5 (~0.6 s): a single 2048^3 product can come out 40% low on a shared VM, which
-        # would inflate MFU; the benchmark uses 4096^3
-        peak = matmul_peak_flops(self.model.xp, n=2048, repeats=5)
+        # would inflate MFU; the benchmark uses 4096^3. Only rank 0 logs MFU, of the global FLOP/s
+        # against N times its own peak.
+        peak = matmul_peak_flops(self.model.xp, n=2048, repeats=5) * self.world.size if main_rank else 1.0
         window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
         previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
         for sig in previous:
@@ -192,8 +223,10 @@ class Trainer:
                 if record:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
+                # a signal on any rank stops every rank after this same step
+                self.stop_signal = self.world.max_int(self.stop_signal or 0) or None
                 stopping = self.stop_signal is not None or self.step == stop_at_step
-                if self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping:
+                if (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping) and main_rank:
                     self._checkpoint_or_warn()
                     window_start = time.perf_counter()
                 if stopping:
@@ -234,7 +267,8 @@ class Trainer:
              "(press Ctrl-C again to stop at once)")
 
     def _stopped(self):
-        resume = f"python -m andrea.train --out {self.out_dir} --resume"
+        launcher = f"mpiexec -n {self.world.size} python -m mpi4py" if self.world.size > 1 else "python"
+        resume = f"{launcher} -m andrea.train --out {self.out_dir} --resume"
         if self.stop_signal is not None:
             note(f"interrupted at step {self.step}; checkpoint in {self.out_dir}. Resume with: {resume}")
             return EXIT_INTERRUPTED
@@ -261,16 +295,17 @@ def _set_json_rng_state(s):
         np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
 
 
-def prepare_data(cfg, tokenizer=None):
-    """Tokens and tokenizer for the config's corpus, preparing them first if they are missing.
+def prepare_data(cfg, build=True, tokenizer=None):
+    """Tokens and tokenizer for the config's corpus, preparing them first if they are missing (build).
 
     `tokenizer` (a path) is the one to encode with instead of training one (--init-from's).
     """
     data_dir = cfg.data.resolved_dir()
     # prepare() returns at once when data_dir already holds this corpus, and refuses another one
-    prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
-            val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab,
-            tokenizer=tokenizer)
+    if build:
+        prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
+                val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab,
+                tokenizer=tokenizer)
     tokenizer = load_tokenizer(data_dir / "tokenizer.json")
     if cfg.data.allow_smaller_vocab and tokenizer.vocab_size < cfg.model.vocab_size:
         note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
@@ -330,38 +365,96 @@ def build_run_config(args):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    cfg, out_dir = build_run_config(args)
-    tokenizer, train_tokens, val_tokens = prepare_data(cfg, tokenizer=args.init_from)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer)
-    if args.init_from:
-        hf.load_weights(trainer.model, args.init_from)
-        log(f"initialised from {args.init_from}")
+    global WORLD
+    WORLD = dist.init()
+    with dist.guard(WORLD):
+        return run_training(parse_args(argv), WORLD)
+
+
+def run_training(args, world):
+    """The whole run on one rank; every collective inside is issued by all ranks in this order.
+
+    A `together` block holds no collective of its own, so a rank that fails in one meets the others
+    in its agreement; an error anywhere else ends every rank through dist.guard.
+    """
+    with world.together():
+        cfg, out_dir = build_run_config(args)
+    with world.together():  # data preparation once, on rank 0, while the others wait here
+        prepared = prepare_data(cfg, tokenizer=args.init_from) if world.is_main else None
+    with world.together():
+        tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
+        if world.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
+        if args.init_from:
+            hf.load_weights(trainer.model, args.init_from)
+            log(f"initialised from {args.init_from}")
+    gpus = int(world.sum_scalars([trainer.model.xp is not np])[0])
+    with world.together():
+        if 0 < gpus < world.size:
+            raise UserError(f"{gpus} of {world.size} processes found a GPU: choose --device cpu or gpu for all")
+    if trainer.reducer is None:
+        trainer.reducer = world.reducer_for(trainer.model.xp)  # NCCL: the unique id goes out over MPI
     if args.resume:
-        path, tensors, meta = ckpt.latest_checkpoint(out_dir, validate=trainer.validate_checkpoint)
-        trainer.restore(tensors, meta)
-        trainer.last_checkpoint = path
-        log(f"resumed from {path} at step {trainer.step}")
-        if args.stop_at_step is not None and args.stop_at_step <= trainer.step:
-            raise UserError(f"--stop-at-step {args.stop_at_step} is not after the resumed step {trainer.step}")
-    elif ckpt.list_checkpoints(out_dir):
-        raise UserError(f"{out_dir} already holds checkpoints: add --resume to continue, or choose another --out")
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    tokenizer.save(out_dir / "tokenizer.json")
+        resume(trainer, args.stop_at_step)
+    else:
+        with world.together():
+            if world.is_main and ckpt.list_checkpoints(out_dir):
+                raise UserError(f"{out_dir} already holds checkpoints: add --resume to continue, "
+                                "or choose another --out")
+        share_state(trainer)
+    if world.is_main:
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        tokenizer.save(out_dir / "tokenizer.json")
     m, t = cfg.model, cfg.train
     log(f"ANDREA {cfg.name}: {trainer.model.num_parameters():,} parameters on {trainer.model.backend.device} "
         f"({t.dtype})\n{format_breakdown(m)}")
-    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} micro-batches = {trainer.tokens_per_step:,} "
-        f"tokens/step; {len(train_tokens):,} train tokens, {len(val_tokens):,} val tokens; output in {out_dir}")
+    ranks = f" x {world.size} processes ({trainer.reducer.name})" if world.size > 1 else ""
+    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} micro-batches{ranks} = "
+        f"{trainer.tokens_per_step:,} tokens/step; {len(train_tokens):,} train tokens, {len(val_tokens):,} val "
+        f"tokens; output in {out_dir}")
     code = trainer.run(stop_at_step=args.stop_at_step)
-    if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0:
+    if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0 and world.is_main:
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
         stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
         log("-" * 60 + f"\nmore: python -m andrea.sample --checkpoint {out_dir} --prompt 'import '")
-    if code == 0:
+    if code == 0 and world.is_main:
         log(plot_after_training(out_dir))
     return code
+
+
+def resume(trainer, stop_at_step):
+    """Rank 0 reads the newest good checkpoint; the others get it by broadcast (share_state)."""
+    world, out_dir = trainer.world, trainer.out_dir
+    with world.together():
+        meta = None
+        if world.is_main:
+            path, tensors, meta = ckpt.latest_checkpoint(out_dir, validate=trainer.validate_checkpoint)
+            trainer.restore(tensors, meta)
+            trainer.last_checkpoint = path
+            meta = dict(meta, path=str(path))
+    meta = world.broadcast_json(meta)
+    with world.together():
+        if not world.is_main:
+            trainer.restore_meta(meta)
+    share_state(trainer)
+    log(f"resumed from {meta['path']} at step {trainer.step}")
+    saved = int(meta.get("processes", 1))
+    if saved != world.size:
+        log(f"note: the checkpoint was written by {saved} process(es), this run has {world.size}: same batches in "
+            f"the same order, now {trainer.accum} micro-batch(es) per process; results match the other count "
+            "to float32 summation order, not bit for bit")
+    with world.together():
+        if world.is_main and stop_at_step is not None and stop_at_step <= trainer.step:
+            raise UserError(f"--stop-at-step {stop_at_step} is not after the resumed step {trainer.step}")
+
+
+def share_state(trainer):
+    """Rank 0's weights and optimizer moments on every rank (a no-op for one process)."""
+    if trainer.world.size == 1:
+        return
+    for buf in (trainer.model.params.data, trainer.opt.m, trainer.opt.v):
+        trainer.reducer.broadcast_(buf)
 
 
 if __name__ == "__main__":

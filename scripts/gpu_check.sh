@@ -47,6 +47,9 @@ EOF
     echo "== scripts/gpu_check.py"
     "$PY" scripts/gpu_check.py || failed=1
 
+    echo "== NCCL at one rank: python -m andrea.distributed --nccl-self-test (at most 60 s)"
+    timeout 60 "$PY" -m andrea.distributed --nccl-self-test || { echo "FAIL the NCCL self-test"; failed=1; }
+
     if [ "$failed" -eq 0 ]; then echo "== gpu_check: every part passed"; else echo "== gpu_check: SOME PARTS FAILED"; fi
     return "$failed"
 }

@@ -1,0 +1,407 @@
+"""Data-parallel training over MPI (start-up, scalars, CPU gradients) and NCCL (GPU gradients).
+
+    mpiexec -n 2 python -m mpi4py -m andrea.train --config tiny --out runs/dp2
+
+`init()` picks the world once, at start-up: `Single` (rank 0 of 1, no mpi4py import) unless the
+environment shows an MPI launcher (PMI_RANK / PMI_SIZE from MPICH's Hydra, OMPI_COMM_WORLD_SIZE
+from Open MPI, PMIX_RANK from PMIx launchers such as srun), else `MPIWorld` over COMM_WORLD.
+
+A world gives rank / size / local_rank / is_main, and every collective training needs, issued by
+all ranks in the same order:
+- `sum_scalars(values)`: float64 all-reduce of a few numbers (loss, validation sums, stop flag);
+- `broadcast_json(obj)`: rank 0's JSON-safe value on every rank (checkpoint metadata, no pickle);
+- `barrier()`; `together()`: a block every rank runs, which, if it fails on any rank, ends all
+  ranks there with the lowest failing rank's message;
+- `reducer_for(xp)`: the gradient reducer for the model's array module: the world itself for
+  NumPy (MPI in-place Allreduce), `NcclReducer` for CuPy (NCCL on the current stream).
+
+A reducer has `sum_(buf)` (in-place sum over ranks of a flat (P,) buffer, the gradient) and
+`broadcast_(buf)` (rank 0's flat buffer on every rank, for weights and optimizer moments). The
+trainer scales each rank's backward by 1 / (accumulation x N), so the sum is the mean gradient;
+with two ranks the sum a + b is exactly the float32 sum one process accumulates over the same two
+micro-batches.
+
+`python -m andrea.distributed --nccl-self-test` checks the NCCL path at one rank on a GPU (the
+library loads, the id exchange, an all-reduce and a broadcast); `--allreduce-bench ELEMENTS`
+times the gradient all-reduce (MPI under mpiexec; `--gpu`: NCCL), as andrea.bench reports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from andrea.errors import UserError
+
+LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+MPI_HINT = "install the mpi extra: pip install -e '.[mpi]' (mpi4py and an MPICH)"
+
+
+def launched_by_mpi(environ=None) -> bool:
+    """True when an MPI launcher started this process (checked before importing mpi4py)."""
+    environ = os.environ if environ is None else environ
+    return any(k in environ for k in LAUNCHER_VARIABLES)
+
+
+def accumulation(tokens_per_step: int, batch_size: int, seq_len: int, world: int) -> int:
+    """Micro-batches per rank per optimizer step: tokens_per_step / (B x T x N); 0 means one."""
+    micro = batch_size * seq_len * world
+    if tokens_per_step == 0:
+        return 1
+    if tokens_per_step % micro:
+        raise UserError(f"train.tokens_per_step ({tokens_per_step}) must be a multiple of batch_size x seq_len x "
+                        f"processes ({batch_size} x {seq_len} x {world} = {micro}): change the batch or -n")
+    return tokens_per_step // micro
+
+
+class AgreedError(UserError):
+    """A UserError that every rank has agreed to stop on (see `together`)."""
+
+
+class _World:
+    """What `Single` and `MPIWorld` share: the agreement protocol built on `sum_scalars`."""
+
+    rank, size, local_rank = 0, 1, 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def max_int(self, value: int) -> int:
+        """The largest of one non-negative int per rank (a signal number, say), on every rank."""
+        flags = np.zeros(64)
+        if value:
+            flags[min(int(value), 63)] = 1.0
+        hit = np.nonzero(self.sum_scalars(flags))[0]
+        return int(hit[-1]) if len(hit) else 0
+
+    @contextlib.contextmanager
+    def together(self):
+        """Run a block on every rank; if it raises on any rank, all ranks stop here.
+
+        The block itself must issue no collective: a rank that failed before it would wait in
+        this agreement while the others wait in the block's collective.
+
+        The lowest failing rank re-raises its error (a UserError becomes an AgreedError, naming the
+        rank unless all failed); the others exit with code 2 without a message, so a
+        mistake every rank makes prints once.
+        """
+        error = None
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 (re-raised below, on the rank that reports)
+            error = e
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return
+        flags = np.zeros(self.size)
+        flags[self.rank] = 1.0 if error is not None else 0.0
+        failed = np.nonzero(self.sum_scalars(flags))[0]
+        if len(failed) == 0:
+            return
+        if failed[0] != self.rank:
+            raise SystemExit(2)
+        if isinstance(error, UserError):
+            # name the rank only when it matters: a bad config fails on every rank alike
+            where = "" if len(failed) == self.size else f" (rank {self.rank} of {self.size})"
+            raise AgreedError(f"{error}{where}") from error
+        raise error
+
+
+class Single(_World):
+    """One process: every collective is the identity."""
+
+    name = "single process"
+
+    def sum_scalars(self, values):
+        return np.array(values, dtype=np.float64)
+
+    def broadcast_json(self, obj):
+        return obj
+
+    def barrier(self):
+        pass
+
+    def sum_(self, buf):
+        pass
+
+    def broadcast_(self, buf):
+        pass
+
+    def reducer_for(self, xp):
+        return self
+
+    def abort(self, code):
+        raise SystemExit(code)
+
+
+class MPIWorld(_World):
+    """COMM_WORLD through mpi4py: scalars, JSON and host (NumPy) buffers."""
+
+    name = "MPI"
+
+    def __init__(self, MPI, comm=None):
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        # the rank among the processes sharing this node's memory picks this rank's GPU
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = node.Get_rank()
+        node.Free()
+
+    def sum_scalars(self, values):
+        buf = np.array(values, dtype=np.float64)
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        return buf
+
+    def broadcast_json(self, obj):
+        # a length then UTF-8 bytes, not comm.bcast, which would pickle
+        data = json.dumps(obj).encode() if self.is_main else b""
+        n = np.array([len(data)], dtype=np.int64)
+        self.comm.Bcast(n, root=0)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.is_main else np.empty(int(n[0]), dtype=np.uint8)
+        self.comm.Bcast(buf, root=0)
+        return json.loads(buf.tobytes().decode())
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def sum_(self, buf):
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+
+    def broadcast_(self, buf):
+        self.comm.Bcast(buf, root=0)
+
+    def reducer_for(self, xp):
+        if xp is np:
+            return self
+        return NcclReducer(self)
+
+    def abort(self, code):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # MPI_Abort makes the launcher kill every process, and output still on its way through the
+        # launcher's pipes can be lost with them (seen with MPICH's Hydra): give it a moment
+        time.sleep(0.5)
+        self.comm.Abort(code)
+
+
+def init():
+    """The world this process belongs to: Single, or MPIWorld when an MPI launcher started it."""
+    if not launched_by_mpi():
+        return Single()
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise UserError(f"started by an MPI launcher but mpi4py cannot be imported ({e}): {MPI_HINT}") from e
+    return MPIWorld(MPI)
+
+
+def use_local_gpu(world) -> None:
+    """Make GPU (local_rank mod GPUs on this node) current, before anything touches a GPU."""
+    if world.size == 1:
+        return
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 (no CuPy or no driver: the backend's probe says why)
+        return
+    if count:
+        cupy.cuda.Device(world.local_rank % count).use()
+
+
+# ----------------------------------------------------------------------------- NCCL
+
+
+def pack_unique_id(uid) -> np.ndarray:
+    """NCCL's 128-byte unique id as (129,) uint8 for MPI: a type byte, then the id.
+
+    CuPy 14 gives bytes; older CuPy gave a tuple of signed chars. The type byte lets the
+    receiving ranks hand NcclCommunicator the same type rank 0 got.
+    """
+    if isinstance(uid, bytes | bytearray):
+        body, kind = np.frombuffer(bytes(uid), dtype=np.uint8), 0
+    else:
+        body, kind = np.array(uid, dtype=np.int8).view(np.uint8), 1
+    return np.concatenate([np.array([kind], dtype=np.uint8), body])
+
+
+def unpack_unique_id(buf: np.ndarray):
+    body = np.asarray(buf[1:], dtype=np.uint8)
+    return body.tobytes() if buf[0] == 0 else tuple(int(v) for v in body.view(np.int8))
+
+
+class NcclReducer:
+    """Flat-buffer sum and broadcast between GPUs through cupy.cuda.nccl, on the current stream.
+
+    Rank 0 makes the unique id, MPI broadcasts it, and every rank joins with its GPU already
+    current (`use_local_gpu`). `nccl` can be given (a fake in the CPU tests).
+    """
+
+    name = "NCCL"
+
+    def __init__(self, world, nccl=None, cupy=None):
+        if nccl is None:
+            nccl, cupy = _load_nccl()
+        self.world, self.nccl, self.cupy = world, nccl, cupy
+        uid = pack_unique_id(nccl.get_unique_id()) if world.is_main else np.zeros(129, dtype=np.uint8)
+        world.broadcast_(uid)
+        self.comm = nccl.NcclCommunicator(world.size, unpack_unique_id(uid), world.rank)
+
+    def _call(self, buf):
+        if buf.dtype == np.float32:
+            dtype = self.nccl.NCCL_FLOAT32
+        elif buf.dtype == np.float64:
+            dtype = self.nccl.NCCL_FLOAT64
+        else:
+            raise TypeError(f"NCCL reducer: unsupported dtype {buf.dtype}")
+        if not buf.flags.c_contiguous:
+            raise ValueError("NCCL reducer needs a contiguous buffer")
+        return buf.data.ptr, buf.size, dtype, self.cupy.cuda.get_current_stream().ptr
+
+    def sum_(self, buf):
+        ptr, n, dtype, stream = self._call(buf)
+        self.comm.allReduce(ptr, ptr, n, dtype, self.nccl.NCCL_SUM, stream)
+
+    def broadcast_(self, buf):
+        ptr, n, dtype, stream = self._call(buf)
+        self.comm.bcast(ptr, n, dtype, 0, stream)
+
+
+def require_nccl() -> None:
+    """Raise the UserError _load_nccl would, without any collective (see NcclReducer)."""
+    _load_nccl()
+
+
+def _load_nccl():
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise UserError(f"GPU data parallelism needs CuPy with NCCL ({e})") from e
+    if not getattr(nccl, "available", True) or not hasattr(nccl, "NcclCommunicator"):
+        raise UserError("CuPy cannot load NCCL: install nvidia-nccl-cu12 or nvidia-nccl-cu13 "
+                        "(pip install -e '.[cuda13]' brings it)")
+    return nccl, cupy
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@contextlib.contextmanager
+def guard(world):
+    """Around a whole run: an error that escapes on one rank is printed with the rank and ends all.
+
+    Agreed stops (`together`, SystemExit) pass through, so every rank exits the normal way.
+    Single processes are untouched: run_cli reports their errors as always.
+    """
+    if world.size == 1:
+        yield
+        return
+    try:
+        yield
+    except (SystemExit, AgreedError):
+        raise
+    except BaseException as e:  # noqa: BLE001 (one rank failing must not leave the others waiting)
+        who = f"rank {world.rank} of {world.size}"
+        if isinstance(e, UserError):
+            print(f"error ({who}): {e}", file=sys.stderr, flush=True)
+            code = 2
+        elif isinstance(e, KeyboardInterrupt):
+            print(f"interrupted ({who})", file=sys.stderr, flush=True)
+            code = 130
+        else:
+            print(f"error ({who}): {type(e).__name__}: {e}", file=sys.stderr)
+            traceback.print_exc()
+            code = 1
+        world.abort(code)
+
+
+# ----------------------------------------------------------------------------- self-tests
+
+
+def nccl_self_test() -> int:
+    """One-rank NCCL on this GPU: library, id exchange, sum, broadcast; prints one line, returns 0."""
+    nccl, cupy = _load_nccl()
+    world = init()
+    if world.size != 1:
+        raise UserError("run the NCCL self-test as one process (NCCL refuses two ranks on one GPU)")
+    reducer = NcclReducer(world, nccl, cupy)
+    buf = cupy.arange(1 << 20, dtype=cupy.float32)
+    expected = buf.copy()
+    reducer.sum_(buf)
+    reducer.broadcast_(buf)
+    cupy.cuda.get_current_stream().synchronize()
+    if not bool((buf == expected).all()):
+        raise RuntimeError("NCCL all-reduce at one rank changed the buffer")
+    version = nccl.get_version() if hasattr(nccl, "get_version") else "?"
+    print(f"NCCL self-test: ok (version {version}, 1 rank, {buf.nbytes >> 20} MiB all-reduce and broadcast)")
+    return 0
+
+
+def time_allreduce(reducer, buf, repeats=5, sync=None) -> float:
+    """Median seconds of one in-place sum_ of `buf` (after one warm-up), all ranks together."""
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        reducer.sum_(buf)
+        if sync is not None:
+            sync()
+        if i:
+            times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def bench_allreduce(elements: int, gpu: bool) -> dict | None:
+    """The gradient all-reduce of a model with `elements` float32 parameters, timed on this world.
+
+    On the CPU it is MPI's in-place Allreduce between the launched processes; with `gpu` it is
+    NCCL's on this rank's GPU (one rank without mpiexec: NCCL's local pass, no transfer).
+    Returns the measurement on rank 0, None elsewhere.
+    """
+    world = init()
+    if gpu:
+        nccl, cupy = _load_nccl()
+        use_local_gpu(world)
+        reducer, buf = NcclReducer(world, nccl, cupy), cupy.ones(elements, dtype=cupy.float32)
+        sync = cupy.cuda.get_current_stream().synchronize
+    else:
+        reducer, buf, sync = world, np.ones(elements, dtype=np.float32), None
+    seconds = time_allreduce(reducer, buf, sync=sync)
+    if not world.is_main:
+        return None
+    return {"backend": reducer.name, "processes": world.size, "bytes": int(buf.nbytes), "seconds": seconds}
+
+
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m andrea.distributed", description=__doc__.splitlines()[0])
+    ap.add_argument("--nccl-self-test", action="store_true", help="check NCCL at one rank on this GPU")
+    ap.add_argument("--allreduce-bench", type=int, metavar="ELEMENTS",
+                    help="time the in-place all-reduce of this many float32 values; prints JSON on rank 0")
+    ap.add_argument("--gpu", action="store_true", help="with --allreduce-bench: NCCL on GPUs instead of MPI")
+    args = ap.parse_args(argv)
+    if args.nccl_self_test:
+        return nccl_self_test()
+    if args.allreduce_bench:
+        result = bench_allreduce(args.allreduce_bench, args.gpu)
+        if result is not None:
+            print(json.dumps(result))
+        return 0
+    ap.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    from andrea.cli import run_cli
+
+    run_cli(main)
