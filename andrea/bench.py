@@ -3,12 +3,14 @@
     python -m andrea.bench                          # tiny, small, 120m on the CPU; a table and bench.json
     python -m andrea.bench --configs tiny --torch   # and PyTorch eager on the identical model, side by side
     python -m andrea.bench --configs 120m --profile # where a step's time goes, per layer
+    python -m andrea.bench --components             # GELU, LayerNorm, ... against PyTorch's kernels
 
 Each config runs in a fresh process, so its peak resident memory is its own. A training step is
 forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny 16 x 128,
 small 8 x 256, 120m 1 x 1024), timed after warm-up; tokens/s is reported as the median with
 min and max. MFU divides the model's FLOP/s (6 N + 12 L d T per token) by the best of a few
-4096^3 float32 matmuls measured in the same process.
+4096^3 float32 matmuls measured in the same process (on a GPU, 8192^3 in event-timed loops, in the
+config's TF32 mode; the fused kernels are self-checked first, as training does).
 
 Each config's gradient all-reduce (one flat float32 buffer of all its parameters, once per
 optimizer step in data-parallel training) is timed too: between 2 MPI processes on the CPU
@@ -27,12 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.cli import run_cli
+from andrea import preflight
+from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config
 from andrea.model import ANDREA, flops_per_token
 from andrea.optim import AdamW
-from andrea.perf import matmul_peak_flops, peak_rss_bytes, synchronize
-from minitensor.optim import global_norm
+from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
+from minitensor.backend import set_tf32
+from minitensor.memory import keep_freed_memory
+from minitensor.optim import clip_scale, global_norm
+from minitensor.selfcheck import select_kernels
 
 SHAPES = {"tiny": (16, 128), "small": (8, 256), "120m": (1, 1024)}
 STEPS = {"tiny": (3, 15), "small": (2, 8), "120m": (1, 4)}          # (warm-up, timed)
@@ -57,7 +63,7 @@ def bench_training(model, opt, B, T, warmup, steps, seed=0):
         x = rng.integers(0, V, (B, T + 1))
         _, f = _timed(xp, model.loss, x[:, :-1], x[:, 1:])
         _, b = _timed(xp, lambda: (model.zero_grad(), model.backward()))
-        _, o = _timed(xp, lambda: opt.step(grad_scale=min(1.0, 1.0 / (global_norm(model.params.grads) + 1e-6))))
+        _, o = _timed(xp, lambda: opt.step(grad_scale=clip_scale(global_norm(model.params.grads), 1.0, 0.0)[0]))
         if i >= warmup:
             splits["forward"].append(f)
             splits["backward"].append(b)
@@ -151,14 +157,18 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
 
 def run_one(name, device, profile):
     """Everything measured for one config, in this process."""
-    cfg = load_config(name).model
+    full = load_config(name)
+    cfg = full.model
     B, T = SHAPES[name]
     warmup, steps = STEPS[name]
     model = ANDREA(cfg, device=device, dtype="float32", seed=0)
     opt = AdamW(model, lr=6e-4)
+    # the config's TF32 setting and the self-checked kernels, as training would run (GPU only)
+    gpu_setup = [set_tf32(model.xp, full.train.tf32), select_kernels(full.train.kernels, model.xp)]
     peak = matmul_peak_flops(model.xp, n=4096, repeats=3)
     result = {"config": name, "device": model.backend.device, "batch": B, "seq_len": T,
-              "parameters": model.num_parameters()}
+              "parameters": model.num_parameters(), "gpu_setup": gpu_setup,
+              "peak": peak_label(model.xp, full.train.tf32)}
     result.update(bench_training(model, opt, B, T, warmup, steps))
     # the peak is measured again after training and the best kept: on a shared VM one
     # measurement alone can come out 40% low, which would inflate MFU
@@ -211,6 +221,10 @@ def print_table(results):
               f"{t.get('peak_rss_bytes', float('nan')) / 2**30:>7.2f}Gi {ratio or float('nan'):>6.2f}")
     print()
     for r in results:
+        if r.get("peak"):
+            print(f"{r['config']:<7} MFU against the {r['peak']}: {r['matmul_peak_flops'] / 1e12:.2f} TFLOP/s; "
+                  + "; ".join(r.get("gpu_setup", [])))
+    for r in results:
         a = r.get("allreduce")
         if a and "error" in a:
             print(f"{r['config']:<7} gradient all-reduce: {a['error']}")
@@ -229,28 +243,40 @@ def print_table(results):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
+    ap = ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,small,120m", help="comma-separated: tiny, small, 120m")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu", "auto"])
+    ap.add_argument("--device", choices=["cpu", "gpu", "auto"], help="default: $ANDREA_DEVICE, else cpu")
     ap.add_argument("--profile", action="store_true", help="also time every layer's forward and backward")
     ap.add_argument("--torch", action="store_true",
                     help="also run PyTorch eager (2 threads) on the identical model, with explicit and with "
                          "fused (scaled_dot_product_attention) attention; the table shows the faster")
+    ap.add_argument("--components", action="store_true",
+                    help="time each non-GEMM component (forward + backward, 120m shapes) against PyTorch's own "
+                         "kernel in this process, interleaved (andrea.components); with --torch, then the configs")
+    ap.add_argument("--repeats", type=int, default=7, help="runs per engine and component with --components")
     ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
     ap.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
+    args.device = preflight.choose_device(args.device, fallback="cpu")
+    if not args.one:
+        preflight.check_output_file(args.json, "--json")  # before minutes of measuring, not after
     if args.one:
         print(json.dumps(run_one(args.one, args.device, args.profile)))
         return 0
+    results = []
+    if args.components:
+        results.append({"components": _components(args.repeats)})
+        if not args.torch:
+            return _write(args.json, results)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
         from andrea.errors import UserError
 
         raise UserError(f"unknown config {unknown[0]!r} for the benchmark: use {', '.join(SHAPES)}")
-    results = []
     for name in names:
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "andrea.bench", "--one", name, "--device", args.device]
@@ -270,10 +296,25 @@ def main(argv=None):
             best = max(ok, key=lambda k: ok[k]["tokens_per_s_median"]) if ok else "explicit"
             r["torch"] = {**variants[best], "attention": best, "variants": variants}
         results.append(r)
-    print_table(results)
-    with open(args.json, "w") as f:
+    print_table([r for r in results if "components" not in r])
+    return _write(args.json, results)
+
+
+def _components(repeats):
+    from andrea import components
+    from minitensor import cpu
+
+    print("measuring the components ...", file=sys.stderr, flush=True)
+    table = components.measure(repeats=repeats)
+    components.print_table(table, cpu.mode())
+    print()
+    return table
+
+
+def _write(path, results):
+    with open(path, "w") as f:
         json.dump(results, f, indent=2)
-    print(f"\nwrote {args.json}")
+    print(f"\nwrote {path}")
     return 0
 
 

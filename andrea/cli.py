@@ -2,11 +2,14 @@
 
 `run_cli(main, argv)` turns the errors a user can fix into one line on stderr instead of a
 traceback: `UserError` -> `error: <message>`, exit 2; Ctrl-C -> `interrupted`, exit 130 (the
-shell's convention for SIGINT). With `--debug` among the arguments both propagate unchanged.
+shell's convention for SIGINT); a failure of the outside world that no caller handled (a full
+disk, a vanished file) -> `error: <path>: <reason>`, exit 1. With `--debug` among the arguments
+all three propagate unchanged. `ArgumentParser` reports a bad flag the same way: one line, exit 2.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -30,4 +33,18 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
             raise
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:
+        if debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e} (add --debug for the traceback)", file=sys.stderr)
+        sys.exit(1)
     sys.exit(code or 0)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line `error: ...` (exit 2) instead of the usage block, like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)

@@ -69,6 +69,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "float32"
     tf32: bool = False
+    kernels: str = "auto"           # fused GPU kernels: auto (self-checked at start-up), fused, or generic
     sample_tokens: int = 120        # length of the sample printed at the end (0: none)
     sample_prompt: str = "def "
 
@@ -84,11 +85,15 @@ class TrainConfig:
         _require(self.eps > 0, f"train.eps must be positive, got {self.eps}")
         _require(self.grad_clip >= 0, f"train.grad_clip must be >= 0, got {self.grad_clip}")
         _require(self.seq_len >= 0, f"train.seq_len must be >= 0, got {self.seq_len}")
+        _require(0 <= self.seed < 2**63, f"train.seed must be in [0, 2^63), got {self.seed}")
+        _require(self.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {self.sample_tokens}")
         _require(self.seq_len <= model.context_length,
                  f"train.seq_len ({self.seq_len}) exceeds model.context_length ({model.context_length}), "
                  "the size of the position table")
         _require(self.device in ("auto", "cpu", "gpu"), f"train.device must be auto, cpu or gpu, got {self.device!r}")
         _require(self.dtype in ("float32", "float64"), f"train.dtype must be float32 or float64, got {self.dtype!r}")
+        _require(self.kernels in ("auto", "fused", "generic"),
+                 f"train.kernels must be auto, fused or generic, got {self.kernels!r}")
         micro = self.batch_size * self.sequence_length(model)
         _require(self.tokens_per_step == 0 or self.tokens_per_step % micro == 0,
                  f"train.tokens_per_step ({self.tokens_per_step}) must be a multiple of "
@@ -145,9 +150,13 @@ def config_path(name):
     """A shipped config by short or full name, or a path to a YAML file."""
     p = Path(name)
     if p.suffix in (".yaml", ".yml"):
+        if p.is_dir():
+            raise UserError(f"config {name} is a directory: give a .yaml file")
         if not p.is_file():
             raise UserError(f"config file {name} does not exist")
         return p
+    if not name:
+        raise UserError("--config is empty: give tiny, small, 120m or a path to a .yaml file")
     shipped = sorted(f.stem for f in CONFIG_DIR.glob("*.yaml"))
     for candidate in (name, f"andrea-{name}"):
         if candidate in shipped:
@@ -156,7 +165,7 @@ def config_path(name):
 
 
 def _did_you_mean(key, options):
-    close = difflib.get_close_matches(key, options, n=1)
+    close = difflib.get_close_matches(str(key), options, n=1)  # YAML keys may be numbers
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -225,12 +234,23 @@ def load_config(name="tiny", overrides=()):
     """Reads a config (shipped name or path) and applies `section.key=value` overrides, then validates."""
     path = config_path(name)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"cannot read config {path}: {str(e).splitlines()[0]}") from e
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as e:
+        raise UserError(f"cannot read config {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"config {path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from e
+    except yaml.YAMLError as e:
+        raise UserError(f"config {path} is not valid YAML: {_yaml_problem(e)}") from e
     if not isinstance(raw, dict):
         raise UserError(f"config {path} must be a mapping with sections model, train, data")
     return make_config(raw, overrides, name=path.stem, source=str(path))
+
+
+def _yaml_problem(e):
+    """PyYAML's problem with its line and column (1-based), on one line."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
 
 
 def make_config(raw, overrides=(), name="custom", source="the config"):

@@ -16,9 +16,8 @@ import numpy as np
 
 from andrea.config import ModelConfig
 from andrea.errors import UserError
-from minitensor import kernels
 from minitensor.attention import CausalSelfAttention
-from minitensor.backend import array_module, get_backend, resolve_dtype, to_numpy
+from minitensor.backend import get_backend, resolve_dtype, to_numpy
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.gelu import GELU
 from minitensor.layernorm import LayerNorm
@@ -53,10 +52,11 @@ def parameter_breakdown(cfg):
     attn = C * 3 * C + 3 * C + C * C + C
     mlp = C * F + F + F * C + C
     block = 2 * ln + attn + mlp
+    blocks = f"{cfg.n_layer} {'block' if cfg.n_layer == 1 else 'blocks'}"
     parts = {
         "token embedding (tied with the output head)": cfg.vocab_size * C,
         "position embedding": cfg.context_length * C,
-        f"{cfg.n_layer} blocks ({block:,} each: 2 LayerNorms {2 * ln:,} + attention {attn:,} + MLP {mlp:,})":
+        f"{blocks} ({block:,} each: 2 LayerNorms {2 * ln:,} + attention {attn:,} + MLP {mlp:,})":
             cfg.n_layer * block,
         "final LayerNorm": ln,
     }
@@ -101,6 +101,13 @@ class Block:
         x1 = self.attn.forward(self.ln_1.forward(x), residual=x)
         h = self.c_fc.forward(self.ln_2.forward(x1), bias=False)
         return self.c_proj.forward(self.gelu.forward(h, bias=self.c_fc.b), residual=x1)
+
+    def infer(self, x, kv, pos):
+        """forward for inference at positions pos.., with this block's key/value cache kv: the same
+        layers through their cache-free `infer`."""
+        x1 = self.attn.forward_kv(self.ln_1.infer(x), kv, pos, residual=x)
+        h = self.c_fc.infer(self.ln_2.infer(x1), bias=False)
+        return self.c_proj.infer(self.gelu.infer(h, bias=self.c_fc.b), residual=x1)
 
     def backward(self, dx2):
         # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
@@ -255,21 +262,5 @@ class ANDREA:
             raise UserError(f"positions {pos}..{pos + T - 1} exceed the context length {self.cfg.context_length}")
         x = self.wte.W[idx] + self.wpe.W[pos:pos + T]
         for block, kv in zip(self.blocks, cache):
-            x = x + block.attn.forward_kv(_normed(block.ln_1, x), kv, pos)
-            x = x + _mlp(block, _normed(block.ln_2, x))
-        x = _normed(self.ln_f, x[:, -1])
-        return x @ self.wte.W.T
-
-
-def _normed(ln, x):
-    """LayerNorm's forward without keeping a cache (inference)."""
-    xp = array_module(x)
-    mean = x.mean(axis=-1, keepdims=True)
-    xc = x - mean
-    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + ln.eps)
-    return xc * rstd * ln.w + ln.b
-
-
-def _mlp(block, x):
-    h = x @ block.c_fc.W + block.c_fc.b
-    return kernels.gelu_forward(h) @ block.c_proj.W + block.c_proj.b
+            x = block.infer(x, kv, pos)
+        return self.head.infer(self.ln_f.infer(x[:, -1]))

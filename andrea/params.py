@@ -3,15 +3,13 @@
 Counts from the shapes alone (nothing is allocated); the tied token matrix is counted once.
 """
 
-import argparse
-
-from andrea.cli import run_cli
+from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config
 from andrea.model import format_breakdown
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m andrea.params", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m andrea.params", description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default="tiny", help="tiny, small, 120m or a .yaml path")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--debug", action="store_true")

@@ -2,7 +2,8 @@
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s / the float32 matmul peak of the same
 device, measured in the same process (SPEC 1): on the CPU the best of a few 4096^3 float32
-matmuls through NumPy's BLAS; on a GPU the same through cuBLAS.
+matmuls through NumPy's BLAS; on a GPU loops of 8192^3 products through cuBLAS timed with CUDA
+events, in the GEMM mode of the run (TF32 or not). The MFU lines name the peak they divide by.
 """
 
 import resource
@@ -19,9 +20,15 @@ def synchronize(xp):
         xp.cuda.Device().synchronize()
 
 
-def matmul_peak_flops(xp=np, n=4096, repeats=3, dtype="float32", fresh=False):
-    """Best FLOP/s of `repeats` n x n x n matmuls (after one warm-up), cached per module and size
-    unless fresh."""
+def matmul_peak_flops(xp=np, n=None, repeats=3, dtype="float32", fresh=False, loops=10):
+    """Best FLOP/s of n x n x n matmuls (after one warm-up), cached per module, size and dtype
+    unless fresh. NumPy (n = 4096 by default): the best of `repeats` single products, each timed
+    on the host. CuPy (n = 8192 by default, and at least that: a smaller product is over in
+    microseconds and its launch overhead would understate the peak, overstating MFU): the best of
+    `repeats` loops of `loops` products each, timed with CUDA events around the loop. The GPU's
+    GEMM mode (TF32 or not, minitensor.backend.set_tf32) is whatever it is when this first runs."""
+    gpu = xp is not np
+    n = max(8192, n or 8192) if gpu else n or 4096
     key = (xp.__name__, n, dtype)
     if fresh or key not in _peaks:
         a = xp.ones((n, n), dtype=dtype)
@@ -31,12 +38,27 @@ def matmul_peak_flops(xp=np, n=4096, repeats=3, dtype="float32", fresh=False):
         synchronize(xp)
         best = float("inf")
         for _ in range(repeats):
-            t = time.perf_counter()
-            xp.matmul(a, b, out=c)
-            synchronize(xp)
-            best = min(best, time.perf_counter() - t)
+            if gpu:
+                start, end = xp.cuda.Event(), xp.cuda.Event()
+                start.record()
+                for _ in range(loops):
+                    xp.matmul(a, b, out=c)
+                end.record()
+                end.synchronize()
+                best = min(best, xp.cuda.get_elapsed_time(start, end) / 1e3 / loops)
+            else:
+                t = time.perf_counter()
+                xp.matmul(a, b, out=c)
+                best = min(best, time.perf_counter() - t)
         _peaks[key] = 2 * n ** 3 / best
     return _peaks[key]
+
+
+def peak_label(xp, tf32=False):
+    """What matmul_peak_flops measured, in words, for the MFU line."""
+    if xp is np:
+        return "CPU float32 GEMM peak (NumPy BLAS)"
+    return f"GPU float32 GEMM peak ({'TF32 tensor cores' if tf32 else 'no TF32'}, 8192^3, CUDA events)"
 
 
 def peak_rss_bytes():

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.cli import run_cli
+from andrea.cli import ArgumentParser, run_cli
 from andrea.data import (
     Document,
     atomic_writer,
@@ -46,6 +46,7 @@ from andrea.data import (
 )
 from andrea.errors import UserError
 from andrea.hf import load_tokenizer
+from andrea.preflight import check_directory
 from andrea.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
 
 META_VERSION = 1
@@ -129,7 +130,7 @@ def prepare(
     if val_fraction is None:
         val_fraction = STDLIB_VAL_FRACTION if corpus.rule is not None else VAL_FRACTION
     if not 0.0 < val_fraction < 1.0:
-        raise UserError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+        raise UserError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     vocab_size = given.vocab_size if given is not None else vocab_size
     settings = {"signature": _signature(corpus), "requested_vocab_size": vocab_size, "val_fraction": val_fraction}
@@ -249,7 +250,19 @@ def _tokenizer(
         return tok, "loaded"
     mb = sum(sizes[p] for p in train_files) / 1e6
     log.line(f"training a {vocab_size}-id BPE tokenizer on {len(train_files)} files ({mb:.1f} MB)...")
-    tok = Tokenizer.train((d.text for d in read_documents(train_files) if d.text), vocab_size, allow_smaller)
+    bar = log.progress("tokenizer: reading", len(train_files), sum(sizes[p] for p in train_files))
+
+    def texts():
+        # the tokenizers library counts pairs as it reads, then merges: the bar shows the reading,
+        # one line announces the merging, which is the shorter part
+        for i, d in enumerate(read_documents(train_files)):
+            bar.update(i + 1, d.n_bytes)
+            if d.text:
+                yield d.text
+        bar.done()
+        log.line(f"tokenizer: computing {vocab_size - 257} merges...")
+
+    tok = Tokenizer.train(texts(), vocab_size, allow_smaller)
     if tok.vocab_size < vocab_size:
         log.line(f"note: the corpus is too small for {vocab_size} ids; the tokenizer has {tok.vocab_size}")
     tok.save(path)
@@ -436,7 +449,7 @@ def default_data_dir(inputs: list[str] | None) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m andrea.prepare", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m andrea.prepare", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--input",
         dest="inputs",
@@ -498,6 +511,7 @@ def format_summary(stats: dict, data_dir: Path) -> str:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     data_dir = args.data_dir or default_data_dir(args.inputs)
+    check_directory(data_dir, "--data-dir")
     stats = prepare(
         args.inputs,
         data_dir,

@@ -9,19 +9,21 @@ length, the cache is rebuilt from the last half of the context (positions are ab
 cached keys cannot simply slide), which keeps the amortised cost near one position per token.
 """
 
-import argparse
+import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from andrea import preflight
 from andrea.checkpoint import latest_checkpoint, load_checkpoint
-from andrea.cli import run_cli
-from andrea.config import build_config
+from andrea.cli import ArgumentParser, run_cli
+from andrea.config import make_config
 from andrea.errors import UserError
 from andrea.hf import load_tokenizer
 from andrea.model import ANDREA
 from minitensor.backend import GPUUnavailable, to_numpy
+from minitensor.memory import keep_freed_memory
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=None):
@@ -69,13 +71,17 @@ def load_model(checkpoint, device="cpu"):
     path = Path(checkpoint)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise UserError(f"--checkpoint {path} is a file: give a run directory or one of its ckpt-* directories")
     if path.name.startswith("ckpt-") or (path / "meta.json").exists():
         tensors, meta = load_checkpoint(path)
         run_dir = path.parent
     else:
         path, tensors, meta = latest_checkpoint(path)
         run_dir = path.parent
-    cfg = build_config(meta["config"])
+    if not isinstance(meta.get("config"), dict):
+        raise UserError(f"{path} holds no model config in its meta.json: it was not written by andrea.train")
+    cfg = make_config(meta["config"], source=f"{path}/meta.json")
     tok_path = run_dir / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path)
     if tokenizer.fingerprint() != meta.get("tokenizer_fingerprint"):
@@ -107,20 +113,35 @@ def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, o
     out.flush()
 
 
+def _check_args(args):
+    """Every flag's domain, before a model is loaded (each message names the flag)."""
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise UserError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
+    if not 0 <= args.seed < 2**63:
+        raise UserError(f"--seed must be in [0, 2^63), got {args.seed}")
+    if not args.prompt:
+        raise UserError("--prompt is empty: give at least one character")
+    preflight.choose_device(args.device)  # an unknown name fails here, before the checkpoint is read
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m andrea.sample", description=__doc__.splitlines()[0])
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
+    ap = ArgumentParser(prog="python -m andrea.sample", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a run directory or a ckpt-* directory")
     ap.add_argument("--prompt", default="def ")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", help="cpu, gpu or auto (default: $ANDREA_DEVICE, else cpu)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
-    if args.max_new_tokens < 0 or args.temperature < 0:
-        raise UserError("--max-new-tokens and --temperature must be >= 0")
-    model, tokenizer, _ = load_model(args.checkpoint, args.device)
+    _check_args(args)
+    model, tokenizer, _ = load_model(args.checkpoint, preflight.choose_device(args.device, fallback="cpu"))
     stream(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
 
 

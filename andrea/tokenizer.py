@@ -140,7 +140,7 @@ class Tokenizer:
             raise UserError(
                 f"the corpus is too small for {vocab_size} token ids: BPE ran out of pairs after "
                 f"{tok.vocab_size - 257} merges ({tok.vocab_size} ids); about 1 MB of text is needed "
-                "(allow_smaller=True, or prepare --allow-smaller-vocab, keeps fewer ids)"
+                "(python -m andrea.prepare --allow-smaller-vocab keeps fewer ids)"
             )
         return tok
 

@@ -3,6 +3,7 @@
     python -m andrea.train                                   # prepare data if missing, train, sample
     python -m andrea.train --config small --out runs/small --set train.lr=1e-3
     python -m andrea.train --out runs/small --resume         # continue from the newest good checkpoint
+    python -m andrea.train --config 120m --dry-run           # the pre-flight checks and the plan, no training
 
 Each optimizer step: accumulate gradients over micro-batches, check the loss and gradient norm
 are finite (a non-finite step applies no update), clip by global norm, set the learning rate
@@ -10,13 +11,15 @@ are finite (a non-finite step applies no update), clip by global norm, set the l
 the validation loss every eval_interval, appends to OUT/metrics.jsonl, and writes crash-safe
 checkpoints (weights, optimizer moments, data-loader and random states, config) to OUT.
 Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
+Before any of this, andrea.preflight checks everything that could fail later (device, paths,
+prompt, memory, data); andrea.runlog keeps the run directory to one run and one story (metrics
+that survive a full disk, each step once after a resume, exit code 4 when the last save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
 andrea.distributed); rank 0 alone prints, writes metrics, checkpoints and samples.
 """
 
-import argparse
 import json
 import math
 import os
@@ -28,20 +31,22 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data, hf
+from andrea import data, hf, preflight, runlog
 from andrea import distributed as dist
-from andrea.cli import run_cli
+from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config, make_config
 from andrea.errors import UserError
 from andrea.hf import load_tokenizer
 from andrea.model import ANDREA, flops_per_token, format_breakdown
 from andrea.optim import AdamW
-from andrea.perf import format_duration, matmul_peak_flops, synchronize
+from andrea.perf import format_duration, matmul_peak_flops, peak_label, synchronize
 from andrea.plot import plot_after_training
 from andrea.prepare import prepare
 from andrea.sample import stream
-from minitensor.backend import GPUUnavailable
-from minitensor.optim import cosine_lr, global_norm
+from minitensor.backend import GPUUnavailable, set_tf32
+from minitensor.memory import keep_freed_memory
+from minitensor.optim import clip_scale, cosine_lr, global_norm
+from minitensor.selfcheck import select_kernels
 
 EXIT_INTERRUPTED = 130
 EXIT_NONFINITE = 3
@@ -67,14 +72,15 @@ class Trainer:
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.world = world = world or dist.Single()
         t = cfg.train
-        if t.tf32:
-            os.environ.setdefault("CUPY_TF32", "1")  # must precede the first matmul on the GPU
-        if t.device != "cpu":
+        device = preflight.train_device(t.device)  # "auto" lets $ANDREA_DEVICE decide
+        if device != "cpu":
             dist.use_local_gpu(world)
         try:
-            self.model = ANDREA(cfg.model, device=t.device, dtype=t.dtype, seed=t.seed)
+            self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
+        # process-wide choices for the GPU, made once here and said in the log
+        self.startup = [set_tf32(self.model.xp, t.tf32), select_kernels(t.kernels, self.model.xp)]
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
         self.T = t.sequence_length(cfg.model)
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
@@ -148,32 +154,41 @@ class Trainer:
     # --- one step ---
 
     def train_step(self, lr):
-        """Forward/backward over the micro-batches and one AdamW step; returns (loss, grad_norm, applied)."""
+        """Forward/backward over the micro-batches and one AdamW step; returns (loss, grad_norm, applied),
+        loss and grad_norm as values on the model's device (read them to log, not every step).
+
+        On a GPU nothing here waits for the device but one read: whether the loss and the gradient
+        norm are finite, which decides whether the step is applied (the non-finite guard). The loss
+        adds up on the device, and the clipping scale goes to AdamW as a device array."""
         model = self.model
         model.zero_grad()
         total = 0.0
         micro_batches = self.accum * self.world.size
         for _ in range(self.accum):
             x, y = self.loader.next_batch()
-            total += float(model.loss(x, y))
+            total = total + model.loss(x, y)
             model.backward(1.0 / micro_batches)  # so that the sum over ranks is the mean
         self.reducer.sum_(model.params.grads)  # the step's one gradient collective
-        loss = float(self.world.sum_scalars([total])[0]) / micro_batches
+        if self.world.size > 1:  # the ranks' losses summed on the host: a second read, with several processes
+            total = self.world.sum_scalars([float(total)])[0]
+        loss = total / micro_batches
         norm = global_norm(model.params.grads)  # of the summed buffer: the same on every rank
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        scale, finite = clip_scale(norm, self.cfg.train.grad_clip, loss)
+        if not bool(finite):  # the step's one host read
             return loss, norm, False
-        clip = self.cfg.train.grad_clip
-        scale = clip / (norm + 1e-6) if clip and norm > clip else 1.0
         self.opt.step(lr=lr, grad_scale=scale)
         return loss, norm, True
 
     def evaluate(self):
+        """The mean validation loss: the batches' losses add up on the device, read once at the end."""
         t = self.cfg.train
         w = self.world
-        losses = [float(self.model.loss(x, y)) for x, y in
-                  data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches, w.rank, w.size)]
-        total, count = w.sum_scalars([sum(losses), len(losses)])
-        return float(total / count)
+        total, n = 0.0, 0
+        for x, y in data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches, w.rank, w.size):
+            total, n = total + self.model.loss(x, y), n + 1
+        if w.size > 1:
+            total, n = w.sum_scalars([float(total), n])
+        return float(total / n) if n else math.nan
 
     # --- the loop ---
 
@@ -181,11 +196,20 @@ class Trainer:
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
         main_rank = self.world.is_main
-        metrics = open(self.out_dir / "metrics.jsonl" if main_rank else os.devnull, "a")  # noqa: SIM115 (closed in the finally below)
-        # the best of 5 (~0.6 s): a single 2048^3 product can come out 40% low on a shared VM, which
-        # would inflate MFU; the benchmark uses 4096^3. Only rank 0 logs MFU, of the global FLOP/s
-        # against N times its own peak.
-        peak = matmul_peak_flops(self.model.xp, n=2048, repeats=5) * self.world.size if main_rank else 1.0
+        # a failed write (full disk) warns and training goes on; closed in the finally below
+        metrics = self.metrics = runlog.MetricsFile(self.out_dir / "metrics.jsonl" if main_rank else os.devnull)
+        # CPU: the best of 5 2048^3 products (~0.6 s; a single one can come out 40% low on a shared
+        # VM, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
+        # set_tf32, so the peak is the one of the GEMM mode the run uses. Only rank 0 logs MFU, of
+        # the global FLOP/s against N times its own peak.
+        xp = self.model.xp
+        peak_name = peak_label(xp, self.cfg.train.tf32)
+        if self.world.size > 1:
+            peak_name = f"{self.world.size} x {peak_name}"
+        peak = 1.0
+        if main_rank:
+            peak = (matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)) * self.world.size
+            log(f"MFU is against the {peak_name}: {peak / 1e12:.2f} TFLOP/s measured here")
         window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
         previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
         for sig in previous:
@@ -197,13 +221,16 @@ class Trainer:
                 self.step += 1
                 window_steps += 1
                 if not applied:
-                    code = self._non_finite(loss, norm, metrics)
+                    code = self._non_finite(float(loss), float(norm), metrics)
                     if code is not None:
                         return code
                 else:
                     self.bad_in_a_row = 0
                 record = None
-                if self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps:
+                logging = self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps
+                if logging or self.step % t.eval_interval == 0:
+                    loss, norm = float(loss), float(norm)  # the reads wait for the step to finish
+                if logging:
                     synchronize(self.model.xp)
                     elapsed = time.perf_counter() - window_start
                     tps = window_steps * self.tokens_per_step / elapsed
@@ -212,7 +239,7 @@ class Trainer:
                     record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                               "tokens_per_s": tps, "mfu": mfu}
                     log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
-                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% | ETA {format_duration(eta)}")
+                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {peak_name} | ETA {format_duration(eta)}")
                     window_start, window_steps = time.perf_counter(), 0
                 if self.step % t.eval_interval == 0 or self.step == t.max_steps:
                     val = self.evaluate()
@@ -301,11 +328,16 @@ def prepare_data(cfg, build=True, tokenizer=None):
     `tokenizer` (a path) is the one to encode with instead of training one (--init-from's).
     """
     data_dir = cfg.data.resolved_dir()
+    if preflight.prepared_counts(data_dir) is None:
+        note(f"first run on this corpus: preparing {data_dir} (tokenizer and token files; later runs reuse it)")
     # prepare() returns at once when data_dir already holds this corpus, and refuses another one
     if build:
-        prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
-                val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab,
-                tokenizer=tokenizer)
+        try:
+            prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
+                    val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab,
+                    tokenizer=tokenizer)
+        except UserError as e:
+            raise UserError(preflight.in_train_terms(str(e))) from e
     tokenizer = load_tokenizer(data_dir / "tokenizer.json")
     if cfg.data.allow_smaller_vocab and tokenizer.vocab_size < cfg.model.vocab_size:
         note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
@@ -320,8 +352,9 @@ def prepare_data(cfg, build=True, tokenizer=None):
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m andrea.train", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="tiny", help="tiny (default), small, 120m, or a .yaml path")
+    ap = ArgumentParser(prog="python -m andrea.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="tiny (default), small, 120m, or a .yaml path; with --resume the run's own "
+                                     "config.json is used, and --config may only repeat it")
     ap.add_argument("--out", help="output directory (default: out/<config name>)")
     ap.add_argument("--max-steps", type=int, help="total optimizer steps (sets train.max_steps)")
     ap.add_argument("--stop-at-step", type=int,
@@ -331,6 +364,10 @@ def parse_args(argv):
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
     ap.add_argument("--init-from", metavar="DIR",
                     help="start from the weights, model config and tokenizer of a GPT-2 directory (save_pretrained's)")
+    ap.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds another run, "
+                                                            "deleting its checkpoints and metrics")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check everything (config, paths, device, memory, data), print the plan and exit")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value, e.g. --set train.lr=1e-3 (repeatable)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -344,18 +381,20 @@ def build_run_config(args):
             overrides.append(f"{key}={flag}")
     out_dir = Path(args.out) if args.out else None
     if args.resume:
+        if args.overwrite:
+            raise UserError("--resume continues the run in --out and --overwrite deletes it: choose one")
         if out_dir is None:
-            out_dir = Path("out") / load_config(args.config).name
-        saved = out_dir / "config.json"
-        if not saved.exists():
-            raise UserError(f"nothing to resume in {out_dir}: it has no config.json (start a run without --resume)")
-        base = json.loads(saved.read_text())
-        cfg = make_config(base, overrides, name=base.get("name", "custom"), source=str(saved))
+            out_dir = Path("out") / load_config(args.config or "tiny").name
+        preflight.check_directory(out_dir, "--out")
+        base = runlog.read_saved_config(out_dir)
+        cfg = make_config(base, overrides, name=str(base.get("name", "custom")), source=str(out_dir / "config.json"))
+        if args.config is not None:
+            _refuse_another_config(args.config, overrides, cfg, out_dir)
     else:
-        if args.init_from and not args.resume:
-            cfg = hf.init_from_config(args.config, args.init_from, overrides)
+        if args.init_from:
+            cfg = hf.init_from_config(args.config or "tiny", args.init_from, overrides)
         else:
-            cfg = load_config(args.config, overrides)
+            cfg = load_config(args.config or "tiny", overrides)
         out_dir = out_dir or Path("out") / cfg.name
     if args.init_from and args.resume:
         raise UserError("--init-from starts a run from a GPT-2 directory and --resume continues one: give only one")
@@ -364,7 +403,40 @@ def build_run_config(args):
     return cfg, out_dir
 
 
+def _refuse_another_config(name, overrides, cfg, out_dir):
+    """--config with --resume may only name the run's own config: a different one would be ignored."""
+    given, saved = load_config(name, overrides).to_dict(), cfg.to_dict()
+    diff = [f"{s}.{k}" for s in ("model", "train", "data") for k in saved[s] if given[s].get(k) != saved[s][k]]
+    if given["data"]["allow_smaller_vocab"] and saved["model"]["vocab_size"] < given["model"]["vocab_size"]:
+        diff.remove("model.vocab_size")  # lowered to the tokenizer's size when the run started
+    if diff:
+        raise UserError(f"--config {name} differs from the config of the run in {out_dir} in {', '.join(diff[:4])}: "
+                        "drop --config to resume that run (change values with --set), or start a new run "
+                        "with another --out")
+
+
+def _header(cfg, args, trainer, n_train, n_val, out_dir):
+    """The run's first lines, from the effective config (overrides included), not the file's name."""
+    m, t = cfg.model, cfg.train
+    changed = [o for o in args.set if o.startswith("model.")]
+    name = f"{cfg.name} with {', '.join(changed)}" if changed else cfg.name
+    log(f"ANDREA {name} ({preflight.describe_model(m)}): {trainer.model.num_parameters():,} parameters on "
+        f"{trainer.model.backend.device} ({t.dtype})\n{format_breakdown(m)}")
+    for line in trainer.startup:
+        log(line)
+    micro = "micro-batch" if trainer.accum == 1 else "micro-batches"
+    world = trainer.world
+    ranks = f" x {world.size} processes ({trainer.reducer.name})" if world.size > 1 else ""
+    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} {micro}{ranks} = "
+        f"{trainer.tokens_per_step:,} tokens/step; {n_train:,} train tokens, {n_val:,} val tokens; output in {out_dir}")
+
+
+def _quiet(msg):
+    """Warnings of the pre-flight pass on ranks other than 0: rank 0 prints them once."""
+
+
 def main(argv=None):
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     global WORLD
     WORLD = dist.init()
     with dist.guard(WORLD):
@@ -379,10 +451,21 @@ def run_training(args, world):
     """
     with world.together():
         cfg, out_dir = build_run_config(args)
+        plan = preflight.check(cfg, out_dir, warn=None if world.is_main else _quiet)
+    if args.dry_run:
+        log(plan.describe())
+        return 0
+    with world.together():
+        if world.is_main:
+            if not args.resume:
+                runlog.claim_run_dir(out_dir, args.resume, args.overwrite)
+            runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
     with world.together():  # data preparation once, on rank 0, while the others wait here
         prepared = prepare_data(cfg, tokenizer=args.init_from) if world.is_main else None
     with world.together():
         tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
+        preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
+        preflight.check_prompt(tokenizer, cfg)
         if world.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
         trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
@@ -396,24 +479,24 @@ def run_training(args, world):
     if trainer.reducer is None:
         trainer.reducer = world.reducer_for(trainer.model.xp)  # NCCL: the unique id goes out over MPI
     if args.resume:
-        resume(trainer, args.stop_at_step)
+        if resume(trainer, args.stop_at_step) == "finished":
+            return 0
     else:
-        with world.together():
-            if world.is_main and ckpt.list_checkpoints(out_dir):
-                raise UserError(f"{out_dir} already holds checkpoints: add --resume to continue, "
-                                "or choose another --out")
         share_state(trainer)
     if world.is_main:
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         tokenizer.save(out_dir / "tokenizer.json")
-    m, t = cfg.model, cfg.train
-    log(f"ANDREA {cfg.name}: {trainer.model.num_parameters():,} parameters on {trainer.model.backend.device} "
-        f"({t.dtype})\n{format_breakdown(m)}")
-    ranks = f" x {world.size} processes ({trainer.reducer.name})" if world.size > 1 else ""
-    log(f"batch {t.batch_size} x {trainer.T} tokens x {trainer.accum} micro-batches{ranks} = "
-        f"{trainer.tokens_per_step:,} tokens/step; {len(train_tokens):,} train tokens, {len(val_tokens):,} val "
-        f"tokens; output in {out_dir}")
+    _header(cfg, args, trainer, len(train_tokens), len(val_tokens), out_dir)
+    if trainer.accum > 1 and world.is_main:
+        trainer.loader = runlog.MicroBatchProgress(trainer.loader, trainer.accum)
+    start_step, started = trainer.step, time.perf_counter()
     code = trainer.run(stop_at_step=args.stop_at_step)
+    if world.is_main:
+        code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
+        if code in (0, EXIT_INTERRUPTED):
+            log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, time.perf_counter() - started,
+                               trainer.tokens_per_step, trainer.metrics.last, trainer.last_checkpoint))
+    t = cfg.train
     if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0 and world.is_main:
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
         stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
@@ -424,7 +507,9 @@ def run_training(args, world):
 
 
 def resume(trainer, stop_at_step):
-    """Rank 0 reads the newest good checkpoint; the others get it by broadcast (share_state)."""
+    """Rank 0 reads the newest good checkpoint; the others get it by broadcast (share_state).
+
+    Returns "finished" when that checkpoint is already at train.max_steps (nothing to train)."""
     world, out_dir = trainer.world, trainer.out_dir
     with world.together():
         meta = None
@@ -437,8 +522,14 @@ def resume(trainer, stop_at_step):
     with world.together():
         if not world.is_main:
             trainer.restore_meta(meta)
+    if trainer.step >= trainer.cfg.train.max_steps:
+        log(f"the run in {out_dir} has already finished: {meta['path']} is step {trainer.step} of "
+            f"train.max_steps {trainer.cfg.train.max_steps}; nothing to do (to train longer: --resume --max-steps N)")
+        return "finished"
     share_state(trainer)
-    log(f"resumed from {meta['path']} at step {trainer.step}")
+    dropped = runlog.drop_rows_after(out_dir / "metrics.jsonl", trainer.step, meta["path"]) if world.is_main else 0
+    log(f"resumed from {meta['path']} at step {trainer.step}"
+        + (f"; dropped {dropped} metrics rows of later steps, which this run recomputes" if dropped else ""))
     saved = int(meta.get("processes", 1))
     if saved != world.size:
         log(f"note: the checkpoint was written by {saved} process(es), this run has {world.size}: same batches in "

@@ -13,16 +13,30 @@ probabilities from it (keeping them instead when they are small, `keep_probs_max
 uses rowsum(dP * P) = rowsum(dY * Y) so the softmax backward needs no extra product over keys.
 b_attn is added by the copies that make each head's q, k, v contiguous, and a block's residual
 (`forward(x, residual=r)`) in c_proj's epilogue, so neither costs a pass of its own.
+On CuPy, when the probabilities of all heads fit a budget of GPU memory (`dense_max_bytes`,
+a 64th of the device's memory per layer: 2.2 GB on an H200, where ANDREA-120M at 8 x 1024 needs
+384 MiB), the core is instead one batched GEMM per product over the contiguous (B*nh, T, hs)
+operands, with no loop over query blocks and the probabilities kept for backward; every
+(T, T) operand is used as stored (backward computes dv^T = dy^T p and dk^T = q^T ds, so only the
+small (T, hs) operands are transposed), and the causal softmax is the fused kernel pair
+'causal_softmax_fwd'/'_bwd' when the piece `causal_softmax` is in use (minitensor.cuda).
 `forward_kv` is the inference path for sampling: it appends to a key/value cache so each new
 token costs one row of attention instead of re-running the whole sequence.
+
+On the CPU with numba (minitensor.cpu), the row-wise work between the GEMMs of a block (mask,
+max, exp, sum; the recomputed probabilities; the softmax backward) runs in the kernels
+`block_exp_cpu`, `block_probs_again_cpu` and `block_softmax_backward_cpu` below, one pass each
+over the block's (bq, i1) scores, without the GIL (the heads run on minitensor's threads).
 """
 
 import math
 
 import numpy as np
 
+from minitensor import cpu, cuda
 from minitensor.backend import array_module
 from minitensor.layer import Layer
+from minitensor.linear import Linear
 from minitensor.parallel import blas_single_threaded, parallel_for
 
 _mask_cache = {}
@@ -46,7 +60,11 @@ def block_exp(s, i0, lse):
     """
     xp = array_module(s)
     s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
-    top = s.max(axis=-1, keepdims=True)
+    top = s.max(axis=-1, keepdims=True)                     # NumPy's SIMD max, on every path
+    if _fast(s, lse):
+        total = np.empty(lse.shape, s.dtype)
+        block_exp_cpu(s, top[:, :, 0], lse[:, :, 0], total[:, :, 0], False)
+        return total
     s -= top
     xp.exp(s, out=s)
     total = s.sum(axis=-1, keepdims=True)
@@ -56,12 +74,20 @@ def block_exp(s, i0, lse):
 
 def block_softmax(s, i0, lse):
     """In place: block_exp, then each row divided by its sum; returns the probabilities s."""
+    if _fast(s, lse):
+        s[..., i0:] += causal_mask(np, s.shape[-2], s.dtype)
+        top = s.max(axis=-1, keepdims=True)
+        block_exp_cpu(s, top[:, :, 0], lse[:, :, 0], np.empty(top.shape[:2], s.dtype), True)
+        return s
     s /= block_exp(s, i0, lse)
     return s
 
 
 def block_probs_again(s, i0, lse):
     """In place: the probabilities block_softmax gave, from the same scores and its log-sum-exp."""
+    if _fast(s, lse):
+        block_probs_again_cpu(s, i0, lse[:, :, 0])
+        return s
     xp = array_module(s)
     s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
     s -= lse
@@ -71,9 +97,68 @@ def block_probs_again(s, i0, lse):
 
 def block_softmax_backward(dp, p, D):
     """In place: dp <- p * (dp - D), D = rowsum(dP * P) given per row (..., bq, 1)."""
+    if _fast(dp, p, D) and dp.shape == p.shape:
+        block_softmax_backward_cpu(dp, p, D[:, :, 0])
+        return dp
     dp -= D
     dp *= p
     return dp
+
+
+def _fast(s, *others):
+    """The numba kernels take s (n, bq, i1) and the per-row arrays (n, bq, 1), in any layout (the
+    loops run fastest over a contiguous last axis, as the callers' blocks are)."""
+    return cpu.enabled(s, *others) and s.ndim == 3 and all(o.ndim == 3 and o.shape[-1] == 1 for o in others)
+
+
+@cpu.kernel()
+def block_exp_cpu(s, top, lse, total, normalise):
+    """s (n, bq, i1) masked scores (-inf above the diagonal), in place; top, lse, total (n, bq):
+    each row becomes exp(row - top) (0 where masked), or with normalise those divided by their
+    sum; lse = top + log(sum), total = sum."""
+    t = s.dtype.type
+    n, bq, i1 = s.shape
+    for h in range(n):
+        for r in range(bq):
+            m = top[h, r]
+            acc = t(0)
+            for j in range(i1):
+                e = cpu.exp(s[h, r, j] - m)                  # exp(-inf) = 0
+                s[h, r, j] = e
+                acc += e
+            if normalise:
+                inv = t(1) / acc
+                for j in range(i1):
+                    s[h, r, j] *= inv
+            lse[h, r] = m + np.log(acc)
+            total[h, r] = acc
+
+
+@cpu.kernel()
+def block_probs_again_cpu(s, i0, lse):
+    """s (n, bq, i1) the same scores as block_exp_cpu saw, lse (n, bq) its log-sum-exp: in place,
+    the probabilities exp(s - lse) (0 where masked)."""
+    t = s.dtype.type
+    n, bq, i1 = s.shape
+    for h in range(n):
+        for r in range(bq):
+            last = i0 + r + 1
+            m = lse[h, r]
+            for j in range(last):
+                s[h, r, j] = cpu.exp(s[h, r, j] - m)
+            for j in range(last, i1):
+                s[h, r, j] = t(0)
+
+
+@cpu.kernel()
+def block_softmax_backward_cpu(dp, p, D):
+    """dp, p (n, bq, i1), D (n, bq): dp <- p * (dp - D) in place."""
+    n, bq, i1 = dp.shape
+    for h in range(n):
+        for r in range(bq):
+            d = D[h, r]
+            for j in range(i1):
+                dp[h, r, j] = p[h, r, j] * (dp[h, r, j] - d)
 
 
 def _over_heads(xp, n, fn):
@@ -91,6 +176,10 @@ class CausalSelfAttention(Layer):
     # Probabilities up to this many bytes in all are kept from forward to backward; larger ones
     # are recomputed there from q, k and the row log-sum-exp (one more q k^T GEMM per block).
     keep_probs_max_bytes = 16 << 20
+    # The dense core: None chooses it on CuPy within dense_max_bytes (None: a 64th of the GPU's
+    # memory); True or False forces it either way (the tests run it on NumPy in float64).
+    dense = None
+    dense_max_bytes = None
 
     def __init__(self, c_attn, c_proj, n_head):
         """c_attn: Linear C -> 3C; c_proj: Linear C -> C; n_head must divide C."""
@@ -128,6 +217,8 @@ class CausalSelfAttention(Layer):
                 dst[...] = src
         q, k, v = (d.reshape(BH, T, hs) for d in dense)      # views, no copy
         q *= 1.0 / math.sqrt(hs)                             # scale q (T*hs work) rather than scores (T*T)
+        if self._use_dense(xp, BH * T * T * x.itemsize):
+            return self._forward_dense(q, k, v, B, residual)
         y = xp.empty((BH, T, hs), dtype=x.dtype)
         lse = xp.empty((BH, T, 1), dtype=x.dtype)            # each row's log-sum-exp
         blocks = self._blocks(T)
@@ -161,6 +252,19 @@ class CausalSelfAttention(Layer):
         nh = BH // B
         dy = self.c_proj.backward(dout)                      # (B, T, C)
         dy = xp.ascontiguousarray(dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)).reshape(BH, T, hs)
+        if lse is None:                                      # the dense forward: kept = p (BH, T, T)
+            dq, dk, dv = self._backward_dense(dy, q, k, v, y, kept)
+        else:
+            dq, dk, dv = self._backward_blocks(dy, q, k, v, y, lse, kept)
+        dq *= 1.0 / math.sqrt(hs)                            # d(q) from d(scaled q)
+        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
+        for i, d in enumerate((dq, dk, dv)):
+            dqkv[:, :, i] = d.reshape(B, nh, T, hs).transpose(0, 2, 1, 3)
+        return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs))
+
+    def _backward_blocks(self, dy, q, k, v, y, lse, kept):
+        xp = array_module(dy)
+        BH, T, hs = q.shape
         dq, dk, dv = xp.empty_like(q), xp.zeros_like(k), xp.zeros_like(v)
         blocks = self._blocks(T)
 
@@ -191,31 +295,215 @@ class CausalSelfAttention(Layer):
                 dk[s:e, :i1] += xp.matmul(ds.transpose(0, 2, 1), q[s:e, i0:i1], out=part)
 
         _over_heads(xp, BH, heads)
-        dq *= 1.0 / math.sqrt(hs)                            # d(q) from d(scaled q)
-        dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
-        for i, d in enumerate((dq, dk, dv)):
-            dqkv[:, :, i] = d.reshape(B, nh, T, hs).transpose(0, 2, 1, 3)
-        return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs))
+        return dq, dk, dv
 
-    def forward_kv(self, x, cache, pos):
+    # --- the dense core (CuPy within the budget) ---
+
+    def _use_dense(self, xp, probs_bytes):
+        if self.dense is not None:
+            return self.dense
+        return xp is not np and probs_bytes <= (self.dense_max_bytes or _gpu_memory(xp) // 64)
+
+    def _forward_dense(self, q, k, v, B, residual):
+        """q (scaled), k, v (BH, T, hs) contiguous: all heads in one GEMM per product."""
+        xp = array_module(q)
+        BH, T, hs = q.shape
+        s = xp.matmul(q, k.transpose(0, 2, 1))              # (BH, T, T) scores
+        if cuda.uses("causal_softmax", s):
+            p = causal_softmax_forward_gpu(s, out=s)
+        else:
+            p = block_softmax(s, 0, xp.empty((BH, T, 1), dtype=q.dtype))
+        y = xp.matmul(p, v)                                  # (BH, T, hs)
+        self._save(q, k, v, y, None, p, B)                   # lse None marks the dense cache
+        nh = BH // B
+        y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # heads back in order
+        return self.c_proj.forward(y, residual=residual)
+
+    def _backward_dense(self, dy, q, k, v, y, p):
+        """(dq, dk, dv) of the dense core; dk and dv as transposed views of (BH, hs, T) products."""
+        xp = array_module(dy)
+        # forward was: y = p @ v, so dv = p^T dy, computed as dv^T = dy^T p with p read as stored
+        dvT = xp.matmul(dy.transpose(0, 2, 1), p)            # (BH, hs, T)
+        dp = xp.matmul(dy, v.transpose(0, 2, 1))             # (BH, T, T)
+        # forward was: p = softmax(s) per row, so ds = p * (dp - D), D = rowsum(dp p) = rowsum(dy y)
+        if cuda.uses("causal_softmax", dp):
+            ds = causal_softmax_backward_gpu(dp, p, out=dp)
+        else:
+            ds = block_softmax_backward(dp, p, (dy * y).sum(axis=-1, keepdims=True))
+        # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
+        dq = xp.matmul(ds, k)                                # (BH, T, hs)
+        dkT = xp.matmul(q.transpose(0, 2, 1), ds)            # (BH, hs, T)
+        return dq, dkT.transpose(0, 2, 1), dvT.transpose(0, 2, 1)
+
+    def forward_kv(self, x, cache, pos, residual=None):
         """Inference: x (B, T_new, C) at positions pos.., with cache = (k, v) arrays (B, nh, T_max, hs).
 
-        Writes the new keys and values into the cache and attends over positions [0, pos + T_new).
-        Keeps nothing for backward.
+        Writes the new keys and values into the cache and attends over positions [0, pos + T_new),
+        with the training forward's layers and softmax (c_attn, c_proj through `infer`); keeps
+        nothing for backward. residual as in forward.
         """
         xp = array_module(x)
         B, T, C = x.shape
         hs = C // self.n_head
-        qkv = x.reshape(-1, C) @ self.c_attn.W + self.c_attn.b
-        q, k, v = self._heads(qkv.reshape(B, T, 3 * C), B, T)
+        q, k, v = self._heads(self.c_attn.infer(x), B, T)
         k_cache, v_cache = cache
         k_cache[:, :, pos:pos + T] = k
         v_cache[:, :, pos:pos + T] = v
         end = pos + T
         att = xp.matmul(q * (1.0 / math.sqrt(hs)), k_cache[:, :, :end].transpose(0, 1, 3, 2))  # (B, nh, T, end)
-        att[..., pos:end] += causal_mask(xp, T, att.dtype)  # new row i sits at position pos + i
-        att -= att.max(axis=-1, keepdims=True)
-        xp.exp(att, out=att)
-        att /= att.sum(axis=-1, keepdims=True)
+        # new row i sits at position pos + i: the block of query rows pos..end against keys 0..end
+        block_softmax(att, pos, xp.empty((*att.shape[:-1], 1), dtype=att.dtype))
         y = xp.matmul(att, v_cache[:, :, :end]).transpose(0, 2, 1, 3).reshape(B, T, C)
-        return (y.reshape(-1, C) @ self.c_proj.W + self.c_proj.b).reshape(B, T, C)
+        return self.c_proj.infer(y, residual=residual)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: the causal softmax over (..., T, T) attention scores, forward, backward, recomputed
+
+
+def _causal_mask(T):
+    return np.triu(np.full((T, T), -np.inf), k=1)
+
+
+def causal_softmax_reference(s, scale=1.0):
+    """(p, lse): p = softmax(scale s + mask) by rows, lse (..., T, 1) each row's log-sum-exp."""
+    z = scale * s + _causal_mask(s.shape[-1])
+    top = z.max(axis=-1, keepdims=True)
+    e = np.exp(z - top)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / total, top + np.log(total)
+
+
+def causal_softmax_backward_reference(dp, p, scale=1.0):
+    """ds = scale p (dp - rowsum(dp p)): through p = softmax(z), z = scale s + mask."""
+    return scale * (p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
+
+
+def causal_softmax_recompute_reference(s, lse, scale=1.0):
+    """The probabilities again from the scores and each row's log-sum-exp."""
+    return np.exp(scale * s + _causal_mask(s.shape[-1]) - lse)
+
+
+# One block per row; row r of a matrix attends to columns 0..r only (r = the row's index mod T).
+# The masked columns are never read and are written as exact zeros; p may be s itself.
+CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, T *lse, const int n_ctx, const T scale,
+                                              const int write_lse) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  const int last = row % n_ctx;
+  const T *sr = s + row * n_ctx;
+  T *pr = p + row * n_ctx;
+  T top = lowest_of(scale);
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) {
+    const T z = scale * sr[j];
+    top = z > top ? z : top;
+  }
+  top = block_max(top, buf);  /* finite: every row keeps its diagonal entry */
+  T total = 0;
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) total += exp_of(scale * sr[j] - top);
+  total = block_sum(total, buf);
+  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) pr[j] = j <= last ? exp_of(scale * sr[j] - top) / total : (T)0;
+  if (write_lse && threadIdx.x == 0) lse[row] = top + log_of(total);
+}
+"""))
+
+# forward was: p = softmax(z) by rows, z = scale s + mask. ds may be dp itself.
+CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void causal_softmax_bwd(const T *dp, const T *p, T *ds, const int n_ctx, const T scale) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  const int last = row % n_ctx;
+  const T *dpr = dp + row * n_ctx;
+  const T *pr = p + row * n_ctx;
+  T *dsr = ds + row * n_ctx;
+  T dot = 0;
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) dot += dpr[j] * pr[j];
+  dot = block_sum(dot, buf);
+  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) dsr[j] = j <= last ? scale * (pr[j] * (dpr[j] - dot)) : (T)0;
+}
+"""))
+
+# Elementwise: flat index i is row i / n_ctx (over all matrices), column i % n_ctx.
+CAUSAL_SOFTMAX_RECOMPUTE = cuda.register(cuda.ElementwiseSpec(
+    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p",
+    "const unsigned int row = (unsigned int)i / (unsigned int)n_ctx;\n"
+    "const unsigned int col = (unsigned int)i - row * (unsigned int)n_ctx;\n"
+    "p = col <= row % (unsigned int)n_ctx ? exp(scale * s - lse[row]) : (T)0;",
+    reference=lambda s, lse, n_ctx, scale: _recompute_flat(s, lse, int(n_ctx), scale),
+    scalars=(("n_ctx", 6), ("scale", 0.35)),
+))
+
+
+def _recompute_flat(s, lse, n_ctx, scale):
+    i = np.arange(s.size)
+    row, col = i // n_ctx, i % n_ctx
+    return np.where(col <= row % n_ctx, np.exp(scale * s - lse[row]), 0.0)
+
+
+def causal_softmax_forward_gpu(s, scale=1.0, lse=None, out=None):
+    """Causal row softmax of scale * s for s (..., T, T) (CuPy, contiguous), into `out` (which may
+    be s) or a new array; returns p. With `lse` (T values per matrix, e.g. (..., T, 1)), each row's
+    log-sum-exp is written there, for causal_softmax_recompute_gpu."""
+    fn = "causal_softmax_forward_gpu"
+    rows, T = cuda.square_rows(fn, s)
+    p = cuda.out_like(fn, s, out)
+    if lse is not None:
+        cuda.row_values(fn, "lse", lse, s, rows)
+    if rows:
+        cuda.launch(CAUSAL_SOFTMAX_FWD, s.dtype, (rows,), (cuda.threads(T, 128),),
+                (s, p, p if lse is None else lse, np.int32(T), s.dtype.type(scale), np.int32(lse is not None)))
+    return p
+
+
+def causal_softmax_backward_gpu(dp, p, scale=1.0, out=None):
+    """ds = scale p (dp - rowsum(dp p)) for dp, p (..., T, T) (CuPy, contiguous), into `out`
+    (which may be dp) or a new array; returns ds."""
+    fn = "causal_softmax_backward_gpu"
+    rows, T = cuda.square_rows(fn, p)
+    cuda.like(fn, "dp", dp, p)
+    ds = cuda.out_like(fn, p, out)
+    if rows:
+        cuda.launch(CAUSAL_SOFTMAX_BWD, p.dtype, (rows,), (cuda.threads(T, 128),),
+                (dp, p, ds, np.int32(T), p.dtype.type(scale)))
+    return ds
+
+
+def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
+    """The probabilities causal_softmax_forward_gpu gave, from the same s and its lse, into `out`
+    (which may be s) or a new array."""
+    fn = "causal_softmax_recompute_gpu"
+    rows, T = cuda.square_rows(fn, s)
+    cuda.row_values(fn, "lse", lse, s, rows)
+    if s.size >= 2**31:
+        raise ValueError(f"{fn}: s has {s.size} elements; at most 2**31 - 1 are supported")
+    cuda.on_cupy(fn, s, "minitensor.attention.block_probs_again")
+    kern = CAUSAL_SOFTMAX_RECOMPUTE.kernel()
+    args = (s, lse.reshape(-1), np.int32(T), s.dtype.type(scale))
+    return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))
+
+
+_gpu_memory_bytes = {}
+
+
+def _gpu_memory(xp):
+    """The current GPU's total memory in bytes, asked once per device."""
+    device = xp.cuda.Device()
+    if device.id not in _gpu_memory_bytes:
+        _gpu_memory_bytes[device.id] = device.mem_info[1]
+    return _gpu_memory_bytes[device.id]
+
+
+@cuda.self_check("causal_softmax")
+def _self_check(xp, rng):
+    """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
+    def draw(*shape, scale=1.0):
+        return xp.asarray((scale * rng.standard_normal(shape)).astype(np.float32))
+
+    B, T, C, nh = 2, 40, 48, 4
+    grads = [xp.zeros(shape, np.float32) for shape in ((C, 3 * C), (3 * C,), (C, C), (C,))]
+    attn = CausalSelfAttention(Linear(draw(C, 3 * C, scale=0.3), grads[0], draw(3 * C), grads[1]),
+                               Linear(draw(C, C, scale=0.3), grads[2], draw(C), grads[3]), nh)
+    attn.dense = True
+    out = attn.forward(draw(B, T, C))
+    return (out, attn.backward(draw(B, T, C)), *grads)

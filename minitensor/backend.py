@@ -142,3 +142,32 @@ def resolve_dtype(dtype):
     if dt not in (np.float32, np.float64):
         raise ValueError(f"unsupported dtype {dt}: use float32 or float64")
     return dt
+
+
+# cuBLAS math modes (cublas_api.h): CUBLAS_DEFAULT_MATH and CUBLAS_TF32_TENSOR_OP_MATH.
+CUBLAS_DEFAULT_MATH, CUBLAS_TF32_TENSOR_OP_MATH = 0, 3
+
+
+def set_tf32(xp, enabled):
+    """TF32 tensor-core GEMMs on or off for this process on CuPy, whatever CUPY_TF32 says; returns
+    a line with the mode read back from CuPy. Nothing to set on NumPy.
+
+    CuPy 14.2 takes two paths (SPEC 5): 2-D products call gemmEx with the compute type of
+    `_routines_linalg.get_compute_type(float32)`, which reads CUPY_TF32 once and caches it, and
+    `set_compute_type` overrides at any time; batched (3-D) matmul calls gemmStridedBatchedEx with
+    a plain float32 compute type, which cuBLAS runs on TF32 tensor cores only when the handle's
+    math mode says so. Both are private APIs of CuPy's minor version (the cuda extras pin it).
+    """
+    if xp is np:
+        return "tf32: not applicable on the CPU (NumPy float32 GEMMs)"
+    from cupy._core import _routines_linalg as linalg
+    from cupy_backends.cuda.libs import cublas
+
+    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if enabled else linalg.COMPUTE_TYPE_DEFAULT)
+    handle = xp.cuda.device.get_cublas_handle()
+    cublas.setMathMode(handle, CUBLAS_TF32_TENSOR_OP_MATH if enabled else CUBLAS_DEFAULT_MATH)
+    compute = linalg.get_compute_type(np.float32)
+    mode = cublas.getMathMode(handle)
+    effective = compute == linalg.COMPUTE_TYPE_TF32 and mode & CUBLAS_TF32_TENSOR_OP_MATH
+    return (f"tf32: {'on' if effective else 'off'} (2-D GEMMs: compute type {linalg.compute_type_to_str(compute)}; "
+            f"batched GEMMs: cuBLAS math mode {mode}; CUPY_TF32 in the environment is not used)")

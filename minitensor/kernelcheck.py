@@ -6,12 +6,12 @@
                   with its NumPy formula
 
 and `emulate_launch` runs a RawKernel's code on the CPU as C++ (a thread per CUDA thread): the
-tests put it in place of `minitensor.fused._launch` to compare the row kernels with their formulas
+tests put it in place of `minitensor.cuda.launch` to compare the row kernels with their formulas
 without a GPU.
 
 The compile check uses CuPy private APIs (SPEC 5), so CuPy's minor version is pinned by the
-`kernel-check` extra. This module imports `minitensor.fused`, so the registry it checks holds
-every kernel; CuPy is imported only when a compile check runs.
+`kernel-check` extra. The registry it checks is `minitensor.cuda.all_kernels()` (every layer
+module imported); CuPy is imported only when a compile check runs.
 """
 
 import atexit
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from minitensor import fused, kernels
+from minitensor import cuda
 
 # ---------------------------------------------------------------------------------------------
 # The compile check: NVRTC, as CuPy calls it, for an arch given rather than queried from a GPU
@@ -53,17 +53,17 @@ class CheckResult:
 def compile_source(source, name, options=(), arch="sm_90"):
     """NVRTC-compiles `source` to a cubin with the options CuPy would use; returns the cubin.
     Raises cupy.cuda.compiler.CompileException with NVRTC's log on an error."""
-    tc = kernels._toolchain()
+    tc = cuda.toolchain()
     opts = tc.core.assemble_cupy_compiler_options(tuple(options))
     opts += ("-ftz=true", f"-arch={arch}", "--device-as-default-execution-space")
     cubin, _ = tc.compiler._NVRTCProgram(source, f"{name}.cu", method="cubin").compile(opts)
     return cubin
 
 
-def check_kernels(specs=None, dtypes=kernels.DTYPES, archs=kernels.ARCHS):
+def check_kernels(specs=None, dtypes=cuda.DTYPES, archs=cuda.ARCHS):
     """Compiles every spec x dtype x arch; yields a CheckResult for each as it finishes."""
-    tc = kernels._toolchain()
-    for spec in kernels.KERNELS.values() if specs is None else specs:
+    tc = cuda.toolchain()
+    for spec in cuda.all_kernels().values() if specs is None else specs:
         for dtype in dtypes:
             for arch in archs:
                 start = time.perf_counter()
@@ -154,7 +154,7 @@ def _sample(rng, n, dtype):
 
 def _host_program(spec, dtype, ins, outs, scalars):
     def c(t):
-        return "T" if t == "T" else kernels._C_TYPES[np.dtype(t).name]
+        return "T" if t == "T" else cuda.C_TYPES[np.dtype(t).name]
 
     decl, read, bind, write = [], [], [], []
     for raw, t, name in ins:
@@ -169,7 +169,7 @@ def _host_program(spec, dtype, ins, outs, scalars):
         write.append(f"fwrite(_raw_{name}, sizeof({c(t)}), n, stdout);")
         bind.append(f"{c(t)} *{name} = _raw_{name};" if raw else f"{c(t)} &{name} = _raw_{name}[i];")
     body = "\n".join([*decl, *read, "for (long i = 0; i < n; ++i) {", *bind, spec.operation + ";", "}", *write])
-    return (f"{_HOST_PRELUDE}typedef {kernels._C_TYPES[dtype.name]} T;\n{spec.preamble}\n"
+    return (f"{_HOST_PRELUDE}typedef {cuda.C_TYPES[dtype.name]} T;\n{spec.preamble}\n"
             f"int main(int argc, char **argv) {{\nconst long n = atol(argv[1]);\n{body}\nreturn 0;\n}}\n")
 
 
@@ -247,18 +247,18 @@ template <class F> static void launch(dim3 grid, dim3 block, F body) {
 
 
 def emulate_launch(spec, dtype, grid, block, args):
-    """Runs a RawSpec kernel on the CPU over NumPy arguments, as `minitensor.fused._launch` does on
+    """Runs a RawSpec kernel on the CPU over NumPy arguments, as `minitensor.cuda.launch` does on
     the GPU: the arrays are updated in place, and an array passed twice is one buffer, as on the
     GPU."""
-    fused._check_launch_args(spec, dtype, args)
+    cuda.check_launch_args(spec, dtype, args)
     dims = [*grid, 1, 1][:3] + [*block, 1, 1][:3]
     if np.prod(dims[3:]) > 1024 or dims[3] % 32:
         raise ValueError(f"{spec.name}: a block of {dims[3:]} threads: at most 1024, x a multiple of 32")
     # one program per dtype serves every registered RawKernel (each g++ build takes seconds)
-    registered = tuple(s for s in kernels.KERNELS.values() if isinstance(s, kernels.RawSpec))
+    registered = tuple(s for s in cuda.all_kernels().values() if isinstance(s, cuda.RawSpec))
     specs = registered if spec in registered else (spec,)
     blob, owned, slots = [np.array([specs.index(spec), *dims], np.uint32).tobytes()], [], {}
-    for k, ((_, _, pointer), a) in enumerate(zip(fused._raw_params(spec), args)):
+    for k, ((_, _, pointer), a) in enumerate(zip(cuda.raw_params(spec), args)):
         if not pointer:
             blob.append(a.tobytes())
             continue
@@ -282,7 +282,7 @@ def emulate_launch(spec, dtype, grid, block, args):
 def _emulator(specs, dtype_name):
     """The compiled emulation program of the kernels `specs` for one dtype: it reads the kernel's
     index, the launch dimensions and the arguments from stdin, and writes the arrays back."""
-    parts = [_EMU_PRELUDE, f"typedef {kernels._C_TYPES[dtype_name]} T;"]
+    parts = [_EMU_PRELUDE, f"typedef {cuda.C_TYPES[dtype_name]} T;"]
     for index, spec in enumerate(specs):  # a namespace each: the kernels share helper names
         parts += [f"namespace k{index} {{", spec.code, "}", _emulator_runner(index, spec)]
     cases = "\n".join(f"case {i}: return run{i}(d);" for i in range(len(specs)))
@@ -304,7 +304,7 @@ def _emulator(specs, dtype_name):
 
 def _emulator_runner(index, spec):
     """C++ `int run<index>(d)`: reads spec's arguments, launches it, writes its arrays back."""
-    params = fused._raw_params(spec)
+    params = cuda.raw_params(spec)
     n = len(params)
     read, call, write = [], [], []
     for k, (_, base, pointer) in enumerate(params):
@@ -344,18 +344,18 @@ def run(host, archs):
     """Prints a line per check: the host check of each elementwise kernel if `host`, then the
     compile check of every kernel for `archs` unless it is None. Returns the exit status: 0 when
     all passed, 1 when one failed, 2 when the compile check cannot run here."""
-    width = max(map(len, kernels.KERNELS), default=0)
+    width = max(map(len, cuda.all_kernels()), default=0)
     failed = 0
     if host:
-        for spec in (s for s in kernels.KERNELS.values() if isinstance(s, kernels.ElementwiseSpec)):
-            for dtype in kernels.DTYPES:
+        for spec in (s for s in cuda.all_kernels().values() if isinstance(s, cuda.ElementwiseSpec)):
+            for dtype in cuda.DTYPES:
                 result = host_check(spec, dtype)
                 failed += not result.ok
                 print(result.line(width), flush=True)
     if archs is not None:
         try:
-            tc = kernels._toolchain()
-        except kernels.ToolchainMissing as e:
+            tc = cuda.toolchain()
+        except cuda.ToolchainMissing as e:
             print(f"cannot run the compile check: {e}")
             return 2
         start, count = time.perf_counter(), 0

@@ -1,7 +1,5 @@
-"""The CUDA kernels of the project, each beside the NumPy formula it must equal, and their checks.
-
-This module holds the registry of every kernel, GELU, and the lazy CuPy builds; the fused kernels
-of the GPU path are in `minitensor/fused.py` and the checks in `minitensor/kernelcheck.py`.
+"""GELU's formula, its NumPy code and its CUDA kernels (plain and with the bias fused), and the
+command line of the kernel checks.
 
 GELU, the tanh approximation (SPEC 1), elementwise over any shape, float32 or float64:
 
@@ -12,98 +10,26 @@ GELU, the tanh approximation (SPEC 1), elementwise over any shape, float32 or fl
 and `gelu_backward` take NumPy or CuPy arrays: NumPy runs the formula in place over cache-sized
 chunks, CuPy runs the ElementwiseKernels 'gelu_fwd' and 'gelu_bwd' (type placeholder `T`, so
 float64 works on the GPU too). `gelu_*_reference` are the formulas written plainly, for tests.
+`bias_gelu_*_gpu` fuse the Linear's bias into the same pass (GELU's fused piece `bias_gelu`,
+used by minitensor/gelu.py when minitensor.cuda says it is in use).
 
-`KERNELS` registers every CUDA kernel of the project: GELU's here, the fused ones when
-`minitensor.fused` is imported (`minitensor.kernelcheck` and the command line import it). A spec
-holds what CuPy needs to build the kernel (built lazily, once) and can produce the exact source
-NVRTC compiles for a dtype, which makes two checks possible without a GPU:
+The registry of every CUDA kernel is `minitensor.cuda.KERNELS`; each layer's kernels live in
+its own module. Two checks of them need no GPU (minitensor/kernelcheck.py):
 
     python -m minitensor.kernels --check       NVRTC compiles every kernel x dtype x arch
     python -m minitensor.kernels --host-check  g++ runs each elementwise operation on the CPU
                                                and compares it with its NumPy formula
-
-The exact elementwise sources come from CuPy private APIs (SPEC 5), so CuPy's minor version is
-pinned by the `kernel-check` extra. Importing this module costs nothing: CuPy is imported only by
-the functions that need it.
 """
-
 import argparse
-import dataclasses
-import functools
 import math
 import sys
-from collections.abc import Callable
 
 import numpy as np
 
+from minitensor import cuda
 from minitensor.parallel import parallel_for
 
-INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU needed)"
-DTYPES = ("float32", "float64")
-ARCHS = ("sm_80", "sm_90")
 _CHUNK = 65536  # elements per NumPy pass, so a chunk's operands stay in cache: 1.3-1.6x faster on 4-12 MB
-
-
-# ---------------------------------------------------------------------------------------------
-# The registry
-
-
-@dataclasses.dataclass(frozen=True)
-class ElementwiseSpec:
-    """A `cupy.ElementwiseKernel`, described without CuPy.
-
-    `reference(**inputs)` is the NumPy formula the kernel must equal (one output array, or a
-    tuple for several). `scalars` names the in-params passed as host scalars, each with a sample
-    value for the host check; every other param is an array. Only the type placeholder `T`.
-    """
-
-    name: str
-    in_params: str
-    out_params: str
-    operation: str
-    reference: Callable = dataclasses.field(compare=False)
-    preamble: str = ""
-    options: tuple = ()
-    scalars: tuple = ()  # ((name, sample value), ...)
-    # ((name, fn), ...): fn maps the host check's samples of an input into its domain (v >= 0, ...)
-    domains: tuple = dataclasses.field(default=(), compare=False)
-
-    def kernel(self, dtype=None):
-        """The CuPy kernel; one object serves every dtype."""
-        return _elementwise_kernel(self)
-
-    def source(self, dtype):
-        """The exact source CuPy hands NVRTC for contiguous arguments of `dtype`."""
-        return _elementwise_source(self, np.dtype(dtype))
-
-
-@dataclasses.dataclass(frozen=True)
-class RawSpec:
-    """A `cupy.RawKernel` whose code is written against the type name `T` (one build per dtype)."""
-
-    name: str
-    code: str
-    options: tuple = ()
-
-    def kernel(self, dtype):
-        return _raw_kernel(self, np.dtype(dtype))
-
-    def source(self, dtype):
-        return f"typedef {_C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
-
-
-# name -> spec, for every CUDA kernel in the project. A spec has `name`, `options` (passed to
-# NVRTC before CuPy's own), `source(dtype)` (the exact source NVRTC compiles) and `kernel(dtype)`
-# (the CuPy kernel, built once); a ReductionKernel spec would add its generated source likewise.
-KERNELS = {}
-_C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}
-
-
-def register(spec):
-    if spec.name in KERNELS:
-        raise ValueError(f"a kernel named {spec.name!r} is already registered")
-    KERNELS[spec.name] = spec
-    return spec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,14 +61,14 @@ def gelu_backward_reference(x, dy):
 #   dx = dy * sig * (1 + (1 - sig) 2g)      [0.5 (1 - t) = 1 - sig]
 # GELU forward 25% and backward 15-20% faster on 1-38 M elements, equal to float32 rounding.
 
-GELU_FWD = register(ElementwiseSpec(
+GELU_FWD = cuda.register(cuda.ElementwiseSpec(
     "gelu_fwd", "T x", "T y",
     f"const T t = tanh(x * ((T){_AC!r} * x * x + (T){_C!r}));\n"
     "y = x * ((T)0.5 * ((T)1 + t));",
     reference=gelu_forward_reference,
 ))
 
-GELU_BWD = register(ElementwiseSpec(
+GELU_BWD = cuda.register(cuda.ElementwiseSpec(
     "gelu_bwd", "T x, T dy", "T dx",
     "const T x2 = x * x;\n"
     f"const T s = (T)1 - tanh(x * ((T){_AC!r} * x2 + (T){_C!r}));\n"
@@ -158,7 +84,7 @@ def gelu_forward(x, out=None, bias=None):
     With bias (C,), x (..., C) must be C-contiguous: x += bias in place first (on NumPy in the same
     cache-sized pass), and y = GELU(x + bias).
     """
-    _check_operands("gelu_forward", x, out)
+    cuda.check_operands("gelu_forward", x, out)
     if bias is not None:
         _check_bias("gelu_forward", x, out, bias)
         if isinstance(x, np.ndarray):
@@ -175,7 +101,7 @@ def gelu_forward(x, out=None, bias=None):
 
 def gelu_backward(x, dy, out=None):
     """dL/dx from the forward input x and dy = dL/dy, into `out` if given; returns dx."""
-    _check_operands("gelu_backward", x, out, dy)
+    cuda.check_operands("gelu_backward", x, out, dy)
     if isinstance(x, np.ndarray):
         out = np.empty_like(x) if out is None else out
         x, dy = _unaliased(x, out), _unaliased(dy, out)
@@ -245,20 +171,6 @@ def _gelu_forward_bias(x, out, bias):
     return out
 
 
-def _check_operands(fn, x, out, dy=None):
-    dtype = getattr(x, "dtype", None)
-    if dtype not in (np.float32, np.float64):
-        raise TypeError(f"{fn}: x must be a float32 or float64 NumPy/CuPy array, got {type(x).__name__}"
-                        + (f" of {dtype}" if dtype is not None else ""))
-    if not isinstance(x, np.ndarray) and type(x).__module__.split(".")[0] != "cupy":
-        raise TypeError(f"{fn}: x must be a NumPy or CuPy array, got {type(x).__name__}")
-    for name, a in (("dy", dy), ("out", out)):
-        if a is not None and (type(a) is not type(x) or a.shape != x.shape or a.dtype != x.dtype):
-            raise ValueError(f"{fn}: {name} must be a {type(x).__name__} of shape {x.shape} and dtype "
-                             f"{x.dtype}, like x; got {type(a).__name__} {getattr(a, 'shape', '')} "
-                             f"{getattr(a, 'dtype', '')}")
-
-
 def _unaliased(a, out):
     """`a`, or a copy of it if it partly overlaps `out` (an exact alias is fine elementwise)."""
     same = (a.__array_interface__["data"][0] == out.__array_interface__["data"][0]
@@ -286,72 +198,78 @@ def _run_blocks(block_fn, arrays, n_work):
 
 
 # ---------------------------------------------------------------------------------------------
-# CuPy: lazy builds and exact sources
+# bias + GELU: y = GELU(x + b), b broadcast over the rows; x is the matmul output (N, C) ---
 
 
-class ToolchainMissing(ImportError):
-    """CuPy (with NVRTC) is not importable here; the message says how to install it."""
+def bias_gelu_forward_reference(x, b):
+    return gelu_forward_reference(x + b)
 
 
-@functools.cache
-def _toolchain():
-    """CuPy's modules that the builds and the compile check use, with NVRTC proven loadable."""
-    try:
-        import cupy
-        from cupy._core import _carray, _kernel, _scalar, core
-        from cupy.cuda import compiler
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc_version = nvrtc.getVersion()  # loads libnvrtc: fails here if it is missing
-    except Exception as e:
-        raise ToolchainMissing(f"CuPy with NVRTC is not importable ({type(e).__name__}: {e}); "
-                               f"install it with: {INSTALL_HINT}") from e
-    return argparse.Namespace(cupy=cupy, carray=_carray, kernel=_kernel, scalar=_scalar, core=core,
-                              compiler=compiler, nvrtc_version=nvrtc_version)
+def bias_gelu_backward_reference(x, b, dy):
+    """dL/dh for h = x + b; dL/dx is the same, dL/db its sum over the rows."""
+    return gelu_backward_reference(x + b, dy)
 
 
-@functools.cache
-def _elementwise_kernel(spec):
-    import cupy
-
-    return cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name,
-                                  preamble=spec.preamble, options=spec.options)
+def _column(n, C):
+    """Column of each flat index of an (n / C, C) array: what `i % C` gives in the kernels."""
+    return np.arange(n) % int(C)
 
 
-@functools.cache
-def _raw_kernel(spec, dtype):
-    import cupy
+# `i` is the flat C-order index over x's shape, so `i % C` is the column even for strided x; the
+# 32-bit cast avoids a 64-bit modulo per element (the wrappers refuse 2**31 elements or more).
+BIAS_GELU_FWD = cuda.register(cuda.ElementwiseSpec(
+    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y",
+    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n"
+    f"const T t = tanh(h * ((T){_AC!r} * h * h + (T){_C!r}));\n"
+    "y = h * ((T)0.5 * ((T)1 + t));",
+    reference=lambda x, b, C: bias_gelu_forward_reference(x, b[_column(x.size, C)]),
+    scalars=(("C", 7),),
+))
 
-    return cupy.RawKernel(spec.source(dtype), spec.name, options=spec.options)
+BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
+    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh",
+    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n"
+    "const T h2 = h * h;\n"
+    f"const T s = (T)1 - tanh(h * ((T){_AC!r} * h2 + (T){_C!r}));\n"
+    f"const T g = h * ((T){_AC3!r} * h2 + (T){_C!r});\n"
+    "dh = dy * (((T)1 + s * g) * ((T)1 - (T)0.5 * s));",
+    reference=lambda x, b, C, dy: bias_gelu_backward_reference(x, b[_column(x.size, C)], dy),
+    scalars=(("C", 7),),
+))
 
 
-# Values of CuPy's `_ArgKind` enum (cupy/_core/_kernel.pxd), not exported to Python.
-_ARG_NDARRAY, _ARG_INDEXER, _ARG_SCALAR = 1, 2, 3
+def bias_gelu_forward_gpu(x, b, out=None):
+    """GELU(x + b) for x (..., C) and b (C,) CuPy arrays, into `out` if given; returns y.
+
+    The caller keeps x (the matmul output without its bias) for the backward: h = x + b is never
+    stored."""
+    _check_bias_gpu(x, b, out, "bias_gelu_forward_gpu")
+    cuda.on_cupy("bias_gelu_forward_gpu", x, "gelu_forward(x + b)")
+    kern = BIAS_GELU_FWD.kernel()
+    C = np.int32(x.shape[-1])
+    return kern(x, b, C) if out is None else kern(x, b, C, out)
 
 
-def _elementwise_source(spec, dtype):
-    """Rebuilds what `ElementwiseKernel.__call__` compiles for C-contiguous arrays of fewer than
-    2**31 elements (reduced to 1-D, 32-bit indexing), and what `compile_with_cache` prepends."""
-    tc = _toolchain()
-    kern = spec.kernel()
-    scalars = {name for name, _ in spec.scalars}
-    in_dtypes = tuple(None if p.name in scalars else p.dtype or dtype for p in kern.in_params)
-    in_types, out_types, type_map = kern._decide_params_type(in_dtypes, ())
+def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
+    """dL/dh for h = x + b, y = GELU(h), from the forward's x and b and dy = dL/dy; into `out`
+    if given (it may be dy). With `db`, also db += the column sums of dh. Returns dh."""
+    _check_bias_gpu(x, b, out, "bias_gelu_backward_gpu", dy)
+    cuda.on_cupy("bias_gelu_backward_gpu", x, "gelu_backward(x + b, dy)")
+    kern = BIAS_GELU_BWD.kernel()
+    C = np.int32(x.shape[-1])
+    dh = kern(x, b, C, dy) if out is None else kern(x, b, C, dy, out)
+    if db is not None:
+        db += dh.reshape(-1, dh.shape[-1]).sum(axis=0)
+    return dh
 
-    def arg(p, t):
-        if p.name in scalars:
-            return tc.kernel._ArgInfo(_ARG_SCALAR, tc.scalar.CScalar, t, 0, True, True)
-        return tc.kernel._ArgInfo(_ARG_NDARRAY, tc.cupy.ndarray, t, 1, True, True)
 
-    arginfos = tuple(arg(p, t) for p, t in zip(kern.in_params + kern.out_params, in_types + out_types))
-    arginfos += (tc.kernel._ArgInfo(_ARG_INDEXER, tc.carray.Indexer, None, 1, True, True),)
-    code = tc.kernel._get_elementwise_kernel_code(arginfos, type_map, kern.params, kern.operation,
-                                                  kern.name, kern.preamble, **kern.kwargs)
-    if f"void {spec.name}(" not in code or "CIndexer<1, 1> _ind" not in code:
-        raise RuntimeError(f"CuPy {tc.cupy.__version__} generated unexpected code for {spec.name}: its "
-                           f"private kernel-code API changed; {INSTALL_HINT}")
-    header = "".join(f"#include <{h}>\n" for h in tc.core._cupy_header_list)
-    return header + code
+def _check_bias_gpu(x, b, out, fn, dy=None):
+    cuda.check_operands(fn, x, out, dy)
+    if x.ndim < 1 or x.size >= 2**31:
+        raise ValueError(f"{fn}: x must have 1 to 2**31 - 1 elements and a last axis, got shape {x.shape}")
+    if b.shape != x.shape[-1:] or b.dtype != x.dtype or not b.flags.c_contiguous:
+        raise ValueError(f"{fn}: b must be a contiguous {x.dtype} vector of shape {x.shape[-1:]}, got "
+                         f"{b.dtype} {b.shape}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,22 +280,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m minitensor.kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="NVRTC-compile every kernel (no GPU needed)")
     parser.add_argument("--host-check", action="store_true", help="run elementwise operations as C++ vs NumPy")
-    parser.add_argument("--arch", nargs="+", default=list(ARCHS), help="GPU archs to compile for (sm_XX)")
+    parser.add_argument("--arch", nargs="+", default=list(cuda.ARCHS), help="GPU archs to compile for (sm_XX)")
     args = parser.parse_args(argv)
-    # Here, not at the top: kernelcheck imports this module. It imports fused.py too, so every
-    # kernel is registered before the registry is listed or checked.
-    from minitensor import kernelcheck
+    from minitensor import kernelcheck  # here: the library never needs it
 
     if not (args.check or args.host_check):
-        print("kernels:", ", ".join(KERNELS))
+        print("kernels:", ", ".join(cuda.all_kernels()))
         parser.print_usage()
         return 0
     return kernelcheck.run(host=args.host_check, archs=args.arch if args.check else None)
 
 
 if __name__ == "__main__":
-    # Run the registry of the imported module, where kernels defined elsewhere register too,
-    # rather than this __main__ copy of it.
+    # the imported module's main, not this __main__ copy, whose kernel specs are other objects
     from minitensor.kernels import main as _main
 
     sys.exit(_main())

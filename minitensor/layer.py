@@ -3,6 +3,8 @@
 A layer's `forward(x)` returns y and keeps what its backward needs; `backward(dy)` accumulates
 (`+=`) the parameter gradients into the gradient views it was given, returns dx, and drops the
 cache, so a second backward without a new forward fails at once instead of reusing stale state.
+`infer(...)` is the same forward keeping nothing (inference and sampling): one formula per layer,
+and a backward still pending from a training forward keeps its cache.
 """
 
 
@@ -18,6 +20,13 @@ class Layer:
             raise RuntimeError(f"{type(self).__name__}.backward called without a forward (or twice)")
         self._cache = None
         return cache
+
+    def infer(self, *args, **kwargs):
+        """forward(*args, **kwargs) for inference: the same formula, nothing kept for a backward."""
+        pending = self._cache
+        y = self.forward(*args, **kwargs)
+        self._cache = pending
+        return y
 
     @property
     def has_cache(self):

@@ -1,21 +1,24 @@
-"""One-shot check of the GPU path: training parity with NumPy, the fused kernels against the
-generic CuPy code at ANDREA-120M shapes, and ANDREA-120M training throughput in float32 and TF32.
+"""The Python phases of the GPU check (scripts/gpu_check.sh runs them in its order): the fused
+kernels, float32 GPU gradients against NumPy float64, and ANDREA-120M training throughput in TF32.
 
-    PYTHONPATH=. python scripts/gpu_check.py             # every part (gpu_check.sh runs the GPU tests first)
+    PYTHONPATH=. python scripts/gpu_check.py --parts kernels,gradients,bench
     PYTHONPATH=. python scripts/gpu_check.py --dry-run   # the same code on NumPy at toy sizes, no GPU
 
 Parts (each in a fresh process with its own time limit, so a CUDA error or a hang in one does not
-hide the others, and CUPY_TF32 is in place before the first matmul; exit status 1 if any failed):
+hide the others; exit status 1 if any failed):
 
-    parity         a tiny ANDREA trained 5 steps on CuPy (float64, float32) and on NumPy float64
-                   from one seed: per-step losses and step-0 gradients, per tensor
-    kernels        each fused kernel against the generic xp code of its layer at ANDREA-120M
-                   shapes (float32): max error and time of each
-    bench-float32  ANDREA-120M, batch 8 x 1024, AdamW, float32 matmuls: tokens/s, MFU, peak memory
-    bench-tf32     the same with CUPY_TF32=1 (TF32 tensor-core matmuls)
+    kernels    the start-up self-check (minitensor.selfcheck: which fused pieces agree with the
+               generic path), then each fused kernel against the generic xp code of its layer at
+               ANDREA-120M shapes (float32): max error and time of each
+    gradients  a small ANDREA (4 layers, d 128; 2 in the dry run) at T = 256 trained 3 steps on CuPy in float32,
+               once as training runs (dense attention core, self-checked fused kernels) and once
+               with the generic kernels and the blocked core (two query blocks of 128), each
+               against NumPy float64 from the same seed: per-step losses, step-0 gradients
+    bench      ANDREA-120M, batch 8 x 1024, AdamW, tf32: true (set through CuPy's API), the
+               fused kernels self-checked: tokens/s, MFU, peak GPU memory
 
 Everything printed also goes to gpu_check_results.txt in $OUT if set, else the current directory
-(unless gpu_check.sh already copies it there).
+(unless gpu_check.sh already keeps it).
 """
 
 import argparse
@@ -31,7 +34,7 @@ import numpy as np
 
 PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (SPEC 4)
 PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
-PARTS = {"parity": 40, "kernels": 55, "bench-float32": 55, "bench-tf32": 55}  # seconds each, at most
+PARTS = {"kernels": 23, "gradients": 23, "bench": 48}  # seconds each, at most (gpu_check.sh allows a little more)
 RESULTS = os.path.join(os.environ.get("OUT") or ".", "gpu_check_results.txt")
 
 
@@ -55,30 +58,51 @@ def verdict(ok):
     return "ok  " if ok else "FAIL"
 
 
-# --- parity: the same training on CuPy and NumPy ---------------------------------------------------
+# --- gradients: float32 training on CuPy against NumPy float64, at T = 256 --------------------------
 
 
-def part_parity(dry):
+def part_gradients(dry):
+    import dataclasses
+
     from andrea.config import load_config
+    from minitensor import cuda
+    from minitensor.attention import CausalSelfAttention
+    from minitensor.backend import set_tf32
+    from minitensor.selfcheck import select_kernels
 
-    cfg = load_config("tiny").model
-    B, T, steps = (2, 16, 3) if dry else (4, 64, 5)
+    cfg = dataclasses.replace(load_config("tiny").model, context_length=256, n_layer=2 if dry else 4)
+    B, T, steps = (1, 256, 2) if dry else (2, 256, 3)
     rng = np.random.default_rng(1)
     data = [rng.integers(0, cfg.vocab_size, (B, T + 1)) for _ in range(steps)]
     ref_losses, ref_grads = _train(cfg, "cpu", "float64", data)
-    log(f"tiny ANDREA ({cfg.n_layer} layers, d {cfg.d_model}), {steps} AdamW steps of {B} x {T} from seed 0; "
+    log(f"ANDREA {cfg.n_layer} layers, d {cfg.d_model}, {steps} AdamW steps of {B} x {T} from seed 0; "
         f"NumPy float64 losses: {', '.join(f'{v:.6f}' for v in ref_losses)}")
+    device = "cpu" if dry else "gpu"
+    if not dry:
+        import cupy
+
+        log(set_tf32(cupy, False))  # float32 GEMMs: TF32 would loosen the comparison to 1e-3
     failed = False
-    for dtype, tolerance in (("float64", 1e-10), ("float32", 1e-4)):
-        losses, grads = _train(cfg, "cpu" if dry else "gpu", dtype, data)
+    variants = (("dense core, kernels auto", True), ("blocked core (2 query blocks), generic kernels", False))
+    for variant, dense in variants:
+        CausalSelfAttention.dense = dense
+        if dry:
+            kernels_line = "kernels: generic (NumPy)"
+        else:
+            import cupy
+
+            kernels_line = select_kernels("auto" if dense else "generic", cupy)
+        losses, grads = _train(cfg, device, "float32", data)
+        cuda.in_use = set()
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         errs = {name: normwise(grads[name], ref_grads[name]) for name in ref_grads}
         worst = max(errs, key=errs.get)
-        ok = loss_err <= tolerance and errs[worst] <= tolerance
+        ok = loss_err <= 1e-4 and errs[worst] <= 1e-3
         failed |= not ok
-        log(f"{verdict(ok)} {'NumPy' if dry else 'CuPy'} {dtype}: losses within {loss_err:.2e} relative; step-0 "
-            f"gradients within {errs[worst]:.2e} (worst tensor {worst}; median "
-            f"{statistics.median(errs.values()):.2e}); tolerance {tolerance:g}")
+        log(f"{verdict(ok)} {'NumPy' if dry else 'CuPy'} float32, {variant} ({kernels_line}): losses within "
+            f"{loss_err:.2e} relative (tolerance 1e-4); step-0 gradients within {errs[worst]:.2e} norm-wise "
+            f"(worst tensor {worst}; median {statistics.median(errs.values()):.2e}; tolerance 1e-3)")
+    CausalSelfAttention.dense = None
     return failed
 
 
@@ -87,7 +111,7 @@ def _train(cfg, device, dtype, data):
     from andrea.model import ANDREA
     from andrea.optim import AdamW
     from minitensor.backend import to_numpy
-    from minitensor.optim import global_norm
+    from minitensor.optim import clip_scale, global_norm
 
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0)
     opt = AdamW(model, lr=1e-3)
@@ -98,8 +122,7 @@ def _train(cfg, device, dtype, data):
         model.backward()
         if grads is None:
             grads = {name: to_numpy(g).astype(np.float64) for name, g in model.named_grads()}
-        norm = global_norm(model.params.grads)
-        opt.step(grad_scale=1.0 / (norm + 1e-6) if norm > 1.0 else 1.0)
+        opt.step(grad_scale=clip_scale(global_norm(model.params.grads), 1.0, 0.0)[0])
     return losses, grads
 
 
@@ -107,17 +130,19 @@ def _train(cfg, device, dtype, data):
 
 
 def part_kernels(dry):
-    from minitensor import attention, kernelcheck
-    from minitensor import fused as K
+    from minitensor import attention, cuda, kernelcheck, kernels, layernorm, loss, optim
     from minitensor.kernels import gelu_backward, gelu_forward
     from minitensor.layernorm import LayerNorm
     from minitensor.loss import SoftmaxCrossEntropy
     from minitensor.optim import AdamW
     from minitensor.params import Params
+    from minitensor.selfcheck import select_kernels
 
+    failed = False
     if dry:
         xp = np
-        K._launch = kernelcheck.emulate_launch
+        log(select_kernels("auto", np) + " (dry run: the self-check itself runs only on CuPy)")
+        cuda.launch = kernelcheck.emulate_launch
         N, C, F, BH, T, V = 6, 40, 64, 2, 20, 50
         shapes, reps = {"w": (50, 40), "b": (40,)}, 1
     else:
@@ -125,6 +150,13 @@ def part_kernels(dry):
 
         from andrea.config import load_config
         from andrea.model import param_shapes
+
+        start = time.perf_counter()
+        line = select_kernels("auto", xp)
+        failed = "generic for" in line  # a fused kernel disagreed with its generic path
+        log(f"{verdict(not failed)} self-check in {time.perf_counter() - start:.1f} s (kernels compiled "
+            f"included): {line}")
+        cuda.in_use = set()  # the comparisons below call the kernels directly
 
         N, C, F, BH, T, V = 8 * 1024, 768, 3072, 8 * 12, 1024, 8449
         shapes, reps = param_shapes(load_config("120m").model), 10
@@ -232,42 +264,42 @@ def part_kernels(dry):
 
     def adamw_fused(d):
         p, opt = d["params"], d["opt"]
-        K.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        optim.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
         return p.data, opt.m, opt.v
 
     cases = [  # name, setup, fused, generic, uses an ElementwiseKernel (not in the dry run)
-        ("layernorm fwd", layernorm_setup, lambda d: K.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
+        ("layernorm fwd", layernorm_setup, lambda d: layernorm.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
          ln_generic_fwd, False),
         ("layernorm bwd", layernorm_setup,
-         lambda d: (K.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"]),
+         lambda d: (layernorm.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"]),
                     d["dw"], d["db"]), ln_generic_bwd, False),
         ("layernorm fwd + residual", layernorm_setup,
-         lambda d: (K.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]), ln_generic_res,
-         False),
+         lambda d: (layernorm.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+         ln_generic_res, False),
         ("layernorm bwd + residual", layernorm_setup,
-         lambda d: (K.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"],
+         lambda d: (layernorm.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"],
                                              add_to=d["r"]), d["dw"], d["db"]),
          lambda d: ln_generic_bwd(d, add_to=d["r"]), False),
-        ("bias + gelu fwd", gelu_setup, lambda d: (K.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd, True),
-        ("bias + gelu bwd", gelu_setup, lambda d: (K.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+        ("bias + gelu fwd", gelu_setup, lambda d: (kernels.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd,
+         True),
+        ("bias + gelu bwd", gelu_setup, lambda d: (kernels.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
                                                    d["db"]), gelu_generic_bwd, True),
         ("causal softmax fwd", softmax_setup,
-         lambda d: (K.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         lambda d: (attention.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
          softmax_generic_fwd, False),
-        ("causal softmax bwd", softmax_setup, lambda d: (K.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),),
-         softmax_generic_bwd, False),
+        ("causal softmax bwd", softmax_setup,
+         lambda d: (attention.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), softmax_generic_bwd, False),
         ("causal softmax recompute", softmax_setup,
-         lambda d: (K.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (attention.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
          lambda d: (attention.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
-        ("cross-entropy fwd", xent_setup, lambda d: (K.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+        ("cross-entropy fwd", xent_setup, lambda d: (loss.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
          xent_generic_fwd, False),
-        ("cross-entropy bwd", xent_setup, lambda d: (K.softmax_xent_backward_gpu(d["probs"], d["t"]),),
+        ("cross-entropy bwd", xent_setup, lambda d: (loss.softmax_xent_backward_gpu(d["probs"], d["t"]),),
          xent_generic_bwd, True),
         ("adamw step", adamw_setup, adamw_fused, adamw_generic, True),
     ]
     log(f"float32; rows N {N}, C {C}, mlp {F}, scores {BH} x {T} x {T}, vocab {V}; times are the mean of {reps} "
         f"calls after one, with the device synchronised around them; tolerance 1e-5 (norm-wise)")
-    failed = False
     for name, setup, fused, generic, elementwise in cases:
         if dry and elementwise:
             log(f"skip {name:<26} (an ElementwiseKernel: needs CuPy)")
@@ -311,21 +343,25 @@ def _free(xp):
 # --- bench: ANDREA-120M at 8 x 1024 --------------------------------------------------------------
 
 
-def part_bench(mode, dry):
+def part_bench(dry):
     from andrea.config import load_config
     from andrea.model import ANDREA, flops_per_token
     from andrea.optim import AdamW
-    from andrea.perf import matmul_peak_flops, peak_rss_bytes, synchronize
-    from minitensor.optim import global_norm
+    from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
+    from minitensor.backend import set_tf32
+    from minitensor.optim import clip_scale, global_norm
+    from minitensor.selfcheck import select_kernels
 
-    cfg = load_config("tiny" if dry else "120m").model
+    full = load_config("tiny" if dry else "120m")
+    cfg = full.model
     B, T = (2, 32) if dry else (8, 1024)
     warmup, steps = (1, 2) if dry else (3, 5)
-    log(f"{mode}: CUPY_TF32={os.environ.get('CUPY_TF32', '')!r}; {'tiny' if dry else 'ANDREA-120M'} at {B} x {T}, "
-        f"{warmup} warm-up steps then {steps} timed")
     model = ANDREA(cfg, device="cpu" if dry else "gpu", dtype="float32", seed=0)
     opt = AdamW(model, lr=6e-4)
     xp = model.xp
+    mode = "tf32" if full.train.tf32 else "float32"
+    log(f"{'tiny' if dry else 'ANDREA-120M'} at {B} x {T}, {warmup} warm-up steps then {steps} timed",
+        set_tf32(xp, full.train.tf32), select_kernels(full.train.kernels, xp))
     rng = np.random.default_rng(0)
     batches = [xp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1))) for _ in range(2)]
     pool = None if dry else xp.get_default_memory_pool()
@@ -348,8 +384,9 @@ def part_bench(mode, dry):
         if timed_split:
             synchronize(xp)
             marks.append(time.perf_counter())
-        norm = global_norm(model.params.grads)  # one host synchronisation, as the training loop has
-        opt.step(grad_scale=1.0 / (norm + 1e-6) if norm > 1.0 else 1.0)
+        scale, finite = clip_scale(global_norm(model.params.grads), 1.0, loss)
+        if bool(finite):  # the one host read of a training step
+            opt.step(grad_scale=scale)
         if timed_split:
             synchronize(xp)
             marks.append(time.perf_counter())
@@ -373,7 +410,7 @@ def part_bench(mode, dry):
     tokens_per_s = B * T / statistics.median(times)
     n_params = model.num_parameters()
     achieved = tokens_per_s * flops_per_token(cfg, T, n_params)
-    measured = matmul_peak_flops(xp, n=256 if dry else 4096, repeats=3)
+    measured = matmul_peak_flops(xp, n=256 if dry else 8192, repeats=3)
     result = {"mode": mode, "batch": B, "seq_len": T, "parameters": n_params, "tokens_per_s": tokens_per_s,
               "step_ms_median": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times),
               "step_ms_max": 1e3 * max(times), "achieved_tflops": achieved / 1e12,
@@ -392,7 +429,7 @@ def part_bench(mode, dry):
         f"({flops_per_token(cfg, T, n_params) / 1e6:.0f} MFLOP/token, {n_params:,} parameters)",
         f"MFU {100 * result['mfu_fp32_peak']:.1f}% of the FP32 peak (67 TFLOP/s), "
         f"{100 * result['mfu_tf32_peak']:.1f}% of the TF32 dense peak (495 TFLOP/s), "
-        f"{100 * result['mfu_measured_peak']:.1f}% of the 4096^3 matmul measured here "
+        f"{100 * result['mfu_measured_peak']:.1f}% of the {peak_label(xp, full.train.tf32)} measured here "
         f"({result['matmul_peak_tflops']:.1f} TFLOP/s)",
         "one step split (synchronised): " + ", ".join(f"{k} {v:.1f} ms" for k, v in result["split_ms"].items()))
     if pool is not None:
@@ -407,11 +444,7 @@ def part_bench(mode, dry):
 
 
 def run_part(name, dry):
-    if name == "parity":
-        return part_parity(dry)
-    if name == "kernels":
-        return part_kernels(dry)
-    return part_bench(name.split("-", 1)[1], dry)
+    return {"kernels": part_kernels, "gradients": part_gradients, "bench": part_bench}[name](dry)
 
 
 def main(argv=None):
@@ -427,7 +460,7 @@ def main(argv=None):
         ap.error(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
     summary, results = [], []
     for name in args.parts.split(","):
-        env = dict(os.environ, CUPY_TF32="1" if name == "bench-tf32" else "0", GPU_CHECK_TEED="1")
+        env = dict(os.environ, GPU_CHECK_TEED="1")
         cmd = [sys.executable, os.path.abspath(__file__), "--part", name] + (["--dry-run"] if args.dry_run else [])
         log(f"== {name}")
         start = time.perf_counter()

@@ -4,12 +4,23 @@ NumPy is always there; CuPy joins the list only when a GPU actually works (a tin
 tiny matmul ran), so a CPU-only machine runs every check on NumPy and reports the GPU as absent
 in the header rather than as skipped gradient checks. The `cupy` fixture is for tests that run
 only on a GPU (the CUDA kernels): it skips them with the probe's reason when none works.
+`model_xp` runs a whole-model test on every backend, and on CuPy twice: with the generic kernels
+and with every fused one in use.
+
+With ANDREA_TEST_PROFILE=gpu (scripts/gpu_check.sh), every hypothesis test runs at most
+GPU_EXAMPLES examples without a deadline: the lent GPU's minutes go to more kinds of checks
+rather than more draws of each (the CPU suite keeps its counts).
 """
+
+import os
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
-from minitensor import backend
+from minitensor import backend, cuda
+
+GPU_EXAMPLES = 3
 
 
 def available_backends():
@@ -39,3 +50,31 @@ def cupy():
     import cupy
 
     return cupy
+
+
+def model_backends():
+    xps = [pytest.param((np, ()), id="numpy")]
+    if backend.gpu_available():
+        import cupy
+
+        xps += [pytest.param((cupy, ()), id="cupy-generic", marks=pytest.mark.gpu),
+                pytest.param((cupy, cuda.FUSED), id="cupy-fused", marks=pytest.mark.gpu)]
+    return xps
+
+
+@pytest.fixture(scope="module", params=model_backends())
+def model_xp(request):
+    xp, fused = request.param
+    with cuda.using(fused):
+        yield xp
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("ANDREA_TEST_PROFILE") != "gpu":
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        current = getattr(test, "_hypothesis_internal_use_settings", None)
+        if current is not None:  # read by hypothesis when the test runs
+            test._hypothesis_internal_use_settings = settings(
+                current, max_examples=min(current.max_examples, GPU_EXAMPLES), deadline=None)

@@ -110,7 +110,9 @@ def gelu_case(xp, dtype, seed, dims):
 
 
 def attention_case(xp, dtype, seed, dims):
-    """dims["block"]: query rows per block; dims["recompute"]: recompute the probabilities in backward."""
+    """dims["block"]: query rows per block; dims["recompute"]: recompute the probabilities in backward;
+    dims["dense"]: the dense core (one GEMM per product, no blocks) forced on or off; by default the
+    layer chooses (dense on CuPy), and a case with blocks or recomputation keeps to the blocks."""
     rng = np.random.default_rng(seed)
     B, T, C, nh = dims["B"], dims["T"], dims["C"], dims["n_head"]
     shapes = {"c_attn.weight": (C, 3 * C), "c_attn.bias": (3 * C,), "c_proj.weight": (C, C), "c_proj.bias": (C,)}
@@ -121,6 +123,7 @@ def attention_case(xp, dtype, seed, dims):
     layer.block = dims.get("block", layer.block)
     if dims.get("recompute"):
         layer.keep_probs_max_bytes = 0
+    layer.dense = dims.get("dense", False if "block" in dims or dims.get("recompute") else None)
     x = xp.asarray(rng.standard_normal((B, T, C)), dtype=dtype)
 
     def reference():
@@ -246,6 +249,7 @@ CASES = {
     "attention-blocks": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "block": 2}),
     "attention-recompute": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed,
                                                                         {**dims, "block": 3, "recompute": True}),
+    "attention-dense": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "dense": True}),
     "linear+residual": with_residual(linear_case),
     "linear+gelu": linear_gelu_case,
     "layernorm+residual": layernorm_skip_case,

@@ -4,12 +4,12 @@ import shutil
 
 import pytest
 
-from minitensor import kernels
+from minitensor import cuda
 
 toolchain_reason = None
 try:
-    kernels._toolchain()
-except kernels.ToolchainMissing as e:
+    cuda.toolchain()
+except cuda.ToolchainMissing as e:
     toolchain_reason = str(e)
 
 needs_nvrtc = pytest.mark.skipif(toolchain_reason is not None, reason=str(toolchain_reason))

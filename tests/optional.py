@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "matplotlib": "plot"}
+EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "matplotlib": "plot", "numba": "fast"}
 
 
 def require(name):

@@ -75,7 +75,8 @@ def run(args, n=2, faults=(), timeout=180, env=None):
 
 
 def metrics(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "step" in row]  # step rows, not the resume events
 
 
 def weights(path):
@@ -110,7 +111,7 @@ def test_two_processes_train_the_model_one_process_trains(tmp_path, data_dir, tw
     r = run(["--config", str(config(tmp_path, data_dir)), "--out", str(one)], n=1)
     assert r.returncode == 0, r.stderr
     assert "x 2 micro-batches = 128 tokens/step" in r.stdout
-    assert "x 1 micro-batches x 2 processes (MPI) = 128 tokens/step" in two_ranks.stdout
+    assert "x 1 micro-batch x 2 processes (MPI) = 128 tokens/step" in two_ranks.stdout
     a, b = metrics(one), metrics(two_ranks.out)
     assert [row["step"] for row in a] == [row["step"] for row in b] == list(range(1, 7))
     loss_diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
@@ -196,6 +197,19 @@ def test_a_signal_on_one_rank_stops_all_after_the_same_step(tmp_path, data_dir):
     assert r.returncode == 130, r.stderr
     assert "interrupted at step 2" in r.stderr
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["ckpt-00000002"]
+
+
+def test_data_is_prepared_once_by_rank_0(tmp_path, data_dir):
+    require("mpi4py")
+    fresh = tmp_path / "fresh"
+    cfg = yaml.safe_load(config(tmp_path, data_dir, max_steps=1).read_text())
+    cfg["data"]["data_dir"] = str(fresh)
+    cfg["model"]["vocab_size"] = 8449
+    path = tmp_path / "fresh.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    r = run(["--config", str(path), "--out", str(tmp_path / "o")])
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("-id BPE tokenizer on") == 1 and (fresh / "train.bin").exists()
 
 
 def test_gpu_under_mpi_without_a_gpu_is_one_line_error(tmp_path, data_dir):

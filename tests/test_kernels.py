@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor import kernelcheck, kernels
+from minitensor import cuda, kernelcheck, kernels
 from minitensor.kernels import gelu_backward, gelu_backward_reference, gelu_forward, gelu_forward_reference
 
 DTYPES = [np.float32, np.float64]
@@ -171,27 +171,27 @@ def test_import_needs_no_cupy():
 @needs_nvrtc
 def test_every_kernel_compiles_with_nvrtc():
     results = list(kernelcheck.check_kernels())
-    assert len(results) == len(kernels.KERNELS) * len(kernels.DTYPES) * len(kernels.ARCHS)
+    assert len(results) == len(cuda.all_kernels()) * len(cuda.DTYPES) * len(cuda.ARCHS)
     assert [r.line() for r in results if not r.ok] == []
 
 
 @needs_nvrtc
 def test_check_fails_on_what_nvrtc_rejects(monkeypatch, capsys):
     # nvcc accepts INFINITY; NVRTC, which CuPy uses, does not (SPEC 5).
-    broken = kernels.ElementwiseSpec("broken", "T x", "T y", "y = x < 0 ? -INFINITY : x",
+    broken = cuda.ElementwiseSpec("broken", "T x", "T y", "y = x < 0 ? -INFINITY : x",
                                      reference=lambda x: x)
-    monkeypatch.setattr(kernels, "KERNELS", {"broken": broken})
+    monkeypatch.setattr(cuda, "KERNELS", {"broken": broken})
     assert kernels.main(["--check", "--arch", "sm_90"]) == 1
     out = capsys.readouterr().out
     assert "FAIL broken float32 sm_90" in out and "INFINITY" in out
-    syntax = kernels.RawSpec("syntax", 'extern "C" __global__ void syntax(T *y) { y[0] = ; }')
+    syntax = cuda.RawSpec("syntax", 'extern "C" __global__ void syntax(T *y) { y[0] = ; }')
     [result] = kernelcheck.check_kernels([syntax], dtypes=["float64"], archs=["sm_80"])
     assert not result.ok and "error" in result.error
 
 
 @needs_nvrtc
 def test_raw_kernels_register_with_their_source():
-    raw = kernels.RawSpec("scale", 'extern "C" __global__ void scale(T *y, T a, int n) {\n'
+    raw = cuda.RawSpec("scale", 'extern "C" __global__ void scale(T *y, T a, int n) {\n'
                                    "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
                                    "  if (i < n) y[i] *= a;\n}\n")
     assert raw.source("float32").startswith("typedef float T;")
@@ -207,12 +207,12 @@ def test_elementwise_source_is_what_cupy_generates():
 
 
 def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
-    kernels._toolchain.cache_clear()
+    cuda.toolchain.cache_clear()
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
     try:
         assert kernels.main(["--check"]) == 2
     finally:
-        kernels._toolchain.cache_clear()
+        cuda.toolchain.cache_clear()
     assert "pip install -e '.[kernel-check]'" in capsys.readouterr().out
 
 
@@ -220,17 +220,17 @@ def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
 
 
 @needs_cxx
-@pytest.mark.parametrize("name", sorted(n for n, s in kernels.KERNELS.items()
-                                        if isinstance(s, kernels.ElementwiseSpec)))
+@pytest.mark.parametrize("name", sorted(n for n, s in cuda.all_kernels().items()
+                                        if isinstance(s, cuda.ElementwiseSpec)))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
-    result = kernelcheck.host_check(kernels.KERNELS[name], dtype)
+    result = kernelcheck.host_check(cuda.all_kernels()[name], dtype)
     assert result.ok, result.line()
 
 
 @needs_cxx
 def test_host_check_catches_a_wrong_formula():
-    right = kernels.ElementwiseSpec("scale", "T x, T a", "T y", "y = a * x", reference=lambda x, a: a * x,
+    right = cuda.ElementwiseSpec("scale", "T x, T a", "T y", "y = a * x", reference=lambda x, a: a * x,
                                     scalars=(("a", 0.5),))
     assert kernelcheck.host_check(right, "float32").ok
     slip = dataclasses.replace(right, operation="y = a * x * ((T)1 + (T)1e-9 * x)")

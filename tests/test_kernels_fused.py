@@ -1,4 +1,4 @@
-"""The fused GPU kernels (minitensor/fused.py) against their NumPy formulas.
+"""The fused GPU kernels (each in its layer's module, registered in minitensor.cuda) against their NumPy formulas.
 
 Without a GPU: each formula against the layer code it stands for; NVRTC compiles every new
 kernel; each elementwise operation runs as C++ on the host (and the check catches a slip in it);
@@ -18,33 +18,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor import attention, fused, kernelcheck, kernels
-from minitensor.fused import (
-    adamw_reference,
-    bias_gelu_backward_reference,
-    bias_gelu_forward_reference,
+from minitensor import attention, cuda, kernelcheck, kernels, layernorm, optim
+from minitensor import loss as xent
+from minitensor.attention import (
     causal_softmax_backward_reference,
     causal_softmax_recompute_reference,
     causal_softmax_reference,
-    layernorm_backward_reference,
-    layernorm_forward_reference,
-    softmax_xent_backward_reference,
-    softmax_xent_forward_reference,
 )
-from minitensor.layernorm import LayerNorm
-from minitensor.loss import SoftmaxCrossEntropy
-from minitensor.optim import AdamW
+from minitensor.kernels import bias_gelu_backward_reference, bias_gelu_forward_reference
+from minitensor.layernorm import LayerNorm, layernorm_backward_reference, layernorm_forward_reference
+from minitensor.loss import SoftmaxCrossEntropy, softmax_xent_backward_reference, softmax_xent_forward_reference
+from minitensor.optim import AdamW, adamw_reference
 from minitensor.params import Params
 
 NEW_KERNELS = {
-    "bias_gelu_fwd": kernels.ElementwiseSpec, "bias_gelu_bwd": kernels.ElementwiseSpec,
-    "layernorm_fwd": kernels.RawSpec, "layernorm_bwd": kernels.RawSpec, "layernorm_bwd_params": kernels.RawSpec,
-    "causal_softmax_fwd": kernels.RawSpec, "causal_softmax_bwd": kernels.RawSpec,
-    "causal_softmax_recompute": kernels.ElementwiseSpec,
-    "softmax_xent_fwd": kernels.RawSpec, "softmax_xent_bwd": kernels.ElementwiseSpec,
-    "adamw_step": kernels.ElementwiseSpec,
+    "bias_gelu_fwd": cuda.ElementwiseSpec, "bias_gelu_bwd": cuda.ElementwiseSpec,
+    "layernorm_fwd": cuda.RawSpec, "layernorm_bwd": cuda.RawSpec, "layernorm_bwd_params": cuda.RawSpec,
+    "causal_softmax_fwd": cuda.RawSpec, "causal_softmax_bwd": cuda.RawSpec,
+    "causal_softmax_recompute": cuda.ElementwiseSpec,
+    "softmax_xent_fwd": cuda.RawSpec, "softmax_xent_bwd": cuda.ElementwiseSpec,
+    "adamw_step": cuda.ElementwiseSpec,
 }
-ELEMENTWISE = sorted(n for n, kind in NEW_KERNELS.items() if kind is kernels.ElementwiseSpec)
+ELEMENTWISE = sorted(n for n, kind in NEW_KERNELS.items() if kind is cuda.ElementwiseSpec)
 DTYPES = [np.float32, np.float64]
 
 
@@ -74,7 +69,7 @@ def f64(a):
 
 def test_new_kernels_are_registered():
     for name, kind in NEW_KERNELS.items():
-        assert isinstance(kernels.KERNELS[name], kind), name
+        assert isinstance(cuda.all_kernels()[name], kind), name
 
 
 # --- The formulas against the layer code they stand for (NumPy, float64) -------------------------
@@ -158,7 +153,7 @@ def test_adamw_kernel_form_equals_the_textbook_form():
     c1, c2 = 1 - b1**t, 1 - b2**t
     want = adamw_reference(p, g, m, v, mask, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, t=t,
                            grad_scale=0.5)
-    got = fused._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
+    got = optim._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
     for a, b in zip(got, want):
         assert_close(a, b)
 
@@ -175,7 +170,7 @@ def test_bias_gelu_formula_is_gelu_of_the_biased_input():
 
 @needs_nvrtc
 def test_every_new_kernel_compiles_for_both_dtypes_and_archs():
-    specs = [kernels.KERNELS[n] for n in NEW_KERNELS]
+    specs = [cuda.all_kernels()[n] for n in NEW_KERNELS]
     results = list(kernelcheck.check_kernels(specs))
     assert len(results) == len(NEW_KERNELS) * 2 * 2
     assert [r.line() for r in results if not r.ok] == []
@@ -184,18 +179,18 @@ def test_every_new_kernel_compiles_for_both_dtypes_and_archs():
 
 @needs_nvrtc
 def test_elementwise_sources_pass_raw_arrays_and_scalars():
-    src = fused.BIAS_GELU_FWD.source("float32")
+    src = kernels.BIAS_GELU_FWD.source("float32")
     assert "const CArray<float, 1, 1, 1> b, const int C," in src
-    src = fused.SOFTMAX_XENT_BWD.source("float64")
+    src = xent.SOFTMAX_XENT_BWD.source("float64")
     assert "const CArray<long long, 1, 1, 1> targets, const int V, const double scale," in src
-    assert "const float beta1," in fused.ADAMW_STEP.source("float32")
+    assert "const float beta1," in optim.ADAMW_STEP.source("float32")
 
 
 @needs_cxx
 @pytest.mark.parametrize("name", ELEMENTWISE)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_new_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
-    result = kernelcheck.host_check(kernels.KERNELS[name], dtype)
+    result = kernelcheck.host_check(cuda.all_kernels()[name], dtype)
     assert result.ok, result.line()
 
 
@@ -211,7 +206,7 @@ SLIPS = {  # a plausible mistake in each operation, which the host check must ca
 @needs_cxx
 @pytest.mark.parametrize("name", sorted(SLIPS))
 def test_host_check_catches_a_slip_in_each_operation(name):
-    spec = kernels.KERNELS[name]
+    spec = cuda.all_kernels()[name]
     old, new = SLIPS[name]
     assert old in spec.operation
     slipped = dataclasses.replace(spec, name=name + "_slip", operation=spec.operation.replace(old, new))
@@ -225,7 +220,7 @@ def test_host_check_catches_a_slip_in_each_operation(name):
 def emulated(monkeypatch):
     if shutil.which("g++") is None:
         pytest.skip("no g++ for the emulation")
-    monkeypatch.setattr(fused, "_launch", kernelcheck.emulate_launch)
+    monkeypatch.setattr(cuda, "launch", kernelcheck.emulate_launch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -236,7 +231,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     x, dy, r = (normal(rng, shape, dtype, 2.0, 0.5) for _ in range(3))
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     x2, dy2, r2 = (f64(a).reshape(-1, C) for a in (x, dy, r))  # the formulas take rows (N, C)
-    y, mean, rstd = fused.layernorm_forward_gpu(x, w, b, 1e-5)
+    y, mean, rstd = layernorm.layernorm_forward_gpu(x, w, b, 1e-5)
     y_ref, mean_ref, rstd_ref = layernorm_forward_reference(x2, f64(w), f64(b))
     assert y.shape == x.shape and mean.shape == rstd.shape == (x2.shape[0], 1)
     assert_close(y.reshape(-1, C), y_ref)
@@ -244,7 +239,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     assert_close(rstd, rstd_ref)
 
     dw, db = np.full(C, 0.5, dtype), np.full(C, -0.5, dtype)  # gradients accumulate
-    dx = fused.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    dx = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
     dx_ref, dw_ref, db_ref = layernorm_backward_reference(dy2, x2, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(dy2 * f64(w) * rstd_ref)))
     assert_close(dx.reshape(-1, C), dx_ref, scale=scale)
@@ -253,11 +248,11 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
 
     # fused residual joins: forward adds the residual into x first, backward adds dx into add_to
     xs = x.copy()
-    y2, _, _ = fused.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
+    y2, _, _ = layernorm.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
     assert y2 is xs
     assert_close(y2.reshape(-1, C), layernorm_forward_reference(x2 + r2, f64(w), f64(b))[0])
     acc = r.copy()
-    assert fused.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
+    assert layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)
 
 
@@ -268,7 +263,7 @@ def test_layernorm_param_gradients_over_several_row_chunks(emulated):
     w, b = normal(rng, C, np.float64), normal(rng, C, np.float64)
     _, mean, rstd = layernorm_forward_reference(x, w, b)
     dw, db = np.zeros(C), np.zeros(C)
-    fused.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
     _, dw_ref, db_ref = layernorm_backward_reference(dy, x, w, mean, rstd)
     assert_close(dw, dw_ref)
     assert_close(db, db_ref)
@@ -280,18 +275,18 @@ def test_causal_softmax_kernels_emulated(emulated, dtype, shape):
     rng = np.random.default_rng(7)
     s, dp = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype)
     lse = np.full((*shape[:-1], 1), np.nan, dtype)
-    p = fused.causal_softmax_forward_gpu(s, 0.3, lse=lse)
+    p = attention.causal_softmax_forward_gpu(s, 0.3, lse=lse)
     p_ref, lse_ref = causal_softmax_reference(f64(s), 0.3)
     assert_close(p, p_ref)
     assert np.all(p[..., np.triu_indices(shape[-1], 1)[0], np.triu_indices(shape[-1], 1)[1]] == 0)
     assert_close(lse, lse_ref, scale=1.0)
-    ds = fused.causal_softmax_backward_gpu(dp, p, 0.3)
+    ds = attention.causal_softmax_backward_gpu(dp, p, 0.3)
     assert_close(ds, causal_softmax_backward_reference(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
     inplace = s.copy()
-    assert fused.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
+    assert attention.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
     assert_close(inplace, p_ref)
     d = dp.copy()
-    assert fused.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
+    assert attention.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
     assert_close(d, causal_softmax_backward_reference(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
 
 
@@ -302,7 +297,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
     logits = normal(rng, (2, 3, V), dtype, 4.0, 10.0)  # large logits: the max is subtracted first
     targets = rng.integers(0, V, (2, 3)).astype(np.int32)  # any integer dtype: copied to int64
     z = logits.copy()
-    loss, losses = fused.softmax_xent_forward_gpu(z, targets)
+    loss, losses = xent.softmax_xent_forward_gpu(z, targets)
     loss_ref, probs_ref, losses_ref = softmax_xent_forward_reference(f64(logits), targets)
     assert_close(losses, losses_ref, scale=1.0)
     assert_close(loss, loss_ref, scale=1.0)
@@ -312,7 +307,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cross_entropy_marks_a_bad_target_with_nan(emulated, dtype):
     logits = np.zeros((3, 4), dtype)
-    _, losses = fused.softmax_xent_forward_gpu(logits, np.array([1, 4, -1]))
+    _, losses = xent.softmax_xent_forward_gpu(logits, np.array([1, 4, -1]))
     assert losses[0] == pytest.approx(np.log(4)) and np.isnan(losses[1]) and np.isnan(losses[2])
 
 
@@ -324,21 +319,21 @@ def test_launch_checks_the_c_types_of_its_arguments():
     w = np.ones(4, np.float32)
     mean = rstd = np.zeros((2, 1), np.float32)
     good = (x, x, w, w, x, mean, rstd, np.int32(4), np.float32(1e-5), np.int32(0))
-    fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good)
+    cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good)
     with pytest.raises(TypeError, match="argument C must be a NumPy scalar of int32"):
-        fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
     with pytest.raises(TypeError, match="argument eps must be a NumPy scalar of float32"):
-        fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
     with pytest.raises(TypeError, match="argument w must be a contiguous array of float32"):
-        fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
     with pytest.raises(TypeError, match="takes 10 arguments"):
-        fused._check_launch_args(fused.LAYERNORM_FWD, np.float32, good[:-1])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:-1])
     with pytest.raises(TypeError, match="runs on CuPy arrays"):
-        fused._launch(fused.LAYERNORM_FWD, np.float32, (2,), (32,), good)
+        cuda.launch(layernorm.LAYERNORM_FWD, np.float32, (2,), (32,), good)
 
 
 def test_raw_kernel_parameters_are_parsed_from_the_code():
-    assert fused._raw_params(fused.SOFTMAX_XENT_FWD) == [
+    assert cuda.raw_params(xent.SOFTMAX_XENT_FWD) == [
         ("z", "T", True), ("targets", "long long", True), ("losses", "T", True), ("V", "int", False)]
 
 
@@ -346,28 +341,28 @@ def test_wrappers_refuse_bad_operands():
     x = np.zeros((4, 6), np.float32)
     w = np.ones(6, np.float32)
     with pytest.raises(ValueError, match="contiguous"):
-        fused.layernorm_forward_gpu(np.zeros((6, 4), np.float32).T, w, w)
+        layernorm.layernorm_forward_gpu(np.zeros((6, 4), np.float32).T, w, w)
     with pytest.raises(ValueError, match="w must be"):
-        fused.layernorm_forward_gpu(x, np.ones(5, np.float32), w)
+        layernorm.layernorm_forward_gpu(x, np.ones(5, np.float32), w)
     with pytest.raises(ValueError, match="residual must be"):
-        fused.layernorm_forward_gpu(x, w, w, residual=np.zeros((4, 6)))
+        layernorm.layernorm_forward_gpu(x, w, w, residual=np.zeros((4, 6)))
     with pytest.raises(ValueError, match=r"\(\.\.\., T, T\)"):
-        fused.causal_softmax_forward_gpu(x)
+        attention.causal_softmax_forward_gpu(x)
     with pytest.raises(ValueError, match="lse must hold 8"):
-        fused.causal_softmax_forward_gpu(np.zeros((2, 4, 4)), lse=np.zeros(4))
+        attention.causal_softmax_forward_gpu(np.zeros((2, 4, 4)), lse=np.zeros(4))
     with pytest.raises(ValueError, match="targets must be integers"):
-        fused.softmax_xent_forward_gpu(x, np.zeros(4))
+        xent.softmax_xent_forward_gpu(x, np.zeros(4))
     with pytest.raises(ValueError, match="b must be"):
-        fused.bias_gelu_forward_gpu(x, np.ones(4, np.float32))
+        kernels.bias_gelu_forward_gpu(x, np.ones(4, np.float32))
     hyper = dict(lr=1, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0)
     with pytest.raises(ValueError, match="t counts steps from 1"):
-        fused.adamw_step_gpu(x, x, x, x, x, t=0, **hyper)
+        optim.adamw_step_gpu(x, x, x, x, x, t=0, **hyper)
     with pytest.raises(ValueError, match="g must be"):
-        fused.adamw_step_gpu(x, x[:2], x, x, x, t=1, **hyper)
+        optim.adamw_step_gpu(x, x[:2], x, x, x, t=1, **hyper)
     with pytest.raises(TypeError, match="runs on CuPy arrays; on NumPy use minitensor.optim.AdamW"):
-        fused.adamw_step_gpu(x, x, x, x, x, t=1, **hyper)
+        optim.adamw_step_gpu(x, x, x, x, x, t=1, **hyper)
     with pytest.raises(TypeError, match=r"on NumPy use gelu_forward\(x \+ b\)"):
-        fused.bias_gelu_forward_gpu(x, w)
+        kernels.bias_gelu_forward_gpu(x, w)
 
 
 def test_emulation_refuses_partly_overlapping_buffers():
@@ -376,7 +371,7 @@ def test_emulation_refuses_partly_overlapping_buffers():
     flat = np.zeros(17)
     dp, p, ds = flat[1:].reshape(1, 4, 4), np.zeros((1, 4, 4)), flat[:16].reshape(1, 4, 4)
     with pytest.raises(ValueError, match="partly overlaps"):
-        kernelcheck.emulate_launch(fused.CAUSAL_SOFTMAX_BWD, np.float64, (4,), (32,),
+        kernelcheck.emulate_launch(attention.CAUSAL_SOFTMAX_BWD, np.float64, (4,), (32,),
                                (dp, p, ds, np.int32(4), np.float64(1)))
 
 
@@ -394,13 +389,13 @@ def test_gpu_bias_gelu(cupy, shape, dtype, seed):
     rng = np.random.default_rng(seed)
     x, dy, b = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype), normal(rng, shape[-1], dtype)
     xg, bg, dyg = cupy.asarray(x), cupy.asarray(b), cupy.asarray(dy)
-    assert_close(cupy.asnumpy(fused.bias_gelu_forward_gpu(xg, bg)), bias_gelu_forward_reference(f64(x), f64(b)))
+    assert_close(cupy.asnumpy(kernels.bias_gelu_forward_gpu(xg, bg)), bias_gelu_forward_reference(f64(x), f64(b)))
     db = cupy.zeros(shape[-1], dtype)
-    dh = fused.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
+    dh = kernels.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
     dh_ref = bias_gelu_backward_reference(f64(x), f64(b), f64(dy))
     assert_close(cupy.asnumpy(dh), dh_ref, scale=float(np.max(np.abs(dy))))
     assert_close(cupy.asnumpy(db), dh_ref.reshape(-1, shape[-1]).sum(0), scale=float(np.max(np.abs(dy))))
-    strided = fused.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
+    strided = kernels.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
     assert_close(cupy.asnumpy(strided), bias_gelu_forward_reference(f64(x[:, ::2]), f64(b)))
 
 
@@ -412,7 +407,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     x, dy, r = (normal(rng, (N, C), dtype, 2.0, 0.5) for _ in range(3))
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     xg = cupy.asarray(x)
-    y, mean, rstd = fused.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
+    y, mean, rstd = layernorm.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
                                                   residual=cupy.asarray(r) if residual else None)
     x_in = f64(x) + f64(r) if residual else f64(x)
     y_ref, mean_ref, rstd_ref = layernorm_forward_reference(x_in, f64(w), f64(b))
@@ -422,7 +417,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     assert_close(cupy.asnumpy(rstd), rstd_ref)
     dw, db = cupy.zeros(C, dtype), cupy.zeros(C, dtype)
     add_to = cupy.asarray(r) if residual else None
-    dx = fused.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
+    dx = layernorm.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
     dx_ref, dw_ref, db_ref = layernorm_backward_reference(f64(dy), x_in, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(f64(dy) * f64(w) * rstd_ref)))
     assert_close(cupy.asnumpy(dx), dx_ref + (f64(r) if residual else 0.0), scale=scale)
@@ -439,16 +434,16 @@ def test_gpu_causal_softmax(cupy, BH, T, dtype, scale, seed):
     s, dp = normal(rng, (BH, T, T), dtype, 3.0), normal(rng, (BH, T, T), dtype)
     lse = cupy.empty((BH, T, 1), dtype)
     sg = cupy.asarray(s)
-    p = fused.causal_softmax_forward_gpu(sg, scale, lse=lse)
+    p = attention.causal_softmax_forward_gpu(sg, scale, lse=lse)
     p_ref, lse_ref = causal_softmax_reference(f64(s), scale)
     assert_close(cupy.asnumpy(p), p_ref)
     assert_close(cupy.asnumpy(lse), lse_ref, scale=1.0)
-    again = fused.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
+    again = attention.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
     assert_close(cupy.asnumpy(again), p_ref)
-    ds = fused.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
+    ds = attention.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
     assert_close(cupy.asnumpy(ds), causal_softmax_backward_reference(f64(dp), p_ref, scale),
                  scale=scale * float(np.max(np.abs(dp))))
-    assert fused.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
+    assert attention.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
     assert_close(cupy.asnumpy(sg), p_ref)
 
 
@@ -460,13 +455,13 @@ def test_gpu_cross_entropy(cupy, N, V, dtype, dloss, seed):
     rng = np.random.default_rng(seed)
     logits, targets = normal(rng, (N, V), dtype, 4.0, 3.0), rng.integers(0, V, N)
     z = cupy.asarray(logits)
-    loss, losses = fused.softmax_xent_forward_gpu(z, cupy.asarray(targets))
+    loss, losses = xent.softmax_xent_forward_gpu(z, cupy.asarray(targets))
     loss_ref, probs_ref, losses_ref = softmax_xent_forward_reference(f64(logits), targets)
     assert loss.shape == () and isinstance(loss, cupy.ndarray)  # stays on the device
     assert_close(cupy.asnumpy(losses), losses_ref, scale=1.0)
     assert_close(cupy.asnumpy(loss), loss_ref, scale=1.0)
     assert_close(cupy.asnumpy(z), probs_ref)
-    d = fused.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
+    d = xent.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
     assert d is z
     assert_close(cupy.asnumpy(d), softmax_xent_backward_reference(probs_ref, targets, dloss), scale=dloss / N)
 
@@ -481,7 +476,7 @@ def test_gpu_adamw(cupy, n, dtype, t, grad_scale, seed):
     v, mask = np.abs(normal(rng, n, dtype)), (rng.random(n) > 0.3).astype(dtype)
     pg, gg, mg, vg = (cupy.asarray(a) for a in (p, g, m, v))
     hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=t, grad_scale=grad_scale)
-    assert fused.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
+    assert optim.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
     for got, want in zip((pg, mg, vg), adamw_reference(f64(p), f64(g), f64(m), f64(v), f64(mask), **hyper)):
         assert_close(cupy.asnumpy(got), want)
 
@@ -490,7 +485,7 @@ def test_gpu_adamw(cupy, n, dtype, t, grad_scale, seed):
 @pytest.mark.parametrize("name", ELEMENTWISE)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gpu_registered_source_is_what_cupy_compiles(cupy, name, dtype):
-    spec = kernels.KERNELS[name]
+    spec = cuda.all_kernels()[name]
     fresh = cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name)
     scalars = dict(spec.scalars)
     args = []

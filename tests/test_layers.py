@@ -47,7 +47,9 @@ def test_gradients_match_finite_differences(xp, name, seed, d):
     case = CASES[name](xp, np.float64, seed, d)
     dy = upstream(case, xp, np.float64, seed)
     case.forward()
-    report = check_gradients(case.forward, case.backward, case.inputs, case.param_pairs(), dy)
+    # on CuPy every perturbed entry would cost a host read: random directions there instead
+    report = check_gradients(case.forward, case.backward, case.inputs, case.param_pairs(), dy,
+                             directions=None if xp is np else 6)
     assert report.max_rel_error <= 1e-6, report
     assert set(report.checked) == set(case.inputs) | set(case.params.names())
 

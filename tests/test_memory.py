@@ -1,4 +1,5 @@
-"""minitensor.memory: the malloc thresholds are raised on glibc, and every opt-out is respected."""
+"""minitensor.memory: the malloc thresholds are raised on glibc, and every opt-out is respected; and
+importing the library changes nothing in the process (the entry points make those choices)."""
 
 import ctypes.util
 import json
@@ -32,8 +33,34 @@ def test_opt_out_and_user_settings_are_left_alone():
     assert _set_in_fresh_process(GLIBC_TUNABLES="glibc.malloc.trim_threshold=1") == {"mmap_threshold": 1 << 30}
 
 
-def test_importing_minitensor_applies_it_once():
+def test_it_does_its_work_once():
     import minitensor.memory as m
 
     first = m.keep_freed_memory()
     assert m.keep_freed_memory() is first
+
+
+def test_importing_the_library_tunes_nothing():
+    """minitensor and andrea as libraries: no environment variable, no malloc setting, no NumPy yet."""
+    code = ("import os, sys, andrea, minitensor; numpy_first = 'numpy' in sys.modules; "
+            "import minitensor.layernorm, minitensor.memory as m; from andrea import ANDREA; "
+            "print(numpy_first, os.environ.get('OPENBLAS_THREAD_TIMEOUT'), m._done)")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "None", "None"]
+
+
+def test_the_entry_points_are_recognised_from_the_command_line():
+    import andrea
+
+    assert andrea.entry_point(["python", "-m", "andrea.train", "--out", "x"]) == "andrea.train"
+    assert andrea.entry_point(["python", "-c", "import andrea"]) is None
+    assert andrea.entry_point(["python", "script.py", "-m"]) is None
+    # as `python -m andrea.train` starts: andrea/__init__.py runs before anything loads NumPy
+    code = ("import sys; sys.orig_argv = ['python', '-m', 'andrea.train']; import andrea, os; "
+            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'numpy' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for want, extra in (("4", {}), ("7", {"OPENBLAS_THREAD_TIMEOUT": "7"})):  # the environment wins
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.split() == [want, "False"]

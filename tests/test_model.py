@@ -19,6 +19,10 @@ from minitensor.optim import cosine_lr, global_norm
 TINY = dict(vocab_size=13, context_length=8, d_model=6, n_layer=2, n_head=2)
 
 
+def device(xp):
+    return "cpu" if xp is np else "gpu"
+
+
 def test_andrea_120m_has_exactly_92_331_264_parameters():
     cfg = ModelConfig(vocab_size=8449, context_length=1024, d_model=768, n_layer=12, n_head=12)
     parts = parameter_breakdown(cfg)
@@ -50,11 +54,11 @@ def test_initialisation_follows_gpt2():
 
 @settings(max_examples=2, deadline=None)
 @given(seed=S.seeds, B=S.batch, T=S.time)
-def test_whole_model_gradients_match_finite_differences(seed, B, T):
-    m = ANDREA(ModelConfig(**TINY), device="cpu", dtype="float64", seed=seed)
+def test_whole_model_gradients_match_finite_differences(model_xp, seed, B, T):
+    m = ANDREA(ModelConfig(**TINY), device=device(model_xp), dtype="float64", seed=seed)
     rng = np.random.default_rng(seed)
     for _, view in m.named_parameters():  # move off the symmetric init so every path matters
-        view += rng.normal(0, 0.3, view.shape)
+        view += model_xp.asarray(rng.normal(0, 0.3, view.shape))
     idx, targets = rng.integers(0, 13, (B, T)), rng.integers(0, 13, (B, T))
     pairs = {n: (m.params[n], m.params.grad(n)) for n in m.params.names()}
 
@@ -63,14 +67,15 @@ def test_whole_model_gradients_match_finite_differences(seed, B, T):
         return {}
 
     m.loss(idx, targets)
-    report = check_gradients(lambda: m.loss(idx, targets), backward, {}, pairs, 1.0)
+    report = check_gradients(lambda: m.loss(idx, targets), backward, {}, pairs, 1.0,
+                             directions=None if model_xp is np else 6)  # on CuPy, directions: no read per entry
     assert report.max_rel_error <= 1e-6, report
     assert len(report.checked) == len(m.params.names())
 
 
-def test_overfits_one_batch():
+def test_overfits_one_batch(model_xp):
     cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, n_layer=2, n_head=2)
-    m = ANDREA(cfg, device="cpu", seed=0)
+    m = ANDREA(cfg, device=device(model_xp), seed=0)
     opt = AdamW(m, lr=1e-2, weight_decay=0.0)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (4, 17))
@@ -142,15 +147,15 @@ def test_lr_schedule_shape():
 
 
 @pytest.mark.parametrize("prompt_len", [1, 5, 8])
-def test_kv_cache_logits_equal_the_full_forward(prompt_len):
-    m = ANDREA(ModelConfig(**TINY), device="cpu", dtype="float64", seed=2)
+def test_kv_cache_logits_equal_the_full_forward(model_xp, prompt_len):
+    m = ANDREA(ModelConfig(**TINY), device=device(model_xp), dtype="float64", seed=2)
     rng = np.random.default_rng(2)
     idx = rng.integers(0, 13, (2, 8))
     full = to_numpy(m.forward(idx))
     cache = m.new_kv_cache(batch_size=2)
-    step_logits = [m.forward_kv(idx[:, :prompt_len], cache, 0)]
+    step_logits = [to_numpy(m.forward_kv(idx[:, :prompt_len], cache, 0))]
     for t in range(prompt_len, 8):
-        step_logits.append(m.forward_kv(idx[:, t:t + 1], cache, t))
+        step_logits.append(to_numpy(m.forward_kv(idx[:, t:t + 1], cache, t)))
     np.testing.assert_allclose(step_logits[0], full[:, prompt_len - 1], rtol=1e-10, atol=1e-12)
     for k, t in enumerate(range(prompt_len, 8), start=1):
         np.testing.assert_allclose(step_logits[k], full[:, t], rtol=1e-10, atol=1e-12)
@@ -168,15 +173,15 @@ def test_bad_inputs_are_refused():
         ModelConfig(d_model=10, n_head=3)
 
 
-def test_float32_model_matches_float64():
+def test_float32_model_matches_float64(model_xp):
     rng = np.random.default_rng(0)
     idx, targets = rng.integers(0, 13, (2, 8)), rng.integers(0, 13, (2, 8))
     grads = {}
     for dtype in ("float32", "float64"):
-        m = ANDREA(ModelConfig(**TINY), device="cpu", dtype=dtype, seed=5)
+        m = ANDREA(ModelConfig(**TINY), device=device(model_xp), dtype=dtype, seed=5)
         loss = m.forward(idx, targets)
         m.zero_grad()
         m.backward()
-        grads[dtype] = (loss, m.params.grads.astype(np.float64))
+        grads[dtype] = (loss, to_numpy(m.params.grads).astype(np.float64))
     assert grads["float32"][0] == pytest.approx(grads["float64"][0], rel=1e-6)
     np.testing.assert_allclose(grads["float32"][1], grads["float64"][1], rtol=1e-3, atol=1e-6)

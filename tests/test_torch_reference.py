@@ -6,7 +6,6 @@ must agree to rounding. PyTorch comes with the `reference` extra; without it thi
 
 import numpy as np
 import pytest
-
 from optional import require  # noqa: E402
 
 torch = require("torch")

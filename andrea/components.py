@@ -1,0 +1,196 @@
+"""Each non-GEMM component of a training step against PyTorch's own kernel for the same maths.
+
+    python -m andrea.bench --components            # the table, at ANDREA-120M shapes
+
+Forward + backward at the shapes of ANDREA-120M (1 x 1024 tokens, d 768, 12 heads, V 8449, MLP
+3072, 92.3M parameters), float32, all in one process with PyTorch on the same thread count:
+
+    GELU            andrea GELU layer                  F.gelu(approximate="tanh")
+    LayerNorm       andrea LayerNorm                   nn.LayerNorm
+    attention core  CausalSelfAttention without its    scaled_dot_product_attention(is_causal=True),
+                    two Linear layers (qkv in, y out)   with the same head split and merge
+    cross-entropy   SoftmaxCrossEntropy (in place,     F.cross_entropy
+                    as the model runs it)
+    AdamW           minitensor AdamW, one step          torch.optim.AdamW(fused=True), one step
+    embedding       Embedding forward + backward        F.embedding forward + backward
+
+The engines run interleaved (andrea, andrea on NumPy only, PyTorch, andrea, ...) so that load
+on a shared machine hits them alike, and the best of `repeats` runs of each is reported. The
+"numpy" column is andrea with ANDREA_CPU_KERNELS=numpy (the reference path).
+"""
+
+import os
+import time
+
+import numpy as np
+
+from andrea.config import load_config
+from andrea.model import param_shapes
+from minitensor.attention import CausalSelfAttention
+from minitensor.embedding import Embedding
+from minitensor.gelu import GELU
+from minitensor.layernorm import LayerNorm
+from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.optim import AdamW
+from minitensor.parallel import num_threads
+from minitensor.params import Params
+
+ENGINES = ("andrea", "numpy", "torch")
+
+
+class _Passthrough:
+    """Stands in for attention's c_attn (returning a fixed qkv) and c_proj (returning its input),
+    so that only the core between them is timed."""
+
+    def __init__(self, C, out=None):
+        self.W = np.empty((C, 0), np.float32)  # CausalSelfAttention reads C from W.shape[0]
+        self.b, self.out = None, out
+
+    def forward(self, x, bias=None, residual=None):
+        return x if self.out is None else self.out
+
+    def backward(self, d):
+        return d
+
+
+def _cases(torch, B=1, T=1024, seed=0):
+    """name -> (shape text, {engine: (prepare, run)}); prepare() is untimed, run() is timed."""
+    import torch.nn.functional as F
+
+    cfg = load_config("120m").model
+    C, nh, V, H = cfg.d_model, cfg.n_head, cfg.vocab_size, 4 * cfg.d_model
+    N = B * T
+    rng = np.random.default_rng(seed)
+
+    def randn(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    def nothing():
+        pass
+
+    def grad_of(out_fn, inputs, dy):
+        """PyTorch: forward, then backward from dy, gradients reset first (as zero_grad(set_to_none) does)."""
+        def run():
+            for t in inputs:
+                t.grad = None
+            out_fn().backward(dy)
+        return run
+
+    cases = {}
+
+    # GELU (N, 4C)
+    h, dh = randn(N, H), randn(N, H)
+    gelu = GELU()
+    ht = torch.from_numpy(h.copy()).requires_grad_()
+    cases["GELU"] = (f"{N} x {H}", {
+        "andrea": (nothing, lambda: (gelu.forward(h), gelu.backward(dh))),
+        "torch": (nothing, grad_of(lambda: F.gelu(ht, approximate="tanh"), [ht], torch.from_numpy(dh))),
+    })
+
+    # LayerNorm (N, C)
+    r, dr = randn(N, C), randn(N, C)
+    w, b = 1 + 0.1 * randn(C), 0.1 * randn(C)
+    ln = LayerNorm(w, np.zeros(C, np.float32), b, np.zeros(C, np.float32))
+    tln = torch.nn.LayerNorm(C)
+    rt = torch.from_numpy(r.copy()).requires_grad_()
+    cases["LayerNorm"] = (f"{N} x {C}", {
+        "andrea": (nothing, lambda: (ln.forward(r), ln.backward(dr))),
+        "torch": (nothing, grad_of(lambda: tln(rt), [rt, *tln.parameters()], torch.from_numpy(dr))),
+    })
+
+    # attention core: qkv (B, T, 3C) -> y (B, T, C)
+    qkv, dyy = randn(B, T, 3 * C), randn(B, T, C)
+    attn = CausalSelfAttention(_Passthrough(C, out=qkv), _Passthrough(C), nh)
+    x_attn = np.zeros((B, T, C), np.float32)                 # c_attn's input: only its shape is read
+    qkvt = torch.from_numpy(qkv.copy()).requires_grad_()
+
+    def torch_attention():
+        q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in qkvt.split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(B, T, C)
+
+    cases["attention core"] = (f"{B} x {T}, {nh} heads", {
+        "andrea": (nothing, lambda: (attn.forward(x_attn), attn.backward(dyy))),
+        "torch": (nothing, grad_of(torch_attention, [qkvt], torch.from_numpy(dyy))),
+    })
+
+    # softmax cross-entropy over the tied head's logits (N, V); andrea overwrites them, so each run
+    # starts from a fresh copy (untimed)
+    logits, targets = randn(N, V), rng.integers(0, V, N)
+    work = np.empty_like(logits)
+    ce = SoftmaxCrossEntropy()
+    lt, tt = torch.from_numpy(logits.copy()).requires_grad_(), torch.from_numpy(targets)
+    cases["cross-entropy"] = (f"{N} x {V}", {
+        "andrea": (lambda: np.copyto(work, logits), lambda: (ce.forward(work, targets, inplace=True), ce.backward())),
+        "torch": (nothing, grad_of(lambda: F.cross_entropy(lt, tt), [lt], None)),
+    })
+
+    # AdamW over the 120m parameter layout, decay on 2+-D tensors
+    shapes = param_shapes(cfg)
+    params = Params(shapes)
+    params.data[:] = 0.02 * rng.standard_normal(params.size, dtype=np.float32)
+    params.grads[:] = 1e-3 * rng.standard_normal(params.size, dtype=np.float32)
+    opt = AdamW(params, lr=6e-4)
+    tparams = {n: torch.from_numpy(params[n].copy()).requires_grad_() for n in shapes}
+    for n, t in tparams.items():
+        t.grad = torch.from_numpy(params.grad(n).copy())
+    groups = [{"params": [t for n, t in tparams.items() if len(shapes[n]) >= 2], "weight_decay": 0.1},
+              {"params": [t for n, t in tparams.items() if len(shapes[n]) < 2], "weight_decay": 0.0}]
+    topt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    n_params = sum(int(np.prod(s)) for s in shapes.values())
+    cases["AdamW"] = (f"{n_params / 1e6:.1f}M parameters", {
+        "andrea": (nothing, opt.step),
+        "torch": (nothing, topt.step),
+    })
+
+    # token embedding (V, C), ids (B, T): forward + backward into the gradient
+    W, idx, de = randn(V, C), rng.integers(0, V, (B, T)), randn(B, T, C)
+    emb = Embedding(W, np.zeros_like(W))
+    Wt, idxt = torch.from_numpy(W.copy()).requires_grad_(), torch.from_numpy(idx)
+    cases["embedding"] = (f"{B} x {T} ids, {V} x {C}", {
+        "andrea": (nothing, lambda: (emb.forward(idx), emb.backward(de))),
+        "torch": (nothing, grad_of(lambda: F.embedding(idxt, Wt), [Wt], torch.from_numpy(de))),
+    })
+    return cases
+
+
+def measure(repeats=7, names=None):
+    """{component: {"shape": str, engine: [seconds per run, ...]}}, engines interleaved run by run."""
+    import torch
+
+    torch.set_num_threads(num_threads())
+    cases = _cases(torch)
+    before = os.environ.get("ANDREA_CPU_KERNELS")
+    out = {}
+    try:
+        for name, (shape, fns) in cases.items():
+            if names and name not in names:
+                continue
+            times = {e: [] for e in ENGINES}
+            for r in range(repeats + 1):                     # run 0 is warm-up (and JIT compilation)
+                for engine in ENGINES:
+                    os.environ["ANDREA_CPU_KERNELS"] = "numpy" if engine == "numpy" else "numba"
+                    prepare, run = fns["torch" if engine == "torch" else "andrea"]
+                    prepare()
+                    t = time.perf_counter()
+                    run()
+                    if r:
+                        times[engine].append(time.perf_counter() - t)
+            out[name] = {"shape": shape, **times}
+    finally:
+        if before is None:
+            os.environ.pop("ANDREA_CPU_KERNELS", None)
+        else:
+            os.environ["ANDREA_CPU_KERNELS"] = before
+    return out
+
+
+def print_table(results, fast_path):
+    print(f"andrea fast path: {fast_path}; threads: {num_threads()}; best of the runs, forward + backward")
+    head = f"{'component':<15} {'shape':<24} {'andrea ms':>10} {'numpy ms':>10} {'torch ms':>10} {'ratio':>7}"
+    print(head)
+    print("-" * len(head))
+    for name, r in results.items():
+        a, n, t = (1e3 * min(r[e]) for e in ENGINES)
+        print(f"{name:<15} {r['shape']:<24} {a:>10.2f} {n:>10.2f} {t:>10.2f} {a / t:>7.2f}")
+    print("ratio = andrea / PyTorch (below 1: andrea faster)")

@@ -1,0 +1,296 @@
+"""Checks made before the first training step, so that nothing fails after work is done.
+
+    plan = preflight.check(cfg, out_dir, resume=False)   # UserError on anything that would fail later
+    print(plan.describe())                                # what `python -m andrea.train --dry-run` prints
+
+What is checked, each a one-line `UserError` naming the flag or `--set` key to change:
+- the device: `--device`/`train.device`, or `$ANDREA_DEVICE` when the config says `auto`;
+- the paths: `--out` and `data.data_dir` must be (or be creatable as) directories;
+- the sample prompt: a run that ends with a sample needs a prompt that encodes to tokens;
+- the schedule: `train.warmup_steps` beyond `train.max_steps` is a warning saying the peak rate
+  the run reaches (it was silent; refusing it would break quick `--max-steps 10` runs);
+- memory: parameters, gradients and the two AdamW moments (4 N floats) plus the activations kept
+  from forward to backward at the configured micro-batch, against what the machine has
+  (`MemAvailable` and the cgroup limit on Linux, free GPU memory on a GPU): an error when the
+  estimate does not fit, a warning above 80%;
+- the data, when it is already prepared: both splits must hold a window of seq_len + 1 tokens
+  (`check_data` repeats this after a first-run preparation).
+
+Activation memory follows BENCHMARKS.md's measurement on ANDREA-120M: 17 d_model floats per
+token and layer, plus V + 3 d_model floats per token outside the blocks (logits, final LayerNorm
+and head inputs), plus attention probabilities where a layer keeps them (only when they take at most 16 MiB).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from andrea.errors import UserError
+from andrea.model import parameter_breakdown
+
+DEVICES = ("auto", "cpu", "gpu")
+ACTIVATION_FLOATS_PER_LAYER = 17  # d_model floats per token and layer (BENCHMARKS.md, Memory)
+KEPT_PROBS_MAX_BYTES = 16 << 20   # minitensor.attention keeps a layer's probabilities only up to this size
+WARN_FRACTION = 0.8
+AUTO = " (a GPU if one works, else the CPU)"
+
+
+def choose_device(flag, fallback="auto", flag_name="--device"):
+    """The device to use: `flag` when given, else $ANDREA_DEVICE, else `fallback`; validated.
+
+    A `flag` of None (nothing given) defers to the environment. Returns "auto", "cpu" or "gpu".
+    """
+    if flag is not None:
+        name = _normal_device(flag)
+        if name not in DEVICES:
+            raise UserError(f"{flag_name} {flag!r} is not a device: use auto, cpu or gpu")
+        return name
+    env = os.environ.get("ANDREA_DEVICE", "")
+    if env:
+        name = _normal_device(env)
+        if name not in DEVICES:
+            raise UserError(f"ANDREA_DEVICE={env!r} is not a device: set it to auto, cpu or gpu, or unset it")
+        return name
+    return fallback
+
+
+def _normal_device(name) -> str:
+    name = str(name).strip().lower()
+    return "gpu" if name == "cuda" else name
+
+
+def train_device(cfg_device: str) -> str:
+    """train.device "auto" means not chosen: $ANDREA_DEVICE decides then, as the README says."""
+    return choose_device(None if cfg_device == "auto" else cfg_device, "auto", "train.device")
+
+
+# ----------------------------------------------------------------------------------------------- paths
+
+def check_directory(path, what: str) -> None:
+    """Refuses a path that cannot be (or become) a directory: a file, or a file among its parents."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is a file, not a directory: choose a directory")
+    ancestor = path
+    while not ancestor.exists():
+        if ancestor.parent == ancestor:
+            break
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        raise UserError(f"{what} {path} cannot be created: {ancestor} is a file")
+    if ancestor.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path} cannot be written: no permission to write in {ancestor}")
+
+
+def check_output_file(path, what: str) -> None:
+    """Refuses a file to be written whose directory does not exist, or which is a directory."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory: give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{what} {path}: the directory {parent} does not exist")
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+@dataclass
+class MemoryEstimate:
+    parameters: int
+    state_bytes: int       # parameters, gradients, AdamW m and v
+    activation_bytes: int  # kept from forward to backward for one micro-batch
+
+    @property
+    def total(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+def estimate_memory(cfg) -> MemoryEstimate:
+    """Bytes a training run of `cfg` holds at its peak, from the shapes alone (nothing allocated)."""
+    m, t = cfg.model, cfg.train
+    n = parameter_breakdown(m)["total"]
+    size = 8 if t.dtype == "float64" else 4
+    B, T = t.batch_size, t.sequence_length(m)
+    per_token = ACTIVATION_FLOATS_PER_LAYER * m.d_model * m.n_layer + m.vocab_size + 3 * m.d_model
+    causal = B * m.n_head * T * T * size  # an upper bound on the kept (lower-triangular) blocks
+    probs = m.n_layer * causal if causal <= KEPT_PROBS_MAX_BYTES else 0
+    return MemoryEstimate(n, 4 * n * size, B * T * per_token * size + probs)
+
+
+def available_memory(device: str) -> tuple[int | None, str]:
+    """(bytes this process may still use, where that figure comes from); None when unknown."""
+    if device == "gpu":
+        try:
+            import cupy
+
+            free, _ = cupy.cuda.runtime.memGetInfo()
+            return int(free), "free GPU memory"
+        except Exception:  # no usable GPU: the device check reports that
+            return None, "GPU memory unknown"
+    limits = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                limits.append((int(line.split()[1]) * 1024, "MemAvailable"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        cap = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if cap != "max":
+            limits.append((int(cap) - used, "the cgroup's memory.max"))
+    except (OSError, ValueError):
+        pass
+    if not limits:
+        return None, "memory unknown"
+    return min(limits)
+
+
+def check_memory(estimate: MemoryEstimate, device: str, warn=None) -> str:
+    """Raises when the estimate exceeds the memory available; returns a one-line verdict."""
+    free, source = available_memory(device)
+    need = f"~{gib(estimate.total)} (state {gib(estimate.state_bytes)}, activations {gib(estimate.activation_bytes)})"
+    if free is None:
+        return f"{need}; {source}"
+    if estimate.total > free:
+        raise UserError(f"this run needs {need} but only {gib(free)} is available ({source}): "
+                        "lower train.batch_size (--set train.batch_size=...), model.n_layer or model.d_model")
+    if estimate.total > WARN_FRACTION * free:
+        (warn or _warn)(f"this run needs {need}, {100 * estimate.total / free:.0f}% of the {gib(free)} "
+                        f"available ({source}): other programs may push it out of memory")
+    return f"{need} of {gib(free)} available ({source})"
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+def check_split(name: str, n_tokens: int, cfg, where) -> None:
+    """A split must hold one window of seq_len + 1 tokens; the message names the key to change."""
+    T = cfg.train.sequence_length(cfg.model)
+    if n_tokens >= T + 1:
+        return
+    key = "train.seq_len" if cfg.train.seq_len else "model.context_length"
+    hint = f"--set train.seq_len={max(n_tokens - 1, 1)} (or less)" if n_tokens > 1 else "a larger corpus"
+    extra = " or a larger data.val_fraction" if name == "validation" else ""
+    raise UserError(f"the {name} split in {where} holds {n_tokens} tokens, too few for one window of {T + 1} "
+                    f"({key} is {T}): use {hint}{extra}")
+
+
+def prepared_counts(data_dir: Path):
+    """(train tokens, val tokens) of an already prepared data directory, or None when it is not."""
+    from andrea.data import read_token_header
+
+    if not (data_dir / "meta.json").is_file():
+        return None
+    try:
+        return tuple(read_token_header(data_dir / f).count for f in ("train.bin", "val.bin"))
+    except UserError:
+        return None  # damaged: prepare rebuilds it, check_data looks again afterwards
+
+
+def check_data(cfg, n_train: int, n_val: int, where) -> None:
+    check_split("training", n_train, cfg, where)
+    check_split("validation", n_val, cfg, where)
+
+
+# ----------------------------------------------------------------------------------------------- the pass
+
+@dataclass
+class Plan:
+    """What a run will do, as the dry run prints it."""
+    cfg: object
+    out_dir: Path
+    device: str
+    memory: MemoryEstimate
+    memory_verdict: str
+    data: str
+    lines: list = field(default_factory=list)
+
+    def describe(self) -> str:
+        m, t = self.cfg.model, self.cfg.train
+        T, accum = t.sequence_length(m), t.accumulation_steps(m)
+        tokens = t.batch_size * T * accum
+        rows = [
+            ("model", f"{self.cfg.name}: {describe_model(m)}"),
+            ("parameters", f"{self.memory.parameters:,}"),
+            ("device", f"{self.device}{AUTO if self.device == 'auto' else ''} ({t.dtype})"),
+            ("memory", self.memory_verdict),
+            ("tokens/step", f"{tokens:,} (batch {t.batch_size} x {T} tokens x {accum} micro-batch"
+                            f"{'es' if accum != 1 else ''})"),
+            ("schedule", f"{t.max_steps:,} steps, warmup {t.warmup_steps}, lr {t.lr:g} -> {t.min_lr:g}"),
+            ("data", self.data),
+            ("output", str(self.out_dir)),
+        ]
+        return "\n".join(f"{k:<12}{v}" for k, v in rows)
+
+
+def describe_model(m) -> str:
+    return (f"{m.n_layer} block{'s' if m.n_layer != 1 else ''}, d_model {m.d_model}, {m.n_head} head"
+            f"{'s' if m.n_head != 1 else ''}, context {m.context_length}, vocab {m.vocab_size}")
+
+
+def check(cfg, out_dir, warn=None) -> Plan:
+    """Everything that can be checked before data preparation and model allocation; see the module doc."""
+    t = cfg.train
+    device = train_device(t.device)
+    check_directory(out_dir, "--out")
+    data_dir = cfg.data.resolved_dir()
+    check_directory(data_dir, "data.data_dir")
+    if t.warmup_steps > t.max_steps:
+        # refusing would break quick runs (`--max-steps 10` on a config warming up for 50): say what happens
+        peak = t.lr * t.max_steps / t.warmup_steps
+        (warn or _warn)(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
+                        f"learning rate rises to {peak:.2e} at the last step and never reaches train.lr "
+                        f"({t.lr:g}); --set train.warmup_steps={t.max_steps // 10} gives warmup then decay")
+    if t.sample_tokens > 0 and not t.sample_prompt:
+        raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
+    mem = estimate_memory(cfg)
+    verdict = check_memory(mem, "gpu" if device == "gpu" else "cpu", warn)
+    counts = prepared_counts(data_dir)
+    if counts is None:
+        source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
+        data = f"{data_dir} not prepared yet: the run prepares it from {source} first"
+    else:
+        check_data(cfg, *counts, data_dir)
+        data = f"{data_dir}: {counts[0]:,} train tokens, {counts[1]:,} val tokens"
+    return Plan(cfg, Path(out_dir), device, mem, verdict, data)
+
+
+def check_prompt(tokenizer, cfg) -> None:
+    """After the tokenizer exists: the sample prompt must encode to at least one token."""
+    t = cfg.train
+    if t.sample_tokens > 0:
+        try:
+            ids = tokenizer.encode(t.sample_prompt)
+        except UserError as e:
+            raise UserError(f"train.sample_prompt cannot be encoded: {e}") from e
+        if not ids:
+            raise UserError("train.sample_prompt encodes to no tokens: give at least one character")
+
+
+# prepare's flags, as a `train` user sets the same thing
+_TRAIN_TERMS = {
+    "python -m andrea.prepare --allow-smaller-vocab": "--set data.allow_smaller_vocab=true",
+    "--allow-smaller-vocab": "--set data.allow_smaller_vocab=true",
+    "--vocab-size": "--set model.vocab_size",
+    "--val-fraction": "--set data.val_fraction",
+    "--data-dir": "--set data.data_dir",
+    "pass --force": "run python -m andrea.prepare --force with the same inputs and --data-dir",
+}
+
+
+def in_train_terms(message: str) -> str:
+    """A message of andrea.prepare reworded with the keys `python -m andrea.train` takes."""
+    for flag, key in _TRAIN_TERMS.items():
+        message = message.replace(flag, key)
+    return message

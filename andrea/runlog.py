@@ -1,0 +1,243 @@
+"""A run directory that tells one story: its metrics, its claim on the directory, its last words.
+
+    claim_run_dir(out_dir, resume=False, overwrite=False)    # refuses another run's directory
+    metrics = MetricsFile(out_dir / "metrics.jsonl")          # writes that survive a full disk
+    drop_rows_after(out_dir / "metrics.jsonl", step, ...)     # on resume: each step once
+    code = final_checkpoint_check(out_dir, step, last, code)  # non-zero when the last save failed
+
+metrics.jsonl holds one JSON object per line: a step row ({"step", "loss", ...}) or an event
+({"event": "resume", "at_step", "checkpoint", "dropped_rows"}), which has no "step" key, so
+readers that plot step rows skip it. A resume from step N drops the rows after N (the
+interrupted run's, which the resumed run recomputes) by rewriting the file atomically, then
+appends the resume event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from andrea import checkpoint as ckpt
+from andrea.data import atomic_writer
+from andrea.errors import UserError
+
+EXIT_SAVE_FAILED = 4
+RUN_FILES = ("metrics.jsonl", "config.json", "tokenizer.json")
+PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
+_STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.data.atomic_writer's scratch: .<name>.<pid>.tmp
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+class MetricsFile:
+    """Appends lines to metrics.jsonl; a failed write (full disk, ...) is a warning, not the end.
+
+    Same calls as the text file it replaces (write, flush, close). Lines are kept until flush and
+    written with os.write on an O_APPEND descriptor, so a failure loses at most those lines; a
+    line cut short by a full disk is ended before the next one, and readers skip it.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.pending: list[str] = []
+        self.cut_short = False
+        self.failures = 0
+        self.last: dict = {}  # the latest value of each key written (loss, val_loss, ...), for the summary
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, text: str) -> None:
+        self.pending.append(text)
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError, TypeError):
+                self.last.update(json.loads(line))
+
+    def flush(self) -> None:
+        data, self.pending = "".join(self.pending), []
+        if not data:
+            return
+        try:
+            if self.cut_short:
+                _write(self.fd, b"\n")
+                self.cut_short = False
+            raw = data.encode()
+            written = _write(self.fd, raw)
+            if written < len(raw):
+                self.cut_short = True
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            self.failures += 1
+            if self.failures == 1 or self.failures % 100 == 0:
+                warn(f"writing {self.path} failed ({e.strerror or e}); training goes on, these metrics are "
+                     f"lost ({self.failures} failed write{'s' if self.failures != 1 else ''} so far)")
+
+    def close(self) -> None:
+        self.flush()
+        os.close(self.fd)
+
+
+def _write(fd: int, data: bytes) -> int:
+    """The one place metrics reach the disk (a test makes it fail as a full disk would)."""
+    return os.write(fd, data)
+
+
+def read_rows(path) -> list[dict]:
+    """The complete JSON objects of a metrics file (a line cut short by a crash is skipped)."""
+    rows = []
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return rows
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def drop_rows_after(path, step: int, checkpoint) -> int:
+    """Rewrites metrics.jsonl without the rows after `step`, plus a resume event; returns how many
+    rows were dropped. Atomic: a crash leaves the old file or the new one, never a mix."""
+    path = Path(path)
+    rows = read_rows(path)
+    kept = [r for r in rows if not (isinstance(r.get("step"), int) and r["step"] > step)]
+    event = {"event": "resume", "at_step": step, "checkpoint": str(checkpoint),
+             "dropped_rows": len(rows) - len(kept), "time": time.time()}
+    try:
+        with atomic_writer(path) as f:
+            for r in [*kept, event]:
+                f.write((json.dumps(r) + "\n").encode())
+    except OSError as e:
+        warn(f"could not rewrite {path} ({e.strerror or e}): rows after step {step} from the interrupted run "
+             "stay in it")
+    return len(rows) - len(kept)
+
+
+# ----------------------------------------------------------------------------------------------- the directory
+
+def holds_a_run(out_dir: Path) -> bool:
+    return any((out_dir / f).exists() for f in RUN_FILES) or bool(ckpt.list_checkpoints(out_dir))
+
+
+def claim_run_dir(out_dir, resume: bool, overwrite: bool) -> None:
+    """A fresh run needs an empty directory (or --overwrite, which removes the earlier run's files)."""
+    out_dir = Path(out_dir)
+    if resume or not out_dir.is_dir() or not holds_a_run(out_dir):
+        return
+    if not overwrite:
+        raise UserError(f"{out_dir} holds another run: add --resume to continue it, choose another --out, or "
+                        "add --overwrite to delete it and start afresh")
+    for path in ckpt.list_checkpoints(out_dir):
+        shutil.rmtree(path)
+    for name in RUN_FILES:
+        (out_dir / name).unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(*dirs) -> list[Path]:
+    """Deletes the scratch files of saves and preparations that were killed (their process is gone)."""
+    removed = []
+    for d in dirs:
+        d = Path(d)
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
+            match = _STALE_TMP.match(p.name)
+            if p.name.startswith(".tmp-ckpt-") and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+            elif match and p.is_file() and not _alive(int(match.group(1))):
+                p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def read_saved_config(out_dir: Path) -> dict:
+    """A run's config.json as a dict, or a one-line error saying what is wrong with it."""
+    saved = out_dir / "config.json"
+    if not saved.is_file():
+        raise UserError(f"nothing to resume in {out_dir}: it has no config.json (start a run without --resume)")
+    try:
+        base = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot resume from {out_dir}: {saved} is not readable JSON ({e}); restore it, or "
+                        "start a fresh run with --overwrite") from e
+    if not isinstance(base, dict):
+        raise UserError(f"cannot resume from {out_dir}: {saved} does not hold a config (a JSON object)")
+    return base
+
+
+# ----------------------------------------------------------------------------------------------- the end
+
+def final_checkpoint_check(out_dir, step: int, last_checkpoint, code: int) -> int:
+    """When the save at the end failed, says which checkpoint is newest on disk and returns non-zero."""
+    if code not in (0, 130) or (last_checkpoint is not None and Path(last_checkpoint).name == f"ckpt-{step:08d}"):
+        return code
+    newest = ckpt.list_checkpoints(out_dir)
+    where = f"the newest on disk is {newest[0]} (step {int(newest[0].name.split('-')[1])})" if newest else \
+        "there is no checkpoint on disk"
+    print(f"error: the checkpoint of step {step} could not be saved; {where}. Free some space and resume "
+          f"with --resume, which continues from there", file=sys.stderr, flush=True)
+    return EXIT_SAVE_FAILED
+
+
+def summary(out_dir, steps_done: int, step: int, seconds: float, tokens_per_step: int, last: dict,
+            checkpoint) -> str:
+    """The end-of-run lines: steps, final losses, time, throughput, where the checkpoint is."""
+    rate = steps_done * tokens_per_step / seconds if seconds > 0 else 0.0
+    loss = f"{last['loss']:.4f}" if isinstance(last.get("loss"), float) else "n/a"
+    val = f"{last['val_loss']:.4f}" if isinstance(last.get("val_loss"), float) else "n/a"
+    return (f"done: step {step} ({steps_done} this run) in {seconds:.1f} s, {rate:,.0f} tokens/s | "
+            f"train loss {loss} | val loss {val} | checkpoint {checkpoint or 'none'} | metrics "
+            f"{Path(out_dir) / 'metrics.jsonl'}")
+
+
+class MicroBatchProgress:
+    """Wraps the training data loader: a step slower than PROGRESS_AFTER_S reports its micro-batches.
+
+    Everything else (state_dict, load_state_dict, ...) goes to the wrapped loader.
+    """
+
+    def __init__(self, loader, accum: int, out=None):
+        self._loader, self._accum, self._out = loader, accum, out or sys.stdout
+        self._calls = 0
+        self._step_start = self._last_report = time.perf_counter()
+
+    def next_batch(self):
+        i = self._calls % self._accum
+        now = time.perf_counter()
+        if i == 0:
+            self._step_start = self._last_report = now
+        elif now - self._last_report >= PROGRESS_AFTER_S:
+            self._last_report = now
+            print(f"  micro-batch {i}/{self._accum} done ({now - self._step_start:.0f} s into the step)",
+                  file=self._out, flush=True)
+        self._calls += 1
+        return self._loader.next_batch()
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)

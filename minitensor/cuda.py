@@ -1,0 +1,389 @@
+"""The CUDA side of minitensor: the kernel registry, lazy CuPy builds, launches, and the switch.
+
+Each layer's CUDA kernels live in the layer's own module, beside the generic xp code they must
+equal (LayerNorm in layernorm.py, bias + GELU with GELU in kernels.py, causal softmax in
+attention.py, cross-entropy in loss.py, AdamW in optim.py); this module holds what they share:
+
+- the registry `KERNELS` (name -> spec). A spec holds what CuPy needs to build the kernel (built
+  lazily, once) and can produce the exact source NVRTC compiles for a dtype, which makes two
+  checks possible without a GPU (`python -m minitensor.kernels --check | --host-check`, see
+  minitensor/kernelcheck.py); `all_kernels()` imports the layer modules so every kernel is in it.
+- `launch`, which runs a RawKernel after checking each argument against its C type (CuPy would
+  pass a Python int as 64 bits and a Python float as a double, silently), and the argument
+  checks of the wrappers.
+- the switch: which fused kernels the layers use (`in_use`, set by `minitensor.selfcheck`), each
+  under the name of the layer piece it replaces (FUSED). The generic xp path is the reference
+  and what NumPy runs; on CuPy a layer takes its fused kernel only when its name is in use.
+
+The exact elementwise sources come from CuPy private APIs (SPEC 5), so CuPy's minor version is
+pinned by the `kernel-check` extra. Importing this module costs nothing: CuPy is imported only
+by the functions that need it.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import importlib
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from minitensor.backend import array_module
+
+INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU needed)"
+DTYPES = ("float32", "float64")
+ARCHS = ("sm_80", "sm_90")
+
+# The layer modules that register kernels, imported by all_kernels().
+KERNEL_MODULES = ("minitensor.kernels", "minitensor.gelu", "minitensor.layernorm", "minitensor.attention",
+                  "minitensor.loss", "minitensor.optim")
+
+# The fused pieces the layers can use on CuPy, each the name of what it replaces:
+#   layernorm       LayerNorm forward and backward          (layernorm_fwd, _bwd, _bwd_params)
+#   bias_gelu       GELU(x + b) forward and backward          (bias_gelu_fwd, _bwd)
+#   causal_softmax  the attention probabilities and their gradient (causal_softmax_fwd, _bwd)
+#   softmax_xent    cross-entropy forward and backward        (softmax_xent_fwd, _bwd)
+#   adamw           the AdamW update, one pass                (adamw_step)
+FUSED = ("layernorm", "bias_gelu", "causal_softmax", "softmax_xent", "adamw")
+
+# The fused pieces in use in this process: empty (the generic path) until selfcheck.select_kernels
+# chooses; a process-wide choice, like TF32, made once at the entry point.
+in_use = set()
+
+
+def uses(name, x):
+    """True if the layer piece `name` should run its fused kernel on the array x (CuPy only)."""
+    return name in in_use and array_module(x) is not np
+
+
+@contextlib.contextmanager
+def using(names):
+    """Within the block, exactly the fused pieces `names` are in use (the self-check and tests)."""
+    global in_use
+    saved = in_use
+    in_use = set(names)
+    try:
+        yield
+    finally:
+        in_use = saved
+
+
+# name -> check(xp, rng): runs the layer piece `name` (forward and backward) on small random inputs
+# drawn from the NumPy Generator rng, moved to xp, and returns its outputs; the self-check runs it
+# with and without the fused kernel and compares. Each layer module registers its own.
+CHECKS = {}
+
+
+def self_check(name):
+    """Decorator: registers a layer's check of its fused piece `name` (one of FUSED)."""
+    if name not in FUSED:
+        raise ValueError(f"unknown fused piece {name!r}: one of {', '.join(FUSED)}")
+
+    def add(fn):
+        CHECKS[name] = fn
+        return fn
+
+    return add
+
+
+def all_kernels():
+    """KERNELS, after importing every module that registers kernels (and their CHECKS)."""
+    for name in KERNEL_MODULES:
+        importlib.import_module(name)
+    return KERNELS
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementwiseSpec:
+    """A `cupy.ElementwiseKernel`, described without CuPy.
+
+    `reference(**inputs)` is the NumPy formula the kernel must equal (one output array, or a
+    tuple for several). `scalars` names the in-params passed as host scalars, each with a sample
+    value for the host check; every other param is an array. Only the type placeholder `T`.
+    """
+
+    name: str
+    in_params: str
+    out_params: str
+    operation: str
+    reference: Callable = dataclasses.field(compare=False)
+    preamble: str = ""
+    options: tuple = ()
+    scalars: tuple = ()  # ((name, sample value), ...)
+    # ((name, fn), ...): fn maps the host check's samples of an input into its domain (v >= 0, ...)
+    domains: tuple = dataclasses.field(default=(), compare=False)
+
+    def kernel(self, dtype=None):
+        """The CuPy kernel; one object serves every dtype."""
+        return _elementwise_kernel(self)
+
+    def source(self, dtype):
+        """The exact source CuPy hands NVRTC for contiguous arguments of `dtype`."""
+        return _elementwise_source(self, np.dtype(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class RawSpec:
+    """A `cupy.RawKernel` whose code is written against the type name `T` (one build per dtype)."""
+
+    name: str
+    code: str
+    options: tuple = ()
+
+    def kernel(self, dtype):
+        return _raw_kernel(self, np.dtype(dtype))
+
+    def source(self, dtype):
+        return f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
+
+
+# name -> spec, for every CUDA kernel in the project. A spec has `name`, `options` (passed to
+# NVRTC before CuPy's own), `source(dtype)` (the exact source NVRTC compiles) and `kernel(dtype)`
+# (the CuPy kernel, built once); a ReductionKernel spec would add its generated source likewise.
+KERNELS = {}
+C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}
+
+
+def register(spec):
+    """Adds spec to KERNELS; the same spec again (a module run as __main__ and also imported) is
+    the one already there, another kernel under a taken name is refused."""
+    if spec.name in KERNELS and KERNELS[spec.name] != spec:
+        raise ValueError(f"a kernel named {spec.name!r} is already registered")
+    return KERNELS.setdefault(spec.name, spec)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# CuPy: lazy builds and exact sources
+
+
+class ToolchainMissing(ImportError):
+    """CuPy (with NVRTC) is not importable here; the message says how to install it."""
+
+
+@functools.cache
+def toolchain():
+    """CuPy's modules that the builds and the compile check use, with NVRTC proven loadable."""
+    try:
+        import cupy
+        from cupy._core import _carray, _kernel, _scalar, core
+        from cupy.cuda import compiler
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc_version = nvrtc.getVersion()  # loads libnvrtc: fails here if it is missing
+    except Exception as e:
+        raise ToolchainMissing(f"CuPy with NVRTC is not importable ({type(e).__name__}: {e}); "
+                               f"install it with: {INSTALL_HINT}") from e
+    return argparse.Namespace(cupy=cupy, carray=_carray, kernel=_kernel, scalar=_scalar, core=core,
+                              compiler=compiler, nvrtc_version=nvrtc_version)
+
+
+@functools.cache
+def _elementwise_kernel(spec):
+    import cupy
+
+    return cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name,
+                                  preamble=spec.preamble, options=spec.options)
+
+
+@functools.cache
+def _raw_kernel(spec, dtype):
+    import cupy
+
+    return cupy.RawKernel(spec.source(dtype), spec.name, options=spec.options)
+
+
+# Values of CuPy's `_ArgKind` enum (cupy/_core/_kernel.pxd), not exported to Python.
+_ARG_NDARRAY, _ARG_INDEXER, _ARG_SCALAR = 1, 2, 3
+
+
+def _elementwise_source(spec, dtype):
+    """Rebuilds what `ElementwiseKernel.__call__` compiles for C-contiguous arrays of fewer than
+    2**31 elements (reduced to 1-D, 32-bit indexing), and what `compile_with_cache` prepends."""
+    tc = toolchain()
+    kern = spec.kernel()
+    scalars = {name for name, _ in spec.scalars}
+    in_dtypes = tuple(None if p.name in scalars else p.dtype or dtype for p in kern.in_params)
+    in_types, out_types, type_map = kern._decide_params_type(in_dtypes, ())
+
+    def arg(p, t):
+        if p.name in scalars:
+            return tc.kernel._ArgInfo(_ARG_SCALAR, tc.scalar.CScalar, t, 0, True, True)
+        return tc.kernel._ArgInfo(_ARG_NDARRAY, tc.cupy.ndarray, t, 1, True, True)
+
+    arginfos = tuple(arg(p, t) for p, t in zip(kern.in_params + kern.out_params, in_types + out_types))
+    arginfos += (tc.kernel._ArgInfo(_ARG_INDEXER, tc.carray.Indexer, None, 1, True, True),)
+    code = tc.kernel._get_elementwise_kernel_code(arginfos, type_map, kern.params, kern.operation,
+                                                  kern.name, kern.preamble, **kern.kwargs)
+    if f"void {spec.name}(" not in code or "CIndexer<1, 1> _ind" not in code:
+        raise RuntimeError(f"CuPy {tc.cupy.__version__} generated unexpected code for {spec.name}: its "
+                           f"private kernel-code API changed; {INSTALL_HINT}")
+    header = "".join(f"#include <{h}>\n" for h in tc.core._cupy_header_list)
+    return header + code
+
+
+
+# Shared by the row kernels: overloads that keep float maths in float, and block-wide reductions.
+# The reductions need a 1-D block of a multiple of 32 threads (at most 1024), all calling them
+# (they use __syncthreads and full-warp shuffles); every thread gets the result; `buf` is 32 Ts of
+# shared memory, reusable by the next call. NVRTC has no INFINITY or NAN: the bit patterns instead.
+ROW_COMMON = r"""
+__device__ __forceinline__ float exp_of(float v) { return expf(v); }
+__device__ __forceinline__ double exp_of(double v) { return exp(v); }
+__device__ __forceinline__ float log_of(float v) { return logf(v); }
+__device__ __forceinline__ double log_of(double v) { return log(v); }
+__device__ __forceinline__ float sqrt_of(float v) { return sqrtf(v); }
+__device__ __forceinline__ double sqrt_of(double v) { return sqrt(v); }
+__device__ __forceinline__ float lowest_of(float) { return -3.40282347e+38f; }
+__device__ __forceinline__ double lowest_of(double) { return -1.7976931348623157e+308; }
+__device__ __forceinline__ float nan_of(float) { return __int_as_float(0x7fc00000); }
+__device__ __forceinline__ double nan_of(double) { return __longlong_as_double(0x7ff8000000000000LL); }
+
+__device__ T block_sum(T v, T *buf) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();  /* buf may still be read by the previous call */
+  if (lane == 0) buf[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? buf[lane] : (T)0;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ T block_max(T v, T *buf) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  for (int o = 16; o > 0; o >>= 1) {
+    const T u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = u > v ? u : v;
+  }
+  __syncthreads();
+  if (lane == 0) buf[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? buf[lane] : lowest_of(v);
+  for (int o = 16; o > 0; o >>= 1) {
+    const T u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = u > v ? u : v;
+  }
+  return v;
+}
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by the wrappers of the layers' kernels
+
+
+def threads(n, most):
+    """Threads per block for rows of n elements: a multiple of 32, at most `most`."""
+    return min(most, 32 * max(1, -(-n // 32)))
+
+
+def like(fn, name, a, ref, contiguous=True):
+    if (type(a) is not type(ref) or a.shape != ref.shape or a.dtype != ref.dtype
+            or (contiguous and not a.flags.c_contiguous)):
+        raise ValueError(f"{fn}: {name} must be a {'contiguous ' if contiguous else ''}{type(ref).__name__} "
+                         f"of shape {ref.shape} and dtype {ref.dtype}; got {type(a).__name__} "
+                         f"{getattr(a, 'shape', '')} {getattr(a, 'dtype', '')}")
+
+
+def rows(fn, x):
+    """(N, C) of a contiguous float array x (..., C)."""
+    if getattr(x, "dtype", None) not in (np.float32, np.float64) or x.ndim < 1 or not x.flags.c_contiguous:
+        raise ValueError(f"{fn}: x must be a contiguous float32 or float64 array (..., C), got "
+                         f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}")
+    if x.shape[-1] < 1:
+        raise ValueError(f"{fn}: x has rows of length 0")
+    return x.size // x.shape[-1], x.shape[-1]
+
+
+def vector(fn, name, a, x):
+    if a.shape != x.shape[-1:] or a.dtype != x.dtype or not a.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must be a contiguous {x.dtype} vector of shape {x.shape[-1:]}, "
+                         f"got {a.dtype} {a.shape}")
+
+
+def square_rows(fn, s):
+    if s.ndim < 2 or s.shape[-1] != s.shape[-2]:
+        raise ValueError(f"{fn}: expected (..., T, T) scores, got shape {s.shape}")
+    return rows(fn, s)
+
+
+def out_like(fn, x, out):
+    if out is None:
+        return array_module(x).empty_like(x)
+    like(fn, "out", out, x)
+    return out
+
+
+def row_values(fn, name, a, x, rows):
+    if a.size != rows or a.dtype != x.dtype or not a.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must hold {rows} contiguous {x.dtype} values (one per row), got "
+                         f"{a.dtype} {a.shape}")
+
+
+def on_cupy(fn, x, numpy_alternative):
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{fn} runs on CuPy arrays; on NumPy use {numpy_alternative}")
+
+
+def launch(spec, dtype, grid, block, args):
+    """Runs a RawSpec kernel on CuPy arrays after checking each argument against its C type."""
+    check_launch_args(spec, dtype, args)
+    if any(isinstance(a, np.ndarray) for a in args):
+        raise TypeError(f"{spec.name} runs on CuPy arrays; for NumPy use its *_reference formula")
+    spec.kernel(dtype)(grid, block, args)
+
+
+@functools.cache
+def raw_params(spec):
+    """[(name, C base type, is_pointer), ...] of the kernel's parameters, parsed from its code."""
+    found = re.search(rf'extern "C" __global__ void {spec.name}\(([^)]*)\)', spec.code)
+    if not found:
+        raise ValueError(f"no extern \"C\" __global__ kernel named {spec.name!r} in its code")
+    params = []
+    for p in found.group(1).split(","):
+        words = p.replace("*", " * ").split()
+        params.append((words[-1], " ".join(w for w in words[:-1] if w not in ("const", "*")), "*" in words))
+    return params
+
+
+_ARG_TYPES = {"int": np.dtype(np.int32), "long long": np.dtype(np.int64)}
+
+
+def check_launch_args(spec, dtype, args):
+    params = raw_params(spec)
+    if len(args) != len(params):
+        raise TypeError(f"{spec.name} takes {len(params)} arguments, got {len(args)}")
+    for (name, base, pointer), a in zip(params, args):
+        want = np.dtype(dtype) if base == "T" else _ARG_TYPES[base]
+        if pointer:
+            ok = getattr(a, "dtype", None) == want and a.flags.c_contiguous
+        else:
+            ok = type(a) is want.type
+        if not ok:
+            kind = "a contiguous array" if pointer else "a NumPy scalar"
+            raise TypeError(f"{spec.name}: argument {name} must be {kind} of {want}, got {type(a).__name__} "
+                            f"{getattr(a, 'dtype', '')}")
+
+
+
+def check_operands(fn, x, out, dy=None):
+    dtype = getattr(x, "dtype", None)
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"{fn}: x must be a float32 or float64 NumPy/CuPy array, got {type(x).__name__}"
+                        + (f" of {dtype}" if dtype is not None else ""))
+    if not isinstance(x, np.ndarray) and type(x).__module__.split(".")[0] != "cupy":
+        raise TypeError(f"{fn}: x must be a NumPy or CuPy array, got {type(x).__name__}")
+    for name, a in (("dy", dy), ("out", out)):
+        if a is not None and (type(a) is not type(x) or a.shape != x.shape or a.dtype != x.dtype):
+            raise ValueError(f"{fn}: {name} must be a {type(x).__name__} of shape {x.shape} and dtype "
+                             f"{x.dtype}, like x; got {type(a).__name__} {getattr(a, 'shape', '')} "
+                             f"{getattr(a, 'dtype', '')}")
+
+

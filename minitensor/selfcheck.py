@@ -1,0 +1,78 @@
+"""The start-up self-check of the fused GPU kernels, and the choice of which ones the layers use.
+
+    select_kernels("auto" | "fused" | "generic", xp) -> one line saying which are in use
+
+`auto` (the default on a GPU) runs each fused piece's check (minitensor.cuda.CHECKS: the layer's
+forward and backward on small random float32 inputs, a few milliseconds) once through the
+generic xp code and once through the fused kernel, and keeps only the pieces whose outputs agree
+to float32 precision: max |fused - generic| <= RTOL * max(1, max |generic|) over every output. A
+piece that disagrees, or whose kernel fails to build or run, is reported in the line and the
+generic code takes its place. `fused` uses every piece unchecked, `generic` none; on NumPy there
+is nothing to choose (the generic code is what the CPU runs).
+"""
+
+import numpy as np
+
+from minitensor import cuda
+from minitensor.backend import to_numpy
+
+MODES = ("auto", "fused", "generic")
+RTOL = 1e-4  # about 800 float32 epsilons: summation orders differ, formulas must not
+SEED = 1234
+
+
+def compare(check, name, xp):
+    """(agrees, detail) for one check: its outputs with the piece off and on, norm-wise."""
+    outputs = []
+    for names in ((), (name,)):
+        with cuda.using(names):
+            outputs.append([to_numpy(a).astype(np.float64) for a in check(xp, np.random.default_rng(SEED))])
+    generic, fused = outputs
+    worst = 0.0
+    for g, f in zip(generic, fused, strict=True):
+        if g.shape != f.shape:
+            return False, f"output of shape {f.shape}, generic {g.shape}"
+        err = float(np.max(np.abs(f - g))) if g.size else 0.0
+        if not np.isfinite(err):
+            return False, "non-finite output"
+        worst = max(worst, err / max(1.0, float(np.max(np.abs(g))) if g.size else 1.0))
+    return worst <= RTOL, f"max error {worst:.1e}"
+
+
+def choose(checks, xp):
+    """(names that agree, {name: why not} for those that do not), running every check."""
+    chosen, refused = [], {}
+    for name, check in checks.items():
+        try:
+            ok, detail = compare(check, name, xp)
+        except Exception as e:  # a kernel that fails to compile or launch is refused like a wrong one
+            ok, detail = False, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if ok:
+            chosen.append(name)
+        else:
+            refused[name] = detail
+    return chosen, refused
+
+
+def select_kernels(mode, xp, checks=None):
+    """Sets minitensor.cuda.in_use for the process; returns the line that says what is in use."""
+    if mode not in MODES:
+        raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
+    if xp is np:
+        cuda.in_use = set()
+        return "kernels: generic (NumPy)"
+    if mode == "generic":
+        cuda.in_use = set()
+        return "kernels: generic (train.kernels=generic)"
+    if mode == "fused":
+        cuda.in_use = set(cuda.FUSED)
+        return f"kernels: fused {', '.join(cuda.FUSED)} (train.kernels=fused, not self-checked)"
+    if checks is None:
+        cuda.all_kernels()
+        checks = cuda.CHECKS
+    chosen, refused = choose(checks, xp)
+    cuda.in_use = set(chosen)
+    line = f"kernels: fused {', '.join(chosen) or 'none'}"
+    if refused:
+        line += "; generic for " + "; ".join(f"{n} (failed its self-check: {why})" for n, why in refused.items())
+    return line
