@@ -375,6 +375,8 @@ def parse_args(argv):
 
 
 def build_run_config(args):
+    if args.init_from and args.resume:
+        raise UserError("--init-from starts a run from a GPT-2 directory and --resume continues one: give only one")
     overrides = list(args.set)
     for flag, key in ((args.max_steps, "train.max_steps"), (args.device, "train.device"), (args.seed, "train.seed")):
         if flag is not None:
@@ -396,8 +398,6 @@ def build_run_config(args):
         else:
             cfg = load_config(args.config or "tiny", overrides)
         out_dir = out_dir or Path("out") / cfg.name
-    if args.init_from and args.resume:
-        raise UserError("--init-from starts a run from a GPT-2 directory and --resume continues one: give only one")
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= cfg.train.max_steps:
         raise UserError(f"--stop-at-step must be between 1 and train.max_steps ({cfg.train.max_steps})")
     return cfg, out_dir
@@ -493,6 +493,8 @@ def run_training(args, world):
     code = trainer.run(stop_at_step=args.stop_at_step)
     if world.is_main:
         code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
+        if code == 0:
+            log(plot_after_training(out_dir))
         if code in (0, EXIT_INTERRUPTED):
             log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, time.perf_counter() - started,
                                trainer.tokens_per_step, trainer.metrics.last, trainer.last_checkpoint))
@@ -501,8 +503,6 @@ def run_training(args, world):
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
         stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
         log("-" * 60 + f"\nmore: python -m andrea.sample --checkpoint {out_dir} --prompt 'import '")
-    if code == 0 and world.is_main:
-        log(plot_after_training(out_dir))
     return code
 
 
