@@ -32,6 +32,7 @@ import numpy as np
 from andrea import preflight
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config
+from andrea.errors import UserError
 from andrea.model import ANDREA, flops_per_token
 from andrea.optim import AdamW
 from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
@@ -261,22 +262,22 @@ def main(argv=None):
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
     args.device = preflight.choose_device(args.device, fallback="cpu")
-    if not args.one:
-        preflight.check_output_file(args.json, "--json")  # before minutes of measuring, not after
     if args.one:
         print(json.dumps(run_one(args.one, args.device, args.profile)))
         return 0
+    # every mistake before minutes of measuring, not after
+    preflight.check_output_file(args.json, "--json")
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise UserError(f"unknown config {unknown[0]!r} for the benchmark: use {', '.join(SHAPES)}")
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
     results = []
     if args.components:
         results.append({"components": _components(args.repeats)})
         if not args.torch:
             return _write(args.json, results)
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown:
-        from andrea.errors import UserError
-
-        raise UserError(f"unknown config {unknown[0]!r} for the benchmark: use {', '.join(SHAPES)}")
     for name in names:
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "andrea.bench", "--one", name, "--device", args.device]

@@ -112,7 +112,6 @@ class LayerNorm(Layer):
                                         add_to=xp.array(residual.reshape(x2.shape), order="C"))
         return dx.reshape(shape)
 
-
     def _backward_cpu(self, x2, mean, rstd, dy2, r2, dx):
         N, C = x2.shape
         n_blocks = -(-N // ROW_BLOCK)

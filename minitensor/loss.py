@@ -211,6 +211,7 @@ def _self_check(xp, rng):
     loss = fn.forward(logits, targets, inplace=True)
     return xp.asarray(loss).reshape(1), fn.backward(0.5)
 
+
 @cpu.kernel()
 def softmax_rows_cpu(p, top, N, logsumexp):
     """p (n, V) holding the logits z, top (n,) their row maxima, logsumexp (n,): in place,

@@ -379,3 +379,12 @@ def test_an_unhandled_file_system_failure_is_one_line_exit_1(tmp_path, capsys):
                                                       "(add --debug for the traceback)")
     with pytest.raises(OSError):
         run_cli(main, ["--debug"])
+
+
+def test_bench_refuses_its_mistakes_before_measuring(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "_components", lambda repeats: pytest.fail("measured before checking"))
+    for argv, message in ((["--components", "--torch", "--configs", "huge"], "unknown config 'huge'"),
+                          (["--components", "--repeats", "0"], "--repeats must be at least 1"),
+                          (["--components", "--json", str(tmp_path / "no" / "b.json")], "does not exist")):
+        assert cli(bench.main, argv) == 2
+        assert message in one_line_error(capsys.readouterr().err)

@@ -4,7 +4,9 @@ Without a GPU, the real checks of the pieces built from RawKernels only (LayerNo
 softmax of the dense attention core) run their layer's fused path through the host emulation of
 the kernels (kernelcheck.emulate_launch, NumPy arrays standing in for CuPy ones); a kernel made
 to disagree (a sign flipped in its CUDA code) is refused, reported, and the generic code takes
-its place. The choice and the line are also checked with stand-in checks.
+its place. With the ElementwiseKernels replaced by their reference formulas too, every layer's
+fused path (all five pieces) runs and agrees with its generic path. The choice and the line are
+also checked with stand-in checks.
 """
 
 import dataclasses
@@ -27,12 +29,40 @@ class NumPyStandingInForCuPy:
 FAKE_GPU = NumPyStandingInForCuPy()
 
 
+def elementwise_on_the_host(spec):
+    """A stand-in for spec's CuPy ElementwiseKernel on NumPy arrays: its reference formula, which
+    the host check compares with the kernel's own operation compiled as C++ (kernelcheck)."""
+    names = [p.split()[-1] for p in spec.in_params.split(",")]
+
+    def call(*args):
+        ins, outs = args[:len(names)], args[len(names):]
+        first = ins[0]
+        flat = {n: (a.reshape(-1) if isinstance(a, np.ndarray) and a.size == first.size else a)
+                for n, a in zip(names, ins)}
+        got = spec.reference(**flat)
+        got = [np.asarray(g).reshape(first.shape) for g in (got if isinstance(got, tuple) else (got,))]
+        if not outs:
+            return got[0] if len(got) == 1 else tuple(got)
+        for o, g in zip(outs, got):
+            o[...] = g
+        return outs[0] if len(outs) == 1 else outs
+
+    return call
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     """The layers' fused paths on NumPy arrays: `uses` ignores the backend, RawKernels are emulated."""
     monkeypatch.setattr(cuda, "uses", lambda name, x: name in cuda.in_use)
     monkeypatch.setattr(cuda, "launch", kernelcheck.emulate_launch)
     monkeypatch.setattr(cuda, "in_use", set())
+
+
+@pytest.fixture
+def host_gpu(emulated, monkeypatch):
+    """Every fused piece runnable on NumPy: RawKernels emulated, ElementwiseKernels by formula."""
+    monkeypatch.setattr(cuda, "on_cupy", lambda fn, x, alternative: None)
+    monkeypatch.setattr(cuda.ElementwiseSpec, "kernel", lambda spec, dtype=None: elementwise_on_the_host(spec))
 
 
 def stand_in_check(error):
@@ -112,3 +142,50 @@ def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(emulated, mon
         y = LayerNorm(w, np.zeros(16), b, np.zeros(16)).forward(x)
         want, _, _ = layernorm.layernorm_forward_reference(x, w, b)
         np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+
+
+@needs_cxx
+def test_every_layer_takes_its_fused_path_and_agrees_with_the_generic_one(host_gpu):
+    """The layers' wiring of all five pieces (what they cache, pass and return on the fused path)."""
+    checks = cuda.all_kernels() and cuda.CHECKS
+    line = selfcheck.select_kernels("auto", FAKE_GPU, checks)
+    assert line == f"kernels: fused {', '.join(checks)}"
+    assert cuda.in_use == set(cuda.FUSED)
+
+
+@needs_cxx
+def test_a_whole_model_step_with_every_fused_piece_equals_the_generic_one(host_gpu, monkeypatch):
+    """ANDREA (2 blocks) forward, backward and an AdamW step, with every fused piece and the dense
+    attention core, against the generic code, in float64: the model's use of the fused paths."""
+    from andrea import ANDREA, AdamW, ModelConfig
+    from minitensor.attention import CausalSelfAttention
+
+    monkeypatch.setattr(CausalSelfAttention, "dense", True)
+    launched = []
+    monkeypatch.setattr(cuda, "launch", lambda spec, *args: (launched.append(spec.name),
+                                                             kernelcheck.emulate_launch(spec, *args)))
+    built = []
+    monkeypatch.setattr(cuda.ElementwiseSpec, "kernel",
+                        lambda spec, dtype=None: (built.append(spec.name), elementwise_on_the_host(spec))[1])
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 13, (2, 9))
+    results = []
+    for names in ((), cuda.FUSED):
+        m = ANDREA(ModelConfig(vocab_size=13, context_length=8, d_model=8, n_layer=2, n_head=2), dtype="float64",
+                   seed=4)
+        with cuda.using(names):
+            loss = float(m.loss(x[:, :-1], x[:, 1:]))
+            m.zero_grad()
+            m.backward(0.5)
+            grads = m.params.grads.copy()
+            opt = AdamW(m, lr=1e-2)
+            opt._decay_mask = m.params.mask(opt.decays)  # what a CuPy model's optimizer makes
+            opt.step(grad_scale=np.asarray(0.7))
+        results.append((loss, grads, m.params.data.copy()))
+    (loss_g, grads_g, p_g), (loss_f, grads_f, p_f) = results
+    assert set(launched) == {"layernorm_fwd", "layernorm_bwd", "layernorm_bwd_params", "causal_softmax_fwd",
+                             "causal_softmax_bwd", "softmax_xent_fwd"}
+    assert {"bias_gelu_fwd", "bias_gelu_bwd", "softmax_xent_bwd", "adamw_step"} <= set(built)
+    assert loss_f == pytest.approx(loss_g, rel=1e-12)
+    np.testing.assert_allclose(grads_f, grads_g, rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(p_f, p_g, rtol=1e-12, atol=1e-14)
