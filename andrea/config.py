@@ -111,11 +111,12 @@ class TrainConfig:
 class DataConfig:
     inputs: list = field(default_factory=list)   # files, directories or globs; empty: the Python stdlib
     data_dir: str = ""                            # where tokens and tokenizer live; "" = data/<name>
-    val_fraction: float = 0.01
+    val_fraction: float | None = None             # share of files for validation; None: the corpus's default
     allow_smaller_vocab: bool = False             # a small corpus may run out of merges before 8449 ids
 
     def validate(self):
-        _require(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        _require(self.val_fraction is None or 0 < self.val_fraction < 0.5,
+                 f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
         if isinstance(self.inputs, str):
             self.inputs = [self.inputs]
 

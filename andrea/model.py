@@ -230,6 +230,21 @@ class ANDREA:
         for name, view in self.params.items():
             view[...] = self.xp.asarray(state[name], dtype=self.dtype)
 
+    # --- the Hugging Face format (andrea.hf) ---
+
+    @classmethod
+    def from_pretrained(cls, directory, device="cpu", dtype="float32"):
+        """A model from a GPT-2 directory: andrea's export or transformers' save_pretrained (safetensors)."""
+        from andrea import hf
+
+        return hf.load_pretrained(directory, device=device, dtype=dtype)
+
+    def save_pretrained(self, directory, tokenizer=None):
+        """Write a directory that transformers' AutoModelForCausalLM (and AutoTokenizer) load."""
+        from andrea import hf
+
+        return hf.save_pretrained(self, directory, tokenizer=tokenizer)
+
     # --- inference with a key/value cache ---
 
     def new_kv_cache(self, batch_size=1):

@@ -20,8 +20,8 @@ from andrea.checkpoint import latest_checkpoint, load_checkpoint
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import make_config
 from andrea.errors import UserError
+from andrea.hf import load_tokenizer
 from andrea.model import ANDREA
-from andrea.tokenizer import Tokenizer
 from minitensor.backend import GPUUnavailable, to_numpy
 from minitensor.memory import keep_freed_memory
 
@@ -83,7 +83,7 @@ def load_model(checkpoint, device="cpu"):
         raise UserError(f"{path} holds no model config in its meta.json: it was not written by andrea.train")
     cfg = make_config(meta["config"], source=f"{path}/meta.json")
     tok_path = run_dir / "tokenizer.json"
-    tokenizer = Tokenizer.load(tok_path)
+    tokenizer = load_tokenizer(tok_path)
     if tokenizer.fingerprint() != meta.get("tokenizer_fingerprint"):
         raise UserError(f"{tok_path} is not the tokenizer this checkpoint was trained with")
     try:

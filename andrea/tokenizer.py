@@ -95,6 +95,11 @@ class Tokenizer:
         self._fingerprint = hashlib.sha256(self._canonical().encode("ascii")).hexdigest()
         self._hf = self._build_encoder(token_bytes)
 
+    @property
+    def merges(self) -> list[tuple[int, int]]:
+        """The merges as (left id, right id) pairs, in merge order (what `Tokenizer(merges)` takes)."""
+        return list(self._merges)
+
     def _canonical(self) -> str:
         return json.dumps({"format": FORMAT, "eot": self.EOT_TEXT, "merges": self._merges}, separators=(",", ":"))
 

@@ -31,17 +31,18 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data, preflight, runlog
+from andrea import data, hf, preflight, runlog
 from andrea import distributed as dist
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config, make_config
 from andrea.errors import UserError
+from andrea.hf import load_tokenizer
 from andrea.model import ANDREA, flops_per_token, format_breakdown
 from andrea.optim import AdamW
 from andrea.perf import format_duration, matmul_peak_flops, peak_label, synchronize
+from andrea.plot import plot_after_training
 from andrea.prepare import prepare
 from andrea.sample import stream
-from andrea.tokenizer import Tokenizer
 from minitensor.backend import GPUUnavailable, set_tf32
 from minitensor.memory import keep_freed_memory
 from minitensor.optim import clip_scale, cosine_lr, global_norm
@@ -321,8 +322,11 @@ def _set_json_rng_state(s):
         np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
 
 
-def prepare_data(cfg, build=True):
-    """Tokens and tokenizer for the config's corpus, preparing them first if they are missing (build)."""
+def prepare_data(cfg, build=True, tokenizer=None):
+    """Tokens and tokenizer for the config's corpus, preparing them first if they are missing (build).
+
+    `tokenizer` (a path) is the one to encode with instead of training one (--init-from's).
+    """
     data_dir = cfg.data.resolved_dir()
     if preflight.prepared_counts(data_dir) is None:
         note(f"first run on this corpus: preparing {data_dir} (tokenizer and token files; later runs reuse it)")
@@ -330,10 +334,11 @@ def prepare_data(cfg, build=True):
     if build:
         try:
             prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
-                    val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab)
+                    val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab,
+                    tokenizer=tokenizer)
         except UserError as e:
             raise UserError(preflight.in_train_terms(str(e))) from e
-    tokenizer = Tokenizer.load(data_dir / "tokenizer.json")
+    tokenizer = load_tokenizer(data_dir / "tokenizer.json")
     if cfg.data.allow_smaller_vocab and tokenizer.vocab_size < cfg.model.vocab_size:
         note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
         cfg.model.vocab_size = tokenizer.vocab_size
@@ -357,6 +362,8 @@ def parse_args(argv):
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], help="sets train.device")
     ap.add_argument("--seed", type=int, help="sets train.seed")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    ap.add_argument("--init-from", metavar="DIR",
+                    help="start from the weights, model config and tokenizer of a GPT-2 directory (save_pretrained's)")
     ap.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds another run, "
                                                             "deleting its checkpoints and metrics")
     ap.add_argument("--dry-run", action="store_true",
@@ -368,6 +375,8 @@ def parse_args(argv):
 
 
 def build_run_config(args):
+    if args.init_from and args.resume:
+        raise UserError("--init-from starts a run from a GPT-2 directory and --resume continues one: give only one")
     overrides = list(args.set)
     for flag, key in ((args.max_steps, "train.max_steps"), (args.device, "train.device"), (args.seed, "train.seed")):
         if flag is not None:
@@ -384,7 +393,10 @@ def build_run_config(args):
         if args.config is not None:
             _refuse_another_config(args.config, overrides, cfg, out_dir)
     else:
-        cfg = load_config(args.config or "tiny", overrides)
+        if args.init_from:
+            cfg = hf.init_from_config(args.config or "tiny", args.init_from, overrides)
+        else:
+            cfg = load_config(args.config or "tiny", overrides)
         out_dir = out_dir or Path("out") / cfg.name
     if args.stop_at_step is not None and not 1 <= args.stop_at_step <= cfg.train.max_steps:
         raise UserError(f"--stop-at-step must be between 1 and train.max_steps ({cfg.train.max_steps})")
@@ -449,7 +461,7 @@ def run_training(args, world):
                 runlog.claim_run_dir(out_dir, args.resume, args.overwrite)
             runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
     with world.together():  # data preparation once, on rank 0, while the others wait here
-        prepared = prepare_data(cfg) if world.is_main else None
+        prepared = prepare_data(cfg, tokenizer=args.init_from) if world.is_main else None
     with world.together():
         tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
         preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
@@ -457,6 +469,9 @@ def run_training(args, world):
         if world.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
         trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
+        if args.init_from:
+            hf.load_weights(trainer.model, args.init_from)
+            log(f"initialised from {args.init_from}")
     gpus = int(world.sum_scalars([trainer.model.xp is not np])[0])
     with world.together():
         if 0 < gpus < world.size:
@@ -478,6 +493,8 @@ def run_training(args, world):
     code = trainer.run(stop_at_step=args.stop_at_step)
     if world.is_main:
         code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
+        if code == 0:
+            log(plot_after_training(out_dir))
         if code in (0, EXIT_INTERRUPTED):
             log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, time.perf_counter() - started,
                                trainer.tokens_per_step, trainer.metrics.last, trainer.last_checkpoint))

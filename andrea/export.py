@@ -1,0 +1,35 @@
+"""Export a trained ANDREA as a Hugging Face GPT-2 directory: `python -m andrea.export --checkpoint RUN --out DIR`.
+
+--checkpoint takes a run directory (its newest good checkpoint) or one ckpt-* directory, as
+andrea.sample does. DIR gets config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+special_tokens_map.json and generation_config.json (andrea.hf), which transformers loads offline:
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(DIR)
+    tokenizer = AutoTokenizer.from_pretrained(DIR)
+"""
+
+import argparse
+import sys
+
+from andrea.cli import run_cli
+from andrea.sample import load_model
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m andrea.export", description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", required=True, help="a run directory or a ckpt-* directory")
+    ap.add_argument("--out", required=True, help="the directory to write (created if missing)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = ap.parse_args(argv)
+    model, tokenizer, meta = load_model(args.checkpoint, device="cpu")
+    paths = model.save_pretrained(args.out, tokenizer=tokenizer)
+    print(f"exported step {meta.get('step')} of {args.checkpoint} ({model.num_parameters():,} parameters) "
+          f"to {args.out}: {', '.join(p.name for p in paths)}", file=sys.stderr)
+    print(f"load it with transformers: AutoModelForCausalLM.from_pretrained({args.out!r}), "
+          f"AutoTokenizer.from_pretrained({args.out!r})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,173 @@
+"""Loss curves of training runs: `python -m andrea.plot RUN [RUN ...] [--out loss.png]`.
+
+Each run directory (a train --out) gives its training loss (every log_interval steps, one batch
+each, so noisy) and validation loss (every eval_interval steps) from metrics.jsonl, against the
+tokens seen: step x batch_size x seq_len x micro-batches, from the run's config.json. The unigram
+baseline of the run's data (the loss of predicting every token by its frequency in the training
+tokens, from the data directory's meta.json) is drawn as a dashed line: a model below it has
+learned more than token frequencies. Several runs share one figure, one colour each.
+
+matplotlib comes from the optional `plot` extra; the figure is drawn on an Agg canvas of its own,
+so nothing about the process's matplotlib backend changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from andrea.cli import run_cli
+from andrea.config import build_config
+from andrea.data import atomic_writer
+from andrea.errors import UserError
+
+
+@dataclass
+class Curves:
+    label: str
+    train: list[tuple[int, float]] = field(default_factory=list)  # (tokens seen, loss)
+    val: list[tuple[int, float]] = field(default_factory=list)
+    baseline: float | None = None
+
+
+def read_run(run_dir) -> Curves:
+    """The loss curves of one run directory; a missing or empty metrics.jsonl is a UserError."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: give the --out directory of a training run")
+    per_step = _records(path)
+    if not per_step:
+        raise UserError(f"{path} holds no loss yet: plot once training has logged a step")
+    tokens_per_step, data_dir = _run_config(run_dir)
+    curves = Curves(run_dir.name or str(run_dir))
+    for step, r in sorted(per_step.items()):
+        tokens = int(r.get("tokens", step * tokens_per_step))
+        if isinstance(r.get("loss"), (int, float)):
+            curves.train.append((tokens, float(r["loss"])))
+        if isinstance(r.get("val_loss"), (int, float)):
+            curves.val.append((tokens, float(r["val_loss"])))
+    curves.baseline = _unigram_baseline(run_dir, data_dir)
+    return curves
+
+
+def _records(path: Path) -> dict[int, dict]:
+    """{step: record}, the last record of a step winning (a resumed run repeats the steps after its
+    last checkpoint); skipped non-finite steps are left out, and a cut-off last line is ignored."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    per_step = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            if n == len(lines):  # a run killed while writing its last line
+                break
+            raise UserError(f"{path} line {n} is not JSON: is it a metrics file of andrea.train?") from None
+        if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped"):
+            per_step[r["step"]] = r
+    return per_step
+
+
+def _run_config(run_dir: Path) -> tuple[int, Path]:
+    """(tokens per optimizer step, the data directory) from the run's config.json."""
+    try:
+        cfg = build_config(json.loads((run_dir / "config.json").read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"cannot read {run_dir / 'config.json'} ({e}): is {run_dir} a training run?") from None
+    m, t = cfg.model, cfg.train
+    return t.batch_size * t.sequence_length(m) * t.accumulation_steps(m), cfg.data.resolved_dir()
+
+
+def _unigram_baseline(run_dir: Path, data_dir: Path) -> float | None:
+    """The validation unigram entropy of the run's data, when its data directory (relative to the
+    working directory, as in training) is found and holds the run's tokenizer; else None."""
+    try:
+        meta = json.loads((data_dir / "meta.json").read_text())
+        same = meta.get("tokenizer_fingerprint") == _tokenizer_fingerprint(run_dir / "tokenizer.json")
+    except (OSError, ValueError, UserError):
+        return None
+    return float(meta["unigram_val_nats"]) if same and "unigram_val_nats" in meta else None
+
+
+def _tokenizer_fingerprint(path: Path) -> str:
+    from andrea.hf import load_tokenizer  # tokenizers is a dependency, but plotting alone need not load it
+
+    return load_tokenizer(path).fingerprint()
+
+
+def draw(runs: list[Curves]):
+    """A matplotlib Figure of the runs' curves (matplotlib imported here: it is optional)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import EngFormatter
+    except ImportError:
+        raise UserError("andrea.plot needs matplotlib: pip install -e '.[plot]'") from None
+    fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, run in enumerate(runs):
+        colour = f"C{i % 10}"
+        name = run.label if len(runs) > 1 else ""
+        if run.train:
+            ax.plot(*zip(*run.train), color=colour, alpha=0.45, lw=1, label=f"{name} train".strip())
+        if run.val:
+            ax.plot(*zip(*run.val), color=colour, lw=2, marker="o", ms=4, label=f"{name} validation".strip())
+        if run.baseline is not None:
+            ax.axhline(run.baseline, color=colour, ls="--", lw=1,
+                       label=f"{name} unigram baseline {run.baseline:.2f}".strip())
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(runs[0].label if len(runs) == 1 else "loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_runs(run_dirs, out) -> Path:
+    """Draw the runs into the PNG `out` (written atomically) and return its path."""
+    runs = [read_run(d) for d in run_dirs]
+    labels = [r.label for r in runs]
+    for run, d in zip(runs, run_dirs):
+        if labels.count(run.label) > 1:  # out/a/tiny and out/b/tiny: the names alone do not tell them apart
+            run.label = str(d)
+    buffer = io.BytesIO()
+    draw(runs).savefig(buffer, format="png")
+    out = Path(out)
+    with atomic_writer(out) as f:
+        f.write(buffer.getvalue())
+    return out
+
+
+def plot_after_training(run_dir) -> str:
+    """Draw RUN/loss.png at the end of a training run; returns the line that says where (or why not)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "no loss plot: matplotlib is not installed (pip install -e '.[plot]', then python -m andrea.plot)"
+    try:
+        return f"loss plot: {plot_runs([run_dir], Path(run_dir) / 'loss.png')}"
+    except (UserError, OSError) as e:  # the run itself succeeded: a failed plot must not fail it
+        return f"warning: no loss plot: {e}"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m andrea.plot", description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", metavar="RUN", help="training run directories (train --out)")
+    ap.add_argument("--out", default="loss.png", help="the PNG to write (default loss.png)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = ap.parse_args(argv)
+    path = plot_runs(args.runs, args.out)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

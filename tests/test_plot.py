@@ -1,0 +1,89 @@
+"""andrea.plot: loss against tokens seen from a run's metrics.jsonl, the unigram baseline of its data,
+several runs on one figure, and one-line errors for missing or empty metrics."""
+
+import json
+
+import numpy as np
+import pytest
+from optional import require
+
+from andrea import plot
+from andrea.cli import run_cli
+from andrea.config import build_config
+from andrea.errors import UserError
+from andrea.tokenizer import Tokenizer
+
+
+def fake_run(tmp_path, name, records, batch_size=4, seq_len=16, baseline=6.5):
+    """A run directory as andrea.train leaves it, and its data directory with meta.json."""
+    data_dir = tmp_path / f"data-{name}"
+    data_dir.mkdir()
+    tok = Tokenizer([(104, 105)])  # "hi": 258 ids, enough for a fingerprint
+    (data_dir / "meta.json").write_text(json.dumps({"tokenizer_fingerprint": tok.fingerprint(),
+                                                    "unigram_val_nats": baseline}))
+    run = tmp_path / name
+    run.mkdir()
+    cfg = build_config({"model": {"vocab_size": 258, "context_length": 32, "d_model": 8, "n_layer": 1, "n_head": 1},
+                        "train": {"batch_size": batch_size, "seq_len": seq_len},
+                        "data": {"data_dir": str(data_dir)}})
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    tok.save(run / "tokenizer.json")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run
+
+
+RECORDS = [
+    {"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0, "val_loss": 8.5},
+    {"step": 3, "loss": "nan", "skipped": True}, {"step": 3, "loss": 7.0}, {"step": 4, "loss": 6.0, "val_loss": 6.2},
+    {"step": 4, "loss": 5.5, "val_loss": 6.0},  # a resumed run repeats step 4: the later record wins
+]
+
+
+def test_read_run_gives_loss_against_tokens_and_the_baseline(tmp_path):
+    run = fake_run(tmp_path, "a", RECORDS)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "lo')  # killed while writing its last line
+    curves = plot.read_run(run)
+    assert curves.train == [(64, 9.0), (128, 8.0), (192, 7.0), (256, 5.5)]
+    assert curves.val == [(128, 8.5), (256, 6.0)]
+    assert curves.baseline == 6.5
+
+
+def test_several_runs_on_one_figure(tmp_path):
+    require("matplotlib")
+    a = fake_run(tmp_path, "a", RECORDS)
+    b = fake_run(tmp_path, "b", RECORDS[:2], batch_size=8, baseline=7.0)
+    fig = plot.draw([plot.read_run(a), plot.read_run(b)])
+    ax = fig.axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["a train", "a validation", "a unigram baseline 6.50",
+                      "b train", "b validation", "b unigram baseline 7.00"]
+    np.testing.assert_array_equal(ax.get_lines()[3].get_xdata(), [128, 256])  # b's batch is twice a's
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == labels
+    out = tmp_path / "loss.png"
+    with pytest.raises(SystemExit) as e:
+        run_cli(plot.main, [str(a), str(b), "--out", str(out)])
+    assert e.value.code == 0 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_or_empty_metrics_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(UserError, match="metrics.jsonl does not exist"):
+        plot.read_run(tmp_path / "nowhere")
+    run = fake_run(tmp_path, "empty", [])
+    with pytest.raises(SystemExit) as e:
+        run_cli(plot.main, [str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and "holds no loss yet" in err and err.count("\n") == 1
+    (run / "metrics.jsonl").write_text("not json\n{}\n")
+    with pytest.raises(UserError, match="line 1 is not JSON"):
+        plot.read_run(run)
+
+
+def test_after_training_says_where_or_why_not(tmp_path, monkeypatch):
+    require("matplotlib")
+    run = fake_run(tmp_path, "a", RECORDS)
+    assert plot.plot_after_training(run) == f"loss plot: {run / 'loss.png'}"
+    assert (run / "loss.png").stat().st_size > 1000
+    assert plot.plot_after_training(tmp_path / "nowhere").startswith("warning: no loss plot: ")
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    assert "pip install -e '.[plot]'" in plot.plot_after_training(run)
