@@ -80,14 +80,16 @@ def _configure():
     _configured = True
 
 
-def kernel(parallel=False):
+def kernel(parallel=False, contract=True):
     """The decorator of every fast-path kernel: compiled without the GIL, with FLAGS, cached on
-    disk; `parallel=True` spreads its `prange` loop over numba's threads. Without numba it leaves
-    the function as it is (never called then)."""
+    disk; `parallel=True` spreads its `prange` loop over numba's threads; `contract=False` keeps
+    a * b - c from becoming one FMA (where c is a rounded a * b and the difference must be 0).
+    Without numba it leaves the function as it is (never called then)."""
     def wrap(fn):
         if numba is None:
             return fn
-        return njit(parallel=parallel, fastmath=FLAGS, error_model="numpy", cache=True, nogil=True)(fn)
+        flags = FLAGS if contract else FLAGS - {"contract"}
+        return njit(parallel=parallel, fastmath=flags, error_model="numpy", cache=True, nogil=True)(fn)
     return wrap
 
 

@@ -164,7 +164,9 @@ def layernorm_forward_cpu(x, w, b, eps, y, mean, rstd):
             y[i, j] = (x[i, j] - m) * r * w[j] + b[j]
 
 
-@cpu.kernel()
+# no FMA: with C = 1, or any row of equal values, w * dy - mean(w * dy) must be exactly 0, and an
+# FMA of the unrounded product against the rounded mean leaves its rounding error times rstd
+@cpu.kernel(contract=False)
 def layernorm_backward_cpu(x, mean, rstd, dy, w, res, add_res, dx, dw, db):
     """One block of rows: x, dy, dx, res (N, C) (res used if add_res); mean, rstd (N, 1); w (C,);
     dw, db (C,) set to this block's sums over its rows, row by row."""
