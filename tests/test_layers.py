@@ -87,4 +87,9 @@ def test_float32_agrees_with_float64(xp, name, seed, d):
         # float32 keeps ~7 digits of the O(1) inputs; a result that cancels to near 0 keeps that
         # absolute error, so the tolerance is absolute at the scale of max(result, 1)
         scale = max(float(np.abs(a64).max(initial=0.0)), 1.0)
+        if name.startswith("layernorm") and d["C"] == 1:
+            # a one-wide row has zero variance whatever the data, so rstd = 1 / sqrt(eps) ~ 316
+            # multiplies every float32 rounding (dx is 0 in exact arithmetic, ~1e-14 in float64,
+            # ~1e-5 in float32 with FMA contraction): compare at that condition number
+            scale /= np.sqrt(1e-5)
         np.testing.assert_allclose(a32, a64, rtol=1e-4, atol=1e-5 * scale)
