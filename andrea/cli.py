@@ -22,6 +22,7 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     try:
+        _check_environment()
         code = main(args)
     except UserError as e:
         if debug:
@@ -40,6 +41,16 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
         print(f"error: {where}{e.strerror or e} (add --debug for the traceback)", file=sys.stderr)
         sys.exit(1)
     sys.exit(code or 0)
+
+
+def _check_environment():
+    """Settings read deep inside the engine, checked before any work so a typo is one line."""
+    from minitensor import cpu
+
+    try:
+        cpu.mode()
+    except ValueError as e:
+        raise UserError(str(e)) from e
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -388,3 +388,9 @@ def test_bench_refuses_its_mistakes_before_measuring(tmp_path, capsys, monkeypat
                           (["--components", "--json", str(tmp_path / "no" / "b.json")], "does not exist")):
         assert cli(bench.main, argv) == 2
         assert message in one_line_error(capsys.readouterr().err)
+
+
+def test_a_mistyped_cpu_kernels_setting_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numbaa")
+    assert cli(sample.main, ["--checkpoint", str(tmp_path)]) == 2
+    assert "ANDREA_CPU_KERNELS='numbaa'" in one_line_error(capsys.readouterr().err)
