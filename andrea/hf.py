@@ -38,7 +38,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from andrea.config import ModelConfig
 from andrea.data import MAX_VOCAB, atomic_writer
 from andrea.errors import UserError
-from andrea.tokenizer import BYTE_SYMBOLS, FORMAT, StreamDecoder, Tokenizer
+from andrea.tokenizer import BYTE_SYMBOLS, FORMAT, IdDecoding, Tokenizer
 from minitensor.backend import to_numpy
 
 EOT_TEXT = "<|endoftext|>"
@@ -289,7 +289,7 @@ def _hf_tokenizer(tok: Tokenizer) -> HFTokenizer:
     return hf
 
 
-class PretrainedTokenizer:
+class PretrainedTokenizer(IdDecoding):
     """andrea's tokenizer interface over a HF tokenizer.json of a byte-level BPE (GPT-2's kind).
 
     Encoding never yields the end-of-text id, as andrea's own tokenizer: special tokens in text
@@ -339,25 +339,6 @@ class PretrainedTokenizer:
             return [e.ids for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
         except TypeError:
             raise UserError("text to encode must be str that UTF-8 can represent (no lone surrogates)") from None
-
-    def decode(self, ids) -> str:
-        return b"".join(self._token_bytes[i] for i in self._checked_ids(ids)).decode("utf-8", errors="replace")
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._token_bytes[self._checked_ids([token_id])[0]]
-
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
-
-    def _checked_ids(self, ids) -> list[int]:
-        arr = np.asarray(ids)
-        if arr.size == 0:
-            return []
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise UserError(f"token ids must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
-        if arr.min() < 0 or arr.max() >= self.vocab_size:
-            raise UserError(f"token ids must be in 0..{self.vocab_size - 1}, got {int(arr.min())}..{int(arr.max())}")
-        return arr.tolist()
 
     def __repr__(self) -> str:
         return f"PretrainedTokenizer(vocab_size={self.vocab_size}, eot={self.eot_text!r})"

@@ -68,7 +68,38 @@ def _hf_pre_tokenizer():
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
-class Tokenizer:
+class IdDecoding:
+    """Decoding shared by andrea's tokenizer and a pretrained one: a table of each id's bytes
+    (`self._token_bytes`, `self.vocab_size` ids), joined and read as UTF-8."""
+
+    def decode(self, ids) -> str:
+        """Text of any sequence of ids in range (list or 1-D array); bad UTF-8 becomes U+FFFD."""
+        ids = self._checked_ids(ids)
+        return b"".join(self._token_bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes id `token_id` stands for (EOT: the ASCII of its text)."""
+        return self._token_bytes[self._checked_ids([token_id])[0]]
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+    def _checked_ids(self, ids) -> list[int]:
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            return []
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise UserError(f"token ids must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
+        bad = (arr < 0) | (arr >= self.vocab_size)
+        if bad.any():
+            raise UserError(
+                f"token id {int(arr[bad][0])} is out of range for a tokenizer of {self.vocab_size} ids "
+                f"(0..{self.vocab_size - 1})"
+            )
+        return arr.tolist()
+
+
+class Tokenizer(IdDecoding):
     EOT_TEXT = "<|endoftext|>"
 
     def __init__(self, merges: list[tuple[int, int]]):
@@ -210,32 +241,6 @@ class Tokenizer:
             return [e.ids for e in self._hf.encode_batch_fast(list(texts))]
         except TypeError as e:
             raise next(filter(None, map(_text_error, texts)), e) from None
-
-    def decode(self, ids) -> str:
-        """Text of any sequence of ids in range (list or 1-D array); bad UTF-8 becomes U+FFFD."""
-        ids = self._checked_ids(ids)
-        return b"".join(self._token_bytes[i] for i in ids).decode("utf-8", errors="replace")
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes id `token_id` stands for (EOT: the ASCII of its text)."""
-        return self._token_bytes[self._checked_ids([token_id])[0]]
-
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
-
-    def _checked_ids(self, ids) -> list[int]:
-        arr = np.asarray(ids)
-        if arr.size == 0:
-            return []
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise UserError(f"token ids must be a 1-D sequence of integers, got {arr.dtype} of shape {arr.shape}")
-        bad = (arr < 0) | (arr >= self.vocab_size)
-        if bad.any():
-            raise UserError(
-                f"token id {int(arr[bad][0])} is out of range for a tokenizer of {self.vocab_size} ids "
-                f"(0..{self.vocab_size - 1})"
-            )
-        return arr.tolist()
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, fingerprint={self._fingerprint[:12]})"
