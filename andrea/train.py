@@ -250,9 +250,13 @@ class Trainer:
                 if record:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
-                # a signal on any rank stops every rank after this same step
-                self.stop_signal = self.world.max_int(self.stop_signal or 0) or None
-                stopping = self.stop_signal is not None or self.step == stop_at_step
+                # a signal on any rank stops every rank after this same step. The agreed value goes
+                # into a local: assigning it to self.stop_signal would erase a signal whose handler
+                # ran while max_int was under way (it is picked up after the next step instead)
+                signalled = self.world.max_int(self.stop_signal or 0)
+                if signalled and self.stop_signal is None:
+                    self.stop_signal = signalled  # another rank's
+                stopping = bool(signalled) or self.step == stop_at_step
                 if (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping) and main_rank:
                     self._checkpoint_or_warn()
                     window_start = time.perf_counter()

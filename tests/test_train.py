@@ -207,6 +207,26 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, data_dir, sig
     assert max(losses(out)) == step + 2
 
 
+def test_a_signal_during_the_stop_vote_is_not_lost(tmp_path, data_dir, monkeypatch, capsys):
+    # the handler can run while the ranks agree on whether to stop (after this rank's flag was
+    # read): the signal must still stop the run one step later, not be overwritten by the vote
+    from andrea import distributed as dist
+
+    calls = []
+
+    def racy_max_int(self, value):
+        calls.append(value)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGTERM)  # Python runs the handler here, after `value` was read
+        return value
+
+    monkeypatch.setattr(dist.Single, "max_int", racy_max_int)
+    cfg = small_config(tmp_path, data_dir, max_steps=8, checkpoint_interval=100)
+    assert run_main(["--config", str(cfg), "--out", str(tmp_path / "run")]) == train.EXIT_INTERRUPTED
+    assert "interrupted at step 3" in capsys.readouterr().err
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["ckpt-00000003"]
+
+
 BAD_INPUTS = [
     (["--set", "train.lrr=1"], "unknown key train.lrr (did you mean 'lr'?)"),
     (["--set", "model.d_model=30", "--set", "model.n_head=4"], "model.d_model (30) must be divisible by model.n_head"),
