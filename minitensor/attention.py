@@ -58,13 +58,13 @@ def block_exp(s, i0, lse):
     probabilities are s / sums. Every row keeps its diagonal entry, so its maximum is finite and
     exp(-inf - max) is exactly 0.
     """
-    xp = array_module(s)
-    s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
-    top = s.max(axis=-1, keepdims=True)                     # NumPy's SIMD max, on every path
     if _fast(s, lse):
         total = np.empty(lse.shape, s.dtype)
-        block_exp_cpu(s, top[:, :, 0], lse[:, :, 0], total[:, :, 0], False)
+        block_exp_cpu(s, i0, lse[:, :, 0], total[:, :, 0], False)
         return total
+    xp = array_module(s)
+    s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
+    top = s.max(axis=-1, keepdims=True)
     s -= top
     xp.exp(s, out=s)
     total = s.sum(axis=-1, keepdims=True)
@@ -75,9 +75,7 @@ def block_exp(s, i0, lse):
 def block_softmax(s, i0, lse):
     """In place: block_exp, then each row divided by its sum; returns the probabilities s."""
     if _fast(s, lse):
-        s[..., i0:] += causal_mask(np, s.shape[-2], s.dtype)
-        top = s.max(axis=-1, keepdims=True)
-        block_exp_cpu(s, top[:, :, 0], lse[:, :, 0], np.empty(top.shape[:2], s.dtype), True)
+        block_exp_cpu(s, i0, lse[:, :, 0], np.empty(lse.shape[:2], s.dtype), True)
         return s
     s /= block_exp(s, i0, lse)
     return s
@@ -106,30 +104,37 @@ def block_softmax_backward(dp, p, D):
 
 
 def _fast(s, *others):
-    """The numba kernels take s (n, bq, i1) and the per-row arrays (n, bq, 1), in any layout (the
-    loops run fastest over a contiguous last axis, as the callers' blocks are)."""
-    return cpu.enabled(s, *others) and s.ndim == 3 and all(o.ndim == 3 and o.shape[-1] == 1 for o in others)
+    """The numba kernels take s (n, bq, i1) C-contiguous (each row one contiguous run) and the
+    per-row arrays (n, bq, 1) in any layout."""
+    return (cpu.enabled(s, *others) and s.ndim == 3 and s.flags.c_contiguous
+            and all(o.ndim == 3 and o.shape[-1] == 1 for o in others))
 
 
 @cpu.kernel()
-def block_exp_cpu(s, top, lse, total, normalise):
-    """s (n, bq, i1) masked scores (-inf above the diagonal), in place; top, lse, total (n, bq):
-    each row becomes exp(row - top) (0 where masked), or with normalise those divided by their
-    sum; lse = top + log(sum), total = sum."""
+def block_exp_cpu(s, i0, lse, total, normalise):
+    """s (n, bq, i1) scores of query rows i0..i0+bq against keys 0..i1, in place; lse, total (n, bq).
+
+    Row r sees keys 0..i0+r: over those, exp(row - max) (with normalise, divided by their sum);
+    the masked rest becomes 0. lse = max + log(sum), total = sum. The row's maximum, its exp
+    and its scaling are passes over a row in L1; the mask is the loop bound."""
     t = s.dtype.type
     n, bq, i1 = s.shape
     for h in range(n):
         for r in range(bq):
-            m = top[h, r]
+            row = s[h, r]
+            last = min(i0 + r + 1, i1)
+            m = cpu.row_max(row, last)
             acc = t(0)
-            for j in range(i1):
-                e = cpu.exp(s[h, r, j] - m)                  # exp(-inf) = 0
-                s[h, r, j] = e
+            for j in range(last):
+                e = cpu.exp(row[j] - m)
+                row[j] = e
                 acc += e
             if normalise:
                 inv = t(1) / acc
-                for j in range(i1):
-                    s[h, r, j] *= inv
+                for j in range(last):
+                    row[j] *= inv
+            for j in range(last, i1):
+                row[j] = t(0)
             lse[h, r] = m + np.log(acc)
             total[h, r] = acc
 
@@ -161,14 +166,30 @@ def block_softmax_backward_cpu(dp, p, D):
                 dp[h, r, j] = p[h, r, j] * (dp[h, r, j] - d)
 
 
-def _over_heads(xp, n, fn):
-    """fn(start, stop) over the n = B * nh heads: on NumPy split over minitensor's threads, each
-    running its heads' small GEMMs on one BLAS thread; on CuPy in one call."""
+def _over_heads(xp, B, nh, fn):
+    """fn(start, stop) over the B * nh heads (flat index b * nh + h), each call within one b: on
+    NumPy one head at a time, the heads split over minitensor's threads, each running its small
+    GEMMs on one BLAS thread (so a head's (bq, i1) block of scores stays in its core's cache from
+    the GEMM that writes it to the ones that read it); on CuPy all of a sequence's heads at once."""
     if xp is not np:
-        fn(0, n)
+        for b in range(B):
+            fn(b * nh, (b + 1) * nh)
         return
+
+    def each(start, stop):
+        for h in range(start, stop):
+            fn(h, h + 1)
+
     with blas_single_threaded():
-        parallel_for(n, fn, min_work=0)
+        parallel_for(B * nh, each, min_work=0)
+
+
+def _heads_of(a4, s, e):
+    """The (e - s, T, hs) view of heads s..e (flat index b * nh + h, all within one b) of a
+    (B, nh, T, hs) array or view."""
+    nh = a4.shape[1]
+    b = s // nh
+    return a4[b, s - b * nh:e - b * nh]
 
 
 class CausalSelfAttention(Layer):
@@ -198,28 +219,37 @@ class CausalSelfAttention(Layer):
     def _blocks(self, T):
         return [(i0, min(i0 + self.block, T)) for i0 in range(0, T, self.block)]
 
+    def _split(self, qkv4, qkv, s, e):
+        """Heads s..e of q, k, v (contiguous (BH, T, hs) arrays) from the (B, nh, T, hs) views of
+        c_attn's output: each copy adds c_attn's bias (so it costs no pass of its own), and q is
+        scaled by 1/sqrt(hs) (T*hs work, rather than the scores' T*T)."""
+        xp = array_module(qkv[0])
+        b, C = self.c_attn.b, self.c_proj.W.shape[0]
+        nh = self.n_head
+        h0 = s % nh
+        for i, (src, dst) in enumerate(zip(qkv4, qkv)):
+            src = _heads_of(src, s, e)
+            if b is not None:
+                xp.add(src, b[i * C:(i + 1) * C].reshape(nh, 1, -1)[h0:h0 + e - s], out=dst[s:e])
+            else:
+                dst[s:e] = src
+        qkv[0][s:e] *= 1.0 / math.sqrt(C // nh)
+
     def forward(self, x, residual=None):
         """out = c_proj(attention(c_attn(x))) (+ residual, added in c_proj's epilogue, if given)."""
         xp = array_module(x)
         B, T, C = x.shape
         nh, hs = self.n_head, C // self.n_head
         BH = B * nh
-        qkv = self.c_attn.forward(x, bias=False)             # (B, T, 3C); its bias is added in the copies below
-        q, k, v = self._heads(qkv, B, T)                     # (B, nh, T, hs) views
-        b = self.c_attn.b
-        # each head contiguous, in C order (a ufunc's own output would keep qkv's interleaved layout
-        # and the reshape below would copy it again); the copies add c_attn's bias
-        dense = [xp.empty((B, nh, T, hs), dtype=x.dtype) for _ in range(3)]
-        for i, (src, dst) in enumerate(zip((q, k, v), dense)):
-            if b is not None:
-                xp.add(src, b[i * C:(i + 1) * C].reshape(nh, 1, hs), out=dst)
-            else:
-                dst[...] = src
-        q, k, v = (d.reshape(BH, T, hs) for d in dense)      # views, no copy
-        q *= 1.0 / math.sqrt(hs)                             # scale q (T*hs work) rather than scores (T*T)
+        qkv4 = self._heads(self.c_attn.forward(x, bias=False), B, T)  # its bias is added in _split
+        q, k, v = (xp.empty((BH, T, hs), dtype=x.dtype) for _ in range(3))
         if self._use_dense(xp, BH * T * T * x.itemsize):
+            for b in range(B):
+                self._split(qkv4, (q, k, v), b * nh, (b + 1) * nh)
             return self._forward_dense(q, k, v, B, residual)
-        y = xp.empty((BH, T, hs), dtype=x.dtype)
+        # y is written with the heads already in (B, T, C) order, ready for c_proj
+        y = xp.empty((B, T, C), dtype=x.dtype)
+        y4 = y.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
         lse = xp.empty((BH, T, 1), dtype=x.dtype)            # each row's log-sum-exp
         blocks = self._blocks(T)
         kept_bytes = x.itemsize * BH * sum((i1 - i0) * i1 for i0, i1 in blocks)
@@ -227,12 +257,14 @@ class CausalSelfAttention(Layer):
             if kept_bytes <= self.keep_probs_max_bytes else None
 
         def heads(s, e):                                     # heads s..e, all query blocks
+            self._split(qkv4, (q, k, v), s, e)
+            yh = _heads_of(y4, s, e)
             work = xp.empty((e - s) * self.block * T, dtype=x.dtype) if kept is None else None
             for n, (i0, i1) in enumerate(blocks):
                 shape = (e - s, i1 - i0, i1)
                 sc = kept[n][s:e] if kept is not None else work[:math.prod(shape)].reshape(shape)
                 xp.matmul(q[s:e, i0:i1], k[s:e, :i1].transpose(0, 2, 1), out=sc)  # keys 0..i1 only
-                yb = y[s:e, i0:i1]
+                yb = yh[:, i0:i1]
                 if kept is not None:
                     xp.matmul(block_softmax(sc, i0, lse[s:e, i0:i1]), v[s:e, :i1], out=yb)
                 else:  # nothing keeps the probabilities: normalise the (bq, hs) output, not the (bq, i1) scores
@@ -240,41 +272,44 @@ class CausalSelfAttention(Layer):
                     xp.matmul(sc, v[s:e, :i1], out=yb)
                     yb /= total
 
-        _over_heads(xp, BH, heads)
-        self._save(q, k, v, y, lse, kept, B)
-        y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, C)  # heads back in order
+        _over_heads(xp, B, nh, heads)
+        self._save(q, k, v, y4, lse, kept, B)
         return self.c_proj.forward(y, residual=residual)
 
     def backward(self, dout):
         xp = array_module(dout)
-        q, k, v, y, lse, kept, B = self._pop()
+        q, k, v, y4, lse, kept, B = self._pop()
         BH, T, hs = q.shape
         nh = BH // B
         dy = self.c_proj.backward(dout)                      # (B, T, C)
-        dy = xp.ascontiguousarray(dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)).reshape(BH, T, hs)
-        if lse is None:                                      # the dense forward: kept = p (BH, T, T)
-            dq, dk, dv = self._backward_dense(dy, q, k, v, y, kept)
-        else:
-            dq, dk, dv = self._backward_blocks(dy, q, k, v, y, lse, kept)
-        dq *= 1.0 / math.sqrt(hs)                            # d(q) from d(scaled q)
+        dy4 = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs) view
         dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
-        for i, d in enumerate((dq, dk, dv)):
-            dqkv[:, :, i] = d.reshape(B, nh, T, hs).transpose(0, 2, 1, 3)
+        grads4 = [dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]  # views, in c_attn's layout
+        if lse is None:                                      # the dense forward: kept = p (BH, T, T)
+            dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
+            dq, dk, dv = self._backward_dense(dy, q, k, v, y4.reshape(BH, T, hs), kept)
+            dq *= 1.0 / math.sqrt(hs)                        # d(q) from d(scaled q)
+            for g, d in zip(grads4, (dq, dk, dv)):
+                g[...] = d.reshape(B, nh, T, hs)
+        else:
+            self._backward_blocks(dy4, q, k, v, y4, lse, kept, grads4)
         return self.c_attn.backward(dqkv.reshape(B, T, 3 * nh * hs))
 
-    def _backward_blocks(self, dy, q, k, v, y, lse, kept):
-        xp = array_module(dy)
+    def _backward_blocks(self, dy4, q, k, v, y4, lse, kept, grads4):
+        """Into grads4 (three (B, nh, T, hs) views of c_attn's gradient): d(q), d(k), d(v)."""
+        xp = array_module(q)
         BH, T, hs = q.shape
-        dq, dk, dv = xp.empty_like(q), xp.zeros_like(k), xp.zeros_like(v)
         blocks = self._blocks(T)
 
         def heads(s, e):                                     # heads s..e, all query blocks
+            dy = _heads_of(dy4, s, e)
+            dq, dk, dv = xp.empty_like(q[s:e]), xp.zeros_like(k[s:e]), xp.zeros_like(v[s:e])
             work_p = xp.empty((e - s) * self.block * T, dtype=q.dtype) if kept is None else None
             work_dp = xp.empty((e - s) * self.block * T, dtype=q.dtype)
             work_kv = xp.empty((e - s) * T * hs, dtype=q.dtype)
             # softmax backward needs D = rowsum(dP * P) per row; rowsum(dP * P) = rowsum(dY * Y)
             # since Y = P V and dP = dY V^T, which costs hs per row instead of T
-            D = (dy[s:e] * y[s:e]).sum(axis=-1, keepdims=True)
+            D = (dy * _heads_of(y4, s, e)).sum(axis=-1, keepdims=True)
             for n, (i0, i1) in enumerate(blocks):
                 shape = (e - s, i1 - i0, i1)
                 if kept is not None:
@@ -283,19 +318,21 @@ class CausalSelfAttention(Layer):
                     p = work_p[:math.prod(shape)].reshape(shape)
                     xp.matmul(q[s:e, i0:i1], k[s:e, :i1].transpose(0, 2, 1), out=p)
                     block_probs_again(p, i0, lse[s:e, i0:i1])
-                dyb = dy[s:e, i0:i1]
+                dyb = dy[:, i0:i1]
                 part = work_kv[:(e - s) * i1 * hs].reshape(e - s, i1, hs)  # this block's share of dk, dv
                 # forward was: y = p @ v
-                dv[s:e, :i1] += xp.matmul(p.transpose(0, 2, 1), dyb, out=part)
+                dv[:, :i1] += xp.matmul(p.transpose(0, 2, 1), dyb, out=part)
                 dp = xp.matmul(dyb, v[s:e, :i1].transpose(0, 2, 1), out=work_dp[:math.prod(shape)].reshape(shape))
                 # forward was: p = softmax(s) per row, so ds = p * (dp - D)
                 ds = block_softmax_backward(dp, p, D[:, i0:i1])
                 # forward was: s = (q * scale) @ k^T, with q already scaled in the cache
-                xp.matmul(ds, k[s:e, :i1], out=dq[s:e, i0:i1])
-                dk[s:e, :i1] += xp.matmul(ds.transpose(0, 2, 1), q[s:e, i0:i1], out=part)
+                xp.matmul(ds, k[s:e, :i1], out=dq[:, i0:i1])
+                dk[:, :i1] += xp.matmul(ds.transpose(0, 2, 1), q[s:e, i0:i1], out=part)
+            dq *= 1.0 / math.sqrt(hs)                        # d(q) from d(scaled q)
+            for g, d in zip(grads4, (dq, dk, dv)):
+                _heads_of(g, s, e)[...] = d
 
-        _over_heads(xp, BH, heads)
-        return dq, dk, dv
+        _over_heads(xp, BH // self.n_head, self.n_head, heads)
 
     # --- the dense core (CuPy within the budget) ---
 
@@ -314,8 +351,8 @@ class CausalSelfAttention(Layer):
         else:
             p = block_softmax(s, 0, xp.empty((BH, T, 1), dtype=q.dtype))
         y = xp.matmul(p, v)                                  # (BH, T, hs)
-        self._save(q, k, v, y, None, p, B)                   # lse None marks the dense cache
         nh = BH // B
+        self._save(q, k, v, y.reshape(B, nh, T, hs), None, p, B)  # lse None marks the dense cache
         y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # heads back in order
         return self.c_proj.forward(y, residual=residual)
 
