@@ -23,10 +23,12 @@ small (T, hs) operands are transposed), and the causal softmax is the fused kern
 `forward_kv` is the inference path for sampling: it appends to a key/value cache so each new
 token costs one row of attention instead of re-running the whole sequence.
 
-On the CPU with numba (minitensor.cpu), the row-wise work between the GEMMs of a block (mask,
-max, exp, sum; the recomputed probabilities; the softmax backward) runs in the kernels
-`block_exp_cpu`, `block_probs_again_cpu` and `block_softmax_backward_cpu` below, one pass each
-over the block's (bq, i1) scores, without the GIL (the heads run on minitensor's threads).
+On NumPy each thread takes one head at a time through all its query blocks, so the block of
+scores a GEMM writes is still in that core's cache when the softmax and the next GEMM read it;
+the head's q, k, v copies and its share of c_attn's gradient are made in the same thread. With
+numba (minitensor.cpu), the row-wise work between the GEMMs of a block runs in the kernels
+`block_exp_cpu` (each row's maximum, exp, sum and scaling, with the causal mask as the loop's
+bound), `block_probs_again_cpu` and `block_softmax_backward_cpu` below, without the GIL.
 """
 
 import math
