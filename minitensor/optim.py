@@ -147,7 +147,7 @@ def adamw_update(p, g, m, v, w, b1, b2, grad_scale, step_size, eps_hat, keep):
     w *= (1.0 - b2) * grad_scale * grad_scale                 # (1 - b2) g^2
     v *= b2
     v += w
-    if np.ndim(keep) or keep != 1.0:
+    if not (isinstance(keep, float) and keep == 1.0):       # a mask reaches here as an array
         p *= keep                                             # decoupled weight decay
     xp.sqrt(v, out=w)
     w += eps_hat
