@@ -24,6 +24,7 @@ from andrea.hf import load_tokenizer
 from andrea.model import ANDREA
 from minitensor.backend import GPUUnavailable, to_numpy
 from minitensor.memory import keep_freed_memory
+from minitensor.softmax import exp_rows
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=None):
@@ -35,9 +36,8 @@ def sample_next(logits, rng, temperature=1.0, top_k=None):
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = np.partition(logits, -top_k, axis=-1)[:, -top_k][:, None]
         logits = np.where(logits < kth, -np.inf, logits)
-    logits -= logits.max(axis=-1, keepdims=True)
-    probs = np.exp(logits)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    total, _ = exp_rows(logits)                         # logits <- exp(logits - max), in place
+    probs = logits / total
     return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])
 
 

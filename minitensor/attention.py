@@ -40,6 +40,7 @@ from minitensor.backend import array_module
 from minitensor.layer import Layer
 from minitensor.linear import Linear
 from minitensor.parallel import blas_single_threaded, parallel_for
+from minitensor.softmax import exp_rows
 
 _mask_cache = {}
 
@@ -56,7 +57,7 @@ def block_exp(s, i0, lse):
     """In place over scores s (..., bq, i1) of query rows i0..i1 against keys 0..i1.
 
     Masks the diagonal block (the last bq columns), replaces each row by exp(row - max), writes
-    its log-sum-exp into lse (..., bq, 1) and returns the row sums (..., bq, 1): the
+    its log-sum-exp into lse (..., bq, 1) and returns the row sums (..., bq, 1) (exp_rows): the
     probabilities are s / sums. Every row keeps its diagonal entry, so its maximum is finite and
     exp(-inf - max) is exactly 0.
     """
@@ -66,11 +67,8 @@ def block_exp(s, i0, lse):
         return total
     xp = array_module(s)
     s[..., i0:] += causal_mask(xp, s.shape[-2], s.dtype)
-    top = s.max(axis=-1, keepdims=True)
-    s -= top
-    xp.exp(s, out=s)
-    total = s.sum(axis=-1, keepdims=True)
-    lse[...] = top + xp.log(total)
+    total, row_lse = exp_rows(s)
+    lse[...] = row_lse
     return total
 
 
@@ -398,29 +396,6 @@ class CausalSelfAttention(Layer):
 
 # ---------------------------------------------------------------------------------------------
 # CUDA: the causal softmax over (..., T, T) attention scores, forward, backward, recomputed
-
-
-def _causal_mask(T):
-    return np.triu(np.full((T, T), -np.inf), k=1)
-
-
-def causal_softmax_reference(s, scale=1.0):
-    """(p, lse): p = softmax(scale s + mask) by rows, lse (..., T, 1) each row's log-sum-exp."""
-    z = scale * s + _causal_mask(s.shape[-1])
-    top = z.max(axis=-1, keepdims=True)
-    e = np.exp(z - top)
-    total = e.sum(axis=-1, keepdims=True)
-    return e / total, top + np.log(total)
-
-
-def causal_softmax_backward_reference(dp, p, scale=1.0):
-    """ds = scale p (dp - rowsum(dp p)): through p = softmax(z), z = scale s + mask."""
-    return scale * (p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
-
-
-def causal_softmax_recompute_reference(s, lse, scale=1.0):
-    """The probabilities again from the scores and each row's log-sum-exp."""
-    return np.exp(scale * s + _causal_mask(s.shape[-1]) - lse)
 
 
 # One block per row; row r of a matrix attends to columns 0..r only (r = the row's index mod T).

@@ -103,9 +103,10 @@ def all_kernels():
 class ElementwiseSpec:
     """A `cupy.ElementwiseKernel`, described without CuPy.
 
-    `reference(**inputs)` is the NumPy formula the kernel must equal (one output array, or a
-    tuple for several). `scalars` names the in-params passed as host scalars, each with a sample
-    value for the host check; every other param is an array. Only the type placeholder `T`.
+    `reference(**inputs)` is the NumPy form the kernel must equal (one output array, or a tuple
+    for several): the layer's generic code where it applies elementwise (AdamW's update).
+    `scalars` names the in-params passed as host scalars, each with a sample value for the host
+    check; every other param is an array. Only the type placeholder `T`.
     """
 
     name: str
@@ -336,7 +337,7 @@ def launch(spec, dtype, grid, block, args):
     """Runs a RawSpec kernel on CuPy arrays after checking each argument against its C type."""
     check_launch_args(spec, dtype, args)
     if any(isinstance(a, np.ndarray) for a in args):
-        raise TypeError(f"{spec.name} runs on CuPy arrays; for NumPy use its *_reference formula")
+        raise TypeError(f"{spec.name} runs on CuPy arrays; on NumPy its layer's generic code computes the same")
     spec.kernel(dtype)(grid, block, args)
 
 

@@ -6,13 +6,18 @@
 
 Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as PyTorch's AdamW
 does, and only to the tensors `decays` selects (by default those of 2+ dimensions: matmul
-weights and embeddings), so no buffer-sized mask is needed on the CPU. On NumPy the update runs
-over chunks of the buffers, spread over the CPU threads, so its temporaries stay in cache instead
-of streaming whole-buffer intermediates through memory.
+weights and embeddings).
 
-On the CPU with numba (minitensor.cpu), `adamw_cpu` below makes the update in one pass: it
-reads g, m, v, p once and writes m, v, p once per element (the NumPy chunks make ~12 passes over
-cache-resident chunks), in the arithmetic of the buffers' dtype.
+`adamw_update` is the update, written once against xp: it is what NumPy and CuPy run without a
+fused kernel, and the formula the kernels are checked against. On NumPy it runs over chunks of
+the buffers (a scalar decay factor per chunk, so no buffer-sized mask), spread over the CPU
+threads, so its temporaries stay in cache instead of streaming whole-buffer intermediates
+through memory; on CuPy over the whole buffer, with a 0/1 decay mask.
+
+Two other implementations of the same update, checked against it by the tests: on the CPU with
+numba (minitensor.cpu), `adamw_cpu` makes it in one pass (it reads g, m, v, p once and writes m,
+v, p once per element, where the NumPy chunks make ~12 passes over cache-resident chunks), in the
+arithmetic of the buffers' dtype; on CuPy, the fused kernel 'adamw_step' (ADAMW_STEP).
 """
 
 import math
@@ -92,8 +97,9 @@ class AdamW:
             adamw_step_gpu(p, g, m, v, self._decay_mask, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
                            weight_decay=self.weight_decay, t=self.t, grad_scale=grad_scale)
             return
-        if array_module(p) is not np:
-            self._step_xp(p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay)
+        if array_module(p) is not np:  # one pass over the whole buffer; grad_scale stays on the device
+            adamw_update(p, g, m, v, array_module(p).empty_like(p), b1, b2, grad_scale, step_size, eps_hat,
+                         1.0 - decay * self._decay_mask)
             return
         if cpu.enabled(p, g, m, v):
             self._step_cpu(p, g, m, v, b1, b2, float(grad_scale), step_size, eps_hat, decay)
@@ -104,26 +110,9 @@ class AdamW:
         def run(first, last):
             w = np.empty(CHUNK, p.dtype)
             for s, e, decayed in pieces[first:last]:
-                self._step_chunk(p[s:e], g[s:e], m[s:e], v[s:e], w[:e - s], *args, decay if decayed else 0.0)
+                adamw_update(p[s:e], g[s:e], m[s:e], v[s:e], w[:e - s], *args, 1.0 - decay if decayed else 1.0)
 
         parallel_for(len(pieces), run, min_work=0)
-
-    @staticmethod
-    def _step_chunk(p, g, m, v, w, b1, b2, grad_scale, step_size, eps_hat, decay):
-        np.multiply(g, (1.0 - b1) * grad_scale, out=w)           # (1 - b1) g
-        m *= b1
-        m += w
-        np.multiply(g, g, out=w)
-        w *= (1.0 - b2) * grad_scale * grad_scale                 # (1 - b2) g^2
-        v *= b2
-        v += w
-        if decay:
-            p *= 1.0 - decay                                      # decoupled weight decay
-        np.sqrt(v, out=w)
-        w += eps_hat
-        np.divide(m, w, out=w)
-        w *= step_size
-        p -= w
 
     def _step_cpu(self, p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay):
         if self._piece_arrays is None:
@@ -134,16 +123,6 @@ class AdamW:
         parallel_for(len(starts), lambda s, e: adamw_cpu(p, g, m, v, starts[s:e], stops[s:e], decayed[s:e],
                                                          *scalars), min_work=0)
 
-    def _step_xp(self, p, g, m, v, b1, b2, grad_scale, step_size, eps_hat, decay):
-        xp = array_module(p)
-        gs = g * grad_scale
-        m *= b1
-        m += (1.0 - b1) * gs
-        v *= b2
-        v += (1.0 - b2) * gs * gs
-        p *= 1.0 - decay * self._decay_mask
-        p -= step_size * m / (xp.sqrt(v) + eps_hat)
-
     def state_dict(self):
         return {"m": self.m, "v": self.v, "t": self.t}
 
@@ -153,6 +132,28 @@ class AdamW:
         self.m[...] = self.params.xp.asarray(state["m"])
         self.v[...] = self.params.xp.asarray(state["v"])
         self.t = int(state["t"])
+
+
+def adamw_update(p, g, m, v, w, b1, b2, grad_scale, step_size, eps_hat, keep):
+    """In place over p, m, v from g, all of one shape and on one device, w a workspace like them:
+    the update of the module docstring with step_size = lr sqrt(c2) / c1, eps_hat = eps sqrt(c2)
+    (c1 = 1 - b1^t, c2 = 1 - b2^t) and keep = 1 - lr wd where decayed: a number, or an array like
+    p. grad_scale is a number or a 0-d array on p's device (never read on the host)."""
+    xp = array_module(p)
+    xp.multiply(g, (1.0 - b1) * grad_scale, out=w)           # (1 - b1) g
+    m *= b1
+    m += w
+    xp.multiply(g, g, out=w)
+    w *= (1.0 - b2) * grad_scale * grad_scale                 # (1 - b2) g^2
+    v *= b2
+    v += w
+    if not (isinstance(keep, float) and keep == 1.0):       # a mask reaches here as an array
+        p *= keep                                             # decoupled weight decay
+    xp.sqrt(v, out=w)
+    w += eps_hat
+    xp.divide(m, w, out=w)
+    w *= step_size
+    p -= w
 
 
 @cpu.kernel()
@@ -193,24 +194,15 @@ def cosine_lr(step, max_lr, min_lr, warmup_steps, total_steps):
 # CUDA: AdamW over the whole flat buffer, one elementwise pass
 
 
-def adamw_reference(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
-    """One AdamW step in textbook form; returns the new (p, m, v). Decoupled decay on mask == 1."""
-    gs = g * grad_scale
-    m = beta1 * m + (1.0 - beta1) * gs
-    v = beta2 * v + (1.0 - beta2) * gs * gs
-    m_hat = m / (1.0 - beta1**t)
-    v_hat = v / (1.0 - beta2**t)
-    return p * (1.0 - lr * weight_decay * mask) - lr * m_hat / (np.sqrt(v_hat) + eps), m, v
-
-
 def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, decay):
-    gs = g * np.asarray(grad_scale).reshape(-1)[0]  # the kernel reads grad_scale[0]
-    m = beta1 * m_in + (1.0 - beta1) * gs
-    v = beta2 * v_in + (1.0 - beta2) * gs * gs
-    return p_in * (1.0 - decay * mask) - step_size * (m / (np.sqrt(v) + eps_hat)), m, v
+    """ADAMW_STEP's operation through adamw_update, on copies of p, m, v; returns the new (p, m, v)."""
+    p, m, v = p_in.copy(), m_in.copy(), v_in.copy()
+    scale = np.asarray(grad_scale).reshape(-1)[0]  # the kernel reads grad_scale[0]
+    adamw_update(p, g, m, v, np.empty_like(p), beta1, beta2, scale, step_size, eps_hat, 1.0 - decay * mask)
+    return p, m, v
 
 
-# optim.py's form: m_hat / (sqrt(v_hat) + eps) = (m sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)),
+# adamw_update's form: m_hat / (sqrt(v_hat) + eps) = (m sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)),
 # so the bias corrections are two host scalars (step_size, eps_hat). grad_scale is a one-element
 # device array (the clipping scale, computed on the device: reading it would stall the step).
 # Each output is computed from the inputs before any is written, so p, m, v may be passed as

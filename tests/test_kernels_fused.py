@@ -11,6 +11,7 @@ compiles.
 import dataclasses
 import shutil
 
+import formulas as F
 import numpy as np
 import pytest
 import strategies as S
@@ -20,15 +21,10 @@ from markers import needs_cxx, needs_nvrtc
 
 from minitensor import attention, cuda, kernelcheck, kernels, layernorm, optim
 from minitensor import loss as xent
-from minitensor.attention import (
-    causal_softmax_backward_reference,
-    causal_softmax_recompute_reference,
-    causal_softmax_reference,
-)
 from minitensor.kernels import bias_gelu_backward_reference, bias_gelu_forward_reference
 from minitensor.layernorm import LayerNorm, layernorm_backward_reference, layernorm_forward_reference
-from minitensor.loss import SoftmaxCrossEntropy, softmax_xent_backward_reference, softmax_xent_forward_reference
-from minitensor.optim import AdamW, adamw_reference
+from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.optim import AdamW
 from minitensor.params import Params
 
 NEW_KERNELS = {
@@ -98,18 +94,18 @@ def test_layernorm_formulas_equal_the_layer(N, C, seed):
 def test_causal_softmax_formulas_equal_the_attention_code(BH, T, seed):
     rng = np.random.default_rng(seed)
     s, dp = normal(rng, (BH, T, T), np.float64, 3.0), normal(rng, (BH, T, T), np.float64)
-    p, lse = causal_softmax_reference(s)
+    p, lse = F.causal_softmax(s)
     got_lse = np.empty((BH, T, 1))
     assert_close(attention.block_softmax(s.copy()[None], 0, got_lse[None])[0], p)
     assert_close(got_lse, lse)
     again = attention.block_probs_again(s.copy()[None], 0, lse[None])[0]
-    assert_close(again, causal_softmax_recompute_reference(s, lse))
+    assert_close(again, F.causal_softmax_recompute(s, lse))
     d = dp.copy()
     attention.block_softmax_backward(d[None], p[None], (dp * p).sum(axis=-1, keepdims=True)[None])
-    assert_close(d, causal_softmax_backward_reference(dp, p), scale=float(np.max(np.abs(dp))))
+    assert_close(d, F.causal_softmax_backward(dp, p), scale=float(np.max(np.abs(dp))))
     # the scale folds into the scores: softmax(scale s) and d/ds = scale * d/d(scale s)
-    assert_close(causal_softmax_reference(s, 0.3)[0], causal_softmax_reference(0.3 * s)[0])
-    assert_close(causal_softmax_backward_reference(dp, p, 0.3), 0.3 * causal_softmax_backward_reference(dp, p))
+    assert_close(F.causal_softmax(s, 0.3)[0], F.causal_softmax(0.3 * s)[0])
+    assert_close(F.causal_softmax_backward(dp, p, 0.3), 0.3 * F.causal_softmax_backward(dp, p))
 
 
 @settings(deadline=None, max_examples=20)
@@ -117,12 +113,12 @@ def test_causal_softmax_formulas_equal_the_attention_code(BH, T, seed):
 def test_cross_entropy_formulas_equal_the_loss_layer(B, T, V, seed):
     rng = np.random.default_rng(seed)
     logits, targets = normal(rng, (B, T, V), np.float64, 4.0), rng.integers(0, V, (B, T))
-    loss, probs, losses = softmax_xent_forward_reference(logits, targets)
+    loss, probs, losses = F.softmax_xent_forward(logits, targets)
     layer = SoftmaxCrossEntropy()
     assert_close(layer.forward(logits.copy(), targets), loss)
     assert_close(losses.mean(), loss)
     assert_close(layer._cache[0].reshape(probs.shape) * (B * T), probs)  # kept divided by N
-    assert_close(layer.backward(0.7), softmax_xent_backward_reference(probs, targets, 0.7))
+    assert_close(layer.backward(0.7), F.softmax_xent_backward(probs, targets, 0.7))
 
 
 @settings(deadline=None, max_examples=10)
@@ -137,8 +133,8 @@ def test_adamw_formula_equals_the_optimizer(seed, steps, grad_scale):
     for t in range(1, steps + 1):
         for _, grad in params.grad_items():  # the padding's gradient stays 0, so the formula keeps it too
             grad[...] = rng.standard_normal(grad.shape)
-        p, m, v = adamw_reference(p, params.grads, m, v, mask, lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8,
-                                  weight_decay=0.1, t=t, grad_scale=grad_scale)
+        p, m, v = F.adamw(p, params.grads, m, v, mask, lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8,
+                          weight_decay=0.1, t=t, grad_scale=grad_scale)
         opt.step(grad_scale=grad_scale)
     assert_close(params.data, p, rtol=1e-12)
     assert_close(opt.m, m)
@@ -151,8 +147,7 @@ def test_adamw_kernel_form_equals_the_textbook_form():
     v, mask = np.abs(rng.standard_normal(50)), (rng.random(50) > 0.5).astype(float)
     b1, b2, lr, eps, wd, t = 0.9, 0.95, 3e-3, 1e-8, 0.1, 7
     c1, c2 = 1 - b1**t, 1 - b2**t
-    want = adamw_reference(p, g, m, v, mask, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, t=t,
-                           grad_scale=0.5)
+    want = F.adamw(p, g, m, v, mask, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, t=t, grad_scale=0.5)
     got = optim._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
     for a, b in zip(got, want):
         assert_close(a, b)
@@ -276,18 +271,18 @@ def test_causal_softmax_kernels_emulated(emulated, dtype, shape):
     s, dp = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype)
     lse = np.full((*shape[:-1], 1), np.nan, dtype)
     p = attention.causal_softmax_forward_gpu(s, 0.3, lse=lse)
-    p_ref, lse_ref = causal_softmax_reference(f64(s), 0.3)
+    p_ref, lse_ref = F.causal_softmax(f64(s), 0.3)
     assert_close(p, p_ref)
     assert np.all(p[..., np.triu_indices(shape[-1], 1)[0], np.triu_indices(shape[-1], 1)[1]] == 0)
     assert_close(lse, lse_ref, scale=1.0)
     ds = attention.causal_softmax_backward_gpu(dp, p, 0.3)
-    assert_close(ds, causal_softmax_backward_reference(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
+    assert_close(ds, F.causal_softmax_backward(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
     inplace = s.copy()
     assert attention.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
     assert_close(inplace, p_ref)
     d = dp.copy()
     assert attention.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
-    assert_close(d, causal_softmax_backward_reference(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
+    assert_close(d, F.causal_softmax_backward(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -298,7 +293,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
     targets = rng.integers(0, V, (2, 3)).astype(np.int32)  # any integer dtype: copied to int64
     z = logits.copy()
     loss, losses = xent.softmax_xent_forward_gpu(z, targets)
-    loss_ref, probs_ref, losses_ref = softmax_xent_forward_reference(f64(logits), targets)
+    loss_ref, probs_ref, losses_ref = F.softmax_xent_forward(f64(logits), targets)
     assert_close(losses, losses_ref, scale=1.0)
     assert_close(loss, loss_ref, scale=1.0)
     assert_close(z, probs_ref)  # the probabilities, over the logits
@@ -435,13 +430,13 @@ def test_gpu_causal_softmax(cupy, BH, T, dtype, scale, seed):
     lse = cupy.empty((BH, T, 1), dtype)
     sg = cupy.asarray(s)
     p = attention.causal_softmax_forward_gpu(sg, scale, lse=lse)
-    p_ref, lse_ref = causal_softmax_reference(f64(s), scale)
+    p_ref, lse_ref = F.causal_softmax(f64(s), scale)
     assert_close(cupy.asnumpy(p), p_ref)
     assert_close(cupy.asnumpy(lse), lse_ref, scale=1.0)
     again = attention.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
     assert_close(cupy.asnumpy(again), p_ref)
     ds = attention.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
-    assert_close(cupy.asnumpy(ds), causal_softmax_backward_reference(f64(dp), p_ref, scale),
+    assert_close(cupy.asnumpy(ds), F.causal_softmax_backward(f64(dp), p_ref, scale),
                  scale=scale * float(np.max(np.abs(dp))))
     assert attention.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
     assert_close(cupy.asnumpy(sg), p_ref)
@@ -456,14 +451,14 @@ def test_gpu_cross_entropy(cupy, N, V, dtype, dloss, seed):
     logits, targets = normal(rng, (N, V), dtype, 4.0, 3.0), rng.integers(0, V, N)
     z = cupy.asarray(logits)
     loss, losses = xent.softmax_xent_forward_gpu(z, cupy.asarray(targets))
-    loss_ref, probs_ref, losses_ref = softmax_xent_forward_reference(f64(logits), targets)
+    loss_ref, probs_ref, losses_ref = F.softmax_xent_forward(f64(logits), targets)
     assert loss.shape == () and isinstance(loss, cupy.ndarray)  # stays on the device
     assert_close(cupy.asnumpy(losses), losses_ref, scale=1.0)
     assert_close(cupy.asnumpy(loss), loss_ref, scale=1.0)
     assert_close(cupy.asnumpy(z), probs_ref)
     d = xent.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
     assert d is z
-    assert_close(cupy.asnumpy(d), softmax_xent_backward_reference(probs_ref, targets, dloss), scale=dloss / N)
+    assert_close(cupy.asnumpy(d), F.softmax_xent_backward(probs_ref, targets, dloss), scale=dloss / N)
 
 
 @pytest.mark.gpu
@@ -477,7 +472,7 @@ def test_gpu_adamw(cupy, n, dtype, t, grad_scale, seed):
     pg, gg, mg, vg = (cupy.asarray(a) for a in (p, g, m, v))
     hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=t, grad_scale=grad_scale)
     assert optim.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
-    for got, want in zip((pg, mg, vg), adamw_reference(f64(p), f64(g), f64(m), f64(v), f64(mask), **hyper)):
+    for got, want in zip((pg, mg, vg), F.adamw(f64(p), f64(g), f64(m), f64(v), f64(mask), **hyper)):
         assert_close(cupy.asnumpy(got), want)
 
 

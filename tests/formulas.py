@@ -1,0 +1,70 @@
+"""Textbook forms of the maths the layers, the numba kernels and the CUDA kernels compute, for the
+tests only: written plainly in float64 NumPy (new arrays, no in-place tricks, no folded
+constants), so that a test compares a layer's code or a kernel with the maths as a reader knows it.
+
+    softmax(z)                               p = softmax(z) by rows, lse = log(sum(exp(z)))  (..., V)
+    causal_softmax(s, scale)                 p = softmax(scale s + mask) by rows, lse   (..., T, T)
+    causal_softmax_backward(dp, p, scale)    ds = scale p (dp - rowsum(dp p))
+    causal_softmax_recompute(s, lse, scale)  p = exp(scale s + mask - lse)
+    softmax_xent_forward(logits, targets)    loss = mean(logsumexp(z) - z[target])       (..., V)
+    softmax_xent_backward(probs, targets)    dz = dloss (probs - onehot(target)) / N
+    adamw(p, g, m, v, mask, ...)             one AdamW step (Loshchilov & Hutter), bias-corrected
+"""
+
+import numpy as np
+
+
+def _causal_mask(T):
+    return np.triu(np.full((T, T), -np.inf), k=1)
+
+
+def softmax(z):
+    """(p, lse): p = softmax(z) by rows of z (..., V), lse (..., 1) each row's log-sum-exp."""
+    top = z.max(axis=-1, keepdims=True)
+    e = np.exp(z - top)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / total, top + np.log(total)
+
+
+def causal_softmax(s, scale=1.0):
+    """(p, lse): p = softmax(scale s + mask) by rows, lse (..., T, 1) each row's log-sum-exp."""
+    return softmax(scale * s + _causal_mask(s.shape[-1]))
+
+
+def causal_softmax_backward(dp, p, scale=1.0):
+    """ds = scale p (dp - rowsum(dp p)): through p = softmax(z), z = scale s + mask."""
+    return scale * (p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
+
+
+def causal_softmax_recompute(s, lse, scale=1.0):
+    """The probabilities again from the scores and each row's log-sum-exp."""
+    return np.exp(scale * s + _causal_mask(s.shape[-1]) - lse)
+
+
+def softmax_xent_forward(logits, targets):
+    """(loss, probs, losses): losses = logsumexp(z) - z[target] per row, loss their mean."""
+    z = logits.reshape(-1, logits.shape[-1])
+    t = np.asarray(targets).reshape(-1)
+    top = z.max(axis=1, keepdims=True)
+    e = np.exp(z - top)
+    total = e.sum(axis=1, keepdims=True)
+    losses = np.log(total[:, 0]) + top[:, 0] - z[np.arange(len(t)), t]
+    return losses.mean(), (e / total).reshape(logits.shape), losses
+
+
+def softmax_xent_backward(probs, targets, dloss=1.0):
+    """dlogits = dloss (probs - onehot(target)) / N, N = the number of rows."""
+    d = probs.reshape(-1, probs.shape[-1]).copy()
+    t = np.asarray(targets).reshape(-1)
+    d[np.arange(len(t)), t] -= 1.0
+    return (d * (dloss / len(t))).reshape(probs.shape)
+
+
+def adamw(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+    """One AdamW step; returns the new (p, m, v). Decoupled decay where mask == 1; t counts from 1."""
+    gs = g * grad_scale
+    m = beta1 * m + (1.0 - beta1) * gs
+    v = beta2 * v + (1.0 - beta2) * gs * gs
+    m_hat = m / (1.0 - beta1**t)
+    v_hat = v / (1.0 - beta2**t)
+    return p * (1.0 - lr * weight_decay * mask) - lr * m_hat / (np.sqrt(v_hat) + eps), m, v

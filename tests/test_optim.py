@@ -1,0 +1,69 @@
+"""minitensor.optim's one AdamW update (`adamw_update`) in the form the CuPy generic path runs it
+(the whole buffer at once, a decay mask, grad_scale a 0-d array on the device) against the
+textbook step on every backend, and against the NumPy chunked path bit for bit. The numba
+kernel is compared with the NumPy path in test_cpu_kernels.py, the CUDA kernel with the
+textbook step in test_kernels_fused.py; test_model.py checks the optimizer on a model."""
+
+import math
+
+import formulas as F
+import numpy as np
+
+from minitensor.backend import to_numpy
+from minitensor.optim import AdamW, adamw_update
+from minitensor.params import Params
+
+SHAPES = {"w": (30, 70), "b": (70,), "e": (9, 33)}   # decayed, not decayed, decayed
+
+
+def masked_steps(xp, params, grads, lr, b1, b2, eps, wd, scales):
+    """AdamW over the whole buffer with adamw_update, as the CuPy generic path calls it."""
+    p = xp.asarray(params.data.copy())
+    m, v = xp.zeros_like(p), xp.zeros_like(p)
+    keep = 1.0 - lr * wd * xp.asarray(params.mask(lambda name, shape: len(shape) >= 2))
+    for t, (g, scale) in enumerate(zip(grads, scales), start=1):
+        c1, c2 = 1.0 - b1**t, 1.0 - b2**t
+        adamw_update(p, xp.asarray(g), m, v, xp.empty_like(p), b1, b2, xp.asarray(scale, dtype=p.dtype),
+                     lr * math.sqrt(c2) / c1, eps * math.sqrt(c2), keep)
+    return p, m, v
+
+
+def draw(seed, dtype="float64"):
+    rng = np.random.default_rng(seed)
+    params = Params(SHAPES, dtype=dtype)
+    params.data[...] = rng.standard_normal(params.size)  # the padding too: AdamW must leave it alone
+    grads = []
+    for _ in range(3):
+        g = np.zeros(params.size, params.dtype)
+        for name, shape in params.shapes.items():
+            start = params.offsets[name]
+            g[start:start + math.prod(shape)] = rng.standard_normal(math.prod(shape))
+        grads.append(g)
+    return params, grads
+
+
+def test_masked_update_equals_the_textbook_step(xp):
+    params, grads = draw(0)
+    scales = (1.0, 0.3, 0.7)
+    got = masked_steps(xp, params, grads, 0.01, 0.9, 0.95, 1e-8, 0.1, scales)
+    p, m, v = params.data.copy(), np.zeros(params.size), np.zeros(params.size)
+    mask = params.mask(lambda name, shape: len(shape) >= 2)
+    for t, (g, scale) in enumerate(zip(grads, scales), start=1):
+        p, m, v = F.adamw(p, g, m, v, mask, lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=t,
+                          grad_scale=scale)
+    for a, b in zip(got, (p, m, v)):
+        np.testing.assert_allclose(to_numpy(a), b, rtol=1e-13, atol=1e-15)
+
+
+def test_numpy_chunks_equal_the_masked_update_bit_for_bit(monkeypatch):
+    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numpy")
+    monkeypatch.setattr("minitensor.optim.CHUNK", 512)   # several chunks per tensor, and a partial one
+    params, grads = draw(1)
+    scales = (1.0, 0.3, 0.7)
+    want = masked_steps(np, params, grads, 0.01, 0.9, 0.95, 1e-8, 0.1, scales)
+    opt = AdamW(params, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for g, scale in zip(grads, scales):
+        params.grads[...] = g
+        opt.step(grad_scale=scale)
+    for a, b in zip((params.data, opt.m, opt.v), want):
+        np.testing.assert_array_equal(a, b)
