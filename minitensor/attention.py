@@ -26,9 +26,12 @@ token costs one row of attention instead of re-running the whole sequence.
 On NumPy each thread takes one head at a time through all its query blocks, so the block of
 scores a GEMM writes is still in that core's cache when the softmax and the next GEMM read it;
 the head's q, k, v copies and its share of c_attn's gradient are made in the same thread. With
-numba (minitensor.cpu), the row-wise work between the GEMMs of a block runs in the kernels
-`block_exp_cpu` (each row's maximum, exp, sum and scaling, with the causal mask as the loop's
-bound), `block_probs_again_cpu` and `block_softmax_backward_cpu` below, without the GIL.
+numba (minitensor.cpu) and SciPy, a head's whole core is one compiled call,
+`attention_forward_cpu` / `attention_backward_cpu` below: the same blocks, the GEMMs through
+np.dot (BLAS), the softmax rows in between, no Python and no GIL from a head's first block to
+its last. With numba alone, the Python block loop runs, and the row-wise work between its GEMMs
+runs in `block_exp_cpu` (each row's maximum, exp, sum and scaling, with the causal mask as the
+loop's bound), `block_probs_again_cpu` and `block_softmax_backward_cpu`.
 """
 
 import math
@@ -166,6 +169,119 @@ def block_softmax_backward_cpu(dp, p, D):
                 dp[h, r, j] = p[h, r, j] * (dp[h, r, j] - d)
 
 
+def _fused(x):
+    """Whether the core runs as the fused kernels below: numba with BLAS reachable from it."""
+    return cpu.enabled(x) and cpu.blas_in_kernels()
+
+
+@cpu.kernel()
+def attention_forward_cpu(q, k, v, y, lse, probs, block):
+    """One head's causal attention, all query blocks: q (scaled), k, v (T, hs) C-contiguous;
+    writes y (T, hs) (any layout) and lse (T,) each row's log-sum-exp.
+
+    probs (sum over blocks of bq * i1,) keeps each block's probabilities, one after another,
+    for backward; empty, the blocks share a scratch buffer. Per block: s = q_b k^T (np.dot is
+    BLAS's GEMM), each row's softmax as in block_exp_cpu, y_b = p v."""
+    t = q.dtype.type
+    T, hs = q.shape
+    keep = probs.size > 0
+    work = np.empty(0 if keep else block * T, q.dtype)
+    yb = np.empty((block, hs), q.dtype)
+    off = 0
+    for i0 in range(0, T, block):
+        i1 = min(i0 + block, T)
+        bq = i1 - i0
+        p = (probs[off:off + bq * i1] if keep else work[:bq * i1]).reshape((bq, i1))
+        off += bq * i1
+        np.dot(q[i0:i1], k[:i1].T, p)                        # keys 0..i1 only
+        for r in range(bq):
+            row = p[r]
+            last = i0 + r + 1                                # row i0 + r sees keys 0..i0 + r
+            m = cpu.row_max(row, last)
+            acc = t(0)
+            for j in range(last):
+                e = cpu.exp(row[j] - m)
+                row[j] = e
+                acc += e
+            inv = t(1) / acc
+            for j in range(last):
+                row[j] *= inv
+            for j in range(last, i1):
+                row[j] = t(0)
+            lse[i0 + r] = m + np.log(acc)
+        np.dot(p, v[:i1], yb[:bq])
+        for r in range(bq):
+            for c in range(hs):
+                y[i0 + r, c] = yb[r, c]
+
+
+@cpu.kernel()
+def attention_backward_cpu(q, k, v, y, dy, lse, probs, block, dq, dk, dv, scale):
+    """The backward of attention_forward_cpu for one head: from dy (T, hs) (any layout) and the
+    forward's q (scaled), k, v, y, lse and probs, writes dq, dk, dv (T, hs) (any layout); dq is
+    scaled by `scale` (1/sqrt(hs): the cached q was scaled). Per block, as _backward_blocks:
+    p again (kept, or q_b k^T then exp(s - lse)), dv += p^T dy_b, dp = dy_b v^T,
+    ds = p (dp - D), dq_b = ds k, dk += ds^T q_b, with D = rowsum(dy y) = rowsum(dp p)."""
+    t = q.dtype.type
+    T, hs = q.shape
+    keep = probs.size > 0
+    dyc = np.empty((T, hs), q.dtype)                         # dy contiguous, for the GEMMs
+    D = np.empty(T, q.dtype)
+    for r in range(T):
+        acc = t(0)
+        for c in range(hs):
+            dyc[r, c] = dy[r, c]
+            acc += dy[r, c] * y[r, c]
+        D[r] = acc
+    dqc = np.empty((T, hs), q.dtype)
+    dkc = np.zeros((T, hs), q.dtype)
+    dvc = np.zeros((T, hs), q.dtype)
+    part = np.empty((T, hs), q.dtype)                        # a block's share of dk or dv
+    work = np.empty(0 if keep else block * T, q.dtype)
+    dpw = np.empty(block * T, q.dtype)
+    off = 0
+    for i0 in range(0, T, block):
+        i1 = min(i0 + block, T)
+        bq = i1 - i0
+        p = (probs[off:off + bq * i1] if keep else work[:bq * i1]).reshape((bq, i1))
+        off += bq * i1
+        if not keep:                                         # recompute: p = exp(q_b k^T - lse), masked
+            np.dot(q[i0:i1], k[:i1].T, p)
+            for r in range(bq):
+                row = p[r]
+                last = i0 + r + 1
+                m = lse[i0 + r]
+                for j in range(last):
+                    row[j] = cpu.exp(row[j] - m)
+                for j in range(last, i1):
+                    row[j] = t(0)
+        dyb = dyc[i0:i1]
+        share = part[:i1]
+        # forward was: y = p @ v
+        np.dot(p.T, dyb, share)
+        for r in range(i1):
+            for c in range(hs):
+                dvc[r, c] += share[r, c]
+        ds = dpw[:bq * i1].reshape((bq, i1))
+        np.dot(dyb, v[:i1].T, ds)                            # dp
+        # forward was: p = softmax(s) per row, so ds = p * (dp - D)
+        for r in range(bq):
+            d = D[i0 + r]
+            for j in range(i1):
+                ds[r, j] = p[r, j] * (ds[r, j] - d)
+        # forward was: s = (q * scale) @ k^T
+        np.dot(ds, k[:i1], dqc[i0:i1])
+        np.dot(ds.T, q[i0:i1], share)
+        for r in range(i1):
+            for c in range(hs):
+                dkc[r, c] += share[r, c]
+    for r in range(T):
+        for c in range(hs):
+            dq[r, c] = dqc[r, c] * scale
+            dk[r, c] = dkc[r, c]
+            dv[r, c] = dvc[r, c]
+
+
 def _over_heads(xp, B, nh, fn):
     """fn(start, stop) over the B * nh heads (flat index b * nh + h), each call within one b: on
     NumPy one head at a time, the heads split over minitensor's threads, each running its small
@@ -247,6 +363,8 @@ class CausalSelfAttention(Layer):
             for b in range(B):
                 self._split(qkv4, (q, k, v), b * nh, (b + 1) * nh)
             return self._forward_dense(q, k, v, B, residual)
+        if _fused(x):
+            return self._forward_fused(qkv4, q, k, v, B, residual)
         # y is written with the heads already in (B, T, C) order, ready for c_proj
         y = xp.empty((B, T, C), dtype=x.dtype)
         y4 = y.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
@@ -273,19 +391,21 @@ class CausalSelfAttention(Layer):
                     yb /= total
 
         _over_heads(xp, B, nh, heads)
-        self._save(q, k, v, y4, lse, kept, B)
+        self._save("blocks", q, k, v, y4, lse, kept, B)
         return self.c_proj.forward(y, residual=residual)
 
     def backward(self, dout):
         xp = array_module(dout)
-        q, k, v, y4, lse, kept, B = self._pop()
+        core, q, k, v, y4, lse, kept, B = self._pop()
         BH, T, hs = q.shape
         nh = BH // B
         dy = self.c_proj.backward(dout)                      # (B, T, C)
         dy4 = dy.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs) view
         dqkv = xp.empty((B, T, 3, nh, hs), dtype=dout.dtype)
         grads4 = [dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]  # views, in c_attn's layout
-        if lse is None:                                      # the dense forward: kept = p (BH, T, T)
+        if core == "fused":
+            self._backward_fused(dy4, q, k, v, y4, lse, kept, grads4)
+        elif core == "dense":                                # kept = p (BH, T, T)
             dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
             dq, dk, dv = self._backward_dense(dy, q, k, v, y4.reshape(BH, T, hs), kept)
             dq *= 1.0 / math.sqrt(hs)                        # d(q) from d(scaled q)
@@ -334,6 +454,41 @@ class CausalSelfAttention(Layer):
 
         _over_heads(xp, BH // self.n_head, self.n_head, heads)
 
+    # --- the fused core (NumPy with numba and SciPy: minitensor.cpu) ---
+
+    def _forward_fused(self, qkv4, q, k, v, B, residual):
+        """attention_forward_cpu head by head: each head's blocks, GEMMs included, in one call."""
+        BH, T, hs = q.shape
+        nh = self.n_head
+        y = np.empty((B, T, nh * hs), dtype=q.dtype)
+        y4 = y.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)
+        lse = np.empty((BH, T), dtype=q.dtype)
+        size = sum((i1 - i0) * i1 for i0, i1 in self._blocks(T))
+        kept = np.empty((BH, size), dtype=q.dtype) if q.itemsize * BH * size <= self.keep_probs_max_bytes else None
+
+        def heads(s, e):
+            self._split(qkv4, (q, k, v), s, e)
+            for h in range(s, e):
+                attention_forward_cpu(q[h], k[h], v[h], _heads_of(y4, h, h + 1)[0], lse[h],
+                                      np.empty(0, q.dtype) if kept is None else kept[h], self.block)
+
+        _over_heads(np, B, nh, heads)
+        self._save("fused", q, k, v, y4, lse, kept, B)
+        return self.c_proj.forward(y, residual=residual)
+
+    def _backward_fused(self, dy4, q, k, v, y4, lse, kept, grads4):
+        BH, T, hs = q.shape
+        scale = q.dtype.type(1.0 / math.sqrt(hs))
+
+        def heads(s, e):
+            for h in range(s, e):
+                dq, dk, dv = (_heads_of(g, h, h + 1)[0] for g in grads4)
+                attention_backward_cpu(q[h], k[h], v[h], _heads_of(y4, h, h + 1)[0], _heads_of(dy4, h, h + 1)[0],
+                                       lse[h], np.empty(0, q.dtype) if kept is None else kept[h], self.block,
+                                       dq, dk, dv, scale)
+
+        _over_heads(np, BH // self.n_head, self.n_head, heads)
+
     # --- the dense core (CuPy within the budget) ---
 
     def _use_dense(self, xp, probs_bytes):
@@ -352,7 +507,7 @@ class CausalSelfAttention(Layer):
             p = block_softmax(s, 0, xp.empty((BH, T, 1), dtype=q.dtype))
         y = xp.matmul(p, v)                                  # (BH, T, hs)
         nh = BH // B
-        self._save(q, k, v, y.reshape(B, nh, T, hs), None, p, B)  # lse None marks the dense cache
+        self._save("dense", q, k, v, y.reshape(B, nh, T, hs), None, p, B)
         y = y.reshape(B, nh, T, hs).transpose(0, 2, 1, 3).reshape(B, T, nh * hs)  # heads back in order
         return self.c_proj.forward(y, residual=residual)
 

@@ -65,6 +65,27 @@ def enabled(*arrays):
     return True
 
 
+_blas_ok = None
+
+
+def blas_in_kernels():
+    """True when a kernel may call np.dot (a BLAS GEMM without leaving compiled code): numba
+    reaches BLAS through SciPy's, which must be importable. The first call loads it and makes
+    minitensor.parallel's BLAS thread control see the new library."""
+    global _blas_ok
+    if _blas_ok is None:
+        try:
+            import scipy.linalg.cython_blas  # noqa: F401  numba's route to sgemm/dgemm
+        except ImportError:
+            _blas_ok = False
+        else:
+            from minitensor import parallel
+
+            parallel.forget_blas()
+            _blas_ok = True
+    return _blas_ok
+
+
 def _configure():
     """Once: numba's thread count from minitensor's (ANDREA_NUM_THREADS), and its own worker threads
     rather than OpenMP's (which spin after each kernel and would steal the BLAS threads' cores),

@@ -55,6 +55,13 @@ def parallel_for(n, fn, min_items=1, cost_per_item=1, min_work=1 << 15):
         f.result()
 
 
+def forget_blas():
+    """Makes the next blas_single_threaded() look for the loaded BLAS libraries again (after one
+    more was loaded, e.g. SciPy's for the numba kernels)."""
+    global _blas
+    _blas = None
+
+
 def blas_single_threaded():
     """A context in which BLAS runs each call on one thread (threadpoolctl), for work that is split
     over minitensor's own threads: many small GEMMs (attention heads) run faster two at a time on

@@ -48,6 +48,39 @@ def test_fast_path_matches_numpy_path(monkeypatch, name, dtype, rtol):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
 
 
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 2e-5)])
+@pytest.mark.parametrize("name", ["attention", "attention-blocks", "attention-recompute"])
+def test_attention_row_kernels_without_blas_in_kernels(monkeypatch, name, dtype, rtol):
+    """Without SciPy the fused attention kernels cannot reach BLAS: the Python block loop with the
+    numba row kernels runs instead, and it too agrees with the NumPy path."""
+    require("scipy")  # with it, the case above runs the fused kernels; this one must not
+    import minitensor.attention as attention
+
+    calls = []
+    monkeypatch.setattr(attention, "attention_forward_cpu", lambda *a: calls.append(a))
+    monkeypatch.setattr(cpu, "blas_in_kernels", lambda: False)
+    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numba")
+    fast = run_case(name, dtype)
+    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numpy")
+    ref = run_case(name, dtype)
+    assert not calls
+    for a, b in zip(fast, ref):
+        scale = max(float(np.abs(b).max(initial=0.0)), 1.0)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
+
+
+def test_attention_runs_the_fused_kernels_with_scipy(monkeypatch):
+    require("scipy")
+    import minitensor.attention as attention
+
+    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numba")
+    seen = []
+    real = attention.attention_backward_cpu
+    monkeypatch.setattr(attention, "attention_backward_cpu", lambda *a: (seen.append(a[0].shape), real(*a)))
+    run_case("attention-blocks", np.float32)
+    assert seen and all(shape == (DIMS["T"], DIMS["C"] // DIMS["n_head"]) for shape in seen)
+
+
 def test_exp_float32_within_two_ulp():
     x = np.linspace(-87.3, 88.3, 1_000_001, dtype=np.float32)
     got = _exp_all(x)
