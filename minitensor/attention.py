@@ -181,12 +181,14 @@ def attention_forward_cpu(q, k, v, y, lse, probs, block):
 
     probs (sum over blocks of bq * i1,) keeps each block's probabilities, one after another,
     for backward; empty, the blocks share a scratch buffer. Per block: s = q_b k^T (np.dot is
-    BLAS's GEMM), each row's softmax as in block_exp_cpu, y_b = p v."""
+    BLAS's GEMM), each row's exp(s - max) as in block_exp_cpu, y_b = p v; the rows of p are
+    divided by their sums when they are kept, else the (bq, hs) rows of y_b are."""
     t = q.dtype.type
     T, hs = q.shape
     keep = probs.size > 0
     work = np.empty(0 if keep else block * T, q.dtype)
     yb = np.empty((block, hs), q.dtype)
+    inv = np.empty(block, q.dtype)                           # each row's 1 / sum
     off = 0
     for i0 in range(0, T, block):
         i1 = min(i0 + block, T)
@@ -203,16 +205,18 @@ def attention_forward_cpu(q, k, v, y, lse, probs, block):
                 e = cpu.exp(row[j] - m)
                 row[j] = e
                 acc += e
-            inv = t(1) / acc
-            for j in range(last):
-                row[j] *= inv
+            inv[r] = t(1) / acc
+            if keep:                                         # backward reads p itself
+                for j in range(last):
+                    row[j] *= inv[r]
             for j in range(last, i1):
                 row[j] = t(0)
             lse[i0 + r] = m + np.log(acc)
         np.dot(p, v[:i1], yb[:bq])
         for r in range(bq):
+            w = t(1) if keep else inv[r]                     # else normalise the (bq, hs) output instead
             for c in range(hs):
-                y[i0 + r, c] = yb[r, c]
+                y[i0 + r, c] = yb[r, c] * w
 
 
 @cpu.kernel()
