@@ -109,10 +109,13 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
     totals = defaultdict(float)
 
     def wrap(layer, label):
-        for pass_name in ("forward", "backward"):
-            fn = getattr(layer, pass_name)
+        for pass_name in ("forward", "backward", "backward_weights"):
+            fn = getattr(layer, pass_name, None)
+            if fn is None:
+                continue
+            key = (label, "backward" if pass_name == "backward_weights" else pass_name)
 
-            def timed(*a, _fn=fn, _key=(label, pass_name), **k):
+            def timed(*a, _fn=fn, _key=key, **k):
                 synchronize(xp)
                 t = time.perf_counter()
                 r = _fn(*a, **k)

@@ -100,7 +100,10 @@ class Block:
         # GELU's pass: no separate pass over the activations for either
         x1 = self.attn.forward(self.ln_1.forward(x), residual=x)
         h = self.c_fc.forward(self.ln_2.forward(x1), bias=False)
-        return self.c_proj.forward(self.gelu.forward(h, bias=self.c_fc.b), residual=x1)
+        # c_proj keeps nothing of GELU's output: GELU's backward recomputes it (in the pass it
+        # makes anyway) and hands it to c_proj's weight gradient, so no (B, T, 4C) activation
+        # per block waits from forward to backward besides h
+        return self.c_proj.forward(self.gelu.forward(h, bias=self.c_fc.b), residual=x1, keep_input=False)
 
     def infer(self, x, kv, pos):
         """forward for inference at positions pos.., with this block's key/value cache kv: the same
@@ -112,7 +115,9 @@ class Block:
     def backward(self, dx2):
         # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
         # added in the pass of the LayerNorm backward it goes around
-        dx1 = self.ln_2.backward(self.c_fc.backward(self.gelu.backward(self.c_proj.backward(dx2))), residual=dx2)
+        dh, g = self.gelu.backward(self.c_proj.backward(dx2), output=True)
+        self.c_proj.backward_weights(g)
+        dx1 = self.ln_2.backward(self.c_fc.backward(dh), residual=dx2)
         return self.ln_1.backward(self.attn.backward(dx1), residual=dx1)
 
 

@@ -48,18 +48,23 @@ class GELU(Layer):
         self._save(x)
         return kernels.gelu_forward(x)
 
-    def backward(self, dy):
+    def backward(self, dy, output=False):
+        """dx = dy GELU'(x). With output=True, returns (dx, y): y = GELU(x) again, written over the
+        kept x where the kernels allow (the MLP's c_proj takes it for its weight gradient)."""
         cache = self._pop()
         if len(cache) == 2:                                  # the fused forward: (x, bias)
-            return kernels.bias_gelu_backward_gpu(*cache, dy)
+            dx = kernels.bias_gelu_backward_gpu(*cache, dy)
+            return (dx, kernels.bias_gelu_forward_gpu(*cache)) if output else dx
         (x,) = cache
         if _fast(x, None, dy):
             dx = np.empty_like(x)
             C = x.shape[-1]
             x2, dy2, dx2 = x.reshape(-1, C), dy.reshape(-1, C), dx.reshape(-1, C)
-            parallel_for(x2.shape[0], lambda s, e: gelu_backward_cpu(x2[s:e], dy2[s:e], dx2[s:e]), cost_per_item=C)
-            return dx
-        return kernels.gelu_backward(x, dy)
+            parallel_for(x2.shape[0], lambda s, e: gelu_backward_cpu(x2[s:e], dy2[s:e], dx2[s:e], output),
+                         cost_per_item=C)
+            return (dx, x) if output else dx                 # with output, x now holds GELU(x)
+        dx = kernels.gelu_backward(x, dy)
+        return (dx, kernels.gelu_forward(x)) if output else dx
 
 
 def _fast(x, bias, dy=None):
@@ -85,9 +90,10 @@ def gelu_forward_cpu(x, b, add_bias, y):
 
 
 @cpu.kernel()
-def gelu_backward_cpu(x, dy, dx):
+def gelu_backward_cpu(x, dy, dx, output):
     """x, dy, dx (N, C): dx = dy GELU'(x), with sig = sigmoid(2u) = 0.5 (1 + tanh u):
-    GELU'(x) = sig (1 + (1 - sig) 2 x du/dx),  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)."""
+    GELU'(x) = sig (1 + (1 - sig) 2 x du/dx),  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+    With output, x is overwritten by GELU(x) = x sig, from the same sig."""
     t = x.dtype.type
     m2c, m2ac, one = t(-2 * _C), t(-2 * _A * _C), t(1)
     c2, ac6 = t(2 * _C), t(6 * _A * _C)
@@ -97,6 +103,8 @@ def gelu_backward_cpu(x, dy, dx):
             xi = x[i, j]
             sig = one / (one + cpu.exp(xi * (m2c + m2ac * xi * xi)))
             dx[i, j] = dy[i, j] * sig * (one + (one - sig) * xi * (c2 + ac6 * xi * xi))
+            if output:
+                x[i, j] = xi * sig
 
 
 @cuda.self_check("bias_gelu")

@@ -25,27 +25,44 @@ class Linear(Layer):
     def __init__(self, W, dW, b=None, db=None):
         self.W, self.dW, self.b, self.db = W, dW, b, db
 
-    def forward(self, x, residual=None, bias=True):
-        """y = x @ W (+ b unless bias=False) (+ residual, an array of y's shape, if given)."""
+    def forward(self, x, residual=None, bias=True, keep_input=True):
+        """y = x @ W (+ b unless bias=False) (+ residual, an array of y's shape, if given).
+
+        keep_input=False keeps nothing of x for backward: the caller hands it back to
+        backward_weights (an MLP's c_proj, whose input GELU's backward recomputes anyway, so a
+        (N, 4C) activation per block is not held from forward to backward)."""
         x2 = x.reshape(-1, self.W.shape[0])                  # (N, n_in)
         y = x2 @ self.W                                      # (N, n_out)
         b = self.b if bias else None
         r = None if residual is None else residual.reshape(y.shape)
         if b is not None or r is not None:
             add_epilogue(y, b, r)
-        self._save(x2, x.shape)
+        self._save(x2 if keep_input else None, x.shape)
         return y.reshape(*x.shape[:-1], self.W.shape[1])
 
     def backward(self, dy):
+        """dx; dW and db accumulate. After forward(keep_input=False): dx only, and dy is kept
+        for backward_weights(x)."""
         x2, x_shape = self._pop()
         dy2 = dy.reshape(-1, self.W.shape[1])                # (N, n_out)
+        if x2 is None:
+            self._save(dy2)
+        else:
+            self._weight_grads(x2, dy2)
+        dx = dy2 @ self.W.T                                  # (N, n_in)
+        return dx.reshape(x_shape)
+
+    def backward_weights(self, x):
+        """dW and db from the forward's input x, given back after backward (keep_input=False)."""
+        (dy2,) = self._pop()
+        self._weight_grads(x.reshape(-1, self.W.shape[0]), dy2)
+
+    def _weight_grads(self, x2, dy2):
         # forward was: y = x @ W + b (+ residual, whose gradient dy the caller keeps)
         self.dW += x2.T @ dy2                                # (n_in, n_out)
         if self.b is not None:
             xp = array_module(dy2)
             self.db += xp.ones(dy2.shape[0], dtype=dy2.dtype) @ dy2 if xp is np else dy2.sum(axis=0)
-        dx = dy2 @ self.W.T                                  # (N, n_in)
-        return dx.reshape(x_shape)
 
 
 def add_epilogue(y, b=None, r=None):

@@ -241,6 +241,33 @@ def linear_gelu_case(xp, dtype, seed, dims):
                 lambda: np.vectorize(gelu_scalar)(case.reference()), case.out_shape)
 
 
+def mlp_case(xp, dtype, seed, dims):
+    """y = c_proj(GELU(c_fc(x))) as a block runs it: c_proj keeps nothing of its input
+    (keep_input=False), GELU's backward hands GELU(h) back, c_proj's weight gradient takes it."""
+    rng = np.random.default_rng(seed)
+    B, T, n_in, hidden = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
+    p = _params(xp, dtype, rng, {"fc.w": (n_in, hidden), "fc.b": (hidden,), "proj.w": (hidden, n_in),
+                                 "proj.b": (n_in,)})
+    fc = Linear(p["fc.w"], p.grad("fc.w"), p["fc.b"], p.grad("fc.b"))
+    proj = Linear(p["proj.w"], p.grad("proj.w"), p["proj.b"], p.grad("proj.b"))
+    gelu = GELU()
+    x = xp.asarray(rng.standard_normal((B, T, n_in)), dtype=dtype)
+
+    def forward():
+        return proj.forward(gelu.forward(fc.forward(x, bias=False), bias=p["fc.b"]), keep_input=False)
+
+    def backward(dy):
+        dh, g = gelu.backward(proj.backward(dy), output=True)
+        proj.backward_weights(g)
+        return {"x": fc.backward(dh)}
+
+    def reference():
+        h = _np(x) @ _np(p["fc.w"]) + _np(p["fc.b"])
+        return np.vectorize(gelu_scalar)(h) @ _np(p["proj.w"]) + _np(p["proj.b"])
+
+    return Case(proj, p, {"x": x}, forward, backward, reference, (B, T, n_in))
+
+
 CASES = {
     "linear": linear_case,
     "layernorm": layernorm_case,
@@ -252,6 +279,7 @@ CASES = {
     "attention-dense": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "dense": True}),
     "linear+residual": with_residual(linear_case),
     "linear+gelu": linear_gelu_case,
+    "mlp": mlp_case,
     "layernorm+residual": layernorm_skip_case,
     "attention+residual": with_residual(attention_case),
     "embedding": embedding_case,

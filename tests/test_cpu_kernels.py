@@ -22,7 +22,7 @@ from minitensor.params import Params
 require("numba")
 
 DIMS = {"B": 2, "T": 7, "C": 8, "n_head": 2, "n_in": 5, "n_out": 6, "V": 11}
-LAYERS = ["gelu", "linear+gelu", "layernorm", "layernorm+residual", "attention", "attention-blocks",
+LAYERS = ["gelu", "linear+gelu", "mlp", "layernorm", "layernorm+residual", "attention", "attention-blocks",
           "attention-recompute", "embedding", "loss"]
 
 
