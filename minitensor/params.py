@@ -14,6 +14,8 @@ import math
 
 import numpy as np
 
+from minitensor.parallel import parallel_for
+
 ALIGN = 16
 
 
@@ -62,7 +64,10 @@ class Params:
         return self._grad_views.items()
 
     def zero_grad(self):
-        self.grads.fill(0)
+        if self.xp is np:  # one thread's memset cannot fill the memory bandwidth (120m: 38 ms, 22 on 2 threads)
+            parallel_for(self.grads.size, lambda s, e: self.grads[s:e].fill(0), min_work=1 << 20)
+        else:
+            self.grads.fill(0)
 
     def num_elements(self):
         """Parameters actually held (the padding between tensors is not counted)."""
