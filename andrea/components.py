@@ -15,8 +15,9 @@ Forward + backward at the shapes of ANDREA-120M (1 x 1024 tokens, d 768, 12 head
     embedding       Embedding forward + backward        F.embedding forward + backward
 
 The engines run interleaved (andrea, andrea on NumPy only, PyTorch, andrea, ...) so that load
-on a shared machine hits them alike, with a short pause before each run (PAUSE: no engine's
-spinning threads steal the next one's cores), and the best of `repeats` runs of each is reported. The
+on a shared machine hits them alike, each timed run right after an untimed one of the same
+engine (so no engine's spinning threads steal the next one's cores), and the best of `repeats`
+runs of each is reported. The
 "numpy" column is andrea with ANDREA_CPU_KERNELS=numpy (the reference path).
 """
 
@@ -37,10 +38,10 @@ from minitensor.parallel import num_threads
 from minitensor.params import Params
 
 ENGINES = ("andrea", "numpy", "torch")
-# Between two engines' runs: PyTorch's OpenMP threads (and OpenBLAS's) spin for a while after
-# their work, on the cores the next run needs; measured at the attention core, andrea right
-# after PyTorch took 44.9 ms against 40.4 alone and 41.3 after this pause (PyTorch: 41.1-41.7).
-PAUSE = 0.05
+# Each timed run follows an untimed run of the same engine. PyTorch's OpenMP threads (and
+# OpenBLAS's) spin for a while after their work, on the cores the next engine needs (andrea's
+# attention core took 44.9 ms right after PyTorch against 40.4 alone), and a pause instead
+# lets the idle cores slow down (a 50 ms sleep made both engines' 1 ms LayerNorm ~1.5x slower).
 
 
 class _Passthrough:
@@ -177,7 +178,8 @@ def measure(repeats=7, names=None):
                     os.environ["ANDREA_CPU_KERNELS"] = "numpy" if engine == "numpy" else "numba"
                     prepare, run = fns["torch" if engine == "torch" else "andrea"]
                     prepare()
-                    time.sleep(PAUSE)
+                    run()                                    # untimed, right before: see LEAD_IN
+                    prepare()
                     t = time.perf_counter()
                     run()
                     if r:
