@@ -93,3 +93,31 @@ def test_float32_agrees_with_float64(xp, name, seed, d):
             # ~1e-5 in float32 with FMA contraction): compare at that condition number
             scale /= np.sqrt(1e-5)
         np.testing.assert_allclose(a32, a64, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_linear_writes_a_fresh_gradient_then_accumulates(xp):
+    """Linear.fresh (set by ANDREA.zero_grad): the next weight gradient overwrites dW and db
+    whatever they hold, and the one after adds to it."""
+    d = {"B": 2, "T": 3, "n_in": 5, "n_out": 4}
+    case = CASES["linear"](xp, np.float64, 0, d)
+    dy = upstream(case, xp, np.float64, 0)
+
+    def grads():
+        return [to_numpy(case.params.grad(n)).copy() for n in case.params.names()]
+
+    case.forward()
+    case.backward(dy)
+    once = grads()
+    assert all(float(abs(g).max()) > 0 for g in once)
+    for n in case.params.names():
+        case.params.grad(n)[...] = 7.0                       # stale values the fresh write must not keep
+    case.layer.fresh = True
+    case.forward()
+    case.backward(dy)
+    for got, want in zip(grads(), once):
+        np.testing.assert_array_equal(got, want)
+    assert case.layer.fresh is False
+    case.forward()
+    case.backward(dy)
+    for got, want in zip(grads(), once):
+        np.testing.assert_allclose(got, 2 * want, rtol=1e-12)
