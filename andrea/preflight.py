@@ -33,7 +33,7 @@ from andrea.errors import UserError
 from andrea.model import parameter_breakdown
 
 DEVICES = ("auto", "cpu", "gpu")
-ACTIVATION_FLOATS_PER_LAYER = 17  # d_model floats per token and layer (BENCHMARKS.md, Memory)
+ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
 KEPT_PROBS_MAX_BYTES = 16 << 20   # minitensor.attention keeps a layer's probabilities only up to this size
 WARN_FRACTION = 0.8
 AUTO = " (a GPU if one works, else the CPU)"
