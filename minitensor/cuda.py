@@ -104,7 +104,9 @@ class ElementwiseSpec:
     """A `cupy.ElementwiseKernel`, described without CuPy.
 
     `reference(**inputs)` is the NumPy form the kernel must equal (one output array, or a tuple
-    for several): the layer's generic code where it applies elementwise (AdamW's update).
+    for several): the layer's generic code (GELU's, AdamW's update) on flat arrays as the kernel
+    sees them, or, where a flat index stands for a row and a column, a few lines that gather by it
+    (the cross-entropy's and the causal softmax's).
     `scalars` names the in-params passed as host scalars, each with a sample value for the host
     check; every other param is an array. Only the type placeholder `T`.
     """

@@ -2,11 +2,12 @@
 
     y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 
-The formulas live in `kernels.py`: a NumPy version and the CuPy ElementwiseKernels 'gelu_fwd'
-and 'gelu_bwd' that must equal it. Shapes: any; y has the shape of x. `forward(h, bias=b)` is
-GELU(h + b), with the Linear's bias added in the same pass (the MLP's c_fc runs with bias=False);
-on CuPy with the fused piece `bias_gelu` in use (minitensor.cuda), the kernels
-'bias_gelu_fwd'/'bias_gelu_bwd' do that in one launch each, and h is kept without its bias.
+The formula lives in `kernels.py`: its NumPy code (`gelu_forward`, `gelu_backward`, the generic
+path here) and the CuPy ElementwiseKernels 'gelu_fwd' and 'gelu_bwd' checked against that code.
+Shapes: any; y has the shape of x. `forward(h, bias=b)` is GELU(h + b), with the Linear's bias
+added in the same pass (the MLP's c_fc runs with bias=False); on CuPy with the fused piece
+`bias_gelu` in use (minitensor.cuda), the kernels 'bias_gelu_fwd'/'bias_gelu_bwd' do that in one
+launch each, and h is kept without its bias.
 
 On the CPU with numba (minitensor.cpu), `gelu_forward_cpu` and `gelu_backward_cpu` below make
 one pass each over rows of C, in the sigmoid form the NumPy blocks use:

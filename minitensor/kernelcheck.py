@@ -3,7 +3,7 @@
     --check       `check_kernels`: NVRTC compiles every kernel x dtype x arch as CuPy would
                   (`compile_source`), for an arch given rather than queried from a GPU
     --host-check  `host_check`: g++ runs each elementwise operation on the CPU and compares it
-                  with its NumPy formula
+                  with its NumPy reference (spec.reference)
 
 and `emulate_launch` runs a RawKernel's code on the CPU as C++ (a thread per CUDA thread): the
 tests put it in place of `minitensor.cuda.launch` to compare the row kernels with their formulas
@@ -82,7 +82,7 @@ def _first_error_line(e):
 
 
 # ---------------------------------------------------------------------------------------------
-# The host check: an elementwise operation compiled as plain C++ and compared with its formula
+# The host check: an elementwise operation compiled as plain C++ and compared with its reference
 
 _HOST_PRELUDE = """#include <math.h>  /* in C++, also the float overloads: tanh(float) stays float */
 #include <stdio.h>

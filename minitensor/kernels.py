@@ -9,16 +9,22 @@ GELU, the tanh approximation (SPEC 1), elementwise over any shape, float32 or fl
 (Hendrycks & Gimpel 2016, "Gaussian Error Linear Units"; the form GPT-2 uses.) `gelu_forward`
 and `gelu_backward` take NumPy or CuPy arrays: NumPy runs the formula in place over cache-sized
 chunks, CuPy runs the ElementwiseKernels 'gelu_fwd' and 'gelu_bwd' (type placeholder `T`, so
-float64 works on the GPU too). `gelu_*_reference` are the formulas written plainly, for tests.
-`bias_gelu_*_gpu` fuse the Linear's bias into the same pass (GELU's fused piece `bias_gelu`,
-used by minitensor/gelu.py when minitensor.cuda says it is in use).
+float64 works on the GPU too). `bias_gelu_*_gpu` fuse the Linear's bias into the same pass
+(GELU's fused piece `bias_gelu`, used by minitensor/gelu.py when minitensor.cuda says it is in
+use).
+
+The formula is written once, as `gelu_forward` and `gelu_backward` on NumPy arrays: the generic
+code of minitensor/gelu.py (what the CPU runs without numba; these two functions never switch to
+numba themselves) and the reference every CUDA kernel here is checked against (the `reference`
+of each spec, for kernelcheck's host check and the tests). The textbook form the tests compare
+that code with is in tests/formulas.py.
 
 The registry of every CUDA kernel is `minitensor.cuda.KERNELS`; each layer's kernels live in
 its own module. Two checks of them need no GPU (minitensor/kernelcheck.py):
 
     python -m minitensor.kernels --check       NVRTC compiles every kernel x dtype x arch
     python -m minitensor.kernels --host-check  g++ runs each elementwise operation on the CPU
-                                               and compares it with its NumPy formula
+                                               and compares it with its NumPy reference
 """
 import argparse
 import math
@@ -41,16 +47,6 @@ _AC = _A * _C  # u = x (AC x^2 + C)
 _AC3 = 3.0 * _A * _C  # du/dx = AC3 x^2 + C
 
 
-def gelu_forward_reference(x):
-    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3))
-    return 0.5 * x * (1.0 + t)
-
-
-def gelu_backward_reference(x, dy):
-    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3))
-    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t**2) * np.sqrt(2.0 / np.pi) * (1.0 + 3.0 * 0.044715 * x**2))
-
-
 # The kernels compute a factored form of the formula:
 #   t = tanh(x (AC x^2 + C)),  y = x * (0.5 (1 + t))
 #   g = x (AC3 x^2 + C),       dx = dy * ((1 + (1 - t) g) * (1 - 0.5 (1 - t)))
@@ -65,7 +61,7 @@ GELU_FWD = cuda.register(cuda.ElementwiseSpec(
     "gelu_fwd", "T x", "T y",
     f"const T t = tanh(x * ((T){_AC!r} * x * x + (T){_C!r}));\n"
     "y = x * ((T)0.5 * ((T)1 + t));",
-    reference=gelu_forward_reference,
+    reference=lambda x: gelu_forward(x),  # the NumPy code below (a lambda: defined after the spec)
 ))
 
 GELU_BWD = cuda.register(cuda.ElementwiseSpec(
@@ -74,7 +70,7 @@ GELU_BWD = cuda.register(cuda.ElementwiseSpec(
     f"const T s = (T)1 - tanh(x * ((T){_AC!r} * x2 + (T){_C!r}));\n"
     f"const T g = x * ((T){_AC3!r} * x2 + (T){_C!r});\n"
     "dx = dy * (((T)1 + s * g) * ((T)1 - (T)0.5 * s));",
-    reference=gelu_backward_reference,
+    reference=lambda x, dy: gelu_backward(x, dy),
 ))
 
 
@@ -201,15 +197,6 @@ def _run_blocks(block_fn, arrays, n_work):
 # bias + GELU: y = GELU(x + b), b broadcast over the rows; x is the matmul output (N, C) ---
 
 
-def bias_gelu_forward_reference(x, b):
-    return gelu_forward_reference(x + b)
-
-
-def bias_gelu_backward_reference(x, b, dy):
-    """dL/dh for h = x + b; dL/dx is the same, dL/db its sum over the rows."""
-    return gelu_backward_reference(x + b, dy)
-
-
 def _column(n, C):
     """Column of each flat index of an (n / C, C) array: what `i % C` gives in the kernels."""
     return np.arange(n) % int(C)
@@ -217,12 +204,16 @@ def _column(n, C):
 
 # `i` is the flat C-order index over x's shape, so `i % C` is the column even for strided x; the
 # 32-bit cast avoids a 64-bit modulo per element (the wrappers refuse 2**31 elements or more).
+# The references are GELU's generic code applied to h = x + b, as the generic path runs it (the
+# bias added, then gelu_forward / gelu_backward). They take flat arrays, as the kernels see them,
+# and gather the bias by i % C: the host check's flat samples (4096 of them, C = 7) are not whole
+# rows, so `gelu_forward(x, bias=b)` over (N, C) rows cannot take them.
 BIAS_GELU_FWD = cuda.register(cuda.ElementwiseSpec(
     "bias_gelu_fwd", "T x, raw T b, int32 C", "T y",
     "const T h = x + b[(unsigned int)i % (unsigned int)C];\n"
     f"const T t = tanh(h * ((T){_AC!r} * h * h + (T){_C!r}));\n"
     "y = h * ((T)0.5 * ((T)1 + t));",
-    reference=lambda x, b, C: bias_gelu_forward_reference(x, b[_column(x.size, C)]),
+    reference=lambda x, b, C: gelu_forward(x + b[_column(x.size, C)]),
     scalars=(("C", 7),),
 ))
 
@@ -233,7 +224,7 @@ BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
     f"const T s = (T)1 - tanh(h * ((T){_AC!r} * h2 + (T){_C!r}));\n"
     f"const T g = h * ((T){_AC3!r} * h2 + (T){_C!r});\n"
     "dh = dy * (((T)1 + s * g) * ((T)1 - (T)0.5 * s));",
-    reference=lambda x, b, C, dy: bias_gelu_backward_reference(x, b[_column(x.size, C)], dy),
+    reference=lambda x, b, C, dy: gelu_backward(x + b[_column(x.size, C)], dy),
     scalars=(("C", 7),),
 ))
 

@@ -9,6 +9,10 @@ constants), so that a test compares a layer's code or a kernel with the maths as
     softmax_xent_forward(logits, targets)    loss = mean(logsumexp(z) - z[target])       (..., V)
     softmax_xent_backward(probs, targets)    dz = dloss (probs - onehot(target)) / N
     adamw(p, g, m, v, mask, ...)             one AdamW step (Loshchilov & Hutter), bias-corrected
+    gelu(x)                                  y = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
+    gelu_backward(x, dy)                     dx = dy GELU'(x); bias + GELU is gelu(x + b)
+    layernorm_forward(x, w, b, eps)          (y, mean, rstd) for rows x (N, C)
+    layernorm_backward(dy, x, w, mean, rstd) (dx, dw, db)
 """
 
 import numpy as np
@@ -68,3 +72,34 @@ def adamw(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scal
     m_hat = m / (1.0 - beta1**t)
     v_hat = v / (1.0 - beta2**t)
     return p * (1.0 - lr * weight_decay * mask) - lr * m_hat / (np.sqrt(v_hat) + eps), m, v
+
+
+def gelu(x):
+    """GELU, the tanh approximation (Hendrycks & Gimpel 2016), elementwise."""
+    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3))
+    return 0.5 * x * (1.0 + t)
+
+
+def gelu_backward(x, dy):
+    """dx = dy dGELU/dx: the product rule on 0.5 x (1 + tanh(u)), with tanh' = 1 - tanh^2."""
+    t = np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3))
+    du = np.sqrt(2.0 / np.pi) * (1.0 + 3.0 * 0.044715 * x**2)
+    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t**2) * du)
+
+
+def layernorm_forward(x, w, b, eps=1e-5):
+    """(y, mean, rstd) for rows x (N, C): y = (x - mean) rstd w + b, rstd = 1 / sqrt(var + eps)
+    with the biased variance; mean and rstd (N, 1)."""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    return (x - mean) * rstd * w + b, mean, rstd
+
+
+def layernorm_backward(dy, x, w, mean, rstd):
+    """(dx, dw, db): dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy w and xhat = (x - mean)
+    rstd; dw = sum over rows of dy xhat, db = sum over rows of dy."""
+    xhat = (x - mean) * rstd
+    g = dy * w
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    return dx, (dy * xhat).sum(axis=0), dy.sum(axis=0)

@@ -1,5 +1,5 @@
-"""The kernels and kernelcheck modules: NumPy GELU against its plain formula and finite
-differences, the NVRTC compile check (and that it can fail), the host C++ check of each
+"""The kernels and kernelcheck modules: NumPy GELU against its textbook formula (tests/formulas.py)
+and finite differences, the NVRTC compile check (and that it can fail), the host C++ check of each
 elementwise operation, and, on a GPU, the CuPy kernels against NumPy."""
 
 import dataclasses
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import formulas as F
 import numpy as np
 import pytest
 import strategies as S
@@ -17,7 +18,7 @@ from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
 
 from minitensor import cuda, kernelcheck, kernels
-from minitensor.kernels import gelu_backward, gelu_backward_reference, gelu_forward, gelu_forward_reference
+from minitensor.kernels import gelu_backward, gelu_forward
 
 DTYPES = [np.float32, np.float64]
 shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=9)
@@ -51,7 +52,7 @@ def test_gelu_forward_matches_formula(shape, seed, dtype, scale, use_out, chunk)
     with mock.patch.object(kernels, "_CHUNK", chunk):
         y = gelu_forward(x, out=out)
     assert y.dtype == dtype and (out is None or y is out)
-    assert_close(y, gelu_forward_reference(x.astype(np.float64)), x)
+    assert_close(y, F.gelu(x.astype(np.float64)), x)
 
 
 @settings(deadline=None)
@@ -63,7 +64,7 @@ def test_gelu_backward_matches_formula(shape, seed, dtype, scale, use_out, chunk
     with mock.patch.object(kernels, "_CHUNK", chunk):
         dx = gelu_backward(x, dy, out=out)
     assert dx.dtype == dtype and (out is None or dx is out)
-    assert_close(dx, gelu_backward_reference(x.astype(np.float64), dy.astype(np.float64)), x, dy)
+    assert_close(dx, F.gelu_backward(x.astype(np.float64), dy.astype(np.float64)), x, dy)
 
 
 @settings(deadline=None)
@@ -79,7 +80,7 @@ def test_gelu_forward_with_bias_adds_it_in_place_first(shape, seed, dtype, out, 
     bb = np.broadcast_to(b, shape)
     if out != "x":
         assert_close(x, want_x, bb)  # x now holds x + b, what GELU's backward needs
-    assert_close(y, gelu_forward_reference(want_x), want_x)
+    assert_close(y, F.gelu(want_x), want_x)
 
 
 def test_gelu_forward_bias_errors():
@@ -99,15 +100,15 @@ def test_gelu_forward_bias_errors():
 def test_gelu_large_odd_size_in_chunks(dtype):
     n = 2 * kernels._CHUNK + 13
     x, dy = sample(0, n, dtype), sample(1, n, dtype)
-    assert_close(gelu_forward(x), gelu_forward_reference(x.astype(np.float64)), x)
-    assert_close(gelu_backward(x, dy), gelu_backward_reference(x.astype(np.float64), dy.astype(np.float64)),
+    assert_close(gelu_forward(x), F.gelu(x.astype(np.float64)), x)
+    assert_close(gelu_backward(x, dy), F.gelu_backward(x.astype(np.float64), dy.astype(np.float64)),
                  x, dy)
 
 
 def test_gelu_strided_and_aliased_operands():
     base = sample(2, (6, 10), np.float64)
     x, dy = base[:, ::2], sample(3, (6, 5), np.float64)  # non-contiguous
-    y_ref, dx_ref = gelu_forward_reference(x), gelu_backward_reference(x, dy)
+    y_ref, dx_ref = F.gelu(x), F.gelu_backward(x, dy)
     assert_close(gelu_forward(x), y_ref, x)
     out = np.empty((6, 10))[:, 1::2]  # a non-contiguous out
     assert gelu_forward(x, out=out) is out
@@ -120,7 +121,7 @@ def test_gelu_strided_and_aliased_operands():
     assert_close(gelu_forward(xa, out=xa), y_ref, x)
     flat = sample(4, 40, np.float64)  # out overlaps x shifted by one element
     x = flat[1:31].copy()
-    assert_close(gelu_forward(flat[1:31], out=flat[0:30]), gelu_forward_reference(x), x)
+    assert_close(gelu_forward(flat[1:31], out=flat[0:30]), F.gelu(x), x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -245,13 +246,13 @@ def test_host_check_catches_a_wrong_formula():
 def test_cupy_gelu_equals_numpy(cupy, dtype):
     x, dy = sample(7, (37, 129), dtype), sample(8, (37, 129), dtype)
     x_gpu, dy_gpu = cupy.asarray(x), cupy.asarray(dy)
-    assert_close(cupy.asnumpy(gelu_forward(x_gpu)), gelu_forward_reference(x.astype(np.float64)), x)
+    assert_close(cupy.asnumpy(gelu_forward(x_gpu)), F.gelu(x.astype(np.float64)), x)
     dx = cupy.empty_like(x_gpu)
     assert gelu_backward(x_gpu, dy_gpu, out=dx) is dx
-    assert_close(cupy.asnumpy(dx), gelu_backward_reference(x.astype(np.float64), dy.astype(np.float64)),
+    assert_close(cupy.asnumpy(dx), F.gelu_backward(x.astype(np.float64), dy.astype(np.float64)),
                  x, dy)
     y = cupy.asnumpy(gelu_forward(x_gpu[:, ::2]))  # strided input: another generated kernel
-    assert_close(y, gelu_forward_reference(x[:, ::2].astype(np.float64)), x[:, ::2])
+    assert_close(y, F.gelu(x[:, ::2].astype(np.float64)), x[:, ::2])
 
 
 @pytest.mark.gpu

@@ -21,8 +21,7 @@ from markers import needs_cxx, needs_nvrtc
 
 from minitensor import attention, cuda, kernelcheck, kernels, layernorm, optim
 from minitensor import loss as xent
-from minitensor.kernels import bias_gelu_backward_reference, bias_gelu_forward_reference
-from minitensor.layernorm import LayerNorm, layernorm_backward_reference, layernorm_forward_reference
+from minitensor.layernorm import LayerNorm
 from minitensor.loss import SoftmaxCrossEntropy
 from minitensor.optim import AdamW
 from minitensor.params import Params
@@ -72,19 +71,23 @@ def test_new_kernels_are_registered():
 
 
 @settings(deadline=None, max_examples=20)
-@given(N=st.integers(1, 6), C=st.integers(1, 40), seed=S.seeds)
-def test_layernorm_formulas_equal_the_layer(N, C, seed):
+@given(N=st.integers(1, 6), C=st.integers(1, 40), seed=S.seeds, mode=st.sampled_from(["numpy", "numba"]))
+def test_layernorm_formulas_equal_the_layer(N, C, seed, mode):
+    """The layer's NumPy code (what the kernels' self-check compares them with on a GPU, through
+    CuPy) and its numba kernels (where numba is installed) against the textbook form."""
     rng = np.random.default_rng(seed)
     x, dy = normal(rng, (N, C), np.float64, 2.0, 0.5), normal(rng, (N, C), np.float64)
     w, b = normal(rng, C, np.float64, 0.5, 1.0), normal(rng, C, np.float64)
     dw, db = np.zeros(C), np.zeros(C)
     layer = LayerNorm(w, dw, b, db)
-    y, mean, rstd = layernorm_forward_reference(x, w, b)
-    assert_close(layer.forward(x), y)
-    assert_close(layer._cache[1], mean)
-    assert_close(layer._cache[2], rstd)
-    dx, dw_ref, db_ref = layernorm_backward_reference(dy, x, w, mean, rstd)
-    assert_close(layer.backward(dy), dx, scale=float(np.max(np.abs(dy * w * rstd))))
+    y, mean, rstd = F.layernorm_forward(x, w, b)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ANDREA_CPU_KERNELS", mode)
+        assert_close(layer.forward(x), y)
+        assert_close(layer._cache[1], mean)
+        assert_close(layer._cache[2], rstd)
+        dx, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
+        assert_close(layer.backward(dy), dx, scale=float(np.max(np.abs(dy * w * rstd))))
     assert_close(dw, dw_ref)
     assert_close(db, db_ref)
 
@@ -153,11 +156,22 @@ def test_adamw_kernel_form_equals_the_textbook_form():
         assert_close(a, b)
 
 
-def test_bias_gelu_formula_is_gelu_of_the_biased_input():
+def test_gelu_kernel_references_are_the_generic_code():
+    """The references the host check holds the GELU kernels to, on flat arrays as the kernels see
+    them: GELU's NumPy code, equal to the textbook form; with the bias gathered by column, that
+    code with the bias (gelu_forward(x, bias=b) over rows, what the GELU layer runs on NumPy)."""
     rng = np.random.default_rng(4)
     x, b, dy = normal(rng, (3, 7), np.float64, 2.0), normal(rng, 7, np.float64), normal(rng, (3, 7), np.float64)
-    assert_close(bias_gelu_forward_reference(x, b), kernels.gelu_forward(x + b))
-    assert_close(bias_gelu_backward_reference(x, b, dy), kernels.gelu_backward(x + b, dy))
+    flat_x, flat_dy = x.reshape(-1), dy.reshape(-1)
+    assert_close(kernels.GELU_FWD.reference(x=flat_x), F.gelu(flat_x))
+    assert_close(kernels.GELU_BWD.reference(x=flat_x, dy=flat_dy), F.gelu_backward(flat_x, flat_dy))
+    y = kernels.BIAS_GELU_FWD.reference(x=flat_x, b=b, C=7.0).reshape(3, 7)
+    h = x.copy()
+    np.testing.assert_array_equal(y, kernels.gelu_forward(h, bias=b))  # h becomes x + b
+    assert_close(y, F.gelu(x + b))
+    dh = kernels.BIAS_GELU_BWD.reference(x=flat_x, b=b, C=7.0, dy=flat_dy).reshape(3, 7)
+    np.testing.assert_array_equal(dh, kernels.gelu_backward(h, dy))
+    assert_close(dh, F.gelu_backward(x + b, dy), scale=float(np.max(np.abs(dy))))
 
 
 # --- Compile check and the host C++ check of the elementwise operations --------------------------
@@ -227,7 +241,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     x2, dy2, r2 = (f64(a).reshape(-1, C) for a in (x, dy, r))  # the formulas take rows (N, C)
     y, mean, rstd = layernorm.layernorm_forward_gpu(x, w, b, 1e-5)
-    y_ref, mean_ref, rstd_ref = layernorm_forward_reference(x2, f64(w), f64(b))
+    y_ref, mean_ref, rstd_ref = F.layernorm_forward(x2, f64(w), f64(b))
     assert y.shape == x.shape and mean.shape == rstd.shape == (x2.shape[0], 1)
     assert_close(y.reshape(-1, C), y_ref)
     assert_close(mean, mean_ref, scale=1.0)
@@ -235,7 +249,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
 
     dw, db = np.full(C, 0.5, dtype), np.full(C, -0.5, dtype)  # gradients accumulate
     dx = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
-    dx_ref, dw_ref, db_ref = layernorm_backward_reference(dy2, x2, f64(w), mean_ref, rstd_ref)
+    dx_ref, dw_ref, db_ref = F.layernorm_backward(dy2, x2, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(dy2 * f64(w) * rstd_ref)))
     assert_close(dx.reshape(-1, C), dx_ref, scale=scale)
     assert_close(dw, 0.5 + dw_ref, scale=1.0)
@@ -245,7 +259,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     xs = x.copy()
     y2, _, _ = layernorm.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
     assert y2 is xs
-    assert_close(y2.reshape(-1, C), layernorm_forward_reference(x2 + r2, f64(w), f64(b))[0])
+    assert_close(y2.reshape(-1, C), F.layernorm_forward(x2 + r2, f64(w), f64(b))[0])
     acc = r.copy()
     assert layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)
@@ -256,10 +270,10 @@ def test_layernorm_param_gradients_over_several_row_chunks(emulated):
     N, C = 130, 40  # 64 rows a chunk: three chunks, two column blocks, partial ones of each
     x, dy = normal(rng, (N, C), np.float64), normal(rng, (N, C), np.float64)
     w, b = normal(rng, C, np.float64), normal(rng, C, np.float64)
-    _, mean, rstd = layernorm_forward_reference(x, w, b)
+    _, mean, rstd = F.layernorm_forward(x, w, b)
     dw, db = np.zeros(C), np.zeros(C)
     layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
-    _, dw_ref, db_ref = layernorm_backward_reference(dy, x, w, mean, rstd)
+    _, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
     assert_close(dw, dw_ref)
     assert_close(db, db_ref)
 
@@ -384,14 +398,14 @@ def test_gpu_bias_gelu(cupy, shape, dtype, seed):
     rng = np.random.default_rng(seed)
     x, dy, b = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype), normal(rng, shape[-1], dtype)
     xg, bg, dyg = cupy.asarray(x), cupy.asarray(b), cupy.asarray(dy)
-    assert_close(cupy.asnumpy(kernels.bias_gelu_forward_gpu(xg, bg)), bias_gelu_forward_reference(f64(x), f64(b)))
+    assert_close(cupy.asnumpy(kernels.bias_gelu_forward_gpu(xg, bg)), F.gelu(f64(x) + f64(b)))
     db = cupy.zeros(shape[-1], dtype)
     dh = kernels.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
-    dh_ref = bias_gelu_backward_reference(f64(x), f64(b), f64(dy))
+    dh_ref = F.gelu_backward(f64(x) + f64(b), f64(dy))
     assert_close(cupy.asnumpy(dh), dh_ref, scale=float(np.max(np.abs(dy))))
     assert_close(cupy.asnumpy(db), dh_ref.reshape(-1, shape[-1]).sum(0), scale=float(np.max(np.abs(dy))))
     strided = kernels.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
-    assert_close(cupy.asnumpy(strided), bias_gelu_forward_reference(f64(x[:, ::2]), f64(b)))
+    assert_close(cupy.asnumpy(strided), F.gelu(f64(x[:, ::2]) + f64(b)))
 
 
 @pytest.mark.gpu
@@ -405,7 +419,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     y, mean, rstd = layernorm.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
                                                   residual=cupy.asarray(r) if residual else None)
     x_in = f64(x) + f64(r) if residual else f64(x)
-    y_ref, mean_ref, rstd_ref = layernorm_forward_reference(x_in, f64(w), f64(b))
+    y_ref, mean_ref, rstd_ref = F.layernorm_forward(x_in, f64(w), f64(b))
     assert_close(cupy.asnumpy(xg), x_in, scale=1.0)
     assert_close(cupy.asnumpy(y), y_ref)
     assert_close(cupy.asnumpy(mean), mean_ref, scale=1.0)
@@ -413,7 +427,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     dw, db = cupy.zeros(C, dtype), cupy.zeros(C, dtype)
     add_to = cupy.asarray(r) if residual else None
     dx = layernorm.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
-    dx_ref, dw_ref, db_ref = layernorm_backward_reference(f64(dy), x_in, f64(w), mean_ref, rstd_ref)
+    dx_ref, dw_ref, db_ref = F.layernorm_backward(f64(dy), x_in, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(f64(dy) * f64(w) * rstd_ref)))
     assert_close(cupy.asnumpy(dx), dx_ref + (f64(r) if residual else 0.0), scale=scale)
     assert_close(cupy.asnumpy(dw), dw_ref, scale=float(np.max(np.abs(dy))))

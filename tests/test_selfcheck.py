@@ -4,13 +4,14 @@ Without a GPU, the real checks of the pieces built from RawKernels only (LayerNo
 softmax of the dense attention core) run their layer's fused path through the host emulation of
 the kernels (kernelcheck.emulate_launch, NumPy arrays standing in for CuPy ones); a kernel made
 to disagree (a sign flipped in its CUDA code) is refused, reported, and the generic code takes
-its place. With the ElementwiseKernels replaced by their reference formulas too, every layer's
+its place. With the ElementwiseKernels replaced by their references (spec.reference) too, every layer's
 fused path (all five pieces) runs and agrees with its generic path. The choice and the line are
 also checked with stand-in checks.
 """
 
 import dataclasses
 
+import formulas as F
 import numpy as np
 import pytest
 from markers import needs_cxx
@@ -30,7 +31,7 @@ FAKE_GPU = NumPyStandingInForCuPy()
 
 
 def elementwise_on_the_host(spec):
-    """A stand-in for spec's CuPy ElementwiseKernel on NumPy arrays: its reference formula, which
+    """A stand-in for spec's CuPy ElementwiseKernel on NumPy arrays: its reference (the NumPy code), which
     the host check compares with the kernel's own operation compiled as C++ (kernelcheck)."""
     names = [p.split()[-1] for p in spec.in_params.split(",")]
 
@@ -140,7 +141,7 @@ def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(emulated, mon
         rng = np.random.default_rng(0)
         x, w, b = rng.standard_normal((5, 16)), rng.standard_normal(16), rng.standard_normal(16)
         y = LayerNorm(w, np.zeros(16), b, np.zeros(16)).forward(x)
-        want, _, _ = layernorm.layernorm_forward_reference(x, w, b)
+        want, _, _ = F.layernorm_forward(x, w, b)
         np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
 
 
