@@ -207,7 +207,9 @@ class ANDREA:
 
     def zero_grad(self):
         self.params.zero_grad()
-        for block in self.blocks:                            # their next weight gradients are written, not added
+        # their next weight gradients are written, not added (the head's before the embedding's rows)
+        self.head.fresh = True
+        for block in self.blocks:
             for lin in (block.attn.c_attn, block.attn.c_proj, block.c_fc, block.c_proj):
                 lin.fresh = True
 

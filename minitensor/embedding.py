@@ -99,6 +99,10 @@ class PositionEmbedding(Layer):
 class TiedHead(Layer):
     """logits = x @ W.T, with W the token embedding's matrix and dW its gradient."""
 
+    # as Linear.fresh: dW holds nothing to keep, so the next gradient GEMM writes it directly
+    # (the model's backward reaches the head before the token embedding adds its rows)
+    fresh = False
+
     def __init__(self, W, dW):
         self.W, self.dW = W, dW
 
@@ -111,5 +115,9 @@ class TiedHead(Layer):
         x2, x_shape = self._pop()
         dl2 = dlogits.reshape(-1, self.W.shape[0])           # (N, V)
         # forward was: logits = x @ W.T
-        self.dW += dl2.T @ x2                                # (V, C)
+        if self.fresh:
+            array_module(dl2).matmul(dl2.T, x2, out=self.dW)  # (V, C)
+            self.fresh = False
+        else:
+            self.dW += dl2.T @ x2
         return (dl2 @ self.W).reshape(x_shape)

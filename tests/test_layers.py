@@ -95,11 +95,12 @@ def test_float32_agrees_with_float64(xp, name, seed, d):
         np.testing.assert_allclose(a32, a64, rtol=1e-4, atol=1e-5 * scale)
 
 
-def test_linear_writes_a_fresh_gradient_then_accumulates(xp):
-    """Linear.fresh (set by ANDREA.zero_grad): the next weight gradient overwrites dW and db
-    whatever they hold, and the one after adds to it."""
-    d = {"B": 2, "T": 3, "n_in": 5, "n_out": 4}
-    case = CASES["linear"](xp, np.float64, 0, d)
+@pytest.mark.parametrize("name", ["linear", "head"])
+def test_a_fresh_gradient_is_written_then_accumulated(xp, name):
+    """Linear.fresh and TiedHead.fresh (set by ANDREA.zero_grad): the next weight gradient
+    overwrites the gradient views whatever they hold, and the one after adds to them."""
+    d = {"B": 2, "T": 3, "n_in": 5, "n_out": 4, "C": 6, "V": 7}
+    case = CASES[name](xp, np.float64, 0, d)
     dy = upstream(case, xp, np.float64, 0)
 
     def grads():
