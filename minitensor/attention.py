@@ -339,21 +339,29 @@ class CausalSelfAttention(Layer):
     def _blocks(self, T):
         return [(i0, min(i0 + self.block, T)) for i0 in range(0, T, self.block)]
 
-    def _split(self, qkv4, qkv, s, e):
-        """Heads s..e of q, k, v (contiguous (BH, T, hs) arrays) from the (B, nh, T, hs) views of
-        c_attn's output: each copy adds c_attn's bias (so it costs no pass of its own), and q is
-        scaled by 1/sqrt(hs) (T*hs work, rather than the scores' T*T)."""
+    def _split(self, qkv4, qkv, s=None, e=None):
+        """Heads s..e (all heads by default) of q, k, v (contiguous (BH, T, hs) arrays) from the
+        (B, nh, T, hs) views of c_attn's output: each copy adds c_attn's bias (so it costs no pass
+        of its own), and q is scaled by 1/sqrt(hs) (T*hs work, rather than the scores' T*T).
+        All heads are one operation per array (one launch each on CuPy)."""
         xp = array_module(qkv[0])
         b, C = self.c_attn.b, self.c_proj.W.shape[0]
         nh = self.n_head
-        h0 = s % nh
+        B, _, T, hs = qkv4[0].shape
         for i, (src, dst) in enumerate(zip(qkv4, qkv)):
-            src = _heads_of(src, s, e)
-            if b is not None:
-                xp.add(src, b[i * C:(i + 1) * C].reshape(nh, 1, -1)[h0:h0 + e - s], out=dst[s:e])
+            bias = None if b is None else b[i * C:(i + 1) * C].reshape(nh, 1, hs)
+            if s is None:                                    # all heads, as (B, nh, T, hs)
+                dst = dst.reshape(B, nh, T, hs)
             else:
-                dst[s:e] = src
-        qkv[0][s:e] *= 1.0 / math.sqrt(C // nh)
+                h0 = s % nh
+                bias = None if bias is None else bias[h0:h0 + e - s]
+                src, dst = _heads_of(src, s, e), dst[s:e]
+            if bias is not None:
+                xp.add(src, bias, out=dst)
+            else:
+                dst[...] = src
+            if i == 0:
+                dst *= 1.0 / math.sqrt(hs)
 
     def forward(self, x, residual=None):
         """out = c_proj(attention(c_attn(x))) (+ residual, added in c_proj's epilogue, if given)."""
@@ -364,8 +372,7 @@ class CausalSelfAttention(Layer):
         qkv4 = self._heads(self.c_attn.forward(x, bias=False), B, T)  # its bias is added in _split
         q, k, v = (xp.empty((BH, T, hs), dtype=x.dtype) for _ in range(3))
         if self._use_dense(xp, BH * T * T * x.itemsize):
-            for b in range(B):
-                self._split(qkv4, (q, k, v), b * nh, (b + 1) * nh)
+            self._split(qkv4, (q, k, v))
             return self._forward_dense(q, k, v, B, residual)
         if _fused(x):
             return self._forward_fused(qkv4, q, k, v, B, residual)
