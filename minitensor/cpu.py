@@ -26,6 +26,7 @@ kernel's cache on its own file only: after editing `exp` here, delete __pycache_
 
 import math
 import os
+import threading
 
 import numpy as np
 
@@ -136,7 +137,10 @@ def kernel(parallel=False, contract=True):
 
 
 class _Kernel:
-    """A kernel's numba function, made at its first call (after _configure)."""
+    """A kernel's numba function, made at its first call (after _configure), once even when the
+    first calls come from several threads at a time (parallel_for's parts)."""
+
+    _lock = threading.Lock()
 
     def __init__(self, fn, options):
         self.fn, self.options, self.jit = fn, options, None
@@ -144,8 +148,10 @@ class _Kernel:
 
     def __call__(self, *args):
         if self.jit is None:
-            _configure()
-            self.jit = njit(**self.options)(self.fn)
+            with self._lock:
+                if self.jit is None:
+                    _configure()
+                    self.jit = njit(**self.options)(self.fn)
         return self.jit(*args)
 
 
