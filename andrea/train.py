@@ -43,7 +43,7 @@ from andrea.perf import format_duration, matmul_peak_flops, peak_label, synchron
 from andrea.plot import plot_after_training
 from andrea.prepare import prepare
 from andrea.sample import stream
-from minitensor.backend import GPUUnavailable, set_tf32
+from minitensor.backend import GPUUnavailable, quiet_fallback, set_tf32
 from minitensor.memory import keep_freed_memory
 from minitensor.optim import clip_scale, cosine_lr, global_norm
 from minitensor.selfcheck import select_kernels
@@ -443,6 +443,8 @@ def main(argv=None):
     keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     global WORLD
     WORLD = dist.init()
+    if not WORLD.is_main:
+        quiet_fallback()  # rank 0 says "no usable GPU" once for all
     with dist.guard(WORLD):
         return run_training(parse_args(argv), WORLD)
 

@@ -120,6 +120,13 @@ def get_backend(device=None, quiet=False):
     return Backend(np, "cpu")
 
 
+def quiet_fallback():
+    """get_backend says its CPU-fallback note no more in this process (the ranks after the first
+    of a data-parallel run: rank 0 says it once for all)."""
+    global _fallback_reported
+    _fallback_reported = True
+
+
 def array_module(x):
     """numpy or cupy, whichever owns the array x (NumPy for anything that is not a CuPy array)."""
     if type(x).__module__.startswith("cupy"):

@@ -27,6 +27,7 @@ from andrea import distributed as dist
 from andrea.data import BatchLoader, iter_eval_batches
 from andrea.errors import UserError
 from andrea.prepare import prepare
+from minitensor import backend
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB_JSON = Path(json.__file__).parent
@@ -207,9 +208,12 @@ def test_data_is_prepared_once_by_rank_0(tmp_path, data_dir):
     cfg["model"]["vocab_size"] = 8449
     path = tmp_path / "fresh.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    r = run(["--config", str(path), "--out", str(tmp_path / "o")])
+    # with device auto and no usable GPU, the fallback note is said once too (by rank 0)
+    gpu = backend._probe_gpu()[0]
+    r = run(["--config", str(path), "--out", str(tmp_path / "o"), "--device", "cpu" if gpu else "auto"])
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("-id BPE tokenizer on") == 1 and (fresh / "train.bin").exists()
+    assert r.stderr.count("note: no usable GPU") == (0 if gpu else 1), r.stderr
 
 
 def test_gpu_under_mpi_without_a_gpu_is_one_line_error(tmp_path, data_dir):
