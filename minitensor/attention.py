@@ -120,24 +120,10 @@ def block_exp_cpu(s, i0, lse, total, normalise):
     Row r sees keys 0..i0+r: over those, exp(row - max) (with normalise, divided by their sum);
     the masked rest becomes 0. lse = max + log(sum), total = sum. The row's maximum, its exp
     and its scaling are passes over a row in L1; the mask is the loop bound."""
-    t = s.dtype.type
     n, bq, i1 = s.shape
     for h in range(n):
         for r in range(bq):
-            row = s[h, r]
-            last = min(i0 + r + 1, i1)
-            m = cpu.row_max(row, last)
-            acc = t(0)
-            for j in range(last):
-                e = cpu.exp(row[j] - m)
-                row[j] = e
-                acc += e
-            if normalise:
-                inv = t(1) / acc
-                for j in range(last):
-                    row[j] *= inv
-            for j in range(last, i1):
-                row[j] = t(0)
+            m, acc = cpu.causal_exp_row(s[h, r], min(i0 + r + 1, i1), normalise)
             lse[h, r] = m + np.log(acc)
             total[h, r] = acc
 
@@ -196,21 +182,9 @@ def attention_forward_cpu(q, k, v, y, lse, probs, block):
         p = (probs[off:off + bq * i1] if keep else work[:bq * i1]).reshape((bq, i1))
         off += bq * i1
         np.dot(q[i0:i1], k[:i1].T, p)                        # keys 0..i1 only
-        for r in range(bq):
-            row = p[r]
-            last = i0 + r + 1                                # row i0 + r sees keys 0..i0 + r
-            m = cpu.row_max(row, last)
-            acc = t(0)
-            for j in range(last):
-                e = cpu.exp(row[j] - m)
-                row[j] = e
-                acc += e
+        for r in range(bq):                                  # row i0 + r sees keys 0..i0 + r
+            m, acc = cpu.causal_exp_row(p[r], i0 + r + 1, keep)  # normalised only if kept: backward reads p
             inv[r] = t(1) / acc
-            if keep:                                         # backward reads p itself
-                for j in range(last):
-                    row[j] *= inv[r]
-            for j in range(last, i1):
-                row[j] = t(0)
             lse[i0 + r] = m + np.log(acc)
         np.dot(p, v[:i1], yb[:bq])
         for r in range(bq):

@@ -254,9 +254,37 @@ if numba is not None:
                 m = k if k > m else m
             return _bits_to_float32(m ^ ((m >> np.int32(31)) & low))
         return max32
+
+    def causal_exp_row(row, n, normalise):
+        """In place over a contiguous row inside a kernel: its first n entries (n >= 1) become
+        exp(x - max), divided by their sum when normalise, the rest 0 (a causal row's mask is
+        its length n); returns (max, sum). The softmax row of every attention kernel."""
+        raise NotImplementedError("causal_exp_row runs inside numba kernels only")
+
+    @overload(causal_exp_row, fastmath=FLAGS, inline="always")
+    def _causal_exp_row_overload(row, n, normalise):
+        def impl(row, n, normalise):
+            t = row.dtype.type
+            m = row_max(row, n)
+            total = t(0)
+            for j in range(n):
+                e = exp(row[j] - m)
+                row[j] = e
+                total += e
+            if normalise:
+                inv = t(1) / total
+                for j in range(n):
+                    row[j] *= inv
+            for j in range(n, row.size):
+                row[j] = t(0)
+            return m, total
+        return impl
 else:
     def exp(x):
         return math.exp(x)
 
     def row_max(row, n):
         return max(row[:n])
+
+    def causal_exp_row(row, n, normalise):
+        raise NotImplementedError("causal_exp_row runs inside numba kernels only")
