@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data, hf, preflight, runlog
+from andrea import data, hf, preflight, rundir, runlog
 from andrea import distributed as dist
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config, make_config
@@ -445,7 +445,7 @@ def main(argv=None):
     WORLD = dist.init()
     if not WORLD.is_main:
         quiet_fallback()  # rank 0 says "no usable GPU" once for all
-    with dist.guard(WORLD):
+    with dist.guard(WORLD), rundir.released_at_end():  # --out stays claimed (locked) until the run ends
         return run_training(parse_args(argv), WORLD)
 
 
@@ -463,8 +463,7 @@ def run_training(args, world):
         return 0
     with world.together():
         if world.is_main:
-            if not args.resume:
-                runlog.claim_run_dir(out_dir, args.resume, args.overwrite)
+            rundir.claim(out_dir, "run", args.resume, args.overwrite)
             runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
     with world.together():  # data preparation once, on rank 0, while the others wait here
         prepared = prepare_data(cfg, tokenizer=args.init_from) if world.is_main else None
