@@ -13,17 +13,17 @@ so nothing about the process's matplotlib backend changes.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from andrea.cli import run_cli
+from andrea.cli import ArgumentParser, run_cli
 from andrea.config import build_config
 from andrea.data import atomic_writer
 from andrea.errors import UserError
+from andrea.preflight import check_output_file
 
 
 @dataclass
@@ -57,7 +57,9 @@ def read_run(run_dir) -> Curves:
 
 def _records(path: Path) -> dict[int, dict]:
     """{step: record}, the last record of a step winning (a resumed run repeats the steps after its
-    last checkpoint); skipped non-finite steps are left out, and a cut-off last line is ignored."""
+    last checkpoint); skipped non-finite steps are left out. A line cut short (the start of a JSON
+    object, which a crash or a full disk leaves; metrics.jsonl's writer ends it before the next
+    line) is ignored wherever it is; any other line that is not JSON means it is not a metrics file."""
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     per_step = {}
     for n, line in enumerate(lines, 1):
@@ -66,8 +68,8 @@ def _records(path: Path) -> dict[int, dict]:
         try:
             r = json.loads(line)
         except ValueError:
-            if n == len(lines):  # a run killed while writing its last line
-                break
+            if line.lstrip().startswith("{"):
+                continue
             raise UserError(f"{path} line {n} is not JSON: is it a metrics file of andrea.train?") from None
         if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped"):
             per_step[r["step"]] = r
@@ -133,6 +135,7 @@ def draw(runs: list[Curves]):
 
 def plot_runs(run_dirs, out) -> Path:
     """Draw the runs into the PNG `out` (written atomically) and return its path."""
+    check_output_file(out, "--out")
     runs = [read_run(d) for d in run_dirs]
     labels = [r.label for r in runs]
     for run, d in zip(runs, run_dirs):
@@ -159,7 +162,7 @@ def plot_after_training(run_dir) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m andrea.plot", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m andrea.plot", description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", metavar="RUN", help="training run directories (train --out)")
     ap.add_argument("--out", default="loss.png", help="the PNG to write (default loss.png)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
