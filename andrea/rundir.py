@@ -80,7 +80,7 @@ def check(directory, kind: str, resume: bool = False, overwrite: bool = False) -
         raise UserError(f"--out {directory} is a file, not a directory: choose a directory")
     if not directory.is_dir():
         return
-    Claim(directory, kind).release()  # in use by another process: say so first, whatever it holds
+    _refuse_if_in_use(directory, kind)  # say so first, whatever it holds
     _refuse_what_is_not_ours(directory, kind, resume, overwrite)
 
 
@@ -119,8 +119,7 @@ class Claim:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.fd)
-            raise UserError(f"--out {directory} is in use by another {KINDS[kind]}{_holder(directory)}: wait "
-                            "for it to finish, or choose another --out") from None
+            raise _in_use(directory, kind) from None
 
     def release(self) -> None:
         if self.fd is not None:
@@ -136,10 +135,24 @@ class Claim:
         self.release()
 
 
-def _holder(directory: Path) -> str:
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        return f" (process {int(json.loads((directory / MARKER).read_text())['pid'])})"
-    return ""
+def _refuse_if_in_use(directory: Path, kind: str) -> None:
+    """A shared lock taken and dropped at once: it fails only while a claim holds the directory
+    (several processes may probe at the same time, as the ranks of one run do)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(directory, kind) from None
+    finally:
+        os.close(fd)
+
+
+def _in_use(directory: Path, kind: str) -> UserError:
+    holder = ""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        holder = f" (process {int(json.loads((directory / MARKER).read_text())['pid'])})"
+    return UserError(f"--out {directory} is in use by another {KINDS[kind]}{holder}: wait for it to finish, "
+                     "or choose another --out")
 
 
 def claim(directory, kind: str, resume: bool = False, overwrite: bool = False) -> Claim:

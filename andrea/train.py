@@ -458,6 +458,7 @@ def run_training(args, world):
     with world.together():
         cfg, out_dir = build_run_config(args)
         plan = preflight.check(cfg, out_dir, warn=None if world.is_main else _quiet)
+        rundir.check(out_dir, "run", args.resume, args.overwrite)  # --dry-run too: the same refusals
     if args.dry_run:
         log(plan.describe())
         return 0

@@ -119,7 +119,7 @@ def hugging_face_directory(path):
     return path
 
 
-@pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--resume"]])
+@pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--resume"], ["--dry-run"], ["--overwrite", "--dry-run"]])
 def test_train_never_takes_over_a_hugging_face_or_data_directory(data_dir, tmp_path, capsys, flags):
     hf_dir = hugging_face_directory(tmp_path / "gpt2")
     for other in (hf_dir, data_dir):
@@ -155,7 +155,7 @@ def test_a_second_run_into_a_claimed_out_is_refused(data_dir, tmp_path, capsys):
     cfg = str(small_config(tmp_path, data_dir, max_steps=2))
     out = tmp_path / "run"
     with rundir.claim(out, "run"):  # another andrea.train, mid-run (flock: per open file, so also in-process)
-        for flags in ([], ["--overwrite"]):
+        for flags in ([], ["--overwrite"], ["--dry-run"]):
             assert run_main(["--config", cfg, "--out", str(out), *flags]) == 2
             last = capsys.readouterr().err.strip().splitlines()[-1]
             assert "in use by another andrea.train" in last and f"process {os.getpid()}" in last
