@@ -123,3 +123,22 @@ def test_plot_refuses_a_bad_out_in_one_line_before_drawing(tmp_path, capsys, whe
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert ".tmp" not in err and "usage:" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "data-a"]
+
+
+def test_plot_replaces_only_a_figure_it_drew(tmp_path, capsys):
+    require("matplotlib")
+    run = fake_run(tmp_path, "a", RECORDS)
+    out = tmp_path / "figure.png"
+    for existing in (b"my own notes", b"\x89PNG\r\n\x1a\n someone else's image"):
+        out.write_bytes(existing)
+        with pytest.raises(SystemExit) as e:
+            run_cli(plot.main, [str(run), "--out", str(out)])
+        assert e.value.code == 2 and "not a figure drawn by andrea.plot" in capsys.readouterr().err
+        assert out.read_bytes() == existing
+    out.unlink()
+    for _ in range(2):  # the second time over its own figure
+        with pytest.raises(SystemExit) as e:
+            run_cli(plot.main, [str(run), "--out", str(out)])
+        assert e.value.code == 0 and plot.drawn_here(out)
+    (run / "loss.png").write_bytes(b"an older run's figure")  # the run's own directory: replaced
+    assert plot.plot_after_training(run) == f"loss plot: {run / 'loss.png'}" and plot.drawn_here(run / "loss.png")
