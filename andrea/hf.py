@@ -2,6 +2,7 @@
 
     model.save_pretrained("export/", tokenizer=tok)   # config.json, model.safetensors, tokenizer files
     model = ANDREA.from_pretrained("export/")         # or a GPT-2 saved by transformers (safetensors)
+    state = read_state("export/", param_shapes(cfg))  # the checked weights alone, {GPT-2 name: array}
     tok = load_tokenizer("export/")                   # andrea's tokenizer.json or a HF one
 
 andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv1D (in, out) layout
@@ -12,12 +13,19 @@ andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv
   (another activation, an untied head, the scaled-attention variants) is refused by name;
 - the weights file: safetensors only (a pickled pytorch_model.bin is refused with the command that
   converts it), read by a small reader of its own so bfloat16 and float16 files load too;
+- trust in nothing read: config.json's values are type-checked (a size is a whole number, never
+  truncated), a safetensors header is checked against the file's length before any tensor is
+  read, a sharded index's files must all be there, and the weights must have the config's names
+  and shapes and be finite, all before a model is built (read_state); a UserError names the file;
 - the tokenizer in HF's tokenizer.json form: andrea's byte-level BPE becomes a HF BPE model with
   the ByteLevel pre-tokenizer and decoder (GPT-2's own arrangement) and <|endoftext|> as a special
   token at andrea's EOT id. andrea reads a literal "<|endoftext|>" in text as ordinary text; the
   exported tokenizer_config.json asks transformers for the same (`split_special_tokens`). A HF
   tokenizer read here (`PretrainedTokenizer`) must be a byte-level BPE, so each id has a fixed
   byte string and decoding never fails, as with andrea's own.
+
+The model calls into this module (ANDREA.from_pretrained, save_pretrained) and never the other way:
+what is model-specific (the parameter shapes to expect) comes in as an argument.
 
 References: transformers' GPT2Config and modeling_gpt2.py; the safetensors format (8-byte
 little-endian header length, a JSON header of dtype, shape and data offsets, then the raw data).

@@ -62,7 +62,7 @@ def kind_of(directory) -> str | None:
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return "run" if isinstance(config, dict) and _ANDREA_CONFIG_SECTIONS <= config.keys() else None
+    return "run" if isinstance(config, dict) and config.keys() >= _ANDREA_CONFIG_SECTIONS else None
 
 
 def _written_by(kind: str, directory: Path) -> list[str]:

@@ -12,8 +12,9 @@ the validation loss every eval_interval, appends to OUT/metrics.jsonl, and write
 checkpoints (weights, optimizer moments, data-loader and random states, config) to OUT.
 Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
 Before any of this, andrea.preflight checks everything that could fail later (device, paths,
-prompt, memory, data); andrea.runlog keeps the run directory to one run and one story (metrics
-that survive a full disk, each step once after a resume, exit code 4 when the last save failed).
+prompt, memory, data); andrea.rundir claims --out for this run alone (a marker of what wrote it,
+a lock held until the run ends); andrea.runlog keeps it to one story (metrics that survive a full
+disk, each step once after a resume, exit code 4 when the last save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
