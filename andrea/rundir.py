@@ -23,15 +23,18 @@ While a command writes, it holds an exclusive lock (flock) on the directory itse
 command claiming the same directory (two andrea.train into one --out) is refused at once instead of
 interleaving their files. The kernel drops the lock when the process ends, however it ends
 (kill -9 included): a lock left by a dead process locks nothing, and there is no lock file to clean.
+A file system that cannot lock (some network mounts) is a warning, and the command goes on unlocked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from andrea import checkpoint as ckpt
@@ -115,11 +118,9 @@ class Claim:
     def __init__(self, directory: Path, kind: str):
         self.directory, self.kind = directory, kind
         self.fd = os.open(directory, os.O_RDONLY)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _lock(self.fd, fcntl.LOCK_EX, directory):
             os.close(self.fd)
-            raise _in_use(directory, kind) from None
+            raise _in_use(directory, kind)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -140,11 +141,26 @@ def _refuse_if_in_use(directory: Path, kind: str) -> None:
     (several processes may probe at the same time, as the ranks of one run do)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(directory, kind) from None
+        free = _lock(fd, fcntl.LOCK_SH, directory)
     finally:
         os.close(fd)
+    if not free:
+        raise _in_use(directory, kind)
+
+
+def _lock(fd: int, how: int, directory: Path) -> bool:
+    """flock without waiting: False when another process holds a conflicting lock. A file system
+    without locks (some network mounts) gets a warning and no lock, rather than no run."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        print(f"warning: {directory} cannot be locked here ({e.strerror}): make sure no other command "
+              "writes into it at the same time", file=sys.stderr, flush=True)
+    return True
 
 
 def _in_use(directory: Path, kind: str) -> UserError:

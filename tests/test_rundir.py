@@ -196,3 +196,16 @@ def test_the_lock_of_a_killed_process_locks_nothing(tmp_path):
     holder.wait()
     with rundir.claim(out, "run") as claim:
         assert claim.directory == out
+
+
+def test_a_file_system_without_locks_is_a_warning_not_a_refusal(tmp_path, monkeypatch, capsys):
+    import errno
+
+    def no_locks(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir.fcntl, "flock", no_locks)
+    out = tmp_path / "run"
+    with rundir.claim(out, "run"):
+        assert rundir.kind_of(out) == "run"
+    assert "cannot be locked here (No locks available)" in capsys.readouterr().err
