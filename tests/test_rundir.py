@@ -165,7 +165,9 @@ def test_a_second_run_into_a_claimed_out_is_refused(data_dir, tmp_path, capsys):
 
 def test_two_trainings_started_together_into_one_out(data_dir, tmp_path):
     """Real processes: the first holds --out for its whole run, the second exits 2 at once."""
-    cfg = str(small_config(tmp_path, data_dir, max_steps=400, checkpoint_interval=1000, eval_interval=1000))
+    # a run far longer than the test (stopped by SIGINT below), so it is surely still running
+    cfg = str(small_config(tmp_path, data_dir, max_steps=10**6, checkpoint_interval=10**6, eval_interval=10**6,
+                           log_interval=10**6))
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT), ANDREA_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     argv = [sys.executable, "-m", "andrea.train", "--config", cfg, "--out", str(out)]
