@@ -21,6 +21,7 @@ from test_train import STDLIB_JSON, run_main, small_config
 
 from andrea import export, rundir
 from andrea.cli import run_cli
+from andrea.errors import UserError
 from andrea.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +193,7 @@ def test_the_lock_of_a_killed_process_locks_nothing(tmp_path):
                                "print('claimed', flush=True); time.sleep(60)", str(out)],
         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "claimed"
-    with pytest.raises(Exception, match="in use"):
+    with pytest.raises(UserError, match="in use by another andrea.train"):
         rundir.claim(out, "run")
     holder.kill()
     holder.wait()
