@@ -39,6 +39,9 @@ def _forget_built_kernels():
     cuda._raw_kernel.cache_clear()
 
 
+_standin_modules = {}  # imported once per process: minitensor's caches may hold its arrays
+
+
 @contextlib.contextmanager
 def standin_cupy():
     """Within the block `import cupy` gives the stand-in and minitensor sees one usable GPU."""
@@ -46,7 +49,15 @@ def standin_cupy():
     saved_state = (backend._gpu_probe, backend._fallback_reported, set(cuda.in_use))
     for name in saved_modules:
         del sys.modules[name]
-    sys.path.insert(0, str(STANDIN))
+    if _standin_modules:
+        sys.modules.update(_standin_modules)
+    else:
+        sys.path.insert(0, str(STANDIN))
+        try:
+            import cupy  # noqa: F401
+        finally:
+            sys.path.remove(str(STANDIN))
+        _standin_modules.update({name: mod for name, mod in sys.modules.items() if _ours(name)})
     _forget_built_kernels()
     backend._gpu_probe = None
     try:
@@ -56,7 +67,6 @@ def standin_cupy():
         cupy.standin.reset()
         yield cupy
     finally:
-        sys.path.remove(str(STANDIN))
         for name in [n for n in sys.modules if _ours(n)]:
             del sys.modules[name]
         sys.modules.update(saved_modules)
