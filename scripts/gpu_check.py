@@ -40,7 +40,8 @@ import numpy as np
 
 PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (SPEC 4)
 PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
-PARTS = {"compile": 40, "kernels": 23, "gradients": 23, "bench": 48}  # seconds each, at most (gpu_check.sh allows a little more)
+# seconds each, at most (gpu_check.sh allows a little more)
+PARTS = {"compile": 40, "kernels": 23, "gradients": 23, "bench": 48}
 DRY_TIME_SCALE = 4  # a dry run's limits are 4 times these: it runs on a CPU, maybe under the CuPy stand-in
 RESULTS = os.path.join(os.environ.get("OUT") or ".", "gpu_check_results.txt")
 
@@ -195,6 +196,8 @@ def _train(cfg, device, dtype, data):
 
 
 def part_kernels(dry):
+    from andrea.config import load_config
+    from andrea.model import param_shapes
     from minitensor import attention, cuda, kernelcheck, kernels, layernorm, loss, optim
     from minitensor.kernels import gelu_backward, gelu_forward
     from minitensor.layernorm import LayerNorm
@@ -202,9 +205,6 @@ def part_kernels(dry):
     from minitensor.optim import AdamW
     from minitensor.params import Params
     from minitensor.selfcheck import select_kernels
-
-    from andrea.config import load_config
-    from andrea.model import param_shapes
 
     failed = False
     on_gpu = gpu_here(dry)
@@ -515,7 +515,8 @@ def part_bench(dry):
 
 
 def run_part(name, dry):
-    return {"compile": part_compile, "kernels": part_kernels, "gradients": part_gradients, "bench": part_bench}[name](dry)
+    parts = {"compile": part_compile, "kernels": part_kernels, "gradients": part_gradients, "bench": part_bench}
+    return parts[name](dry)
 
 
 def main(argv=None):

@@ -8,7 +8,7 @@ constants of their C type. Each (operation, types) is built once; the programs a
 system's temporary folder by the hash of their text, so later processes reuse them.
 
 RawKernel: minitensor's own launch emulation (`minitensor.kernelcheck.emulate_launch`: the CUDA
-code as C++20, a std::thread per CUDA thread), for the kernels written against the type name `T`
+code as C++, a fiber per CUDA thread), for the kernels written against the type name `T`
 (`typedef <type> T;` first, as minitensor.cuda.RawSpec.source writes them).
 """
 
@@ -36,6 +36,8 @@ template <class U> U rsqrt(U v) { return U(1) / sqrt(v); }
 
 
 class _Param:
+    """One parameter of an ElementwiseKernel: '[raw] type name'."""
+
     def __init__(self, text):
         words = text.split()
         self.raw = words[0] == "raw"
@@ -53,6 +55,8 @@ def _params(text):
 
 
 class ElementwiseKernel:
+    """cupy.ElementwiseKernel with its operation run as C++ on the host (see the module docstring)."""
+
     def __init__(self, in_params, out_params, operation, name="kernel", reduce_dims=True, preamble="",
                  no_return=False, return_tuple=False, loop_prep="", after_loop="", options=(), **kwargs):
         if loop_prep or after_loop:
@@ -96,7 +100,8 @@ class ElementwiseKernel:
         standin.kernels.add(("elementwise", self.name, ",".join(t.name for t in types.values())))
         ran = subprocess.run([_build(program, self.name)], input=b"".join(blob), capture_output=True, check=False)
         if ran.returncode:
-            raise RuntimeError(f"{self.name}: the host run failed (exit {ran.returncode}): {ran.stderr.decode()[-500:]}")
+            raise RuntimeError(f"{self.name}: the host run failed (exit {ran.returncode}): "
+                               f"{ran.stderr.decode()[-500:]}")
         offset = 0  # the program wrote each output's buffer, in parameter order
         for k in range(n_in, len(params)):
             dtype = self._dtype(params[k], types)
