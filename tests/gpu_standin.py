@@ -17,6 +17,7 @@ memory use and speed, streams overlapping, NCCL between GPUs and the driver's er
 """
 
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -53,8 +54,10 @@ def standin_cupy():
         sys.modules.update(_standin_modules)
     else:
         sys.path.insert(0, str(STANDIN))
-        try:
-            import cupy  # noqa: F401
+        try:  # every module of it, so that no later import finds the real CuPy's
+            for path in sorted(STANDIN.rglob("*.py")):
+                parts = path.relative_to(STANDIN).with_suffix("").parts
+                importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
         finally:
             sys.path.remove(str(STANDIN))
         _standin_modules.update({name: mod for name, mod in sys.modules.items() if _ours(name)})

@@ -159,6 +159,15 @@ def test_the_fused_kernels_pass_their_start_up_self_check_on_the_standin():
     assert every_piece_fused(line), line
 
 
+def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():
+    from minitensor.backend import set_tf32
+
+    with standin_cupy() as cupy:
+        on, off = set_tf32(cupy, True), set_tf32(cupy, False)
+    assert on.startswith("tf32: on (2-D GEMMs: compute type COMPUTE_TYPE_TF32; batched GEMMs: cuBLAS math mode 3")
+    assert off.startswith("tf32: off (2-D GEMMs: compute type COMPUTE_TYPE_DEFAULT; batched GEMMs: cuBLAS math mode 0")
+
+
 # --- the memory pre-flight ---------------------------------------------------------------------
 
 
