@@ -159,6 +159,30 @@ def test_the_fused_kernels_pass_their_start_up_self_check_on_the_standin():
     assert every_piece_fused(line), line
 
 
+@pytest.mark.parametrize("broken, reason", [("sum", "CuPy cannot compile or run a kernel; is NVRTC installed?"),
+                                            ("matmul", "CuPy cannot run a matmul; is cuBLAS installed?")])
+def test_the_gpu_probe_says_what_is_missing(monkeypatch, broken, reason):
+    """CuPy imports without NVRTC or cuBLAS; the probe's tiny kernel and matmul find out which."""
+    with standin_cupy() as cupy:
+        def fails(*args, **kwargs):
+            raise RuntimeError(f"{broken} failed")
+
+        monkeypatch.setattr(cupy.ndarray, "sum" if broken == "sum" else "__matmul__", fails, raising=False)
+        ok, why = backend._probe_gpu()
+        with pytest.raises(backend.GPUUnavailable, match="no usable GPU"):
+            backend.get_backend("gpu")
+    assert not ok and why.startswith(reason) and f"RuntimeError: {broken} failed" in why
+
+
+def test_the_nccl_allreduce_benchmark_runs_at_one_rank(capsys):
+    from andrea import distributed
+
+    with standin_cupy():
+        assert distributed.main(["--allreduce-bench", "4096", "--gpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backend"] == "NCCL" and result["processes"] == 1 and result["bytes"] == 4 * 4096
+
+
 def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():
     from minitensor.backend import set_tf32
 
