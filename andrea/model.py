@@ -24,8 +24,8 @@ from andrea.config import ModelConfig
 from andrea.errors import UserError
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import get_backend, resolve_dtype, to_numpy
-from minitensor.layer import Layer
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
+from minitensor.layer import Layer
 from minitensor.layernorm import LayerNorm
 from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
@@ -138,8 +138,8 @@ class Block:
 
     def __init__(self, p, prefix, cfg, ops):
         self.ln_1 = _layernorm(p, prefix + "ln_1", cfg.ln_eps, ops)
-        self.attn = CausalSelfAttention(_linear(p, prefix + "attn.c_attn", ops), _linear(p, prefix + "attn.c_proj", ops),
-                                        cfg.n_head, ops=ops)
+        self.attn = CausalSelfAttention(_linear(p, prefix + "attn.c_attn", ops),
+                                        _linear(p, prefix + "attn.c_proj", ops), cfg.n_head, ops=ops)
         self.ln_2 = _layernorm(p, prefix + "ln_2", cfg.ln_eps, ops)
         self.mlp = MLP(_linear(p, prefix + "mlp.c_fc", ops), _linear(p, prefix + "mlp.c_proj", ops), ops)
 
@@ -162,14 +162,15 @@ class Block:
 
 
 class ANDREA:
-    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None):
+    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None):
         """kernels: the CPU kernels, 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba
-        when installed); read here once, like the device."""
+        when installed); read here once, like the device. ops: a minitensor.ops backend to use
+        instead of the device's (tests)."""
         self.cfg = cfg
         self.backend = get_backend(device)
-        self.xp = self.backend.xp
+        self.ops = ops = ops or get_ops(self.backend.xp, kernels)
+        self.xp = ops.xp
         self.dtype = resolve_dtype(dtype)
-        self.ops = ops = get_ops(self.xp, kernels)
         self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops)
         p = self.params
         # ids are validated on the host in _ids, so the layers skip their own (device-syncing) checks

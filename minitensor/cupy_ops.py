@@ -607,32 +607,26 @@ ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
 def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
     """One AdamW step, in place over the flat CuPy buffers p, m, v (same shape and dtype as g and
     mask, mask 1 where weight decay applies, 0 elsewhere); t counts steps from 1. Equals
-    minitensor.optim.AdamW.step: the gradient is g * grad_scale (clipping), grad_scale a number
-    or a one-element device array."""
-    fn = "adamw_step_gpu"
-    cuda.check_operands(fn, p, None)
-    for name, a in (("g", g), ("m", m), ("v", v), ("mask", mask)):
-        cuda.like(fn, name, a, p, contiguous=False)
+    Ops.adamw_step: the gradient is g * grad_scale (clipping), grad_scale a number or a
+    one-element device array."""
     if t < 1:
-        raise ValueError(f"{fn}: t counts steps from 1, got {t}")
+        raise ValueError(f"adamw_step_gpu: t counts steps from 1, got {t}")
     c1, c2 = 1.0 - beta1**t, 1.0 - beta2**t
-    step_size = lr * math.sqrt(c2) / c1
-    eps_hat = eps * math.sqrt(c2)
-    cuda.on_cupy(fn, p, "Ops.adamw_step")
-    scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
-    ADAMW_STEP.kernel()(p, m, v, g, mask, beta1, beta2, scale, step_size, eps_hat, lr * weight_decay, p, m, v)
+    adamw_kernel(p, g, m, v, mask, beta1, beta2, grad_scale, lr * math.sqrt(c2) / c1, eps * math.sqrt(c2),
+                 lr * weight_decay)
     return p
 
 
 def adamw_kernel(p, g, m, v, mask, b1, b2, grad_scale, step_size, eps_hat, decay):
     """Ops.adamw_step through ADAMW_STEP: in place over the flat p, m, v (mask 1 where decayed)."""
-    fn = "adamw_step"
+    fn = "adamw_step_gpu"
     cuda.check_operands(fn, p, None)
     for name, a in (("g", g), ("m", m), ("v", v), ("mask", mask)):
         cuda.like(fn, name, a, p, contiguous=False)
     cuda.on_cupy(fn, p, "Ops.adamw_step")
     scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
     ADAMW_STEP.kernel()(p, m, v, g, mask, b1, b2, scale, step_size, eps_hat, decay, p, m, v)
+
 
 
 # =============================================================================================

@@ -16,7 +16,8 @@ layers: N rows of C (or V) values; B sequences of T positions; n_head heads of h
 """
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -482,34 +483,23 @@ def causal_mask(xp, T, dtype):
     return _mask_cache[key]
 
 
-KERNELS = ("numba", "numpy")
 _ops = {}
 
 
-def cpu_kernels_setting(kernels=None):
-    """'numba' or 'numpy': kernels if given, else ANDREA_CPU_KERNELS (default numba); 'numpy'
-    when numba is not installed."""
-    import os
-
-    from minitensor import cpu
-
-    asked = (kernels or os.environ.get("ANDREA_CPU_KERNELS", "numba")).strip().lower() or "numba"
-    if asked not in KERNELS:
-        raise ValueError(f"ANDREA_CPU_KERNELS={asked!r}: use one of {', '.join(KERNELS)}")
-    return "numba" if asked == "numba" and cpu.numba is not None else "numpy"
-
-
 def get_ops(xp=np, kernels=None):
-    """The backend for arrays of xp: NumpyOps on NumPy (numba kernels unless kernels or
-    ANDREA_CPU_KERNELS says 'numpy'), CupyOps on CuPy; one instance per choice."""
+    """The backend for arrays of xp, one instance per choice: on NumPy, NumpyOps with the numba
+    kernels unless kernels (or, when it is None, ANDREA_CPU_KERNELS) says 'numpy' or numba is
+    not installed (minitensor.cpu.mode); on CuPy, CupyOps."""
     if xp is np:
-        key = ("numpy", cpu_kernels_setting(kernels))
+        from minitensor import cpu
+
+        key = ("numpy", cpu.mode(kernels))
         if key not in _ops:
             from minitensor.numpy_ops import NumpyOps
 
             _ops[key] = NumpyOps(numba=key[1] == "numba")
         return _ops[key]
-    key = ("cupy",)
+    key = ("cupy", xp)
     if key not in _ops:
         from minitensor.cupy_ops import CupyOps
 
