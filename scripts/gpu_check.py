@@ -364,7 +364,10 @@ def part_bench(dry):
     log(f"{'tiny' if dry else 'ANDREA-120M'} at {B} x {T}, {warmup} warm-up steps then {steps} timed",
         set_tf32(xp, full.train.tf32), select_kernels(full.train.kernels, xp))
     rng = np.random.default_rng(0)
-    batches = [xp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1))) for _ in range(2)]
+    # the batches stay on the host, as the training loader's do: the model checks the ids there and
+    # copies them to the device, so a step's one device read is the finite check below (ids kept
+    # on the device were read back by that check, two more reads per step)
+    batches = [rng.integers(0, cfg.vocab_size, (B, T + 1)) for _ in range(2)]
     pool = None if dry else xp.get_default_memory_pool()
     used = [0]
     split = {"forward": [], "backward": [], "optimizer": []}
