@@ -247,6 +247,16 @@ def describe_model(m) -> str:
             f"{'s' if m.n_head != 1 else ''}, context {m.context_length}, vocab {m.vocab_size}")
 
 
+def memory_device(device: str) -> str:
+    """Whose memory a run on `device` uses: "auto" runs on the GPU when one is usable (the same
+    probe the backend makes when the model is built), so its memory is checked then."""
+    if device == "auto":
+        from minitensor.backend import gpu_available
+
+        return "gpu" if gpu_available() else "cpu"
+    return "gpu" if device == "gpu" else "cpu"
+
+
 def check(cfg, out_dir, warn=None) -> Plan:
     """Everything that can be checked before data preparation and model allocation; see the module doc."""
     t = cfg.train
@@ -263,7 +273,7 @@ def check(cfg, out_dir, warn=None) -> Plan:
     if t.sample_tokens > 0 and not t.sample_prompt:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
     mem = estimate_memory(cfg)
-    verdict = check_memory(mem, "gpu" if device == "gpu" else "cpu", warn)
+    verdict = check_memory(mem, memory_device(device), warn)
     counts = prepared_counts(data_dir)
     if counts is None:
         source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
