@@ -9,9 +9,9 @@ and `emulate_launch` runs a RawKernel's code on the CPU as C++ (a fiber per CUDA
 tests put it in place of `minitensor.cuda.launch` to compare the row kernels with their formulas
 without a GPU.
 
-The compile check uses CuPy private APIs (SPEC 5), so CuPy's minor version is pinned by the
-`kernel-check` extra. The registry it checks is `minitensor.cuda.all_kernels()` (every layer
-module imported); CuPy is imported only when a compile check runs.
+The compile check uses CuPy private APIs, so CuPy's minor version is pinned by the
+`kernel-check` extra. The registry it checks is `minitensor.cuda.all_kernels()` (the GPU
+backend imported); CuPy is imported only when a compile check runs.
 """
 
 import atexit

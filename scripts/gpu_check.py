@@ -198,10 +198,10 @@ def _train(cfg, device, dtype, data):
 def part_kernels(dry):
     from andrea.config import load_config
     from andrea.model import param_shapes
-    from minitensor import attention, cuda, kernelcheck, kernels, layernorm, loss, optim
-    from minitensor.kernels import gelu_backward, gelu_forward
+    from minitensor import cuda, cupy_ops, kernelcheck
     from minitensor.layernorm import LayerNorm
     from minitensor.loss import SoftmaxCrossEntropy
+    from minitensor.ops import Ops
     from minitensor.optim import AdamW
     from minitensor.params import Params
     from minitensor.selfcheck import select_kernels
@@ -229,6 +229,7 @@ def part_kernels(dry):
         shapes, reps = param_shapes(load_config("120m").model), 10
     dtype = np.float32
     drawn, state = {}, {}
+    ref = Ops(xp)  # the generic side: the maths every kernel replaces
 
     def reseed():  # every setup gets the same inputs, so the fused and the generic run see equal ones
         state["k"] = 0
@@ -245,18 +246,18 @@ def part_kernels(dry):
     def layernorm_setup():
         reseed()
         x, dy, w, b = rand(N, C, shift=0.3), rand(N, C), rand(C, scale=0.2, shift=1.0), rand(C, scale=0.1)
-        layer = LayerNorm(w, xp.zeros(C, dtype), b, xp.zeros(C, dtype))
+        layer = LayerNorm(w, xp.zeros(C, dtype), b, xp.zeros(C, dtype), ops=ref)
         layer.forward(x)
         return dict(x=x, dy=dy, w=w, b=b, r=rand(N, C), layer=layer, cache=layer._cache,
                     dw=xp.zeros(C, dtype), db=xp.zeros(C, dtype))
 
     def ln_generic_fwd(d):
         y = d["layer"].forward(d["x"])
-        return y, d["layer"]._cache[1], d["layer"]._cache[2]
+        return y, d["layer"]._cache.mean, d["layer"]._cache.rstd
 
     def ln_generic_bwd(d, add_to=None):
         layer = d["layer"]
-        layer._save(*d["cache"])
+        layer._save(d["cache"])
         dx = layer.backward(d["dy"])
         if add_to is not None:
             dx += add_to
@@ -273,10 +274,10 @@ def part_kernels(dry):
 
     def gelu_generic_fwd(d):
         xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
-        return (gelu_forward(d["hb"]),)
+        return (ref.gelu_forward(d["hb"]),)
 
     def gelu_generic_bwd(d):
-        dh = gelu_backward(d["h"], d["dy"])
+        dh = ref.gelu_backward(d["h"], d["dy"])
         d["db"] += dh.sum(axis=0)
         return dh, d["db"]
 
@@ -284,16 +285,16 @@ def part_kernels(dry):
         reseed()
         s = rand(BH, T, T, scale=2.0)
         p, lse = s.copy(), xp.empty((BH, T, 1), dtype)
-        attention.block_softmax(p[None], 0, lse[None])
+        ref.block_softmax(p[None], 0, lse[None])
         return dict(s=s, p=p, lse=lse, dp=rand(BH, T, T), lse_out=xp.empty((BH, T, 1), dtype))
 
     def softmax_generic_fwd(d):
-        attention.block_softmax(d["s"][None], 0, d["lse_out"][None])
+        ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
         return d["s"], d["lse_out"]
 
     def softmax_generic_bwd(d):
         D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
-        attention.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
+        ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
         return (d["dp"],)
 
     # the layer keeps softmax / N (its backward's scale folded in); the fused kernels take and give
@@ -303,7 +304,7 @@ def part_kernels(dry):
         z = rand(N, V, scale=2.0)
         t = xp.asarray(np.random.default_rng(0).integers(0, V, N))
         scaled = z.copy()
-        loss_fn = SoftmaxCrossEntropy()
+        loss_fn = SoftmaxCrossEntropy(ops=ref)
         loss_fn.forward(scaled, t, inplace=True)
         return dict(z=z, t=t, probs=scaled * N, cache=loss_fn._cache, loss_fn=loss_fn)
 
@@ -311,14 +312,14 @@ def part_kernels(dry):
         return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"] * N
 
     def xent_generic_bwd(d):
-        d["loss_fn"]._save(*d["cache"])
+        d["loss_fn"]._save(d["cache"])
         return (d["loss_fn"].backward(1.0),)
 
     hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
     def adamw_setup():
         reseed()
-        params = Params(shapes, xp=xp, dtype=dtype)
+        params = Params(shapes, xp=xp, dtype=dtype, ops=ref)
         params.data[...] = rand(params.size, scale=0.02)
         params.grads[...] = rand(params.size, scale=1e-3)
         opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
@@ -331,37 +332,37 @@ def part_kernels(dry):
 
     def adamw_fused(d):
         p, opt = d["params"], d["opt"]
-        optim.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        cupy_ops.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
         return p.data, opt.m, opt.v
 
     cases = [  # name, setup, fused, generic, uses an ElementwiseKernel (skipped on NumPy)
-        ("layernorm fwd", layernorm_setup, lambda d: layernorm.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
+        ("layernorm fwd", layernorm_setup, lambda d: cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
          ln_generic_fwd, False),
         ("layernorm bwd", layernorm_setup,
-         lambda d: (layernorm.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"]),
-                    d["dw"], d["db"]), ln_generic_bwd, False),
+         lambda d: (cupy_ops.layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                    d["dw"], d["db"]), d["dw"], d["db"]), ln_generic_bwd, False),
         ("layernorm fwd + residual", layernorm_setup,
-         lambda d: (layernorm.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+         lambda d: (cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
          ln_generic_res, False),
         ("layernorm bwd + residual", layernorm_setup,
-         lambda d: (layernorm.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"],
-                                             add_to=d["r"]), d["dw"], d["db"]),
+         lambda d: (cupy_ops.layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                    d["dw"], d["db"], add_to=d["r"]), d["dw"], d["db"]),
          lambda d: ln_generic_bwd(d, add_to=d["r"]), False),
-        ("bias + gelu fwd", gelu_setup, lambda d: (kernels.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd,
+        ("bias + gelu fwd", gelu_setup, lambda d: (cupy_ops.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd,
          True),
-        ("bias + gelu bwd", gelu_setup, lambda d: (kernels.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+        ("bias + gelu bwd", gelu_setup, lambda d: (cupy_ops.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
                                                    d["db"]), gelu_generic_bwd, True),
         ("causal softmax fwd", softmax_setup,
-         lambda d: (attention.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         lambda d: (cupy_ops.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
          softmax_generic_fwd, False),
         ("causal softmax bwd", softmax_setup,
-         lambda d: (attention.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), softmax_generic_bwd, False),
+         lambda d: (cupy_ops.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), softmax_generic_bwd, False),
         ("causal softmax recompute", softmax_setup,
-         lambda d: (attention.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
-         lambda d: (attention.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
-        ("cross-entropy fwd", xent_setup, lambda d: (loss.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+         lambda d: (cupy_ops.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
+        ("cross-entropy fwd", xent_setup, lambda d: (cupy_ops.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
          xent_generic_fwd, False),
-        ("cross-entropy bwd", xent_setup, lambda d: (loss.softmax_xent_backward_gpu(d["probs"], d["t"]),),
+        ("cross-entropy bwd", xent_setup, lambda d: (cupy_ops.softmax_xent_backward_gpu(d["probs"], d["t"]),),
          xent_generic_bwd, True),
         ("adamw step", adamw_setup, adamw_fused, adamw_generic, True),
     ]
