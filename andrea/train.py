@@ -350,8 +350,8 @@ def prepare_data(cfg, build=True, tokenizer=None):
         raise UserError(f"the tokenizer in {data_dir} has {tokenizer.vocab_size} ids but model.vocab_size is "
                         f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size} or prepare again")
     fp = tokenizer.fingerprint()
-    train_tokens = data.read_tokens(data_dir / "train.bin", cfg.model.vocab_size, fp)
-    val_tokens = data.read_tokens(data_dir / "val.bin", cfg.model.vocab_size, fp)
+    train_tokens = data.open_split(data_dir, "train", cfg.model.vocab_size, fp)
+    val_tokens = data.open_split(data_dir, "val", cfg.model.vocab_size, fp)
     return tokenizer, train_tokens, val_tokens
 
 

@@ -303,12 +303,18 @@ def split_documents(tok, tokens):
     return docs
 
 
+def split_ids(data_dir, split):
+    """Every id of a split of a prepared directory, its shards joined."""
+    tok = Tokenizer.load(data_dir / "tokenizer.json")
+    shards = data.open_split(data_dir, split, tok.vocab_size, tok.fingerprint()).shards
+    return np.concatenate([np.asarray(a) for a in shards]) if shards else np.zeros(0, np.uint16)
+
+
 def test_prepare_end_to_end(corpus, tmp_path):
     out = tmp_path / "data"
     stats = prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)
     tok = Tokenizer.load(out / "tokenizer.json")
-    train = read_tokens(out / "train.bin", tok.vocab_size, tok.fingerprint())
-    val = read_tokens(out / "val.bin", tok.vocab_size, tok.fingerprint())
+    train, val = split_ids(out, "train"), split_ids(out, "val")
     val_names = set(stats["val_file_names"])
     assert stats["val_files"] == len(val_names) == 1 and "e.txt" not in val_names
     expected_train = [t for rel, t in sorted(DOCS.items()) if t and rel not in val_names]
@@ -321,7 +327,7 @@ def test_prepare_end_to_end(corpus, tmp_path):
     assert stats["vocab_size"] == tok.vocab_size < 8449 and stats["tokenizer"] == "trained"
     assert stats["unigram_val_nats"] > 0 and stats["bytes_per_token"] > 1
     assert json.loads((out / "meta.json").read_text())["train_tokens"] == len(train)
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train-00000.bin", "val-00000.bin"]
 
 
 def test_prepare_fast_path_force_and_other_corpus(corpus, tmp_path):
@@ -332,11 +338,12 @@ def test_prepare_fast_path_force_and_other_corpus(corpus, tmp_path):
     forced = prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True, force=True)
     assert not forced["skipped"] and forced["tokenizer"] == "loaded"
     assert forced["tokenizer_fingerprint"] == first["tokenizer_fingerprint"]
-    (out / "val.bin").unlink()  # a damaged directory is rebuilt without --force
+    (out / "val-00000.bin").unlink()  # a damaged directory is rebuilt without --force
     assert not prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)["skipped"]
-    (corpus / "new.txt").write_text("a new document\n")
+    (corpus / "new.txt").write_text("a new document\n")  # a changed corpus changes nothing until --force
+    assert prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)["skipped"]
     with pytest.raises(UserError, match="another corpus"):
-        prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)
+        prepare([str(corpus / "a.txt")], out, progress=False, allow_smaller_vocab=True)
     assert prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True, force=True)["files"] == 6
 
 
@@ -345,7 +352,7 @@ def test_prepare_single_file_splits_its_tokens(tmp_path):
     (tmp_path / "one.txt").write_text(text)
     stats = prepare([str(tmp_path / "one.txt")], tmp_path / "data", progress=False, allow_smaller_vocab=True)
     tok = Tokenizer.load(tmp_path / "data" / "tokenizer.json")
-    train, val = (read_tokens(tmp_path / "data" / n) for n in ("train.bin", "val.bin"))
+    train, val = split_ids(tmp_path / "data", "train"), split_ids(tmp_path / "data", "val")
     assert stats["val_tokens"] >= 2 and stats["train_tokens"] > 50 * stats["val_tokens"]
     assert "".join(split_documents(tok, train) + split_documents(tok, val)) == text
 
