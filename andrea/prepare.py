@@ -177,7 +177,7 @@ def prepare(
         fresh_tokenizer = True
     elif meta is not None:
         _check_same_request(data_dir, meta, wanted, given, force)
-        if not force and _intact(data_dir, meta):
+        if not force and _same_settings(meta, wanted) and _intact(data_dir, meta):
             return {**meta, "skipped": True}
 
     corpus = load_corpus(inputs)
@@ -284,16 +284,22 @@ def _is_damaged_ours(path: Path) -> bool:
 
 
 def _check_same_request(data_dir: Path, meta: dict, wanted: dict, given, force: bool) -> None:
-    """A complete data directory serves only the corpus and settings it was prepared with (`force`:
-    another corpus is re-encoded there with the directory's tokenizer, checked later)."""
+    """A complete data directory serves only the corpus it was prepared from (`force`: another corpus
+    is re-encoded there with the directory's tokenizer, whose fit is checked later)."""
     if given is not None and meta.get("tokenizer_fingerprint") != given.fingerprint():
         raise UserError(f"{data_dir} already holds data encoded with another tokenizer than the one given: choose "
                         "another data directory (--data-dir, or --set data.data_dir=... for train)")
-    different = [k for k, v in wanted.items() if meta.get(k) != v and not (force and k != "requested_vocab_size")]
-    if different:
-        what = ", ".join(f"{k} {meta.get(k)!r} (asked: {wanted[k]!r})" for k in different)
-        raise UserError(f"{data_dir} holds data prepared from another corpus or settings ({what}): choose another "
-                        "--data-dir (or --set data.data_dir=... for train), or --force to re-encode there")
+    if meta.get("inputs") != wanted["inputs"] and not force:
+        raise UserError(f"{data_dir} holds data prepared from another corpus ({meta.get('corpus')}): choose another "
+                        "--data-dir (or --set data.data_dir=... for train), or pass --force to re-encode this "
+                        "corpus there with its existing tokenizer.json")
+
+
+def _same_settings(meta: dict, wanted: dict) -> bool:
+    """The vocabulary asked for (or the one the directory has) and the validation fraction match."""
+    vocab = wanted["requested_vocab_size"]
+    return vocab in (meta.get("requested_vocab_size"), meta.get("vocab_size")) and (
+        meta.get("val_fraction") == wanted["val_fraction"])
 
 
 def _intact(data_dir: Path, meta: dict) -> bool:

@@ -467,7 +467,9 @@ def run_training(args, world):
                 runlog.claim_run_dir(out_dir, args.resume, args.overwrite)
             runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
     with world.together():  # data preparation once, on rank 0, while the others wait here
-        prepared = prepare_data(cfg, tokenizer=args.init_from) if world.is_main else None
+        # a resumed run encodes with its own tokenizer, should its data directory have to be prepared again
+        own = out_dir / "tokenizer.json" if args.resume and (out_dir / "tokenizer.json").is_file() else None
+        prepared = prepare_data(cfg, tokenizer=args.init_from or own) if world.is_main else None
     with world.together():
         tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
         preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
