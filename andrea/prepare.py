@@ -544,6 +544,9 @@ class _Encoder:
         start = st["next_block"]
         todo = range(start, len(self.blocks))
         total = sum(b.nominal_end - b.nominal_start for b in self.blocks)
+        self.log.line(f"encoding {len(self.blocks) - start} blocks "
+                      f"({sum(b.nominal_end - b.nominal_start for b in self.blocks[start:]) / 1e6:.1f} MB) "
+                      f"on {workers} threads...")
         bar = self.log.progress("encoding", len(self.blocks), total, unit="blocks")
         bar.files = start
         bar.bytes = sum(b.nominal_end - b.nominal_start for b in self.blocks[:start])
