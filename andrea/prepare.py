@@ -67,6 +67,7 @@ from andrea.data import (
 from andrea.errors import UserError
 from andrea.hf import load_tokenizer
 from andrea.preflight import check_directory
+from andrea.runlog import remove_stale_temporaries
 from andrea.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
 
 META_VERSION = SHARDED_META_VERSION
@@ -191,6 +192,7 @@ def prepare(
 
     # every check is done: from here on only files of this data directory are replaced or removed
     data_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(data_dir)  # a killed run's unfinished shard
     resumable = state is not None and existing is not None and state.get("settings") == {
         **settings, "tokenizer_fingerprint": existing.fingerprint()}
     _remove_ours(data_dir, meta, None if resumable else state, fresh_tokenizer)

@@ -295,3 +295,41 @@ def test_a_corpus_of_binary_files_is_refused(tmp_path):
     with pytest.raises(UserError, match="does not look like text"):
         prepare.prepare([str(tmp_path / "c")], tmp_path / "d", progress=False, allow_smaller_vocab=True)
     assert not (tmp_path / "d" / "tokenizer.json").exists()
+
+
+# ----------------------------------------------------------------------------- issue 20 class 5: resume
+
+
+def test_a_resume_whose_data_directory_is_gone_uses_the_runs_own_tokenizer(tmp_path, monkeypatch):
+    import yaml
+
+    from andrea import train
+    from andrea.cli import run_cli
+
+    corpus = make_corpus(tmp_path / "c", 8, 40_000)
+    cfg = {
+        "model": {"vocab_size": 8449, "context_length": 16, "d_model": 16, "n_layer": 1, "n_head": 2},
+        "train": {"batch_size": 2, "max_steps": 2, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "log_interval": 1,
+                  "eval_interval": 2, "eval_batches": 1, "checkpoint_interval": 2, "sample_tokens": 0,
+                  "device": "cpu"},
+        "data": {"inputs": [str(corpus)], "data_dir": str(tmp_path / "data"), "allow_smaller_vocab": True},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+
+    def run(argv):
+        with pytest.raises(SystemExit) as info:
+            run_cli(train.main, argv)
+        return info.value.code
+
+    assert run(["--config", str(tmp_path / "run.yaml"), "--out", str(out)]) == 0
+    shutil.rmtree(tmp_path / "data")
+    (corpus / "new.txt").write_text(lines(np.random.default_rng(9), 30_000))  # a new tokenizer would differ
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a resumed run trained a new tokenizer")
+
+    monkeypatch.setattr(Tokenizer, "train", no_training)
+    assert run(["--out", str(out), "--resume", "--max-steps", "3"]) == 0
+    assert Tokenizer.load(tmp_path / "data" / "tokenizer.json").fingerprint() == \
+        Tokenizer.load(out / "tokenizer.json").fingerprint()
