@@ -181,10 +181,9 @@ def prepare(
         if not force and _same_settings(meta, wanted) and _intact(data_dir, meta):
             return {**meta, "skipped": True}
 
-    log.line(f"listing the corpus ({' '.join(inputs) if inputs else 'the standard library'})...")
     corpus = load_corpus(inputs)
     sizes = [p.stat().st_size for p in corpus.files]
-    log.line(f"{len(corpus.files)} files, {sum(sizes) / 1e6:.1f} MB")
+    log.line(f"corpus: {len(corpus.files)} files, {sum(sizes) / 1e6:.1f} MB")
     if not any(sizes):
         raise UserError(f"the corpus is empty: {len(corpus.files)} files, all of them empty")
     existing = None if fresh_tokenizer else _existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
