@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from andrea import data, prepare, stream
+from andrea import data, prepare, shards, stream
 from andrea.errors import UserError
 from andrea.tokenizer import Tokenizer
 
@@ -126,7 +126,7 @@ def test_an_interrupted_prepare_resumes_from_its_last_finished_shard(tmp_path, t
     whole = prepare.prepare([str(corpus)], tmp_path / "whole", progress=False, tokenizer=tok_path, workers=2,
                             shard_tokens=20_000)
     out = tmp_path / "out"
-    take, calls = prepare._Encoder._take, []
+    take, calls = shards.Encoder._take, []
 
     def interrupted(self, piece):
         calls.append(piece.block)
@@ -134,19 +134,19 @@ def test_an_interrupted_prepare_resumes_from_its_last_finished_shard(tmp_path, t
             raise KeyboardInterrupt
         take(self, piece)
 
-    monkeypatch.setattr(prepare._Encoder, "_take", interrupted)
+    monkeypatch.setattr(shards.Encoder, "_take", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, workers=2, shard_tokens=20_000)
-    monkeypatch.setattr(prepare._Encoder, "_take", take)
-    state = json.loads((out / prepare.STATE_FILE).read_text())
+    monkeypatch.setattr(shards.Encoder, "_take", take)
+    state = json.loads((out / shards.STATE_FILE).read_text())
     assert not (out / "meta.json").exists() and 0 < state["next_block"] < 15
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]  # the unfinished shard is gone
 
-    work, encoded = prepare._Encoder._work, []
-    monkeypatch.setattr(prepare._Encoder, "_work", lambda self, j: encoded.append(j) or work(self, j))
+    work, encoded = shards.Encoder._work, []
+    monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: encoded.append(j) or work(self, j))
     resumed = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, workers=2, shard_tokens=20_000)
     assert min(encoded) == state["next_block"]  # the finished shards were not encoded again
-    assert resumed["shards"] == whole["shards"] and not (out / prepare.STATE_FILE).exists()
+    assert resumed["shards"] == whole["shards"] and not (out / shards.STATE_FILE).exists()
     for split in ("train", "val"):
         assert np.array_equal(all_ids(out, split), all_ids(tmp_path / "whole", split))
     assert {k: resumed[k] for k in ("train_tokens", "val_tokens", "unigram_val_nats", "bytes", "not_utf8_files")} \
@@ -155,8 +155,8 @@ def test_an_interrupted_prepare_resumes_from_its_last_finished_shard(tmp_path, t
 
 def test_ctrl_c_while_encoding_stops_within_a_second(tmp_path, tok_path, monkeypatch):
     corpus = make_corpus(tmp_path / "c", 40, 5_000)
-    work = prepare._Encoder._work
-    monkeypatch.setattr(prepare._Encoder, "_work", lambda self, j: time.sleep(0.3) or work(self, j))
+    work = shards.Encoder._work
+    monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: time.sleep(0.3) or work(self, j))
     threading.Timer(0.5, _thread.interrupt_main).start()
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
@@ -168,8 +168,8 @@ def test_ctrl_c_while_encoding_stops_within_a_second(tmp_path, tok_path, monkeyp
 def test_progress_comes_every_few_seconds_in_a_log(tmp_path, tok_path, monkeypatch, capsys):
     corpus = make_corpus(tmp_path / "c", 12, 5_000)
     monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.05)
-    work = prepare._Encoder._work
-    monkeypatch.setattr(prepare._Encoder, "_work", lambda self, j: time.sleep(0.03) or work(self, j))
+    work = shards.Encoder._work
+    monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: time.sleep(0.03) or work(self, j))
     prepare.prepare([str(corpus)], tmp_path / "d", progress=True, tokenizer=tok_path, workers=1)
     assert capsys.readouterr().err.count("encoding ") >= 3
 
