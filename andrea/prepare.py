@@ -156,6 +156,8 @@ def prepare(
         val_fraction = VAL_FRACTION if inputs else STDLIB_VAL_FRACTION
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
     if tokenizer_sample < 1:
         raise UserError(f"--tokenizer-sample must be a positive number of bytes, got {tokenizer_sample}")
     given = load_tokenizer(tokenizer) if tokenizer is not None else None

@@ -333,3 +333,15 @@ def test_a_resume_whose_data_directory_is_gone_uses_the_runs_own_tokenizer(tmp_p
     assert run(["--out", str(out), "--resume", "--max-steps", "3"]) == 0
     assert Tokenizer.load(tmp_path / "data" / "tokenizer.json").fingerprint() == \
         Tokenizer.load(out / "tokenizer.json").fingerprint()
+
+
+def test_sizes_and_workers_on_the_command_line(tmp_path, capsys):
+    from andrea.cli import run_cli
+
+    assert [prepare.byte_count(t) for t in ("100MB", "1.5GB", "5000", "64kB", "2 gb")] == \
+        [100_000_000, 1_500_000_000, 5000, 64_000, 2_000_000_000]
+    for bad in (["--workers", "0"], ["--tokenizer-sample", "lots"], ["--tokenizer-sample", "0"]):
+        with pytest.raises(SystemExit) as info:
+            run_cli(prepare.main, ["--input", str(tmp_path), "--data-dir", str(tmp_path / "d"), *bad])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
