@@ -285,9 +285,11 @@ def _check_same_request(data_dir: Path, meta: dict, wanted: dict, given, force: 
     """A complete data directory serves only the corpus it was prepared from (`force`: another corpus
     is re-encoded there with the directory's tokenizer, whose fit is checked later)."""
     if given is not None and meta.get("tokenizer_fingerprint") != given.fingerprint():
-        raise UserError(f"{data_dir} already holds data encoded with another tokenizer than the one given: choose "
-                        "another data directory (--data-dir, or --set data.data_dir=... for train)")
+        raise UserError(f"{data_dir} already holds another tokenizer than the one given (its data is encoded with "
+                        "it): choose another data directory (--data-dir, or --set data.data_dir=... for train)")
     if meta.get("inputs") != wanted["inputs"] and not force:
+        if wanted["inputs"]:
+            resolve_inputs(wanted["inputs"])  # an input that matches nothing is the first thing to say
         raise UserError(f"{data_dir} holds data prepared from another corpus ({meta.get('corpus')}): choose another "
                         "--data-dir (or --set data.data_dir=... for train), or pass --force to re-encode this "
                         "corpus there with its existing tokenizer.json")
