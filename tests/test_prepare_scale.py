@@ -345,3 +345,27 @@ def test_sizes_and_workers_on_the_command_line(tmp_path, capsys):
             run_cli(prepare.main, ["--input", str(tmp_path), "--data-dir", str(tmp_path / "d"), *bad])
         err = capsys.readouterr().err
         assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_a_single_file_data_directory_from_before_the_shards_keeps_loading(tmp_path, tok_path):
+    """meta_version 1 (train.bin, val.bin, meta.json as main wrote them): skipped by prepare without
+    its corpus, opened as one shard per split, and re-encoded into shards only with --force."""
+    corpus = make_corpus(tmp_path / "c", 3, 20_000)
+    tok = Tokenizer.load(tok_path)
+    out = tmp_path / "old"
+    out.mkdir()
+    tok.save(out / "tokenizer.json")
+    train_ids, val_ids = np.arange(500) % tok.eot_id, np.arange(60) % tok.eot_id
+    data.write_tokens(out / "train.bin", train_ids, tok.vocab_size, tok.fingerprint())
+    data.write_tokens(out / "val.bin", val_ids, tok.vocab_size, tok.fingerprint())
+    meta = {"meta_version": 1, "inputs": [str(corpus)], "requested_vocab_size": tok.vocab_size, "val_fraction": 0.01,
+            "signature": "of a corpus since changed", "train_tokens": 500, "val_tokens": 60,
+            "vocab_size": tok.vocab_size, "tokenizer_fingerprint": tok.fingerprint()}
+    (out / "meta.json").write_text(json.dumps(meta))
+    shutil.move(corpus, tmp_path / "moved")
+    assert prepare.prepare([str(corpus)], out, vocab_size=tok.vocab_size, progress=False)["skipped"]
+    train = data.open_split(out, "train", tok.vocab_size, tok.fingerprint())
+    assert len(train) == 500 and train.windows([10], 5).tolist() == [list(range(10, 15))]
+    shutil.move(tmp_path / "moved", corpus)
+    forced = prepare.prepare([str(corpus)], out, vocab_size=tok.vocab_size, progress=False, force=True)
+    assert forced["tokenizer"] == "loaded" and not (out / "train.bin").exists() and (out / "train-00000.bin").exists()
