@@ -36,7 +36,7 @@ import json
 import os
 import struct
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -116,43 +116,44 @@ def stdlib_corpus_files() -> list[Path]:
     return sorted(p for p in files if p.is_file())
 
 
-def resolve_inputs(specs: Iterable[str]) -> list[Path]:
+def resolve_inputs(specs: Iterable[str], progress: Callable[[int], None] | None = None) -> list[Path]:
     """Expand files, directories and glob patterns into a sorted, deduplicated list of files.
 
     A named file is taken as is. A directory is searched recursively for every file except
     hidden ones, those under `SKIPPED_DIRS` (`__pycache__`, ...) and known binary formats
     (`BINARY_SUFFIXES`). A pattern with `*`, `?` or `[` is a glob (`**` recurses): the files it
     matches are filtered the same way, the directories searched. A spec that yields no file is a
-    UserError.
+    UserError. `progress`, if given, is called with the number of files found so far after each
+    directory searched (listing a large corpus takes a while).
     """
     found: set[Path] = set()
     for spec in specs:
-        matches = _expand_spec(spec)
+        matches = _expand_spec(spec, progress or (lambda n: None), len(found))
         if not matches:
             raise UserError(f"input {spec!r} matches no file")
         found.update(Path(os.path.abspath(p)) for p in matches)
     return sorted(found)
 
 
-def _expand_spec(spec: str) -> list[Path]:
+def _expand_spec(spec: str, progress: Callable[[int], None], before: int) -> list[Path]:
     path = Path(os.path.expanduser(spec))
     if path.is_file():
         return [path]
     if path.is_dir():
-        return _text_files_under(path)
+        return _text_files_under(path, progress, before)
     if not any(ch in spec for ch in "*?["):
         return []
     files = []
     for match in sorted(glob.glob(os.path.expanduser(spec), recursive=True)):
         m = Path(match)
         if m.is_dir():
-            files.extend(_text_files_under(m))
+            files.extend(_text_files_under(m, progress, before + len(files)))
         elif m.is_file() and _looks_like_text(m):
             files.append(m)
     return files
 
 
-def _text_files_under(directory: Path) -> list[Path]:
+def _text_files_under(directory: Path, progress: Callable[[int], None], before: int = 0) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(directory):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS]
@@ -160,6 +161,7 @@ def _text_files_under(directory: Path) -> list[Path]:
             p = Path(dirpath, name)
             if not name.startswith(".") and _looks_like_text(p) and p.is_file():
                 files.append(p)
+        progress(before + len(files))
     return files
 
 

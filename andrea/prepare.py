@@ -43,6 +43,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +94,7 @@ class Corpus:
     rule: int | None = None  # STDLIB_RULE for the default corpus
 
 
-def load_corpus(inputs: list[str] | None) -> Corpus:
+def load_corpus(inputs: list[str] | None, progress: Callable[[int], None] | None = None) -> Corpus:
     if not inputs:
         root = stdlib_root()
         files = stdlib_corpus_files()
@@ -101,7 +102,7 @@ def load_corpus(inputs: list[str] | None) -> Corpus:
         return Corpus([p for p in files if p not in generated], root,
                       f"Python {platform.python_version()} standard library ({root}), generated tables left out",
                       tuple(sorted(generated)), STDLIB_RULE)
-    files = resolve_inputs(inputs)
+    files = resolve_inputs(inputs, progress)
     root = Path(os.path.commonpath([p.parent for p in files]))
     return Corpus(files, root, f"{len(files)} files from {' '.join(inputs)}")
 
@@ -176,7 +177,7 @@ def prepare(
         if not force and _same_settings(meta, wanted) and _intact(data_dir, meta):
             return {**meta, "skipped": True}
 
-    corpus = load_corpus(inputs)
+    corpus = load_corpus(inputs, log.every(PROGRESS_SECONDS, lambda n: f"listing the corpus: {n} files so far"))
     sizes = [p.stat().st_size for p in corpus.files]
     log.line(f"corpus: {len(corpus.files)} files, {sum(sizes) / 1e6:.1f} MB")
     if not any(sizes):
@@ -469,6 +470,18 @@ class _Log:
     def line(self, text: str) -> None:
         if self.enabled:
             print(text, file=self.stream, flush=True)
+
+    def every(self, seconds: float, text: Callable[[int], str]) -> Callable[[int], None]:
+        """A callback that logs `text(n)` when called, at most once per `seconds` (none in the first)."""
+        last = [time.perf_counter()]
+
+        def report(n: int) -> None:
+            now = time.perf_counter()
+            if now - last[0] >= seconds:
+                last[0] = now
+                self.line(text(n))
+
+        return report
 
     def progress(self, label: str, total_items: int, total_bytes: int, unit: str = "files") -> _Progress:
         return _Progress(self, label, total_items, total_bytes, unit)

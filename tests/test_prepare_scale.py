@@ -172,6 +172,9 @@ def test_progress_comes_every_few_seconds_in_a_log(tmp_path, tok_path, monkeypat
     monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: time.sleep(0.03) or work(self, j))
     prepare.prepare([str(corpus)], tmp_path / "d", progress=True, tokenizer=tok_path, workers=1)
     assert capsys.readouterr().err.count("encoding ") >= 3
+    monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.0)  # listing says how far it got, too
+    prepare.prepare([str(corpus)], tmp_path / "d2", progress=True, tokenizer=tok_path, workers=1)
+    assert "listing the corpus: 12 files so far" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- a data directory stands alone
