@@ -11,7 +11,7 @@ split, no prefix space). Its trainer numbers the 256 byte symbols in Unicode ord
 translated into the layout above. Encoding runs in `tiktoken`, given the same regex and each token's
 byte string ranked by its id: BPE that applies the earliest-made merge first is BPE that forms the
 lowest-id token first, so both give the same ids (tests/test_tokenizer.py checks it on the stdlib
-and on drawn text), and tiktoken does it 3-7x faster per core and releases the GIL, so threads
+and on drawn text), and tiktoken does it 2.6-7x faster (BENCHMARKS.md) and releases the GIL, so threads
 encode in parallel. The `tokenizers` encoder stays as `encode_reference`, the definition the fast
 one is tested against. EOT is never registered with either encoder: a literal "<|endoftext|>" in a
 document is ordinary text.
