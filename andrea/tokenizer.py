@@ -9,10 +9,11 @@ V is 8449 (8192 merges) unless a corpus too small to reach it is trained with `a
 Training runs in Hugging Face `tokenizers` (GPT-2's ByteLevel pre-tokenizer: the GPT-2 regex
 split, no prefix space). Its trainer numbers the 256 byte symbols in Unicode order, so its output is
 translated into the layout above. Encoding runs in `tiktoken`, given the same regex and each token's
-byte string ranked by its id: BPE that applies the earliest-made merge first is BPE that forms the
-lowest-id token first, so both give the same ids (tests/test_tokenizer.py checks it on the stdlib
-and on drawn text), and tiktoken does it 2.6-7x faster (BENCHMARKS.md) and releases the GIL, so threads
-encode in parallel. The `tokenizers` encoder stays as `encode_reference`, the definition the fast
+byte string ranked by its id. Ids follow merge order, so "apply the earliest-learned merge first"
+(`tokenizers`) and "form the lowest-id token first" (tiktoken) pick the same merge at each step
+for merges learned this way; tests/test_tokenizer.py checks the ids are equal on the stdlib and on
+drawn text. tiktoken is 2.6-7x faster (BENCHMARKS.md) and releases the GIL, so threads encode in
+parallel. The `tokenizers` encoder stays as `encode_reference`, the definition the fast
 one is tested against. EOT is never registered with either encoder: a literal "<|endoftext|>" in a
 document is ordinary text.
 Decoding is our own table lookup (id -> bytes, then UTF-8 with U+FFFD for invalid sequences),
