@@ -13,6 +13,11 @@
       88      40    zero
 
   so a file made by another tokenizer, a cut-off copy or a stray file is refused before training.
+- A data directory (written by `andrea.prepare`) holds `tokenizer.json`, the token files of each
+  split in shards (`train-00000.bin`, ..., `val-00000.bin`, ...; ~100M tokens each) and `meta.json`,
+  written last: the manifest naming every shard with its token count and largest id (checked when
+  written, so opening a directory reads headers, never the ids). `open_split` reads a split as one
+  `TokenShards` sequence; a directory from before the shards (`train.bin`, `val.bin`) still opens.
 - `BatchLoader` draws (B, T) windows at random offsets from a seeded PCG64, splits each optimizer
   step's windows across data-parallel ranks in a fixed order, and can be resumed exactly on any
   number of processes; `iter_eval_batches` gives fixed windows for a comparable validation loss
@@ -27,10 +32,11 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import json
 import os
 import struct
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -110,43 +116,44 @@ def stdlib_corpus_files() -> list[Path]:
     return sorted(p for p in files if p.is_file())
 
 
-def resolve_inputs(specs: Iterable[str]) -> list[Path]:
+def resolve_inputs(specs: Iterable[str], progress: Callable[[int], None] | None = None) -> list[Path]:
     """Expand files, directories and glob patterns into a sorted, deduplicated list of files.
 
     A named file is taken as is. A directory is searched recursively for every file except
     hidden ones, those under `SKIPPED_DIRS` (`__pycache__`, ...) and known binary formats
     (`BINARY_SUFFIXES`). A pattern with `*`, `?` or `[` is a glob (`**` recurses): the files it
     matches are filtered the same way, the directories searched. A spec that yields no file is a
-    UserError.
+    UserError. `progress`, if given, is called with the number of files found so far after each
+    directory searched (listing a large corpus takes a while).
     """
     found: set[Path] = set()
     for spec in specs:
-        matches = _expand_spec(spec)
+        matches = _expand_spec(spec, progress or (lambda n: None), len(found))
         if not matches:
             raise UserError(f"input {spec!r} matches no file")
         found.update(Path(os.path.abspath(p)) for p in matches)
     return sorted(found)
 
 
-def _expand_spec(spec: str) -> list[Path]:
+def _expand_spec(spec: str, progress: Callable[[int], None], before: int) -> list[Path]:
     path = Path(os.path.expanduser(spec))
     if path.is_file():
         return [path]
     if path.is_dir():
-        return _text_files_under(path)
+        return _text_files_under(path, progress, before)
     if not any(ch in spec for ch in "*?["):
         return []
     files = []
     for match in sorted(glob.glob(os.path.expanduser(spec), recursive=True)):
         m = Path(match)
         if m.is_dir():
-            files.extend(_text_files_under(m))
+            files.extend(_text_files_under(m, progress, before + len(files)))
         elif m.is_file() and _looks_like_text(m):
             files.append(m)
     return files
 
 
-def _text_files_under(directory: Path) -> list[Path]:
+def _text_files_under(directory: Path, progress: Callable[[int], None], before: int = 0) -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(directory):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS]
@@ -154,6 +161,7 @@ def _text_files_under(directory: Path) -> list[Path]:
             p = Path(dirpath, name)
             if not name.startswith(".") and _looks_like_text(p) and p.is_file():
                 files.append(p)
+        progress(before + len(files))
     return files
 
 
@@ -307,6 +315,18 @@ def read_tokens(path, vocab_size: int | None = None, fingerprint: str | None = N
     """
     path = Path(path)
     header = read_token_header(path)
+    tokens = _open_ids(path, header, vocab_size, fingerprint)
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= header.vocab_size:
+        raise UserError(
+            f"{path} holds token id {top} but was made with only {header.vocab_size} ids: the file is "
+            "corrupt; re-run python -m andrea.prepare --force"
+        )
+    return tokens
+
+
+def _open_ids(path: Path, header: TokenFileHeader, vocab_size: int | None, fingerprint: str | None) -> np.ndarray:
+    """The ids of a token file whose header was read, as a read-only memmap (no scan of the ids)."""
     if vocab_size is not None and header.vocab_size != vocab_size:
         raise UserError(
             f"{path} was made with a tokenizer of {header.vocab_size} ids, this model has {vocab_size}: "
@@ -321,14 +341,7 @@ def read_tokens(path, vocab_size: int | None = None, fingerprint: str | None = N
         empty = np.zeros(0, dtype=TOKEN_DTYPE)
         empty.flags.writeable = False
         return empty
-    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_SIZE, shape=(header.count,))
-    top = int(tokens.max())
-    if top >= header.vocab_size:
-        raise UserError(
-            f"{path} holds token id {top} but was made with only {header.vocab_size} ids: the file is "
-            "corrupt; re-run python -m andrea.prepare --force"
-        )
-    return tokens
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_SIZE, shape=(header.count,))
 
 
 def unigram_entropy(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
@@ -340,6 +353,109 @@ def unigram_entropy(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
     V = len(train_counts)
     log_p = np.log((np.asarray(train_counts, dtype=np.float64) + 1.0) / (np.sum(train_counts) + V))  # (V,)
     return float(-(np.asarray(val_counts, dtype=np.float64) @ log_p) / max(np.sum(val_counts), 1))
+
+
+# ----------------------------------------------------------------------------- a split in shards
+
+DATA_FORMAT = "andrea-data"  # meta.json's "format": what marks a directory as an andrea data directory
+SHARDED_META_VERSION = 2  # meta.json with a shard list; version 1 had one train.bin and one val.bin
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.bin"
+
+
+class TokenShards:
+    """The token stream of one split, stored as consecutive shards, read as one sequence.
+
+    `len()` is the total count and `windows(starts, length)` gathers rows tokens[s : s + length]
+    by offset in the whole stream, crossing from one shard into the next where a window does (the
+    shards are consecutive pieces of one stream, cut after an EOT). Offsets are int64, so a split
+    past 2^32 tokens works. With `vocab_size`, each gathered window is checked to be in range: the
+    ids were checked when written, and one `max` per batch catches a file changed since.
+    """
+
+    def __init__(self, shards: list[np.ndarray], vocab_size: int | None = None, names: list[str] | None = None):
+        self.shards = list(shards)
+        self.names = names or [f"shard {i}" for i in range(len(shards))]
+        self.vocab_size = vocab_size
+        self.ends = np.cumsum([len(a) for a in self.shards], dtype=np.int64)  # (n_shards,)
+        self.begins = self.ends - np.array([len(a) for a in self.shards], dtype=np.int64)
+
+    @classmethod
+    def of(cls, tokens) -> TokenShards:
+        """`tokens` itself if it is a TokenShards, else one shard holding the 1-D array `tokens`."""
+        return tokens if isinstance(tokens, TokenShards) else cls([np.asarray(tokens)])
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def windows(self, starts, length: int) -> np.ndarray:
+        """Rows tokens[s : s + length] for each s in `starts`: int64 of shape (len(starts), length)."""
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in enumerate(starts.tolist()):
+            i = int(np.searchsorted(self.ends, start, side="right"))  # the shard holding `start`
+            filled = 0
+            while filled < length:
+                local = start + filled - int(self.begins[i])
+                piece = self.shards[i][local : local + length - filled]
+                out[row, filled : filled + len(piece)] = piece
+                filled += len(piece)
+                i += 1
+        if self.vocab_size is not None and out.size and (out.max() >= self.vocab_size or out.min() < 0):
+            raise UserError(f"a token file of this data holds an id outside 0..{self.vocab_size - 1} (one of "
+                            f"{', '.join(self.names[:3])}...): it changed since it was written; prepare it again")
+        return out
+
+
+def read_data_meta(data_dir) -> dict | None:
+    """The data directory's meta.json when it is complete (a version this andrea reads), else None."""
+    try:
+        meta = json.loads((Path(data_dir) / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("meta_version") not in (1, SHARDED_META_VERSION):
+        return None
+    return meta
+
+
+def split_counts(data_dir) -> tuple[int, int] | None:
+    """(train tokens, val tokens) of a complete data directory, from its meta.json; None if incomplete."""
+    meta = read_data_meta(data_dir)
+    if meta is None:
+        return None
+    try:
+        return int(meta["train_tokens"]), int(meta["val_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def open_split(data_dir, split: str, vocab_size: int, fingerprint: str) -> TokenShards:
+    """The `split` ("train" or "val") of a prepared data directory, checked against the tokenizer.
+
+    Each shard's header must match its manifest entry (count, vocab size, fingerprint) and the
+    manifest's largest id must fit `vocab_size`: a check of headers, not of the ids themselves.
+    A version-1 directory (one `train.bin` / `val.bin`) is read as one shard, checked as before.
+    """
+    data_dir = Path(data_dir)
+    meta = read_data_meta(data_dir)
+    if meta is None:
+        raise UserError(f"{data_dir} holds no complete prepared data (meta.json): run python -m andrea.prepare")
+    if meta["meta_version"] == 1:
+        return TokenShards([read_tokens(data_dir / f"{split}.bin", vocab_size, fingerprint)], vocab_size)
+    arrays, names = [], []
+    for entry in meta["shards"][split]:
+        path = data_dir / entry["file"]
+        header = read_token_header(path)
+        if header.count != entry["tokens"]:
+            raise UserError(f"{path} holds {header.count} tokens but meta.json says {entry['tokens']}: the data "
+                            "directory was changed since it was prepared; prepare it again (--force)")
+        if entry["max_id"] >= vocab_size:
+            raise UserError(f"{path} holds token id {entry['max_id']}, past this model's {vocab_size} ids")
+        arrays.append(_open_ids(path, header, vocab_size, fingerprint))
+        names.append(entry["file"])
+    return TokenShards(arrays, vocab_size, names)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -355,8 +471,8 @@ def _check_window(n_tokens: int, batch_size: int, seq_len: int) -> None:
         )
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    chunk = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # (B, T+1)
+def _windows(tokens: TokenShards, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    chunk = tokens.windows(starts, seq_len + 1)  # (B, T+1)
     return np.ascontiguousarray(chunk[:, :-1]), np.ascontiguousarray(chunk[:, 1:])
 
 
@@ -380,7 +496,7 @@ class BatchLoader:
         _check_window(len(tokens), batch_size, seq_len)
         if not (accum >= 1 and world >= 1 and 0 <= rank < world):
             raise ValueError(f"bad data-parallel split: accum {accum}, rank {rank}, world {world}")
-        self.tokens = tokens
+        self.tokens = TokenShards.of(tokens)
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.accum, self.rank, self.world = accum, rank, world
@@ -447,6 +563,7 @@ def iter_eval_batches(
     r, r + world, ... of that same list.
     """
     _check_window(len(tokens), batch_size, seq_len)
+    tokens = TokenShards.of(tokens)
     n_windows = min(max_batches * batch_size, (len(tokens) - 1) // seq_len)
     if n_windows >= batch_size:
         n_windows -= n_windows % batch_size

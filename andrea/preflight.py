@@ -205,15 +205,10 @@ def check_split(name: str, n_tokens: int, cfg, where) -> None:
 
 
 def prepared_counts(data_dir: Path):
-    """(train tokens, val tokens) of an already prepared data directory, or None when it is not."""
-    from andrea.data import read_token_header
+    """(train tokens, val tokens) of an already prepared data directory (from its manifest), or None."""
+    from andrea.data import split_counts
 
-    if not (data_dir / "meta.json").is_file():
-        return None
-    try:
-        return tuple(read_token_header(data_dir / f).count for f in ("train.bin", "val.bin"))
-    except UserError:
-        return None  # damaged: prepare rebuilds it, check_data looks again afterwards
+    return split_counts(data_dir)
 
 
 def check_data(cfg, n_train: int, n_val: int, where) -> None:

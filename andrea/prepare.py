@@ -1,17 +1,34 @@
-"""Turn a corpus into what training reads (SPEC 3): tokenizer.json, train.bin, val.bin, meta.json.
+"""Turn a corpus into what training reads (SPEC 3): a data directory of tokenizer.json, the token
+files in shards and meta.json, its manifest.
 
     python -m andrea.prepare                                  # Python's stdlib -> data/stdlib
     python -m andrea.prepare --input 'books/**/*.txt'         # -> data/books
     python -m andrea.prepare --input a.txt notes/ --data-dir data/mine
 
 The steps: list the files (one file = one document; the default corpus leaves out machine-generated
-tables, see `is_generated_table`) -> put ~1% of them (5% of the stdlib), chosen by a hash of their
-path, in validation (a single-file corpus gives its last tokens instead) -> train the BPE
-tokenizer on the training files, or load `tokenizer.json` if the directory already has one ->
-encode every document, EOT after each -> write the token files -> write `meta.json` last, so its
-presence means the directory is complete. Running again on the same corpus with the same
-settings does nothing (`force=True` re-encodes; an existing tokenizer.json is always kept,
-since checkpoints depend on it: delete it to train a new one).
+tables, see `is_generated_table`) -> cut them into blocks and choose the validation blocks
+(andrea/stream.py: ~1% of the corpus, 5% of the stdlib, by a hash of each block's path and index;
+a single-file corpus gives its tail) -> train the BPE tokenizer on a sample of the training blocks
+(`--tokenizer-sample`, 100 MB: one trained on 100 MB came within 0.3% bytes/token of one trained on
+1 GB), or load `tokenizer.json` if the directory already has one -> encode every block on every core
+(threads; tiktoken releases the GIL), in corpus order, EOT after each document -> write the ids into
+shards of ~100M tokens (`train-00000.bin`, ..., `val-00000.bin`, ...) -> write `meta.json` last:
+the manifest (each shard's token count and largest id), so its presence means the directory is
+complete, and training needs nothing else: not the corpus, not a scan of the ids.
+
+Memory stays flat: every phase handles one block (<= ~2 MiB) per thread at a time, and the tokenizer
+sees at most the sample. After each full training shard the work done so far is recorded in
+`prepare-state.json` (andrea/shards.py), so an interrupted preparation continues from its last
+finished shard (Ctrl-C stops within a second in every phase). A complete directory is kept as it is: running
+again does nothing, whatever happened to the corpus since (`--force` re-encodes the corpus as it
+is now, with the directory's tokenizer.json, which is always kept since checkpoints depend on it).
+
+A refused run deletes nothing: every check (the directory is an andrea data directory or empty of
+its file names; the tokenizer, vocabulary and corpus fit) comes before any file is removed, and only
+files the manifest or the state file name are ever removed.
+
+Under `mpiexec`, `andrea.train` prepares on rank 0 while the other ranks wait; every rank then
+opens the same shards from the manifest.
 """
 
 from __future__ import annotations
@@ -24,32 +41,31 @@ import os
 import platform
 import re
 import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
+from andrea import stream
 from andrea.cli import ArgumentParser, run_cli
 from andrea.data import (
-    Document,
-    atomic_writer,
-    read_documents,
+    DATA_FORMAT,
+    SHARDED_META_VERSION,
+    read_data_meta,
     read_token_header,
     resolve_inputs,
-    split_validation,
     stdlib_corpus_files,
     stdlib_root,
-    token_writer,
-    unigram_entropy,
 )
 from andrea.errors import UserError
 from andrea.hf import load_tokenizer
 from andrea.preflight import check_directory
+from andrea.runlog import remove_stale_temporaries
+from andrea.shards import STATE_FILE, Encoder, new_state, write_json
 from andrea.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
 
-META_VERSION = 1
+META_VERSION = SHARDED_META_VERSION
 # The default corpus's rule, recorded in meta.json: a data directory prepared from the stdlib under
 # another rule is prepared again, tokenizer included (1: every .py file; 2: generated tables left out).
 STDLIB_RULE = 2
@@ -58,13 +74,14 @@ STDLIB_RULE = 2
 # say so. Such files are hex escapes and character names, which a small model learns instead of Python.
 GENERATED_NOTE = re.compile(r"auto-?generated|automatically generated|generated (by|from|on)\b", re.IGNORECASE)
 CODEC_TABLE = re.compile(rb"^(decoding_table|decoding_map) = ", re.MULTILINE)
-# Validation takes the files whose path hashes below this share. For the stdlib 1% is 17 files, half
+# Validation takes the blocks whose path hashes below this share. For the stdlib 1% is 17 files, half
 # of whose tokens are one file (test_doctest.py) and whose loss is 0.6 nats above the training
 # windows'; 5% (74 files, none over 12% of the tokens) comes within 0.2 nats (README, "default run").
 VAL_FRACTION = 0.01
 STDLIB_VAL_FRACTION = 0.05
-BATCH_BYTES = 1 << 20  # documents per encode_batch call: parallel enough, small Encoding objects
-PIECE_CHARS = 1 << 20  # longer documents are encoded in pieces cut after a newline
+SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)
+TOKENIZER_SAMPLE = 100_000_000  # bytes of training text the tokenizer is trained on, at most
+PROGRESS_SECONDS = 5.0  # a log file gets a progress line at least this often
 CLEAR_TO_EOL = "\x1b[K"  # a redrawn progress line may be shorter than the last one
 
 
@@ -77,7 +94,7 @@ class Corpus:
     rule: int | None = None  # STDLIB_RULE for the default corpus
 
 
-def load_corpus(inputs: list[str] | None) -> Corpus:
+def load_corpus(inputs: list[str] | None, progress: Callable[[int], None] | None = None) -> Corpus:
     if not inputs:
         root = stdlib_root()
         files = stdlib_corpus_files()
@@ -85,7 +102,7 @@ def load_corpus(inputs: list[str] | None) -> Corpus:
         return Corpus([p for p in files if p not in generated], root,
                       f"Python {platform.python_version()} standard library ({root}), generated tables left out",
                       tuple(sorted(generated)), STDLIB_RULE)
-    files = resolve_inputs(inputs)
+    files = resolve_inputs(inputs, progress)
     root = Path(os.path.commonpath([p.parent for p in files]))
     return Corpus(files, root, f"{len(files)} files from {' '.join(inputs)}")
 
@@ -98,13 +115,20 @@ def is_generated_table(path: Path) -> bool:
     return bool(GENERATED_NOTE.search(head) or CODEC_TABLE.search(raw))
 
 
-def _signature(corpus: Corpus) -> str:
-    """A hash of every file's relative path, size and mtime: what changes when the corpus does."""
+def _signature(corpus: Corpus, sizes: list[int]) -> str:
+    """A hash of every file's relative path, size and mtime: what changes when the corpus does
+    (a partial preparation resumes only on the corpus it started on)."""
     listing = []
-    for p in corpus.files:
-        st = p.stat()
-        listing.append([p.relative_to(corpus.root).as_posix(), st.st_size, st.st_mtime_ns])
+    for p, size in zip(corpus.files, sizes):
+        listing.append([p.relative_to(corpus.root).as_posix(), size, p.stat().st_mtime_ns])
     return hashlib.sha256(json.dumps(listing).encode("utf-8", errors="surrogateescape")).hexdigest()
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def prepare(
@@ -116,63 +140,91 @@ def prepare(
     allow_smaller_vocab: bool = False,
     force: bool = False,
     tokenizer=None,
+    tokenizer_sample: int = TOKENIZER_SAMPLE,
+    workers: int | None = None,
+    shard_tokens: int = SHARD_TOKENS,
 ) -> dict:
     """Prepare `data_dir` from `inputs` (None: the stdlib) and return the stats saved in meta.json.
 
     `tokenizer` (a tokenizer.json, or a directory holding one: andrea's or a Hugging Face
     byte-level BPE) is used instead of training one; `vocab_size` is then its size. The result
-    has `"skipped": True` when the directory was already up to date.
+    has `"skipped": True` when the directory was already complete.
     """
     t0 = time.perf_counter()
     data_dir = Path(data_dir)
     log = _Log(progress)
-    corpus = load_corpus(inputs)
     if val_fraction is None:
-        val_fraction = STDLIB_VAL_FRACTION if corpus.rule is not None else VAL_FRACTION
+        val_fraction = VAL_FRACTION if inputs else STDLIB_VAL_FRACTION
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    if tokenizer_sample < 1:
+        raise UserError(f"--tokenizer-sample must be a positive number of bytes, got {tokenizer_sample}")
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     vocab_size = given.vocab_size if given is not None else vocab_size
-    settings = {"signature": _signature(corpus), "requested_vocab_size": vocab_size, "val_fraction": val_fraction}
-    if corpus.rule is not None and _older_stdlib_rule(data_dir):
+    wanted = {"inputs": list(inputs) if inputs else None, "requested_vocab_size": vocab_size,
+              "val_fraction": val_fraction}
+    meta, state = _our_files(data_dir)
+
+    fresh_tokenizer = False
+    if meta is not None and not inputs and meta.get("inputs") is None and meta.get("corpus_rule") != STDLIB_RULE:
         log.line(f"{data_dir} holds the standard library prepared under an older rule (generated tables "
                  "included): preparing it again, with a new tokenizer")
-        (data_dir / "meta.json").unlink()
-        (data_dir / "tokenizer.json").unlink(missing_ok=True)
-    old = None if force else _existing_meta(data_dir, settings)
-    if old is not None and (given is None or old.get("tokenizer_fingerprint") == given.fingerprint()):
-        return {**old, "skipped": True}
-    sizes = {p: p.stat().st_size for p in corpus.files}
-    nonempty = [p for p in corpus.files if sizes[p]]  # an empty file must not become the val set
-    if not nonempty:
-        raise UserError(f"the corpus is empty: {len(corpus.files)} files, all of them empty")
+        fresh_tokenizer = True
+    elif meta is not None:
+        _check_same_request(data_dir, meta, wanted, given, force)
+        if not force and _same_settings(meta, wanted) and _intact(data_dir, meta):
+            return {**meta, "skipped": True}
 
+    corpus = load_corpus(inputs, log.every(PROGRESS_SECONDS, lambda n: f"listing the corpus: {n} files so far"))
+    sizes = [p.stat().st_size for p in corpus.files]
+    log.line(f"corpus: {len(corpus.files)} files, {sum(sizes) / 1e6:.1f} MB")
+    if not any(sizes):
+        raise UserError(f"the corpus is empty: {len(corpus.files)} files, all of them empty")
+    existing = None if fresh_tokenizer else _existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
+    blocks = stream.plan_blocks(corpus.files, sizes, corpus.root, val_fraction)
+    settings = {"signature": _signature(corpus, sizes), **wanted, "shard_tokens": shard_tokens,
+                "blocks": len(blocks)}
+
+    # every check is done: from here on only files of this data directory are replaced or removed
     data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "meta.json").unlink(missing_ok=True)
-    if len(nonempty) == 1:
-        train_files, val_files = nonempty, []
-    else:
-        train_files, val_files = split_validation(nonempty, corpus.root, val_fraction)
+    remove_stale_temporaries(data_dir)  # a killed run's unfinished shard
+    resumable = state is not None and existing is not None and state.get("settings") == {
+        **settings, "tokenizer_fingerprint": existing.fingerprint()}
+    _remove_ours(data_dir, meta, None if resumable else state, fresh_tokenizer)
 
     t1 = time.perf_counter()
     if given is not None:
-        tok, origin = _given_tokenizer(data_dir / "tokenizer.json", given, tokenizer, log)
+        tok, origin = _save_given(data_dir / "tokenizer.json", given, tokenizer, log)
+    elif existing is not None:
+        tok, origin = existing, "loaded"
+        log.line(f"using the existing tokenizer {data_dir / 'tokenizer.json'} ({tok.vocab_size} ids)")
     else:
-        tok, origin = _tokenizer(data_dir / "tokenizer.json", train_files, sizes, vocab_size, allow_smaller_vocab, log)
+        tok = _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller_vocab, tokenizer_sample, log)
+        tok.save(data_dir / "tokenizer.json")
+        origin = "trained"
     t2 = time.perf_counter()
-    counts = _encode_corpus(tok, corpus.files, set(val_files), val_fraction, data_dir, sizes, log)
+    settings["tokenizer_fingerprint"] = tok.fingerprint()
+    if resumable:
+        done = len(state["shards"]["train"])
+        log.line(f"resuming: {done} training shards were finished, continuing at block {state['next_block']} "
+                 f"of {len(blocks)}")
+    else:
+        state = new_state(settings, tok.vocab_size)
+    encoder = Encoder(tok, corpus, sizes, blocks, data_dir, state, shard_tokens, log)
+    counts = encoder.run(workers or default_workers())
     t3 = time.perf_counter()
 
     meta = {
+        "format": DATA_FORMAT,
         "meta_version": META_VERSION,
         "corpus": corpus.description,
-        "inputs": list(inputs) if inputs else None,
         "root": str(corpus.root),
         **settings,
         "files": len(corpus.files),
-        "train_files": len(train_files),
-        "val_files": len(val_files),
-        "val_file_names": [p.relative_to(corpus.root).as_posix() for p in val_files],
+        "val_file_names": sorted({corpus.files[b.file].relative_to(corpus.root).as_posix()
+                                  for b in blocks if b.val}),
         "corpus_rule": corpus.rule,
         "left_out_generated": {
             "files": len(corpus.left_out),
@@ -186,195 +238,225 @@ def prepare(
         "uniform_nats": math.log(tok.vocab_size),
         "seconds": {"tokenizer": round(t2 - t1, 2), "encode": round(t3 - t2, 2), "total": round(t3 - t0, 2)},
     }
-    with atomic_writer(data_dir / "meta.json") as f:
-        f.write((json.dumps(meta, indent=2) + "\n").encode("utf-8", errors="surrogateescape"))
+    meta["val_files"] = len(meta["val_file_names"])
+    meta["train_files"] = len({b.file for b in blocks if not b.val})
+    write_json(data_dir / "meta.json", meta)
+    (data_dir / STATE_FILE).unlink(missing_ok=True)
     return {**meta, "skipped": False}
 
 
-def _existing_meta(data_dir: Path, settings: dict) -> dict | None:
-    """The saved stats when `data_dir` already holds this corpus, prepared with these settings.
-
-    None when there is nothing there or it must be rebuilt; a UserError when it holds another
-    corpus, which a rebuild would overwrite.
-    """
-    meta = _read_meta(data_dir / "meta.json")
-    if meta is None:
-        return None
-    if meta.get("signature") != settings["signature"]:
-        raise UserError(
-            f"{data_dir} holds data prepared from another corpus ({meta.get('corpus')}): choose another "
-            "--data-dir, or pass --force to re-encode this corpus there with its existing tokenizer.json"
-        )
-    return meta if _is_current(meta, data_dir, settings) else None
+# ----------------------------------------------------------------------------- what the directory holds
 
 
-def _older_stdlib_rule(data_dir: Path) -> bool:
-    """True when data_dir holds the default corpus prepared under a rule other than STDLIB_RULE."""
-    meta = _read_meta(data_dir / "meta.json")
-    return meta is not None and meta.get("inputs") is None and meta.get("corpus_rule") != STDLIB_RULE
+def _our_files(data_dir: Path) -> tuple[dict | None, dict | None]:
+    """(complete manifest, partial state) of `data_dir`, refusing a directory that holds files of
+    andrea's names which andrea did not write: those are never replaced."""
+    meta_path, state_path = data_dir / "meta.json", data_dir / STATE_FILE
+    meta = read_data_meta(data_dir)
+    if meta is not None and meta["meta_version"] == SHARDED_META_VERSION and meta.get("format") != DATA_FORMAT:
+        meta = None
+    damaged = meta is None and meta_path.exists()
+    if damaged and not _is_damaged_ours(meta_path):
+        raise UserError(f"{data_dir} holds a meta.json that is not an andrea data directory's: choose another "
+                        "--data-dir (prepare writes only into an empty directory or one it made)")
+    state = _read_json(state_path)
+    if state is not None and state.get("format") != DATA_FORMAT + "-partial":
+        raise UserError(f"{data_dir} holds a {STATE_FILE} that andrea did not write: choose another --data-dir")
+    if meta is None and state is None and not damaged and data_dir.is_dir():
+        clash = sorted(p.name for p in data_dir.iterdir() if re.fullmatch(r"(train|val)(-\d{5})?\.bin", p.name))
+        if clash:
+            raise UserError(f"{data_dir} holds {clash[0]} but no andrea manifest (meta.json): choose another "
+                            "--data-dir, or move those files away")
+    return meta, state
 
 
-def _read_meta(path: Path) -> dict | None:
+def _is_damaged_ours(path: Path) -> bool:
+    """A meta.json that is not JSON (cut short by a crash) beside an andrea tokenizer.json: a damaged
+    data directory, rebuilt. Any other meta.json (a checkpoint's, a model's) belongs to someone else."""
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None  # absent or damaged: the directory gets rebuilt
-    return meta if isinstance(meta, dict) and meta.get("meta_version") == META_VERSION else None
-
-
-def _is_current(meta: dict, data_dir: Path, settings: dict) -> bool:
-    """True when meta.json describes this corpus and settings and every file it names is intact."""
-    if any(meta.get(k) != v for k, v in settings.items()):
+        json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
         return False
+    except (OSError, ValueError):
+        return (path.parent / "tokenizer.json").is_file()
+    return False
+
+
+def _check_same_request(data_dir: Path, meta: dict, wanted: dict, given, force: bool) -> None:
+    """A complete data directory serves only the corpus it was prepared from (`force`: another corpus
+    is re-encoded there with the directory's tokenizer, whose fit is checked later)."""
+    if given is not None and meta.get("tokenizer_fingerprint") != given.fingerprint():
+        raise UserError(f"{data_dir} already holds another tokenizer than the one given (its data is encoded with "
+                        "it): choose another data directory (--data-dir, or --set data.data_dir=... for train)")
+    if meta.get("inputs") != wanted["inputs"] and not force:
+        if wanted["inputs"]:
+            resolve_inputs(wanted["inputs"])  # an input that matches nothing is the first thing to say
+        raise UserError(f"{data_dir} holds data prepared from another corpus ({meta.get('corpus')}): choose another "
+                        "--data-dir (or --set data.data_dir=... for train), or pass --force to re-encode this "
+                        "corpus there with its existing tokenizer.json")
+
+
+def _same_settings(meta: dict, wanted: dict) -> bool:
+    """The vocabulary asked for (or the one the directory has) and the validation fraction match."""
+    vocab = wanted["requested_vocab_size"]
+    return vocab in (meta.get("requested_vocab_size"), meta.get("vocab_size")) and (
+        meta.get("val_fraction") == wanted["val_fraction"])
+
+
+def _intact(data_dir: Path, meta: dict) -> bool:
+    """True when every shard the manifest names has the header it says (headers only, no ids read)."""
     try:
         fingerprint = load_tokenizer(data_dir / "tokenizer.json").fingerprint()
-        train, val = (read_token_header(data_dir / name) for name in ("train.bin", "val.bin"))
-    except UserError:
+        if meta["meta_version"] == 1:
+            files = [("train.bin", meta["train_tokens"]), ("val.bin", meta["val_tokens"])]
+        else:
+            files = [(e["file"], e["tokens"]) for split in ("train", "val") for e in meta["shards"][split]]
+        for name, count in files:
+            header = read_token_header(data_dir / name)
+            if (header.count, header.fingerprint) != (count, fingerprint):
+                return False
+    except (UserError, KeyError, TypeError):
         return False
-    same_tokenizer = fingerprint == meta.get("tokenizer_fingerprint") == train.fingerprint == val.fingerprint
-    same_counts = (train.count, val.count) == (meta.get("train_tokens"), meta.get("val_tokens"))
-    return same_tokenizer and same_counts
+    return fingerprint == meta.get("tokenizer_fingerprint")
 
 
-def _tokenizer(
-    path: Path, train_files: list[Path], sizes: dict, vocab_size: int, allow_smaller: bool, log: _Log
-) -> tuple[Tokenizer, str]:
-    """Load `path` if it exists, else train on the training files and save it there."""
-    if path.exists():
-        tok = load_tokenizer(path)
-        if tok.vocab_size != vocab_size and not (allow_smaller and tok.vocab_size < vocab_size):
-            raise UserError(
-                f"{path} has {tok.vocab_size} ids but {vocab_size} were asked for: delete it to train a new tokenizer"
-            )
-        log.line(f"using the existing tokenizer {path} ({tok.vocab_size} ids)")
-        return tok, "loaded"
-    mb = sum(sizes[p] for p in train_files) / 1e6
-    log.line(f"training a {vocab_size}-id BPE tokenizer on {len(train_files)} files ({mb:.1f} MB)...")
-    bar = log.progress("tokenizer: reading", len(train_files), sum(sizes[p] for p in train_files))
-
-    def texts():
-        # the tokenizers library counts pairs as it reads, then merges: the bar shows the reading,
-        # one line announces the merging, which is the shorter part
-        for i, d in enumerate(read_documents(train_files)):
-            bar.update(i + 1, d.n_bytes)
-            if d.text:
-                yield d.text
-        bar.done()
-        log.line(f"tokenizer: computing {vocab_size - 257} merges...")
-
-    tok = Tokenizer.train(texts(), vocab_size, allow_smaller)
-    if tok.vocab_size < vocab_size:
-        log.line(f"note: the corpus is too small for {vocab_size} ids; the tokenizer has {tok.vocab_size}")
-    tok.save(path)
-    return tok, "trained"
-
-
-def _given_tokenizer(path: Path, tok, source, log: _Log):
-    """Save the tokenizer given to prepare as `path`, unless `path` already holds another one."""
-    if path.exists() and load_tokenizer(path).fingerprint() != tok.fingerprint():
-        raise UserError(f"{path.parent} already holds another tokenizer than {source}: choose another data "
+def _existing_tokenizer(data_dir: Path, vocab_size: int, allow_smaller: bool, given) -> Tokenizer | None:
+    """The directory's tokenizer.json if it has one and it fits the request (else a UserError)."""
+    path = data_dir / "tokenizer.json"
+    if not path.exists():
+        return None
+    tok = load_tokenizer(path)
+    if given is not None and tok.fingerprint() != given.fingerprint():
+        raise UserError(f"{data_dir} already holds another tokenizer than the one given: choose another data "
                         "directory (--data-dir, or --set data.data_dir=... for train)")
+    if tok.vocab_size != vocab_size and not (allow_smaller and tok.vocab_size < vocab_size):
+        raise UserError(
+            f"{path} has {tok.vocab_size} ids but {vocab_size} were asked for: choose another --data-dir, or "
+            "delete it to train a new tokenizer"
+        )
+    return tok
+
+
+def _remove_ours(data_dir: Path, meta: dict | None, state: dict | None, tokenizer_too: bool) -> None:
+    """Remove the files a manifest or state of this directory names (its shards), then meta.json."""
+    names = set()
+    if meta is not None:
+        if meta["meta_version"] == 1:
+            names |= {"train.bin", "val.bin"}
+        else:
+            names |= {e["file"] for split in ("train", "val") for e in meta["shards"][split]}
+        names.add("meta.json")
+    if state is not None:
+        names |= {e["file"] for split in ("train", "val") for e in state["shards"][split]}
+        names.add(STATE_FILE)
+    if tokenizer_too:
+        names.add("tokenizer.json")
+    if (data_dir / "meta.json").exists() and _is_damaged_ours(data_dir / "meta.json"):
+        names.add("meta.json")
+    if "meta.json" in names:
+        (data_dir / "meta.json").unlink()  # first: the directory is incomplete from here
+    for name in sorted(names):
+        (data_dir / name).unlink(missing_ok=True)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+# ----------------------------------------------------------------------------- the tokenizer
+
+
+def _save_given(path: Path, tok, source, log: _Log):
     log.line(f"encoding with the tokenizer of {source} ({tok.vocab_size} ids)")
     tok.save(path)
     return tok, f"given: {source}"
 
 
-def _encode_corpus(
-    tok: Tokenizer, files: list[Path], val_files: set, val_fraction: float, data_dir: Path, sizes: dict, log: _Log
-) -> dict:
-    """Encode every file into train.bin or val.bin (EOT after each document); return the counts.
+def _sample_blocks(corpus: Corpus, blocks: list[stream.Block], sample: int) -> list[int]:
+    """The training blocks the tokenizer learns from, in corpus order: all of them when they hold
+    at most `sample` bytes, else blocks taken in the order of a hash of (path, index) until they do,
+    which spreads the sample over the whole corpus."""
+    train = [j for j, b in enumerate(blocks) if not b.val]
+    if sum(blocks[j].nominal_end - blocks[j].nominal_start for j in train) <= sample:
+        return train
 
-    No val files means a corpus of one non-empty file, whose tokens are split instead.
-    """
-    V, eot = tok.vocab_size, np.array([tok.eot_id])
-    counts = {"train": np.zeros(V, np.int64), "val": np.zeros(V, np.int64)}
-    n_bytes = {"train": 0, "val": 0}
-    not_utf8 = empty = documents = 0
-    bar = log.progress("encoding", len(files), sum(sizes.values()))
-    with (
-        token_writer(data_dir / "train.bin", V, tok.fingerprint()) as train,
-        token_writer(data_dir / "val.bin", V, tok.fingerprint()) as val,
-    ):
-        sinks = {"train": train, "val": val}
-        for i, (doc, ids) in enumerate(_encode_documents(tok, read_documents(files))):
-            bar.update(i + 1, doc.n_bytes)
-            not_utf8 += not doc.valid_utf8
-            if not doc.text:
-                empty += 1
-                continue
-            split = "val" if doc.path in val_files else "train"
-            parts = {split: ids} if val_files else _single_file_split(ids, val_fraction)
-            for name, part in parts.items():
-                sinks[name].write(part)
-                sinks[name].write(eot)
-                counts[name] += np.bincount(part, minlength=V)
-                counts[name][tok.eot_id] += 1
-                documents += 1
-            n_bytes[split] += doc.n_bytes
-    bar.done()
-    if not_utf8 > max(10, len(files) // 10):
-        log.line(f"note: {not_utf8} of {len(files)} files are not UTF-8: is the corpus binary in part?")
-    n_tokens = {name: int(c.sum()) for name, c in counts.items()}
-    total_bytes = sum(n_bytes.values())
-    return {
-        "bytes": total_bytes,
-        "train_bytes": n_bytes["train"],
-        "val_bytes": n_bytes["val"],
-        "not_utf8_files": not_utf8,
-        "empty_files": empty,
-        "train_tokens": n_tokens["train"],
-        "val_tokens": n_tokens["val"],
-        "bytes_per_token": round(total_bytes / max(sum(n_tokens.values()) - documents, 1), 4),
-        "unigram_val_nats": round(unigram_entropy(counts["train"], counts["val"]), 4),
-    }
+    def key(j):
+        b = blocks[j]
+        return stream.split_key(f"{corpus.files[b.file].relative_to(corpus.root).as_posix()}#tokenizer#{b.index}")
+
+    chosen, total = [], 0
+    for j in sorted(train, key=key):
+        if total >= sample:
+            break
+        chosen.append(j)
+        total += blocks[j].nominal_end - blocks[j].nominal_start
+    return sorted(chosen)
 
 
-def _single_file_split(ids: np.ndarray, val_fraction: float) -> dict:
-    """A one-file corpus cannot be split by files: its last `val_fraction` of tokens is val."""
-    cut = len(ids) - max(1, round(len(ids) * val_fraction))
-    return {"train": ids[:cut], "val": ids[cut:]}
+def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, log: _Log) -> Tokenizer:
+    """Train on the sample in a helper thread, so that the main thread answers Ctrl-C at once (the
+    `tokenizers` trainer does not return to Python while it counts or merges) and reports progress."""
+    chosen = _sample_blocks(corpus, blocks, sample)
+    reader = stream.BlockReader(corpus.files, sizes, blocks)
+    total = sum(blocks[j].nominal_end - blocks[j].nominal_start for j in chosen)
+    log.line(f"training a {vocab_size}-id BPE tokenizer on {len(chosen)} blocks of the training files "
+             f"({total / 1e6:.1f} MB)...")
+    bar = log.progress("tokenizer: reading", len(chosen), total, unit="blocks")
+    stop, read_all = threading.Event(), threading.Event()
+    seen = {"bytes": 0, "bad": 0, "bad_file": None}
+    result = {}
 
+    def texts():
+        for i, j in enumerate(chosen):
+            if stop.is_set():
+                return
+            n, text, valid = reader.read(j)
+            seen["bytes"] += n
+            if not valid:
+                seen["bad"] += n
+                seen["bad_file"] = seen["bad_file"] or corpus.files[blocks[j].file]
+                if seen["bytes"] >= (1 << 20) and 2 * seen["bad"] > seen["bytes"]:
+                    return  # mostly not text: stop reading, refused below
+            bar.update(i + 1, n)
+            if text:
+                yield text
+        read_all.set()
 
-def _encode_documents(tok: Tokenizer, docs: Iterable[Document]) -> Iterator[tuple[Document, np.ndarray]]:
-    """Yield (document, its ids as uint16) in order, encoding ~BATCH_BYTES of documents per call."""
-    batch, size = [], 0
-    for doc in docs:
-        batch.append(doc)
-        size += doc.n_bytes
-        if size >= BATCH_BYTES:
-            yield from _encode_batch(tok, batch)
-            batch, size = [], 0
-    yield from _encode_batch(tok, batch)
+    def train():
+        try:
+            result["tok"] = Tokenizer.train(texts(), vocab_size, allow_smaller)
+        except BaseException as e:  # handed to the main thread
+            result["error"] = e
 
-
-def _encode_batch(tok: Tokenizer, docs: list[Document]) -> Iterator[tuple[Document, np.ndarray]]:
-    pieces, owner = [], []
-    for i, doc in enumerate(docs):
-        for piece in _pieces(doc.text):
-            pieces.append(piece)
-            owner.append(i)
-    ids = tok.encode_batch(pieces)
-    per_doc: list[list[int]] = [[] for _ in docs]
-    for i, piece_ids in zip(owner, ids):
-        per_doc[i].extend(piece_ids)
-    for doc, doc_ids in zip(docs, per_doc):
-        yield doc, np.array(doc_ids, dtype=np.uint16)
-
-
-def _pieces(text: str) -> list[str]:
-    """Cut a long text after newlines into pieces of at most PIECE_CHARS characters.
-
-    Encoding the pieces in parallel keeps memory bounded; the ids differ from encoding the
-    whole text only at the cuts, and decode still returns the text exactly.
-    """
-    pieces, start = [], 0
-    while len(text) - start > PIECE_CHARS:
-        cut = text.rfind("\n", start, start + PIECE_CHARS) + 1
-        cut = cut if cut > start else start + PIECE_CHARS
-        pieces.append(text[start:cut])
-        start = cut
-    pieces.append(text[start:])
-    return pieces
+    worker = threading.Thread(target=train, name="andrea-tokenizer", daemon=True)
+    worker.start()
+    announced, last = False, time.perf_counter()
+    try:
+        while worker.is_alive():
+            worker.join(0.25)
+            if read_all.is_set() and not announced:
+                bar.done()
+                log.line(f"tokenizer: computing {vocab_size - 257} merges...")
+                announced, last = True, time.perf_counter()
+            elif announced and time.perf_counter() - last >= PROGRESS_SECONDS:
+                last = time.perf_counter()
+                log.line(f"tokenizer: still computing merges ({last - bar.start:.0f} s since reading began)")
+    except BaseException:
+        stop.set()  # the reading ends at the next block; the thread dies with the process
+        raise
+    if seen["bytes"] and 2 * seen["bad"] > seen["bytes"]:
+        raise UserError(f"the corpus does not look like text: {seen['bad'] / 1e6:.1f} of the first "
+                        f"{seen['bytes'] / 1e6:.1f} MB read are not UTF-8 (e.g. {seen['bad_file']}): give text files")
+    if "error" in result:
+        raise result["error"]
+    tok = result["tok"]
+    if tok.vocab_size < vocab_size:
+        log.line(f"note: the corpus is too small for {vocab_size} ids; the tokenizer has {tok.vocab_size}")
+    return tok
 
 
 # ----------------------------------------------------------------------------- progress on stderr
@@ -389,44 +471,58 @@ class _Log:
         if self.enabled:
             print(text, file=self.stream, flush=True)
 
-    def progress(self, label: str, total_files: int, total_bytes: int) -> _Progress:
-        return _Progress(self, label, total_files, total_bytes)
+    def every(self, seconds: float, text: Callable[[int], str]) -> Callable[[int], None]:
+        """A callback that logs `text(n)` when called, at most once per `seconds` (none in the first)."""
+        last = [time.perf_counter()]
+
+        def report(n: int) -> None:
+            now = time.perf_counter()
+            if now - last[0] >= seconds:
+                last[0] = now
+                self.line(text(n))
+
+        return report
+
+    def progress(self, label: str, total_items: int, total_bytes: int, unit: str = "files") -> _Progress:
+        return _Progress(self, label, total_items, total_bytes, unit)
 
 
 class _Progress:
-    """`label  files done/total  MB done/total  MB/s  ETA`: redrawn in place at most 4 times a
-    second on a terminal; elsewhere (a log file) one line at each quarter of the work."""
+    """`label  blocks done/total  MB done/total  MB/s  ETA`: redrawn in place at most 4 times a
+    second on a terminal; elsewhere (a log file) one line every PROGRESS_SECONDS."""
 
-    def __init__(self, log: _Log, label: str, total_files: int, total_bytes: int):
-        self.log, self.label = log, label
-        self.total_files, self.total_bytes = total_files, max(total_bytes, 1)
+    def __init__(self, log: _Log, label: str, total_items: int, total_bytes: int, unit: str = "files"):
+        self.log, self.label, self.unit = log, label, unit
+        self.total_files, self.total_bytes = total_items, max(total_bytes, 1)
         self.tty = log.enabled and log.stream.isatty()
         self.start = self.last = time.perf_counter()
         self.files = self.bytes = 0
-        self.quarter = 0
+        self.resumed = 0  # bytes done before this run (a resumed preparation): not in the rate
 
     def update(self, files: int, add_bytes: int) -> None:
         self.files, self.bytes = files, self.bytes + add_bytes
         now = time.perf_counter()
-        if self.tty and now - self.last >= 0.25:
+        if now - self.last >= (0.25 if self.tty else PROGRESS_SECONDS):
             self.last = now
-            print("\r" + self._text(now) + CLEAR_TO_EOL, end="", file=self.log.stream, flush=True)
-        elif not self.tty and 4 * self.bytes >= (self.quarter + 1) * self.total_bytes:
-            self.quarter = 4 * self.bytes // self.total_bytes
-            self.log.line(self._text(now))
+            if self.tty:
+                print("\r" + self._text(now) + CLEAR_TO_EOL, end="", file=self.log.stream, flush=True)
+            else:
+                self.log.line(self._text(now))
 
     def done(self) -> None:
         if self.tty:
             print("\r" + self._text(time.perf_counter()) + CLEAR_TO_EOL, file=self.log.stream, flush=True)
+        else:
+            self.log.line(self._text(time.perf_counter()))
 
     def _text(self, now: float) -> str:
         elapsed = max(now - self.start, 1e-9)
-        rate = self.bytes / elapsed
+        rate = (self.bytes - self.resumed) / elapsed
         left = max(self.total_bytes - self.bytes, 0)
         # The first second's rate is mostly start-up: no ETA from it.
         eta = f"{left / rate:.0f}s" if left == 0 or (rate > 0 and elapsed > 1) else "?"
         return (
-            f"{self.label} {self.files:>{len(str(self.total_files))}}/{self.total_files} files  "
+            f"{self.label} {self.files:>{len(str(self.total_files))}}/{self.total_files} {self.unit}  "
             f"{self.bytes / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB  {rate / 1e6:.1f} MB/s  ETA {eta}"
         )
 
@@ -474,9 +570,21 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep fewer ids when the corpus is too small to reach --vocab-size",
     )
+    p.add_argument("--tokenizer-sample", type=byte_count, default=TOKENIZER_SAMPLE, metavar="SIZE",
+                   help="train the tokenizer on at most this much of the training text, spread over the corpus "
+                   "(default 100MB; accepts 500MB, 2GB, or bytes)")
+    p.add_argument("--workers", type=int, help="encoding threads (default: every core this process may use)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
+
+
+def byte_count(text: str) -> int:
+    """'100MB' -> 100_000_000 (kB, MB, GB, TB in powers of 1000; a plain number is bytes)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)b?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 100MB, 1GB or 5000000")
+    return int(float(m.group(1)) * 1000 ** " kmgt".index(m.group(2).lower() or " "))
 
 
 def format_summary(stats: dict, data_dir: Path) -> str:
@@ -490,7 +598,7 @@ def format_summary(stats: dict, data_dir: Path) -> str:
     vocab = f"{stats['vocab_size']} ids ({stats['tokenizer']}, fingerprint {stats['tokenizer_fingerprint'][:12]})"
     unigram = f"{stats['unigram_val_nats']:.2f} nats/token on val (uniform: {stats['uniform_nats']:.2f})"
     if stats.get("skipped"):
-        took = "nothing to do: already up to date (--force re-encodes)"
+        took = "nothing to do: already prepared (--force re-encodes the corpus as it is now)"
     else:
         s = stats["seconds"]
         took = f"{s['total']:.1f} s (tokenizer {s['tokenizer']:.1f} s, encoding {s['encode']:.1f} s)"
@@ -503,6 +611,8 @@ def format_summary(stats: dict, data_dir: Path) -> str:
         ("bytes/token", f"{stats['bytes_per_token']:.2f}"),
         ("unigram", unigram),
         ("time", took),
+        ("shards", f"{len(stats['shards']['train'])} train, {len(stats['shards']['val'])} val"
+                   if "shards" in stats else "train.bin, val.bin"),
         ("data dir", str(data_dir)),
     ]
     return "\n".join(f"{name:<12}{value}" for name, value in rows)
@@ -521,6 +631,8 @@ def main(argv: list[str]) -> int:
         allow_smaller_vocab=args.allow_smaller_vocab,
         force=args.force,
         tokenizer=args.tokenizer,
+        tokenizer_sample=args.tokenizer_sample,
+        workers=args.workers,
     )
     print(format_summary(stats, data_dir))
     return 0

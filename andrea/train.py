@@ -351,8 +351,8 @@ def prepare_data(cfg, build=True, tokenizer=None):
         raise UserError(f"the tokenizer in {data_dir} has {tokenizer.vocab_size} ids but model.vocab_size is "
                         f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size} or prepare again")
     fp = tokenizer.fingerprint()
-    train_tokens = data.read_tokens(data_dir / "train.bin", cfg.model.vocab_size, fp)
-    val_tokens = data.read_tokens(data_dir / "val.bin", cfg.model.vocab_size, fp)
+    train_tokens = data.open_split(data_dir, "train", cfg.model.vocab_size, fp)
+    val_tokens = data.open_split(data_dir, "val", cfg.model.vocab_size, fp)
     return tokenizer, train_tokens, val_tokens
 
 
@@ -468,7 +468,9 @@ def run_training(args, world):
             rundir.claim(out_dir, "run", args.resume, args.overwrite)
             runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
     with world.together():  # data preparation once, on rank 0, while the others wait here
-        prepared = prepare_data(cfg, tokenizer=args.init_from) if world.is_main else None
+        # a resumed run encodes with its own tokenizer, should its data directory have to be prepared again
+        own = out_dir / "tokenizer.json" if args.resume and (out_dir / "tokenizer.json").is_file() else None
+        prepared = prepare_data(cfg, tokenizer=args.init_from or own) if world.is_main else None
     with world.together():
         tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
         preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())

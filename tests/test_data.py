@@ -303,12 +303,18 @@ def split_documents(tok, tokens):
     return docs
 
 
+def split_ids(data_dir, split):
+    """Every id of a split of a prepared directory, its shards joined."""
+    tok = Tokenizer.load(data_dir / "tokenizer.json")
+    shards = data.open_split(data_dir, split, tok.vocab_size, tok.fingerprint()).shards
+    return np.concatenate([np.asarray(a) for a in shards]) if shards else np.zeros(0, np.uint16)
+
+
 def test_prepare_end_to_end(corpus, tmp_path):
     out = tmp_path / "data"
     stats = prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)
     tok = Tokenizer.load(out / "tokenizer.json")
-    train = read_tokens(out / "train.bin", tok.vocab_size, tok.fingerprint())
-    val = read_tokens(out / "val.bin", tok.vocab_size, tok.fingerprint())
+    train, val = split_ids(out, "train"), split_ids(out, "val")
     val_names = set(stats["val_file_names"])
     assert stats["val_files"] == len(val_names) == 1 and "e.txt" not in val_names
     expected_train = [t for rel, t in sorted(DOCS.items()) if t and rel not in val_names]
@@ -321,7 +327,7 @@ def test_prepare_end_to_end(corpus, tmp_path):
     assert stats["vocab_size"] == tok.vocab_size < 8449 and stats["tokenizer"] == "trained"
     assert stats["unigram_val_nats"] > 0 and stats["bytes_per_token"] > 1
     assert json.loads((out / "meta.json").read_text())["train_tokens"] == len(train)
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train-00000.bin", "val-00000.bin"]
 
 
 def test_prepare_fast_path_force_and_other_corpus(corpus, tmp_path):
@@ -332,11 +338,12 @@ def test_prepare_fast_path_force_and_other_corpus(corpus, tmp_path):
     forced = prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True, force=True)
     assert not forced["skipped"] and forced["tokenizer"] == "loaded"
     assert forced["tokenizer_fingerprint"] == first["tokenizer_fingerprint"]
-    (out / "val.bin").unlink()  # a damaged directory is rebuilt without --force
+    (out / "val-00000.bin").unlink()  # a damaged directory is rebuilt without --force
     assert not prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)["skipped"]
-    (corpus / "new.txt").write_text("a new document\n")
+    (corpus / "new.txt").write_text("a new document\n")  # a changed corpus changes nothing until --force
+    assert prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)["skipped"]
     with pytest.raises(UserError, match="another corpus"):
-        prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)
+        prepare([str(corpus / "a.txt")], out, progress=False, allow_smaller_vocab=True)
     assert prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True, force=True)["files"] == 6
 
 
@@ -345,7 +352,7 @@ def test_prepare_single_file_splits_its_tokens(tmp_path):
     (tmp_path / "one.txt").write_text(text)
     stats = prepare([str(tmp_path / "one.txt")], tmp_path / "data", progress=False, allow_smaller_vocab=True)
     tok = Tokenizer.load(tmp_path / "data" / "tokenizer.json")
-    train, val = (read_tokens(tmp_path / "data" / n) for n in ("train.bin", "val.bin"))
+    train, val = split_ids(tmp_path / "data", "train"), split_ids(tmp_path / "data", "val")
     assert stats["val_tokens"] >= 2 and stats["train_tokens"] > 50 * stats["val_tokens"]
     assert "".join(split_documents(tok, train) + split_documents(tok, val)) == text
 
@@ -408,3 +415,42 @@ def test_default_data_dir():
     assert default_data_dir(["corpus/"]).as_posix() == "data/corpus"
     assert default_data_dir(["a.txt", "b.txt"]).as_posix() == "data/custom"
     assert default_data_dir([os.path.join("x", "my corpus!")]).as_posix() == "data/my_corpus"
+
+
+# ----------------------------------------------------------------------------- past 2^32 tokens
+
+
+def forged_shard(path, count, vocab_size, fingerprint, writes):
+    """A sparse token file whose header promises `count` tokens; `writes` puts ids at positions."""
+    with open(path, "wb") as f:
+        f.write(data._HEADER.pack(data.MAGIC, data.FORMAT_VERSION, vocab_size, count, fingerprint.encode()))
+        f.truncate(data.HEADER_SIZE + 2 * count)
+        for position, ids in writes.items():
+            f.seek(data.HEADER_SIZE + 2 * position)
+            f.write(np.asarray(ids, dtype="<u2").tobytes())
+
+
+def test_a_split_past_2_32_tokens_reads_by_64_bit_offsets(tmp_path):
+    """Two sparse shards of 2^32 + 9 tokens each (17 GB of holes): windows at offsets past 2^32,
+    one of them across the shard end, come back with the ids put there."""
+    V, fp, n = 1000, "f" * 64, 2**32 + 9
+    forged_shard(tmp_path / "train-00000.bin", n, V, fp, {n - 3: [1, 2, 3]})
+    forged_shard(tmp_path / "train-00001.bin", n, V, fp, {0: [4, 5], n - 4: [6, 7, 8, 9]})
+    forged_shard(tmp_path / "val-00000.bin", 100, V, fp, {0: list(range(100))})
+    shards = {"train": [{"file": f"train-0000{i}.bin", "tokens": n, "max_id": 9} for i in range(2)],
+              "val": [{"file": "val-00000.bin", "tokens": 100, "max_id": 99}]}
+    meta = {"format": data.DATA_FORMAT, "meta_version": data.SHARDED_META_VERSION, "train_tokens": 2 * n,
+            "val_tokens": 100, "shards": shards}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    train = data.open_split(tmp_path, "train", V, fp)
+    assert len(train) == 2 * n > 2**33 and data.split_counts(tmp_path) == (2 * n, 100)
+    rows = train.windows([n - 3, 2 * n - 5, 2**32 + 1], 5)
+    assert rows[0].tolist() == [1, 2, 3, 4, 5] and rows[1].tolist() == [0, 6, 7, 8, 9]
+    assert rows[2].tolist() == [0] * 5
+    loader = data.BatchLoader(train, batch_size=64, seq_len=8, seed=0)
+    x, y = loader.next_batch()
+    starts = np.random.Generator(np.random.PCG64(0)).integers(0, 2 * n - 8, size=64)
+    assert (starts > 2**32).sum() > 32  # the loader draws from the whole range...
+    assert np.array_equal(np.concatenate([x, y[:, -1:]], axis=1), train.windows(starts, 9))  # ...and reads there
+    last = list(data.iter_eval_batches(train, 4, 3, max_batches=2))[-1][1]
+    assert last[-1].tolist() == [7, 8, 9]  # evaluation windows reach the last token

@@ -212,7 +212,7 @@ def test_data_is_prepared_once_by_rank_0(tmp_path, data_dir):
     gpu = backend._probe_gpu()[0]
     r = run(["--config", str(path), "--out", str(tmp_path / "o"), "--device", "cpu" if gpu else "auto"])
     assert r.returncode == 0, r.stderr
-    assert r.stderr.count("-id BPE tokenizer on") == 1 and (fresh / "train.bin").exists()
+    assert r.stderr.count("-id BPE tokenizer on") == 1 and (fresh / "train-00000.bin").exists()
     assert r.stderr.count("note: no usable GPU") == (0 if gpu else 1), r.stderr
 
 

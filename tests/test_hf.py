@@ -300,7 +300,7 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
     # step 1's loss is transformers' loss of the imported weights on the first batch
     tok = hf.load_tokenizer(tmp_path / "data")
     assert tok.fingerprint() == hf.load_tokenizer(gpt2).fingerprint() == hf.load_tokenizer(out).fingerprint()
-    tokens = data.read_tokens(tmp_path / "data" / "train.bin", vocab, tok.fingerprint())
+    tokens = data.open_split(tmp_path / "data", "train", vocab, tok.fingerprint())
     x, y = data.BatchLoader(tokens, 4, 16, seed=0).next_batch()
     logp = torch.log_softmax(torch.tensor(hf_logits(torch, reference, x), dtype=torch.float64), -1).numpy()
     expected = -np.take_along_axis(logp, y[..., None], -1).mean()

@@ -23,7 +23,7 @@ from andrea import checkpoint as ckpt
 from andrea import params as params_cli
 from andrea import prepare as prepare_cli
 from andrea.cli import run_cli
-from andrea.data import read_token_header
+from andrea.data import split_counts
 from andrea.prepare import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_dry_run_prints_the_plan_and_trains_nothing(tmp_path, data_dir, capsys):
 
 
 def test_a_short_validation_split_is_refused_before_the_first_step(tmp_path, data_dir, capsys):
-    n_val = read_token_header(data_dir / "val.bin").count
+    n_val = split_counts(data_dir)[1]
     out = tmp_path / "run"
     cfg = small_config(tmp_path, data_dir, eval_interval=4)
     code = run_main(["--config", str(cfg), "--out", str(out), "--set", f"model.context_length={n_val}"])

@@ -117,6 +117,31 @@ def test_encode_equals_reference_bpe(full, merges, text):
     assert full.encode(text) == reference_encode(full, merges, text)
 
 
+# The fast encoder (tiktoken) against the trainer's own (tokenizers): the same ids, id for id.
+emoji_and_scripts = st.lists(
+    st.sampled_from([*"aZ09 _.\n\t", "é", "ß", "中", "😀", "👍🏽", "\u200d", "🇵🇹", "\ufeff", EOT, "  ", "'s", "'ll"]),
+    max_size=80,
+).map("".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.one_of(unicode_text, emoji_and_scripts))
+@example(text=f"x{EOT}y {EOT}\n")
+@example(text=" " * 200_000)  # past tiktoken's regex stack: the reference encoder takes over
+def test_fast_encoder_equals_tokenizers(full, small, text):
+    for tok in (full, small):
+        assert tok.encode(text) == tok.encode_reference(text)
+        assert tok.encode_array(text).tolist() == tok.encode_reference(text)
+
+
+def test_fast_encoder_equals_tokenizers_on_the_default_corpus(full):
+    """Every file of a 3 MB slice of the stdlib (the default corpus), past the 1.5 MB trained on."""
+    texts = stdlib_texts(4_500_000)[-600:]
+    assert sum(map(len, texts)) > 2_000_000
+    mismatched = [i for i, t in enumerate(texts) if full.encode(t) != full.encode_reference(t)]
+    assert mismatched == []
+
+
 # ----------------------------------------------------------------------------- round trips and EOT
 
 

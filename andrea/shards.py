@@ -1,0 +1,180 @@
+"""Encoding a planned corpus (andrea/stream.py's blocks) into token shards, resumably.
+
+`Encoder.run` encodes blocks from `state["next_block"]` on, on several threads, and takes their ids
+in corpus order: each block's ids go to the open shard of its split (`train-NNNNN.bin` or
+`val-NNNNN.bin`), an EOT ends each document (a file, or each part of a file that the split cut
+in two), and the ids are counted per split for the unigram baseline. When the open training shard
+holds `shard_tokens`, both open shards are finished and the state (the next block, the finished
+shards with their counts and largest ids, the running counts) is saved to prepare-state.json: a
+later run on the same corpus and tokenizer continues from there and writes the same shards as an
+uninterrupted one. Each shard goes through `token_writer`, so it appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from andrea import stream
+from andrea.data import DATA_FORMAT, atomic_writer, shard_name, token_writer, unigram_entropy
+
+STATE_FILE = "prepare-state.json"
+
+
+def write_json(path: Path, obj: dict) -> None:
+    with atomic_writer(path) as f:
+        f.write((json.dumps(obj, indent=2) + "\n").encode("utf-8", errors="surrogateescape"))
+
+
+def new_state(settings: dict, V: int) -> dict:
+    return {
+        "format": DATA_FORMAT + "-partial",
+        "settings": settings,
+        "next_block": 0,
+        "shards": {"train": [], "val": []},
+        "counts": {"train": [0] * V, "val": [0] * V},
+        "bytes": {"train": 0, "val": 0},
+        "not_utf8_files": 0,
+        "documents": 0,
+        "open_document": None,  # the split the current file's text went to last, at a block boundary
+        "file_not_utf8": False,
+    }
+
+
+class ShardWriter:
+    """The shards of one split: ids go to the open shard; `close()` finishes it and records it."""
+
+    def __init__(self, data_dir: Path, split: str, vocab_size: int, fingerprint: str, done: list):
+        self.data_dir, self.split, self.V, self.fingerprint = data_dir, split, vocab_size, fingerprint
+        self.done = done  # the manifest entries of the finished shards (the state's list)
+        self._stack = None
+        self._sink = None
+        self.max_id = -1
+
+    @property
+    def count(self) -> int:
+        return self._sink.count if self._sink is not None else 0
+
+    def write(self, ids: np.ndarray) -> None:
+        if len(ids) == 0:
+            return
+        if self._sink is None:
+            self._stack = contextlib.ExitStack()
+            name = shard_name(self.split, len(self.done))
+            self._sink = self._stack.enter_context(token_writer(self.data_dir / name, self.V, self.fingerprint))
+        self._sink.write(ids)  # refuses an id outside 0..V-1: checked once, when written
+        self.max_id = max(self.max_id, int(ids.max()))
+
+    def close(self) -> None:
+        if self._sink is None:
+            return
+        count, stack = self._sink.count, self._stack
+        self._sink = self._stack = None
+        stack.close()  # header written, file renamed into place
+        self.done.append({"file": shard_name(self.split, len(self.done)), "tokens": count, "max_id": self.max_id})
+        self.max_id = -1
+
+    def abandon(self) -> None:
+        """Remove the unfinished shard (after an error or Ctrl-C)."""
+        if self._stack is not None:
+            stack, self._sink, self._stack = self._stack, None, None
+            stack.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+
+
+class Encoder:
+    """Encodes the planned blocks from `state["next_block"]` on, writing shards and recording
+    progress in `state` (saved to prepare-state.json each time a training shard is finished)."""
+
+    def __init__(self, tok, corpus, sizes, blocks, data_dir: Path, state: dict, shard_tokens: int, log):
+        self.tok, self.corpus, self.sizes, self.blocks = tok, corpus, sizes, blocks
+        self.data_dir, self.state, self.shard_tokens, self.log = data_dir, state, shard_tokens, log
+        self.reader = stream.BlockReader(corpus.files, sizes, blocks)
+        self.eot = np.array([tok.eot_id])
+        self.counts = {k: np.array(v, dtype=np.int64) for k, v in state["counts"].items()}
+        fp = tok.fingerprint()
+        self.writers = {s: ShardWriter(data_dir, s, tok.vocab_size, fp, state["shards"][s]) for s in ("train", "val")}
+
+    def _work(self, j: int) -> stream.Piece:
+        n, text, valid = self.reader.read(j)
+        ids = self.tok.encode_array(text) if text else np.zeros(0, np.int64)
+        return stream.Piece(self.blocks[j], n, valid, ids)
+
+    def run(self, workers: int) -> dict:
+        st = self.state
+        start = st["next_block"]
+        todo = range(start, len(self.blocks))
+        total = sum(b.nominal_end - b.nominal_start for b in self.blocks)
+        self.log.line(f"encoding {len(self.blocks) - start} blocks "
+                      f"({sum(b.nominal_end - b.nominal_start for b in self.blocks[start:]) / 1e6:.1f} MB) "
+                      f"on {workers} threads...")
+        bar = self.log.progress("encoding", len(self.blocks), total, unit="blocks")
+        bar.files = start
+        bar.bytes = sum(b.nominal_end - b.nominal_start for b in self.blocks[:start])
+        bar.resumed = bar.bytes
+        try:
+            for j, piece in zip(todo, stream.ordered_map(self._work, todo, workers)):
+                self._take(piece)
+                bar.update(j + 1, piece.n_bytes)
+                if self.writers["train"].count >= self.shard_tokens:
+                    self._checkpoint(j + 1)
+            self._checkpoint(len(self.blocks))
+        except BaseException:
+            for w in self.writers.values():
+                w.abandon()
+            raise
+        bar.done()
+        return self._stats()
+
+    def _take(self, piece: stream.Piece) -> None:
+        st, b = self.state, piece.block
+        split = "val" if b.val else "train"
+        st["file_not_utf8"] = st["file_not_utf8"] or not piece.valid_utf8
+        if len(piece.ids):
+            if st["open_document"] not in (None, split):
+                self._end_document(st["open_document"])  # a file split across train and val: two documents
+            self.writers[split].write(piece.ids)
+            self.counts[split] += np.bincount(piece.ids, minlength=self.tok.vocab_size)
+            st["open_document"] = split
+        st["bytes"][split] += piece.n_bytes
+        if b.last:
+            if st["open_document"] is not None:
+                self._end_document(st["open_document"])
+            st["not_utf8_files"] += st["file_not_utf8"]
+            st["open_document"], st["file_not_utf8"] = None, False
+
+    def _end_document(self, split: str) -> None:
+        self.writers[split].write(self.eot)
+        self.counts[split][self.tok.eot_id] += 1
+        self.state["documents"] += 1
+
+    def _checkpoint(self, next_block: int) -> None:
+        """Finish both open shards and save the state: a rerun continues from `next_block`."""
+        for w in self.writers.values():
+            w.close()
+        self.state["next_block"] = next_block
+        self.state["counts"] = {k: v.tolist() for k, v in self.counts.items()}
+        write_json(self.data_dir / STATE_FILE, self.state)
+
+    def _stats(self) -> dict:
+        st, counts = self.state, self.counts
+        n_tokens = {k: int(c.sum()) for k, c in counts.items()}
+        total_bytes = sum(st["bytes"].values())
+        not_utf8 = st["not_utf8_files"]
+        if not_utf8 > max(10, len(self.corpus.files) // 10):
+            self.log.line(f"note: {not_utf8} of {len(self.corpus.files)} files are not UTF-8: is the corpus "
+                          "binary in part?")
+        return {
+            "bytes": total_bytes,
+            "train_bytes": st["bytes"]["train"],
+            "val_bytes": st["bytes"]["val"],
+            "not_utf8_files": not_utf8,
+            "empty_files": sum(1 for n in self.sizes if n == 0),
+            "train_tokens": n_tokens["train"],
+            "val_tokens": n_tokens["val"],
+            "shards": st["shards"],
+            "bytes_per_token": round(total_bytes / max(sum(n_tokens.values()) - st["documents"], 1), 4),
+            "unigram_val_nats": round(unigram_entropy(counts["train"], counts["val"]), 4),
+        }

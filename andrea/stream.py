@@ -1,0 +1,196 @@
+"""The corpus as a stream of bounded blocks: where files are cut, which block is validation, and
+an encoder that runs on every core yet gives its results in corpus order.
+
+A file of `size` bytes is cut near every multiple of the block size U: the cut for the nominal
+position p is just after the first newline in [p, p + U), or, in a line longer than that, at the
+first UTF-8 character that starts at or after p. So a file has ceil(size / U) blocks (the last
+ones may be empty inside a very long line), each at most ~2U bytes, none splitting a character,
+and the list of blocks follows from the file sizes alone: it is known before anything is read.
+Every piece of work (reading, tokenizer training, encoding) handles one block at a time, which
+is what keeps memory flat whatever the size of the corpus or of its largest file. Encoding a
+block instead of its whole file changes ids only at the cuts; decoding gives the text back exactly.
+
+The validation split (a stable function of the files' paths and sizes, the same on every machine):
+
+- several files: a block is validation when a hash of (its file's path under the corpus root, its
+  index) falls below `val_fraction`; block 0 hashes the path alone, so a file of one block is
+  split exactly as whole files were before blocks existed. U = val_fraction x corpus bytes / 4,
+  kept within 64 KiB..1 MiB: small enough that even a few large files give the split many blocks
+  to choose from (four 26 MB files at 1%: 400 blocks, not 4 files), large enough that the default
+  corpus's files (all under 0.31 MB) stay whole. Each side gets at least one block.
+- one file: its last `val_fraction` of bytes (from the first newline after that point).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from andrea.errors import UserError
+
+MIN_BLOCK = 64 << 10
+MAX_BLOCK = 1 << 20
+SCAN = 1 << 16  # bytes read at a time while looking for the newline after a cut's nominal position
+
+
+@dataclass(frozen=True)
+class Block:
+    """Bytes [start nominal, end nominal) of file `file` (an index into the corpus's file list), cut
+    by `cut_at`; `index` is its position in the file, `val` its side of the split."""
+
+    file: int
+    index: int
+    nominal_start: int
+    nominal_end: int
+    val: bool
+    last: bool  # the file's last block: an EOT follows the document in each split it went to
+
+
+@dataclass
+class Piece:
+    """A block read and encoded."""
+
+    block: Block
+    n_bytes: int
+    valid_utf8: bool
+    ids: np.ndarray  # (n,) the block's token ids
+
+
+def block_size(total_bytes: int, val_fraction: float) -> int:
+    return int(min(MAX_BLOCK, max(MIN_BLOCK, val_fraction * total_bytes / 4)))
+
+
+def plan_blocks(paths: list[Path], sizes: list[int], root: Path, val_fraction: float) -> list[Block]:
+    """Every block of the corpus, in order, with its side of the split (see the module docstring)."""
+    nonempty = [i for i, n in enumerate(sizes) if n]
+    if len(nonempty) == 1:
+        (i,) = nonempty
+        return _one_file_blocks(i, sizes[i], val_fraction)
+    U = block_size(sum(sizes), val_fraction)
+    blocks, keys = [], []
+    for i in nonempty:
+        rel = Path(paths[i]).relative_to(root).as_posix()
+        n = -(-sizes[i] // U)
+        for k in range(n):
+            keys.append(split_key(rel if k == 0 else f"{rel}#{k}"))
+            blocks.append(Block(i, k, k * U, min((k + 1) * U, sizes[i]), False, k == n - 1))
+    val = [key < val_fraction for key in keys]
+    if len(blocks) >= 2 and not any(val):
+        val[int(np.argmin(keys))] = True
+    elif len(blocks) >= 2 and all(val):
+        val[int(np.argmax(keys))] = False
+    return [Block(b.file, b.index, b.nominal_start, b.nominal_end, v, b.last) for b, v in zip(blocks, val)]
+
+
+def _one_file_blocks(i: int, size: int, val_fraction: float) -> list[Block]:
+    U = block_size(size, val_fraction)
+    tail = min(int(size * (1 - val_fraction)), size - 1)
+    edges = sorted({*range(0, tail, U), tail, *range(tail, size, U)}) + [size]
+    return [Block(i, k, a, b, a >= tail, k == len(edges) - 2) for k, (a, b) in enumerate(zip(edges, edges[1:]))]
+
+
+def split_key(relative_path: str) -> float:
+    """A number in [0, 1) from a hash of `relative_path`: what decides a block's side of the split."""
+    digest = hashlib.sha256(relative_path.encode("utf-8", errors="surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def cut_at(f, nominal: int, size: int, limit: int) -> int:
+    """Where the block boundary with nominal position `nominal` falls in the open file `f`: just
+    after the first newline in [nominal, limit), else at the first character start at or after it."""
+    if nominal <= 0:
+        return 0
+    if nominal >= size:
+        return size
+    pos = nominal
+    while pos < limit:
+        f.seek(pos)
+        chunk = f.read(min(SCAN, limit - pos))
+        if not chunk:
+            break
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            return pos + newline + 1
+        pos += len(chunk)
+    f.seek(nominal)
+    head = f.read(4)
+    skip = 0
+    while skip < min(3, len(head)) and head[skip] & 0xC0 == 0x80:  # UTF-8 continuation bytes
+        skip += 1
+    return nominal + skip
+
+
+def read_block(path: Path, block: Block, size: int, next_nominal_end: int) -> bytes:
+    """The bytes of `block` of the file at `path` (of `size` bytes when planned)."""
+    try:
+        with open(path, "rb") as f:
+            start = cut_at(f, block.nominal_start, size, block.nominal_end)
+            end = size if block.last else cut_at(f, block.nominal_end, size, next_nominal_end)
+            f.seek(start)
+            return f.read(max(end - start, 0))
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+
+
+def decode(raw: bytes) -> tuple[str, bool]:
+    """(text, valid): bytes that are not UTF-8 become U+FFFD and `valid` is False."""
+    try:
+        return raw.decode("utf-8"), True
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace"), False
+
+
+class BlockReader:
+    """Reads the blocks of a planned corpus: `read(j)` gives block j's (bytes, text, valid)."""
+
+    def __init__(self, paths: list[Path], sizes: list[int], blocks: list[Block]):
+        self.paths, self.sizes, self.blocks = paths, sizes, blocks
+
+    def read(self, j: int) -> tuple[int, str, bool]:
+        b = self.blocks[j]
+        following = self.blocks[j + 1] if j + 1 < len(self.blocks) else None
+        limit = following.nominal_end if following is not None and following.file == b.file else self.sizes[b.file]
+        raw = read_block(self.paths[b.file], b, self.sizes[b.file], limit)
+        text, valid = decode(raw)
+        return len(raw), text, valid
+
+
+def ordered_map(
+    work: Callable[[int], object], items: Iterable[int], workers: int, stop: threading.Event | None = None
+) -> Iterator[object]:
+    """`work(item)` for each item, run by `workers` threads, yielded in the order of `items`.
+
+    At most 2 x workers + 2 items are in flight, so memory is bounded by a few blocks. The order of
+    the output is the order of the input whatever the number of workers. On any exception (Ctrl-C
+    included) the queued work is cancelled and the running work (one block each) is not waited for.
+    """
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="andrea-encode")
+    pending: deque[Future] = deque()
+    try:
+        for item in items:
+            if stop is not None and stop.is_set():
+                return
+            pending.append(pool.submit(work, item))
+            if len(pending) > 2 * workers + 2:
+                yield _result(pending.popleft())
+        while pending:
+            yield _result(pending.popleft())
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _result(future: Future):
+    # a short timeout in a loop: a Ctrl-C reaches the main thread within this time
+    while True:
+        try:
+            return future.result(timeout=0.25)
+        except FutureTimeout:
+            continue

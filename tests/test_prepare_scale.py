@@ -1,0 +1,374 @@
+"""Preparing data at scale (issue 21) and without destroying anything (issue 20, classes 1, 5, 7):
+blocks, shards and their manifest, output independent of the number of threads, resuming an
+interrupted preparation, a data directory that needs no corpus, a validation split that honours
+its fraction, tokenizer training on bounded pieces that answers Ctrl-C at once.
+
+A small tokenizer trained once per module is handed to `prepare` wherever training one is not
+the point, so each preparation takes a fraction of a second.
+"""
+
+import _thread
+import json
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from andrea import data, prepare, shards, stream
+from andrea.errors import UserError
+from andrea.tokenizer import Tokenizer
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
+    "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega",
+    "café", "naïve", "中文", "😀", "def", "return", "class", "import", "self"]
+
+
+def lines(rng, n_bytes):
+    """Text of random words in lines of 1-12 words, about `n_bytes` long."""
+    out, size = [], 0
+    while size < n_bytes:
+        line = " ".join(rng.choice(WORDS, rng.integers(1, 13))) + "\n"
+        out.append(line)
+        size += len(line.encode())
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    tok = Tokenizer.train([lines(rng, 200_000)], vocab_size=600, allow_smaller=True)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(path)
+    return path
+
+
+def make_corpus(root, n_files, n_bytes, seed=1):
+    rng = np.random.default_rng(seed)
+    for i in range(n_files):
+        p = root / f"d{i % 3}" / f"f{i:03d}.txt"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(lines(rng, n_bytes), encoding="utf-8")
+    return root
+
+
+def all_ids(data_dir, split):
+    tok = Tokenizer.load(data_dir / "tokenizer.json")
+    shards = data.open_split(data_dir, split, tok.vocab_size, tok.fingerprint()).shards
+    return np.concatenate([np.asarray(a) for a in shards])
+
+
+def snapshot(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+# ----------------------------------------------------------------------------- blocks and the split
+
+
+def test_blocks_cover_every_file_exactly_and_never_split_a_character(tmp_path):
+    text = "".join(f"línea {i} 😀\n" for i in range(20_000)) + "x" * 200_000 + "é" * 100_000 + "\nend"
+    (tmp_path / "big.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "small.txt").write_text("small\n", encoding="utf-8")
+    paths = sorted(tmp_path.iterdir())
+    sizes = [p.stat().st_size for p in paths]
+    blocks = stream.plan_blocks(paths, sizes, tmp_path, 0.01)
+    reader = stream.BlockReader(paths, sizes, blocks)
+    pieces = [reader.read(j) for j in range(len(blocks))]
+    assert all(valid for _, _, valid in pieces)
+    big = [t for b, (_, t, _) in zip(blocks, pieces) if paths[b.file].name == "big.txt"]
+    assert "".join(big) == text and len(big) == -(-sizes[0] // stream.MIN_BLOCK)
+    assert max(len(t.encode()) for t in big) <= 2 * stream.MIN_BLOCK + 4
+    assert sum(n for n, _, _ in pieces) == sum(sizes)
+
+
+def test_validation_honours_the_fraction_with_few_large_files(tmp_path, tok_path):
+    """Four 1 MB files at 1%: whole files would put 25% of the corpus in validation."""
+    corpus = make_corpus(tmp_path / "c", 4, 1_000_000)
+    stats = prepare.prepare([str(corpus)], tmp_path / "d", val_fraction=0.01, progress=False, tokenizer=tok_path)
+    share = stats["val_bytes"] / stats["bytes"]
+    assert 0.003 < share < 0.03, share
+    assert 0.003 < stats["val_tokens"] / (stats["train_tokens"] + stats["val_tokens"]) < 0.03
+
+
+def test_the_split_is_a_stable_function_of_paths_and_sizes(tmp_path):
+    corpus = make_corpus(tmp_path / "c", 30, 20_000)
+    paths = sorted(p for p in corpus.rglob("*.txt"))
+    sizes = [p.stat().st_size for p in paths]
+    first = stream.plan_blocks(paths, sizes, corpus, 0.1)
+    moved = tmp_path / "elsewhere"
+    shutil.move(corpus, moved)
+    again = stream.plan_blocks([moved / p.relative_to(corpus) for p in paths], sizes, moved, 0.1)
+    assert [b.val for b in first] == [b.val for b in again] and any(b.val for b in first)
+
+
+# ----------------------------------------------------------------------------- shards, threads, resume
+
+
+def test_output_is_the_same_for_any_number_of_threads_and_shard_size(tmp_path, tok_path):
+    corpus = make_corpus(tmp_path / "c", 24, 30_000)
+    one = prepare.prepare([str(corpus)], tmp_path / "one", progress=False, tokenizer=tok_path, workers=1)
+    many = prepare.prepare([str(corpus)], tmp_path / "many", progress=False, tokenizer=tok_path, workers=3,
+                           shard_tokens=20_000)
+    assert len(one["shards"]["train"]) == 1 and len(many["shards"]["train"]) > 3
+    for split in ("train", "val"):
+        assert np.array_equal(all_ids(tmp_path / "one", split), all_ids(tmp_path / "many", split))
+    for entry in many["shards"]["train"]:
+        ids = data.read_tokens(tmp_path / "many" / entry["file"])
+        assert entry["tokens"] == len(ids) and entry["max_id"] == int(ids.max())
+    assert sum(e["tokens"] for e in many["shards"]["train"]) == many["train_tokens"] == one["train_tokens"]
+    assert many["unigram_val_nats"] == one["unigram_val_nats"]
+
+
+def test_an_interrupted_prepare_resumes_from_its_last_finished_shard(tmp_path, tok_path, monkeypatch):
+    corpus = make_corpus(tmp_path / "c", 24, 30_000)
+    whole = prepare.prepare([str(corpus)], tmp_path / "whole", progress=False, tokenizer=tok_path, workers=2,
+                            shard_tokens=20_000)
+    out = tmp_path / "out"
+    take, calls = shards.Encoder._take, []
+
+    def interrupted(self, piece):
+        calls.append(piece.block)
+        if len(calls) == 15:
+            raise KeyboardInterrupt
+        take(self, piece)
+
+    monkeypatch.setattr(shards.Encoder, "_take", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, workers=2, shard_tokens=20_000)
+    monkeypatch.setattr(shards.Encoder, "_take", take)
+    state = json.loads((out / shards.STATE_FILE).read_text())
+    assert not (out / "meta.json").exists() and 0 < state["next_block"] < 15
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]  # the unfinished shard is gone
+
+    work, encoded = shards.Encoder._work, []
+    monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: encoded.append(j) or work(self, j))
+    resumed = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, workers=2, shard_tokens=20_000)
+    assert min(encoded) == state["next_block"]  # the finished shards were not encoded again
+    assert resumed["shards"] == whole["shards"] and not (out / shards.STATE_FILE).exists()
+    for split in ("train", "val"):
+        assert np.array_equal(all_ids(out, split), all_ids(tmp_path / "whole", split))
+    assert {k: resumed[k] for k in ("train_tokens", "val_tokens", "unigram_val_nats", "bytes", "not_utf8_files")} \
+        == {k: whole[k] for k in ("train_tokens", "val_tokens", "unigram_val_nats", "bytes", "not_utf8_files")}
+
+
+def test_ctrl_c_while_encoding_stops_within_a_second(tmp_path, tok_path, monkeypatch):
+    corpus = make_corpus(tmp_path / "c", 40, 5_000)
+    work = shards.Encoder._work
+    monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: time.sleep(0.3) or work(self, j))
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare([str(corpus)], tmp_path / "d", progress=False, tokenizer=tok_path, workers=2)
+    assert time.perf_counter() - t0 < 1.5
+    assert not [p for p in (tmp_path / "d").iterdir() if p.name.endswith(".tmp") or p.name == "meta.json"]
+
+
+def test_progress_comes_every_few_seconds_in_a_log(tmp_path, tok_path, monkeypatch, capsys):
+    corpus = make_corpus(tmp_path / "c", 12, 5_000)
+    monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.05)
+    work = shards.Encoder._work
+    monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: time.sleep(0.03) or work(self, j))
+    prepare.prepare([str(corpus)], tmp_path / "d", progress=True, tokenizer=tok_path, workers=1)
+    assert capsys.readouterr().err.count("encoding ") >= 3
+    monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.0)  # listing says how far it got, too
+    prepare.prepare([str(corpus)], tmp_path / "d2", progress=True, tokenizer=tok_path, workers=1)
+    assert "listing the corpus: 12 files so far" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a data directory stands alone
+
+
+def test_a_prepared_directory_needs_no_corpus(tmp_path, tok_path):
+    corpus = make_corpus(tmp_path / "c", 6, 20_000)
+    out = tmp_path / "d"
+    first = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
+    before = snapshot(out)
+    os.utime(next(corpus.rglob("*.txt")))  # touched: nothing happens
+    assert prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
+    shutil.move(corpus, tmp_path / "moved")  # gone: nothing happens either
+    again = prepare.prepare([str(corpus)], out, vocab_size=first["vocab_size"], progress=False)
+    assert again["skipped"] and again["train_tokens"] == first["train_tokens"] and snapshot(out) == before
+    assert data.split_counts(out) == (first["train_tokens"], first["val_tokens"])
+
+
+def test_opening_a_split_reads_headers_not_ids(tmp_path, tok_path, monkeypatch):
+    corpus = make_corpus(tmp_path / "c", 6, 20_000)
+    out = tmp_path / "d"
+    prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
+    tok = Tokenizer.load(tok_path)
+    shard = out / "train-00000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[data.HEADER_SIZE : data.HEADER_SIZE + 2] = (65535).to_bytes(2, "little")  # corrupt one id
+    shard.write_bytes(bytes(raw))
+    tokens = data.open_split(out, "train", tok.vocab_size, tok.fingerprint())  # no scan: opens
+    with pytest.raises(UserError, match="outside"):
+        tokens.windows([0], 8)  # ...and the batch holding the bad id is refused
+    meta = json.loads((out / "meta.json").read_text())
+    meta["shards"]["train"][0]["tokens"] += 1
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="meta.json says"):
+        data.open_split(out, "train", tok.vocab_size, tok.fingerprint())
+
+
+# ----------------------------------------------------------------------------- issue 20: nothing destroyed
+
+
+def test_a_refused_prepare_deletes_nothing(tmp_path, tok_path):
+    """Another vocabulary size, another given tokenizer, another corpus: refused, every file as it was."""
+    corpus = make_corpus(tmp_path / "c", 6, 20_000)
+    out = tmp_path / "d"
+    prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
+    before = snapshot(out)
+    other = tmp_path / "other.json"
+    Tokenizer.train([lines(np.random.default_rng(5), 100_000)], vocab_size=400, allow_smaller=True).save(other)
+    with pytest.raises(UserError, match="ids but 700 were asked"):
+        prepare.prepare([str(corpus)], out, vocab_size=700, val_fraction=0.2, progress=False)
+    with pytest.raises(UserError, match="another tokenizer"):
+        prepare.prepare([str(corpus)], out, progress=False, tokenizer=other)
+    with pytest.raises(UserError, match="another corpus"):
+        prepare.prepare([str(corpus / "d0")], out, progress=False)
+    assert snapshot(out) == before
+    assert prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
+
+
+def test_a_directory_andrea_did_not_make_is_left_alone(tmp_path, tok_path):
+    corpus = make_corpus(tmp_path / "c", 3, 20_000)
+    for name, content in (("meta.json", '{"step": 3, "tokenizer_fingerprint": "x"}'), ("train.bin", "mine")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / name).write_text(content)
+        (d / "tokenizer.json").write_bytes(tok_path.read_bytes())
+        before = snapshot(d)
+        with pytest.raises(UserError, match="choose another --data-dir"):
+            prepare.prepare([str(corpus)], d, progress=False, tokenizer=tok_path)
+        assert snapshot(d) == before
+
+
+# ----------------------------------------------------------------------------- issue 20 class 7: the tokenizer
+
+
+def test_one_large_document_reaches_the_trainer_in_bounded_pieces(tmp_path, monkeypatch):
+    text = lines(np.random.default_rng(3), 6_000_000)
+    (tmp_path / "one.txt").write_text(text, encoding="utf-8")
+    seen = []
+    train = Tokenizer.train.__func__
+
+    def recording(cls, texts, *args, **kwargs):
+        return train(cls, (seen.append(len(t.encode())) or t for t in texts), *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "train", classmethod(recording))
+    prepare.prepare([str(tmp_path / "one.txt")], tmp_path / "d", progress=False, allow_smaller_vocab=True,
+                    vocab_size=600)
+    assert len(seen) > 5 and max(seen) <= 2 * stream.MAX_BLOCK and sum(seen) > 0.9 * len(text.encode())
+
+
+def test_the_tokenizer_sample_is_bounded_and_spread(tmp_path, monkeypatch):
+    corpus = make_corpus(tmp_path / "c", 20, 30_000)
+    seen = []
+    train = Tokenizer.train.__func__
+
+    def recording(cls, texts, *args, **kwargs):
+        return train(cls, (seen.append(len(t.encode())) or t for t in texts), *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "train", classmethod(recording))
+    prepare.prepare([str(corpus)], tmp_path / "d", progress=False, allow_smaller_vocab=True, vocab_size=600,
+                    tokenizer_sample=200_000)
+    assert 200_000 <= sum(seen) < 200_000 + 2 * 64 * 1024 and len(seen) < 20
+
+
+def test_ctrl_c_while_the_tokenizer_reads_stops_within_a_second(tmp_path, monkeypatch):
+    corpus = make_corpus(tmp_path / "c", 200, 3_000)
+    read = stream.read_block
+    monkeypatch.setattr(stream, "read_block", lambda *a: time.sleep(0.02) or read(*a))
+    threading.Timer(0.5, _thread.interrupt_main).start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare([str(corpus)], tmp_path / "d", progress=False, allow_smaller_vocab=True)
+    assert time.perf_counter() - t0 < 1.5
+    assert not (tmp_path / "d" / "tokenizer.json").exists()
+
+
+def test_a_corpus_of_binary_files_is_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        (tmp_path / "c" / f"blob{i}.dat").parent.mkdir(exist_ok=True)
+        (tmp_path / "c" / f"blob{i}.dat").write_bytes(rng.integers(0, 256, 400_000, dtype=np.uint8).tobytes())
+    with pytest.raises(UserError, match="does not look like text"):
+        prepare.prepare([str(tmp_path / "c")], tmp_path / "d", progress=False, allow_smaller_vocab=True)
+    assert not (tmp_path / "d" / "tokenizer.json").exists()
+
+
+# ----------------------------------------------------------------------------- issue 20 class 5: resume
+
+
+def test_a_resume_whose_data_directory_is_gone_uses_the_runs_own_tokenizer(tmp_path, monkeypatch):
+    import yaml
+
+    from andrea import train
+    from andrea.cli import run_cli
+
+    corpus = make_corpus(tmp_path / "c", 8, 40_000)
+    cfg = {
+        "model": {"vocab_size": 8449, "context_length": 16, "d_model": 16, "n_layer": 1, "n_head": 2},
+        "train": {"batch_size": 2, "max_steps": 2, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 1, "log_interval": 1,
+                  "eval_interval": 2, "eval_batches": 1, "checkpoint_interval": 2, "sample_tokens": 0,
+                  "device": "cpu"},
+        "data": {"inputs": [str(corpus)], "data_dir": str(tmp_path / "data"), "allow_smaller_vocab": True},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+
+    def run(argv):
+        with pytest.raises(SystemExit) as info:
+            run_cli(train.main, argv)
+        return info.value.code
+
+    assert run(["--config", str(tmp_path / "run.yaml"), "--out", str(out)]) == 0
+    shutil.rmtree(tmp_path / "data")
+    (corpus / "new.txt").write_text(lines(np.random.default_rng(9), 30_000))  # a new tokenizer would differ
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a resumed run trained a new tokenizer")
+
+    monkeypatch.setattr(Tokenizer, "train", no_training)
+    assert run(["--out", str(out), "--resume", "--max-steps", "3"]) == 0
+    assert Tokenizer.load(tmp_path / "data" / "tokenizer.json").fingerprint() == \
+        Tokenizer.load(out / "tokenizer.json").fingerprint()
+
+
+def test_sizes_and_workers_on_the_command_line(tmp_path, capsys):
+    from andrea.cli import run_cli
+
+    assert [prepare.byte_count(t) for t in ("100MB", "1.5GB", "5000", "64kB", "2 gb")] == \
+        [100_000_000, 1_500_000_000, 5000, 64_000, 2_000_000_000]
+    for bad in (["--workers", "0"], ["--tokenizer-sample", "lots"], ["--tokenizer-sample", "0"]):
+        with pytest.raises(SystemExit) as info:
+            run_cli(prepare.main, ["--input", str(tmp_path), "--data-dir", str(tmp_path / "d"), *bad])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_a_single_file_data_directory_from_before_the_shards_keeps_loading(tmp_path, tok_path):
+    """meta_version 1 (train.bin, val.bin, meta.json as main wrote them): skipped by prepare without
+    its corpus, opened as one shard per split, and re-encoded into shards only with --force."""
+    corpus = make_corpus(tmp_path / "c", 3, 20_000)
+    tok = Tokenizer.load(tok_path)
+    out = tmp_path / "old"
+    out.mkdir()
+    tok.save(out / "tokenizer.json")
+    train_ids, val_ids = np.arange(500) % tok.eot_id, np.arange(60) % tok.eot_id
+    data.write_tokens(out / "train.bin", train_ids, tok.vocab_size, tok.fingerprint())
+    data.write_tokens(out / "val.bin", val_ids, tok.vocab_size, tok.fingerprint())
+    meta = {"meta_version": 1, "inputs": [str(corpus)], "requested_vocab_size": tok.vocab_size, "val_fraction": 0.01,
+            "signature": "of a corpus since changed", "train_tokens": 500, "val_tokens": 60,
+            "vocab_size": tok.vocab_size, "tokenizer_fingerprint": tok.fingerprint()}
+    (out / "meta.json").write_text(json.dumps(meta))
+    shutil.move(corpus, tmp_path / "moved")
+    assert prepare.prepare([str(corpus)], out, vocab_size=tok.vocab_size, progress=False)["skipped"]
+    train = data.open_split(out, "train", tok.vocab_size, tok.fingerprint())
+    assert len(train) == 500 and train.windows([10], 5).tolist() == [list(range(10, 15))]
+    shutil.move(tmp_path / "moved", corpus)
+    forced = prepare.prepare([str(corpus)], out, vocab_size=tok.vocab_size, progress=False, force=True)
+    assert forced["tokenizer"] == "loaded" and not (out / "train.bin").exists() and (out / "train-00000.bin").exists()
