@@ -85,6 +85,12 @@ class MetricsFile:
         self.flush()
         os.close(self.fd)
 
+    def __enter__(self) -> MetricsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _write(fd: int, data: bytes) -> int:
     """The one place metrics reach the disk (a test makes it fail as a full disk would)."""

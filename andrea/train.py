@@ -93,10 +93,8 @@ class Trainer:
             dist.require_nccl()
         self.val_tokens, self.tokenizer = val_tokens, tokenizer
         self.step = 0
-        self.bad_in_a_row = 0
-        self.bad_total = 0
+        self.guard = NonFiniteGuard(t.max_bad_steps)
         self.last_checkpoint = None
-        self.stop_signal = None
         self.tokens_per_step = t.batch_size * self.T * self.accum * world.size
         self.flops_per_step = flops_per_token(cfg.model, self.T, self.model.num_parameters()) * self.tokens_per_step
 
@@ -114,7 +112,7 @@ class Trainer:
             "optimizer_t": self.opt.t,
             "loader": self.loader.state_dict(),
             "processes": self.world.size,
-            "bad_steps_total": self.bad_total,
+            "bad_steps_total": self.guard.total,
             "tokenizer_fingerprint": self.tokenizer.fingerprint(),
             "numpy_random_state": _json_rng_state(),
         }
@@ -148,7 +146,7 @@ class Trainer:
         self.opt.t = meta["optimizer_t"]
         self.loader.load_state_dict(meta["loader"])
         self.step = int(meta["step"])
-        self.bad_total = int(meta.get("bad_steps_total", 0))
+        self.guard.total = int(meta.get("bad_steps_total", 0))
         _set_json_rng_state(meta.get("numpy_random_state"))
 
     # --- one step ---
@@ -195,78 +193,68 @@ class Trainer:
     def run(self, stop_at_step=None):
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
-        main_rank = self.world.is_main
-        # a failed write (full disk) warns and training goes on; closed in the finally below
-        metrics = self.metrics = runlog.MetricsFile(self.out_dir / "metrics.jsonl" if main_rank else os.devnull)
+        # a failed write (full disk) warns and training goes on
+        path = self.out_dir / "metrics.jsonl" if self.world.is_main else os.devnull
+        with runlog.MetricsFile(path) as self.metrics, StopVote(self.world, self) as vote:
+            meter = self._throughput_meter()
+            while self.step < t.max_steps:
+                # the step: forward and backward over the micro-batches, one AdamW update
+                lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
+                loss, norm, applied = self.train_step(lr)
+                self.step += 1
+                meter.steps += 1
+                # the non-finite guard: a skipped update is counted; too many in a row end the run
+                if not self.guard.record(applied, self.step, loss, norm, self.metrics):
+                    note(self.guard.stop_message(self.step, self.last_checkpoint, self.out_dir))
+                    return EXIT_NONFINITE
+                # the log line and the evaluation, each on its own interval
+                self._log_and_evaluate(lr, loss, norm, meter)
+                # the stop vote: a signal on any rank stops every rank after this same step
+                stopping = vote.agreed() or self.step == stop_at_step
+                # the checkpoint: on its interval, at the end, and when stopping
+                if (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping) \
+                        and self.world.is_main:
+                    self._checkpoint_or_warn()
+                    meter.window_start = time.perf_counter()
+                if stopping:
+                    return self._stopped(vote.signal)
+        return 0
+
+    def _throughput_meter(self):
         # CPU: the best of 5 2048^3 products (~0.6 s; a single one can come out 40% low on a shared
         # VM, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
         # set_tf32, so the peak is the one of the GEMM mode the run uses. Only rank 0 logs MFU, of
         # the global FLOP/s against N times its own peak.
-        xp = self.model.xp
-        peak_name = peak_label(xp, self.cfg.train.tf32)
-        if self.world.size > 1:
-            peak_name = f"{self.world.size} x {peak_name}"
+        xp, world = self.model.xp, self.world
+        name = peak_label(xp, self.cfg.train.tf32)
+        if world.size > 1:
+            name = f"{world.size} x {name}"
         peak = 1.0
-        if main_rank:
-            peak = (matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)) * self.world.size
-            log(f"MFU is against the {peak_name}: {peak / 1e12:.2f} TFLOP/s measured here")
-        window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
-        previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
-        for sig in previous:
-            signal.signal(sig, self._on_signal)
-        try:
-            while self.step < t.max_steps:
-                lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
-                loss, norm, applied = self.train_step(lr)
-                self.step += 1
-                window_steps += 1
-                if not applied:
-                    code = self._non_finite(float(loss), float(norm), metrics)
-                    if code is not None:
-                        return code
-                else:
-                    self.bad_in_a_row = 0
-                record = None
-                logging = self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps
-                if logging or self.step % t.eval_interval == 0:
-                    loss, norm = float(loss), float(norm)  # the reads wait for the step to finish
-                if logging:
-                    synchronize(self.model.xp)
-                    elapsed = time.perf_counter() - window_start
-                    tps = window_steps * self.tokens_per_step / elapsed
-                    mfu = window_steps * self.flops_per_step / elapsed / peak
-                    eta = (time.perf_counter() - run_start) / (self.step - run_start_step) * (t.max_steps - self.step)
-                    record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                              "tokens_per_s": tps, "mfu": mfu}
-                    log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
-                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {peak_name} | ETA {format_duration(eta)}")
-                    window_start, window_steps = time.perf_counter(), 0
-                if self.step % t.eval_interval == 0 or self.step == t.max_steps:
-                    val = self.evaluate()
-                    record = record or {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm}
-                    record["val_loss"] = val
-                    log(f"step {self.step:>6}: val loss {val:.4f}")
-                    window_start = time.perf_counter()  # evaluation time is not training throughput
-                if record:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-                # a signal on any rank stops every rank after this same step. The agreed value goes
-                # into a local: assigning it to self.stop_signal would erase a signal whose handler
-                # ran while max_int was under way (it is picked up after the next step instead)
-                signalled = self.world.max_int(self.stop_signal or 0)
-                if signalled and self.stop_signal is None:
-                    self.stop_signal = signalled  # another rank's
-                stopping = bool(signalled) or self.step == stop_at_step
-                if (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping) and main_rank:
-                    self._checkpoint_or_warn()
-                    window_start = time.perf_counter()
-                if stopping:
-                    return self._stopped()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            metrics.close()
-        return 0
+        if world.is_main:
+            peak = (matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)) * world.size
+            log(f"MFU is against the {name}: {peak / 1e12:.2f} TFLOP/s measured here")
+        return Throughput(xp, self.tokens_per_step, self.flops_per_step, peak, name, self.step)
+
+    def _log_and_evaluate(self, lr, loss, norm, meter):
+        t = self.cfg.train
+        record = None
+        logging = self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps
+        if logging or self.step % t.eval_interval == 0:
+            loss, norm = float(loss), float(norm)  # the reads wait for the step to finish
+        if logging:
+            tps, mfu, eta = meter.window(self.step, t.max_steps)
+            record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu}
+            log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
+                f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {meter.peak_name} | ETA {format_duration(eta)}")
+        if self.step % t.eval_interval == 0 or self.step == t.max_steps:
+            val = self.evaluate()
+            record = record or {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm}
+            record["val_loss"] = val
+            log(f"step {self.step:>6}: val loss {val:.4f}")
+            meter.window_start = time.perf_counter()  # evaluation time is not training throughput
+        if record:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
 
     def _checkpoint_or_warn(self):
         try:
@@ -275,36 +263,98 @@ class Trainer:
         except ckpt.CheckpointError as e:  # e.g. a full disk: keep training, the previous one is intact
             note(f"warning: {e}")
 
-    def _non_finite(self, loss, norm, metrics):
-        self.bad_in_a_row += 1
-        self.bad_total += 1
-        metrics.write(json.dumps({"step": self.step, "loss": _num(loss), "grad_norm": _num(norm),
-                                  "skipped": True}) + "\n")
-        note(f"warning: step {self.step}: non-finite loss {loss} or gradient norm {norm}; update skipped "
-             f"({self.bad_in_a_row} in a row, {self.bad_total} in total)")
-        if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
-            good = self.last_checkpoint or (ckpt.list_checkpoints(self.out_dir) or [None])[0]
-            note(f"error: training stopped at step {self.step} after {self.bad_in_a_row} non-finite steps in a "
-                 f"row; last good checkpoint: {good or 'none'}. Lower train.lr or check the data, then resume "
-                 f"with --resume")
-            return EXIT_NONFINITE
-        return None
-
-    def _on_signal(self, signum, frame):
-        if self.stop_signal is not None:  # a second Ctrl-C: stop now; checkpoints are atomic
-            raise KeyboardInterrupt
-        self.stop_signal = signum
-        note(f"\n{signal.Signals(signum).name} received: finishing step {self.step + 1}, then saving a checkpoint "
-             "(press Ctrl-C again to stop at once)")
-
-    def _stopped(self):
+    def _stopped(self, signum):
         launcher = f"mpiexec -n {self.world.size} python -m mpi4py" if self.world.size > 1 else "python"
         resume = f"{launcher} -m andrea.train --out {self.out_dir} --resume"
-        if self.stop_signal is not None:
+        if signum:
             note(f"interrupted at step {self.step}; checkpoint in {self.out_dir}. Resume with: {resume}")
             return EXIT_INTERRUPTED
         log(f"stopped at step {self.step} (--stop-at-step); resume with: {resume}")
         return 0
+
+
+class Throughput:
+    """Tokens/s, MFU and the ETA of the training steps (the old window arithmetic, kept as it was)."""
+
+    def __init__(self, xp, tokens_per_step, flops_per_step, peak, peak_name, step):
+        self.xp, self.tokens_per_step, self.flops_per_step = xp, tokens_per_step, flops_per_step
+        self.peak, self.peak_name = peak, peak_name
+        self.window_start, self.steps = time.perf_counter(), 0
+        self.run_start, self.run_start_step = time.perf_counter(), step
+
+    def window(self, step, max_steps):
+        synchronize(self.xp)
+        elapsed = time.perf_counter() - self.window_start
+        tps = self.steps * self.tokens_per_step / elapsed
+        mfu = self.steps * self.flops_per_step / elapsed / self.peak
+        eta = (time.perf_counter() - self.run_start) / (step - self.run_start_step) * (max_steps - step)
+        self.window_start, self.steps = time.perf_counter(), 0
+        return tps, mfu, eta
+
+
+class NonFiniteGuard:
+    """Steps whose loss or gradient norm is not finite apply no update (train_step skips it); this
+    counts them, logs each, and says when max_bad_steps in a row should end the run."""
+
+    def __init__(self, max_in_a_row, total=0):
+        self.max_in_a_row, self.in_a_row, self.total = max_in_a_row, 0, total
+
+    def record(self, applied, step, loss, norm, metrics):
+        """False when the run must stop (max_in_a_row skipped steps in a row)."""
+        if applied:
+            self.in_a_row = 0
+            return True
+        loss, norm = float(loss), float(norm)
+        self.in_a_row += 1
+        self.total += 1
+        metrics.write(json.dumps({"step": step, "loss": _num(loss), "grad_norm": _num(norm), "skipped": True}) + "\n")
+        note(f"warning: step {step}: non-finite loss {loss} or gradient norm {norm}; update skipped "
+             f"({self.in_a_row} in a row, {self.total} in total)")
+        return self.in_a_row < self.max_in_a_row
+
+    def stop_message(self, step, last_checkpoint, out_dir):
+        good = last_checkpoint or (ckpt.list_checkpoints(out_dir) or [None])[0]
+        return (f"error: training stopped at step {step} after {self.in_a_row} non-finite steps in a row; last "
+                f"good checkpoint: {good or 'none'}. Lower train.lr or check the data, then resume with --resume")
+
+
+class StopVote:
+    """Ctrl-C or SIGTERM on any rank stops every rank after the same step, which is then saved.
+
+    A context manager: its signal handlers hold for the run and the previous ones come back after.
+    `agreed()` is the vote, a collective every rank calls once per step. A second Ctrl-C stops at
+    once (checkpoints are atomic, so that loses nothing saved)."""
+
+    def __init__(self, world, trainer):
+        self.world, self.trainer = world, trainer
+        self.signal = None  # the signal that stops this run, this rank's or another's
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        note(f"\n{signal.Signals(signum).name} received: finishing step {self.trainer.step + 1}, then saving a "
+             "checkpoint (press Ctrl-C again to stop at once)")
+
+    def agreed(self):
+        """True when a signal reached any rank. The agreed value goes into a local first: assigning
+        it to self.signal would erase a signal whose handler ran while max_int was under way (it is
+        picked up after the next step instead)."""
+        signalled = self.world.max_int(self.signal or 0)
+        if signalled and self.signal is None:
+            self.signal = signalled  # another rank's
+        return bool(signalled)
 
 
 def _host(a):
