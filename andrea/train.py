@@ -95,6 +95,7 @@ class Trainer:
         self.step = 0
         self.guard = NonFiniteGuard(t.max_bad_steps)
         self.last_checkpoint = None
+        self.last_loss, self.last_val = None, None  # the last step's loss, the last (step, val loss)
         self.tokens_per_step = t.batch_size * self.T * self.accum * world.size
         self.flops_per_step = flops_per_token(cfg.model, self.T, self.model.num_parameters()) * self.tokens_per_step
 
@@ -196,13 +197,15 @@ class Trainer:
         # a failed write (full disk) warns and training goes on
         path = self.out_dir / "metrics.jsonl" if self.world.is_main else os.devnull
         with runlog.MetricsFile(path) as self.metrics, StopVote(self.world, self) as vote:
-            meter = self._throughput_meter()
+            meter = self.meter = self._throughput_meter()
             while self.step < t.max_steps:
                 # the step: forward and backward over the micro-batches, one AdamW update
                 lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
+                meter.start()
                 loss, norm, applied = self.train_step(lr)
                 self.step += 1
-                meter.steps += 1
+                self.last_loss = loss
+                meter.step_done()
                 # the non-finite guard: a skipped update is counted; too many in a row end the run
                 if not self.guard.record(applied, self.step, loss, norm, self.metrics):
                     note(self.guard.stop_message(self.step, self.last_checkpoint, self.out_dir))
@@ -214,8 +217,8 @@ class Trainer:
                 # the checkpoint: on its interval, at the end, and when stopping
                 if (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping) \
                         and self.world.is_main:
+                    meter.stop()  # a save is not training time
                     self._checkpoint_or_warn()
-                    meter.window_start = time.perf_counter()
                 if stopping:
                     return self._stopped(vote.signal)
         return 0
@@ -233,7 +236,7 @@ class Trainer:
         if world.is_main:
             peak = (matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)) * world.size
             log(f"MFU is against the {name}: {peak / 1e12:.2f} TFLOP/s measured here")
-        return Throughput(xp, self.tokens_per_step, self.flops_per_step, peak, name, self.step)
+        return Throughput(xp, self.tokens_per_step, self.flops_per_step, peak, name)
 
     def _log_and_evaluate(self, lr, loss, norm, meter):
         t = self.cfg.train
@@ -242,16 +245,19 @@ class Trainer:
         if logging or self.step % t.eval_interval == 0:
             loss, norm = float(loss), float(norm)  # the reads wait for the step to finish
         if logging:
-            tps, mfu, eta = meter.window(self.step, t.max_steps)
+            tps, mfu = meter.window()
+            eta = meter.eta(t.max_steps - self.step)
+            when = f"ETA {format_duration(eta)}" if eta is not None else "first step: start-up included, not in the ETA"
             record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu}
             log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
-                f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {meter.peak_name} | ETA {format_duration(eta)}")
+                f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {meter.peak_name} | {when}")
         if self.step % t.eval_interval == 0 or self.step == t.max_steps:
+            meter.stop()  # evaluation time is not training throughput
             val = self.evaluate()
+            self.last_val = (self.step, val)
             record = record or {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm}
             record["val_loss"] = val
             log(f"step {self.step:>6}: val loss {val:.4f}")
-            meter.window_start = time.perf_counter()  # evaluation time is not training throughput
         if record:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -274,22 +280,65 @@ class Trainer:
 
 
 class Throughput:
-    """Tokens/s, MFU and the ETA of the training steps (the old window arithmetic, kept as it was)."""
+    """Tokens/s, MFU and the ETA, from the time of training steps alone.
 
-    def __init__(self, xp, tokens_per_step, flops_per_step, peak, peak_name, step):
+    The clock runs while steps run and stops (once the device has finished its queued work) for
+    everything else: the log line, evaluation, checkpoints. Two tallies read it: the window since
+    the last log line (the figures logged) and this run's steps after its first (the ETA and the
+    end-of-run rate): a process's first step also compiles kernels and warms caches, 40-50 s with
+    a cold numba cache against well under a second for the steps after it."""
+
+    def __init__(self, xp, tokens_per_step, flops_per_step, peak, peak_name):
         self.xp, self.tokens_per_step, self.flops_per_step = xp, tokens_per_step, flops_per_step
         self.peak, self.peak_name = peak, peak_name
-        self.window_start, self.steps = time.perf_counter(), 0
-        self.run_start, self.run_start_step = time.perf_counter(), step
+        self.first_step_s = None                  # this run's first step, start-up included
+        self.run_steps, self.run_s = 0, 0.0       # the steps after it
+        self.window_steps, self.window_s = 0, 0.0
+        self._steps, self._since = 0, None        # since the clock last started
 
-    def window(self, step, max_steps):
+    def start(self):
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def step_done(self):
+        self._steps += 1
+        if self.first_step_s is None:
+            self.stop()  # the first step is timed alone
+
+    def stop(self):
+        if self._since is None:
+            return
         synchronize(self.xp)
-        elapsed = time.perf_counter() - self.window_start
-        tps = self.steps * self.tokens_per_step / elapsed
-        mfu = self.steps * self.flops_per_step / elapsed / self.peak
-        eta = (time.perf_counter() - self.run_start) / (step - self.run_start_step) * (max_steps - step)
-        self.window_start, self.steps = time.perf_counter(), 0
-        return tps, mfu, eta
+        seconds = time.perf_counter() - self._since
+        if self.first_step_s is None:
+            self.first_step_s = seconds
+        else:
+            self.run_steps, self.run_s = self.run_steps + self._steps, self.run_s + seconds
+        self.window_steps, self.window_s = self.window_steps + self._steps, self.window_s + seconds
+        self._steps, self._since = 0, None
+
+    def window(self):
+        """(tokens/s, MFU) of the steps since the last call (the clock is stopped first)."""
+        self.stop()
+        seconds = max(self.window_s, 1e-9)
+        tps = self.window_steps * self.tokens_per_step / seconds
+        mfu = self.window_steps * self.flops_per_step / seconds / self.peak
+        self.window_steps, self.window_s = 0, 0.0
+        return tps, mfu
+
+    def eta(self, steps_left):
+        """Seconds for `steps_left` more steps at this run's pace after its first step; None before
+        a later step has been timed."""
+        return self.run_s / self.run_steps * steps_left if self.run_steps else None
+
+    def run_rate(self):
+        """(tokens/s, seconds, steps) of this run's training steps after the first (the first alone
+        when it is the only one)."""
+        if self.run_steps:
+            return self.run_steps * self.tokens_per_step / self.run_s, self.run_s, self.run_steps
+        if self.first_step_s:
+            return self.tokens_per_step / self.first_step_s, self.first_step_s, 1
+        return 0.0, 0.0, 0
 
 
 class NonFiniteGuard:
@@ -552,8 +601,9 @@ def run_training(args, world):
         if code == 0:
             log(plot_after_training(out_dir))
         if code in (0, EXIT_INTERRUPTED):
+            loss = float(trainer.last_loss) if trainer.last_loss is not None else None
             log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, time.perf_counter() - started,
-                               trainer.tokens_per_step, trainer.metrics.last, trainer.last_checkpoint))
+                               trainer.meter.run_rate(), loss, trainer.last_val, trainer.last_checkpoint))
     t = cfg.train
     if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0 and world.is_main:
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
