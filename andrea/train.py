@@ -542,47 +542,36 @@ def main(argv=None):
     keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     global WORLD
     WORLD = dist.init()
-    if not WORLD.is_main:
-        quiet_fallback()  # rank 0 says "no usable GPU" once for all
+    quiet_fallback()  # the pre-flight pass says once, on rank 0, which device a run of "auto" gets
     with dist.guard(WORLD):
         return run_training(parse_args(argv), WORLD)
 
 
 def run_training(args, world):
-    """The whole run on one rank; every collective inside is issued by all ranks in this order.
+    """The whole run on one rank, phase by phase; every collective inside is issued by all ranks in
+    this order.
 
     A `together` block holds no collective of its own, so a rank that fails in one meets the others
     in its agreement; an error anywhere else ends every rank through dist.guard.
     """
-    with world.together():
-        cfg, out_dir = build_run_config(args)
-        plan = preflight.check(cfg, out_dir, warn=None if world.is_main else _quiet)
+    # the checks: everything that can fail is checked before any work, with or without --dry-run
+    cfg, out_dir, plan = check_launch(args, world)
     if args.dry_run:
         log(plan.describe())
         return 0
+    if plan.device_note:
+        note(f"note: {plan.device_note}")
+    # the run directory: claimed for this run; what killed processes left in it is removed
     with world.together():
         if world.is_main:
             if not args.resume:
                 runlog.claim_run_dir(out_dir, args.resume, args.overwrite)
             runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
-    with world.together():  # data preparation once, on rank 0, while the others wait here
-        prepared = prepare_data(cfg, tokenizer=args.init_from) if world.is_main else None
-    with world.together():
-        tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
-        preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
-        preflight.check_prompt(tokenizer, cfg)
-        if world.is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
-        if args.init_from:
-            hf.load_weights(trainer.model, args.init_from)
-            log(f"initialised from {args.init_from}")
-    gpus = int(world.sum_scalars([trainer.model.xp is not np])[0])
-    with world.together():
-        if 0 < gpus < world.size:
-            raise UserError(f"{gpus} of {world.size} processes found a GPU: choose --device cpu or gpu for all")
-    if trainer.reducer is None:
-        trainer.reducer = world.reducer_for(trainer.model.xp)  # NCCL: the unique id goes out over MPI
+    # the data: prepared once, by rank 0, while the others wait; then read by every rank
+    tokenizer, train_tokens, val_tokens = load_data(cfg, args, world)
+    # the model, optimizer and data loader, on every rank
+    trainer = build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens)
+    # the state: a checkpoint's (--resume), or rank 0's fresh weights on every rank
     if args.resume:
         if resume(trainer, args.stop_at_step) == "finished":
             return 0
@@ -592,22 +581,94 @@ def run_training(args, world):
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         tokenizer.save(out_dir / "tokenizer.json")
     _header(cfg, args, trainer, len(train_tokens), len(val_tokens), out_dir)
-    if trainer.accum > 1 and world.is_main:
-        trainer.loader = runlog.MicroBatchProgress(trainer.loader, trainer.accum)
+    # the loop
     start_step, started = trainer.step, time.perf_counter()
     code = trainer.run(stop_at_step=args.stop_at_step)
-    if world.is_main:
-        code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
-        if code == 0:
-            log(plot_after_training(out_dir))
-        if code in (0, EXIT_INTERRUPTED):
-            loss = float(trainer.last_loss) if trainer.last_loss is not None else None
-            log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, time.perf_counter() - started,
-                               trainer.meter.run_rate(), loss, trainer.last_val, trainer.last_checkpoint))
-    t = cfg.train
-    if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0 and world.is_main:
+    # the end: the last save checked, the plot, the summary and a sample
+    return finish(trainer, code, start_step, time.perf_counter() - started)
+
+
+def check_launch(args, world):
+    """The run's config, output directory and plan, the same on every rank, or one error for all."""
+    with world.together():
+        cfg, out_dir = build_run_config(args)
+    require_same_launch(world, args, cfg, out_dir)
+    with world.together():
+        if preflight.train_device(cfg.train.device) != "cpu":
+            dist.use_local_gpu(world)  # before the probe touches a GPU
+        plan = preflight.check(cfg, out_dir, world.size, args.init_from, warn=None if world.is_main else _quiet)
+    gpus = int(world.sum_scalars([plan.device == "gpu"])[0])
+    with world.together():
+        if 0 < gpus < world.size:
+            raise UserError(f"{gpus} of {world.size} processes found a GPU: choose --device cpu or gpu for all")
+    return cfg, out_dir, plan
+
+
+LAUNCH_FLAGS = ("resume", "overwrite", "dry_run", "init_from", "stop_at_step")
+
+
+def require_same_launch(world, args, cfg, out_dir):
+    """Ranks started with different arguments (an MPMD launch) would issue different collectives and
+    wait for each other forever: each compares its configuration with rank 0's, and if any differs
+    all stop with one error naming the first differing keys."""
+    if world.size == 1:
+        return
+    mine = {f"{section}.{key}": value for section in ("model", "train", "data")
+            for key, value in cfg.to_dict()[section].items()}
+    mine.update({"--out": str(out_dir)}, **{"--" + f.replace("_", "-"): getattr(args, f) for f in LAUNCH_FLAGS})
+    mine = json.loads(json.dumps(mine))  # as the broadcast gives rank 0's: lists, not tuples
+    main_rank = world.broadcast_json(mine)
+    with world.together():
+        differ = [k for k in mine if mine[k] != main_rank.get(k)]
+        if differ:
+            shown = ", ".join(f"{k} {mine[k]!r} (rank 0: {main_rank.get(k)!r})" for k in differ[:3])
+            raise UserError(f"this process was started with other arguments than rank 0: {shown}; start every "
+                            "process with the same arguments")
+
+
+def load_data(cfg, args, world):
+    """(tokenizer, train tokens, val tokens) on every rank: rank 0 prepares what is missing first."""
+    with world.together():
+        prepared = prepare_data(cfg, tokenizer=args.init_from) if world.is_main else None
+    with world.together():
+        tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
+        preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
+        preflight.check_prompt(tokenizer, cfg)
+    return tokenizer, train_tokens, val_tokens
+
+
+def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens):
+    """The Trainer on every rank, its gradients summed over NCCL on GPUs (connected here, outside
+    any `together` block: NCCL's set-up is a collective)."""
+    with world.together():
+        if world.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
+        if args.init_from:
+            hf.load_weights(trainer.model, args.init_from)
+            log(f"initialised from {args.init_from}")
+    if trainer.reducer is None:
+        trainer.reducer = world.reducer_for(trainer.model.xp)  # NCCL: the unique id goes out over MPI
+    if trainer.accum > 1 and world.is_main:
+        trainer.loader = runlog.MicroBatchProgress(trainer.loader, trainer.accum)
+    return trainer
+
+
+def finish(trainer, code, start_step, seconds):
+    """After the loop, on rank 0: the last save checked, the plot, the summary, a sample; the exit code."""
+    t, out_dir = trainer.cfg.train, trainer.out_dir
+    if not trainer.world.is_main:
+        return code
+    code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
+    if code == 0:
+        log(plot_after_training(out_dir))
+    if code in (0, EXIT_INTERRUPTED):
+        loss = float(trainer.last_loss) if trainer.last_loss is not None else None
+        log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, seconds, trainer.meter.run_rate(),
+                           loss, trainer.last_val, trainer.last_checkpoint))
+    if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0:
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
-        stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
+        stream(trainer.model, trainer.tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
         log("-" * 60 + f"\nmore: python -m andrea.sample --checkpoint {out_dir} --prompt 'import '")
     return code
 
