@@ -80,7 +80,7 @@ class Trainer:
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         # process-wide choices for the GPU, made once here and said in the log
-        self.startup = [set_tf32(self.model.xp, t.tf32), select_kernels(t.kernels, self.model.xp)]
+        self.startup = [set_tf32(self.model.xp, t.tf32), kernels_line(t.kernels, self.model.xp)]
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
         self.T = t.sequence_length(cfg.model)
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
@@ -425,6 +425,22 @@ def _set_json_rng_state(s):
         np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
 
 
+def kernels_line(mode, xp):
+    """The start-up line that says which kernels the steps run. On a GPU: the CUDA kernels chosen
+    by their self-check (train.kernels). On the CPU: numba's compiled kernels or NumPy's, as
+    andrea.bench says; the numba ones compile during the first step unless numba's disk cache holds
+    them, so the line says why that step is slow."""
+    from minitensor import cpu
+
+    line = select_kernels(mode, xp)
+    if xp is not np:
+        return line
+    if cpu.mode() == "numba":
+        return ("kernels: numba-compiled CPU kernels (ANDREA_CPU_KERNELS=numpy for NumPy alone); the first step "
+                "compiles them, 40-50 s unless numba's cache already holds them")
+    return "kernels: NumPy (pip install -e '.[fast]' adds numba's compiled CPU kernels)"
+
+
 def prepare_data(cfg, build=True, tokenizer=None):
     """Tokens and tokenizer for the config's corpus, preparing them first if they are missing (build).
 
@@ -498,6 +514,7 @@ def build_run_config(args):
     else:
         if args.init_from:
             cfg = hf.init_from_config(args.config or "tiny", args.init_from, overrides)
+            cfg.name = f"{Path(args.init_from).resolve().name}-finetune"  # its model is not the config's
         else:
             cfg = load_config(args.config or "tiny", overrides)
         out_dir = out_dir or Path("out") / cfg.name
@@ -680,6 +697,9 @@ def resume(trainer, stop_at_step):
     world, out_dir = trainer.world, trainer.out_dir
     with world.together():
         meta = None
+        if world.is_main and not ckpt.list_checkpoints(out_dir):
+            raise UserError(f"nothing to resume in {out_dir}: the run there stopped before its first checkpoint; "
+                            f"start it afresh with --overwrite")
         if world.is_main:
             path, tensors, meta = ckpt.latest_checkpoint(out_dir, validate=trainer.validate_checkpoint)
             trainer.restore(tensors, meta)

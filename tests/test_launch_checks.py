@@ -11,9 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from optional import require
+
+from andrea.config import load_config
+from andrea.train import build_run_config, kernels_line, parse_args
+from minitensor import cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -131,3 +136,32 @@ def test_ranks_started_with_different_arguments_all_stop_with_one_error(tmp_path
     line = error_line(err)
     assert "started with other arguments than rank 0: train.max_steps 3 (rank 0: 2)" in line, line
     assert "(rank 1 of 2)" in line and not (tmp_path / "data").exists()
+
+
+def test_the_start_up_line_names_the_cpu_path_the_steps_run(monkeypatch):
+    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numba")
+    line = kernels_line("auto", np)  # was "kernels: generic (NumPy)" while numba ran
+    if cpu.numba is not None:
+        assert line.startswith("kernels: numba-compiled CPU kernels") and "the first step compiles them" in line
+    else:
+        assert line.startswith("kernels: NumPy (pip install")
+    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numpy")
+    assert kernels_line("auto", np).startswith("kernels: NumPy")
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_to_overwrite(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    # what a Ctrl-C after the start-up and before the first checkpoint leaves
+    (out / "config.json").write_text(json.dumps(load_config(small_config(tmp_path)).to_dict()))
+    (out / "metrics.jsonl").write_text("")
+    code, _, err = train("--out", str(out), "--resume")
+    assert code == 2 and "stopped before its first checkpoint; start it afresh with --overwrite" in error_line(err)
+    code, _, err = train("--config", small_config(tmp_path), "--out", str(out))
+    assert code == 2 and "--overwrite" in error_line(err)
+
+
+def test_an_init_from_run_is_named_after_its_directory(tmp_path):
+    args = parse_args(["--init-from", str(gpt2_directory(tmp_path / "my-gpt2"))])
+    cfg, out_dir = build_run_config(args)
+    assert cfg.name == "my-gpt2-finetune" and out_dir == Path("out") / "my-gpt2-finetune"  # not out/andrea-tiny
