@@ -22,7 +22,7 @@
 - the data, when it is already prepared: both splits must hold a window of seq_len + 1 tokens
   (`check_data` repeats this after a first-run preparation).
 
-Activation memory follows BENCHMARKS.md's measurement on ANDREA-120M: 17 d_model floats per
+Activation memory follows BENCHMARKS.md's measurement on ANDREA-120M: 12 d_model floats per
 token and layer, plus V + 3 d_model floats per token outside the blocks (logits, final LayerNorm
 and head inputs), plus attention probabilities where a layer keeps them (only when they take at most 16 MiB).
 """
@@ -132,8 +132,9 @@ class MemoryEstimate:
 
     @property
     def overhead_bytes(self) -> int:
-        # temporaries of the step, the interpreter, the token arrays: measured, ANDREA-120M at
-        # 8 x 1024 on the CPU peaked at 6.96 GiB RSS against 6.49 GiB of state and activations
+        # temporaries of the step, the interpreter, the token arrays: ANDREA-120M at 8 x 1024 on
+        # the CPU peaked at 6.96 GiB RSS against 6.49 GiB of state and activations, measured when
+        # 17 d_model floats per token and layer were kept (12 now: 5.08 GiB; not measured again)
         return (self.state_bytes + self.activation_bytes) // 10
 
     @property
