@@ -5,15 +5,22 @@
     python -m andrea.train --out runs/small --resume         # continue from the newest good checkpoint
     python -m andrea.train --config 120m --dry-run           # the pre-flight checks and the plan, no training
 
-Each optimizer step: accumulate gradients over micro-batches, check the loss and gradient norm
-are finite (a non-finite step applies no update), clip by global norm, set the learning rate
-(warmup then cosine), and take an AdamW step. Logs a line every log_interval steps, evaluates
-the validation loss every eval_interval, appends to OUT/metrics.jsonl, and writes crash-safe
-checkpoints (weights, optimizer moments, data-loader and random states, config) to OUT.
-Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
-Before any of this, andrea.preflight checks everything that could fail later (device, paths,
-prompt, memory, data); andrea.runlog keeps the run directory to one run and one story (metrics
-that survive a full disk, each step once after a resume, exit code 4 when the last save failed).
+A run goes through phases, each a function below, read top to bottom in `run_training`: the
+checks (andrea.preflight: device, paths, step shape, --init-from's weights, memory, data; the same
+with and without --dry-run, on every rank, after the ranks have compared their arguments), the
+run directory, the data, the model, the state (a checkpoint's or a fresh one), the loop, the end
+(the last save checked, the plot, the summary, a sample).
+
+The loop (`Trainer.run`), per optimizer step: accumulate gradients over micro-batches, check the
+loss and gradient norm are finite (NonFiniteGuard: a non-finite step applies no update, too many
+in a row end the run), clip by global norm, set the learning rate (warmup then cosine) and take
+an AdamW step; log a line every log_interval steps and evaluate every eval_interval (Throughput:
+tokens/s, MFU and the ETA from the time of training steps alone); vote on stopping (StopVote:
+Ctrl-C or SIGTERM on any rank stops all after the same step); write a crash-safe checkpoint
+(weights, optimizer moments, data-loader and random states, config) every checkpoint_interval
+steps, at the end and when stopping, and say how to resume. andrea.runlog keeps the run
+directory to one run and one story (metrics that survive a full disk, each step once after a
+resume, exit code 4 when the last save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
