@@ -165,3 +165,21 @@ def test_an_init_from_run_is_named_after_its_directory(tmp_path):
     args = parse_args(["--init-from", str(gpt2_directory(tmp_path / "my-gpt2"))])
     cfg, out_dir = build_run_config(args)
     assert cfg.name == "my-gpt2-finetune" and out_dir == Path("out") / "my-gpt2-finetune"  # not out/andrea-tiny
+
+
+def test_a_cpu_machine_with_cupy_installed_reads_one_calm_line(monkeypatch):
+    from andrea import preflight
+    from andrea.errors import UserError
+    from minitensor import backend
+
+    driver = ("no CUDA device (CUDARuntimeError: cudaErrorInsufficientDriver: CUDA driver version is "
+              "insufficient for CUDA runtime version)")
+    monkeypatch.setattr(backend, "_probe_gpu", lambda: (False, driver))
+    device, note = preflight.probe_device("auto")
+    assert device == "cpu" and "Error" not in note and "insufficient" not in note
+    assert note.startswith("no usable GPU (CuPy is installed, but this machine has no CUDA driver or GPU)")
+    with pytest.raises(UserError, match="--device gpu: no usable GPU: no CUDA device"):
+        preflight.probe_device("gpu")  # asked for: the full reason
+    assert preflight.probe_device("cpu") == ("cpu", "")
+    monkeypatch.setattr(backend, "_probe_gpu", lambda: (True, ""))
+    assert preflight.probe_device("auto") == ("gpu", "")
