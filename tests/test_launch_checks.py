@@ -17,6 +17,7 @@ import yaml
 from optional import require
 
 from andrea.config import load_config
+from andrea.errors import UserError
 from andrea.train import build_run_config, kernels_line, parse_args
 from minitensor import cpu
 
@@ -183,3 +184,15 @@ def test_a_cpu_machine_with_cupy_installed_reads_one_calm_line(monkeypatch):
     assert preflight.probe_device("cpu") == ("cpu", "")
     monkeypatch.setattr(backend, "_probe_gpu", lambda: (True, ""))
     assert preflight.probe_device("auto") == ("gpu", "")
+
+
+def test_init_from_checks_train_values_against_the_imported_model(tmp_path):
+    # the README's fine-tune: seq_len 256, above the tiny config's context (128), within GPT-2's (1024)
+    directory = gpt2_directory(tmp_path / "gpt2")
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 300, "n_positions": 1024,
+                                                       "n_embd": 16, "n_layer": 1, "n_head": 2}))
+    sets = ["train.seq_len=256", "train.lr=1e-4", "train.min_lr=1e-5"]
+    cfg, _ = build_run_config(parse_args(["--init-from", str(directory), *[a for s in sets for a in ("--set", s)]]))
+    assert (cfg.model.context_length, cfg.train.seq_len, cfg.train.lr) == (1024, 256, 1e-4)
+    with pytest.raises(UserError, match=r"train.seq_len \(2048\) exceeds model.context_length \(1024\)"):
+        build_run_config(parse_args(["--init-from", str(directory), "--set", "train.seq_len=2048"]))
