@@ -3,7 +3,7 @@
     python -m andrea.bench                          # tiny, small, 120m on the CPU; a table and bench.json
     python -m andrea.bench --configs tiny --torch   # and PyTorch eager on the identical model, side by side
     python -m andrea.bench --configs 120m --profile # where a step's time goes, per layer
-    python -m andrea.bench --components             # GELU, LayerNorm, ... against PyTorch's kernels
+    python -m andrea.bench --components             # each component against PyTorch's; bench-components.json
 
 Each config runs in a fresh process, so its peak resident memory is its own. A training step is
 forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny 16 x 128,
