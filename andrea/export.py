@@ -7,23 +7,31 @@ special_tokens_map.json and generation_config.json (andrea.hf), which transforme
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(DIR)
     tokenizer = AutoTokenizer.from_pretrained(DIR)
+
+DIR must be new, empty of those files, or an earlier export (which is replaced); a training run's
+directory or another program's files are refused before the checkpoint is read (andrea.rundir).
 """
 
-import argparse
 import sys
 
-from andrea.cli import run_cli
+from andrea import rundir
+from andrea.cli import ArgumentParser, run_cli
+from andrea.preflight import check_directory
 from andrea.sample import load_model
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m andrea.export", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m andrea.export", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a run directory or a ckpt-* directory")
-    ap.add_argument("--out", required=True, help="the directory to write (created if missing)")
+    ap.add_argument("--out", required=True, help="the directory to write (created if missing; an earlier "
+                                                 "export there is replaced)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
+    check_directory(args.out, "--out")
+    rundir.check(args.out, "export")
     model, tokenizer, meta = load_model(args.checkpoint, device="cpu")
-    paths = model.save_pretrained(args.out, tokenizer=tokenizer)
+    with rundir.claim(args.out, "export"):
+        paths = model.save_pretrained(args.out, tokenizer=tokenizer)
     print(f"exported step {meta.get('step')} of {args.checkpoint} ({model.num_parameters():,} parameters) "
           f"to {args.out}: {', '.join(p.name for p in paths)}", file=sys.stderr)
     print(f"load it with transformers: AutoModelForCausalLM.from_pretrained({args.out!r}), "

@@ -2,6 +2,7 @@
 
     model.save_pretrained("export/", tokenizer=tok)   # config.json, model.safetensors, tokenizer files
     model = ANDREA.from_pretrained("export/")         # or a GPT-2 saved by transformers (safetensors)
+    state = read_state("export/", param_shapes(cfg))  # the checked weights alone, {GPT-2 name: array}
     tok = load_tokenizer("export/")                   # andrea's tokenizer.json or a HF one
 
 andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv1D (in, out) layout
@@ -12,12 +13,19 @@ andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv
   (another activation, an untied head, the scaled-attention variants) is refused by name;
 - the weights file: safetensors only (a pickled pytorch_model.bin is refused with the command that
   converts it), read by a small reader of its own so bfloat16 and float16 files load too;
+- trust in nothing read: config.json's values are type-checked (a size is a whole number, never
+  truncated), a safetensors header is checked against the file's length before any tensor is
+  read, a sharded index's files must all be there, and the weights must have the config's names
+  and shapes and be finite, all before a model is built (read_state); a UserError names the file;
 - the tokenizer in HF's tokenizer.json form: andrea's byte-level BPE becomes a HF BPE model with
   the ByteLevel pre-tokenizer and decoder (GPT-2's own arrangement) and <|endoftext|> as a special
   token at andrea's EOT id. andrea reads a literal "<|endoftext|>" in text as ordinary text; the
   exported tokenizer_config.json asks transformers for the same (`split_special_tokens`). A HF
   tokenizer read here (`PretrainedTokenizer`) must be a byte-level BPE, so each id has a fixed
   byte string and decoding never fails, as with andrea's own.
+
+The model calls into this module (ANDREA.from_pretrained, save_pretrained) and never the other way:
+what is model-specific (the parameter shapes to expect) comes in as an argument.
 
 References: transformers' GPT2Config and modeling_gpt2.py; the safetensors format (8-byte
 little-endian header length, a JSON header of dtype, shape and data offsets, then the raw data).
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -83,24 +92,58 @@ def hf_config(cfg: ModelConfig, eot_id: int, dtype: str) -> dict:
 
 
 def model_config_from_hf(hf: dict, source) -> ModelConfig:
-    """andrea's ModelConfig for a transformers GPT-2 config.json; what andrea cannot compute is refused."""
+    """andrea's ModelConfig for a transformers GPT-2 config.json; what andrea cannot compute is refused.
+
+    Every value is checked for its type before use: a size must be a whole number of at least 1
+    (1.5 is not truncated to 1), the epsilon a positive finite number, the switches true or false.
+    """
     if hf.get("model_type") != "gpt2":
         raise UserError(f"{source} describes a {hf.get('model_type')!r} model; andrea reads GPT-2 (model_type gpt2)")
+    for key, kind in _CONFIG_TYPES.items():
+        if key in hf and not (hf[key] is None and key == "n_inner"):
+            _check_value(hf[key], kind, f"{source}: {key}")
     refused = _unsupported(hf)
     if refused:
         raise UserError(f"{source} asks for what andrea's GPT-2 does not compute: {'; '.join(refused)}")
+    missing = [key for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head") if key not in hf]
+    if missing:
+        raise UserError(f"{source} has no {missing[0]!r}: is it a GPT-2 config.json?")
     try:
         return ModelConfig(
-            vocab_size=int(hf["vocab_size"]),
-            context_length=int(hf["n_positions"]),
-            d_model=int(hf["n_embd"]),
-            n_layer=int(hf["n_layer"]),
-            n_head=int(hf["n_head"]),
-            mlp_dim=int(hf["n_inner"]) if hf.get("n_inner") else None,
+            vocab_size=hf["vocab_size"],
+            context_length=hf["n_positions"],
+            d_model=hf["n_embd"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            mlp_dim=hf.get("n_inner"),
             ln_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         )
-    except KeyError as e:
-        raise UserError(f"{source} has no {e.args[0]!r}: is it a GPT-2 config.json?") from None
+    except UserError as e:  # the sizes do not fit together (n_embd not divisible by n_head)
+        raise UserError(f"{source}: {e}") from None
+
+
+# the keys read from a GPT-2 config.json and the type each must have
+_CONFIG_TYPES = {
+    "model_type": "text", "activation_function": "text",
+    "vocab_size": "size", "n_positions": "size", "n_embd": "size", "n_layer": "size", "n_head": "size",
+    "n_inner": "size", "layer_norm_epsilon": "positive",
+    "tie_word_embeddings": "switch", "scale_attn_weights": "switch", "scale_attn_by_inverse_layer_idx": "switch",
+    "reorder_and_upcast_attn": "switch", "add_cross_attention": "switch",
+}
+
+
+def _check_value(value, kind: str, what: str) -> None:
+    if kind == "size":
+        ok, wanted = type(value) is int and value >= 1, "a whole number of at least 1"
+    elif kind == "positive":
+        ok = type(value) in (int, float) and math.isfinite(value) and value > 0
+        wanted = "a positive finite number"
+    elif kind == "switch":
+        ok, wanted = type(value) is bool, "true or false"
+    else:
+        ok, wanted = type(value) is str, "a string"
+    if not ok:
+        raise UserError(f"{what} must be {wanted}, got {json.dumps(value)[:40]}")
 
 
 def _unsupported(hf: dict) -> list[str]:
@@ -131,28 +174,56 @@ def read_model_config(directory) -> ModelConfig:
 
 
 def read_safetensors(path) -> dict[str, np.ndarray]:
-    """{name: array} of a safetensors file, memory-mapped; float16 and bfloat16 become float32."""
+    """{name: array} of a safetensors file, memory-mapped; float16 and bfloat16 become float32.
+
+    The header is checked whole before any tensor is read: its length against the file's, each
+    entry's dtype, shape and data offsets against each other and the file's end, so an empty,
+    truncated (an interrupted download) or malformed file is one UserError naming it.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    damaged = f"{path} is not a complete safetensors file"
+    if size < 8:
+        raise UserError(f"{damaged}: it has {size} bytes (an interrupted download?); download or save it again")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
+    n = int.from_bytes(mm[:8].tobytes(), "little")
+    if n > size - 8:
+        raise UserError(f"{damaged}: its header claims {n} bytes of a {size}-byte file (an interrupted download?)")
     try:
-        n = int.from_bytes(mm[:8].tobytes(), "little")
         header = json.loads(mm[8:8 + n].tobytes())
     except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not a readable safetensors file ({e})") from None
+        raise UserError(f"{damaged}: its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{damaged}: its header is not a JSON object")
     base, tensors = 8 + n, {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise UserError(f"{path}: tensor {name} has dtype {info['dtype']}; andrea reads floating-point weights")
-        start, end = (base + o for o in info["data_offsets"])
-        a = mm[start:end].view(_SAFETENSORS_DTYPES[info["dtype"]])
-        if a.size != int(np.prod(info["shape"])) or end > mm.size:
-            raise UserError(f"{path}: tensor {name} is cut short; the file is damaged")
-        a = a.reshape(info["shape"])
+        dtype, shape, (start, end) = _tensor_entry(info, f"{path}: tensor {name}", size - base)
+        a = mm[base + start:base + end].view(dtype).reshape(shape)
         if info["dtype"] == "BF16":  # the top half of a float32
             a = (a.astype(np.uint32) << 16).view(np.float32)
         tensors[name] = a
     return tensors
+
+
+def _tensor_entry(info, what: str, data_bytes: int):
+    """(NumPy dtype, shape, (start, end)) of one header entry, each checked against the others."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise UserError(f"{what} lacks a dtype, shape or data_offsets: the file is damaged")
+    if info["dtype"] not in _SAFETENSORS_DTYPES:
+        raise UserError(f"{what} has dtype {info['dtype']}; andrea reads floating-point weights")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise UserError(f"{what} has a malformed shape {shape!r} or data_offsets {offsets!r}: the file is damaged")
+    dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+    start, end = offsets
+    if not 0 <= start <= end or end - start != math.prod(shape) * dtype.itemsize:
+        raise UserError(f"{what}: its data_offsets {offsets} do not hold a {shape} {info['dtype']} tensor")
+    if end > data_bytes:
+        raise UserError(f"{what} is cut short: the file ends before its data (an interrupted download?)")
+    return dtype, tuple(shape), (start, end)
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -160,7 +231,16 @@ def _weight_files(directory: Path) -> list[Path]:
         return [directory / WEIGHTS]
     if (directory / WEIGHTS_INDEX).is_file():
         index = _read_json(directory / WEIGHTS_INDEX)
-        return [directory / name for name in sorted(set(index.get("weight_map", {}).values()))]
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UserError(f"{directory / WEIGHTS_INDEX} has no weight_map of tensor names to file names")
+        shards = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [p.name for p in shards if not p.is_file()]
+        if missing or not shards:
+            raise UserError(f"{directory / WEIGHTS_INDEX} names {', '.join(missing[:3]) or 'no shard'}, which "
+                            f"{'is' if len(missing) == 1 else 'are'} not in {directory}: download the missing "
+                            "files again")
+        return shards
     for pickled in ("pytorch_model.bin", "pytorch_model.bin.index.json"):
         if (directory / pickled).exists():
             raise UserError(
@@ -191,22 +271,40 @@ def gpt2_state(tensors: dict, source) -> dict[str, np.ndarray]:
     return state
 
 
-def load_pretrained(directory, device="cpu", dtype="float32"):
-    """An ANDREA with the configuration and weights of a GPT-2 directory (andrea's export or transformers')."""
-    from andrea.model import ANDREA  # the model's methods call into this module
-
-    model = ANDREA(read_model_config(directory), device=device, dtype=dtype)
-    load_weights(model, directory)
-    return model
-
-
-def load_weights(model, directory) -> None:
-    """Copy a GPT-2 directory's weights into `model`, whose configuration must match them."""
+def read_state(directory, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """andrea's state dict from a GPT-2 directory's weights, checked before anything is loaded:
+    the files' headers, one tensor of the expected shape for each name of `shapes` (the model's
+    param_shapes) and nothing else, and every value finite (a NaN would train into NaN checkpoints)."""
     directory = _directory(directory)
     tensors = {}
     for path in _weight_files(directory):
         tensors.update(read_safetensors(path))
-    model.load_state_dict(gpt2_state(tensors, directory))
+    state = gpt2_state(tensors, directory)
+    missing = [name for name in shapes if name not in state]
+    unknown = [name for name in state if name not in shapes]
+    if missing or unknown:
+        raise UserError(f"the weights in {directory} do not fit its config.json: "
+                        + "; ".join(f"{what} {', '.join(names[:3])}" for what, names in
+                                    (("missing", missing), ("unexpected", unknown)) if names))
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise UserError(f"{directory}: {name} has shape {tuple(state[name].shape)}, but its config.json "
+                            f"makes it {tuple(shape)}")
+    for name, a in state.items():
+        if not np.isfinite(a).all():
+            raise UserError(f"{directory}: {name} holds {_non_finite(a)}: the weights are damaged (training "
+                            "from them gives NaN); download or export them again")
+    return state
+
+
+def _non_finite(a) -> str:
+    n_nan, n_inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+    return " and ".join(f"{n} {what}" for n, what in ((n_nan, "NaN"), (n_inf, "infinite value(s)")) if n)
+
+
+def load_weights(model, directory) -> None:
+    """Copy a GPT-2 directory's weights into `model`, whose configuration must match them."""
+    model.load_state_dict(read_state(directory, model.params.shapes))
 
 
 def init_from_config(config, directory, overrides=()):
@@ -309,6 +407,10 @@ class PretrainedTokenizer(IdDecoding):
         hf.encode_special_tokens = True
         self._hf, self._json = hf, hf.to_str()
         vocab = hf.get_vocab(with_added_tokens=True)
+        lacking = [s for s in BYTE_SYMBOLS if s not in vocab]
+        if lacking:  # a byte without an id would be dropped from the text without a word
+            raise UserError(f"{source}: its vocabulary lacks {len(lacking)} of the 256 byte-level symbols (e.g. "
+                            f"{lacking[0]!r}), so some text could not be encoded: give a complete byte-level BPE")
         self.vocab_size = max(vocab.values()) + 1
         if self.vocab_size > MAX_VOCAB:
             raise UserError(f"{source} has {self.vocab_size} ids, but token files store ids as uint16: "

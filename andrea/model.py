@@ -240,14 +240,22 @@ class ANDREA:
         for name, view in self.params.items():
             view[...] = self.xp.asarray(state[name], dtype=self.dtype)
 
-    # --- the Hugging Face format (andrea.hf) ---
+    # --- the Hugging Face format (andrea.hf, which never imports this module; imported here, on
+    # first use, so that a model without them loads neither tokenizers nor safetensors) ---
 
     @classmethod
     def from_pretrained(cls, directory, device="cpu", dtype="float32"):
-        """A model from a GPT-2 directory: andrea's export or transformers' save_pretrained (safetensors)."""
+        """A model from a GPT-2 directory: andrea's export or transformers' save_pretrained (safetensors).
+
+        The config and the weights are checked (types, sizes, the files' headers, shapes, finite
+        values) before the model is built, so a damaged directory costs no allocation."""
         from andrea import hf
 
-        return hf.load_pretrained(directory, device=device, dtype=dtype)
+        cfg = hf.read_model_config(directory)
+        state = hf.read_state(directory, param_shapes(cfg))
+        model = cls(cfg, device=device, dtype=dtype)
+        model.load_state_dict(state)
+        return model
 
     def save_pretrained(self, directory, tokenizer=None):
         """Write a directory that transformers' AutoModelForCausalLM (and AutoTokenizer) load."""

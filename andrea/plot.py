@@ -5,7 +5,9 @@ each, so noisy) and validation loss (every eval_interval steps) from metrics.jso
 tokens seen: step x batch_size x seq_len x micro-batches, from the run's config.json. The unigram
 baseline of the run's data (the loss of predicting every token by its frequency in the training
 tokens, from the data directory's meta.json) is drawn as a dashed line: a model below it has
-learned more than token frequencies. Several runs share one figure, one colour each.
+learned more than token frequencies. Several runs share one figure, one colour each. An existing
+--out is replaced only when andrea.plot drew it (the PNG's Software text says so): a command never
+overwrites a file it did not create.
 
 matplotlib comes from the optional `plot` extra; the figure is drawn on an Agg canvas of its own,
 so nothing about the process's matplotlib backend changes.
@@ -13,17 +15,17 @@ so nothing about the process's matplotlib backend changes.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from andrea.cli import run_cli
+from andrea.cli import ArgumentParser, run_cli
 from andrea.config import build_config
 from andrea.data import atomic_writer
 from andrea.errors import UserError
+from andrea.preflight import check_output_file
 
 
 @dataclass
@@ -57,7 +59,9 @@ def read_run(run_dir) -> Curves:
 
 def _records(path: Path) -> dict[int, dict]:
     """{step: record}, the last record of a step winning (a resumed run repeats the steps after its
-    last checkpoint); skipped non-finite steps are left out, and a cut-off last line is ignored."""
+    last checkpoint); skipped non-finite steps are left out. A line cut short (the start of a JSON
+    object, which a crash or a full disk leaves; metrics.jsonl's writer ends it before the next
+    line) is ignored wherever it is; any other line that is not JSON means it is not a metrics file."""
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     per_step = {}
     for n, line in enumerate(lines, 1):
@@ -66,8 +70,8 @@ def _records(path: Path) -> dict[int, dict]:
         try:
             r = json.loads(line)
         except ValueError:
-            if n == len(lines):  # a run killed while writing its last line
-                break
+            if line.lstrip().startswith("{"):
+                continue
             raise UserError(f"{path} line {n} is not JSON: is it a metrics file of andrea.train?") from None
         if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped"):
             per_step[r["step"]] = r
@@ -132,15 +136,37 @@ def draw(runs: list[Curves]):
     return fig
 
 
-def plot_runs(run_dirs, out) -> Path:
-    """Draw the runs into the PNG `out` (written atomically) and return its path."""
+SOFTWARE = "andrea.plot"  # the PNG's Software text chunk: the mark of a figure drawn here
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def drawn_here(path) -> bool:
+    """Whether `path` is a PNG that andrea.plot drew (its text chunks precede the image data)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return head.startswith(_PNG) and b"Software\x00" + SOFTWARE.encode() in head
+
+
+def check_output(out, replace: bool = False) -> None:
+    """Refuses an --out that cannot be written, or that holds a file andrea.plot did not draw
+    (unless `replace`: a training run's own loss.png)."""
+    out = Path(out)
+    check_output_file(out, "--out")
+    if out.exists() and not replace and not drawn_here(out):
+        raise UserError(f"--out {out} already exists and is not a figure drawn by andrea.plot: choose another "
+                        "name, or move that file away")
+
+
+def plot_runs(run_dirs, out, replace: bool = False) -> Path:
+    """Draw the runs into the PNG `out` (written atomically) and return its path; see check_output."""
+    check_output(out, replace)
     runs = [read_run(d) for d in run_dirs]
     labels = [r.label for r in runs]
     for run, d in zip(runs, run_dirs):
         if labels.count(run.label) > 1:  # out/a/tiny and out/b/tiny: the names alone do not tell them apart
             run.label = str(d)
     buffer = io.BytesIO()
-    draw(runs).savefig(buffer, format="png")
+    draw(runs).savefig(buffer, format="png", metadata={"Software": SOFTWARE})
     out = Path(out)
     with atomic_writer(out) as f:
         f.write(buffer.getvalue())
@@ -154,13 +180,14 @@ def plot_after_training(run_dir) -> str:
     except ImportError:
         return "no loss plot: matplotlib is not installed (pip install -e '.[plot]', then python -m andrea.plot)"
     try:
-        return f"loss plot: {plot_runs([run_dir], Path(run_dir) / 'loss.png')}"
+        # the run directory is the run's own (andrea.rundir): its loss.png too, whoever drew it
+        return f"loss plot: {plot_runs([run_dir], Path(run_dir) / 'loss.png', replace=True)}"
     except (UserError, OSError) as e:  # the run itself succeeded: a failed plot must not fail it
         return f"warning: no loss plot: {e}"
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m andrea.plot", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m andrea.plot", description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", metavar="RUN", help="training run directories (train --out)")
     ap.add_argument("--out", default="loss.png", help="the PNG to write (default loss.png)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")

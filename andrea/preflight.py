@@ -325,13 +325,11 @@ def check_step_shape(cfg, processes: int) -> None:
 
 
 def check_init_from(directory) -> None:
-    """--init-from's config was read with the run config; its weight files must be there too."""
+    """--init-from's config was read with the run config; its weight files must be there too (the
+    tensors themselves are checked when they are loaded)."""
     from andrea import hf
 
-    missing = [p for p in hf._weight_files(Path(directory)) if not p.is_file()]  # raises for none at all
-    if missing:
-        raise UserError(f"--init-from {directory}: {missing[0]} is missing ({len(missing)} weight file"
-                        f"{'s' if len(missing) != 1 else ''} named by its index): download it again")
+    hf._weight_files(Path(directory))  # raises naming what is missing: the file, or shards of an index
 
 
 def check_prompt(tokenizer, cfg) -> None:

@@ -1,6 +1,5 @@
-"""A run directory that tells one story: its metrics, its claim on the directory, its last words.
+"""A run directory that tells one story: its metrics and its last words (andrea.rundir claims it).
 
-    claim_run_dir(out_dir, resume=False, overwrite=False)    # refuses another run's directory
     metrics = MetricsFile(out_dir / "metrics.jsonl")          # writes that survive a full disk
     drop_rows_after(out_dir / "metrics.jsonl", step, ...)     # on resume: each step once
     code = final_checkpoint_check(out_dir, step, last, code)  # non-zero when the last save failed
@@ -28,7 +27,6 @@ from andrea.data import atomic_writer
 from andrea.errors import UserError
 
 EXIT_SAVE_FAILED = 4
-RUN_FILES = ("metrics.jsonl", "config.json", "tokenizer.json")
 PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
 _STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.data.atomic_writer's scratch: .<name>.<pid>.tmp
 
@@ -128,24 +126,6 @@ def drop_rows_after(path, step: int, checkpoint) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- the directory
-
-def holds_a_run(out_dir: Path) -> bool:
-    return any((out_dir / f).exists() for f in RUN_FILES) or bool(ckpt.list_checkpoints(out_dir))
-
-
-def claim_run_dir(out_dir, resume: bool, overwrite: bool) -> None:
-    """A fresh run needs an empty directory (or --overwrite, which removes the earlier run's files)."""
-    out_dir = Path(out_dir)
-    if resume or not out_dir.is_dir() or not holds_a_run(out_dir):
-        return
-    if not overwrite:
-        raise UserError(f"{out_dir} holds another run: add --resume to continue it, choose another --out, or "
-                        "add --overwrite to delete it and start afresh")
-    for path in ckpt.list_checkpoints(out_dir):
-        shutil.rmtree(path)
-    for name in RUN_FILES:
-        (out_dir / name).unlink(missing_ok=True)
-
 
 def remove_stale_temporaries(*dirs) -> list[Path]:
     """Deletes the scratch files of saves and preparations that were killed (their process is gone)."""

@@ -18,9 +18,10 @@ an AdamW step; log a line every log_interval steps and evaluate every eval_inter
 tokens/s, MFU and the ETA from the time of training steps alone); vote on stopping (StopVote:
 Ctrl-C or SIGTERM on any rank stops all after the same step); write a crash-safe checkpoint
 (weights, optimizer moments, data-loader and random states, config) every checkpoint_interval
-steps, at the end and when stopping, and say how to resume. andrea.runlog keeps the run
-directory to one run and one story (metrics that survive a full disk, each step once after a
-resume, exit code 4 when the last save failed).
+steps, at the end and when stopping, and say how to resume. andrea.rundir claims --out for this
+run alone (a marker of what wrote it, a lock held until the run ends); andrea.runlog keeps it to
+one story (metrics that survive a full disk, each step once after a resume, exit code 4 when the
+last save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
@@ -38,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data, hf, preflight, runlog
+from andrea import data, hf, preflight, rundir, runlog
 from andrea import distributed as dist
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config, make_config
@@ -567,7 +568,7 @@ def main(argv=None):
     global WORLD
     WORLD = dist.init()
     quiet_fallback()  # the pre-flight pass says once, on rank 0, which device a run of "auto" gets
-    with dist.guard(WORLD):
+    with dist.guard(WORLD), rundir.released_at_end():  # --out stays claimed (locked) until the run ends
         return run_training(parse_args(argv), WORLD)
 
 
@@ -588,8 +589,7 @@ def run_training(args, world):
     # the run directory: claimed for this run; what killed processes left in it is removed
     with world.together():
         if world.is_main:
-            if not args.resume:
-                runlog.claim_run_dir(out_dir, args.resume, args.overwrite)
+            rundir.claim(out_dir, "run", args.resume, args.overwrite)
             runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
     # the data: prepared once, by rank 0, while the others wait; then read by every rank
     tokenizer, train_tokens, val_tokens = load_data(cfg, args, world)
@@ -621,6 +621,7 @@ def check_launch(args, world):
         if preflight.train_device(cfg.train.device) != "cpu":
             dist.use_local_gpu(world)  # before the probe touches a GPU
         plan = preflight.check(cfg, out_dir, world.size, args.init_from, warn=None if world.is_main else _quiet)
+        rundir.check(out_dir, "run", args.resume, args.overwrite)  # another program's directory, a run in use
     gpus = int(world.sum_scalars([plan.device == "gpu"])[0])
     with world.together():
         if 0 < gpus < world.size:

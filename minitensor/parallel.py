@@ -25,7 +25,11 @@ def num_threads():
     if _threads is None:
         env = os.environ.get("ANDREA_NUM_THREADS")
         if env:
-            _threads = max(1, int(env))
+            try:
+                _threads = max(1, int(env))
+            except ValueError:
+                raise ValueError(f"ANDREA_NUM_THREADS={env!r} is not a whole number: set it to the number of "
+                                 "threads to use (1: no threading), or unset it") from None
         else:
             _threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return _threads

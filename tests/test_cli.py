@@ -40,3 +40,31 @@ def test_overrides_are_typed():
     cfg = load_config("tiny", ["train.lr=1e-3", "model.n_layer=2", "train.tf32=true", "data.inputs=a,b"])
     assert cfg.train.lr == 1e-3 and cfg.model.n_layer == 2 and cfg.train.tf32 is True
     assert cfg.data.inputs == ["a", "b"]
+
+
+@pytest.mark.parametrize("value", ["abc", "", " ", "1.5", "2"])
+def test_andrea_num_threads_is_checked_before_any_work(value, monkeypatch, capsys):
+    from andrea.cli import run_cli
+    from minitensor import parallel
+
+    monkeypatch.setattr(parallel, "_threads", None)  # read the environment again
+    monkeypatch.setenv("ANDREA_NUM_THREADS", value)
+    with pytest.raises(SystemExit) as e:
+        run_cli(params.main, ["tiny"])
+    err = capsys.readouterr().err
+    if value in ("", "2"):  # empty: unset
+        assert e.value.code == 0 and err == ""
+    else:
+        assert e.value.code == 2 and err == f"error: ANDREA_NUM_THREADS={value!r} is not a whole number: set it " \
+                                            "to the number of threads to use (1: no threading), or unset it\n"
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], [], ["--checkpoint"]])
+def test_export_answers_a_bad_flag_in_one_line(argv, capsys):
+    from andrea import export
+    from andrea.cli import run_cli
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(export.main, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err

@@ -1,18 +1,25 @@
-"""No traceback from any entry point for any input: a property-based test of train, sample, prepare, params.
+"""No traceback, and no file lost, from any entry point for any input: train, sample, prepare, params,
+export and plot.
 
 Hypothesis generates values for every config key (read from the config dataclasses, so keys added
 later are covered without editing this file) and every flag: numbers of every sign, NaN, the
 infinities, huge values, wrong types (lists, mappings, null in YAML), empty and non-UTF-8
 strings, and paths of every kind (a file, a directory, a missing path, a path under a file, the
-root, the empty string). Each entry point runs in-process (train through --dry-run, so nothing is
-trained or prepared) and must either succeed or print `error: ...` as its last line and exit 2;
-any other exception fails the test with the input that caused it. The number of examples is
-fixed (CASES), so the runtime stays bounded; each test prints how many it drew.
+root, the empty string) including directories that already hold something: a training run, a data
+directory, a Hugging Face model (andrea's export), a broken one, a user's own config.json. Each
+entry point runs in-process (train through --dry-run, so nothing is trained or prepared) and must
+either succeed or print `error: ...` as its last line and exit 2; any other exception fails the
+test with the input that caused it. And it must leave every file it did not create as it was
+(`nothing_lost`): only an export may replace the earlier export it made, only plot a figure it drew.
+The number of examples is fixed (CASES), so the runtime stays bounded; each test prints how many
+it drew.
 """
 
 import contextlib
 import io
+import json
 import os
+import shutil
 from dataclasses import fields
 from pathlib import Path
 
@@ -20,14 +27,15 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from optional import require
 from test_train import STDLIB_JSON, run_main, small_config
 
-from andrea import params, prepare, sample, train
+from andrea import export, params, plot, prepare, rundir, sample, train
 from andrea.cli import run_cli
 from andrea.config import SECTIONS
 from andrea.prepare import prepare as prepare_data
 
-CASES = {"train": 140, "sample": 60, "prepare": 50, "params": 60}
+CASES = {"train": 140, "sample": 60, "prepare": 50, "params": 60, "export": 40, "plot": 40}
 KEYS = [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in fields(cls)]
 
 NUMBERS = st.one_of(
@@ -76,11 +84,21 @@ def world(tmp_path_factory):
     (root / "keys.yaml").write_text("1: 2\nmodel: {3: 4}\n")
     (root / "corrupt_run").mkdir()
     (root / "corrupt_run" / "config.json").write_text('{"model": {"d_model": "x"')
+    hf_dir, broken_hf, mine = root / "hf", root / "hf_broken", root / "mine"
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
+        run_cli(export.main, ["--checkpoint", str(run), "--out", str(hf_dir)])
+    shutil.copytree(hf_dir, broken_hf)
+    config = json.loads((broken_hf / "config.json").read_text())
+    (broken_hf / "config.json").write_text(json.dumps(dict(config, n_layer=1.5)))
+    (broken_hf / rundir.MARKER).unlink()  # as transformers would leave it: not andrea's export
+    mine.mkdir()
+    (mine / "config.json").write_text('{"my": "own settings"}')
+    (mine / "notes.txt").write_text("mine")
     paths = [str(p) for p in (
         root, data, run, sorted(run.glob("ckpt-*"))[0], a_file, a_file / "under_a_file", root / "missing",
         root / "missing" / "deeper", root / "binary.bin", root / "empty.txt", root / "dir", root / "dir" / "*.txt",
         root / "latin1.yaml", root / "syntax.yaml", root / "list.yaml", root / "keys.yaml", root / "corrupt_run",
-        run / "config.json", cfg,
+        run / "config.json", cfg, hf_dir, broken_hf, mine, mine / "config.json", run / "loss.png",
     )] + ["/", "", ".", "tiny", "120m", "huge"]
     return {"root": root, "data": data, "run": run, "cfg": cfg, "paths": paths, "n": 0}
 
@@ -99,6 +117,46 @@ def call(main, argv, env_device=None):
         if old is not None:
             os.environ["ANDREA_DEVICE"] = old
     return info.value.code, err.getvalue()
+
+
+def entries_under(root):
+    """{path: (size, mtime, inode)} of every file and directory under `root` (directories as None):
+    a change, a replacement or a deletion of a file shows."""
+    found = {}
+    for directory, dirs, names in os.walk(root):
+        found.update({os.path.join(directory, d): None for d in dirs})
+        for name in names:
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                found[path] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return found
+
+
+@contextlib.contextmanager
+def nothing_lost(world, argv, may_change=()):
+    """The files of the world are as they were after the block, but those under a `may_change` path
+    (the command's own earlier output). A command may create files (its output): they are removed
+    after the check, so that every example meets the same world."""
+    before = entries_under(world["root"])
+    yield
+    after = entries_under(world["root"])
+    allowed = tuple(str(p) for p in may_change if str(p))
+    changed = [p for p, st in before.items() if after.get(p, "gone") != st and not p.startswith(allowed)]
+    assert not changed, f"{argv!r} changed or deleted files it did not create: {changed[:5]}"
+    for path in sorted(set(after) - set(before)):
+        if os.path.dirname(path) in before or os.path.dirname(path) == str(world["root"]):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+
+
+def own_output(main, argv):
+    """The earlier output of export or plot that this call may replace: its --out when that command made it."""
+    out = argv[argv.index("--out") + 1] if "--out" in argv[:-1] else None
+    if out and main is export.main and Path(out).is_dir() and rundir.kind_of(out) == "export":
+        return [out]
+    if out and main is plot.main and Path(out).is_file() and plot.drawn_here(out):
+        return [out]
+    return []
 
 
 def check_outcome(code, err, argv):
@@ -129,7 +187,8 @@ def test_train_dry_run_never_tracebacks(world, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default data/ and out/ are relative: keep them in here
     paths = world["paths"]
     flags = {"--max-steps": flag_values(paths), "--stop-at-step": flag_values(paths), "--seed": flag_values(paths),
-             "--device": flag_values(paths), "--out": st.sampled_from(paths), "--config": st.sampled_from(paths)}
+             "--device": flag_values(paths), "--out": st.sampled_from(paths), "--config": st.sampled_from(paths),
+             "--init-from": st.sampled_from(paths + [str(world["root"] / "hf")] * 4)}
     strategy = st.fixed_dictionaries({
         "yaml": st.dictionaries(st.sampled_from(KEYS), yaml_values(), max_size=4),
         "sets": st.lists(st.tuples(st.sampled_from(KEYS), flag_values(paths)), max_size=4),
@@ -137,6 +196,7 @@ def test_train_dry_run_never_tracebacks(world, tmp_path, monkeypatch):
         "flags": st.dictionaries(st.sampled_from(sorted(flags)), st.none(), max_size=3).flatmap(
             lambda chosen: st.fixed_dictionaries({k: flags[k] for k in chosen})),
         "resume": st.booleans(),
+        "overwrite": st.booleans(),
         "env": st.one_of(st.none(), TEXT),
     })
     base = yaml.safe_load(Path(world["cfg"]).read_text())
@@ -156,10 +216,9 @@ def test_train_dry_run_never_tracebacks(world, tmp_path, monkeypatch):
             argv += ["--set", f"{key}={value}"]
         for raw in ex["raw_sets"]:
             argv += ["--set", raw]
-        if ex["resume"]:
-            argv.append("--resume")
-        argv.append("--dry-run")
-        code, err = call(train.main, argv, ex["env"])
+        argv += ["--resume"] * ex["resume"] + ["--overwrite"] * ex["overwrite"] + ["--dry-run"]
+        with nothing_lost(world, argv):
+            code, err = call(train.main, argv, ex["env"])
         check_outcome(code, err, argv)
 
     assert run_property("train", strategy, check) >= CASES["train"] // 2
@@ -182,7 +241,8 @@ def test_sample_never_tracebacks(world, tmp_path, monkeypatch):
     def check(ex):
         flags, env = ex
         argv = [x for flag, value in flags.items() for x in (flag, value)]
-        code, err = call(sample.main, argv, env)
+        with nothing_lost(world, argv):
+            code, err = call(sample.main, argv, env)
         check_outcome(code, err, argv)
 
     assert run_property("sample", strategy, check) >= CASES["sample"] // 2
@@ -199,7 +259,9 @@ def test_prepare_never_tracebacks(world, tmp_path, monkeypatch):
         "--input": st.lists(st.one_of(st.sampled_from(inputs), NON_UTF8), min_size=1, max_size=2),
         "--data-dir": st.one_of(st.sampled_from(world["paths"]), st.just("fresh"), NON_UTF8),
     }, optional={"--vocab-size": flag_values(world["paths"]), "--val-fraction": flag_values(world["paths"]),
-                 "--allow-smaller-vocab": st.none(), "--force": st.none()})
+                 "--allow-smaller-vocab": st.none(), "--force": st.none(),
+                 "--tokenizer": st.sampled_from(world["paths"] + [str(root / "hf"), str(root / "hf" / "tokenizer.json"),
+                                                                  str(world["data"])])})
 
     def check(ex):
         argv = ["--quiet"]
@@ -207,7 +269,11 @@ def test_prepare_never_tracebacks(world, tmp_path, monkeypatch):
             if flag == "--data-dir" and value == "fresh":
                 value = str(tmp_path / f"d{next(counter)}")
             argv += [flag] + ([] if value is None else value if isinstance(value, list) else [value])
-        code, err = call(prepare.main, argv)
+        data_dir = argv[argv.index("--data-dir") + 1]
+        # what a data directory keeps when prepare refuses is the data work's test (andrea.prepare):
+        # here every file outside the given --data-dir must stay as it was
+        with nothing_lost(world, argv, may_change=[data_dir]):
+            code, err = call(prepare.main, argv)
         check_outcome(code, err, argv)
 
     assert run_property("prepare", strategy, check) >= CASES["prepare"] // 2
@@ -221,10 +287,52 @@ def test_params_never_tracebacks(world):
     def check(ex):
         config, sets = ex
         argv = [config] + [x for key, value in sets for x in ("--set", f"{key}={value}")]
-        code, err = call(params.main, argv)
+        with nothing_lost(world, argv):
+            code, err = call(params.main, argv)
         check_outcome(code, err, argv)
 
     assert run_property("params", strategy, check) >= CASES["params"] // 2
+
+
+def test_export_never_tracebacks_nor_overwrites(world, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = [p for p in world["paths"] if p != "/"]  # "/" is writable here (root): never export into it
+    counter = iter(range(10**9))
+    strategy = st.fixed_dictionaries({
+        "--checkpoint": st.sampled_from(paths + [str(world["run"])] * 4),
+        "--out": st.sampled_from(paths + ["fresh"] * 4),
+    }, optional={"--bogus": st.none()})
+
+    def check(ex):
+        argv = []
+        for flag, value in ex.items():
+            value = str(tmp_path / f"e{next(counter)}") if value == "fresh" else value
+            argv += [flag] + ([] if value is None else [value])
+        with nothing_lost(world, argv, may_change=own_output(export.main, argv)):
+            code, err = call(export.main, argv)
+        check_outcome(code, err, argv)
+
+    assert run_property("export", strategy, check) >= CASES["export"] // 2
+
+
+def test_plot_never_tracebacks_nor_overwrites(world, tmp_path, monkeypatch):
+    require("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    paths = world["paths"]
+    counter = iter(range(10**9))
+    strategy = st.fixed_dictionaries({
+        "runs": st.lists(st.sampled_from(paths + [str(world["run"])] * 4), min_size=1, max_size=2),
+        "--out": st.sampled_from(paths + ["fresh"] * 4),
+    }, optional={"--bogus": st.none()})
+
+    def check(ex):
+        out = str(tmp_path / f"p{next(counter)}.png") if ex["--out"] == "fresh" else ex["--out"]
+        argv = [*ex["runs"], "--out", out] + (["--bogus"] if "--bogus" in ex else [])
+        with nothing_lost(world, argv, may_change=own_output(plot.main, argv)):
+            code, err = call(plot.main, argv)
+        check_outcome(code, err, argv)
+
+    assert run_property("plot", strategy, check) >= CASES["plot"] // 2
 
 
 def test_the_keys_come_from_the_config_classes():
@@ -246,11 +354,23 @@ def test_every_path_kind_in_every_path_flag(world, tmp_path, monkeypatch):
             (sample.main, ["--checkpoint", path, "--max-new-tokens", "2"]),
             (prepare.main, ["--input", str(world["root"] / "dir"), "--data-dir", path, "--quiet"]),
             (prepare.main, ["--input", path, "--data-dir", str(tmp_path / f"d{n}"), "--quiet"]),
+            (prepare.main, ["--input", str(world["root"] / "dir"), "--data-dir", str(tmp_path / f"t{n}"),
+                            "--tokenizer", path, "--quiet"]),
+            (train.main, ["--config", str(world["cfg"]), "--init-from", path, "--out", str(tmp_path / f"i{n}"),
+                          "--dry-run"]),
+            (export.main, ["--checkpoint", path, "--out", str(tmp_path / f"x{n}")]),
+            (export.main, ["--checkpoint", str(world["run"]), "--out", path]),
+            (plot.main, [path, "--out", str(tmp_path / f"p{n}.png")]),
+            (plot.main, [str(world["run"]), "--out", path]),
         ):
+            if main is export.main and argv[3] == "/":
+                continue  # writable here (root): never export into it
             if main is prepare.main and argv[1] in ("", ".", "/", str(world["root"])):
                 continue  # a whole tree as a corpus: legal, but minutes of tokenizer training
             n += 1
-            code, err = call(main, argv)
+            mine = [argv[3]] if main is prepare.main else own_output(main, argv)
+            with nothing_lost(world, argv, may_change=mine):
+                code, err = call(main, argv)
             check_outcome(code, err, argv)
     print(f"\npaths: {n} cases")
 

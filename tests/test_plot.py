@@ -87,3 +87,58 @@ def test_after_training_says_where_or_why_not(tmp_path, monkeypatch):
     assert plot.plot_after_training(tmp_path / "nowhere").startswith("warning: no loss plot: ")
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
     assert "pip install -e '.[plot]'" in plot.plot_after_training(run)
+
+
+def test_a_line_cut_short_by_a_full_disk_is_skipped_wherever_it_is(tmp_path, monkeypatch):
+    """metrics.jsonl's own writer, given a full disk once, leaves a cut line in the middle of the file."""
+    from andrea import runlog
+
+    run = fake_run(tmp_path, "a", [])
+    real, calls = runlog._write, []
+
+    def full_once(fd, data):
+        calls.append(1)
+        return real(fd, data[:10]) if len(calls) == 2 else real(fd, data)
+
+    monkeypatch.setattr(runlog, "_write", full_once)
+    metrics = runlog.MetricsFile(run / "metrics.jsonl")
+    for record in ({"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}, {"step": 3, "loss": 7.0}):
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+    metrics.close()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == '{"step": 2' and len(lines) == 3  # the cut line, ended before the next one
+    assert plot.read_run(run).train == [(64, 9.0), (192, 7.0)]
+
+
+@pytest.mark.parametrize("where", ["missing directory", "a directory", "bad flag"])
+def test_plot_refuses_a_bad_out_in_one_line_before_drawing(tmp_path, capsys, where):
+    run = fake_run(tmp_path, "a", RECORDS)
+    argv = {"missing directory": [str(run), "--out", str(tmp_path / "nowhere" / "loss.png")],
+            "a directory": [str(run), "--out", str(tmp_path)],
+            "bad flag": [str(run), "--outt", "x.png"]}[where]
+    with pytest.raises(SystemExit) as e:
+        run_cli(plot.main, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert ".tmp" not in err and "usage:" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "data-a"]
+
+
+def test_plot_replaces_only_a_figure_it_drew(tmp_path, capsys):
+    require("matplotlib")
+    run = fake_run(tmp_path, "a", RECORDS)
+    out = tmp_path / "figure.png"
+    for existing in (b"my own notes", b"\x89PNG\r\n\x1a\n someone else's image"):
+        out.write_bytes(existing)
+        with pytest.raises(SystemExit) as e:
+            run_cli(plot.main, [str(run), "--out", str(out)])
+        assert e.value.code == 2 and "not a figure drawn by andrea.plot" in capsys.readouterr().err
+        assert out.read_bytes() == existing
+    out.unlink()
+    for _ in range(2):  # the second time over its own figure
+        with pytest.raises(SystemExit) as e:
+            run_cli(plot.main, [str(run), "--out", str(out)])
+        assert e.value.code == 0 and plot.drawn_here(out)
+    (run / "loss.png").write_bytes(b"an older run's figure")  # the run's own directory: replaced
+    assert plot.plot_after_training(run) == f"loss plot: {run / 'loss.png'}" and plot.drawn_here(run / "loss.png")

@@ -1,0 +1,209 @@
+"""The directories andrea writes into: what each one is, and who is writing there now.
+
+    rundir.check(out, "export")                        # before any work: UserError if out is not ours to fill
+    with rundir.claim(out, "run", resume, overwrite):  # the same check, then the directory is ours until
+        ...                                            # the block ends (or the process does)
+
+A command never deletes or overwrites a file it did not create. So a directory that andrea.train
+(a "run") or andrea.export (an "export") writes into carries a marker, `.andrea`, a JSON object
+{"kind": "run" | "export", "pid": the process that claimed it last}, written atomically when the
+directory is claimed. Before writing, a command asks what the directory is:
+
+- missing, or holding none of the files the command writes: it is claimed and marked;
+- marked with the command's own kind: a run is continued (--resume) or replaced (--overwrite,
+  which deletes only the files andrea.train writes), an export is replaced by the new export;
+- anything else (a Hugging Face model saved by transformers, a data directory, a user's own
+  config.json, the run being exported, the export of another run...) is refused, `--overwrite`
+  or not, naming the files that are in the way.
+
+Runs written before the marker existed are recognised by their config.json (an object with
+andrea's "model", "train" and "data" sections) and marked when next claimed.
+
+While a command writes, it holds an exclusive lock (flock) on the directory itself, so a second
+command claiming the same directory (two andrea.train into one --out) is refused at once instead of
+interleaving their files. The kernel drops the lock when the process ends, however it ends
+(kill -9 included): a lock left by a dead process locks nothing, and there is no lock file to clean.
+A file system that cannot lock (some network mounts) is a warning, and the command goes on unlocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from andrea import checkpoint as ckpt
+from andrea.data import atomic_writer
+from andrea.errors import UserError
+
+MARKER = ".andrea"
+KINDS = {"run": "andrea.train", "export": "andrea.export"}
+# what each kind writes; any of these in an unmarked directory is another program's file
+RUN_FILES = ("config.json", "tokenizer.json", "metrics.jsonl", "loss.png")
+EXPORT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_FILES = {"run": RUN_FILES, "export": EXPORT_FILES}
+_ANDREA_CONFIG_SECTIONS = {"model", "train", "data"}
+
+
+def kind_of(directory) -> str | None:
+    """"run" or "export" for a directory andrea wrote (its marker, or a run's config.json from before
+    markers), another kind a marker names, or None: missing, empty, or another program's."""
+    directory = Path(directory)
+    try:
+        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        marker = None
+    if isinstance(marker, dict) and isinstance(marker.get("kind"), str):
+        return marker["kind"]
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return "run" if isinstance(config, dict) and config.keys() >= _ANDREA_CONFIG_SECTIONS else None
+
+
+def _written_by(kind: str, directory: Path) -> list[str]:
+    """The names in `directory` that a command of `kind` writes (checkpoints included for a run)."""
+    names = [name for name in _FILES[kind] if (directory / name).exists()]
+    if kind == "run":
+        names += [p.name for p in ckpt.list_checkpoints(directory)]
+    return names
+
+
+def check(directory, kind: str, resume: bool = False, overwrite: bool = False) -> None:
+    """Refuses (UserError) a directory that a command of `kind` must not write into; writes nothing."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--out {directory} is a file, not a directory: choose a directory")
+    if not directory.is_dir():
+        return
+    _refuse_if_in_use(directory, kind)  # say so first, whatever it holds
+    _refuse_what_is_not_ours(directory, kind, resume, overwrite)
+
+
+def _refuse_what_is_not_ours(directory: Path, kind: str, resume: bool, overwrite: bool) -> None:
+    found, ours = kind_of(directory), _written_by(kind, directory)
+    command = KINDS[kind]
+    if directory.resolve().name.startswith("ckpt-") and (directory / ckpt.META_FILE).is_file():
+        raise UserError(f"--out {directory} is a checkpoint of a training run; choose a new or empty directory")
+    if found == "run" and kind == "export":
+        raise UserError(f"--out {directory} is a training run's directory (andrea.train --out); export into a "
+                        "new or empty directory, e.g. --out export/NAME")
+    if found not in (None, kind):
+        raise UserError(f"--out {directory} was written by {KINDS.get(found, found)}, not {command}: choose "
+                        "another --out")
+    if found is None and ours:
+        raise UserError(f"--out {directory} already holds {', '.join(ours[:4])}, which {command} did not write "
+                        f"(another program's files: a Hugging Face model, a data directory?); choose a new or "
+                        "empty directory")
+    if kind == "run" and ours and not resume and not overwrite:
+        raise UserError(f"{directory} holds another run: add --resume to continue it, choose another --out, or "
+                        "add --overwrite to delete it and start afresh")
+
+
+# ----------------------------------------------------------------------------------------------- claims
+
+_held: list[Claim] = []
+
+
+class Claim:
+    """A directory claimed by this process: its lock (flock on the directory) until release()."""
+
+    def __init__(self, directory: Path, kind: str):
+        self.directory, self.kind = directory, kind
+        self.fd = os.open(directory, os.O_RDONLY)
+        if not _lock(self.fd, fcntl.LOCK_EX, directory):
+            os.close(self.fd)
+            raise _in_use(directory, kind)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the lock
+            self.fd = None
+        if self in _held:
+            _held.remove(self)
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _refuse_if_in_use(directory: Path, kind: str) -> None:
+    """A shared lock taken and dropped at once: it fails only while a claim holds the directory
+    (several processes may probe at the same time, as the ranks of one run do)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        free = _lock(fd, fcntl.LOCK_SH, directory)
+    finally:
+        os.close(fd)
+    if not free:
+        raise _in_use(directory, kind)
+
+
+def _lock(fd: int, how: int, directory: Path) -> bool:
+    """flock without waiting: False when another process holds a conflicting lock. A file system
+    without locks (some network mounts) gets a warning and no lock, rather than no run."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        print(f"warning: {directory} cannot be locked here ({e.strerror}): make sure no other command "
+              "writes into it at the same time", file=sys.stderr, flush=True)
+    return True
+
+
+def _in_use(directory: Path, kind: str) -> UserError:
+    holder = ""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        holder = f" (process {int(json.loads((directory / MARKER).read_text())['pid'])})"
+    return UserError(f"--out {directory} is in use by another {KINDS[kind]}{holder}: wait for it to finish, "
+                     "or choose another --out")
+
+
+def claim(directory, kind: str, resume: bool = False, overwrite: bool = False) -> Claim:
+    """Checks `directory` (as check() does), creates it if missing, locks it and marks it as `kind`.
+
+    For a run with --overwrite, then deletes the earlier run's files (and only those). The claim
+    holds until release(), the end of a `with` block on it or of a `released_at_end()` block, or
+    the end of the process.
+    """
+    directory = Path(directory)
+    check(directory, kind, resume, overwrite)
+    directory.mkdir(parents=True, exist_ok=True)
+    held = Claim(directory, kind)
+    try:
+        _refuse_what_is_not_ours(directory, kind, resume, overwrite)  # again, holding the lock
+        if kind == "run" and not resume:
+            for path in ckpt.list_checkpoints(directory):
+                shutil.rmtree(path)
+            for name in RUN_FILES:
+                (directory / name).unlink(missing_ok=True)
+        with atomic_writer(directory / MARKER) as f:
+            f.write((json.dumps({"kind": kind, "written_by": KINDS[kind], "pid": os.getpid()}) + "\n").encode())
+    except BaseException:
+        held.release()
+        raise
+    _held.append(held)
+    return held
+
+
+@contextlib.contextmanager
+def released_at_end():
+    """Every claim made inside the block is released when it ends, however it ends."""
+    depth = len(_held)
+    try:
+        yield
+    finally:
+        while len(_held) > depth:
+            _held[-1].release()

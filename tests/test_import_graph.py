@@ -1,0 +1,75 @@
+"""The modules of andrea and minitensor import one another without a circle (issue 18, item 4).
+
+Every import counts, at the top of a module or inside a function: an import deferred into a
+function hides a circle from Python but not from a reader, who must then know both modules to
+understand either. The graph is read from the source (ast), so nothing is imported to check it.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("andrea", "minitensor")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports anywhere in its body (`from andrea import hf` included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in modules}
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
+    modules = {module_name(p) for p in paths}
+    # a package's __init__ is not an edge: importing andrea.x runs andrea/__init__.py, which imports lazily
+    return {module_name(p): imports_of(p, modules) - {module_name(p), *PACKAGES} for p in paths}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None (depth-first search, white/grey/black)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "grey"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "grey":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = "black"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_finder_finds_a_circle_and_reads_deferred_imports(tmp_path):
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    source = tmp_path / "m.py"
+    source.write_text("import andrea.x\ndef f():\n    from andrea import hf\n    from andrea.model import ANDREA\n")
+    assert imports_of(source, {"andrea.x", "andrea.hf", "andrea.model"}) == {"andrea.x", "andrea.hf", "andrea.model"}
+
+
+def test_no_module_imports_itself_back():
+    graph = import_graph()
+    assert "andrea.hf" in graph["andrea.model"]  # ANDREA.from_pretrained reads the Hugging Face format
+    assert "andrea.model" not in graph["andrea.hf"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
