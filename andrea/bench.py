@@ -104,56 +104,59 @@ def _forward_backward(model, x):
 
 
 def profile_step(model, opt, B, T, steps=3, seed=0):
-    """Seconds per step by layer kind and pass, from timers wrapped around every layer's forward/backward."""
+    """Seconds per step by layer kind and pass, from timers wrapped around every layer's forward and
+    backward, and around the backend's attention core and GELU (model.ops, restored afterwards)."""
     xp = model.xp
     totals = defaultdict(float)
 
+    def timer(fn, key):
+        def timed(*a, **k):
+            synchronize(xp)
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            synchronize(xp)
+            totals[key] += time.perf_counter() - t
+            return r
+        return timed
+
     def wrap(layer, label):
-        for pass_name in ("forward", "backward", "backward_weights"):
-            fn = getattr(layer, pass_name, None)
-            if fn is None:
-                continue
-            key = (label, "backward" if pass_name == "backward_weights" else pass_name)
-
-            def timed(*a, _fn=fn, _key=key, **k):
-                synchronize(xp)
-                t = time.perf_counter()
-                r = _fn(*a, **k)
-                synchronize(xp)
-                totals[_key] += time.perf_counter() - t
-                return r
-
-            setattr(layer, pass_name, timed)
+        for pass_name in ("forward", "backward"):
+            setattr(layer, pass_name, timer(getattr(layer, pass_name), (label, pass_name)))
 
     for blk in model.blocks:
         wrap(blk.ln_1, "layernorm")
         wrap(blk.ln_2, "layernorm")
-        wrap(blk.attn.c_attn, "attn.c_attn (linear)")
-        wrap(blk.attn.c_proj, "attn.c_proj (linear)")
-        wrap(blk.c_fc, "mlp.c_fc (linear)")
-        wrap(blk.c_proj, "mlp.c_proj (linear)")
-        wrap(blk.gelu, "gelu")
-    for blk in model.blocks:  # attention minus its two projections, timed as a whole
         wrap(blk.attn, "attention (whole)")
+        wrap(blk.mlp, "mlp (whole)")
     wrap(model.ln_f, "layernorm")
     wrap(model.head, "tied head")
     wrap(model.loss_fn, "cross-entropy")
     wrap(model.wte, "embeddings")
     wrap(model.wpe, "embeddings")
-    rng = np.random.default_rng(seed)
-    step_total = 0.0
-    opt_total = 0.0
-    for _ in range(steps):
-        x = rng.integers(0, model.cfg.vocab_size, (B, T + 1))
-        _, dt = _timed(xp, _forward_backward, model, x)
-        _, do = _timed(xp, opt.step)
-        step_total += dt + do
-        opt_total += do
+    ops = model.ops
+    pieces = {"attention_forward": ("attention core", "forward"), "attention_backward": ("attention core", "backward"),
+              "bias_gelu_forward": ("gelu", "forward"), "bias_gelu_backward": ("gelu", "backward")}
+    for name, key in pieces.items():
+        setattr(ops, name, timer(getattr(ops, name), key))
+    try:
+        rng = np.random.default_rng(seed)
+        step_total = 0.0
+        opt_total = 0.0
+        for _ in range(steps):
+            x = rng.integers(0, model.cfg.vocab_size, (B, T + 1))
+            _, dt = _timed(xp, _forward_backward, model, x)
+            _, do = _timed(xp, opt.step)
+            step_total += dt + do
+            opt_total += do
+    finally:
+        for name in pieces:
+            delattr(ops, name)                               # the class's methods again
     rows = {f"{k[0]} {k[1]}": v / steps for k, v in totals.items()}
-    for pass_name in ("forward", "backward"):  # attention's own work = whole minus its projections
+    for pass_name in ("forward", "backward"):  # each composite's own products = whole minus its timed core
         whole = rows.pop(f"attention (whole) {pass_name}", 0.0)
-        proj = rows.get(f"attn.c_attn (linear) {pass_name}", 0.0) + rows.get(f"attn.c_proj (linear) {pass_name}", 0.0)
-        rows[f"attention core {pass_name}"] = whole - proj
+        rows[f"attention c_attn + c_proj (linear) {pass_name}"] = whole - rows.get(f"attention core {pass_name}", 0.0)
+        whole = rows.pop(f"mlp (whole) {pass_name}", 0.0)
+        rows[f"mlp c_fc + c_proj (linear) {pass_name}"] = whole - rows.get(f"gelu {pass_name}", 0.0)
     rows["adamw step"] = opt_total / steps
     rows["other (residual adds, zero_grad, glue)"] = step_total / steps - sum(rows.values())
     return {"step_s": step_total / steps, "rows": dict(sorted(rows.items(), key=lambda kv: -kv[1]))}

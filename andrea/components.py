@@ -7,8 +7,8 @@ Forward + backward at the shapes of ANDREA-120M (1 x 1024 tokens, d 768, 12 head
 
     GELU            andrea GELU layer                  F.gelu(approximate="tanh")
     LayerNorm       andrea LayerNorm                   nn.LayerNorm
-    attention core  CausalSelfAttention without its    scaled_dot_product_attention(is_causal=True),
-                    two Linear layers (qkv in, y out)   with the same head split and merge
+    attention core  ops.attention_forward/_backward    scaled_dot_product_attention(is_causal=True),
+                    (qkv in, y out: no projections)     with the same head split and merge
     cross-entropy   SoftmaxCrossEntropy (in place,     F.cross_entropy
                     as the model runs it)
     AdamW           minitensor AdamW, one step          torch.optim.AdamW(fused=True), one step
@@ -18,21 +18,21 @@ The engines run interleaved (andrea, andrea on NumPy only, PyTorch, andrea, ...)
 on a shared machine hits them alike, each timed run right after an untimed one of the same
 engine (so no engine's spinning threads steal the next one's cores), and the best of `repeats`
 runs of each is reported. The
-"numpy" column is andrea with ANDREA_CPU_KERNELS=numpy (the reference path).
+"numpy" column is andrea's NumPy backend without the numba kernels (what ANDREA_CPU_KERNELS=numpy
+selects).
 """
 
-import os
 import time
 
 import numpy as np
 
 from andrea.config import load_config
 from andrea.model import param_shapes
-from minitensor.attention import CausalSelfAttention
 from minitensor.embedding import Embedding
 from minitensor.gelu import GELU
 from minitensor.layernorm import LayerNorm
 from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.ops import get_ops
 from minitensor.optim import AdamW
 from minitensor.parallel import num_threads
 from minitensor.params import Params
@@ -44,29 +44,17 @@ ENGINES = ("andrea", "numpy", "torch")
 # lets the idle cores slow down (a 50 ms sleep made both engines' 1 ms LayerNorm ~1.5x slower).
 
 
-class _Passthrough:
-    """Stands in for attention's c_attn (returning a fixed qkv) and c_proj (returning its input),
-    so that only the core between them is timed."""
-
-    def __init__(self, C, out=None):
-        self.W = np.empty((C, 0), np.float32)  # CausalSelfAttention reads C from W.shape[0]
-        self.b, self.out = None, out
-
-    def forward(self, x, bias=None, residual=None):
-        return x if self.out is None else self.out
-
-    def backward(self, d):
-        return d
-
-
 def _cases(torch, B=1, T=1024, seed=0):
-    """name -> (shape text, {engine: (prepare, run)}); prepare() is untimed, run() is timed."""
+    """name -> (shape text, {engine: (prepare, run)}); prepare() is untimed, run() is timed. The
+    andrea engines each build their own layers on their backend: "andrea" the numba kernels (the
+    default), "numpy" the NumPy backend without them."""
     import torch.nn.functional as F
 
     cfg = load_config("120m").model
     C, nh, V, H = cfg.d_model, cfg.n_head, cfg.vocab_size, 4 * cfg.d_model
     N = B * T
     rng = np.random.default_rng(seed)
+    backends = {"andrea": get_ops(kernels="numba"), "numpy": get_ops(kernels="numpy")}
 
     def randn(*shape):
         return rng.standard_normal(shape, dtype=np.float32)
@@ -82,33 +70,55 @@ def _cases(torch, B=1, T=1024, seed=0):
             out_fn().backward(dy)
         return run
 
+    def each_backend(make):
+        """{engine: (prepare, run)} for the andrea engines, make(ops) -> (prepare, run)."""
+        return {engine: make(ops) for engine, ops in backends.items()}
+
     cases = {}
 
     # GELU (N, 4C)
     h, dh = randn(N, H), randn(N, H)
-    gelu = GELU()
     ht = torch.from_numpy(h.copy()).requires_grad_()
+
+    def gelu_run(ops):
+        gelu = GELU(ops=ops)
+        return nothing, lambda: (gelu.forward(h), gelu.backward(dh))
+
     cases["GELU"] = (f"{N} x {H}", {
-        "andrea": (nothing, lambda: (gelu.forward(h), gelu.backward(dh))),
+        **each_backend(gelu_run),
         "torch": (nothing, grad_of(lambda: F.gelu(ht, approximate="tanh"), [ht], torch.from_numpy(dh))),
     })
 
     # LayerNorm (N, C)
     r, dr = randn(N, C), randn(N, C)
     w, b = 1 + 0.1 * randn(C), 0.1 * randn(C)
-    ln = LayerNorm(w, np.zeros(C, np.float32), b, np.zeros(C, np.float32))
     tln = torch.nn.LayerNorm(C)
     rt = torch.from_numpy(r.copy()).requires_grad_()
+
+    def layernorm_run(ops):
+        ln = LayerNorm(w, np.zeros(C, np.float32), b, np.zeros(C, np.float32), ops=ops)
+        return nothing, lambda: (ln.forward(r), ln.backward(dr))
+
     cases["LayerNorm"] = (f"{N} x {C}", {
-        "andrea": (nothing, lambda: (ln.forward(r), ln.backward(dr))),
+        **each_backend(layernorm_run),
         "torch": (nothing, grad_of(lambda: tln(rt), [rt, *tln.parameters()], torch.from_numpy(dr))),
     })
 
-    # attention core: qkv (B, T, 3C) -> y (B, T, C)
+    # attention core: qkv (B, T, 3C) -> y (B, T, C), the backend's core between the two projections
     qkv, dyy = randn(B, T, 3 * C), randn(B, T, C)
-    attn = CausalSelfAttention(_Passthrough(C, out=qkv), _Passthrough(C), nh)
-    x_attn = np.zeros((B, T, C), np.float32)                 # c_attn's input: only its shape is read
     qkvt = torch.from_numpy(qkv.copy()).requires_grad_()
+
+    def heads(a, parts):
+        a = a.reshape(B, T, parts, nh, C // nh)
+        return [a[:, :, i].transpose(0, 2, 1, 3) for i in range(parts)]
+
+    def attention_run(ops):
+        def run():
+            y = np.empty((B, T, C), np.float32)
+            cache = ops.attention_forward(heads(qkv, 3), None, heads(y, 1)[0])
+            dqkv = np.empty((B, T, 3 * C), np.float32)
+            ops.attention_backward(heads(dyy, 1)[0], cache, heads(dqkv, 3))
+        return nothing, run
 
     def torch_attention():
         q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in qkvt.split(C, dim=2))
@@ -116,7 +126,7 @@ def _cases(torch, B=1, T=1024, seed=0):
         return y.transpose(1, 2).reshape(B, T, C)
 
     cases["attention core"] = (f"{B} x {T}, {nh} heads", {
-        "andrea": (nothing, lambda: (attn.forward(x_attn), attn.backward(dyy))),
+        **each_backend(attention_run),
         "torch": (nothing, grad_of(torch_attention, [qkvt], torch.from_numpy(dyy))),
     })
 
@@ -124,37 +134,51 @@ def _cases(torch, B=1, T=1024, seed=0):
     # starts from a fresh copy (untimed)
     logits, targets = randn(N, V), rng.integers(0, V, N)
     work = np.empty_like(logits)
-    ce = SoftmaxCrossEntropy()
     lt, tt = torch.from_numpy(logits.copy()).requires_grad_(), torch.from_numpy(targets)
+
+    def xent_run(ops):
+        ce = SoftmaxCrossEntropy(ops=ops)
+        return (lambda: np.copyto(work, logits), lambda: (ce.forward(work, targets, inplace=True), ce.backward()))
+
     cases["cross-entropy"] = (f"{N} x {V}", {
-        "andrea": (lambda: np.copyto(work, logits), lambda: (ce.forward(work, targets, inplace=True), ce.backward())),
+        **each_backend(xent_run),
         "torch": (nothing, grad_of(lambda: F.cross_entropy(lt, tt), [lt], None)),
     })
 
     # AdamW over the 120m parameter layout, decay on 2+-D tensors
     shapes = param_shapes(cfg)
-    params = Params(shapes)
-    params.data[:] = 0.02 * rng.standard_normal(params.size, dtype=np.float32)
-    params.grads[:] = 1e-3 * rng.standard_normal(params.size, dtype=np.float32)
-    opt = AdamW(params, lr=6e-4)
-    tparams = {n: torch.from_numpy(params[n].copy()).requires_grad_() for n in shapes}
-    for n, t in tparams.items():
-        t.grad = torch.from_numpy(params.grad(n).copy())
+    data = 0.02 * rng.standard_normal(Params(shapes).size, dtype=np.float32)
+    grads = 1e-3 * rng.standard_normal(data.size, dtype=np.float32)
+
+    def adamw_run(ops):
+        params = Params(shapes, ops=ops)
+        params.data[:], params.grads[:] = data, grads
+        return nothing, AdamW(params, lr=6e-4).step
+
+    tparams, offset = {}, Params(shapes).offsets
+    for n in shapes:
+        size = int(np.prod(shapes[n]))
+        tparams[n] = torch.from_numpy(data[offset[n]:offset[n] + size].reshape(shapes[n]).copy()).requires_grad_()
+        tparams[n].grad = torch.from_numpy(grads[offset[n]:offset[n] + size].reshape(shapes[n]).copy())
     groups = [{"params": [t for n, t in tparams.items() if len(shapes[n]) >= 2], "weight_decay": 0.1},
               {"params": [t for n, t in tparams.items() if len(shapes[n]) < 2], "weight_decay": 0.0}]
     topt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     n_params = sum(int(np.prod(s)) for s in shapes.values())
     cases["AdamW"] = (f"{n_params / 1e6:.1f}M parameters", {
-        "andrea": (nothing, opt.step),
+        **each_backend(adamw_run),
         "torch": (nothing, topt.step),
     })
 
     # token embedding (V, C), ids (B, T): forward + backward into the gradient
     W, idx, de = randn(V, C), rng.integers(0, V, (B, T)), randn(B, T, C)
-    emb = Embedding(W, np.zeros_like(W))
     Wt, idxt = torch.from_numpy(W.copy()).requires_grad_(), torch.from_numpy(idx)
+
+    def embedding_run(ops):
+        emb = Embedding(W, np.zeros_like(W), ops=ops)
+        return nothing, lambda: (emb.forward(idx), emb.backward(de))
+
     cases["embedding"] = (f"{B} x {T} ids, {V} x {C}", {
-        "andrea": (nothing, lambda: (emb.forward(idx), emb.backward(de))),
+        **each_backend(embedding_run),
         "torch": (nothing, grad_of(lambda: F.embedding(idxt, Wt), [Wt], torch.from_numpy(de))),
     })
     return cases
@@ -166,30 +190,22 @@ def measure(repeats=7, names=None):
 
     torch.set_num_threads(num_threads())
     cases = _cases(torch)
-    before = os.environ.get("ANDREA_CPU_KERNELS")
     out = {}
-    try:
-        for name, (shape, fns) in cases.items():
-            if names and name not in names:
-                continue
-            times = {e: [] for e in ENGINES}
-            for r in range(repeats + 1):                     # run 0 is warm-up (and JIT compilation)
-                for engine in ENGINES:
-                    os.environ["ANDREA_CPU_KERNELS"] = "numpy" if engine == "numpy" else "numba"
-                    prepare, run = fns["torch" if engine == "torch" else "andrea"]
-                    prepare()
-                    run()                                    # untimed, right before: see LEAD_IN
-                    prepare()
-                    t = time.perf_counter()
-                    run()
-                    if r:
-                        times[engine].append(time.perf_counter() - t)
-            out[name] = {"shape": shape, **times}
-    finally:
-        if before is None:
-            os.environ.pop("ANDREA_CPU_KERNELS", None)
-        else:
-            os.environ["ANDREA_CPU_KERNELS"] = before
+    for name, (shape, fns) in cases.items():
+        if names and name not in names:
+            continue
+        times = {e: [] for e in ENGINES}
+        for r in range(repeats + 1):                         # run 0 is warm-up (and JIT compilation)
+            for engine in ENGINES:
+                prepare, run = fns[engine]
+                prepare()
+                run()                                        # untimed, right before: see LEAD_IN
+                prepare()
+                t = time.perf_counter()
+                run()
+                if r:
+                    times[engine].append(time.perf_counter() - t)
+        out[name] = {"shape": shape, **times}
     return out
 
 

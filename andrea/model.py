@@ -1,4 +1,4 @@
-"""ANDREA: a GPT-2-architecture decoder-only transformer built from minitensor layers (SPEC 1).
+"""ANDREA: a GPT-2-architecture decoder-only transformer built from minitensor layers.
 
     x = wte[idx] + wpe[0..T-1]                   # (B, T, C)
     for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))
@@ -8,9 +8,15 @@
 Parameters carry the key names of a Hugging Face GPT2LMHeadModel state dict, weights stored
 (in, out), all inside one flat buffer (minitensor.params). Backward runs the blocks in reverse,
 with the residual joins written out: dx = dx + sublayer.backward(dx).
+
+The backend (minitensor.ops: NumPy with or without numba kernels, or CuPy) is chosen once, here,
+from the device, and handed to every layer. The Block and its MLP own the fusion schedule: the
+residual adds run in the epilogue of each branch's last product, c_fc's bias in GELU's pass,
+and c_proj's input is recomputed in backward instead of kept.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,10 +25,11 @@ from andrea.errors import UserError
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import get_backend, resolve_dtype, to_numpy
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
-from minitensor.gelu import GELU
+from minitensor.layer import Layer
 from minitensor.layernorm import LayerNorm
 from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.ops import get_ops
 from minitensor.params import Params
 
 
@@ -46,7 +53,7 @@ def param_shapes(cfg):
 
 
 def parameter_breakdown(cfg):
-    """The exact count by part, as in SPEC 1's table; the tied matrix is counted once."""
+    """The exact count by part; the tied matrix is counted once."""
     C, F = cfg.d_model, cfg.mlp_dim
     ln = 2 * C
     attn = C * 3 * C + 3 * C + C * C + C
@@ -71,71 +78,109 @@ def format_breakdown(cfg):
 
 
 def flops_per_token(cfg, T, n_params):
-    """Training FLOPs per token: 6 N + 12 n_layer d T (the nanoGPT/PaLM convention, SPEC 1)."""
+    """Training FLOPs per token: 6 N + 12 n_layer d T (the nanoGPT/PaLM convention): 6 per
+    parameter (2 forward, 4 backward) plus the attention scores' and outputs' products."""
     return 6 * n_params + 12 * cfg.n_layer * cfg.d_model * T
 
 
-def _linear(p, name):
-    return Linear(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"))
+def _linear(p, name, ops):
+    return Linear(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"),
+                  ops=ops, zeroed=p.take_zeroed)
 
 
-def _layernorm(p, name, eps):
-    return LayerNorm(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"), eps)
+def _layernorm(p, name, eps, ops):
+    return LayerNorm(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"), eps,
+                     ops=ops)
+
+
+class MLPCache(NamedTuple):
+    x: object          # (N, C), c_fc's input
+    h: object          # (N, 4C), c_fc's output as bias_gelu_forward left it
+    shape: tuple
+
+
+class MLP(Layer):
+    """c_proj(GELU(c_fc(x))) (+ residual), in three passes over the (N, 4C) activation instead of five:
+
+    forward:   h = x W_fc  (c_fc's bias is added in GELU's pass),  g = GELU(h + b_fc),
+               out = g W_proj + b_proj + residual  (one epilogue)
+    backward:  dg = dout W_proj^T;  GELU's backward recomputes g in the pass it makes anyway
+               (so no (N, 4C) activation per block waits from forward to backward besides h),
+               dW_proj += g^T dout;  dW_fc += x^T dh;  dx = dh W_fc^T
+    """
+
+    def __init__(self, c_fc, c_proj, ops):
+        super().__init__(ops)
+        self.c_fc, self.c_proj = c_fc, c_proj
+
+    def forward(self, x, residual=None):
+        C = x.shape[-1]
+        x2 = x.reshape(-1, C)
+        h = x2 @ self.c_fc.W                                 # (N, 4C)
+        g = self.ops.bias_gelu_forward(h, self.c_fc.b)
+        out = g @ self.c_proj.W                              # (N, C)
+        self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
+        self._save(MLPCache(x2, h, x.shape))
+        return out.reshape(x.shape)
+
+    def backward(self, dout):
+        x2, h, shape = self._pop()
+        dout2 = dout.reshape(-1, shape[-1])
+        dg = dout2 @ self.c_proj.W.T
+        dh, g = self.ops.bias_gelu_backward(h, self.c_fc.b, dg, recompute_output=True)
+        self.c_proj.weight_grads(g, dout2)
+        self.c_fc.weight_grads(x2, dh)
+        return (dh @ self.c_fc.W.T).reshape(shape)
 
 
 class Block:
     """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, p, prefix, cfg):
-        self.ln_1 = _layernorm(p, prefix + "ln_1", cfg.ln_eps)
-        self.attn = CausalSelfAttention(_linear(p, prefix + "attn.c_attn"), _linear(p, prefix + "attn.c_proj"),
-                                        cfg.n_head)
-        self.ln_2 = _layernorm(p, prefix + "ln_2", cfg.ln_eps)
-        self.c_fc = _linear(p, prefix + "mlp.c_fc")
-        self.gelu = GELU()
-        self.c_proj = _linear(p, prefix + "mlp.c_proj")
+    def __init__(self, p, prefix, cfg, ops):
+        self.ln_1 = _layernorm(p, prefix + "ln_1", cfg.ln_eps, ops)
+        self.attn = CausalSelfAttention(_linear(p, prefix + "attn.c_attn", ops),
+                                        _linear(p, prefix + "attn.c_proj", ops), cfg.n_head, ops=ops)
+        self.ln_2 = _layernorm(p, prefix + "ln_2", cfg.ln_eps, ops)
+        self.mlp = MLP(_linear(p, prefix + "mlp.c_fc", ops), _linear(p, prefix + "mlp.c_proj", ops), ops)
 
     def forward(self, x):
-        # the residual adds run in the epilogue of each branch's last Linear, and c_fc's bias in
-        # GELU's pass: no separate pass over the activations for either
+        # the residual adds run in the epilogue of each branch's last product
         x1 = self.attn.forward(self.ln_1.forward(x), residual=x)
-        h = self.c_fc.forward(self.ln_2.forward(x1), bias=False)
-        # c_proj keeps nothing of GELU's output: GELU's backward recomputes it (in the pass it
-        # makes anyway) and hands it to c_proj's weight gradient, so no (B, T, 4C) activation
-        # per block waits from forward to backward besides h
-        return self.c_proj.forward(self.gelu.forward(h, bias=self.c_fc.b), residual=x1, keep_input=False)
+        return self.mlp.forward(self.ln_2.forward(x1), residual=x1)
 
     def infer(self, x, kv, pos):
         """forward for inference at positions pos.., with this block's key/value cache kv: the same
         layers through their cache-free `infer`."""
         x1 = self.attn.forward_kv(self.ln_1.infer(x), kv, pos, residual=x)
-        h = self.c_fc.infer(self.ln_2.infer(x1), bias=False)
-        return self.c_proj.infer(self.gelu.infer(h, bias=self.c_fc.b), residual=x1)
+        return self.mlp.infer(self.ln_2.infer(x1), residual=x1)
 
     def backward(self, dx2):
         # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
         # added in the pass of the LayerNorm backward it goes around
-        dh, g = self.gelu.backward(self.c_proj.backward(dx2), output=True)
-        self.c_proj.backward_weights(g)
-        dx1 = self.ln_2.backward(self.c_fc.backward(dh), residual=dx2)
-        return self.ln_1.backward(self.attn.backward(dx1), residual=dx1)
+        dx1 = self.ln_2.backward(self.mlp.backward(dx2), skip=dx2)
+        return self.ln_1.backward(self.attn.backward(dx1), skip=dx1)
 
 
 class ANDREA:
-    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0):
+    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None):
+        """kernels: the CPU kernels, 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba
+        when installed); read here once, like the device. ops: a minitensor.ops backend to use
+        instead of the device's (tests)."""
         self.cfg = cfg
         self.backend = get_backend(device)
-        self.xp = self.backend.xp
+        self.ops = ops = ops or get_ops(self.backend.xp, kernels)
+        self.xp = ops.xp
         self.dtype = resolve_dtype(dtype)
-        self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype)
+        self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops)
         p = self.params
         # ids are validated on the host in _ids, so the layers skip their own (device-syncing) checks
-        self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), check=False)
-        self.wpe = PositionEmbedding(p["transformer.wpe.weight"], p.grad("transformer.wpe.weight"))
-        self.blocks = [Block(p, f"transformer.h.{i}.", cfg) for i in range(cfg.n_layer)]
-        self.ln_f = _layernorm(p, "transformer.ln_f", cfg.ln_eps)
-        self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"))
-        self.loss_fn = SoftmaxCrossEntropy(check=False)
+        self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), check=False, ops=ops)
+        self.wpe = PositionEmbedding(p["transformer.wpe.weight"], p.grad("transformer.wpe.weight"), ops=ops)
+        self.blocks = [Block(p, f"transformer.h.{i}.", cfg, ops) for i in range(cfg.n_layer)]
+        self.ln_f = _layernorm(p, "transformer.ln_f", cfg.ln_eps, ops)
+        self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), ops=ops,
+                             zeroed=p.take_zeroed)
+        self.loss_fn = SoftmaxCrossEntropy(check=False, ops=ops)
         self.init_weights(seed)
 
     def init_weights(self, seed):
@@ -207,11 +252,6 @@ class ANDREA:
 
     def zero_grad(self):
         self.params.zero_grad()
-        # their next weight gradients are written, not added (the head's before the embedding's rows)
-        self.head.fresh = True
-        for block in self.blocks:
-            for lin in (block.attn.c_attn, block.attn.c_proj, block.c_fc, block.c_proj):
-                lin.fresh = True
 
     # --- parameters ---
 

@@ -17,8 +17,8 @@
 - memory: parameters, gradients and the two AdamW moments (4 N floats) plus the activations kept
   from forward to backward at the configured micro-batch, plus 10% for everything else (measured
   below), against what the machine has
-  (`MemAvailable` and the cgroup limit on Linux, free GPU memory on a GPU): an error when the
-  estimate does not fit, a warning above 80%;
+  (`MemAvailable` and the cgroup limit on Linux, free GPU memory on a GPU, which `auto` counts
+  as when a GPU works): an error when the estimate does not fit, a warning above 80%;
 - the data, when it is already prepared: both splits must hold a window of seq_len + 1 tokens
   (`check_data` repeats this after a first-run preparation).
 
@@ -183,6 +183,16 @@ def available_memory(device: str) -> tuple[int | None, str]:
     return min(limits)
 
 
+def memory_device(device: str) -> str:
+    """Whose memory a run on `device` fills: "gpu" for gpu, and for auto when a GPU works (the
+    model goes there: minitensor.backend.get_backend), else "cpu"."""
+    if device == "auto":
+        from minitensor.backend import gpu_available
+
+        return "gpu" if gpu_available() else "cpu"
+    return "gpu" if device == "gpu" else "cpu"
+
+
 def check_memory(estimate: MemoryEstimate, device: str, warn=None) -> str:
     """Raises when the estimate exceeds the memory available; returns a one-line verdict."""
     free, source = available_memory(device)
@@ -304,7 +314,7 @@ def check(cfg, out_dir, processes=1, init_from=None, warn=None) -> Plan:
     if t.sample_tokens > 0 and not t.sample_prompt:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
     mem = estimate_memory(cfg)
-    verdict = check_memory(mem, device, warn)
+    verdict = check_memory(mem, memory_device(device), warn)  # device is probed already: cpu or gpu
     counts = prepared_counts(data_dir)
     if counts is None:
         source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"

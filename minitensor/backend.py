@@ -1,14 +1,14 @@
 """Backend selection: NumPy on the CPU, CuPy on an NVIDIA GPU.
 
 The device is chosen once, at the entry point (`get_backend("auto" | "cpu" | "gpu")`, or the
-`ANDREA_DEVICE` environment variable when no device is given), and layers then take the array
-module from their inputs (`array_module(x)`). This file and `kernels.py` are the only ones that
-import CuPy, and only on demand: importing minitensor without CuPy, or with CuPy but no GPU,
-costs nothing and cannot fail.
+`ANDREA_DEVICE` environment variable when no device is given); the model then takes its compute
+backend from it (`minitensor.ops.get_ops(backend.xp)`) and hands it to every layer. Only this
+file and the GPU backend import CuPy, and only on demand: importing minitensor without CuPy, or
+with CuPy but no GPU, costs nothing and cannot fail.
 
 A GPU counts as usable only after a tiny elementwise kernel and a tiny matmul have run on it:
 CuPy imports fine without a driver, and a missing NVRTC or cuBLAS shows only at the first
-kernel or GEMM (SPEC 5).
+kernel or GEMM.
 """
 
 import os
@@ -159,7 +159,7 @@ def set_tf32(xp, enabled):
     """TF32 tensor-core GEMMs on or off for this process on CuPy, whatever CUPY_TF32 says; returns
     a line with the mode read back from CuPy. Nothing to set on NumPy.
 
-    CuPy 14.2 takes two paths (SPEC 5): 2-D products call gemmEx with the compute type of
+    CuPy 14.2 takes two paths: 2-D products call gemmEx with the compute type of
     `_routines_linalg.get_compute_type(float32)`, which reads CUPY_TF32 once and caches it, and
     `set_compute_type` overrides at any time; batched (3-D) matmul calls gemmStridedBatchedEx with
     a plain float32 compute type, which cuBLAS runs on TF32 tensor cores only when the handle's

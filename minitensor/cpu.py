@@ -1,10 +1,10 @@
-"""The optional CPU fast path: numba-compiled kernels beside each layer's NumPy code.
+"""The numba side of the CPU backend: the kernel decorator, and the scalar helpers kernels share.
 
 NumPy makes one pass over memory per operation, and its float32 exp/tanh are a few ns per
 element; a compiled loop nest makes one pass per kernel and keeps the arithmetic in registers.
-Each layer file (gelu.py, layernorm.py, loss.py, attention.py, optim.py, embedding.py) holds its
-kernels as plain functions decorated with `kernel(...)`, and asks `enabled(*arrays)` whether to
-run them; otherwise it runs its NumPy code, which stays the reference the tests compare against.
+The kernels themselves are plain functions decorated with `kernel(...)` in minitensor/numpy_ops.py,
+beside the NumpyOps methods that run them. Whether they run is chosen once, when a model is
+built (minitensor.ops.get_ops, `mode` below):
 
     ANDREA_CPU_KERNELS=numpy   NumPy only, even with numba installed
     (unset, or =numba)         numba if importable (pip install 'andrea[fast]'), else NumPy
@@ -46,24 +46,13 @@ except ImportError:  # the fast path is optional: without numba, every layer run
 _configured = False
 
 
-def mode():
-    """'numba' or 'numpy': what ANDREA_CPU_KERNELS asks for, 'numpy' when numba is missing."""
-    asked = os.environ.get("ANDREA_CPU_KERNELS", "numba").strip().lower() or "numba"
+def mode(kernels=None):
+    """'numba' or 'numpy': `kernels` if given, else what ANDREA_CPU_KERNELS asks for (default
+    numba); 'numpy' when numba is missing. Read when a backend is chosen, not per call."""
+    asked = (kernels or os.environ.get("ANDREA_CPU_KERNELS", "numba")).strip().lower() or "numba"
     if asked not in MODES:
         raise ValueError(f"ANDREA_CPU_KERNELS={asked!r}: use one of {', '.join(MODES)}")
     return "numba" if asked == "numba" and numba is not None else "numpy"
-
-
-def enabled(*arrays):
-    """True when the numba kernels should run on these arrays: NumPy float32/float64 arrays and the
-    fast path chosen (read on every call, so tests can switch it with the environment variable)."""
-    if mode() != "numba":
-        return False
-    for a in arrays:
-        if not isinstance(a, np.ndarray) or a.dtype not in (np.float32, np.float64):
-            return False
-    _configure()
-    return True
 
 
 _blas_ok = None

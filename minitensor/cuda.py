@@ -1,8 +1,8 @@
 """The CUDA side of minitensor: the kernel registry, lazy CuPy builds, launches, and the switch.
 
-Each layer's CUDA kernels live in the layer's own module, beside the generic xp code they must
-equal (LayerNorm in layernorm.py, bias + GELU with GELU in kernels.py, causal softmax in
-attention.py, cross-entropy in loss.py, AdamW in optim.py); this module holds what they share:
+The CUDA kernels live with the GPU backend (minitensor/cupy_ops.py), each beside the CupyOps
+method that runs it and checked against the Ops method it replaces; this module holds what they
+share:
 
 - the registry `KERNELS` (name -> spec). A spec holds what CuPy needs to build the kernel (built
   lazily, once) and can produce the exact source NVRTC compiles for a dtype, which makes two
@@ -11,11 +11,11 @@ attention.py, cross-entropy in loss.py, AdamW in optim.py); this module holds wh
 - `launch`, which runs a RawKernel after checking each argument against its C type (CuPy would
   pass a Python int as 64 bits and a Python float as a double, silently), and the argument
   checks of the wrappers.
-- the switch: which fused kernels the layers use (`in_use`, set by `minitensor.selfcheck`), each
-  under the name of the layer piece it replaces (FUSED). The generic xp path is the reference
-  and what NumPy runs; on CuPy a layer takes its fused kernel only when its name is in use.
+- the switch: which fused kernels CupyOps uses (`in_use`, set once by `minitensor.selfcheck` at
+  the entry point), each under the name of the Ops piece it replaces (FUSED). The Ops code is
+  the reference; CupyOps takes a fused kernel only when its name is in use.
 
-The exact elementwise sources come from CuPy private APIs (SPEC 5), so CuPy's minor version is
+The exact elementwise sources come from CuPy private APIs, so CuPy's minor version is
 pinned by the `kernel-check` extra. Importing this module costs nothing: CuPy is imported only
 by the functions that need it.
 """
@@ -36,9 +36,8 @@ INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU 
 DTYPES = ("float32", "float64")
 ARCHS = ("sm_80", "sm_90")
 
-# The layer modules that register kernels, imported by all_kernels().
-KERNEL_MODULES = ("minitensor.kernels", "minitensor.gelu", "minitensor.layernorm", "minitensor.attention",
-                  "minitensor.loss", "minitensor.optim")
+# The modules that register kernels, imported by all_kernels().
+KERNEL_MODULES = ("minitensor.cupy_ops",)
 
 # The fused pieces the layers can use on CuPy, each the name of what it replaces:
 #   layernorm       LayerNorm forward and backward          (layernorm_fwd, _bwd, _bwd_params)
@@ -51,11 +50,6 @@ FUSED = ("layernorm", "bias_gelu", "causal_softmax", "softmax_xent", "adamw")
 # The fused pieces in use in this process: empty (the generic path) until selfcheck.select_kernels
 # chooses; a process-wide choice, like TF32, made once at the entry point.
 in_use = set()
-
-
-def uses(name, x):
-    """True if the layer piece `name` should run its fused kernel on the array x (CuPy only)."""
-    return name in in_use and array_module(x) is not np
 
 
 @contextlib.contextmanager
@@ -72,7 +66,7 @@ def using(names):
 
 # name -> check(xp, rng): runs the layer piece `name` (forward and backward) on small random inputs
 # drawn from the NumPy Generator rng, moved to xp, and returns its outputs; the self-check runs it
-# with and without the fused kernel and compares. Each layer module registers its own.
+# with and without the fused kernel and compares (minitensor/cupy_ops.py registers them).
 CHECKS = {}
 
 

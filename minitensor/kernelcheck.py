@@ -5,13 +5,13 @@
     --host-check  `host_check`: g++ runs each elementwise operation on the CPU and compares it
                   with its NumPy reference (spec.reference)
 
-and `emulate_launch` runs a RawKernel's code on the CPU as C++ (a thread per CUDA thread): the
+and `emulate_launch` runs a RawKernel's code on the CPU as C++ (a fiber per CUDA thread): the
 tests put it in place of `minitensor.cuda.launch` to compare the row kernels with their formulas
 without a GPU.
 
-The compile check uses CuPy private APIs (SPEC 5), so CuPy's minor version is pinned by the
-`kernel-check` extra. The registry it checks is `minitensor.cuda.all_kernels()` (every layer
-module imported); CuPy is imported only when a compile check runs.
+The compile check uses CuPy private APIs, so CuPy's minor version is pinned by the
+`kernel-check` extra. The registry it checks is `minitensor.cuda.all_kernels()` (the GPU
+backend imported); CuPy is imported only when a compile check runs.
 """
 
 import atexit
@@ -190,29 +190,40 @@ def _run_host_program(program, n, stdin_bytes):
 
 
 # ---------------------------------------------------------------------------------------------
-# The host emulation of a RawKernel: its CUDA code compiled as C++20, one std::thread per CUDA
-# thread, the blocks one after another; __syncthreads is a std::barrier over the block, a warp
-# shuffle two of them (every thread of a block must shuffle together, as full-warp shuffles in a
-# 1-D block of whole warps do). Slow, and blind to what only a GPU shows (races between blocks,
-# the launch itself), but it runs the kernel's indexing, masks and reductions on the CPU.
+# The host emulation of a RawKernel: its CUDA code compiled as C++, each CUDA thread a fiber of
+# one OS thread (its own stack, made by makecontext), the blocks one after another. A block runs in
+# rounds: each of its fibers in turn runs to its next __syncthreads (or its end) and hands back, so
+# no thread passes a barrier before all have reached it; a warp shuffle is two barriers (every
+# thread of a block must shuffle together, as full-warp shuffles in a 1-D block of whole warps
+# do). A switch is a _setjmp/_longjmp pair, tens of nanoseconds with no system call, where an OS
+# thread per CUDA thread cost a scheduler round trip per thread and barrier (the self-check's three
+# RawKernel pieces took 16 s that way on 2 loaded cores). Blind to what only a GPU shows (races
+# between blocks, the launch itself), but it runs the kernel's indexing, masks and reductions.
 
-_EMU_PRELUDE = r"""#include <barrier>
-#include <math.h>
+_EMU_PRELUDE = r"""#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <setjmp.h>
 #include <string.h>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
-static thread_local dim3 threadIdx, blockIdx;
-static dim3 blockDim, gridDim;
-static std::barrier<> *block_barrier;
-static double shuffle_slots[1024];
+static dim3 blockIdx, blockDim, gridDim;
+static dim3 *fiber_thread_idx;
+static unsigned current_fiber;
+#define threadIdx (fiber_thread_idx[current_fiber])
+static jmp_buf scheduler, *fibers;
+static char *fiber_done;
+static void (*fiber_body)(void *);
+static void *fiber_arg;
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
-static void __syncthreads() { block_barrier->arrive_and_wait(); }
+static void __syncthreads() {
+  if (!_setjmp(fibers[current_fiber])) _longjmp(scheduler, 1);
+}
+static double shuffle_slots[1024];
 template <class U> static U __shfl_xor_sync(unsigned, U v, int lane_mask) {
   const unsigned me = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
   shuffle_slots[me] = (double)v;
@@ -223,25 +234,54 @@ template <class U> static U __shfl_xor_sync(unsigned, U v, int lane_mask) {
 }
 static float __int_as_float(int v) { float f; memcpy(&f, &v, sizeof f); return f; }
 static double __longlong_as_double(long long v) { double f; memcpy(&f, &v, sizeof f); return f; }
+static void fiber_main() {
+  fiber_body(fiber_arg);
+  fiber_done[current_fiber] = 1;
+  _longjmp(scheduler, 1);
+}
 template <class F> static void launch(dim3 grid, dim3 block, F body) {
+  const size_t stack = 64 * 1024;  /* pages are touched only as far as a kernel's frames reach */
   gridDim = grid;
   blockDim = block;
   const unsigned n = block.x * block.y * block.z;
+  std::vector<ucontext_t> contexts(n);
+  std::vector<jmp_buf> jumps(n);
+  std::vector<dim3> index(n);
+  std::vector<char> done(n), started(n);
+  char *stacks = (char *)malloc(n * stack);
+  fibers = jumps.data();
+  fiber_thread_idx = index.data();
+  fiber_done = done.data();
+  fiber_body = [](void *f) { (*(F *)f)(); };
+  fiber_arg = &body;
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
-        std::barrier<> bar(n);
-        block_barrier = &bar;
-        std::vector<std::thread> team;
-        team.reserve(n);
-        for (unsigned t = 0; t < n; ++t)
-          team.emplace_back([&, t] {
-            threadIdx = dim3{t % block.x, t / block.x % block.y, t / (block.x * block.y)};
-            blockIdx = dim3{bx, by, bz};
-            body();
-          });
-        for (auto &member : team) member.join();
+        blockIdx = dim3{bx, by, bz};
+        for (unsigned t = 0; t < n; ++t) {
+          index[t] = dim3{t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+          done[t] = started[t] = 0;
+          getcontext(&contexts[t]);
+          contexts[t].uc_stack.ss_sp = stacks + t * stack;
+          contexts[t].uc_stack.ss_size = stack;
+          contexts[t].uc_link = nullptr;  /* fiber_main never returns: it jumps back */
+          makecontext(&contexts[t], fiber_main, 0);
+        }
+        for (volatile bool running = true; running;) {  /* a round: every fiber to its next barrier */
+          running = false;
+          for (volatile unsigned t = 0; t < n; ++t)
+            if (!done[t]) {
+              current_fiber = t;
+              if (!_setjmp(scheduler)) {
+                if (started[t]) _longjmp(fibers[t], 1);
+                started[t] = 1;
+                setcontext(&contexts[t]);
+              }
+              running = running || !done[t];
+            }
+        }
       }
+  free(stacks);
 }
 """
 
@@ -293,9 +333,10 @@ def _emulator(specs, dtype_name):
         f.write("\n".join(parts))
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if not cxx:
-        raise FileNotFoundError("the emulation needs a C++20 compiler: install g++ or set CXX")
-    built = subprocess.run([cxx, "-O1", "-std=c++20", "-pthread", exe + ".cpp", "-o", exe], capture_output=True,
-                           text=True, check=False)
+        raise FileNotFoundError("the emulation needs a C++17 compiler: install g++ or set CXX")
+    # without _FORTIFY_SOURCE: its checked longjmp refuses the jumps between the fibers' stacks
+    built = subprocess.run([cxx, "-O1", "-std=c++17", "-U_FORTIFY_SOURCE", exe + ".cpp", "-o", exe],
+                           capture_output=True, text=True, check=False)
     if built.returncode:
         raise RuntimeError(f"{', '.join(s.name for s in specs)}: does not compile as C++ for the emulation:\n"
                            f"{built.stderr}")

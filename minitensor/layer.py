@@ -1,18 +1,26 @@
 """The contract every layer follows, and the one piece of it that is shared: the forward cache.
 
-A layer's `forward(x)` returns y and keeps what its backward needs; `backward(dy)` accumulates
-(`+=`) the parameter gradients into the gradient views it was given, returns dx, and drops the
-cache, so a second backward without a new forward fails at once instead of reusing stale state.
-`infer(...)` is the same forward keeping nothing (inference and sampling): one formula per layer,
-and a backward still pending from a training forward keeps its cache.
+A layer's `forward(x)` returns y and keeps what its backward needs (a named tuple); `backward(dy)`
+accumulates (`+=`) the parameter gradients into the gradient views it was given, returns dx, and
+drops the cache, so a second backward without a new forward fails at once instead of reusing
+stale state. `infer(...)` is the same forward keeping nothing (inference and sampling): one
+formula per layer, and a backward still pending from a training forward keeps its cache.
+
+Every layer computes through `self.ops` (minitensor.ops), the backend chosen when the model was
+built; without one it takes the CPU backend (`get_ops()`).
 """
+
+from minitensor.ops import get_ops
 
 
 class Layer:
     _cache = None
 
-    def _save(self, *tensors):
-        self._cache = tensors
+    def __init__(self, ops=None):
+        self.ops = ops or get_ops()
+
+    def _save(self, cache):
+        self._cache = cache
 
     def _pop(self):
         cache = self._cache

@@ -1,14 +1,15 @@
-"""The start-up self-check of the fused GPU kernels, and the choice of which ones the layers use.
+"""The start-up self-check of the fused GPU kernels, and the choice of which ones CupyOps uses.
 
     select_kernels("auto" | "fused" | "generic", xp) -> one line saying which are in use
 
-`auto` (the default on a GPU) runs each fused piece's check (minitensor.cuda.CHECKS: the layer's
-forward and backward on small random float32 inputs, a few milliseconds) once through the
-generic xp code and once through the fused kernel, and keeps only the pieces whose outputs agree
-to float32 precision: max |fused - generic| <= RTOL * max(1, max |generic|) over every output. A
-piece that disagrees, or whose kernel fails to build or run, is reported in the line and the
-generic code takes its place. `fused` uses every piece unchecked, `generic` none; on NumPy there
-is nothing to choose (the generic code is what the CPU runs).
+`auto` (the default on a GPU) runs each fused piece's check (minitensor.cuda.CHECKS, registered in
+minitensor/cupy_ops.py: the piece forward and backward on small random float32 inputs, a few
+milliseconds) once through the Ops code and once through CupyOps' fused kernel, and keeps only
+the pieces whose outputs agree to float32 precision: max |fused - generic| <= RTOL * max(1,
+max |generic|) over every output. A piece that disagrees, or whose kernel fails to build or run,
+is reported in the line and the Ops code takes its place. `fused` uses every piece unchecked,
+`generic` none; on NumPy there is nothing to choose. The choice is made once, at the entry
+point, for the process.
 """
 
 import numpy as np

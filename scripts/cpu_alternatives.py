@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from minitensor.gelu import GELU  # noqa: E402
 from minitensor.layernorm import LayerNorm  # noqa: E402
+from minitensor.ops import get_ops  # noqa: E402
 from minitensor.parallel import num_threads  # noqa: E402
 
 C_, A_ = math.sqrt(2 / math.pi), 0.044715
@@ -70,13 +71,16 @@ def main(repeats=7):
     h, dh = rng.standard_normal((1024, 3072), dtype=np.float32), rng.standard_normal((1024, 3072), dtype=np.float32)
     x, dx = rng.standard_normal((1024, 768), dtype=np.float32), rng.standard_normal((1024, 768), dtype=np.float32)
     w, b = np.ones(768, np.float32), np.zeros(768, np.float32)
-    gelu, ln = GELU(), LayerNorm(w, np.zeros_like(w), b, np.zeros_like(b))
+    backends = {mode: get_ops(kernels=mode) for mode in ("numpy", "numba")}
+    gelu = {mode: GELU(ops=ops) for mode, ops in backends.items()}
+    ln = {mode: LayerNorm(w, np.zeros_like(w), b, np.zeros_like(b), ops=ops) for mode, ops in backends.items()}
     ht, xt = torch.from_numpy(h.copy()).requires_grad_(), torch.from_numpy(x.copy()).requires_grad_()
     tln = torch.nn.LayerNorm(768)
 
-    def andrea(mode, layer, *a):
+    def andrea(mode, layers, *a):
+        layer = layers[mode]
+
         def run():
-            os.environ["ANDREA_CPU_KERNELS"] = mode
             layer.forward(a[0])
             layer.backward(a[1])
         return run

@@ -1,16 +1,22 @@
-"""The Python phases of the GPU check (scripts/gpu_check.sh runs them in its order): the fused
-kernels, float32 GPU gradients against NumPy float64, and ANDREA-120M training throughput in TF32.
+"""The Python phases of the GPU check (scripts/gpu_check.sh runs them in its order): every kernel
+compiled, the fused kernels, float32 GPU gradients against NumPy float64, and ANDREA-120M training
+throughput in TF32.
 
-    PYTHONPATH=. python scripts/gpu_check.py --parts kernels,gradients,bench
-    PYTHONPATH=. python scripts/gpu_check.py --dry-run   # the same code on NumPy at toy sizes, no GPU
+    PYTHONPATH=. python scripts/gpu_check.py --parts compile,kernels,gradients,bench
+    PYTHONPATH=. python scripts/gpu_check.py --dry-run   # the same code at toy sizes: on NumPy
+                                                         # without a GPU, on the GPU if one works
 
 Parts (each in a fresh process with its own time limit, so a CUDA error or a hang in one does not
 hide the others; exit status 1 if any failed):
 
+    compile    every registered kernel built for float32 and float64 (a RawKernel compiled, an
+               ElementwiseKernel run once on one element), so CuPy's kernel cache is warm before
+               anything is timed: gpu_check.sh runs it before the GPU tests
     kernels    the start-up self-check (minitensor.selfcheck: which fused pieces agree with the
                generic path), then each fused kernel against the generic xp code of its layer at
                ANDREA-120M shapes (float32): max error and time of each
-    gradients  a small ANDREA (4 layers, d 128; 2 in the dry run) at T = 256 trained 3 steps on CuPy in float32,
+    gradients  a small ANDREA (4 layers, d 128; the dry run: 1 layer, T = 64, 2 steps) at T = 256 trained 3
+               steps on CuPy in float32,
                once as training runs (dense attention core, self-checked fused kernels) and once
                with the generic kernels and the blocked core (two query blocks of 128), each
                against NumPy float64 from the same seed: per-step losses, step-0 gradients
@@ -34,7 +40,9 @@ import numpy as np
 
 PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (SPEC 4)
 PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
-PARTS = {"kernels": 23, "gradients": 23, "bench": 48}  # seconds each, at most (gpu_check.sh allows a little more)
+# seconds each, at most (gpu_check.sh allows a little more)
+PARTS = {"compile": 40, "kernels": 23, "gradients": 23, "bench": 48}
+DRY_TIME_SCALE = 4  # a dry run's limits are 4 times these: it runs on a CPU, maybe under the CuPy stand-in
 RESULTS = os.path.join(os.environ.get("OUT") or ".", "gpu_check_results.txt")
 
 
@@ -58,6 +66,63 @@ def verdict(ok):
     return "ok  " if ok else "FAIL"
 
 
+def gpu_here(dry):
+    """Whether the parts run on CuPy: always for the real check, in a dry run only if a GPU works."""
+    if not dry:
+        return True
+    from minitensor.backend import gpu_available
+
+    return gpu_available()
+
+
+# --- compile: every kernel built before anything is timed -----------------------------------------
+
+
+def part_compile(dry):
+    from minitensor import cuda
+
+    if not gpu_here(dry):
+        log("dry run on NumPy: no CUDA kernels to compile (the NVRTC compile check is "
+            "`python -m minitensor.kernels --check`)")
+        return False
+    import cupy
+
+    start, failed, count = time.perf_counter(), False, 0
+    for spec in cuda.all_kernels().values():
+        for dtype in cuda.DTYPES:
+            t0 = time.perf_counter()
+            try:
+                _build(cupy, spec, np.dtype(dtype))
+                count += 1
+            except Exception as e:  # every kernel is tried; the failures are listed
+                failed = True
+                log(f"FAIL compile {spec.name} {dtype}: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
+                continue
+            log(f"ok   compiled {spec.name:<26} {dtype}  {time.perf_counter() - t0:.2f} s")
+    log(f"compiled {count} kernels (every kernel x float32, float64) in {time.perf_counter() - start:.1f} s")
+    return failed
+
+
+def _build(cupy, spec, dtype):
+    """Builds one kernel for dtype on the device: a RawKernel compiled, an ElementwiseKernel run on
+    one element (CuPy compiles it at its first call, for the argument types of that call)."""
+    from minitensor import cuda
+
+    if isinstance(spec, cuda.RawSpec):
+        spec.kernel(dtype).compile()
+        return
+    scalars = dict(spec.scalars)
+    args = []
+    for param in spec.in_params.split(","):
+        *_, kind, name = param.split()
+        if name in scalars:
+            args.append(np.dtype(kind).type(scalars[name]) if kind != "T" else dtype.type(scalars[name]))
+        else:
+            args.append(cupy.zeros(1, dtype if kind == "T" else np.dtype(kind)))
+    spec.kernel()(*args)
+    cupy.cuda.get_current_stream().synchronize()
+
+
 # --- gradients: float32 training on CuPy against NumPy float64, at T = 256 --------------------------
 
 
@@ -70,15 +135,16 @@ def part_gradients(dry):
     from minitensor.backend import set_tf32
     from minitensor.selfcheck import select_kernels
 
-    cfg = dataclasses.replace(load_config("tiny").model, context_length=256, n_layer=2 if dry else 4)
-    B, T, steps = (1, 256, 2) if dry else (2, 256, 3)
+    cfg = dataclasses.replace(load_config("tiny").model, context_length=256, n_layer=1 if dry else 4)
+    B, T, steps = (1, 64, 2) if dry else (2, 256, 3)
     rng = np.random.default_rng(1)
     data = [rng.integers(0, cfg.vocab_size, (B, T + 1)) for _ in range(steps)]
     ref_losses, ref_grads = _train(cfg, "cpu", "float64", data)
     log(f"ANDREA {cfg.n_layer} layers, d {cfg.d_model}, {steps} AdamW steps of {B} x {T} from seed 0; "
         f"NumPy float64 losses: {', '.join(f'{v:.6f}' for v in ref_losses)}")
-    device = "cpu" if dry else "gpu"
-    if not dry:
+    on_gpu = gpu_here(dry)
+    device = "gpu" if on_gpu else "cpu"
+    if on_gpu:
         import cupy
 
         log(set_tf32(cupy, False))  # float32 GEMMs: TF32 would loosen the comparison to 1e-3
@@ -86,7 +152,7 @@ def part_gradients(dry):
     variants = (("dense core, kernels auto", True), ("blocked core (2 query blocks), generic kernels", False))
     for variant, dense in variants:
         CausalSelfAttention.dense = dense
-        if dry:
+        if not on_gpu:
             kernels_line = "kernels: generic (NumPy)"
         else:
             import cupy
@@ -99,7 +165,7 @@ def part_gradients(dry):
         worst = max(errs, key=errs.get)
         ok = loss_err <= 1e-4 and errs[worst] <= 1e-3
         failed |= not ok
-        log(f"{verdict(ok)} {'NumPy' if dry else 'CuPy'} float32, {variant} ({kernels_line}): losses within "
+        log(f"{verdict(ok)} {'CuPy' if on_gpu else 'NumPy'} float32, {variant} ({kernels_line}): losses within "
             f"{loss_err:.2e} relative (tolerance 1e-4); step-0 gradients within {errs[worst]:.2e} norm-wise "
             f"(worst tensor {worst}; median {statistics.median(errs.values()):.2e}; tolerance 1e-3)")
     CausalSelfAttention.dense = None
@@ -130,26 +196,24 @@ def _train(cfg, device, dtype, data):
 
 
 def part_kernels(dry):
-    from minitensor import attention, cuda, kernelcheck, kernels, layernorm, loss, optim
-    from minitensor.kernels import gelu_backward, gelu_forward
+    from andrea.config import load_config
+    from andrea.model import param_shapes
+    from minitensor import cuda, cupy_ops, kernelcheck
     from minitensor.layernorm import LayerNorm
     from minitensor.loss import SoftmaxCrossEntropy
+    from minitensor.ops import Ops
     from minitensor.optim import AdamW
     from minitensor.params import Params
     from minitensor.selfcheck import select_kernels
 
     failed = False
-    if dry:
+    on_gpu = gpu_here(dry)
+    if not on_gpu:
         xp = np
         log(select_kernels("auto", np) + " (dry run: the self-check itself runs only on CuPy)")
         cuda.launch = kernelcheck.emulate_launch
-        N, C, F, BH, T, V = 6, 40, 64, 2, 20, 50
-        shapes, reps = {"w": (50, 40), "b": (40,)}, 1
     else:
         import cupy as xp
-
-        from andrea.config import load_config
-        from andrea.model import param_shapes
 
         start = time.perf_counter()
         line = select_kernels("auto", xp)
@@ -157,11 +221,15 @@ def part_kernels(dry):
         log(f"{verdict(not failed)} self-check in {time.perf_counter() - start:.1f} s (kernels compiled "
             f"included): {line}")
         cuda.in_use = set()  # the comparisons below call the kernels directly
-
+    if dry:
+        N, C, F, BH, T, V = 6, 40, 64, 2, 20, 50
+        shapes, reps = {"w": (50, 40), "b": (40,)}, 1
+    else:
         N, C, F, BH, T, V = 8 * 1024, 768, 3072, 8 * 12, 1024, 8449
         shapes, reps = param_shapes(load_config("120m").model), 10
     dtype = np.float32
     drawn, state = {}, {}
+    ref = Ops(xp)  # the generic side: the maths every kernel replaces
 
     def reseed():  # every setup gets the same inputs, so the fused and the generic run see equal ones
         state["k"] = 0
@@ -178,18 +246,18 @@ def part_kernels(dry):
     def layernorm_setup():
         reseed()
         x, dy, w, b = rand(N, C, shift=0.3), rand(N, C), rand(C, scale=0.2, shift=1.0), rand(C, scale=0.1)
-        layer = LayerNorm(w, xp.zeros(C, dtype), b, xp.zeros(C, dtype))
+        layer = LayerNorm(w, xp.zeros(C, dtype), b, xp.zeros(C, dtype), ops=ref)
         layer.forward(x)
         return dict(x=x, dy=dy, w=w, b=b, r=rand(N, C), layer=layer, cache=layer._cache,
                     dw=xp.zeros(C, dtype), db=xp.zeros(C, dtype))
 
     def ln_generic_fwd(d):
         y = d["layer"].forward(d["x"])
-        return y, d["layer"]._cache[1], d["layer"]._cache[2]
+        return y, d["layer"]._cache.mean, d["layer"]._cache.rstd
 
     def ln_generic_bwd(d, add_to=None):
         layer = d["layer"]
-        layer._save(*d["cache"])
+        layer._save(d["cache"])
         dx = layer.backward(d["dy"])
         if add_to is not None:
             dx += add_to
@@ -206,10 +274,10 @@ def part_kernels(dry):
 
     def gelu_generic_fwd(d):
         xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
-        return (gelu_forward(d["hb"]),)
+        return (ref.gelu_forward(d["hb"]),)
 
     def gelu_generic_bwd(d):
-        dh = gelu_backward(d["h"], d["dy"])
+        dh = ref.gelu_backward(d["h"], d["dy"])
         d["db"] += dh.sum(axis=0)
         return dh, d["db"]
 
@@ -217,16 +285,16 @@ def part_kernels(dry):
         reseed()
         s = rand(BH, T, T, scale=2.0)
         p, lse = s.copy(), xp.empty((BH, T, 1), dtype)
-        attention.block_softmax(p[None], 0, lse[None])
+        ref.block_softmax(p[None], 0, lse[None])
         return dict(s=s, p=p, lse=lse, dp=rand(BH, T, T), lse_out=xp.empty((BH, T, 1), dtype))
 
     def softmax_generic_fwd(d):
-        attention.block_softmax(d["s"][None], 0, d["lse_out"][None])
+        ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
         return d["s"], d["lse_out"]
 
     def softmax_generic_bwd(d):
         D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
-        attention.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
+        ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
         return (d["dp"],)
 
     # the layer keeps softmax / N (its backward's scale folded in); the fused kernels take and give
@@ -236,7 +304,7 @@ def part_kernels(dry):
         z = rand(N, V, scale=2.0)
         t = xp.asarray(np.random.default_rng(0).integers(0, V, N))
         scaled = z.copy()
-        loss_fn = SoftmaxCrossEntropy()
+        loss_fn = SoftmaxCrossEntropy(ops=ref)
         loss_fn.forward(scaled, t, inplace=True)
         return dict(z=z, t=t, probs=scaled * N, cache=loss_fn._cache, loss_fn=loss_fn)
 
@@ -244,14 +312,14 @@ def part_kernels(dry):
         return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"] * N
 
     def xent_generic_bwd(d):
-        d["loss_fn"]._save(*d["cache"])
+        d["loss_fn"]._save(d["cache"])
         return (d["loss_fn"].backward(1.0),)
 
     hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
     def adamw_setup():
         reseed()
-        params = Params(shapes, xp=xp, dtype=dtype)
+        params = Params(shapes, xp=xp, dtype=dtype, ops=ref)
         params.data[...] = rand(params.size, scale=0.02)
         params.grads[...] = rand(params.size, scale=1e-3)
         opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
@@ -264,44 +332,44 @@ def part_kernels(dry):
 
     def adamw_fused(d):
         p, opt = d["params"], d["opt"]
-        optim.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        cupy_ops.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
         return p.data, opt.m, opt.v
 
-    cases = [  # name, setup, fused, generic, uses an ElementwiseKernel (not in the dry run)
-        ("layernorm fwd", layernorm_setup, lambda d: layernorm.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
+    cases = [  # name, setup, fused, generic, uses an ElementwiseKernel (skipped on NumPy)
+        ("layernorm fwd", layernorm_setup, lambda d: cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
          ln_generic_fwd, False),
         ("layernorm bwd", layernorm_setup,
-         lambda d: (layernorm.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"]),
-                    d["dw"], d["db"]), ln_generic_bwd, False),
+         lambda d: (cupy_ops.layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                    d["dw"], d["db"]), d["dw"], d["db"]), ln_generic_bwd, False),
         ("layernorm fwd + residual", layernorm_setup,
-         lambda d: (layernorm.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+         lambda d: (cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
          ln_generic_res, False),
         ("layernorm bwd + residual", layernorm_setup,
-         lambda d: (layernorm.layernorm_backward_gpu(d["dy"], d["x"], d["w"], *d["cache"][1:3], d["dw"], d["db"],
-                                             add_to=d["r"]), d["dw"], d["db"]),
+         lambda d: (cupy_ops.layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                    d["dw"], d["db"], add_to=d["r"]), d["dw"], d["db"]),
          lambda d: ln_generic_bwd(d, add_to=d["r"]), False),
-        ("bias + gelu fwd", gelu_setup, lambda d: (kernels.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd,
+        ("bias + gelu fwd", gelu_setup, lambda d: (cupy_ops.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd,
          True),
-        ("bias + gelu bwd", gelu_setup, lambda d: (kernels.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+        ("bias + gelu bwd", gelu_setup, lambda d: (cupy_ops.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
                                                    d["db"]), gelu_generic_bwd, True),
         ("causal softmax fwd", softmax_setup,
-         lambda d: (attention.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         lambda d: (cupy_ops.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
          softmax_generic_fwd, False),
         ("causal softmax bwd", softmax_setup,
-         lambda d: (attention.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), softmax_generic_bwd, False),
+         lambda d: (cupy_ops.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), softmax_generic_bwd, False),
         ("causal softmax recompute", softmax_setup,
-         lambda d: (attention.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
-         lambda d: (attention.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
-        ("cross-entropy fwd", xent_setup, lambda d: (loss.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+         lambda d: (cupy_ops.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
+        ("cross-entropy fwd", xent_setup, lambda d: (cupy_ops.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
          xent_generic_fwd, False),
-        ("cross-entropy bwd", xent_setup, lambda d: (loss.softmax_xent_backward_gpu(d["probs"], d["t"]),),
+        ("cross-entropy bwd", xent_setup, lambda d: (cupy_ops.softmax_xent_backward_gpu(d["probs"], d["t"]),),
          xent_generic_bwd, True),
         ("adamw step", adamw_setup, adamw_fused, adamw_generic, True),
     ]
     log(f"float32; rows N {N}, C {C}, mlp {F}, scores {BH} x {T} x {T}, vocab {V}; times are the mean of {reps} "
         f"calls after one, with the device synchronised around them; tolerance 1e-5 (norm-wise)")
     for name, setup, fused, generic, elementwise in cases:
-        if dry and elementwise:
+        if not on_gpu and elementwise:
             log(f"skip {name:<26} (an ElementwiseKernel: needs CuPy)")
             continue
         try:
@@ -344,6 +412,8 @@ def _free(xp):
 
 
 def part_bench(dry):
+    import dataclasses
+
     from andrea.config import load_config
     from andrea.model import ANDREA, flops_per_token
     from andrea.optim import AdamW
@@ -353,18 +423,20 @@ def part_bench(dry):
     from minitensor.selfcheck import select_kernels
 
     full = load_config("tiny" if dry else "120m")
-    cfg = full.model
+    cfg = dataclasses.replace(full.model, n_layer=1) if dry else full.model
     B, T = (2, 32) if dry else (8, 1024)
     warmup, steps = (1, 2) if dry else (3, 5)
-    model = ANDREA(cfg, device="cpu" if dry else "gpu", dtype="float32", seed=0)
+    model = ANDREA(cfg, device="gpu" if gpu_here(dry) else "cpu", dtype="float32", seed=0)
     opt = AdamW(model, lr=6e-4)
     xp = model.xp
     mode = "tf32" if full.train.tf32 else "float32"
     log(f"{'tiny' if dry else 'ANDREA-120M'} at {B} x {T}, {warmup} warm-up steps then {steps} timed",
         set_tf32(xp, full.train.tf32), select_kernels(full.train.kernels, xp))
     rng = np.random.default_rng(0)
-    batches = [xp.asarray(rng.integers(0, cfg.vocab_size, (B, T + 1))) for _ in range(2)]
-    pool = None if dry else xp.get_default_memory_pool()
+    # token ids stay on the host, as the training loader's do: the model checks them there and
+    # copies them over; ids on the device would be read back, two host reads a step
+    batches = [rng.integers(0, cfg.vocab_size, (B, T + 1)) for _ in range(2)]
+    pool = None if xp is np else xp.get_default_memory_pool()
     used = [0]
     split = {"forward": [], "backward": [], "optimizer": []}
 
@@ -444,12 +516,14 @@ def part_bench(dry):
 
 
 def run_part(name, dry):
-    return {"kernels": part_kernels, "gradients": part_gradients, "bench": part_bench}[name](dry)
+    parts = {"compile": part_compile, "kernels": part_kernels, "gradients": part_gradients, "bench": part_bench}
+    return parts[name](dry)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="NumPy at toy sizes: exercises this script without a GPU")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="toy sizes, on NumPy when no GPU works: exercises this script without a GPU")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from: {', '.join(PARTS)}")
     ap.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
     args = ap.parse_args(argv)
@@ -465,10 +539,11 @@ def main(argv=None):
         log(f"== {name}")
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=PARTS[name])
+            limit = PARTS[name] * (DRY_TIME_SCALE if args.dry_run else 1)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
             out, err, status = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
-            out, err, status = _text(e.stdout), _text(e.stderr), f"timed out after {PARTS[name]} s"
+            out, err, status = _text(e.stdout), _text(e.stderr), f"timed out after {limit} s"
         seconds = time.perf_counter() - start
         for line in out.splitlines():
             if line.startswith("RESULT "):

@@ -2,9 +2,11 @@
 # One command for a lent GPU machine without network, done in under 4 minutes on an H200 from a cold
 # kernel cache. Phases, in this order, each with its own time limit (the sum is the worst case):
 #
-#   1 tests      the GPU-marked tests (every layer, the whole model and every fused kernel on CuPy
-#                against NumPy) with the GPU hypothesis profile: few examples, directional
-#                gradient checks; --durations shows where the time went
+#   1 tests      every kernel compiled first (gpu_check.py --parts compile: a cold kernel cache
+#                costs its time there, not in the timed tests), then the GPU-marked tests (every
+#                layer, the whole model and every fused kernel on CuPy against NumPy) with the
+#                GPU hypothesis profile: few examples, directional gradient checks; --durations
+#                shows where the time went
 #   2 kernels    the start-up self-check (which fused kernels agree with the generic path), then
 #                each fused kernel against the generic code at ANDREA-120M shapes, timed
 #   3 gradients  a small ANDREA trained on CuPy in float32 against NumPy float64 at T = 256, with
@@ -16,7 +18,10 @@
 #   6 bench      ANDREA-120M at 8 x 1024 with tf32: true: tokens/s, MFU, peak GPU memory
 #
 #     PYTHONPATH=. bash scripts/gpu_check.sh              (from the repository root)
-#     bash scripts/gpu_check.sh --dry-run                 (the same phases on NumPy at toy sizes)
+#     bash scripts/gpu_check.sh --dry-run                 (the same phases at toy sizes: on NumPy, or on
+#                                                          the GPU if one works, e.g. the CuPy stand-in
+#                                                          of tests/cupy_standin; its GPU tests are
+#                                                          collected, not run; 4 times the time limits)
 #
 # Each phase's output goes to $OUT/gpu_check/<n>-<name>.txt (OUT defaults to the current directory)
 # and a verdict line to $OUT/gpu_check/summary.txt the moment the phase ends, so a machine taken
@@ -30,7 +35,11 @@ export GPU_CHECK_TEED=1  # this script keeps the results files, not gpu_check.py
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 DRY=""
 DEVICE=gpu
-if [ "${1:-}" = "--dry-run" ]; then DRY="--dry-run"; DEVICE=cpu; fi
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY="--dry-run"
+    DEVICE=$("$PY" -c 'from minitensor.backend import gpu_available; print("gpu" if gpu_available() else "cpu")') \
+        || DEVICE=cpu
+fi
 RESULTS_DIR="${OUT:-.}/gpu_check"
 mkdir -p "$RESULTS_DIR"
 : > "$RESULTS_DIR/summary.txt"
@@ -40,6 +49,7 @@ trap 'rm -rf "$WORK"' EXIT
 phase() {  # phase <number> <name> <time limit in s> <command...>
     local n="$1" name="$2" limit="$3" start status verdict
     shift 3
+    [ -n "$DRY" ] && limit=$((4 * limit))  # a dry run runs on a CPU, maybe under the CuPy stand-in
     echo "== phase $n: $name (at most $limit s)"
     start=$(date +%s)
     # through bash -c, so a phase may be one of the functions below (exported)
@@ -52,8 +62,9 @@ phase() {  # phase <number> <name> <time limit in s> <command...>
 }
 
 gpu_tests() {
-    if [ -n "$DRY" ]; then  # no GPU here: every GPU-marked test is deselected, which pytest calls 5
-        ANDREA_TEST_PROFILE=gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests
+    "$PY" scripts/gpu_check.py --parts compile $DRY || return 1
+    if [ -n "$DRY" ]; then  # the GPU-marked tests collected only (none without a GPU, which pytest calls 5)
+        ANDREA_TEST_PROFILE=gpu "$PY" -m pytest -m gpu -q -p no:cacheprovider --collect-only tests
         local status=$?
         [ "$status" -eq 5 ] || [ "$status" -eq 0 ]
         return
@@ -67,13 +78,14 @@ train_stop_resume_sample() {
             --set "data.inputs=$PWD/andrea" --set "data.data_dir=$WORK/data" --set data.allow_smaller_vocab=true
             --set train.log_interval=1 --set train.eval_interval=3 --set train.eval_batches=2
             --set train.checkpoint_interval=3 --set train.sample_tokens=0 --set train.batch_size=8)
+    if [ -n "$DRY" ]; then common+=(--set train.batch_size=2 --set model.context_length=32 --set model.n_layer=1); fi
     "$PY" -m andrea.train "${common[@]}" --stop-at-step 3 || return 1
     "$PY" -m andrea.train "${common[@]}" --resume || return 1
     "$PY" -m andrea.sample --device "$DEVICE" --checkpoint "$run" --prompt "def " --max-new-tokens 40
 }
 
 nccl_one_rank() {  # NCCL refuses two ranks on one GPU: the communicator and an all-reduce at one rank
-    if [ -n "$DRY" ]; then
+    if [ "$DEVICE" != gpu ]; then
         "$PY" -m andrea.distributed --help > /dev/null && echo "dry run: the NCCL self-test needs a GPU (entry point found)"
         return
     fi
@@ -85,7 +97,7 @@ export PY DRY DEVICE WORK
 
 main() {
     FAILED=0
-    echo "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)${DRY:+ (dry run on NumPy)}"
+    echo "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)${DRY:+ (dry run at toy sizes, device $DEVICE)}"
     "$PY" - "$DEVICE" <<'EOF' || FAILED=1
 import sys
 import numpy

@@ -2,7 +2,8 @@
 
 A case builder takes (xp, dtype, seed, dims) and returns a Case whose forward()/backward(dy) run
 the layer on the arrays held in the case (so the gradient checker can perturb them in place), and
-whose reference() recomputes the forward in float64 NumPy with plain loops.
+whose reference() recomputes the forward in float64 NumPy with plain loops. The layers run on
+dims["ops"] if given (a backend of minitensor.ops), else on get_ops(xp), the default one.
 """
 
 import math
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from andrea.model import MLP
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import to_numpy
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
@@ -17,6 +19,7 @@ from minitensor.gelu import GELU
 from minitensor.layernorm import LayerNorm
 from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.ops import Ops, get_ops
 from minitensor.params import Params
 
 
@@ -35,8 +38,21 @@ class Case:
         return {n: (self.params[n], self.params.grad(n)) for n in self.params.names()}
 
 
-def _params(xp, dtype, rng, shapes, scale=1.0):
-    p = Params(shapes, xp=xp, dtype=dtype)
+def _ops(xp, dims):
+    return dims.get("ops") or get_ops(xp)
+
+
+def all_ops(xp):
+    """Every backend for arrays of xp: the Ops reference and each optimised one."""
+    if xp is np:
+        from minitensor.numpy_ops import NumpyOps
+
+        return [Ops(np), NumpyOps(numba=False), NumpyOps(numba=True)]
+    return [Ops(xp), get_ops(xp)]
+
+
+def _params(xp, dtype, rng, shapes, scale=1.0, ops=None):
+    p = Params(shapes, xp=xp, dtype=dtype, ops=ops)
     for _, view in p.items():
         view[...] = xp.asarray(rng.standard_normal(view.shape) * scale)
     return p
@@ -54,7 +70,7 @@ def linear_case(xp, dtype, seed, dims):
     rng = np.random.default_rng(seed)
     B, T, n_in, n_out = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
     p = _params(xp, dtype, rng, {"w": (n_in, n_out), "b": (n_out,)})
-    layer = Linear(p["w"], p.grad("w"), p["b"], p.grad("b"))
+    layer = Linear(p["w"], p.grad("w"), p["b"], p.grad("b"), ops=_ops(xp, dims))
     x = xp.asarray(rng.standard_normal((B, T, n_in)), dtype=dtype)
 
     def reference():
@@ -73,7 +89,7 @@ def layernorm_case(xp, dtype, seed, dims):
     rng = np.random.default_rng(seed)
     B, T, C = dims["B"], dims["T"], dims["C"]
     p = _params(xp, dtype, rng, {"w": (C,), "b": (C,)})
-    layer = LayerNorm(p["w"], p.grad("w"), p["b"], p.grad("b"))
+    layer = LayerNorm(p["w"], p.grad("w"), p["b"], p.grad("b"), ops=_ops(xp, dims))
     # a per-row offset and scale, so the statistics matter; the linspace keeps every row's variance
     # away from 0, where rstd -> 1/sqrt(eps) amplifies float32 rounding 300-fold (ill-conditioned)
     x = rng.permuted(np.broadcast_to(np.linspace(-1.5, 1.5, C), (B, T, C)), axis=-1)
@@ -98,7 +114,7 @@ def layernorm_case(xp, dtype, seed, dims):
 def gelu_case(xp, dtype, seed, dims):
     rng = np.random.default_rng(seed)
     shape = (dims["B"], dims["T"], dims["C"])
-    layer = GELU()
+    layer = GELU(ops=_ops(xp, dims))
     p = Params({}, xp=xp, dtype=dtype)
     x = xp.asarray(rng.standard_normal(shape) * 2, dtype=dtype)
 
@@ -117,9 +133,10 @@ def attention_case(xp, dtype, seed, dims):
     B, T, C, nh = dims["B"], dims["T"], dims["C"], dims["n_head"]
     shapes = {"c_attn.weight": (C, 3 * C), "c_attn.bias": (3 * C,), "c_proj.weight": (C, C), "c_proj.bias": (C,)}
     p = _params(xp, dtype, rng, shapes, scale=0.5)
-    c_attn = Linear(p["c_attn.weight"], p.grad("c_attn.weight"), p["c_attn.bias"], p.grad("c_attn.bias"))
-    c_proj = Linear(p["c_proj.weight"], p.grad("c_proj.weight"), p["c_proj.bias"], p.grad("c_proj.bias"))
-    layer = CausalSelfAttention(c_attn, c_proj, nh)
+    ops = _ops(xp, dims)
+    c_attn = Linear(p["c_attn.weight"], p.grad("c_attn.weight"), p["c_attn.bias"], p.grad("c_attn.bias"), ops=ops)
+    c_proj = Linear(p["c_proj.weight"], p.grad("c_proj.weight"), p["c_proj.bias"], p.grad("c_proj.bias"), ops=ops)
+    layer = CausalSelfAttention(c_attn, c_proj, nh, ops=ops)
     layer.block = dims.get("block", layer.block)
     if dims.get("recompute"):
         layer.keep_probs_max_bytes = 0
@@ -154,8 +171,8 @@ def embedding_case(xp, dtype, seed, dims):
     rng = np.random.default_rng(seed)
     B, T, C, V = dims["B"], dims["T"], dims["C"], dims["V"]
     p = _params(xp, dtype, rng, {"wte": (V, C), "wpe": (T + 2, C)})
-    tok = Embedding(p["wte"], p.grad("wte"))
-    pos = PositionEmbedding(p["wpe"], p.grad("wpe"))
+    tok = Embedding(p["wte"], p.grad("wte"), ops=_ops(xp, dims))
+    pos = PositionEmbedding(p["wpe"], p.grad("wpe"), ops=_ops(xp, dims))
     idx = xp.asarray(rng.integers(0, V, (B, T)))
 
     def forward():
@@ -177,7 +194,7 @@ def head_case(xp, dtype, seed, dims):
     rng = np.random.default_rng(seed)
     B, T, C, V = dims["B"], dims["T"], dims["C"], dims["V"]
     p = _params(xp, dtype, rng, {"wte": (V, C)})
-    layer = TiedHead(p["wte"], p.grad("wte"))
+    layer = TiedHead(p["wte"], p.grad("wte"), ops=_ops(xp, dims))
     x = xp.asarray(rng.standard_normal((B, T, C)), dtype=dtype)
 
     def reference():
@@ -191,7 +208,7 @@ def head_case(xp, dtype, seed, dims):
 def loss_case(xp, dtype, seed, dims):
     rng = np.random.default_rng(seed)
     B, T, V = dims["B"], dims["T"], dims["V"]
-    layer = SoftmaxCrossEntropy()
+    layer = SoftmaxCrossEntropy(ops=_ops(xp, dims))
     p = Params({}, xp=xp, dtype=dtype)
     logits = xp.asarray(rng.standard_normal((B, T, V)) * 3, dtype=dtype)
     targets = xp.asarray(rng.integers(0, V, (B, T)))
@@ -209,7 +226,7 @@ def loss_case(xp, dtype, seed, dims):
 
 
 def with_residual(base_case):
-    """The same layer with a skip connection fused in: forward(x, residual=r) = layer(x) + r,
+    """The same composite with a skip connection fused in: forward(x, residual=r) = layer(x) + r,
     r a second input whose gradient is dy."""
 
     def build(xp, dtype, seed, dims):
@@ -224,48 +241,62 @@ def with_residual(base_case):
 
 
 def layernorm_skip_case(xp, dtype, seed, dims):
-    """y = LayerNorm(x) + x, the skip's gradient added by backward(dy, residual=dy)."""
+    """y = LayerNorm(x) + x, the skip's gradient added by backward(dy, skip=dy)."""
     case = layernorm_case(xp, dtype, seed, dims)
     x = case.inputs["x"]
     return Case(case.layer, case.params, {"x": x}, lambda: case.layer.forward(x) + x,
-                lambda dy: {"x": case.layer.backward(dy, residual=dy)}, lambda: case.reference() + _np(x),
+                lambda dy: {"x": case.layer.backward(dy, skip=dy)}, lambda: case.reference() + _np(x),
                 case.out_shape)
 
 
-def linear_gelu_case(xp, dtype, seed, dims):
-    """y = GELU(x @ W + b) with the bias added in GELU's pass: Linear(bias=False), GELU(bias=b)."""
-    case = linear_case(xp, dtype, seed, dims)
-    lin, p, x, gelu = case.layer, case.params, case.inputs["x"], GELU()
-    return Case(lin, p, {"x": x}, lambda: gelu.forward(lin.forward(x, bias=False), bias=p["b"]),
-                lambda dy: {"x": lin.backward(gelu.backward(dy))},
-                lambda: np.vectorize(gelu_scalar)(case.reference()), case.out_shape)
+def bias_gelu_case(xp, dtype, seed, dims):
+    """y = GELU(x + b) through ops.bias_gelu_forward / _backward (the MLP's fused piece), with
+    x = h @ W so that the pass that may update x in place is differentiated through a product."""
+    rng = np.random.default_rng(seed)
+    B, T, n_in, n_out = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
+    ops = _ops(xp, dims)
+    p = _params(xp, dtype, rng, {"w": (n_in, n_out), "b": (n_out,)})
+    h = xp.asarray(rng.standard_normal((B * T, n_in)), dtype=dtype)
+    kept = {}
+
+    def forward():
+        x = h @ p["w"]
+        kept["x"] = x
+        return ops.bias_gelu_forward(x, p["b"]).reshape(B, T, n_out)
+
+    def backward(dy):
+        if "x" not in kept:  # what a layer's cache says: the pair is forward then backward, once
+            raise RuntimeError("bias_gelu_backward without a forward")
+        dx = ops.bias_gelu_backward(kept.pop("x"), p["b"], dy.reshape(B * T, n_out))
+        p.grad("w")[...] += h.T @ dx
+        p.grad("b")[...] += dx.sum(axis=0)
+        return {"h": dx @ p["w"].T}
+
+    def reference():
+        return np.vectorize(gelu_scalar)(_np(h) @ _np(p["w"]) + _np(p["b"])).reshape(B, T, n_out)
+
+    return Case(None, p, {"h": h}, forward, backward, reference, (B, T, n_out))
 
 
 def mlp_case(xp, dtype, seed, dims):
-    """y = c_proj(GELU(c_fc(x))) as a block runs it: c_proj keeps nothing of its input
-    (keep_input=False), GELU's backward hands GELU(h) back, c_proj's weight gradient takes it."""
+    """y = c_proj(GELU(c_fc(x))) as andrea's MLP runs it: c_fc's bias in GELU's pass, GELU(h)
+    recomputed in backward for c_proj's weight gradient."""
     rng = np.random.default_rng(seed)
     B, T, n_in, hidden = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
+    ops = _ops(xp, dims)
     p = _params(xp, dtype, rng, {"fc.w": (n_in, hidden), "fc.b": (hidden,), "proj.w": (hidden, n_in),
                                  "proj.b": (n_in,)})
-    fc = Linear(p["fc.w"], p.grad("fc.w"), p["fc.b"], p.grad("fc.b"))
-    proj = Linear(p["proj.w"], p.grad("proj.w"), p["proj.b"], p.grad("proj.b"))
-    gelu = GELU()
+    fc = Linear(p["fc.w"], p.grad("fc.w"), p["fc.b"], p.grad("fc.b"), ops=ops)
+    proj = Linear(p["proj.w"], p.grad("proj.w"), p["proj.b"], p.grad("proj.b"), ops=ops)
+    mlp = MLP(fc, proj, ops)
     x = xp.asarray(rng.standard_normal((B, T, n_in)), dtype=dtype)
-
-    def forward():
-        return proj.forward(gelu.forward(fc.forward(x, bias=False), bias=p["fc.b"]), keep_input=False)
-
-    def backward(dy):
-        dh, g = gelu.backward(proj.backward(dy), output=True)
-        proj.backward_weights(g)
-        return {"x": fc.backward(dh)}
 
     def reference():
         h = _np(x) @ _np(p["fc.w"]) + _np(p["fc.b"])
         return np.vectorize(gelu_scalar)(h) @ _np(p["proj.w"]) + _np(p["proj.b"])
 
-    return Case(proj, p, {"x": x}, forward, backward, reference, (B, T, n_in))
+    return Case(mlp, p, {"x": x}, lambda: mlp.forward(x), lambda dy: {"x": mlp.backward(dy)}, reference,
+                (B, T, n_in))
 
 
 CASES = {
@@ -277,9 +308,9 @@ CASES = {
     "attention-recompute": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed,
                                                                         {**dims, "block": 3, "recompute": True}),
     "attention-dense": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "dense": True}),
-    "linear+residual": with_residual(linear_case),
-    "linear+gelu": linear_gelu_case,
+    "bias+gelu": bias_gelu_case,
     "mlp": mlp_case,
+    "mlp+residual": with_residual(mlp_case),
     "layernorm+residual": layernorm_skip_case,
     "attention+residual": with_residual(attention_case),
     "embedding": embedding_case,

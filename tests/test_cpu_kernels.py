@@ -1,10 +1,10 @@
-"""The numba fast path (minitensor.cpu) against the NumPy code it replaces.
+"""The CPU backend (minitensor.numpy_ops) against the Ops code it overrides.
 
-test_layers.py runs every gradient check and the float32-vs-float64 comparison on whichever path
-is active (.ci/run runs it on both); here the two paths meet directly: the same layer case run
-with ANDREA_CPU_KERNELS=numba and =numpy agrees to float64 rounding in float64 and to float32
-rounding in float32, the vectorised float32 exp stays within 2 ulp, and the kernels' results do
-not depend on the thread count.
+test_layers.py runs every gradient check and the float32-vs-float64 comparison on the default
+backend (.ci/run runs it with ANDREA_CPU_KERNELS=numba and =numpy); here each NumpyOps, with the
+numba kernels and without, meets the Ops reference directly: the same layer case agrees to
+float64 rounding in float64 and to float32 rounding in float32. The vectorised float32 exp stays
+within 2 ulp, and the kernels' results do not depend on the thread count.
 """
 
 import numpy as np
@@ -12,22 +12,24 @@ import pytest
 from layer_cases import CASES
 from optional import require
 
-from minitensor import cpu, parallel
+from minitensor import cpu, numpy_ops, parallel
 from minitensor.backend import to_numpy
-from minitensor.embedding import scatter_add_rows
 from minitensor.layernorm import LayerNorm
+from minitensor.numpy_ops import NumpyOps
+from minitensor.ops import Ops, get_ops
 from minitensor.optim import AdamW
 from minitensor.params import Params
 
 require("numba")
 
 DIMS = {"B": 2, "T": 7, "C": 8, "n_head": 2, "n_in": 5, "n_out": 6, "V": 11}
-LAYERS = ["gelu", "linear+gelu", "mlp", "layernorm", "layernorm+residual", "attention", "attention-blocks",
-          "attention-recompute", "embedding", "loss"]
+LAYERS = ["linear", "gelu", "bias+gelu", "mlp", "mlp+residual", "layernorm", "layernorm+residual", "attention",
+          "attention-blocks", "attention-recompute", "attention-dense", "embedding", "head", "loss"]
+BACKENDS = {"numba": lambda: NumpyOps(numba=True), "numpy": lambda: NumpyOps(numba=False)}
 
 
-def run_case(name, dtype, seed=3):
-    case = CASES[name](np, dtype, seed, DIMS)
+def run_case(name, dtype, ops, seed=3):
+    case = CASES[name](np, dtype, seed, {**DIMS, "ops": ops})
     y = case.forward()
     rng = np.random.default_rng(seed + 1)
     dy = 1.5 if case.out_shape == () else rng.standard_normal(case.out_shape).astype(dtype)
@@ -37,11 +39,11 @@ def run_case(name, dtype, seed=3):
 
 @pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 2e-5)])
 @pytest.mark.parametrize("name", LAYERS)
-def test_fast_path_matches_numpy_path(monkeypatch, name, dtype, rtol):
-    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numba")
-    fast = run_case(name, dtype)
-    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numpy")
-    ref = run_case(name, dtype)
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_cpu_backend_matches_the_ops_reference(backend, name, dtype, rtol):
+    fast = run_case(name, dtype, BACKENDS[backend]())
+    ref = run_case(name, dtype, Ops(np))
+    assert len(fast) == len(ref)
     for a, b in zip(fast, ref):
         assert a.dtype == b.dtype
         scale = max(float(np.abs(b).max(initial=0.0)), 1.0)
@@ -54,16 +56,15 @@ def test_attention_row_kernels_without_blas_in_kernels(monkeypatch, name, dtype,
     """Without SciPy the fused attention kernels cannot reach BLAS: the Python block loop with the
     numba row kernels runs instead, and it too agrees with the NumPy path."""
     require("scipy")  # with it, the case above runs the fused kernels; this one must not
-    import minitensor.attention as attention
-
     calls = []
-    monkeypatch.setattr(attention, "attention_forward_cpu", lambda *a: calls.append(a))
+    rows = []
+    monkeypatch.setattr(numpy_ops, "attention_forward_cpu", lambda *a: calls.append(a))
+    real = numpy_ops.block_softmax_backward_cpu
+    monkeypatch.setattr(numpy_ops, "block_softmax_backward_cpu", lambda *a: (rows.append(a[0].shape), real(*a)))
     monkeypatch.setattr(cpu, "blas_in_kernels", lambda: False)
-    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numba")
-    fast = run_case(name, dtype)
-    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numpy")
-    ref = run_case(name, dtype)
-    assert not calls
+    fast = run_case(name, dtype, NumpyOps(numba=True))
+    ref = run_case(name, dtype, Ops(np))
+    assert not calls and rows
     for a, b in zip(fast, ref):
         scale = max(float(np.abs(b).max(initial=0.0)), 1.0)
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
@@ -71,13 +72,10 @@ def test_attention_row_kernels_without_blas_in_kernels(monkeypatch, name, dtype,
 
 def test_attention_runs_the_fused_kernels_with_scipy(monkeypatch):
     require("scipy")
-    import minitensor.attention as attention
-
-    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numba")
     seen = []
-    real = attention.attention_backward_cpu
-    monkeypatch.setattr(attention, "attention_backward_cpu", lambda *a: (seen.append(a[0].shape), real(*a)))
-    run_case("attention-blocks", np.float32)
+    real = numpy_ops.attention_backward_cpu
+    monkeypatch.setattr(numpy_ops, "attention_backward_cpu", lambda *a: (seen.append(a[0].shape), real(*a)))
+    run_case("attention-blocks", np.float32, NumpyOps(numba=True))
     assert seen and all(shape == (DIMS["T"], DIMS["C"] // DIMS["n_head"]) for shape in seen)
 
 
@@ -106,8 +104,6 @@ def _exp_all(x):
 @pytest.fixture
 def threads(monkeypatch):
     """Sets minitensor's thread count for the rest of a test."""
-    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numba")
-
     def set_threads(n):
         monkeypatch.setattr(parallel, "_threads", n)
         monkeypatch.setattr(parallel, "_pool", None)
@@ -120,43 +116,49 @@ def test_reductions_do_not_depend_on_the_thread_count(threads):
     x, dy = rng.standard_normal((N, C), dtype=np.float32), rng.standard_normal((N, C), dtype=np.float32)
     ids, rows = rng.integers(0, V, N), rng.standard_normal((N, C), dtype=np.float32)
     out = {}
+    ops = NumpyOps(numba=True)
     for n in (1, 2, 3):
         threads(n)
         ln = LayerNorm(np.ones(C, np.float32), np.zeros(C, np.float32), np.zeros(C, np.float32),
-                       np.zeros(C, np.float32))
+                       np.zeros(C, np.float32), ops=ops)
         ln.forward(x)
         dx = ln.backward(dy)
         dW = np.zeros((V, C), np.float32)
-        scatter_add_rows(dW, ids, rows)
+        ops.scatter_add_rows(dW, ids, rows)
         out[n] = [dx, ln.dw, ln.db, dW]
     for n in (2, 3):
         for a, b in zip(out[1], out[n]):
             assert np.array_equal(a, b)
 
 
-def test_adamw_fast_path_matches_numpy_path(monkeypatch):
+def test_adamw_cpu_backends_match_the_ops_reference():
     shapes = {"w": (70, 30), "b": (30,)}
     result = {}
-    for mode in ("numba", "numpy"):
-        monkeypatch.setenv("ANDREA_CPU_KERNELS", mode)
-        p = Params(shapes, dtype="float32")
+    for mode, ops in (("numba", NumpyOps(numba=True)), ("numpy", NumpyOps(numba=False)), ("ops", Ops(np))):
+        p = Params(shapes, dtype="float32", ops=ops)
         rng = np.random.default_rng(0)
         p.data[:] = rng.standard_normal(p.size, dtype=np.float32)
         opt = AdamW(p, lr=1e-2)
         for _ in range(3):
             p.grads[:] = rng.standard_normal(p.size, dtype=np.float32)
             opt.step(grad_scale=0.5)
-        result[mode] = (p.data.copy(), opt.m.copy(), opt.v.copy())
-    for a, b in zip(result["numba"], result["numpy"]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        # the tensors only: the Ops step runs over the whole buffer, padding included (never read)
+        inside = p.mask(lambda name, shape: True).astype(bool)
+        result[mode] = (p.data[inside], opt.m[inside], opt.v[inside])
+    for mode in ("numba", "numpy"):
+        for a, b in zip(result[mode], result["ops"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_mode_follows_the_environment(monkeypatch):
-    x = np.ones(3, np.float32)
+def test_the_backend_is_chosen_once_from_the_setting_or_the_environment(monkeypatch):
     monkeypatch.setenv("ANDREA_CPU_KERNELS", "numpy")
-    assert not cpu.enabled(x)
+    assert get_ops().name == "numpy" and get_ops(kernels="numba").name == "numba"
     monkeypatch.setenv("ANDREA_CPU_KERNELS", "numba")
-    assert cpu.enabled(x) and not cpu.enabled(x.astype(np.float16)) and not cpu.enabled([1.0])
+    ops = get_ops()
+    assert ops.name == "numba" and get_ops() is ops       # one instance per choice
+    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numpy")
+    ln = LayerNorm(np.ones(3), np.zeros(3), np.zeros(3), np.zeros(3), ops=ops)
+    assert ln.ops is ops                                   # a built layer keeps its backend
     monkeypatch.setenv("ANDREA_CPU_KERNELS", "fortran")
     with pytest.raises(ValueError, match="ANDREA_CPU_KERNELS"):
-        cpu.mode()
+        get_ops()

@@ -1,4 +1,4 @@
-"""The kernels and kernelcheck modules: NumPy GELU against its textbook formula (tests/formulas.py)
+"""GELU on every backend against its textbook formula (tests/formulas.py), and the kernels and kernelcheck modules
 and finite differences, the NVRTC compile check (and that it can fail), the host C++ check of each
 elementwise operation, and, on a GPU, the CuPy kernels against NumPy."""
 
@@ -17,12 +17,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor import cuda, kernelcheck, kernels
-from minitensor.kernels import gelu_backward, gelu_forward
+from minitensor import cuda, cupy_ops, kernelcheck, kernels, numpy_ops
+from minitensor.numpy_ops import NumpyOps
+from minitensor.ops import Ops
 
 DTYPES = [np.float32, np.float64]
 shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=9)
-chunks = st.sampled_from([1, 7, 64, kernels._CHUNK])  # small chunks exercise the chunk edges
+chunks = st.sampled_from([1, 7, 64, numpy_ops.CHUNK])  # small chunks exercise the chunk edges
 
 
 def assert_close(got, want, *inputs):
@@ -40,105 +41,91 @@ def sample(seed, shape, dtype, scale=3.0):
 
 
 
-# --- NumPy GELU ----------------------------------------------------------------------------------
+# --- GELU on every CPU backend ------------------------------------------------------------------
+
+CPU_OPS = {"ops": Ops(np), "numpy": NumpyOps(numba=False), "numba": NumpyOps(numba=True)}
+backends = st.sampled_from(sorted(CPU_OPS))
 
 
 @settings(deadline=None)
 @given(shape=shapes, seed=S.seeds, dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.1, 1.0, 4.0]),
-       use_out=st.booleans(), chunk=chunks)
-def test_gelu_forward_matches_formula(shape, seed, dtype, scale, use_out, chunk):
+       backend=backends, chunk=chunks)
+def test_gelu_forward_matches_formula(shape, seed, dtype, scale, backend, chunk):
     x = sample(seed, shape, dtype, scale)
-    out = np.full_like(x, np.nan) if use_out else None
-    with mock.patch.object(kernels, "_CHUNK", chunk):
-        y = gelu_forward(x, out=out)
-    assert y.dtype == dtype and (out is None or y is out)
+    with mock.patch.object(numpy_ops, "CHUNK", chunk):
+        y = CPU_OPS[backend].gelu_forward(x)
+    assert y.dtype == dtype
     assert_close(y, F.gelu(x.astype(np.float64)), x)
 
 
 @settings(deadline=None)
 @given(shape=shapes, seed=S.seeds, dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.1, 1.0, 4.0]),
-       use_out=st.booleans(), chunk=chunks)
-def test_gelu_backward_matches_formula(shape, seed, dtype, scale, use_out, chunk):
+       backend=backends, chunk=chunks, recompute=st.booleans())
+def test_gelu_backward_matches_formula(shape, seed, dtype, scale, backend, chunk, recompute):
     x, dy = sample(seed, shape, dtype, scale), sample(seed + 1, shape, dtype, 1.0)
-    out = np.full_like(x, np.nan) if use_out else None
-    with mock.patch.object(kernels, "_CHUNK", chunk):
-        dx = gelu_backward(x, dy, out=out)
-    assert dx.dtype == dtype and (out is None or dx is out)
-    assert_close(dx, F.gelu_backward(x.astype(np.float64), dy.astype(np.float64)), x, dy)
+    x64 = x.astype(np.float64)
+    with mock.patch.object(numpy_ops, "CHUNK", chunk):
+        got = CPU_OPS[backend].gelu_backward(x, dy, recompute_output=recompute)
+    dx, y = got if recompute else (got, None)
+    assert dx.dtype == dtype
+    assert_close(dx, F.gelu_backward(x64, dy.astype(np.float64)), x, dy)
+    if recompute:  # GELU(x) again, possibly written over x
+        assert_close(y, F.gelu(x64), x64)
 
 
 @settings(deadline=None)
 @given(shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=9), seed=S.seeds,
-       dtype=st.sampled_from(DTYPES), out=st.sampled_from(["new", "given", "x"]), chunk=chunks)
-def test_gelu_forward_with_bias_adds_it_in_place_first(shape, seed, dtype, out, chunk):
-    x, b = sample(seed, shape, dtype), sample(seed + 1, shape[-1:], dtype)
-    want_x = x.astype(np.float64) + b
-    dest = {"new": None, "given": np.full_like(x, np.nan), "x": x}[out]
-    with mock.patch.object(kernels, "_CHUNK", chunk):  # row blocks of 1 row up to all of them
-        y = gelu_forward(x, out=dest, bias=b)
-    assert dest is None or y is dest
+       dtype=st.sampled_from(DTYPES), backend=backends, chunk=chunks)
+def test_bias_gelu_forward_and_backward(shape, seed, dtype, backend, chunk):
+    """GELU(x + b): the x handed back to the backward is whatever the forward left in it."""
+    x, b, dy = sample(seed, shape, dtype), sample(seed + 1, shape[-1:], dtype), sample(seed + 2, shape, dtype)
+    h = x.astype(np.float64) + b
+    ops = CPU_OPS[backend]
+    with mock.patch.object(numpy_ops, "CHUNK", chunk):
+        y = ops.bias_gelu_forward(x, b)
+        dh = ops.bias_gelu_backward(x, b, dy)
     bb = np.broadcast_to(b, shape)
-    if out != "x":
-        assert_close(x, want_x, bb)  # x now holds x + b, what GELU's backward needs
-    assert_close(y, F.gelu(want_x), want_x)
+    assert_close(y, F.gelu(h), h)
+    assert_close(dh, F.gelu_backward(h, dy.astype(np.float64)), h, dy, bb)
 
 
-def test_gelu_forward_bias_errors():
-    x = np.zeros((4, 6), np.float32)
-    with pytest.raises(ValueError, match=r"bias must be a ndarray of shape \(6,\) and dtype float32"):
-        gelu_forward(x, bias=np.zeros(5, np.float32))
-    with pytest.raises(ValueError, match="bias must be"):
-        gelu_forward(x, bias=np.zeros(6, np.float64))
-    with pytest.raises(ValueError, match="x must be C-contiguous"):
-        gelu_forward(x.T, bias=np.zeros(4, np.float32))
-    with pytest.raises(ValueError, match="out must be x itself or not overlap it"):
-        flat = x.reshape(-1)
-        gelu_forward(flat[:6].reshape(2, 3), out=flat[1:7].reshape(2, 3), bias=np.zeros(3, np.float32))
-
-
+@pytest.mark.parametrize("backend", sorted(CPU_OPS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_large_odd_size_in_chunks(dtype):
-    n = 2 * kernels._CHUNK + 13
+def test_gelu_large_odd_size_in_chunks(backend, dtype):
+    n = 2 * numpy_ops.CHUNK + 13
     x, dy = sample(0, n, dtype), sample(1, n, dtype)
-    assert_close(gelu_forward(x), F.gelu(x.astype(np.float64)), x)
-    assert_close(gelu_backward(x, dy), F.gelu_backward(x.astype(np.float64), dy.astype(np.float64)),
-                 x, dy)
+    ops = CPU_OPS[backend]
+    assert_close(ops.gelu_forward(x), F.gelu(x.astype(np.float64)), x)
+    assert_close(ops.gelu_backward(x, dy), F.gelu_backward(x.astype(np.float64), dy.astype(np.float64)), x, dy)
 
 
-def test_gelu_strided_and_aliased_operands():
+@pytest.mark.parametrize("backend", sorted(CPU_OPS))
+def test_gelu_strided_operands(backend):
     base = sample(2, (6, 10), np.float64)
     x, dy = base[:, ::2], sample(3, (6, 5), np.float64)  # non-contiguous
-    y_ref, dx_ref = F.gelu(x), F.gelu_backward(x, dy)
-    assert_close(gelu_forward(x), y_ref, x)
-    out = np.empty((6, 10))[:, 1::2]  # a non-contiguous out
-    assert gelu_forward(x, out=out) is out
-    assert_close(out, y_ref, x)
-    for alias in ("x", "dy"):  # dx written over one of its inputs
-        xa, dya = x.copy(), dy.copy()
-        dx = gelu_backward(xa, dya, out=xa if alias == "x" else dya)
-        assert_close(dx, dx_ref, x, dy)
-    xa = x.copy()
-    assert_close(gelu_forward(xa, out=xa), y_ref, x)
-    flat = sample(4, 40, np.float64)  # out overlaps x shifted by one element
-    x = flat[1:31].copy()
-    assert_close(gelu_forward(flat[1:31], out=flat[0:30]), F.gelu(x), x)
+    ops = CPU_OPS[backend]
+    assert_close(ops.gelu_forward(x), F.gelu(x), x)
+    assert_close(ops.gelu_backward(x, dy), F.gelu_backward(x, dy), x, dy)
 
 
+@pytest.mark.parametrize("backend", sorted(CPU_OPS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gelu_keeps_extremes_finite(dtype):
+def test_gelu_keeps_extremes_finite(backend, dtype):
+    ops = CPU_OPS[backend]
     x = np.array([0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 1e4, -1e4], dtype)
-    y, dx = gelu_forward(x), gelu_backward(x, np.ones_like(x))
+    y, dx = ops.gelu_forward(x), ops.gelu_backward(x, np.ones_like(x))
     np.testing.assert_allclose(y, [0, 0, 5e-31, -5e-31, 30, 0, 1e4, 0], rtol=1e-6, atol=1e-30)
     np.testing.assert_allclose(dx, [0.5, 0.5, 0.5, 0.5, 1, 0, 1, 0], rtol=1e-6)
 
 
 def test_gelu_derivative_matches_central_differences():
+    ops = Ops(np)
     x = np.concatenate([np.linspace(-6, 6, 241), sample(5, 200, np.float64)])
     h = 1e-5
-    numeric = (gelu_forward(x + h) - gelu_forward(x - h)) / (2 * h)
-    np.testing.assert_allclose(gelu_backward(x, np.ones_like(x)), numeric, rtol=1e-8, atol=1e-9)
+    numeric = (ops.gelu_forward(x + h) - ops.gelu_forward(x - h)) / (2 * h)
+    np.testing.assert_allclose(ops.gelu_backward(x, np.ones_like(x)), numeric, rtol=1e-8, atol=1e-9)
     dy = sample(6, x.shape, np.float64)
-    np.testing.assert_allclose(gelu_backward(x, dy), dy * numeric, rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(ops.gelu_backward(x, dy), dy * numeric, rtol=1e-8, atol=1e-8)
 
 
 def test_gelu_is_the_tanh_form_not_erf():
@@ -146,23 +133,12 @@ def test_gelu_is_the_tanh_form_not_erf():
     from math import erf
 
     exact = np.array([0.5 * v * (1 + erf(v / np.sqrt(2))) for v in x])
-    assert 1e-5 < np.max(np.abs(gelu_forward(x) - exact)) < 5e-4
-
-
-def test_gelu_rejects_bad_operands():
-    x = np.ones((2, 3), np.float32)
-    with pytest.raises(TypeError, match="float32 or float64"):
-        gelu_forward(np.ones(3, np.int64))
-    with pytest.raises(TypeError, match="float32 or float64"):
-        gelu_forward([1.0, 2.0])
-    with pytest.raises(ValueError, match="out must be"):
-        gelu_forward(x, out=np.empty((3, 2), np.float32))
-    with pytest.raises(ValueError, match="dy must be"):
-        gelu_backward(x, np.ones((2, 3), np.float64))
+    assert 1e-5 < np.max(np.abs(Ops(np).gelu_forward(x) - exact)) < 5e-4
 
 
 def test_import_needs_no_cupy():
-    code = "import sys, minitensor.kernels; assert 'cupy' not in sys.modules, 'cupy imported'"
+    code = ("import sys, minitensor.kernels, minitensor.cupy_ops, andrea.model; minitensor.cuda.all_kernels(); "
+            "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -201,10 +177,10 @@ def test_raw_kernels_register_with_their_source():
 
 @needs_nvrtc
 def test_elementwise_source_is_what_cupy_generates():
-    src = kernels.GELU_FWD.source("float32")
+    src = cupy_ops.GELU_FWD.source("float32")
     assert src.startswith("#include <cupy/complex.cuh>")
     assert 'extern "C" __global__ void gelu_fwd(const CArray<float, 1, 1, 1> _raw_x, ' in src
-    assert "typedef double T;" in kernels.GELU_FWD.source("float64")
+    assert "typedef double T;" in cupy_ops.GELU_FWD.source("float64")
 
 
 def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
@@ -244,21 +220,21 @@ def test_host_check_catches_a_wrong_formula():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cupy_gelu_equals_numpy(cupy, dtype):
+    ops = cupy_ops.CupyOps(cupy)
     x, dy = sample(7, (37, 129), dtype), sample(8, (37, 129), dtype)
     x_gpu, dy_gpu = cupy.asarray(x), cupy.asarray(dy)
-    assert_close(cupy.asnumpy(gelu_forward(x_gpu)), F.gelu(x.astype(np.float64)), x)
-    dx = cupy.empty_like(x_gpu)
-    assert gelu_backward(x_gpu, dy_gpu, out=dx) is dx
+    assert_close(cupy.asnumpy(ops.gelu_forward(x_gpu)), F.gelu(x.astype(np.float64)), x)
+    dx = ops.gelu_backward(x_gpu, dy_gpu)
     assert_close(cupy.asnumpy(dx), F.gelu_backward(x.astype(np.float64), dy.astype(np.float64)),
                  x, dy)
-    y = cupy.asnumpy(gelu_forward(x_gpu[:, ::2]))  # strided input: another generated kernel
+    y = cupy.asnumpy(ops.gelu_forward(x_gpu[:, ::2]))  # strided input: another generated kernel
     assert_close(y, F.gelu(x[:, ::2].astype(np.float64)), x[:, ::2])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_registered_source_is_the_source_cupy_compiled(cupy, dtype):
-    for spec in (kernels.GELU_FWD, kernels.GELU_BWD):
+    for spec in (cupy_ops.GELU_FWD, cupy_ops.GELU_BWD):
         fresh = cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name)
         n_in = len(spec.in_params.split(","))
         fresh(*[cupy.ones((10, 100), dtype)] * n_in)  # contiguous: reduced to 1-D, 32-bit indexing

@@ -1,6 +1,6 @@
-"""The fused GPU kernels (each in its layer's module, registered in minitensor.cuda) against their NumPy formulas.
+"""The fused GPU kernels (minitensor/cupy_ops.py, registered in minitensor.cuda) against their NumPy formulas.
 
-Without a GPU: each formula against the layer code it stands for; NVRTC compiles every new
+Without a GPU: each formula against the Ops code it stands for, on every CPU backend; NVRTC compiles every new
 kernel; each elementwise operation runs as C++ on the host (and the check catches a slip in it);
 each RawKernel runs on the host through `emulate_launch`, via its wrapper, against its formula.
 On a GPU (marked `gpu`): every wrapper against its formula on hypothesis-drawn shapes, float64
@@ -19,10 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor import attention, cuda, kernelcheck, kernels, layernorm, optim
-from minitensor import loss as xent
+from minitensor import cuda, cupy_ops, kernelcheck
 from minitensor.layernorm import LayerNorm
 from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.numpy_ops import NumpyOps
+from minitensor.ops import Ops
 from minitensor.optim import AdamW
 from minitensor.params import Params
 
@@ -71,23 +72,22 @@ def test_new_kernels_are_registered():
 
 
 @settings(deadline=None, max_examples=20)
-@given(N=st.integers(1, 6), C=st.integers(1, 40), seed=S.seeds, mode=st.sampled_from(["numpy", "numba"]))
+@given(N=st.integers(1, 6), C=st.integers(1, 40), seed=S.seeds, mode=st.sampled_from(["ops", "numpy", "numba"]))
 def test_layernorm_formulas_equal_the_layer(N, C, seed, mode):
-    """The layer's NumPy code (what the kernels' self-check compares them with on a GPU, through
-    CuPy) and its numba kernels (where numba is installed) against the textbook form."""
+    """The Ops code (what the kernels' self-check compares them with on a GPU, through CuPy) and
+    the CPU backend's overrides of it against the textbook form."""
     rng = np.random.default_rng(seed)
     x, dy = normal(rng, (N, C), np.float64, 2.0, 0.5), normal(rng, (N, C), np.float64)
     w, b = normal(rng, C, np.float64, 0.5, 1.0), normal(rng, C, np.float64)
     dw, db = np.zeros(C), np.zeros(C)
-    layer = LayerNorm(w, dw, b, db)
+    ops = {"ops": Ops(np), "numpy": NumpyOps(numba=False), "numba": NumpyOps(numba=True)}[mode]
+    layer = LayerNorm(w, dw, b, db, ops=ops)
     y, mean, rstd = F.layernorm_forward(x, w, b)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ANDREA_CPU_KERNELS", mode)
-        assert_close(layer.forward(x), y)
-        assert_close(layer._cache[1], mean)
-        assert_close(layer._cache[2], rstd)
-        dx, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
-        assert_close(layer.backward(dy), dx, scale=float(np.max(np.abs(dy * w * rstd))))
+    assert_close(layer.forward(x), y)
+    assert_close(layer._cache.mean, mean)
+    assert_close(layer._cache.rstd, rstd)
+    dx, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
+    assert_close(layer.backward(dy), dx, scale=float(np.max(np.abs(dy * w * rstd))))
     assert_close(dw, dw_ref)
     assert_close(db, db_ref)
 
@@ -95,16 +95,17 @@ def test_layernorm_formulas_equal_the_layer(N, C, seed, mode):
 @settings(deadline=None, max_examples=20)
 @given(BH=st.integers(1, 3), T=st.integers(1, 9), seed=S.seeds)
 def test_causal_softmax_formulas_equal_the_attention_code(BH, T, seed):
+    ops = Ops(np)
     rng = np.random.default_rng(seed)
     s, dp = normal(rng, (BH, T, T), np.float64, 3.0), normal(rng, (BH, T, T), np.float64)
     p, lse = F.causal_softmax(s)
     got_lse = np.empty((BH, T, 1))
-    assert_close(attention.block_softmax(s.copy()[None], 0, got_lse[None])[0], p)
+    assert_close(ops.block_softmax(s.copy()[None], 0, got_lse[None])[0], p)
     assert_close(got_lse, lse)
-    again = attention.block_probs_again(s.copy()[None], 0, lse[None])[0]
+    again = ops.block_probs_again(s.copy()[None], 0, lse[None])[0]
     assert_close(again, F.causal_softmax_recompute(s, lse))
     d = dp.copy()
-    attention.block_softmax_backward(d[None], p[None], (dp * p).sum(axis=-1, keepdims=True)[None])
+    ops.block_softmax_backward(d[None], p[None], (dp * p).sum(axis=-1, keepdims=True)[None])
     assert_close(d, F.causal_softmax_backward(dp, p), scale=float(np.max(np.abs(dp))))
     # the scale folds into the scores: softmax(scale s) and d/ds = scale * d/d(scale s)
     assert_close(F.causal_softmax(s, 0.3)[0], F.causal_softmax(0.3 * s)[0])
@@ -117,10 +118,10 @@ def test_cross_entropy_formulas_equal_the_loss_layer(B, T, V, seed):
     rng = np.random.default_rng(seed)
     logits, targets = normal(rng, (B, T, V), np.float64, 4.0), rng.integers(0, V, (B, T))
     loss, probs, losses = F.softmax_xent_forward(logits, targets)
-    layer = SoftmaxCrossEntropy()
+    layer = SoftmaxCrossEntropy(ops=Ops(np))
     assert_close(layer.forward(logits.copy(), targets), loss)
     assert_close(losses.mean(), loss)
-    assert_close(layer._cache[0].reshape(probs.shape) * (B * T), probs)  # kept divided by N
+    assert_close(layer._cache.probs.reshape(probs.shape) * (B * T), probs)  # Ops keeps them divided by N
     assert_close(layer.backward(0.7), F.softmax_xent_backward(probs, targets, 0.7))
 
 
@@ -151,26 +152,26 @@ def test_adamw_kernel_form_equals_the_textbook_form():
     b1, b2, lr, eps, wd, t = 0.9, 0.95, 3e-3, 1e-8, 0.1, 7
     c1, c2 = 1 - b1**t, 1 - b2**t
     want = F.adamw(p, g, m, v, mask, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, t=t, grad_scale=0.5)
-    got = optim._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
+    got = cupy_ops._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
     for a, b in zip(got, want):
         assert_close(a, b)
 
 
 def test_gelu_kernel_references_are_the_generic_code():
     """The references the host check holds the GELU kernels to, on flat arrays as the kernels see
-    them: GELU's NumPy code, equal to the textbook form; with the bias gathered by column, that
-    code with the bias (gelu_forward(x, bias=b) over rows, what the GELU layer runs on NumPy)."""
+    them: GELU's Ops code, equal to the textbook form; with the bias gathered by column, that
+    code with the bias (Ops.bias_gelu_forward over rows, what an MLP runs without the kernel)."""
     rng = np.random.default_rng(4)
     x, b, dy = normal(rng, (3, 7), np.float64, 2.0), normal(rng, 7, np.float64), normal(rng, (3, 7), np.float64)
     flat_x, flat_dy = x.reshape(-1), dy.reshape(-1)
-    assert_close(kernels.GELU_FWD.reference(x=flat_x), F.gelu(flat_x))
-    assert_close(kernels.GELU_BWD.reference(x=flat_x, dy=flat_dy), F.gelu_backward(flat_x, flat_dy))
-    y = kernels.BIAS_GELU_FWD.reference(x=flat_x, b=b, C=7.0).reshape(3, 7)
+    assert_close(cupy_ops.GELU_FWD.reference(x=flat_x), F.gelu(flat_x))
+    assert_close(cupy_ops.GELU_BWD.reference(x=flat_x, dy=flat_dy), F.gelu_backward(flat_x, flat_dy))
+    y = cupy_ops.BIAS_GELU_FWD.reference(x=flat_x, b=b, C=7.0).reshape(3, 7)
     h = x.copy()
-    np.testing.assert_array_equal(y, kernels.gelu_forward(h, bias=b))  # h becomes x + b
+    np.testing.assert_array_equal(y, Ops(np).bias_gelu_forward(h, b))  # h becomes x + b
     assert_close(y, F.gelu(x + b))
-    dh = kernels.BIAS_GELU_BWD.reference(x=flat_x, b=b, C=7.0, dy=flat_dy).reshape(3, 7)
-    np.testing.assert_array_equal(dh, kernels.gelu_backward(h, dy))
+    dh = cupy_ops.BIAS_GELU_BWD.reference(x=flat_x, b=b, C=7.0, dy=flat_dy).reshape(3, 7)
+    np.testing.assert_array_equal(dh, Ops(np).bias_gelu_backward(h, b, dy))
     assert_close(dh, F.gelu_backward(x + b, dy), scale=float(np.max(np.abs(dy))))
 
 
@@ -188,11 +189,11 @@ def test_every_new_kernel_compiles_for_both_dtypes_and_archs():
 
 @needs_nvrtc
 def test_elementwise_sources_pass_raw_arrays_and_scalars():
-    src = kernels.BIAS_GELU_FWD.source("float32")
+    src = cupy_ops.BIAS_GELU_FWD.source("float32")
     assert "const CArray<float, 1, 1, 1> b, const int C," in src
-    src = xent.SOFTMAX_XENT_BWD.source("float64")
+    src = cupy_ops.SOFTMAX_XENT_BWD.source("float64")
     assert "const CArray<long long, 1, 1, 1> targets, const int V, const double scale," in src
-    assert "const float beta1," in optim.ADAMW_STEP.source("float32")
+    assert "const float beta1," in cupy_ops.ADAMW_STEP.source("float32")
 
 
 @needs_cxx
@@ -205,7 +206,7 @@ def test_new_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
 
 SLIPS = {  # a plausible mistake in each operation, which the host check must catch
     "bias_gelu_fwd": ("b[(unsigned int)i % (unsigned int)C]", "b[0]"),
-    "bias_gelu_bwd": ("(T)0.5 * s", "(T)0.5"),
+    "bias_gelu_bwd": ("((T)1 - sig) *", "sig *"),
     "causal_softmax_recompute": ("col <= row", "col < row"),
     "softmax_xent_bwd": ("col == targets[row]", "col == targets[0]"),
     "adamw_step": ("decay * mask", "decay"),
@@ -240,7 +241,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     x, dy, r = (normal(rng, shape, dtype, 2.0, 0.5) for _ in range(3))
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     x2, dy2, r2 = (f64(a).reshape(-1, C) for a in (x, dy, r))  # the formulas take rows (N, C)
-    y, mean, rstd = layernorm.layernorm_forward_gpu(x, w, b, 1e-5)
+    y, mean, rstd = cupy_ops.layernorm_forward_gpu(x, w, b, 1e-5)
     y_ref, mean_ref, rstd_ref = F.layernorm_forward(x2, f64(w), f64(b))
     assert y.shape == x.shape and mean.shape == rstd.shape == (x2.shape[0], 1)
     assert_close(y.reshape(-1, C), y_ref)
@@ -248,7 +249,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     assert_close(rstd, rstd_ref)
 
     dw, db = np.full(C, 0.5, dtype), np.full(C, -0.5, dtype)  # gradients accumulate
-    dx = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    dx = cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
     dx_ref, dw_ref, db_ref = F.layernorm_backward(dy2, x2, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(dy2 * f64(w) * rstd_ref)))
     assert_close(dx.reshape(-1, C), dx_ref, scale=scale)
@@ -257,11 +258,11 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
 
     # fused residual joins: forward adds the residual into x first, backward adds dx into add_to
     xs = x.copy()
-    y2, _, _ = layernorm.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
+    y2, _, _ = cupy_ops.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
     assert y2 is xs
     assert_close(y2.reshape(-1, C), F.layernorm_forward(x2 + r2, f64(w), f64(b))[0])
     acc = r.copy()
-    assert layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
+    assert cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)
 
 
@@ -272,7 +273,7 @@ def test_layernorm_param_gradients_over_several_row_chunks(emulated):
     w, b = normal(rng, C, np.float64), normal(rng, C, np.float64)
     _, mean, rstd = F.layernorm_forward(x, w, b)
     dw, db = np.zeros(C), np.zeros(C)
-    layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
     _, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
     assert_close(dw, dw_ref)
     assert_close(db, db_ref)
@@ -284,18 +285,18 @@ def test_causal_softmax_kernels_emulated(emulated, dtype, shape):
     rng = np.random.default_rng(7)
     s, dp = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype)
     lse = np.full((*shape[:-1], 1), np.nan, dtype)
-    p = attention.causal_softmax_forward_gpu(s, 0.3, lse=lse)
+    p = cupy_ops.causal_softmax_forward_gpu(s, 0.3, lse=lse)
     p_ref, lse_ref = F.causal_softmax(f64(s), 0.3)
     assert_close(p, p_ref)
     assert np.all(p[..., np.triu_indices(shape[-1], 1)[0], np.triu_indices(shape[-1], 1)[1]] == 0)
     assert_close(lse, lse_ref, scale=1.0)
-    ds = attention.causal_softmax_backward_gpu(dp, p, 0.3)
+    ds = cupy_ops.causal_softmax_backward_gpu(dp, p, 0.3)
     assert_close(ds, F.causal_softmax_backward(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
     inplace = s.copy()
-    assert attention.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
+    assert cupy_ops.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
     assert_close(inplace, p_ref)
     d = dp.copy()
-    assert attention.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
+    assert cupy_ops.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
     assert_close(d, F.causal_softmax_backward(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
 
 
@@ -306,7 +307,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
     logits = normal(rng, (2, 3, V), dtype, 4.0, 10.0)  # large logits: the max is subtracted first
     targets = rng.integers(0, V, (2, 3)).astype(np.int32)  # any integer dtype: copied to int64
     z = logits.copy()
-    loss, losses = xent.softmax_xent_forward_gpu(z, targets)
+    loss, losses = cupy_ops.softmax_xent_forward_gpu(z, targets)
     loss_ref, probs_ref, losses_ref = F.softmax_xent_forward(f64(logits), targets)
     assert_close(losses, losses_ref, scale=1.0)
     assert_close(loss, loss_ref, scale=1.0)
@@ -316,7 +317,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cross_entropy_marks_a_bad_target_with_nan(emulated, dtype):
     logits = np.zeros((3, 4), dtype)
-    _, losses = xent.softmax_xent_forward_gpu(logits, np.array([1, 4, -1]))
+    _, losses = cupy_ops.softmax_xent_forward_gpu(logits, np.array([1, 4, -1]))
     assert losses[0] == pytest.approx(np.log(4)) and np.isnan(losses[1]) and np.isnan(losses[2])
 
 
@@ -328,21 +329,21 @@ def test_launch_checks_the_c_types_of_its_arguments():
     w = np.ones(4, np.float32)
     mean = rstd = np.zeros((2, 1), np.float32)
     good = (x, x, w, w, x, mean, rstd, np.int32(4), np.float32(1e-5), np.int32(0))
-    cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good)
+    cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good)
     with pytest.raises(TypeError, match="argument C must be a NumPy scalar of int32"):
-        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
+        cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
     with pytest.raises(TypeError, match="argument eps must be a NumPy scalar of float32"):
-        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
+        cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
     with pytest.raises(TypeError, match="argument w must be a contiguous array of float32"):
-        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
+        cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
     with pytest.raises(TypeError, match="takes 10 arguments"):
-        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:-1])
+        cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good[:-1])
     with pytest.raises(TypeError, match="runs on CuPy arrays"):
-        cuda.launch(layernorm.LAYERNORM_FWD, np.float32, (2,), (32,), good)
+        cuda.launch(cupy_ops.LAYERNORM_FWD, np.float32, (2,), (32,), good)
 
 
 def test_raw_kernel_parameters_are_parsed_from_the_code():
-    assert cuda.raw_params(xent.SOFTMAX_XENT_FWD) == [
+    assert cuda.raw_params(cupy_ops.SOFTMAX_XENT_FWD) == [
         ("z", "T", True), ("targets", "long long", True), ("losses", "T", True), ("V", "int", False)]
 
 
@@ -350,28 +351,28 @@ def test_wrappers_refuse_bad_operands():
     x = np.zeros((4, 6), np.float32)
     w = np.ones(6, np.float32)
     with pytest.raises(ValueError, match="contiguous"):
-        layernorm.layernorm_forward_gpu(np.zeros((6, 4), np.float32).T, w, w)
+        cupy_ops.layernorm_forward_gpu(np.zeros((6, 4), np.float32).T, w, w)
     with pytest.raises(ValueError, match="w must be"):
-        layernorm.layernorm_forward_gpu(x, np.ones(5, np.float32), w)
+        cupy_ops.layernorm_forward_gpu(x, np.ones(5, np.float32), w)
     with pytest.raises(ValueError, match="residual must be"):
-        layernorm.layernorm_forward_gpu(x, w, w, residual=np.zeros((4, 6)))
+        cupy_ops.layernorm_forward_gpu(x, w, w, residual=np.zeros((4, 6)))
     with pytest.raises(ValueError, match=r"\(\.\.\., T, T\)"):
-        attention.causal_softmax_forward_gpu(x)
+        cupy_ops.causal_softmax_forward_gpu(x)
     with pytest.raises(ValueError, match="lse must hold 8"):
-        attention.causal_softmax_forward_gpu(np.zeros((2, 4, 4)), lse=np.zeros(4))
+        cupy_ops.causal_softmax_forward_gpu(np.zeros((2, 4, 4)), lse=np.zeros(4))
     with pytest.raises(ValueError, match="targets must be integers"):
-        xent.softmax_xent_forward_gpu(x, np.zeros(4))
+        cupy_ops.softmax_xent_forward_gpu(x, np.zeros(4))
     with pytest.raises(ValueError, match="b must be"):
-        kernels.bias_gelu_forward_gpu(x, np.ones(4, np.float32))
+        cupy_ops.bias_gelu_forward_gpu(x, np.ones(4, np.float32))
     hyper = dict(lr=1, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0)
     with pytest.raises(ValueError, match="t counts steps from 1"):
-        optim.adamw_step_gpu(x, x, x, x, x, t=0, **hyper)
+        cupy_ops.adamw_step_gpu(x, x, x, x, x, t=0, **hyper)
     with pytest.raises(ValueError, match="g must be"):
-        optim.adamw_step_gpu(x, x[:2], x, x, x, t=1, **hyper)
-    with pytest.raises(TypeError, match="runs on CuPy arrays; on NumPy use minitensor.optim.AdamW"):
-        optim.adamw_step_gpu(x, x, x, x, x, t=1, **hyper)
-    with pytest.raises(TypeError, match=r"on NumPy use gelu_forward\(x \+ b\)"):
-        kernels.bias_gelu_forward_gpu(x, w)
+        cupy_ops.adamw_step_gpu(x, x[:2], x, x, x, t=1, **hyper)
+    with pytest.raises(TypeError, match="runs on CuPy arrays; on NumPy use Ops.adamw_step"):
+        cupy_ops.adamw_step_gpu(x, x, x, x, x, t=1, **hyper)
+    with pytest.raises(TypeError, match="on NumPy use Ops.bias_gelu_forward"):
+        cupy_ops.bias_gelu_forward_gpu(x, w)
 
 
 def test_emulation_refuses_partly_overlapping_buffers():
@@ -380,7 +381,7 @@ def test_emulation_refuses_partly_overlapping_buffers():
     flat = np.zeros(17)
     dp, p, ds = flat[1:].reshape(1, 4, 4), np.zeros((1, 4, 4)), flat[:16].reshape(1, 4, 4)
     with pytest.raises(ValueError, match="partly overlaps"):
-        kernelcheck.emulate_launch(attention.CAUSAL_SOFTMAX_BWD, np.float64, (4,), (32,),
+        kernelcheck.emulate_launch(cupy_ops.CAUSAL_SOFTMAX_BWD, np.float64, (4,), (32,),
                                (dp, p, ds, np.int32(4), np.float64(1)))
 
 
@@ -398,13 +399,13 @@ def test_gpu_bias_gelu(cupy, shape, dtype, seed):
     rng = np.random.default_rng(seed)
     x, dy, b = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype), normal(rng, shape[-1], dtype)
     xg, bg, dyg = cupy.asarray(x), cupy.asarray(b), cupy.asarray(dy)
-    assert_close(cupy.asnumpy(kernels.bias_gelu_forward_gpu(xg, bg)), F.gelu(f64(x) + f64(b)))
+    assert_close(cupy.asnumpy(cupy_ops.bias_gelu_forward_gpu(xg, bg)), F.gelu(f64(x) + f64(b)))
     db = cupy.zeros(shape[-1], dtype)
-    dh = kernels.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
+    dh = cupy_ops.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
     dh_ref = F.gelu_backward(f64(x) + f64(b), f64(dy))
     assert_close(cupy.asnumpy(dh), dh_ref, scale=float(np.max(np.abs(dy))))
     assert_close(cupy.asnumpy(db), dh_ref.reshape(-1, shape[-1]).sum(0), scale=float(np.max(np.abs(dy))))
-    strided = kernels.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
+    strided = cupy_ops.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
     assert_close(cupy.asnumpy(strided), F.gelu(f64(x[:, ::2]) + f64(b)))
 
 
@@ -416,7 +417,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     x, dy, r = (normal(rng, (N, C), dtype, 2.0, 0.5) for _ in range(3))
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     xg = cupy.asarray(x)
-    y, mean, rstd = layernorm.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
+    y, mean, rstd = cupy_ops.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
                                                   residual=cupy.asarray(r) if residual else None)
     x_in = f64(x) + f64(r) if residual else f64(x)
     y_ref, mean_ref, rstd_ref = F.layernorm_forward(x_in, f64(w), f64(b))
@@ -426,7 +427,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     assert_close(cupy.asnumpy(rstd), rstd_ref)
     dw, db = cupy.zeros(C, dtype), cupy.zeros(C, dtype)
     add_to = cupy.asarray(r) if residual else None
-    dx = layernorm.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
+    dx = cupy_ops.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
     dx_ref, dw_ref, db_ref = F.layernorm_backward(f64(dy), x_in, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(f64(dy) * f64(w) * rstd_ref)))
     assert_close(cupy.asnumpy(dx), dx_ref + (f64(r) if residual else 0.0), scale=scale)
@@ -443,16 +444,16 @@ def test_gpu_causal_softmax(cupy, BH, T, dtype, scale, seed):
     s, dp = normal(rng, (BH, T, T), dtype, 3.0), normal(rng, (BH, T, T), dtype)
     lse = cupy.empty((BH, T, 1), dtype)
     sg = cupy.asarray(s)
-    p = attention.causal_softmax_forward_gpu(sg, scale, lse=lse)
+    p = cupy_ops.causal_softmax_forward_gpu(sg, scale, lse=lse)
     p_ref, lse_ref = F.causal_softmax(f64(s), scale)
     assert_close(cupy.asnumpy(p), p_ref)
     assert_close(cupy.asnumpy(lse), lse_ref, scale=1.0)
-    again = attention.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
+    again = cupy_ops.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
     assert_close(cupy.asnumpy(again), p_ref)
-    ds = attention.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
+    ds = cupy_ops.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
     assert_close(cupy.asnumpy(ds), F.causal_softmax_backward(f64(dp), p_ref, scale),
                  scale=scale * float(np.max(np.abs(dp))))
-    assert attention.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
+    assert cupy_ops.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
     assert_close(cupy.asnumpy(sg), p_ref)
 
 
@@ -464,13 +465,13 @@ def test_gpu_cross_entropy(cupy, N, V, dtype, dloss, seed):
     rng = np.random.default_rng(seed)
     logits, targets = normal(rng, (N, V), dtype, 4.0, 3.0), rng.integers(0, V, N)
     z = cupy.asarray(logits)
-    loss, losses = xent.softmax_xent_forward_gpu(z, cupy.asarray(targets))
+    loss, losses = cupy_ops.softmax_xent_forward_gpu(z, cupy.asarray(targets))
     loss_ref, probs_ref, losses_ref = F.softmax_xent_forward(f64(logits), targets)
     assert loss.shape == () and isinstance(loss, cupy.ndarray)  # stays on the device
     assert_close(cupy.asnumpy(losses), losses_ref, scale=1.0)
     assert_close(cupy.asnumpy(loss), loss_ref, scale=1.0)
     assert_close(cupy.asnumpy(z), probs_ref)
-    d = xent.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
+    d = cupy_ops.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
     assert d is z
     assert_close(cupy.asnumpy(d), F.softmax_xent_backward(probs_ref, targets, dloss), scale=dloss / N)
 
@@ -485,7 +486,7 @@ def test_gpu_adamw(cupy, n, dtype, t, grad_scale, seed):
     v, mask = np.abs(normal(rng, n, dtype)), (rng.random(n) > 0.3).astype(dtype)
     pg, gg, mg, vg = (cupy.asarray(a) for a in (p, g, m, v))
     hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=t, grad_scale=grad_scale)
-    assert optim.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
+    assert cupy_ops.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
     for got, want in zip((pg, mg, vg), F.adamw(f64(p), f64(g), f64(m), f64(v), f64(mask), **hyper)):
         assert_close(cupy.asnumpy(got), want)
 

@@ -6,16 +6,17 @@ import numpy as np
 import pytest
 import strategies as S
 from hypothesis import given, settings
-from layer_cases import attention_case, embedding_case, linear_case, loss_case
+from layer_cases import all_ops, attention_case, embedding_case, linear_case, loss_case
 
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import to_numpy
-from minitensor.embedding import Embedding, PositionEmbedding, TiedHead, scatter_add_rows
+from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.gelu import GELU
 from minitensor.gradcheck import check_gradients
 from minitensor.layernorm import LayerNorm
 from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.ops import get_ops
 from minitensor.params import Params
 
 examples = settings(max_examples=15, deadline=None)
@@ -43,10 +44,12 @@ def test_scatter_add_equals_add_at(xp, seed, n, V, C):
     idx = rng.integers(0, V, n)
     rows = rng.standard_normal((n, C))
     expected = rng.standard_normal((V, C))
-    dW = xp.asarray(expected.copy())
+    start = expected.copy()
     np.add.at(expected, idx, rows)
-    scatter_add_rows(dW, xp.asarray(idx), xp.asarray(rows))
-    np.testing.assert_allclose(to_numpy(dW), expected, rtol=1e-12, atol=1e-12)
+    for ops in all_ops(xp):
+        dW = xp.asarray(start.copy())
+        ops.scatter_add_rows(dW, xp.asarray(idx), xp.asarray(rows))
+        np.testing.assert_allclose(to_numpy(dW), expected, rtol=1e-12, atol=1e-12, err_msg=repr(ops))
 
 
 @examples
@@ -149,16 +152,18 @@ def test_small_stack_end_to_end(xp, seed, d, V):
         base = 1.0 if name.endswith(".w") and name.startswith("ln") else 0.0
         view[...] = xp.asarray(base + 0.3 * rng.standard_normal(view.shape))
 
+    ops = get_ops(xp)
+
     def lin(n):
-        return Linear(p[n + ".w"], p.grad(n + ".w"), p[n + ".b"], p.grad(n + ".b"))
+        return Linear(p[n + ".w"], p.grad(n + ".w"), p[n + ".b"], p.grad(n + ".b"), ops=ops)
 
     def ln(n):
-        return LayerNorm(p[n + ".w"], p.grad(n + ".w"), p[n + ".b"], p.grad(n + ".b"))
+        return LayerNorm(p[n + ".w"], p.grad(n + ".w"), p[n + ".b"], p.grad(n + ".b"), ops=ops)
 
-    wte, wpe = Embedding(p["wte"], p.grad("wte")), PositionEmbedding(p["wpe"], p.grad("wpe"))
-    ln1, attn, ln2, fc, gelu, fcp, lnf = ln("ln1"), CausalSelfAttention(lin("attn"), lin("proj"), nh), \
-        ln("ln2"), lin("fc"), GELU(), lin("fcp"), ln("lnf")
-    head, loss = TiedHead(p["wte"], p.grad("wte")), SoftmaxCrossEntropy()
+    wte, wpe = Embedding(p["wte"], p.grad("wte"), ops=ops), PositionEmbedding(p["wpe"], p.grad("wpe"), ops=ops)
+    ln1, attn, ln2, fc, gelu, fcp, lnf = ln("ln1"), CausalSelfAttention(lin("attn"), lin("proj"), nh, ops=ops), \
+        ln("ln2"), lin("fc"), GELU(ops=ops), lin("fcp"), ln("lnf")
+    head, loss = TiedHead(p["wte"], p.grad("wte"), ops=ops), SoftmaxCrossEntropy(ops=ops)
     idx = xp.asarray(rng.integers(0, V, (B, T)))
     targets = xp.asarray(rng.integers(0, V, (B, T)))
 
@@ -183,13 +188,14 @@ def test_small_stack_end_to_end(xp, seed, d, V):
 
 
 def test_linear_epilogue_row_blocks_add_bias_and_residual(xp, monkeypatch):
-    from minitensor import linear
+    from minitensor import numpy_ops
 
-    monkeypatch.setattr(linear, "EPILOGUE_BLOCK", 5)  # 5 // 3 = 1 row per block, and an odd count of rows
+    monkeypatch.setattr(numpy_ops, "EPILOGUE_BLOCK", 5)  # 5 // 3 = 1 row per block, and an odd count of rows
+    ops = get_ops(xp)
     rng = np.random.default_rng(3)
     y, b, r = (xp.asarray(rng.standard_normal(s)) for s in ((7, 3), (3,), (7, 3)))
     want = to_numpy(y) + to_numpy(b) + to_numpy(r)
-    linear.add_epilogue(y, b, r)
+    ops.add_epilogue(y, b, r)
     np.testing.assert_allclose(to_numpy(y), want, rtol=1e-15)
-    linear.add_epilogue(y, None, r)
+    ops.add_epilogue(y, None, r)
     np.testing.assert_allclose(to_numpy(y), want + to_numpy(r), rtol=1e-15)

@@ -97,8 +97,9 @@ def test_float32_agrees_with_float64(xp, name, seed, d):
 
 @pytest.mark.parametrize("name", ["linear", "head"])
 def test_a_fresh_gradient_is_written_then_accumulated(xp, name):
-    """Linear.fresh and TiedHead.fresh (set by ANDREA.zero_grad): the next weight gradient
-    overwrites the gradient views whatever they hold, and the one after adds to them."""
+    """After Params.zero_grad, a Linear's or TiedHead's next weight gradient is written by the GEMM
+    (Params.take_zeroed): it overwrites the gradient views whatever they hold, and the one after
+    adds to them."""
     d = {"B": 2, "T": 3, "n_in": 5, "n_out": 4, "C": 6, "V": 7}
     case = CASES[name](xp, np.float64, 0, d)
     dy = upstream(case, xp, np.float64, 0)
@@ -110,14 +111,15 @@ def test_a_fresh_gradient_is_written_then_accumulated(xp, name):
     case.backward(dy)
     once = grads()
     assert all(float(abs(g).max()) > 0 for g in once)
+    case.layer.zeroed = case.params.take_zeroed
+    case.params.zero_grad()
     for n in case.params.names():
-        case.params.grad(n)[...] = 7.0                       # stale values the fresh write must not keep
-    case.layer.fresh = True
+        case.params.grad(n)[...] = 7.0                       # stale values the written gradient must not keep
     case.forward()
     case.backward(dy)
     for got, want in zip(grads(), once):
         np.testing.assert_array_equal(got, want)
-    assert case.layer.fresh is False
+    assert not case.params.take_zeroed(case.layer.dW)
     case.forward()
     case.backward(dy)
     for got, want in zip(grads(), once):

@@ -1,8 +1,8 @@
-"""minitensor.optim's one AdamW update (`adamw_update`) in the form the CuPy generic path runs it
-(the whole buffer at once, a decay mask, grad_scale a 0-d array on the device) against the
-textbook step on every backend, and against the NumPy chunked path bit for bit. The numba
-kernel is compared with the NumPy path in test_cpu_kernels.py, the CUDA kernel with the
-textbook step in test_kernels_fused.py; test_model.py checks the optimizer on a model."""
+"""The one AdamW update (`Ops.adamw_update`) in the form the Ops step runs it (the whole buffer
+at once, a decay mask, grad_scale a 0-d array on the device) against the textbook step on every
+backend, and against NumpyOps' chunked path bit for bit. The numba kernel is compared with the
+Ops step in test_cpu_kernels.py, the CUDA kernel with the textbook step in test_kernels_fused.py;
+test_model.py checks the optimizer on a model."""
 
 import math
 
@@ -10,20 +10,22 @@ import formulas as F
 import numpy as np
 
 from minitensor.backend import to_numpy
-from minitensor.optim import AdamW, adamw_update
+from minitensor.numpy_ops import NumpyOps
+from minitensor.ops import Ops
+from minitensor.optim import AdamW
 from minitensor.params import Params
 
 SHAPES = {"w": (30, 70), "b": (70,), "e": (9, 33)}   # decayed, not decayed, decayed
 
 
 def masked_steps(xp, params, grads, lr, b1, b2, eps, wd, scales):
-    """AdamW over the whole buffer with adamw_update, as the CuPy generic path calls it."""
+    """AdamW over the whole buffer with Ops.adamw_update, as the Ops step calls it."""
     p = xp.asarray(params.data.copy())
     m, v = xp.zeros_like(p), xp.zeros_like(p)
     keep = 1.0 - lr * wd * xp.asarray(params.mask(lambda name, shape: len(shape) >= 2))
     for t, (g, scale) in enumerate(zip(grads, scales), start=1):
         c1, c2 = 1.0 - b1**t, 1.0 - b2**t
-        adamw_update(p, xp.asarray(g), m, v, xp.empty_like(p), b1, b2, xp.asarray(scale, dtype=p.dtype),
+        Ops(xp).adamw_update(p, xp.asarray(g), m, v, xp.empty_like(p), b1, b2, xp.asarray(scale, dtype=p.dtype),
                      lr * math.sqrt(c2) / c1, eps * math.sqrt(c2), keep)
     return p, m, v
 
@@ -56,9 +58,9 @@ def test_masked_update_equals_the_textbook_step(xp):
 
 
 def test_numpy_chunks_equal_the_masked_update_bit_for_bit(monkeypatch):
-    monkeypatch.setenv("ANDREA_CPU_KERNELS", "numpy")
-    monkeypatch.setattr("minitensor.optim.CHUNK", 512)   # several chunks per tensor, and a partial one
+    monkeypatch.setattr("minitensor.numpy_ops.CHUNK", 512)   # several chunks per tensor, and a partial one
     params, grads = draw(1)
+    params.ops = NumpyOps(numba=False)
     scales = (1.0, 0.3, 0.7)
     want = masked_steps(np, params, grads, 0.01, 0.9, 0.95, 1e-8, 0.1, scales)
     opt = AdamW(params, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -101,6 +101,16 @@ def test_memory_close_to_the_limit_warns(monkeypatch):
     assert len(warnings) == 1
 
 
+def test_auto_device_checks_the_memory_of_the_device_it_will_run_on(monkeypatch):
+    """device auto on a GPU machine is checked against the GPU's free memory, not the host's."""
+    from minitensor import backend
+
+    for usable, want in ((True, "gpu"), (False, "cpu")):
+        monkeypatch.setattr(backend, "gpu_available", lambda usable=usable: usable)
+        assert preflight.memory_device("auto") == want
+    assert preflight.memory_device("gpu") == "gpu" and preflight.memory_device("cpu") == "cpu"
+
+
 def test_memory_estimate_matches_the_measured_120m_figures():
     est = preflight.estimate_memory(train.load_config("120m", ["train.batch_size=1"]))
     assert abs(est.state_bytes / 2**30 - 1.38) < 0.01  # BENCHMARKS.md: four buffers of 92.3M floats

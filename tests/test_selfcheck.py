@@ -1,11 +1,11 @@
 """The start-up self-check of the fused kernels (minitensor/selfcheck.py) and the kernels switch.
 
 Without a GPU, the real checks of the pieces built from RawKernels only (LayerNorm, the causal
-softmax of the dense attention core) run their layer's fused path through the host emulation of
-the kernels (kernelcheck.emulate_launch, NumPy arrays standing in for CuPy ones); a kernel made
-to disagree (a sign flipped in its CUDA code) is refused, reported, and the generic code takes
-its place. With the ElementwiseKernels replaced by their references (spec.reference) too, every layer's
-fused path (all five pieces) runs and agrees with its generic path. The choice and the line are
+softmax of the dense attention core) run CupyOps' fused path through the host emulation of the
+kernels (kernelcheck.emulate_launch, NumPy arrays standing in for CuPy ones); a kernel made to
+disagree (a sign flipped in its CUDA code) is refused, reported, and the Ops code takes its
+place. With the ElementwiseKernels replaced by their references (spec.reference) too, every
+fused piece (all five) runs and agrees with the Ops code it replaces. The choice and the line are
 also checked with stand-in checks.
 """
 
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from markers import needs_cxx
 
-from minitensor import attention, cuda, kernelcheck, layernorm, selfcheck
+from minitensor import cuda, cupy_ops, kernelcheck, selfcheck
+from minitensor.cupy_ops import CupyOps
 from minitensor.layernorm import LayerNorm
 
 
@@ -53,8 +54,7 @@ def elementwise_on_the_host(spec):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    """The layers' fused paths on NumPy arrays: `uses` ignores the backend, RawKernels are emulated."""
-    monkeypatch.setattr(cuda, "uses", lambda name, x: name in cuda.in_use)
+    """CupyOps' fused paths on NumPy arrays (FAKE_GPU's): RawKernels are emulated."""
     monkeypatch.setattr(cuda, "launch", kernelcheck.emulate_launch)
     monkeypatch.setattr(cuda, "in_use", set())
 
@@ -123,16 +123,15 @@ def test_the_real_check_passes_the_emulated_kernels(emulated, piece):
 
 
 @needs_cxx
-@pytest.mark.parametrize("module, spec, wrong", [
-    (layernorm, "LAYERNORM_FWD", ("* w[j] + b[j]", "* w[j] - b[j]")),
-    (layernorm, "LAYERNORM_BWD", ("- mg -", "+ mg -")),
-    (attention, "CAUSAL_SOFTMAX_BWD", ("(dpr[j] - dot)", "(dpr[j] + dot)")),
+@pytest.mark.parametrize("piece, spec, wrong", [
+    ("layernorm", "LAYERNORM_FWD", ("* w[j] + b[j]", "* w[j] - b[j]")),
+    ("layernorm", "LAYERNORM_BWD", ("- mg -", "+ mg -")),
+    ("causal_softmax", "CAUSAL_SOFTMAX_BWD", ("(dpr[j] - dot)", "(dpr[j] + dot)")),
 ])
-def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(emulated, monkeypatch, module, spec, wrong):
-    good = getattr(module, spec)
+def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(emulated, monkeypatch, piece, spec, wrong):
+    good = getattr(cupy_ops, spec)
     assert wrong[0] in good.code
-    monkeypatch.setattr(module, spec, dataclasses.replace(good, code=good.code.replace(*wrong)))
-    piece = "layernorm" if module is layernorm else "causal_softmax"
+    monkeypatch.setattr(cupy_ops, spec, dataclasses.replace(good, code=good.code.replace(*wrong)))
     cuda.all_kernels()
     line = selfcheck.select_kernels("auto", FAKE_GPU, {piece: cuda.CHECKS[piece]})
     assert line.startswith(f"kernels: fused none; generic for {piece} (failed its self-check: max error")
@@ -140,14 +139,14 @@ def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(emulated, mon
     if piece == "layernorm":  # and the layer now runs the generic code, which is right
         rng = np.random.default_rng(0)
         x, w, b = rng.standard_normal((5, 16)), rng.standard_normal(16), rng.standard_normal(16)
-        y = LayerNorm(w, np.zeros(16), b, np.zeros(16)).forward(x)
+        y = LayerNorm(w, np.zeros(16), b, np.zeros(16), ops=CupyOps(FAKE_GPU)).forward(x)
         want, _, _ = F.layernorm_forward(x, w, b)
         np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
 
 
 @needs_cxx
 def test_every_layer_takes_its_fused_path_and_agrees_with_the_generic_one(host_gpu):
-    """The layers' wiring of all five pieces (what they cache, pass and return on the fused path)."""
+    """CupyOps' wiring of all five pieces (what it keeps, passes and returns on the fused path)."""
     checks = cuda.all_kernels() and cuda.CHECKS
     line = selfcheck.select_kernels("auto", FAKE_GPU, checks)
     assert line == f"kernels: fused {', '.join(checks)}"
@@ -173,14 +172,13 @@ def test_a_whole_model_step_with_every_fused_piece_equals_the_generic_one(host_g
     results = []
     for names in ((), cuda.FUSED):
         m = ANDREA(ModelConfig(vocab_size=13, context_length=8, d_model=8, n_layer=2, n_head=2), dtype="float64",
-                   seed=4)
+                   seed=4, ops=CupyOps(FAKE_GPU))
         with cuda.using(names):
             loss = float(m.loss(x[:, :-1], x[:, 1:]))
             m.zero_grad()
             m.backward(0.5)
             grads = m.params.grads.copy()
             opt = AdamW(m, lr=1e-2)
-            opt._decay_mask = m.params.mask(opt.decays)  # what a CuPy model's optimizer makes
             opt.step(grad_scale=np.asarray(0.7))
         results.append((loss, grads, m.params.data.copy()))
     (loss_g, grads_g, p_g), (loss_f, grads_f, p_f) = results

@@ -1,0 +1,712 @@
+"""The GPU backend: CuPy, with GELU as an ElementwiseKernel and the fused CUDA kernels.
+
+`CupyOps` overrides pieces of `minitensor.ops.Ops`, each with a kernel that must equal the Ops
+method it replaces, and falls back to `super()` where a kernel does not apply:
+
+    gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, any float dtype)
+    bias_gelu_forward / _backward      'bias_gelu_fwd' / '_bwd'             fused piece bias_gelu
+    layernorm_forward / _backward      'layernorm_fwd', '_bwd', '_bwd_params' fused piece layernorm
+    causal_softmax / _backward         'causal_softmax_fwd' / '_bwd'         fused piece causal_softmax
+    softmax_xent_forward / _backward   'softmax_xent_fwd' / '_bwd'           fused piece softmax_xent
+    adamw_step                         'adamw_step'                          fused piece adamw
+    attention_forward                  the dense core within a memory budget (a 64th of the GPU's
+                                       memory per layer: 2.2 GB on an H200, where ANDREA-120M at
+                                       8 x 1024 needs 384 MiB), else Ops' query blocks
+
+The fused pieces run only when the start-up self-check accepted them (minitensor.selfcheck sets
+minitensor.cuda.in_use, once, at the entry point): it runs each piece's check below once through
+the Ops code and once through the kernel and keeps those that agree.
+
+Every kernel is registered in minitensor.cuda.KERNELS, so that two checks run without a GPU
+(`python -m minitensor.kernels --check | --host-check`): NVRTC compiles each one, and g++ runs
+each elementwise operation on the host against its `reference`, which is the Ops code. Only
+CuPy's public API is called here (ElementwiseKernel and RawKernel through minitensor.cuda,
+cupy.cuda for the device), so a NumPy-backed stand-in of CuPy can run this file in CI.
+"""
+
+import math
+
+import numpy as np
+
+from minitensor import cuda
+from minitensor.backend import array_module
+from minitensor.ops import GELU_AC, GELU_AC3, GELU_C, Ops
+
+_REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
+
+
+class CupyOps(Ops):
+    name = "cupy"
+    # the dense attention core when all heads' probabilities fit this many bytes (None: a 64th of
+    # the GPU's memory)
+    dense_max_bytes = None
+
+    def __init__(self, xp):
+        super().__init__(xp)
+
+    @staticmethod
+    def fused(name):
+        """Whether the fused piece `name` is in use (accepted by the self-check)."""
+        return name in cuda.in_use
+
+    # --- GELU ---
+
+    def gelu_forward(self, x):
+        if x.dtype not in (np.float32, np.float64):
+            return super().gelu_forward(x)
+        return GELU_FWD.kernel()(x)
+
+    def gelu_backward(self, x, dy, recompute_output=False):
+        if x.dtype not in (np.float32, np.float64) or dy.dtype != x.dtype:
+            return super().gelu_backward(x, dy, recompute_output)
+        dx = GELU_BWD.kernel()(x, dy)
+        return (dx, self.gelu_forward(x)) if recompute_output else dx
+
+    def bias_gelu_forward(self, x, b):
+        """fused: x is kept as it is, h = x + b never stored."""
+        if not self.fused("bias_gelu"):
+            return super().bias_gelu_forward(x, b)
+        return bias_gelu_forward_gpu(x, b)
+
+    def bias_gelu_backward(self, x, b, dy, recompute_output=False):
+        if not self.fused("bias_gelu"):
+            return super().bias_gelu_backward(x, b, dy, recompute_output)
+        dh = bias_gelu_backward_gpu(x, b, dy)
+        return (dh, bias_gelu_forward_gpu(x, b)) if recompute_output else dh
+
+    # --- LayerNorm ---
+
+    def layernorm_forward(self, x, w, b, eps):
+        if not self.fused("layernorm"):
+            return super().layernorm_forward(x, w, b, eps)
+        return layernorm_forward_gpu(x, w, b, eps)
+
+    def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
+        if not self.fused("layernorm"):
+            return super().layernorm_backward(dy, x, mean, rstd, w, dw, db, dres)
+        # the kernel adds dx into a copy of the skip gradient: the caller's array is kept
+        add_to = None if dres is None else self.xp.array(dres, order="C")
+        return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=add_to)
+
+    # --- attention ---
+
+    def attention_forward(self, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
+        if dense is None:
+            B, nh, T, _ = qkv4[0].shape
+            dense = B * nh * T * T * y4.itemsize <= (self.dense_max_bytes or _gpu_memory(self.xp) // 64)
+        return super().attention_forward(qkv4, b, y4, block, keep_probs_max_bytes, dense)
+
+    def causal_softmax(self, s):
+        if not self.fused("causal_softmax"):
+            return super().causal_softmax(s)
+        return causal_softmax_forward_gpu(s, out=s)
+
+    def causal_softmax_backward(self, dp, p, D):
+        if not self.fused("causal_softmax"):
+            return super().causal_softmax_backward(dp, p, D)
+        return causal_softmax_backward_gpu(dp, p, out=dp)  # computes rowsum(dp p) itself
+
+    # --- softmax cross-entropy ---
+
+    def softmax_xent_forward(self, z, t, inplace=False):
+        """fused: the probabilities (not divided by N) over a contiguous z."""
+        if not self.fused("softmax_xent"):
+            return super().softmax_xent_forward(z, t, inplace)
+        z = z if inplace and z.flags.c_contiguous else self.xp.array(z, order="C")
+        loss, _ = softmax_xent_forward_gpu(z, t)
+        return loss, z
+
+    def softmax_xent_backward(self, probs, t, dloss=1.0):
+        if not self.fused("softmax_xent"):
+            return super().softmax_xent_backward(probs, t, dloss)
+        return softmax_xent_backward_gpu(probs, t, dloss)
+
+    # --- AdamW ---
+
+    def adamw_step(self, p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay):
+        if not self.fused("adamw"):
+            return super().adamw_step(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
+        adamw_kernel(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
+
+
+_gpu_memory_bytes = {}
+
+
+def _gpu_memory(xp):
+    """The current GPU's total memory in bytes, asked once per device."""
+    device = xp.cuda.Device()
+    if device.id not in _gpu_memory_bytes:
+        _gpu_memory_bytes[device.id] = device.mem_info[1]
+    return _gpu_memory_bytes[device.id]
+
+
+# =============================================================================================
+# GELU (the ElementwiseKernels)
+
+# GELU in the form of Ops.gelu_forward / gelu_backward (sigmoid(2u) = 0.5 (1 + tanh u)):
+#   sig = 1 / (1 + exp(x (-2AC x^2 - 2C))),  y = x sig,  dx = dy sig (1 + (1 - sig) x (2AC3 x^2 + 2C))
+# with AC = 0.044715 sqrt(2/pi), AC3 = 3 AC, C = sqrt(2/pi). exp = inf (x below about -10) gives
+# y = -0 and dx = 0, as it should. The references are the Ops methods themselves.
+_M2AC, _M2C, _2AC3, _2C = -2.0 * GELU_AC, -2.0 * GELU_C, 2.0 * GELU_AC3, 2.0 * GELU_C
+_GELU_FWD_SRC = f"y = {{x}} / ((T)1 + exp({{x}} * ({{x}} * {{x}} * (T){_M2AC!r} + (T){_M2C!r})));"
+_GELU_BWD_SRC = (f"const T x2 = {{x}} * {{x}};\n"
+                 f"const T sig = (T)1 / ((T)1 + exp({{x}} * (x2 * (T){_M2AC!r} + (T){_M2C!r})));\n"
+                 f"{{dx}} = (((T)1 - sig) * ({{x}} * (x2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;")
+
+GELU_FWD = cuda.register(cuda.ElementwiseSpec(
+    "gelu_fwd", "T x", "T y", _GELU_FWD_SRC.format(x="x"),
+    reference=lambda x: _REFERENCE.gelu_forward(x),
+))
+
+GELU_BWD = cuda.register(cuda.ElementwiseSpec(
+    "gelu_bwd", "T x, T dy", "T dx", _GELU_BWD_SRC.format(x="x", dx="dx"),
+    reference=lambda x, dy: _REFERENCE.gelu_backward(x, dy),
+))
+
+
+# ---------------------------------------------------------------------------------------------
+# bias + GELU: y = GELU(x + b), b broadcast over the rows; x is the matmul output (N, C) ---
+
+
+def _column(n, C):
+    """Column of each flat index of an (n / C, C) array: what `i % C` gives in the kernels."""
+    return np.arange(n) % int(C)
+
+
+# `i` is the flat C-order index over x's shape, so `i % C` is the column even for strided x; the
+# 32-bit cast avoids a 64-bit modulo per element (the wrappers refuse 2**31 elements or more).
+# The references are GELU's Ops code applied to h = x + b, on flat arrays as the kernels see them,
+# gathering the bias by i % C (the host check's flat samples, C = 7, are not whole rows).
+BIAS_GELU_FWD = cuda.register(cuda.ElementwiseSpec(
+    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y",
+    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n" + _GELU_FWD_SRC.format(x="h"),
+    reference=lambda x, b, C: _REFERENCE.gelu_forward(x + b[_column(x.size, C)]),
+    scalars=(("C", 7),),
+))
+
+BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
+    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh",
+    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n" + _GELU_BWD_SRC.format(x="h", dx="dh"),
+    reference=lambda x, b, C, dy: _REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
+    scalars=(("C", 7),),
+))
+
+
+def bias_gelu_forward_gpu(x, b, out=None):
+    """GELU(x + b) for x (..., C) and b (C,) CuPy arrays, into `out` if given; returns y.
+
+    The caller keeps x (the matmul output without its bias) for the backward: h = x + b is never
+    stored."""
+    _check_bias_gpu(x, b, out, "bias_gelu_forward_gpu")
+    cuda.on_cupy("bias_gelu_forward_gpu", x, "Ops.bias_gelu_forward")
+    kern = BIAS_GELU_FWD.kernel()
+    C = np.int32(x.shape[-1])
+    return kern(x, b, C) if out is None else kern(x, b, C, out)
+
+
+def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
+    """dL/dh for h = x + b, y = GELU(h), from the forward's x and b and dy = dL/dy; into `out`
+    if given (it may be dy). With `db`, also db += the column sums of dh. Returns dh."""
+    _check_bias_gpu(x, b, out, "bias_gelu_backward_gpu", dy)
+    cuda.on_cupy("bias_gelu_backward_gpu", x, "Ops.bias_gelu_backward")
+    kern = BIAS_GELU_BWD.kernel()
+    C = np.int32(x.shape[-1])
+    dh = kern(x, b, C, dy) if out is None else kern(x, b, C, dy, out)
+    if db is not None:
+        db += dh.reshape(-1, dh.shape[-1]).sum(axis=0)
+    return dh
+
+
+def _check_bias_gpu(x, b, out, fn, dy=None):
+    cuda.check_operands(fn, x, out, dy)
+    if x.ndim < 1 or x.size >= 2**31:
+        raise ValueError(f"{fn}: x must have 1 to 2**31 - 1 elements and a last axis, got shape {x.shape}")
+    if b.shape != x.shape[-1:] or b.dtype != x.dtype or not b.flags.c_contiguous:
+        raise ValueError(f"{fn}: b must be a contiguous {x.dtype} vector of shape {x.shape[-1:]}, got "
+                         f"{b.dtype} {b.shape}")
+
+
+# =============================================================================================
+# LayerNorm over the last axis, one block per row
+
+# What these kernels must equal is Ops.layernorm_forward / _backward: the start-up self-check runs
+# the layer both ways on the GPU. The tests run the kernels on the host (kernelcheck.emulate_launch)
+# against the textbook form in tests/formulas.py.
+#
+# One block per row of x (N, C). With add_residual, x is first updated in place to x + residual
+# (the residual join before a pre-norm LayerNorm, fused); otherwise `residual` is not read. Each
+# thread touches the same columns in every loop, so y may be x itself.
+LAYERNORM_FWD = cuda.register(cuda.RawSpec("layernorm_fwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, const T *b, T *y, T *mean,
+                                         T *rstd, const int C, const T eps, const int add_residual) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  T *xr = x + row * C;
+  T *yr = y + row * C;
+  T sum = 0;
+  for (int j = threadIdx.x; j < C; j += blockDim.x) {
+    T v = xr[j];
+    if (add_residual) {
+      v += residual[row * C + j];
+      xr[j] = v;
+    }
+    sum += v;
+  }
+  const T m = block_sum(sum, buf) / (T)C;
+  T sq = 0;  /* the centred second pass, as NumPy: no cancellation from E[x^2] - E[x]^2 */
+  for (int j = threadIdx.x; j < C; j += blockDim.x) {
+    const T d = xr[j] - m;
+    sq += d * d;
+  }
+  const T r = (T)1 / sqrt_of(block_sum(sq, buf) / (T)C + eps);
+  for (int j = threadIdx.x; j < C; j += blockDim.x) yr[j] = (xr[j] - m) * r * w[j] + b[j];
+  if (threadIdx.x == 0) {
+    mean[row] = m;
+    rstd[row] = r;
+  }
+}
+"""))
+
+# forward was: y = xhat w + b, xhat = (x - mean) rstd. One block per row: dx, written or (with
+# accumulate) added into dx, the residual gradient of a pre-norm block, fused.
+LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
+                                         T *dx, const int C, const int accumulate) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  const T *dyr = dy + row * C;
+  const T *xr = x + row * C;
+  T *dxr = dx + row * C;
+  const T m = mean[row], r = rstd[row];
+  T sg = 0, sgx = 0;
+  for (int j = threadIdx.x; j < C; j += blockDim.x) {
+    const T g = dyr[j] * w[j];
+    sg += g;
+    sgx += g * ((xr[j] - m) * r);
+  }
+  const T mg = block_sum(sg, buf) / (T)C;
+  const T mgx = block_sum(sgx, buf) / (T)C;
+  for (int j = threadIdx.x; j < C; j += blockDim.x) {
+    const T v = r * (dyr[j] * w[j] - mg - (xr[j] - m) * r * mgx);
+    dxr[j] = accumulate ? dxr[j] + v : v;
+  }
+}
+"""))
+
+# dw = sum over rows of dy xhat, db = sum over rows of dy, as partial sums per chunk of rows:
+# block (32, 8) sums 32 columns over one chunk; the wrapper adds the (chunks, C) partials in a
+# fixed order, so the result is deterministic (no atomics).
+LN_PARAM_BLOCK = (32, 8)
+LAYERNORM_BWD_PARAMS = cuda.register(cuda.RawSpec("layernorm_bwd_params", r"""
+extern "C" __global__ void layernorm_bwd_params(const T *dy, const T *x, const T *mean, const T *rstd,
+                                                T *part_w, T *part_b, const int N, const int C,
+                                                const int rows_per_chunk) {
+  __shared__ T acc_w[8][32];
+  __shared__ T acc_b[8][32];
+  const int j = blockIdx.x * 32 + threadIdx.x;
+  const int first = blockIdx.y * rows_per_chunk;
+  const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
+  T sw = 0, sb = 0;
+  if (j < C) {
+    for (int i = first + threadIdx.y; i < stop; i += 8) {
+      const long long k = (long long)i * C + j;
+      const T g = dy[k];
+      sw += g * ((x[k] - mean[i]) * rstd[i]);
+      sb += g;
+    }
+  }
+  acc_w[threadIdx.y][threadIdx.x] = sw;
+  acc_b[threadIdx.y][threadIdx.x] = sb;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < C) {
+    for (int k = 1; k < 8; ++k) {
+      sw += acc_w[k][threadIdx.x];
+      sb += acc_b[k][threadIdx.x];
+    }
+    part_w[(long long)blockIdx.y * C + j] = sw;
+    part_b[(long long)blockIdx.y * C + j] = sb;
+  }
+}
+"""))
+
+
+def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
+    """LayerNorm of the rows of x (..., C) (CuPy, contiguous); returns (y, mean, rstd), y shaped
+    like x, mean and rstd (N, 1) as minitensor/layernorm.py caches them (N = x.size / C).
+
+    With `residual` (x's shape), x is first updated in place to x + residual, the residual join
+    of a pre-norm block fused into the normalisation; the caller then caches x as the input.
+    `out` may be x itself."""
+    fn = "layernorm_forward_gpu"
+    N, C = cuda.rows(fn, x)
+    cuda.vector(fn, "w", w, x)
+    cuda.vector(fn, "b", b, x)
+    for name, a in (("residual", residual), ("out", out)):
+        if a is not None:
+            cuda.like(fn, name, a, x)
+    xp = array_module(x)
+    y = xp.empty_like(x) if out is None else out
+    mean = xp.empty((N, 1), dtype=x.dtype)
+    rstd = xp.empty((N, 1), dtype=x.dtype)
+    if N:
+        cuda.launch(LAYERNORM_FWD, x.dtype, (N,), (cuda.threads(C, 128),),
+                (x, x if residual is None else residual, w, b, y, mean, rstd, np.int32(C), x.dtype.type(eps),
+                 np.int32(residual is not None)))
+    return y, mean, rstd
+
+
+def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None):
+    """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
+    (..., C), mean and rstd N values); accumulates dw += sum(dy xhat), db += sum(dy) over rows.
+
+    Returns a new dx, or, with `add_to` (x's shape), adds dx into add_to and returns it: the
+    residual gradient of a pre-norm block, fused."""
+    fn = "layernorm_backward_gpu"
+    N, C = cuda.rows(fn, x)
+    cuda.like(fn, "dy", dy, x)
+    cuda.vector(fn, "w", w, x)
+    for name, a in (("mean", mean), ("rstd", rstd)):
+        if a.size != N or a.dtype != x.dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{fn}: {name} must hold {N} contiguous {x.dtype} values, got {a.dtype} {a.shape}")
+    for name, a in (("dw", dw), ("db", db)):
+        if a.shape != (C,):
+            raise ValueError(f"{fn}: {name} must have shape ({C},), got {a.shape}")
+    if add_to is not None:
+        cuda.like(fn, "add_to", add_to, x)
+    xp = array_module(x)
+    dx = xp.empty_like(x) if add_to is None else add_to
+    if not N:
+        return dx
+    cuda.launch(LAYERNORM_BWD, x.dtype, (N,), (cuda.threads(C, 128),),
+            (dy, x, w, mean, rstd, dx, np.int32(C), np.int32(add_to is not None)))
+    rows_per_chunk = max(64, -(-N // 128))  # at most 128 chunks: enough blocks to fill a GPU
+    chunks = -(-N // rows_per_chunk)
+    part_w = xp.empty((chunks, C), dtype=x.dtype)
+    part_b = xp.empty((chunks, C), dtype=x.dtype)
+    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32), chunks), LN_PARAM_BLOCK,
+            (dy, x, mean, rstd, part_w, part_b, np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
+    dw += part_w.sum(axis=0)
+    db += part_b.sum(axis=0)
+    return dx
+
+
+# =============================================================================================
+# The causal softmax over (..., T, T) attention scores, forward, backward, recomputed
+
+# One block per row; row r of a matrix attends to columns 0..r only (r = the row's index mod T).
+# The masked columns are never read and are written as exact zeros; p may be s itself.
+CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, T *lse, const int n_ctx, const T scale,
+                                              const int write_lse) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  const int last = row % n_ctx;
+  const T *sr = s + row * n_ctx;
+  T *pr = p + row * n_ctx;
+  T top = lowest_of(scale);
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) {
+    const T z = scale * sr[j];
+    top = z > top ? z : top;
+  }
+  top = block_max(top, buf);  /* finite: every row keeps its diagonal entry */
+  T total = 0;
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) total += exp_of(scale * sr[j] - top);
+  total = block_sum(total, buf);
+  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) pr[j] = j <= last ? exp_of(scale * sr[j] - top) / total : (T)0;
+  if (write_lse && threadIdx.x == 0) lse[row] = top + log_of(total);
+}
+"""))
+
+# forward was: p = softmax(z) by rows, z = scale s + mask. ds may be dp itself.
+CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void causal_softmax_bwd(const T *dp, const T *p, T *ds, const int n_ctx, const T scale) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  const int last = row % n_ctx;
+  const T *dpr = dp + row * n_ctx;
+  const T *pr = p + row * n_ctx;
+  T *dsr = ds + row * n_ctx;
+  T dot = 0;
+  for (int j = threadIdx.x; j <= last; j += blockDim.x) dot += dpr[j] * pr[j];
+  dot = block_sum(dot, buf);
+  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) dsr[j] = j <= last ? scale * (pr[j] * (dpr[j] - dot)) : (T)0;
+}
+"""))
+
+# Elementwise: flat index i is row i / n_ctx (over all matrices), column i % n_ctx.
+CAUSAL_SOFTMAX_RECOMPUTE = cuda.register(cuda.ElementwiseSpec(
+    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p",
+    "const unsigned int row = (unsigned int)i / (unsigned int)n_ctx;\n"
+    "const unsigned int col = (unsigned int)i - row * (unsigned int)n_ctx;\n"
+    "p = col <= row % (unsigned int)n_ctx ? exp(scale * s - lse[row]) : (T)0;",
+    reference=lambda s, lse, n_ctx, scale: _recompute_flat(s, lse, int(n_ctx), scale),
+    scalars=(("n_ctx", 6), ("scale", 0.35)),
+))
+
+
+def _recompute_flat(s, lse, n_ctx, scale):
+    i = np.arange(s.size)
+    row, col = i // n_ctx, i % n_ctx
+    return np.where(col <= row % n_ctx, np.exp(scale * s - lse[row]), 0.0)
+
+
+def causal_softmax_forward_gpu(s, scale=1.0, lse=None, out=None):
+    """Causal row softmax of scale * s for s (..., T, T) (CuPy, contiguous), into `out` (which may
+    be s) or a new array; returns p. With `lse` (T values per matrix, e.g. (..., T, 1)), each row's
+    log-sum-exp is written there, for causal_softmax_recompute_gpu."""
+    fn = "causal_softmax_forward_gpu"
+    rows, T = cuda.square_rows(fn, s)
+    p = cuda.out_like(fn, s, out)
+    if lse is not None:
+        cuda.row_values(fn, "lse", lse, s, rows)
+    if rows:
+        cuda.launch(CAUSAL_SOFTMAX_FWD, s.dtype, (rows,), (cuda.threads(T, 128),),
+                (s, p, p if lse is None else lse, np.int32(T), s.dtype.type(scale), np.int32(lse is not None)))
+    return p
+
+
+def causal_softmax_backward_gpu(dp, p, scale=1.0, out=None):
+    """ds = scale p (dp - rowsum(dp p)) for dp, p (..., T, T) (CuPy, contiguous), into `out`
+    (which may be dp) or a new array; returns ds."""
+    fn = "causal_softmax_backward_gpu"
+    rows, T = cuda.square_rows(fn, p)
+    cuda.like(fn, "dp", dp, p)
+    ds = cuda.out_like(fn, p, out)
+    if rows:
+        cuda.launch(CAUSAL_SOFTMAX_BWD, p.dtype, (rows,), (cuda.threads(T, 128),),
+                (dp, p, ds, np.int32(T), p.dtype.type(scale)))
+    return ds
+
+
+def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
+    """The probabilities causal_softmax_forward_gpu gave, from the same s and its lse, into `out`
+    (which may be s) or a new array."""
+    fn = "causal_softmax_recompute_gpu"
+    rows, T = cuda.square_rows(fn, s)
+    cuda.row_values(fn, "lse", lse, s, rows)
+    if s.size >= 2**31:
+        raise ValueError(f"{fn}: s has {s.size} elements; at most 2**31 - 1 are supported")
+    cuda.on_cupy(fn, s, "Ops.block_probs_again")
+    kern = CAUSAL_SOFTMAX_RECOMPUTE.kernel()
+    args = (s, lse.reshape(-1), np.int32(T), s.dtype.type(scale))
+    return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))
+
+
+# =============================================================================================
+# Softmax cross-entropy over (N, V) logits
+
+# One block per row. The probabilities overwrite the logits; z[target] is read by thread 0 before
+# any write (the writes come after two barriers). A target outside [0, V) makes the row's loss
+# NaN rather than reading out of bounds: the check costs no host synchronisation.
+SOFTMAX_XENT_FWD = cuda.register(cuda.RawSpec("softmax_xent_fwd", cuda.ROW_COMMON + r"""
+extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V) {
+  __shared__ T buf[32];
+  const long long row = blockIdx.x;
+  T *zr = z + row * V;
+  const long long t = targets[row];
+  const bool valid = t >= 0 && t < V;
+  const T picked = threadIdx.x == 0 && valid ? zr[t] : (T)0;
+  T top = lowest_of(picked);
+  for (int j = threadIdx.x; j < V; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
+  top = block_max(top, buf);
+  T total = 0;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) total += exp_of(zr[j] - top);
+  total = block_sum(total, buf);
+  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = exp_of(zr[j] - top) / total;
+  if (threadIdx.x == 0) losses[row] = valid ? log_of(total) + top - picked : nan_of(top);
+}
+"""))
+
+SOFTMAX_XENT_BWD = cuda.register(cuda.ElementwiseSpec(
+    "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz",
+    "const unsigned int row = (unsigned int)i / (unsigned int)V;\n"
+    "const long long col = (long long)((unsigned int)i - row * (unsigned int)V);\n"
+    "dz = (probs - (col == targets[row] ? (T)1 : (T)0)) * scale;",
+    reference=lambda probs, targets, V, scale: _xent_bwd_flat(probs, targets, int(V), scale),
+    scalars=(("V", 5), ("scale", 0.25)),
+))
+
+
+def _xent_bwd_flat(probs, targets, V, scale):
+    i = np.arange(probs.size)
+    onehot = i % V == targets.astype(np.int64)[i // V]
+    return (probs - onehot) * scale
+
+
+def softmax_xent_forward_gpu(logits, targets):
+    """Softmax cross-entropy of logits (..., V) (CuPy, contiguous, overwritten by the
+    probabilities) against integer targets (...); returns (loss, losses): the mean as a 0-d
+    device array (no host synchronisation) and the per-row terms. A target outside [0, V) gives
+    a NaN loss."""
+    fn = "softmax_xent_forward_gpu"
+    z, t = _xent_operands(fn, logits, targets)
+    xp = array_module(logits)
+    losses = xp.empty(z.shape[0], dtype=z.dtype)
+    if z.shape[0]:
+        cuda.launch(SOFTMAX_XENT_FWD, z.dtype, (z.shape[0],), (cuda.threads(z.shape[1], 512),),
+                (z, t, losses, np.int32(z.shape[1])))
+    return losses.mean(), losses
+
+
+def softmax_xent_backward_gpu(probs, targets, dloss=1.0):
+    """In place over probs (..., V) from softmax_xent_forward_gpu: dlogits = dloss (probs -
+    onehot(targets)) / N, N the number of rows; returns it."""
+    fn = "softmax_xent_backward_gpu"
+    z, t = _xent_operands(fn, probs, targets)
+    if z.size >= 2**31:
+        raise ValueError(f"{fn}: {z.size} logits; at most 2**31 - 1 are supported")
+    cuda.on_cupy(fn, probs, "Ops.softmax_xent_backward")
+    if z.shape[0]:
+        SOFTMAX_XENT_BWD.kernel()(probs, t, np.int32(z.shape[1]), float(dloss) / z.shape[0], probs)
+    return probs
+
+
+def _xent_operands(fn, logits, targets):
+    dtype = getattr(logits, "dtype", None)
+    if dtype not in (np.float32, np.float64) or not logits.flags.c_contiguous or logits.ndim < 1:
+        raise ValueError(f"{fn}: logits must be a contiguous float32 or float64 array (..., V)")
+    if targets.shape != logits.shape[:-1] or targets.dtype.kind not in "iu":
+        raise ValueError(f"{fn}: targets must be integers of shape {logits.shape[:-1]}, got "
+                         f"{targets.dtype} {targets.shape}")
+    xp = array_module(logits)
+    t = xp.ascontiguousarray(targets.reshape(-1), dtype=np.int64)
+    return logits.reshape(-1, logits.shape[-1]), t
+
+
+# =============================================================================================
+# AdamW over the whole flat buffer, one elementwise pass
+
+def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, decay):
+    """ADAMW_STEP's operation through Ops.adamw_update, on copies of p, m, v; returns the new (p, m, v)."""
+    p, m, v = p_in.copy(), m_in.copy(), v_in.copy()
+    scale = np.asarray(grad_scale).reshape(-1)[0]  # the kernel reads grad_scale[0]
+    _REFERENCE.adamw_update(p, g, m, v, np.empty_like(p), beta1, beta2, scale, step_size, eps_hat, 1.0 - decay * mask)
+    return p, m, v
+
+
+# adamw_update's form: m_hat / (sqrt(v_hat) + eps) = (m sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)),
+# so the bias corrections are two host scalars (step_size, eps_hat). grad_scale is a one-element
+# device array (the clipping scale, computed on the device: reading it would stall the step).
+# Each output is computed from the inputs before any is written, so p, m, v may be passed as
+# their own outputs (in place).
+ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
+    "adamw_step",
+    "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay",
+    "T p, T m, T v",
+    "const T gs = g * grad_scale[0];\n"
+    "const T m1 = beta1 * m_in + ((T)1 - beta1) * gs;\n"
+    "const T v1 = beta2 * v_in + ((T)1 - beta2) * gs * gs;\n"
+    "const T p1 = p_in * ((T)1 - decay * mask) - step_size * (m1 / (sqrt(v1) + eps_hat));\n"
+    "m = m1;\nv = v1;\np = p1;",
+    reference=_adamw_op_reference,
+    scalars=(("beta1", 0.9), ("beta2", 0.95), ("step_size", 1e-3), ("eps_hat", 1e-8), ("decay", 1e-4)),
+    domains=(("v_in", np.abs), ("mask", lambda a: (a > 0).astype(a.dtype))),
+))
+
+
+def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+    """One AdamW step, in place over the flat CuPy buffers p, m, v (same shape and dtype as g and
+    mask, mask 1 where weight decay applies, 0 elsewhere); t counts steps from 1. Equals
+    Ops.adamw_step: the gradient is g * grad_scale (clipping), grad_scale a number or a
+    one-element device array."""
+    if t < 1:
+        raise ValueError(f"adamw_step_gpu: t counts steps from 1, got {t}")
+    c1, c2 = 1.0 - beta1**t, 1.0 - beta2**t
+    adamw_kernel(p, g, m, v, mask, beta1, beta2, grad_scale, lr * math.sqrt(c2) / c1, eps * math.sqrt(c2),
+                 lr * weight_decay)
+    return p
+
+
+def adamw_kernel(p, g, m, v, mask, b1, b2, grad_scale, step_size, eps_hat, decay):
+    """Ops.adamw_step through ADAMW_STEP: in place over the flat p, m, v (mask 1 where decayed)."""
+    fn = "adamw_step_gpu"
+    cuda.check_operands(fn, p, None)
+    for name, a in (("g", g), ("m", m), ("v", v), ("mask", mask)):
+        cuda.like(fn, name, a, p, contiguous=False)
+    cuda.on_cupy(fn, p, "Ops.adamw_step")
+    scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
+    ADAMW_STEP.kernel()(p, m, v, g, mask, b1, b2, scale, step_size, eps_hat, decay, p, m, v)
+
+
+
+# =============================================================================================
+# The self-checks of the fused pieces (minitensor.selfcheck): each runs a piece forward and
+# backward on small random float32 inputs; the self-check runs it with the piece off (the Ops
+# code) and on (the kernel) and compares.
+
+
+def _draw(xp, rng, *shape, scale=1.0, shift=0.0):
+    return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
+
+
+@cuda.self_check("bias_gelu")
+def _check_bias_gelu(xp, rng):
+    """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails."""
+    from minitensor.ops import get_ops
+
+    ops = get_ops(xp)
+    x, b, dy = _draw(xp, rng, 150, 70, scale=4.0), _draw(xp, rng, 70), _draw(xp, rng, 150, 70)
+    y = ops.bias_gelu_forward(x, b)
+    return y, ops.bias_gelu_backward(x, b, dy)
+
+
+@cuda.self_check("layernorm")
+def _check_layernorm(xp, rng):
+    """LayerNorm forward and backward (with a skip gradient) over 40 rows of 100 columns."""
+    from minitensor.layernorm import LayerNorm
+    from minitensor.ops import get_ops
+
+    C = 100  # not a multiple of the 32-thread warps
+    dw, db = xp.zeros(C, np.float32), xp.zeros(C, np.float32)
+    ln = LayerNorm(_draw(xp, rng, C, shift=1.0), dw, _draw(xp, rng, C), db, ops=get_ops(xp))
+    y = ln.forward(_draw(xp, rng, 4, 10, C, scale=3.0, shift=0.5))
+    dx = ln.backward(_draw(xp, rng, 4, 10, C), skip=_draw(xp, rng, 4, 10, C))
+    return y, dx, dw, db
+
+
+@cuda.self_check("causal_softmax")
+def _check_causal_softmax(xp, rng):
+    """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
+    from minitensor.attention import CausalSelfAttention
+    from minitensor.linear import Linear
+    from minitensor.ops import get_ops
+
+    B, T, C, nh = 2, 40, 48, 4
+    ops = get_ops(xp)
+    grads = [xp.zeros(shape, np.float32) for shape in ((C, 3 * C), (3 * C,), (C, C), (C,))]
+    attn = CausalSelfAttention(Linear(_draw(xp, rng, C, 3 * C, scale=0.3), grads[0], _draw(xp, rng, 3 * C), grads[1]),
+                               Linear(_draw(xp, rng, C, C, scale=0.3), grads[2], _draw(xp, rng, C), grads[3]),
+                               nh, ops=ops)
+    attn.dense = True
+    out = attn.forward(_draw(xp, rng, B, T, C))
+    return (out, attn.backward(_draw(xp, rng, B, T, C)), *grads)
+
+
+@cuda.self_check("softmax_xent")
+def _check_softmax_xent(xp, rng):
+    """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits."""
+    from minitensor.loss import SoftmaxCrossEntropy
+    from minitensor.ops import get_ops
+
+    logits = _draw(xp, rng, 6, 8, 1000, scale=3.0)
+    targets = xp.asarray(rng.integers(0, 1000, (6, 8)))
+    fn = SoftmaxCrossEntropy(ops=get_ops(xp))
+    loss = fn.forward(logits, targets, inplace=True)
+    return xp.asarray(loss).reshape(1), fn.backward(0.5)
+
+
+@cuda.self_check("adamw")
+def _check_adamw(xp, rng):
+    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    params = Params({"w": (7, 33), "b": (33,)}, xp=xp, dtype=np.float32)
+    params.data[...] = xp.asarray(rng.standard_normal(params.data.shape).astype(np.float32))
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    for scale in (1.0, 0.5):
+        for name in params.names():  # through the views: the padding between tensors keeps g = 0
+            view = params.grad(name)
+            view[...] = xp.asarray(rng.standard_normal(view.shape).astype(np.float32))
+        opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
+    return params.data, opt.m, opt.v

@@ -1,0 +1,1 @@
+"""The stand-in's private CuPy modules that minitensor.backend.set_tf32 uses."""

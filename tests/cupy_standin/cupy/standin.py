@@ -1,0 +1,74 @@
+"""What the stand-in counts, for the tests to read (not part of CuPy's API).
+
+    reads           every device-to-host read since the last reset(), oldest first (Read)
+    kernels         {(kind, name, dtype)} of the kernels built (an ElementwiseKernel, a RawKernel)
+    skipped_gemms   matmuls of more than GEMM_LIMIT multiply-adds that were not computed (below)
+    free_bytes      what cupy.cuda.runtime.memGetInfo() reports free (a test may lower it)
+
+With CUPY_STANDIN_REPORT=DIR in the environment, each process writes DIR/<pid>.json at exit:
+{"reads": [[what, nbytes, [caller frames]], ...], "kernels": [...], "skipped_gemms": n}, so a
+test can count the reads of a command it ran (`python -m andrea.train --device gpu ...`).
+
+GEMMs: `andrea.perf.matmul_peak_flops` measures the GPU's peak on 8192^3 products, ~20 s each on
+a CPU. A matmul of more than GEMM_LIMIT multiply-adds is therefore not computed, and counted: its
+output gets a NaN in every 64 x 64 tile, so a result that were used would show. Every GEMM of the models
+the tests train is far below the limit.
+"""
+
+import atexit
+import json
+import os
+from collections import namedtuple
+
+import numpy as np
+
+Read = namedtuple("Read", "what nbytes frames")
+
+GEMM_LIMIT = 1 << 32
+TOTAL_BYTES = 16 << 30
+
+reads = []
+kernels = set()
+skipped_gemms = 0
+free_bytes = int(os.environ.get("CUPY_STANDIN_FREE_BYTES", TOTAL_BYTES))
+
+
+def reset():
+    global skipped_gemms
+    reads.clear()
+    kernels.clear()
+    skipped_gemms = 0
+
+
+def reads_from(function_name):
+    """The reads made while a function of that name was running (anywhere up the stack)."""
+    return [r for r in reads if any(f.endswith(f":{function_name}") for f in r.frames)]
+
+
+def gemm_too_big(a, b):
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.ndim < 2 or b.ndim < 2:
+        return False
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return int(np.prod(batch, dtype=np.int64)) * a.shape[-2] * a.shape[-1] * b.shape[-1] > GEMM_LIMIT
+
+
+def skipped_gemm(a, b, out=None):
+    global skipped_gemms
+    skipped_gemms += 1
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
+    out = np.empty(shape, np.result_type(a, b)) if out is None else out
+    out[..., ::64, ::64] = np.nan  # a NaN in every 64 x 64 tile: any use of the result shows
+    return out
+
+
+def _report():
+    folder = os.environ.get("CUPY_STANDIN_REPORT")
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"{os.getpid()}.json"), "w") as f:
+        json.dump({"reads": [list(r) for r in reads], "kernels": sorted(map(list, kernels)),
+                   "skipped_gemms": skipped_gemms}, f)
+
+
+atexit.register(_report)
