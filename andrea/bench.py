@@ -3,7 +3,7 @@
     python -m andrea.bench                          # tiny, small, 120m on the CPU; a table and bench.json
     python -m andrea.bench --configs tiny --torch   # and PyTorch eager on the identical model, side by side
     python -m andrea.bench --configs 120m --profile # where a step's time goes, per layer
-    python -m andrea.bench --components             # GELU, LayerNorm, ... against PyTorch's kernels
+    python -m andrea.bench --components             # each component against PyTorch's; bench-components.json
 
 Each config runs in a fresh process, so its peak resident memory is its own. A training step is
 forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny 16 x 128,
@@ -209,8 +209,10 @@ def bench_allreduce(parameters, device):
 
 
 def print_table(results):
-    head = (f"{'config':<7} {'B x T':>9} {'tokens/s (min-max)':>24} {'MFU':>6} {'peak RSS':>9} "
-            f"{'fwd/bwd/opt ms':>18} {'torch tok/s':>11} {'torch RSS':>9} {'ratio':>6}")
+    """The table of the configs' results; PyTorch's columns only when --torch measured them."""
+    torch = any("torch" in r for r in results)
+    head = (f"{'config':<7} {'B x T':>9} {'tokens/s (min-max)':>24} {'MFU':>6} {'peak RSS':>9} {'fwd/bwd/opt ms':>18}"
+            + (f" {'torch tok/s':>11} {'torch RSS':>9} {'ratio':>6}" if torch else ""))
     print(head)
     print("-" * len(head))
     for r in results:
@@ -218,14 +220,17 @@ def print_table(results):
             print(f"{r['config']:<7} error: {r['error']}")
             continue
         s = r["split_s"]
+        line = (f"{r['config']:<7} {r['batch']:>3} x {r['seq_len']:<4} "
+                f"{r['tokens_per_s_median']:>9,.0f} ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
+                f"{100 * r['mfu']:>6.1f}% {r['peak_rss_bytes'] / 2**30:>7.2f}Gi "
+                f"{1e3 * s['forward']:>6.0f}/{1e3 * s['backward']:.0f}/{1e3 * s['optimizer']:.0f}")
         t = r.get("torch", {})
-        ratio = r["tokens_per_s_median"] / t["tokens_per_s_median"] if "tokens_per_s_median" in t else None
-        print(f"{r['config']:<7} {r['batch']:>3} x {r['seq_len']:<4} "
-              f"{r['tokens_per_s_median']:>9,.0f} ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
-              f"{100 * r['mfu']:>6.1f}% {r['peak_rss_bytes'] / 2**30:>7.2f}Gi "
-              f"{1e3 * s['forward']:>6.0f}/{1e3 * s['backward']:.0f}/{1e3 * s['optimizer']:.0f}"
-              f"{t.get('tokens_per_s_median', float('nan')):>12,.0f} "
-              f"{t.get('peak_rss_bytes', float('nan')) / 2**30:>7.2f}Gi {ratio or float('nan'):>6.2f}")
+        if "tokens_per_s_median" in t:
+            ratio = r["tokens_per_s_median"] / t["tokens_per_s_median"]
+            line += f"{t['tokens_per_s_median']:>12,.0f} {t['peak_rss_bytes'] / 2**30:>7.2f}Gi {ratio:>6.2f}"
+        elif torch:
+            line += f" {'torch: ' + t.get('error', 'not measured')}"
+        print(line)
     print()
     for r in results:
         if r.get("peak"):
@@ -263,7 +268,8 @@ def main(argv=None):
                          "kernel in this process, interleaved (andrea.components); with --torch, after the configs")
     ap.add_argument("--repeats", type=int, default=7, help="runs per engine and component with --components")
     ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
-    ap.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
+    ap.add_argument("--json", help="where to write the results (default bench.json; bench-components.json for "
+                                    "--components alone, so that it keeps the plain benchmark's file)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
@@ -272,6 +278,7 @@ def main(argv=None):
         print(json.dumps(run_one(args.one, args.device, args.profile)))
         return 0
     # every mistake before minutes of measuring, not after
+    args.json = args.json or ("bench-components.json" if args.components and not args.torch else "bench.json")
     preflight.check_output_file(args.json, "--json")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in SHAPES]

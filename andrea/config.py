@@ -78,7 +78,9 @@ class TrainConfig:
                      "checkpoint_interval", "keep_last", "max_bad_steps"):
             _require(getattr(self, name) >= 1, f"train.{name} must be at least 1, got {getattr(self, name)}")
         _require(self.lr > 0, f"train.lr must be positive, got {self.lr}")
-        _require(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, train.lr], got {self.min_lr}")
+        _require(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, train.lr], got {self.min_lr} with "
+                 f"train.lr {self.lr:g}: a lower train.lr needs a lower min_lr too, e.g. --set "
+                 f"train.min_lr={self.lr / 10:g}")
         _require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         _require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")

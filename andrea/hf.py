@@ -322,10 +322,12 @@ def init_from_config(config, directory, overrides=()):
         if make_config(shape, [item]).model != imported:
             raise UserError(f"--set {item} conflicts with {Path(directory) / 'config.json'} ({key} = "
                             f"{getattr(imported, key[6:])}): the imported weights fix the model's shape")
-    cfg = load_config(config, [o for o in overrides if not o.startswith("model.")])
-    cfg.model = imported
-    cfg.train.validate(cfg.model)
-    return cfg
+    # the train overrides are checked against the imported model (a seq_len above the config's own
+    # context is fine when the GPT-2's is larger), so the model section is swapped before they apply
+    values = load_config(config).to_dict()
+    values["model"] = asdict(imported)
+    return make_config(values, [o for o in overrides if not o.startswith("model.")], name=values["name"],
+                       source=str(Path(directory) / "config.json"))
 
 
 def save_pretrained(model, directory, tokenizer=None) -> list[Path]:

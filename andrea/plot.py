@@ -119,8 +119,9 @@ def draw(runs: list[Curves]):
     for i, run in enumerate(runs):
         colour = f"C{i % 10}"
         name = run.label if len(runs) > 1 else ""
-        if run.train:
-            ax.plot(*zip(*run.train), color=colour, alpha=0.45, lw=1, label=f"{name} train".strip())
+        if run.train:  # a run of one logged step is one point, which a line without a marker hides
+            ax.plot(*zip(*run.train), color=colour, alpha=0.45, lw=1, marker="o" if len(run.train) == 1 else "",
+                    ms=4, label=f"{name} train".strip())
         if run.val:
             ax.plot(*zip(*run.val), color=colour, lw=2, marker="o", ms=4, label=f"{name} validation".strip())
         if run.baseline is not None:

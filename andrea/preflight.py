@@ -1,10 +1,15 @@
 """Checks made before the first training step, so that nothing fails after work is done.
 
-    plan = preflight.check(cfg, out_dir, resume=False)   # UserError on anything that would fail later
-    print(plan.describe())                                # what `python -m andrea.train --dry-run` prints
+    plan = preflight.check(cfg, out_dir, processes=1, init_from=None)  # UserError on what would fail later
+    print(plan.describe())                  # what `python -m andrea.train --dry-run` prints
 
-What is checked, each a one-line `UserError` naming the flag or `--set` key to change:
-- the device: `--device`/`train.device`, or `$ANDREA_DEVICE` when the config says `auto`;
+`python -m andrea.train` runs these checks on every rank before any work, with and without
+`--dry-run`. What is checked, each a one-line `UserError` naming the flag or `--set` key to change:
+- the device: `--device`/`train.device`, or `$ANDREA_DEVICE` when the config says `auto`; a GPU is
+  probed (a kernel and a matmul run on it), so the plan names the device the run will get;
+- the shape of a step: `train.tokens_per_step` must divide into batch x seq_len x processes, and
+  `model.vocab_size` must fit the token files' uint16 ids;
+- `--init-from`: the directory's weight files must be there (their contents are read when loaded);
 - the paths: `--out` and `data.data_dir` must be (or be creatable as) directories;
 - the sample prompt: a run that ends with a sample needs a prompt that encodes to tokens;
 - the schedule: `train.warmup_steps` beyond `train.max_steps` is a warning saying the peak rate
@@ -17,7 +22,7 @@ What is checked, each a one-line `UserError` naming the flag or `--set` key to c
 - the data, when it is already prepared: both splits must hold a window of seq_len + 1 tokens
   (`check_data` repeats this after a first-run preparation).
 
-Activation memory follows BENCHMARKS.md's measurement on ANDREA-120M: 17 d_model floats per
+Activation memory follows BENCHMARKS.md's measurement on ANDREA-120M: 12 d_model floats per
 token and layer, plus V + 3 d_model floats per token outside the blocks (logits, final LayerNorm
 and head inputs), plus attention probabilities where a layer keeps them (only when they take at most 16 MiB).
 """
@@ -29,6 +34,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from andrea import distributed as dist
+from andrea.data import MAX_VOCAB
 from andrea.errors import UserError
 from andrea.model import parameter_breakdown
 
@@ -36,7 +43,6 @@ DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
 KEPT_PROBS_MAX_BYTES = 16 << 20   # minitensor.attention keeps a layer's probabilities only up to this size
 WARN_FRACTION = 0.8
-AUTO = " (a GPU if one works, else the CPU)"
 
 
 def choose_device(flag, fallback="auto", flag_name="--device"):
@@ -66,6 +72,26 @@ def _normal_device(name) -> str:
 def train_device(cfg_device: str) -> str:
     """train.device "auto" means not chosen: $ANDREA_DEVICE decides then, as the README says."""
     return choose_device(None if cfg_device == "auto" else cfg_device, "auto", "train.device")
+
+
+def probe_device(device: str) -> tuple[str, str]:
+    """("cpu" or "gpu", a note) for a device request: what the run will get, after trying the GPU.
+
+    The note says why "auto" falls back to the CPU, in one calm line: a CPU machine with CuPy
+    installed (the dev extra brings it for the kernel check) has no CUDA driver, which is no error.
+    """
+    from minitensor import backend
+
+    if device == "cpu":
+        return "cpu", ""
+    ok, why = backend._probe_gpu()  # cached: the model's backend gets the same answer
+    if ok:
+        return "gpu", ""
+    if device == "gpu":
+        raise UserError(f"--device gpu: no usable GPU: {why}. To use one: {backend.INSTALL_HINT}")
+    if "InsufficientDriver" in why or "NoDevice" in why or "no CUDA device found" in why:
+        why = "CuPy is installed, but this machine has no CUDA driver or GPU"
+    return "cpu", f"no usable GPU ({why}): training on the CPU; --device cpu skips the GPU probe"
 
 
 # ----------------------------------------------------------------------------------------------- paths
@@ -106,8 +132,9 @@ class MemoryEstimate:
 
     @property
     def overhead_bytes(self) -> int:
-        # temporaries of the step, the interpreter, the token arrays: measured, ANDREA-120M at
-        # 8 x 1024 on the CPU peaked at 6.96 GiB RSS against 6.49 GiB of state and activations
+        # temporaries of the step, the interpreter, the token arrays: ANDREA-120M at 8 x 1024 on
+        # the CPU peaked at 6.96 GiB RSS against 6.49 GiB of state and activations, measured when
+        # 17 d_model floats per token and layer were kept (12 now: 5.08 GiB; not measured again)
         return (self.state_bytes + self.activation_bytes) // 10
 
     @property
@@ -223,23 +250,31 @@ class Plan:
     """What a run will do, as the dry run prints it."""
     cfg: object
     out_dir: Path
-    device: str
+    requested: str  # auto, cpu or gpu
+    device: str     # what the probe found: cpu or gpu
     memory: MemoryEstimate
     memory_verdict: str
     data: str
+    processes: int = 1
+    device_note: str = ""
     lines: list = field(default_factory=list)
 
     def describe(self) -> str:
         m, t = self.cfg.model, self.cfg.train
-        T, accum = t.sequence_length(m), t.accumulation_steps(m)
-        tokens = t.batch_size * T * accum
+        T = t.sequence_length(m)
+        accum = dist.accumulation(t.tokens_per_step, t.batch_size, T, self.processes)
+        tokens = t.batch_size * T * accum * self.processes
+        ranks = f" x {self.processes} processes" if self.processes > 1 else ""
+        each = " each" if self.processes > 1 else ""
+        asked = f" (train.device {self.requested})" if self.requested != self.device else ""
+        memory = self.memory_verdict + (f", on each of the {self.processes} processes" if self.processes > 1 else "")
         rows = [
             ("model", f"{self.cfg.name}: {describe_model(m)}"),
             ("parameters", f"{self.memory.parameters:,}"),
-            ("device", f"{self.device}{AUTO if self.device == 'auto' else ''} ({t.dtype})"),
-            ("memory", self.memory_verdict),
+            ("device", f"{self.device}{asked} ({t.dtype})" + (f": {self.device_note}" if self.device_note else "")),
+            ("memory", memory),
             ("tokens/step", f"{tokens:,} (batch {t.batch_size} x {T} tokens x {accum} micro-batch"
-                            f"{'es' if accum != 1 else ''})"),
+                            f"{'es' if accum != 1 else ''}{each}{ranks})"),
             ("schedule", f"{t.max_steps:,} steps, warmup {t.warmup_steps}, lr {t.lr:g} -> {t.min_lr:g}"),
             ("data", self.data),
             ("output", str(self.out_dir)),
@@ -252,13 +287,19 @@ def describe_model(m) -> str:
             f"{'s' if m.n_head != 1 else ''}, context {m.context_length}, vocab {m.vocab_size}")
 
 
-def check(cfg, out_dir, warn=None) -> Plan:
-    """Everything that can be checked before data preparation and model allocation; see the module doc."""
+def check(cfg, out_dir, processes=1, init_from=None, warn=None) -> Plan:
+    """Everything that can be checked before data preparation and model allocation; see the module doc.
+
+    Run on every one of `processes` ranks alike (andrea.train), with and without --dry-run."""
     t = cfg.train
-    device = train_device(t.device)
+    requested = train_device(t.device)
+    device, device_note = probe_device(requested)
     check_directory(out_dir, "--out")
     data_dir = cfg.data.resolved_dir()
     check_directory(data_dir, "data.data_dir")
+    check_step_shape(cfg, processes)
+    if init_from:
+        check_init_from(init_from)
     if t.warmup_steps > t.max_steps:
         # refusing would break quick runs (`--max-steps 10` on a config warming up for 50): say what happens
         peak = t.lr * t.max_steps / t.warmup_steps
@@ -268,7 +309,7 @@ def check(cfg, out_dir, warn=None) -> Plan:
     if t.sample_tokens > 0 and not t.sample_prompt:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
     mem = estimate_memory(cfg)
-    verdict = check_memory(mem, memory_device(device), warn)
+    verdict = check_memory(mem, memory_device(device), warn)  # device is probed already: cpu or gpu
     counts = prepared_counts(data_dir)
     if counts is None:
         source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
@@ -276,7 +317,24 @@ def check(cfg, out_dir, warn=None) -> Plan:
     else:
         check_data(cfg, *counts, data_dir)
         data = f"{data_dir}: {counts[0]:,} train tokens, {counts[1]:,} val tokens"
-    return Plan(cfg, Path(out_dir), device, mem, verdict, data)
+    return Plan(cfg, Path(out_dir), requested, device, mem, verdict, data, processes, device_note)
+
+
+def check_step_shape(cfg, processes: int) -> None:
+    """A step the launched processes can share, of token ids the token files can hold."""
+    m, t = cfg.model, cfg.train
+    if m.vocab_size > MAX_VOCAB:
+        raise UserError(f"model.vocab_size {m.vocab_size} is more than the token files hold (uint16 ids: at most "
+                        f"{MAX_VOCAB}): --set model.vocab_size={MAX_VOCAB} or less")
+    dist.accumulation(t.tokens_per_step, t.batch_size, t.sequence_length(m), processes)
+
+
+def check_init_from(directory) -> None:
+    """--init-from's config was read with the run config; its weight files must be there too (the
+    tensors themselves are checked when they are loaded)."""
+    from andrea import hf
+
+    hf._weight_files(Path(directory))  # raises naming what is missing: the file, or shards of an index
 
 
 def check_prompt(tokenizer, cfg) -> None:

@@ -13,7 +13,6 @@ appends the resume event.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -51,14 +50,10 @@ class MetricsFile:
         self.pending: list[str] = []
         self.cut_short = False
         self.failures = 0
-        self.last: dict = {}  # the latest value of each key written (loss, val_loss, ...), for the summary
         self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, text: str) -> None:
         self.pending.append(text)
-        for line in text.splitlines():
-            with contextlib.suppress(ValueError, TypeError):
-                self.last.update(json.loads(line))
 
     def flush(self) -> None:
         data, self.pending = "".join(self.pending), []
@@ -82,6 +77,12 @@ class MetricsFile:
     def close(self) -> None:
         self.flush()
         os.close(self.fd)
+
+    def __enter__(self) -> MetricsFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _write(fd: int, data: bytes) -> int:
@@ -185,15 +186,18 @@ def final_checkpoint_check(out_dir, step: int, last_checkpoint, code: int) -> in
     return EXIT_SAVE_FAILED
 
 
-def summary(out_dir, steps_done: int, step: int, seconds: float, tokens_per_step: int, last: dict,
-            checkpoint) -> str:
-    """The end-of-run lines: steps, final losses, time, throughput, where the checkpoint is."""
-    rate = steps_done * tokens_per_step / seconds if seconds > 0 else 0.0
-    loss = f"{last['loss']:.4f}" if isinstance(last.get("loss"), float) else "n/a"
-    val = f"{last['val_loss']:.4f}" if isinstance(last.get("val_loss"), float) else "n/a"
-    return (f"done: step {step} ({steps_done} this run) in {seconds:.1f} s, {rate:,.0f} tokens/s | "
-            f"train loss {loss} | val loss {val} | checkpoint {checkpoint or 'none'} | metrics "
-            f"{Path(out_dir) / 'metrics.jsonl'}")
+def summary(out_dir, steps_done: int, step: int, seconds: float, rate, loss, val, checkpoint) -> str:
+    """The end-of-run line: steps, time, throughput, the last step's loss, the last validation loss,
+    where the checkpoint is. `rate` is (tokens/s, seconds, steps) of the training steps the rate
+    comes from (andrea.train.Throughput.run_rate: after the first, without evaluation or saving);
+    `loss` the last step's training loss, `val` (step, loss) of the last evaluation, or None."""
+    tokens_per_s, train_s, timed = rate
+    after_first = "after the first step, " if timed < steps_done else ""
+    loss = f"{loss:.4f}" if loss is not None else "n/a"
+    val = f"{val[1]:.4f} (step {val[0]})" if val is not None else "n/a"
+    return (f"done: step {step} ({steps_done} this run) in {seconds:.1f} s | {tokens_per_s:,.0f} tokens/s "
+            f"({timed} step{'s' if timed != 1 else ''} {after_first}{train_s:.1f} s of training) | train loss "
+            f"{loss} | val loss {val} | checkpoint {checkpoint or 'none'} | metrics {Path(out_dir) / 'metrics.jsonl'}")
 
 
 class MicroBatchProgress:

@@ -67,7 +67,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, see
 
 
 def load_model(checkpoint, device="cpu"):
-    """(model, tokenizer, meta) from a run directory or a ckpt-* directory."""
+    """(model, tokenizer, meta) from a run directory (its newest good checkpoint) or a ckpt-*
+    directory; meta["checkpoint"] is the directory the weights came from."""
     path = Path(checkpoint)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
@@ -91,7 +92,7 @@ def load_model(checkpoint, device="cpu"):
     except GPUUnavailable as e:
         raise UserError(str(e)) from e
     model.load_state_dict({k: v for k, v in tensors.items() if k.startswith("transformer.")})
-    return model, tokenizer, meta
+    return model, tokenizer, dict(meta, checkpoint=str(path))
 
 
 def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, out=sys.stdout):
@@ -141,7 +142,9 @@ def main(argv=None):
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
     _check_args(args)
-    model, tokenizer, _ = load_model(args.checkpoint, preflight.choose_device(args.device, fallback="cpu"))
+    model, tokenizer, meta = load_model(args.checkpoint, preflight.choose_device(args.device, fallback="cpu"))
+    # on stderr, so that stdout is the text alone
+    print(f"sampling from {meta['checkpoint']} (step {meta.get('step', '?')})", file=sys.stderr, flush=True)
     stream(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
 
 

@@ -5,16 +5,23 @@
     python -m andrea.train --out runs/small --resume         # continue from the newest good checkpoint
     python -m andrea.train --config 120m --dry-run           # the pre-flight checks and the plan, no training
 
-Each optimizer step: accumulate gradients over micro-batches, check the loss and gradient norm
-are finite (a non-finite step applies no update), clip by global norm, set the learning rate
-(warmup then cosine), and take an AdamW step. Logs a line every log_interval steps, evaluates
-the validation loss every eval_interval, appends to OUT/metrics.jsonl, and writes crash-safe
-checkpoints (weights, optimizer moments, data-loader and random states, config) to OUT.
-Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and says how to resume.
-Before any of this, andrea.preflight checks everything that could fail later (device, paths,
-prompt, memory, data); andrea.rundir claims --out for this run alone (a marker of what wrote it,
-a lock held until the run ends); andrea.runlog keeps it to one story (metrics that survive a full
-disk, each step once after a resume, exit code 4 when the last save failed).
+A run goes through phases, each a function below, read top to bottom in `run_training`: the
+checks (andrea.preflight: device, paths, step shape, --init-from's weights, memory, data; the same
+with and without --dry-run, on every rank, after the ranks have compared their arguments), the
+run directory, the data, the model, the state (a checkpoint's or a fresh one), the loop, the end
+(the last save checked, the plot, the summary, a sample).
+
+The loop (`Trainer.run`), per optimizer step: accumulate gradients over micro-batches, check the
+loss and gradient norm are finite (NonFiniteGuard: a non-finite step applies no update, too many
+in a row end the run), clip by global norm, set the learning rate (warmup then cosine) and take
+an AdamW step; log a line every log_interval steps and evaluate every eval_interval (Throughput:
+tokens/s, MFU and the ETA from the time of training steps alone); vote on stopping (StopVote:
+Ctrl-C or SIGTERM on any rank stops all after the same step); write a crash-safe checkpoint
+(weights, optimizer moments, data-loader and random states, config) every checkpoint_interval
+steps, at the end and when stopping, and say how to resume. andrea.rundir claims --out for this
+run alone (a marker of what wrote it, a lock held until the run ends); andrea.runlog keeps it to
+one story (metrics that survive a full disk, each step once after a resume, exit code 4 when the
+last save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
@@ -81,7 +88,7 @@ class Trainer:
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         # process-wide choices for the GPU, made once here and said in the log
-        self.startup = [set_tf32(self.model.xp, t.tf32), select_kernels(t.kernels, self.model.xp)]
+        self.startup = [set_tf32(self.model.xp, t.tf32), kernels_line(t.kernels, self.model.xp)]
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
         self.T = t.sequence_length(cfg.model)
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
@@ -94,10 +101,9 @@ class Trainer:
             dist.require_nccl()
         self.val_tokens, self.tokenizer = val_tokens, tokenizer
         self.step = 0
-        self.bad_in_a_row = 0
-        self.bad_total = 0
+        self.guard = NonFiniteGuard(t.max_bad_steps)
         self.last_checkpoint = None
-        self.stop_signal = None
+        self.last_loss, self.last_val = None, None  # the last step's loss, the last (step, val loss)
         self.tokens_per_step = t.batch_size * self.T * self.accum * world.size
         self.flops_per_step = flops_per_token(cfg.model, self.T, self.model.num_parameters()) * self.tokens_per_step
 
@@ -115,7 +121,7 @@ class Trainer:
             "optimizer_t": self.opt.t,
             "loader": self.loader.state_dict(),
             "processes": self.world.size,
-            "bad_steps_total": self.bad_total,
+            "bad_steps_total": self.guard.total,
             "tokenizer_fingerprint": self.tokenizer.fingerprint(),
             "numpy_random_state": _json_rng_state(),
         }
@@ -149,7 +155,7 @@ class Trainer:
         self.opt.t = meta["optimizer_t"]
         self.loader.load_state_dict(meta["loader"])
         self.step = int(meta["step"])
-        self.bad_total = int(meta.get("bad_steps_total", 0))
+        self.guard.total = int(meta.get("bad_steps_total", 0))
         _set_json_rng_state(meta.get("numpy_random_state"))
 
     # --- one step ---
@@ -196,78 +202,73 @@ class Trainer:
     def run(self, stop_at_step=None):
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
-        main_rank = self.world.is_main
-        # a failed write (full disk) warns and training goes on; closed in the finally below
-        metrics = self.metrics = runlog.MetricsFile(self.out_dir / "metrics.jsonl" if main_rank else os.devnull)
+        # a failed write (full disk) warns and training goes on
+        path = self.out_dir / "metrics.jsonl" if self.world.is_main else os.devnull
+        with runlog.MetricsFile(path) as self.metrics, StopVote(self.world, self) as vote:
+            meter = self.meter = self._throughput_meter()
+            while self.step < t.max_steps:
+                # the step: forward and backward over the micro-batches, one AdamW update
+                lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
+                meter.start()
+                loss, norm, applied = self.train_step(lr)
+                self.step += 1
+                self.last_loss = loss
+                meter.step_done()
+                # the non-finite guard: a skipped update is counted; too many in a row end the run
+                if not self.guard.record(applied, self.step, loss, norm, self.metrics):
+                    note(self.guard.stop_message(self.step, self.last_checkpoint, self.out_dir))
+                    return EXIT_NONFINITE
+                # the log line and the evaluation, each on its own interval
+                self._log_and_evaluate(lr, loss, norm, meter)
+                # the stop vote: a signal on any rank stops every rank after this same step
+                stopping = vote.agreed() or self.step == stop_at_step
+                # the checkpoint: on its interval, at the end, and when stopping
+                if (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping) \
+                        and self.world.is_main:
+                    meter.stop()  # a save is not training time
+                    self._checkpoint_or_warn()
+                if stopping:
+                    return self._stopped(vote.signal)
+        return 0
+
+    def _throughput_meter(self):
         # CPU: the best of 5 2048^3 products (~0.6 s; a single one can come out 40% low on a shared
         # VM, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
         # set_tf32, so the peak is the one of the GEMM mode the run uses. Only rank 0 logs MFU, of
         # the global FLOP/s against N times its own peak.
-        xp = self.model.xp
-        peak_name = peak_label(xp, self.cfg.train.tf32)
-        if self.world.size > 1:
-            peak_name = f"{self.world.size} x {peak_name}"
+        xp, world = self.model.xp, self.world
+        name = peak_label(xp, self.cfg.train.tf32)
+        if world.size > 1:
+            name = f"{world.size} x {name}"
         peak = 1.0
-        if main_rank:
-            peak = (matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)) * self.world.size
-            log(f"MFU is against the {peak_name}: {peak / 1e12:.2f} TFLOP/s measured here")
-        window_start, window_steps, run_start, run_start_step = time.perf_counter(), 0, time.perf_counter(), self.step
-        previous = {signal.SIGINT: signal.getsignal(signal.SIGINT), signal.SIGTERM: signal.getsignal(signal.SIGTERM)}
-        for sig in previous:
-            signal.signal(sig, self._on_signal)
-        try:
-            while self.step < t.max_steps:
-                lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
-                loss, norm, applied = self.train_step(lr)
-                self.step += 1
-                window_steps += 1
-                if not applied:
-                    code = self._non_finite(float(loss), float(norm), metrics)
-                    if code is not None:
-                        return code
-                else:
-                    self.bad_in_a_row = 0
-                record = None
-                logging = self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps
-                if logging or self.step % t.eval_interval == 0:
-                    loss, norm = float(loss), float(norm)  # the reads wait for the step to finish
-                if logging:
-                    synchronize(self.model.xp)
-                    elapsed = time.perf_counter() - window_start
-                    tps = window_steps * self.tokens_per_step / elapsed
-                    mfu = window_steps * self.flops_per_step / elapsed / peak
-                    eta = (time.perf_counter() - run_start) / (self.step - run_start_step) * (t.max_steps - self.step)
-                    record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                              "tokens_per_s": tps, "mfu": mfu}
-                    log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
-                        f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {peak_name} | ETA {format_duration(eta)}")
-                    window_start, window_steps = time.perf_counter(), 0
-                if self.step % t.eval_interval == 0 or self.step == t.max_steps:
-                    val = self.evaluate()
-                    record = record or {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm}
-                    record["val_loss"] = val
-                    log(f"step {self.step:>6}: val loss {val:.4f}")
-                    window_start = time.perf_counter()  # evaluation time is not training throughput
-                if record:
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
-                # a signal on any rank stops every rank after this same step. The agreed value goes
-                # into a local: assigning it to self.stop_signal would erase a signal whose handler
-                # ran while max_int was under way (it is picked up after the next step instead)
-                signalled = self.world.max_int(self.stop_signal or 0)
-                if signalled and self.stop_signal is None:
-                    self.stop_signal = signalled  # another rank's
-                stopping = bool(signalled) or self.step == stop_at_step
-                if (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping) and main_rank:
-                    self._checkpoint_or_warn()
-                    window_start = time.perf_counter()
-                if stopping:
-                    return self._stopped()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            metrics.close()
-        return 0
+        if world.is_main:
+            peak = (matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)) * world.size
+            log(f"MFU is against the {name}: {peak / 1e12:.2f} TFLOP/s measured here")
+        return Throughput(xp, self.tokens_per_step, self.flops_per_step, peak, name)
+
+    def _log_and_evaluate(self, lr, loss, norm, meter):
+        t = self.cfg.train
+        record = None
+        logging = self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps
+        if logging or self.step % t.eval_interval == 0:
+            loss, norm = float(loss), float(norm)  # the reads wait for the step to finish
+        if logging:
+            tps, mfu = meter.window()
+            eta = meter.eta(t.max_steps - self.step)
+            when = f"ETA {format_duration(eta)}" if eta is not None else "first step: start-up included, not in the ETA"
+            record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu}
+            log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
+                f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {meter.peak_name} | {when}")
+        if self.step % t.eval_interval == 0 or self.step == t.max_steps:
+            meter.stop()  # evaluation time is not training throughput
+            val = self.evaluate()
+            self.last_val = (self.step, val)
+            record = record or {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm}
+            record["val_loss"] = val
+            log(f"step {self.step:>6}: val loss {val:.4f}")
+        if record:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
 
     def _checkpoint_or_warn(self):
         try:
@@ -276,36 +277,141 @@ class Trainer:
         except ckpt.CheckpointError as e:  # e.g. a full disk: keep training, the previous one is intact
             note(f"warning: {e}")
 
-    def _non_finite(self, loss, norm, metrics):
-        self.bad_in_a_row += 1
-        self.bad_total += 1
-        metrics.write(json.dumps({"step": self.step, "loss": _num(loss), "grad_norm": _num(norm),
-                                  "skipped": True}) + "\n")
-        note(f"warning: step {self.step}: non-finite loss {loss} or gradient norm {norm}; update skipped "
-             f"({self.bad_in_a_row} in a row, {self.bad_total} in total)")
-        if self.bad_in_a_row >= self.cfg.train.max_bad_steps:
-            good = self.last_checkpoint or (ckpt.list_checkpoints(self.out_dir) or [None])[0]
-            note(f"error: training stopped at step {self.step} after {self.bad_in_a_row} non-finite steps in a "
-                 f"row; last good checkpoint: {good or 'none'}. Lower train.lr or check the data, then resume "
-                 f"with --resume")
-            return EXIT_NONFINITE
-        return None
-
-    def _on_signal(self, signum, frame):
-        if self.stop_signal is not None:  # a second Ctrl-C: stop now; checkpoints are atomic
-            raise KeyboardInterrupt
-        self.stop_signal = signum
-        note(f"\n{signal.Signals(signum).name} received: finishing step {self.step + 1}, then saving a checkpoint "
-             "(press Ctrl-C again to stop at once)")
-
-    def _stopped(self):
+    def _stopped(self, signum):
         launcher = f"mpiexec -n {self.world.size} python -m mpi4py" if self.world.size > 1 else "python"
         resume = f"{launcher} -m andrea.train --out {self.out_dir} --resume"
-        if self.stop_signal is not None:
+        if signum:
             note(f"interrupted at step {self.step}; checkpoint in {self.out_dir}. Resume with: {resume}")
             return EXIT_INTERRUPTED
         log(f"stopped at step {self.step} (--stop-at-step); resume with: {resume}")
         return 0
+
+
+class Throughput:
+    """Tokens/s, MFU and the ETA, from the time of training steps alone.
+
+    The clock runs while steps run and stops (once the device has finished its queued work) for
+    everything else: the log line, evaluation, checkpoints. Two tallies read it: the window since
+    the last log line (the figures logged) and this run's steps after its first (the ETA and the
+    end-of-run rate): a process's first step also compiles kernels and warms caches, 40-50 s with
+    a cold numba cache against well under a second for the steps after it."""
+
+    def __init__(self, xp, tokens_per_step, flops_per_step, peak, peak_name):
+        self.xp, self.tokens_per_step, self.flops_per_step = xp, tokens_per_step, flops_per_step
+        self.peak, self.peak_name = peak, peak_name
+        self.first_step_s = None                  # this run's first step, start-up included
+        self.run_steps, self.run_s = 0, 0.0       # the steps after it
+        self.window_steps, self.window_s = 0, 0.0
+        self._steps, self._since = 0, None        # since the clock last started
+
+    def start(self):
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def step_done(self):
+        self._steps += 1
+        if self.first_step_s is None:
+            self.stop()  # the first step is timed alone
+
+    def stop(self):
+        if self._since is None:
+            return
+        synchronize(self.xp)
+        seconds = time.perf_counter() - self._since
+        if self.first_step_s is None:
+            self.first_step_s = seconds
+        else:
+            self.run_steps, self.run_s = self.run_steps + self._steps, self.run_s + seconds
+        self.window_steps, self.window_s = self.window_steps + self._steps, self.window_s + seconds
+        self._steps, self._since = 0, None
+
+    def window(self):
+        """(tokens/s, MFU) of the steps since the last call (the clock is stopped first)."""
+        self.stop()
+        seconds = max(self.window_s, 1e-9)
+        tps = self.window_steps * self.tokens_per_step / seconds
+        mfu = self.window_steps * self.flops_per_step / seconds / self.peak
+        self.window_steps, self.window_s = 0, 0.0
+        return tps, mfu
+
+    def eta(self, steps_left):
+        """Seconds for `steps_left` more steps at this run's pace after its first step; None before
+        a later step has been timed."""
+        return self.run_s / self.run_steps * steps_left if self.run_steps else None
+
+    def run_rate(self):
+        """(tokens/s, seconds, steps) of this run's training steps after the first (the first alone
+        when it is the only one)."""
+        if self.run_steps:
+            return self.run_steps * self.tokens_per_step / self.run_s, self.run_s, self.run_steps
+        if self.first_step_s:
+            return self.tokens_per_step / self.first_step_s, self.first_step_s, 1
+        return 0.0, 0.0, 0
+
+
+class NonFiniteGuard:
+    """Steps whose loss or gradient norm is not finite apply no update (train_step skips it); this
+    counts them, logs each, and says when max_bad_steps in a row should end the run."""
+
+    def __init__(self, max_in_a_row, total=0):
+        self.max_in_a_row, self.in_a_row, self.total = max_in_a_row, 0, total
+
+    def record(self, applied, step, loss, norm, metrics):
+        """False when the run must stop (max_in_a_row skipped steps in a row)."""
+        if applied:
+            self.in_a_row = 0
+            return True
+        loss, norm = float(loss), float(norm)
+        self.in_a_row += 1
+        self.total += 1
+        metrics.write(json.dumps({"step": step, "loss": _num(loss), "grad_norm": _num(norm), "skipped": True}) + "\n")
+        note(f"warning: step {step}: non-finite loss {loss} or gradient norm {norm}; update skipped "
+             f"({self.in_a_row} in a row, {self.total} in total)")
+        return self.in_a_row < self.max_in_a_row
+
+    def stop_message(self, step, last_checkpoint, out_dir):
+        good = last_checkpoint or (ckpt.list_checkpoints(out_dir) or [None])[0]
+        return (f"error: training stopped at step {step} after {self.in_a_row} non-finite steps in a row; last "
+                f"good checkpoint: {good or 'none'}. Lower train.lr or check the data, then resume with --resume")
+
+
+class StopVote:
+    """Ctrl-C or SIGTERM on any rank stops every rank after the same step, which is then saved.
+
+    A context manager: its signal handlers hold for the run and the previous ones come back after.
+    `agreed()` is the vote, a collective every rank calls once per step. A second Ctrl-C stops at
+    once (checkpoints are atomic, so that loses nothing saved)."""
+
+    def __init__(self, world, trainer):
+        self.world, self.trainer = world, trainer
+        self.signal = None  # the signal that stops this run, this rank's or another's
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        note(f"\n{signal.Signals(signum).name} received: finishing step {self.trainer.step + 1}, then saving a "
+             "checkpoint (press Ctrl-C again to stop at once)")
+
+    def agreed(self):
+        """True when a signal reached any rank. The agreed value goes into a local first: assigning
+        it to self.signal would erase a signal whose handler ran while max_int was under way (it is
+        picked up after the next step instead)."""
+        signalled = self.world.max_int(self.signal or 0)
+        if signalled and self.signal is None:
+            self.signal = signalled  # another rank's
+        return bool(signalled)
 
 
 def _host(a):
@@ -325,6 +431,22 @@ def _json_rng_state():
 def _set_json_rng_state(s):
     if s:
         np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
+
+
+def kernels_line(mode, xp):
+    """The start-up line that says which kernels the steps run. On a GPU: the CUDA kernels chosen
+    by their self-check (train.kernels). On the CPU: numba's compiled kernels or NumPy's, as
+    andrea.bench says; the numba ones compile during the first step unless numba's disk cache holds
+    them, so the line says why that step is slow."""
+    from minitensor import cpu
+
+    line = select_kernels(mode, xp)
+    if xp is not np:
+        return line
+    if cpu.mode() == "numba":
+        return ("kernels: numba-compiled CPU kernels (ANDREA_CPU_KERNELS=numpy for NumPy alone); the first step "
+                "compiles them, 40-50 s unless numba's cache already holds them")
+    return "kernels: NumPy (pip install -e '.[fast]' adds numba's compiled CPU kernels)"
 
 
 def prepare_data(cfg, build=True, tokenizer=None):
@@ -400,6 +522,7 @@ def build_run_config(args):
     else:
         if args.init_from:
             cfg = hf.init_from_config(args.config or "tiny", args.init_from, overrides)
+            cfg.name = f"{Path(args.init_from).resolve().name}-finetune"  # its model is not the config's
         else:
             cfg = load_config(args.config or "tiny", overrides)
         out_dir = out_dir or Path("out") / cfg.name
@@ -444,49 +567,35 @@ def main(argv=None):
     keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
     global WORLD
     WORLD = dist.init()
-    if not WORLD.is_main:
-        quiet_fallback()  # rank 0 says "no usable GPU" once for all
+    quiet_fallback()  # the pre-flight pass says once, on rank 0, which device a run of "auto" gets
     with dist.guard(WORLD), rundir.released_at_end():  # --out stays claimed (locked) until the run ends
         return run_training(parse_args(argv), WORLD)
 
 
 def run_training(args, world):
-    """The whole run on one rank; every collective inside is issued by all ranks in this order.
+    """The whole run on one rank, phase by phase; every collective inside is issued by all ranks in
+    this order.
 
     A `together` block holds no collective of its own, so a rank that fails in one meets the others
     in its agreement; an error anywhere else ends every rank through dist.guard.
     """
-    with world.together():
-        cfg, out_dir = build_run_config(args)
-        plan = preflight.check(cfg, out_dir, warn=None if world.is_main else _quiet)
-        rundir.check(out_dir, "run", args.resume, args.overwrite)  # --dry-run too: the same refusals
+    # the checks: everything that can fail is checked before any work, with or without --dry-run
+    cfg, out_dir, plan = check_launch(args, world)
     if args.dry_run:
         log(plan.describe())
         return 0
+    if plan.device_note:
+        note(f"note: {plan.device_note}")
+    # the run directory: claimed for this run; what killed processes left in it is removed
     with world.together():
         if world.is_main:
             rundir.claim(out_dir, "run", args.resume, args.overwrite)
             runlog.remove_stale_temporaries(out_dir, cfg.data.resolved_dir())
-    with world.together():  # data preparation once, on rank 0, while the others wait here
-        # a resumed run encodes with its own tokenizer, should its data directory have to be prepared again
-        own = out_dir / "tokenizer.json" if args.resume and (out_dir / "tokenizer.json").is_file() else None
-        prepared = prepare_data(cfg, tokenizer=args.init_from or own) if world.is_main else None
-    with world.together():
-        tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
-        preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
-        preflight.check_prompt(tokenizer, cfg)
-        if world.is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
-        if args.init_from:
-            hf.load_weights(trainer.model, args.init_from)
-            log(f"initialised from {args.init_from}")
-    gpus = int(world.sum_scalars([trainer.model.xp is not np])[0])
-    with world.together():
-        if 0 < gpus < world.size:
-            raise UserError(f"{gpus} of {world.size} processes found a GPU: choose --device cpu or gpu for all")
-    if trainer.reducer is None:
-        trainer.reducer = world.reducer_for(trainer.model.xp)  # NCCL: the unique id goes out over MPI
+    # the data: prepared once, by rank 0, while the others wait; then read by every rank
+    tokenizer, train_tokens, val_tokens = load_data(cfg, args, world, out_dir)
+    # the model, optimizer and data loader, on every rank
+    trainer = build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens)
+    # the state: a checkpoint's (--resume), or rank 0's fresh weights on every rank
     if args.resume:
         if resume(trainer, args.stop_at_step) == "finished":
             return 0
@@ -496,21 +605,97 @@ def run_training(args, world):
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         tokenizer.save(out_dir / "tokenizer.json")
     _header(cfg, args, trainer, len(train_tokens), len(val_tokens), out_dir)
-    if trainer.accum > 1 and world.is_main:
-        trainer.loader = runlog.MicroBatchProgress(trainer.loader, trainer.accum)
+    # the loop
     start_step, started = trainer.step, time.perf_counter()
     code = trainer.run(stop_at_step=args.stop_at_step)
-    if world.is_main:
-        code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
-        if code == 0:
-            log(plot_after_training(out_dir))
-        if code in (0, EXIT_INTERRUPTED):
-            log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, time.perf_counter() - started,
-                               trainer.tokens_per_step, trainer.metrics.last, trainer.last_checkpoint))
-    t = cfg.train
-    if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0 and world.is_main:
+    # the end: the last save checked, the plot, the summary and a sample
+    return finish(trainer, code, start_step, time.perf_counter() - started)
+
+
+def check_launch(args, world):
+    """The run's config, output directory and plan, the same on every rank, or one error for all."""
+    with world.together():
+        cfg, out_dir = build_run_config(args)
+    require_same_launch(world, args, cfg, out_dir)
+    with world.together():
+        if preflight.train_device(cfg.train.device) != "cpu":
+            dist.use_local_gpu(world)  # before the probe touches a GPU
+        plan = preflight.check(cfg, out_dir, world.size, args.init_from, warn=None if world.is_main else _quiet)
+        rundir.check(out_dir, "run", args.resume, args.overwrite)  # another program's directory, a run in use
+    gpus = int(world.sum_scalars([plan.device == "gpu"])[0])
+    with world.together():
+        if 0 < gpus < world.size:
+            raise UserError(f"{gpus} of {world.size} processes found a GPU: choose --device cpu or gpu for all")
+    return cfg, out_dir, plan
+
+
+LAUNCH_FLAGS = ("resume", "overwrite", "dry_run", "init_from", "stop_at_step")
+
+
+def require_same_launch(world, args, cfg, out_dir):
+    """Ranks started with different arguments (an MPMD launch) would issue different collectives and
+    wait for each other forever: each compares its configuration with rank 0's, and if any differs
+    all stop with one error naming the first differing keys."""
+    if world.size == 1:
+        return
+    mine = {f"{section}.{key}": value for section in ("model", "train", "data")
+            for key, value in cfg.to_dict()[section].items()}
+    mine.update({"--out": str(out_dir)}, **{"--" + f.replace("_", "-"): getattr(args, f) for f in LAUNCH_FLAGS})
+    mine = json.loads(json.dumps(mine))  # as the broadcast gives rank 0's: lists, not tuples
+    main_rank = world.broadcast_json(mine)
+    with world.together():
+        differ = [k for k in mine if mine[k] != main_rank.get(k)]
+        if differ:
+            shown = ", ".join(f"{k} {mine[k]!r} (rank 0: {main_rank.get(k)!r})" for k in differ[:3])
+            raise UserError(f"this process was started with other arguments than rank 0: {shown}; start every "
+                            "process with the same arguments")
+
+
+def load_data(cfg, args, world, out_dir):
+    """(tokenizer, train tokens, val tokens) on every rank: rank 0 prepares what is missing first."""
+    with world.together():
+        # a resumed run encodes with its own tokenizer, should its data directory have to be prepared again
+        own = out_dir / "tokenizer.json" if args.resume and (out_dir / "tokenizer.json").is_file() else None
+        prepared = prepare_data(cfg, tokenizer=args.init_from or own) if world.is_main else None
+    with world.together():
+        tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
+        preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
+        preflight.check_prompt(tokenizer, cfg)
+    return tokenizer, train_tokens, val_tokens
+
+
+def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens):
+    """The Trainer on every rank, its gradients summed over NCCL on GPUs (connected here, outside
+    any `together` block: NCCL's set-up is a collective)."""
+    with world.together():
+        if world.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world)
+        if args.init_from:
+            hf.load_weights(trainer.model, args.init_from)
+            log(f"initialised from {args.init_from}")
+    if trainer.reducer is None:
+        trainer.reducer = world.reducer_for(trainer.model.xp)  # NCCL: the unique id goes out over MPI
+    if trainer.accum > 1 and world.is_main:
+        trainer.loader = runlog.MicroBatchProgress(trainer.loader, trainer.accum)
+    return trainer
+
+
+def finish(trainer, code, start_step, seconds):
+    """After the loop, on rank 0: the last save checked, the plot, the summary, a sample; the exit code."""
+    t, out_dir = trainer.cfg.train, trainer.out_dir
+    if not trainer.world.is_main:
+        return code
+    code = runlog.final_checkpoint_check(out_dir, trainer.step, trainer.last_checkpoint, code)
+    if code == 0:
+        log(plot_after_training(out_dir))
+    if code in (0, EXIT_INTERRUPTED):
+        loss = float(trainer.last_loss) if trainer.last_loss is not None else None
+        log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, seconds, trainer.meter.run_rate(),
+                           loss, trainer.last_val, trainer.last_checkpoint))
+    if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0:
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
-        stream(trainer.model, tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
+        stream(trainer.model, trainer.tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
         log("-" * 60 + f"\nmore: python -m andrea.sample --checkpoint {out_dir} --prompt 'import '")
     return code
 
@@ -522,6 +707,9 @@ def resume(trainer, stop_at_step):
     world, out_dir = trainer.world, trainer.out_dir
     with world.together():
         meta = None
+        if world.is_main and not ckpt.list_checkpoints(out_dir):
+            raise UserError(f"nothing to resume in {out_dir}: the run there stopped before its first checkpoint; "
+                            f"start it afresh with --overwrite")
         if world.is_main:
             path, tensors, meta = ckpt.latest_checkpoint(out_dir, validate=trainer.validate_checkpoint)
             trainer.restore(tensors, meta)

@@ -32,9 +32,18 @@ def available_backends():
     return xps
 
 
-def pytest_report_header(config):
+def backends_line():
     ok, why = backend._probe_gpu()
     return f"andrea backends: numpy{', cupy (GPU)' if ok else ''}" + ("" if ok else f"; GPU tests not run: {why}")
+
+
+def pytest_report_header(config):
+    return backends_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The same line at the end, where `pytest -q` (which hides the header) shows it too."""
+    terminalreporter.write_line(backends_line())
 
 
 @pytest.fixture(scope="session", params=available_backends())

@@ -29,7 +29,7 @@ def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
     assert "ok   NumPy float32, blocked core" in phases["3-gradients.txt"]
     train = phases["4-train.txt"]
     assert "stopped at step 3" in train and "resumed from" in train and "step      6/6" in train
-    assert "kernels: generic (NumPy)" in train and "tf32: not applicable" in train
+    assert "kernels: numba-compiled CPU kernels" in train and "tf32: not applicable" in train
     assert "tokens/s" in phases["6-bench.txt"]
     assert (tmp_path / "gpu_check_results.txt").read_text().count("== phase") == 6
 
