@@ -382,9 +382,9 @@ def bench_allreduce(elements: int, gpu: bool) -> dict | None:
 
 
 def main(argv=None):
-    import argparse
+    from andrea.cli import ArgumentParser
 
-    ap = argparse.ArgumentParser(prog="python -m andrea.distributed", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m andrea.distributed", description=__doc__.splitlines()[0])
     ap.add_argument("--nccl-self-test", action="store_true", help="check NCCL at one rank on this GPU")
     ap.add_argument("--allreduce-bench", type=int, metavar="ELEMENTS",
                     help="time the in-place all-reduce of this many float32 values; prints JSON on rank 0")

@@ -19,7 +19,6 @@ memory; run in a fresh process, its peak RSS is that of PyTorch training this mo
 status 3 when torch cannot be imported, 2 for a bad config.
 """
 
-import argparse
 import json
 import math
 import resource
@@ -215,7 +214,9 @@ def benchmark(cfg, batch_size, seq_len, steps, warmup, threads=2, seed=0, sdpa=F
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m andrea.torch_reference",
+    from andrea.cli import ArgumentParser
+
+    ap = ArgumentParser(prog="python -m andrea.torch_reference",
                                  description="Train ANDREA in PyTorch eager on random tokens; print one JSON line.")
     ap.add_argument("--config", default="tiny", help="tiny, small, 120m or a .yaml path")
     ap.add_argument("--batch", type=int, default=16)

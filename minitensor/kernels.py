@@ -14,8 +14,16 @@ import sys
 from minitensor import cuda
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line, `error: ...` (exit 2), as in every andrea command, not the usage block."""
+
+    def error(self, message):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m minitensor.kernels", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="python -m minitensor.kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="NVRTC-compile every kernel (no GPU needed)")
     parser.add_argument("--host-check", action="store_true", help="run elementwise operations as C++ vs NumPy")
     parser.add_argument("--arch", nargs="+", default=list(cuda.ARCHS), help="GPU archs to compile for (sm_XX)")

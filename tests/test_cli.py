@@ -68,3 +68,13 @@ def test_export_answers_a_bad_flag_in_one_line(argv, capsys):
         run_cli(export.main, argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err
+
+
+@pytest.mark.parametrize("module", ["andrea.torch_reference", "andrea.distributed", "minitensor.kernels"])
+def test_the_other_commands_answer_a_bad_flag_in_one_line(module, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(module).main(["--bogus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err
