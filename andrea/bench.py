@@ -38,8 +38,6 @@ from andrea.optim import AdamW
 from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
 from minitensor.backend import set_tf32
 from minitensor.memory import keep_freed_memory
-from minitensor.optim import clip_scale, global_norm
-from minitensor.selfcheck import select_kernels
 
 SHAPES = {"tiny": (16, 128), "small": (8, 256), "120m": (1, 1024)}
 STEPS = {"tiny": (3, 15), "small": (2, 8), "120m": (1, 4)}          # (warm-up, timed)
@@ -59,12 +57,13 @@ def bench_training(model, opt, B, T, warmup, steps, seed=0):
     xp = model.xp
     rng = np.random.default_rng(seed)
     V = model.cfg.vocab_size
+    ops = model.ops
     splits = defaultdict(list)
     for i in range(warmup + steps):
         x = rng.integers(0, V, (B, T + 1))
         _, f = _timed(xp, model.loss, x[:, :-1], x[:, 1:])
         _, b = _timed(xp, lambda: (model.zero_grad(), model.backward()))
-        _, o = _timed(xp, lambda: opt.step(grad_scale=clip_scale(global_norm(model.params.grads), 1.0, 0.0)[0]))
+        _, o = _timed(xp, lambda: opt.step(grad_scale=ops.clip_scale(ops.global_norm(model.params.grads), 1.0, 0.0)[0]))
         if i >= warmup:
             splits["forward"].append(f)
             splits["backward"].append(b)
@@ -168,10 +167,10 @@ def run_one(name, device, profile):
     cfg = full.model
     B, T = SHAPES[name]
     warmup, steps = STEPS[name]
-    model = ANDREA(cfg, device=device, dtype="float32", seed=0)
+    model = ANDREA(cfg, device=device, dtype="float32", seed=0, kernels=full.train.kernels)
     opt = AdamW(model, lr=6e-4)
     # the config's TF32 setting and the self-checked kernels, as training would run (GPU only)
-    gpu_setup = [set_tf32(model.xp, full.train.tf32), select_kernels(full.train.kernels, model.xp)]
+    gpu_setup = [set_tf32(model.xp, full.train.tf32), model.ops.kernels_line]
     peak = matmul_peak_flops(model.xp, n=4096, repeats=3)
     result = {"config": name, "device": model.backend.device, "batch": B, "seq_len": T,
               "parameters": model.num_parameters(), "gpu_setup": gpu_setup,

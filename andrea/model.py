@@ -163,9 +163,11 @@ class Block:
 
 class ANDREA:
     def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None):
-        """kernels: the CPU kernels, 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba
-        when installed); read here once, like the device. ops: a minitensor.ops backend to use
-        instead of the device's (tests)."""
+        """kernels: on the CPU 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba when
+        installed); on a GPU the fused kernels, 'auto' (the default: those that pass the start-up
+        self-check), 'fused' or 'generic' (train.kernels); chosen here once, like the device
+        (minitensor.ops.get_ops). ops: a minitensor.ops backend to use instead of the device's
+        (tests)."""
         self.cfg = cfg
         self.backend = get_backend(device)
         self.ops = ops = ops or get_ops(self.backend.xp, kernels)

@@ -46,8 +46,7 @@ from andrea.prepare import prepare
 from andrea.sample import stream
 from minitensor.backend import GPUUnavailable, quiet_fallback, set_tf32
 from minitensor.memory import keep_freed_memory
-from minitensor.optim import clip_scale, cosine_lr, global_norm
-from minitensor.selfcheck import select_kernels
+from minitensor.optim import cosine_lr
 
 EXIT_INTERRUPTED = 130
 EXIT_NONFINITE = 3
@@ -77,11 +76,11 @@ class Trainer:
         if device != "cpu":
             dist.use_local_gpu(world)
         try:
-            self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed)
+            self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed, kernels=t.kernels)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
-        # process-wide choices for the GPU, made once here and said in the log
-        self.startup = [set_tf32(self.model.xp, t.tf32), select_kernels(t.kernels, self.model.xp)]
+        # the GPU's TF32 mode (process-wide) and the model's kernels, said in the log
+        self.startup = [set_tf32(self.model.xp, t.tf32), self.model.ops.kernels_line]
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
         self.T = t.sequence_length(cfg.model)
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
@@ -173,8 +172,8 @@ class Trainer:
         if self.world.size > 1:  # the ranks' losses summed on the host: a second read, with several processes
             total = self.world.sum_scalars([float(total)])[0]
         loss = total / micro_batches
-        norm = global_norm(model.params.grads)  # of the summed buffer: the same on every rank
-        scale, finite = clip_scale(norm, self.cfg.train.grad_clip, loss)
+        norm = model.ops.global_norm(model.params.grads)  # of the summed buffer: the same on every rank
+        scale, finite = model.ops.clip_scale(norm, self.cfg.train.grad_clip, loss)
         if not bool(finite):  # the step's one host read
             return loss, norm, False
         self.opt.step(lr=lr, grad_scale=scale)

@@ -54,6 +54,7 @@ class Ops:
 
     def __init__(self, xp=np):
         self.xp = xp
+        self.kernels_line = "kernels: generic (NumPy)" if xp is np else "kernels: generic"  # for the log
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name})"
@@ -424,6 +425,22 @@ class Ops:
         `dW[idx] += rows` would not do: it keeps one of them)."""
         self.xp.add.at(dW, idx, rows)
 
+    # --- gradient clipping: the whole gradient's norm, and the scale that brings it to `clip` ---
+
+    def global_norm(self, grads):
+        """sqrt(sum g^2) over the flat gradient buffer, left on the device (0-d array): reading
+        it would wait for the whole step."""
+        return self.xp.sqrt(self.xp.dot(grads, grads))
+
+    def clip_scale(self, norm, clip, loss):
+        """(scale, finite) on the device, reading nothing: scale = clip / (norm + 1e-6) when clip
+        and norm > clip, else 1; finite says whether both the loss and the norm are finite (the
+        step's guard). The AdamW step takes scale as it is; the host reads only finite."""
+        xp = self.xp
+        norm = xp.asanyarray(norm)  # asanyarray: a float becomes 0-d, an array stays what it is
+        scale = xp.where(norm > clip, clip / (norm + 1e-6), 1.0) if clip else xp.ones((), norm.dtype)
+        return scale, xp.isfinite(norm) & xp.isfinite(xp.asanyarray(loss))
+
     # --- AdamW, decoupled weight decay (Loshchilov & Hutter), over the flat buffers ---
     #
     #   m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2            g = gradient * grad_scale
@@ -487,21 +504,28 @@ _ops = {}
 
 
 def get_ops(xp=np, kernels=None):
-    """The backend for arrays of xp, one instance per choice: on NumPy, NumpyOps with the numba
-    kernels unless kernels (or, when it is None, ANDREA_CPU_KERNELS) says 'numpy' or numba is
-    not installed (minitensor.cpu.mode); on CuPy, CupyOps."""
+    """The backend for arrays of xp, built once per choice and logged by its `kernels_line`.
+
+    On NumPy: NumpyOps with the numba kernels unless kernels (or, when it is None or one of the
+    GPU's choices below, ANDREA_CPU_KERNELS) says 'numpy' or numba is not installed
+    (minitensor.cpu.mode). On CuPy: CupyOps with the fused kernels kernels says, 'auto' (the
+    default: those that pass the start-up self-check, run here once), 'fused' (all, unchecked)
+    or 'generic' (none; minitensor.selfcheck)."""
+    from minitensor import selfcheck
+
     if xp is np:
         from minitensor import cpu
 
-        key = ("numpy", cpu.mode(kernels))
+        key = ("numpy", cpu.mode(None if kernels in selfcheck.MODES else kernels))
         if key not in _ops:
             from minitensor.numpy_ops import NumpyOps
 
             _ops[key] = NumpyOps(numba=key[1] == "numba")
         return _ops[key]
-    key = ("cupy", xp)
+    key = ("cupy", xp, kernels or "auto")
     if key not in _ops:
         from minitensor.cupy_ops import CupyOps
 
-        _ops[key] = CupyOps(xp)
+        fused, line = selfcheck.select_kernels(key[2], xp)
+        _ops[key] = CupyOps(xp, fused, line)
     return _ops[key]
