@@ -6,9 +6,9 @@
     python -m andrea.bench --components             # GELU, LayerNorm, ... against PyTorch's kernels
 
 Each config runs in a fresh process, so its peak resident memory is its own. A training step is
-forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny 16 x 128,
-small 8 x 256, 120m 1 x 1024), timed after warm-up; tokens/s is reported as the median with
-min and max. MFU divides the model's FLOP/s (6 N + 12 L d T per token) by the best of a few
+forward + backward + AdamW on random token batches at the shapes the performance bars are set
+at (BENCHMARKS.md: tiny 16 x 128, small 8 x 256, 120m 1 x 1024), timed after warm-up; tokens/s is
+reported as the median with min and max. MFU divides the model's FLOP/s (6 N + 12 L d T per token) by the best of a few
 4096^3 float32 matmuls measured in the same process (on a GPU, 8192^3 in event-timed loops, in the
 config's TF32 mode; the fused kernels are self-checked first, as training does).
 

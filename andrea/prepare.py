@@ -1,4 +1,4 @@
-"""Turn a corpus into what training reads (SPEC 3): tokenizer.json, train.bin, val.bin, meta.json.
+"""Turn a corpus into what training reads: tokenizer.json, train.bin, val.bin, meta.json.
 
     python -m andrea.prepare                                  # Python's stdlib -> data/stdlib
     python -m andrea.prepare --input 'books/**/*.txt'         # -> data/books

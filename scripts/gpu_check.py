@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (SPEC 4)
+PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (NVIDIA's datasheet)
 PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
 # seconds each, at most (gpu_check.sh allows a little more)
 PARTS = {"compile": 40, "kernels": 23, "gradients": 23, "bench": 48}
