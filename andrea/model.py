@@ -24,12 +24,12 @@ from andrea.config import ModelConfig
 from andrea.errors import UserError
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import get_backend, resolve_dtype, to_numpy
+from minitensor.backends import get_ops
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.layer import Layer
 from minitensor.layernorm import LayerNorm
 from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
-from minitensor.ops import get_ops
 from minitensor.params import Params
 
 
@@ -166,7 +166,7 @@ class ANDREA:
         """kernels: on the CPU 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba when
         installed); on a GPU the fused kernels, 'auto' (the default: those that pass the start-up
         self-check), 'fused' or 'generic' (train.kernels); chosen here once, like the device
-        (minitensor.ops.get_ops). ops: a minitensor.ops backend to use instead of the device's
+        (minitensor.backends.get_ops). ops: a minitensor.ops backend to use instead of the device's
         (tests)."""
         self.cfg = cfg
         self.backend = get_backend(device)

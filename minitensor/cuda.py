@@ -13,7 +13,7 @@ share:
   checks of the wrappers.
 - the names of the fused pieces (FUSED), each the Ops piece it replaces, and their self-checks
   (CHECKS). The Ops code is the reference; a CupyOps runs the fused pieces it was built with
-  (minitensor.ops.get_ops, minitensor.selfcheck).
+  (minitensor.backends.get_ops, minitensor.selfcheck).
 
 The exact elementwise sources come from CuPy private APIs, so CuPy's minor version is
 pinned by the `kernel-check` extra. Importing this module costs nothing: CuPy is imported only
@@ -35,8 +35,8 @@ INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU 
 DTYPES = ("float32", "float64")
 ARCHS = ("sm_80", "sm_90")
 
-# The modules that register kernels, imported by all_kernels().
-KERNEL_MODULES = ("minitensor.cupy_ops",)
+# The modules that register kernels and their self-checks, imported by all_kernels().
+KERNEL_MODULES = ("minitensor.cupy_ops", "minitensor.cupy_checks")
 
 # The fused pieces the layers can use on CuPy, each the name of what it replaces:
 #   layernorm       LayerNorm forward and backward          (layernorm_fwd, _bwd, _bwd_params)

@@ -1,6 +1,6 @@
 """The maths of every layer, written once against an array module `xp` (NumPy or CuPy).
 
-    ops = get_ops(xp, kernels)      # chosen once, when a model is built
+    ops = get_ops(xp, kernels)      # minitensor.backends: chosen once, when a model is built
     y, mean, rstd = ops.layernorm_forward(x, w, b, eps)
 
 `Ops` holds each piece in its plainest form, with the derivation beside it: the reference that
@@ -498,34 +498,3 @@ def causal_mask(xp, T, dtype):
     if key not in _mask_cache:
         _mask_cache[key] = xp.asarray(np.triu(np.full((T, T), -np.inf, dtype=dtype), k=1))
     return _mask_cache[key]
-
-
-_ops = {}
-
-
-def get_ops(xp=np, kernels=None):
-    """The backend for arrays of xp, built once per choice and logged by its `kernels_line`.
-
-    On NumPy: NumpyOps with the numba kernels unless kernels (or, when it is None or one of the
-    GPU's choices below, ANDREA_CPU_KERNELS) says 'numpy' or numba is not installed
-    (minitensor.cpu.mode). On CuPy: CupyOps with the fused kernels kernels says, 'auto' (the
-    default: those that pass the start-up self-check, run here once), 'fused' (all, unchecked)
-    or 'generic' (none; minitensor.selfcheck)."""
-    from minitensor import selfcheck
-
-    if xp is np:
-        from minitensor import cpu
-
-        key = ("numpy", cpu.mode(None if kernels in selfcheck.MODES else kernels))
-        if key not in _ops:
-            from minitensor.numpy_ops import NumpyOps
-
-            _ops[key] = NumpyOps(numba=key[1] == "numba")
-        return _ops[key]
-    key = ("cupy", xp, kernels or "auto")
-    if key not in _ops:
-        from minitensor.cupy_ops import CupyOps
-
-        fused, line = selfcheck.select_kernels(key[2], xp)
-        _ops[key] = CupyOps(xp, fused, line)
-    return _ops[key]

@@ -2,7 +2,7 @@
 
     select_kernels("auto" | "fused" | "generic", xp) -> (fused pieces, one line saying so)
 
-`minitensor.ops.get_ops(cupy, kernels)` calls it once per choice, when the model's backend is
+`minitensor.backends.get_ops(cupy, kernels)` calls it once per choice, when the model's backend is
 built, and hands the pieces to `CupyOps`; nothing reads the choice later. `auto` (the default on
 a GPU) runs each fused piece's check (minitensor.cuda.CHECKS, registered in
 minitensor/cupy_ops.py: the piece forward and backward on small random float32 inputs, a few

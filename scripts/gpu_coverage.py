@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # The GPU backend (minitensor/cupy_ops.py): CupyOps, every kernel's launch wrapper and argument
-# check, and the self-checks. Its module-level kernel specs and their host references (the
+# check. Its module-level kernel specs and their host references (the
 # `_reference`s, `_column`, `_recompute_flat`, `_xent_bwd_flat`, `_adamw_op_reference`) run without a
 # GPU too (`python -m minitensor.kernels --check | --host-check`) and are not counted.
 CUPY_OPS = ["CupyOps", "_gpu_memory",
@@ -44,16 +44,18 @@ CUPY_OPS = ["CupyOps", "_gpu_memory",
             "layernorm_forward_gpu", "layernorm_backward_gpu",
             "causal_softmax_forward_gpu", "causal_softmax_backward_gpu", "causal_softmax_recompute_gpu",
             "softmax_xent_forward_gpu", "softmax_xent_backward_gpu", "_xent_operands",
-            "adamw_step_gpu", "adamw_kernel",
-            "_draw", "_check_bias_gelu", "_check_layernorm", "_check_causal_softmax", "_check_softmax_xent",
-            "_check_adamw"]
+            "adamw_step_gpu", "adamw_kernel"]
+# The self-checks of the fused pieces (minitensor/cupy_checks.py): run only to build a CupyOps.
+CUPY_CHECKS = ["_draw", "_check_bias_gelu", "_check_layernorm", "_check_causal_softmax", "_check_softmax_xent",
+               "_check_adamw"]
 
 GPU_ONLY = {
     "minitensor/cupy_ops.py": [("def", name) for name in CUPY_OPS],
+    "minitensor/cupy_checks.py": [("def", name) for name in CUPY_CHECKS],
     "minitensor/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch")],
     "minitensor/backend.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),
                               ("unless", r"^xp is np$")],
-    "minitensor/ops.py": [("unless", r"^xp is np$")],                        # get_ops: building CupyOps
+    "minitensor/backends.py": [("unless", r"^xp is np$")],                   # get_ops: building CupyOps
     "minitensor/selfcheck.py": [("def", "compare"), ("def", "choose"), ("unless", r"^xp is np$")],
     "andrea/perf.py": [("if", r"^xp is not np$"), ("if", r"^gpu$"), ("unless", r"^xp is np$")],
     "andrea/preflight.py": [("if", r'^device == "gpu"$')],

@@ -17,9 +17,10 @@ from gpu_standin import standin_cupy
 from markers import needs_cxx
 
 from minitensor import cuda, cupy_ops, selfcheck
+from minitensor.backends import get_ops
 from minitensor.cupy_ops import CupyOps
 from minitensor.layernorm import LayerNorm
-from minitensor.ops import Ops, get_ops
+from minitensor.ops import Ops
 
 
 @pytest.fixture
