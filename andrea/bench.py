@@ -6,9 +6,9 @@
     python -m andrea.bench --components             # each component against PyTorch's; bench-components.json
 
 Each config runs in a fresh process, so its peak resident memory is its own. A training step is
-forward + backward + AdamW on random token batches at the shapes of SPEC 4 (tiny 16 x 128,
-small 8 x 256, 120m 1 x 1024), timed after warm-up; tokens/s is reported as the median with
-min and max. MFU divides the model's FLOP/s (6 N + 12 L d T per token) by the best of a few
+forward + backward + AdamW on random token batches at the shapes the performance bars are set
+at (BENCHMARKS.md: tiny 16 x 128, small 8 x 256, 120m 1 x 1024), timed after warm-up; tokens/s is
+reported as the median with min and max. MFU divides the model's FLOP/s (6 N + 12 L d T per token) by the best of a few
 4096^3 float32 matmuls measured in the same process (on a GPU, 8192^3 in event-timed loops, in the
 config's TF32 mode; the fused kernels are self-checked first, as training does).
 
@@ -38,8 +38,6 @@ from andrea.optim import AdamW
 from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
 from minitensor.backend import set_tf32
 from minitensor.memory import keep_freed_memory
-from minitensor.optim import clip_scale, global_norm
-from minitensor.selfcheck import select_kernels
 
 SHAPES = {"tiny": (16, 128), "small": (8, 256), "120m": (1, 1024)}
 STEPS = {"tiny": (3, 15), "small": (2, 8), "120m": (1, 4)}          # (warm-up, timed)
@@ -59,12 +57,13 @@ def bench_training(model, opt, B, T, warmup, steps, seed=0):
     xp = model.xp
     rng = np.random.default_rng(seed)
     V = model.cfg.vocab_size
+    ops = model.ops
     splits = defaultdict(list)
     for i in range(warmup + steps):
         x = rng.integers(0, V, (B, T + 1))
         _, f = _timed(xp, model.loss, x[:, :-1], x[:, 1:])
         _, b = _timed(xp, lambda: (model.zero_grad(), model.backward()))
-        _, o = _timed(xp, lambda: opt.step(grad_scale=clip_scale(global_norm(model.params.grads), 1.0, 0.0)[0]))
+        _, o = _timed(xp, lambda: opt.step(grad_scale=ops.clip_scale(ops.global_norm(model.params.grads), 1.0, 0.0)[0]))
         if i >= warmup:
             splits["forward"].append(f)
             splits["backward"].append(b)
@@ -168,10 +167,10 @@ def run_one(name, device, profile):
     cfg = full.model
     B, T = SHAPES[name]
     warmup, steps = STEPS[name]
-    model = ANDREA(cfg, device=device, dtype="float32", seed=0)
+    model = ANDREA(cfg, device=device, dtype="float32", seed=0, kernels=full.train.kernels)
     opt = AdamW(model, lr=6e-4)
     # the config's TF32 setting and the self-checked kernels, as training would run (GPU only)
-    gpu_setup = [set_tf32(model.xp, full.train.tf32), select_kernels(full.train.kernels, model.xp)]
+    gpu_setup = [set_tf32(model.xp, full.train.tf32), model.ops.kernels_line]
     peak = matmul_peak_flops(model.xp, n=4096, repeats=3)
     result = {"config": name, "device": model.backend.device, "batch": B, "seq_len": T,
               "parameters": model.num_parameters(), "gpu_setup": gpu_setup,

@@ -1,6 +1,7 @@
 """The data side of training: corpus files, the train/validation split, token files, batches.
 
-- A corpus is a sorted list of files; each file is one document (SPEC 3). The default corpus is the
+- A corpus is a sorted list of files; each file is one document, and the
+  tokenizer puts the end-of-text id between documents. The default corpus is the
   `.py` source of the running interpreter's standard library, which needs no download.
 - A token file is a 128-byte header followed by the token ids as little-endian uint16:
 

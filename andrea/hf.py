@@ -6,7 +6,7 @@
     tok = load_tokenizer("export/")                   # andrea's tokenizer.json or a HF one
 
 andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv1D (in, out) layout
-(SPEC 1), so the weights are copied name for name. What this module adds:
+(andrea.model.param_shapes), so the weights are copied name for name. What this module adds:
 
 - the configuration: n_positions <-> context_length, n_embd <-> d_model, n_inner <-> mlp_dim,
   layer_norm_epsilon <-> ln_eps; what GPT-2's configuration can say and andrea cannot compute
@@ -53,7 +53,8 @@ from minitensor.backend import to_numpy
 EOT_TEXT = "<|endoftext|>"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-# both names are the tanh approximation of GELU that andrea computes (SPEC 1)
+# both names are the tanh approximation of GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+# which andrea computes (minitensor.ops)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 _SYMBOL_TO_BYTE = {s: b for b, s in enumerate(BYTE_SYMBOLS)}
 _SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}

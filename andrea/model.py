@@ -24,12 +24,12 @@ from andrea.config import ModelConfig
 from andrea.errors import UserError
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import get_backend, resolve_dtype, to_numpy
+from minitensor.backends import get_ops
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.layer import Layer
 from minitensor.layernorm import LayerNorm
 from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
-from minitensor.ops import get_ops
 from minitensor.params import Params
 
 
@@ -163,9 +163,11 @@ class Block:
 
 class ANDREA:
     def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None):
-        """kernels: the CPU kernels, 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba
-        when installed); read here once, like the device. ops: a minitensor.ops backend to use
-        instead of the device's (tests)."""
+        """kernels: on the CPU 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba when
+        installed); on a GPU the fused kernels, 'auto' (the default: those that pass the start-up
+        self-check), 'fused' or 'generic' (train.kernels); chosen here once, like the device
+        (minitensor.backends.get_ops). ops: a minitensor.ops backend to use instead of the device's
+        (tests)."""
         self.cfg = cfg
         self.backend = get_backend(device)
         self.ops = ops = ops or get_ops(self.backend.xp, kernels)

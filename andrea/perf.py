@@ -1,7 +1,8 @@
 """Measurements shared by training and the benchmark: matmul peak, MFU, peak memory, a clock.
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s / the float32 matmul peak of the same
-device, measured in the same process (SPEC 1): on the CPU the best of a few 4096^3 float32
+device, measured in the same process (a peak from a datasheet would flatter or shame a VM
+whose cores it does not describe): on the CPU the best of a few 4096^3 float32
 matmuls through NumPy's BLAS; on a GPU loops of 8192^3 products through cuBLAS timed with CUDA
 events, in the GEMM mode of the run (TF32 or not). The MFU lines name the peak they divide by.
 """

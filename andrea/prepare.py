@@ -1,5 +1,5 @@
-"""Turn a corpus into what training reads (SPEC 3): a data directory of tokenizer.json, the token
-files in shards and meta.json, its manifest.
+"""Turn a corpus into what training reads: a data directory of tokenizer.json, the token files in
+shards and meta.json, its manifest.
 
     python -m andrea.prepare                                  # Python's stdlib -> data/stdlib
     python -m andrea.prepare --input 'books/**/*.txt'         # -> data/books

@@ -1,4 +1,5 @@
-"""ANDREA in PyTorch: the same GPT-2 model (SPEC 1), for cross-checking gradients and for benchmarking.
+"""ANDREA in PyTorch: the same GPT-2 model (GPT-2's parameter names and
+layout, tanh GELU, tied embeddings), for cross-checking gradients and for benchmarking.
 
     model = build_torch_model(cfg, dtype="float64")
     load_andrea_state(model, andrea_model.state_dict())
@@ -133,7 +134,7 @@ class GPT(_Module):
 
 
 def build_torch_model(cfg, dtype="float32", sdpa=False, seed=0):
-    """The GPT-2 model of SPEC 1 for an andrea ModelConfig, GPT-2-initialised; sdpa: fused attention."""
+    """andrea's GPT-2 model in PyTorch for an andrea ModelConfig, GPT-2-initialised; sdpa: fused attention."""
     _require_torch()
     torch.manual_seed(seed)
     model = GPT(cfg, sdpa=sdpa)

@@ -53,8 +53,7 @@ from andrea.prepare import prepare
 from andrea.sample import stream
 from minitensor.backend import GPUUnavailable, quiet_fallback, set_tf32
 from minitensor.memory import keep_freed_memory
-from minitensor.optim import clip_scale, cosine_lr, global_norm
-from minitensor.selfcheck import select_kernels
+from minitensor.optim import cosine_lr
 
 EXIT_INTERRUPTED = 130
 EXIT_NONFINITE = 3
@@ -84,11 +83,11 @@ class Trainer:
         if device != "cpu":
             dist.use_local_gpu(world)
         try:
-            self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed)
+            self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed, kernels=t.kernels)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
-        # process-wide choices for the GPU, made once here and said in the log
-        self.startup = [set_tf32(self.model.xp, t.tf32), kernels_line(t.kernels, self.model.xp)]
+        # the GPU's TF32 mode (process-wide) and the model's kernels, said in the log
+        self.startup = [set_tf32(self.model.xp, t.tf32), kernels_line(self.model.ops)]
         self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
         self.T = t.sequence_length(cfg.model)
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
@@ -179,8 +178,8 @@ class Trainer:
         if self.world.size > 1:  # the ranks' losses summed on the host: a second read, with several processes
             total = self.world.sum_scalars([float(total)])[0]
         loss = total / micro_batches
-        norm = global_norm(model.params.grads)  # of the summed buffer: the same on every rank
-        scale, finite = clip_scale(norm, self.cfg.train.grad_clip, loss)
+        norm = model.ops.global_norm(model.params.grads)  # of the summed buffer: the same on every rank
+        scale, finite = model.ops.clip_scale(norm, self.cfg.train.grad_clip, loss)
         if not bool(finite):  # the step's one host read
             return loss, norm, False
         self.opt.step(lr=lr, grad_scale=scale)
@@ -433,17 +432,14 @@ def _set_json_rng_state(s):
         np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
 
 
-def kernels_line(mode, xp):
+def kernels_line(ops):
     """The start-up line that says which kernels the steps run. On a GPU: the CUDA kernels chosen
-    by their self-check (train.kernels). On the CPU: numba's compiled kernels or NumPy's, as
-    andrea.bench says; the numba ones compile during the first step unless numba's disk cache holds
-    them, so the line says why that step is slow."""
-    from minitensor import cpu
-
-    line = select_kernels(mode, xp)
-    if xp is not np:
-        return line
-    if cpu.mode() == "numba":
+    by their self-check (train.kernels), as the backend says. On the CPU: numba's compiled kernels
+    or NumPy's, as andrea.bench says; the numba ones compile during the first step unless numba's
+    disk cache holds them, so the line says why that step is slow."""
+    if ops.xp is not np:
+        return ops.kernels_line
+    if getattr(ops, "numba", False):
         return ("kernels: numba-compiled CPU kernels (ANDREA_CPU_KERNELS=numpy for NumPy alone); the first step "
                 "compiles them, 40-50 s unless numba's cache already holds them")
     return "kernels: NumPy (pip install -e '.[fast]' adds numba's compiled CPU kernels)"

@@ -2,7 +2,7 @@
 
 The device is chosen once, at the entry point (`get_backend("auto" | "cpu" | "gpu")`, or the
 `ANDREA_DEVICE` environment variable when no device is given); the model then takes its compute
-backend from it (`minitensor.ops.get_ops(backend.xp)`) and hands it to every layer. Only this
+backend from it (`minitensor.backends.get_ops(backend.xp)`) and hands it to every layer. Only this
 file and the GPU backend import CuPy, and only on demand: importing minitensor without CuPy, or
 with CuPy but no GPU, costs nothing and cannot fail.
 

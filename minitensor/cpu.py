@@ -4,7 +4,7 @@ NumPy makes one pass over memory per operation, and its float32 exp/tanh are a f
 element; a compiled loop nest makes one pass per kernel and keeps the arithmetic in registers.
 The kernels themselves are plain functions decorated with `kernel(...)` in minitensor/numpy_ops.py,
 beside the NumpyOps methods that run them. Whether they run is chosen once, when a model is
-built (minitensor.ops.get_ops, `mode` below):
+built (minitensor.backends.get_ops, `mode` below):
 
     ANDREA_CPU_KERNELS=numpy   NumPy only, even with numba installed
     (unset, or =numba)         numba if importable (pip install 'andrea[fast]'), else NumPy

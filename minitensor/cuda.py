@@ -11,9 +11,9 @@ share:
 - `launch`, which runs a RawKernel after checking each argument against its C type (CuPy would
   pass a Python int as 64 bits and a Python float as a double, silently), and the argument
   checks of the wrappers.
-- the switch: which fused kernels CupyOps uses (`in_use`, set once by `minitensor.selfcheck` at
-  the entry point), each under the name of the Ops piece it replaces (FUSED). The Ops code is
-  the reference; CupyOps takes a fused kernel only when its name is in use.
+- the names of the fused pieces (FUSED), each the Ops piece it replaces, and their self-checks
+  (CHECKS). The Ops code is the reference; a CupyOps runs the fused pieces it was built with
+  (minitensor.backends.get_ops, minitensor.selfcheck).
 
 The exact elementwise sources come from CuPy private APIs, so CuPy's minor version is
 pinned by the `kernel-check` extra. Importing this module costs nothing: CuPy is imported only
@@ -21,7 +21,6 @@ by the functions that need it.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -36,8 +35,8 @@ INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU 
 DTYPES = ("float32", "float64")
 ARCHS = ("sm_80", "sm_90")
 
-# The modules that register kernels, imported by all_kernels().
-KERNEL_MODULES = ("minitensor.cupy_ops",)
+# The modules that register kernels and their self-checks, imported by all_kernels().
+KERNEL_MODULES = ("minitensor.cupy_ops", "minitensor.cupy_checks")
 
 # The fused pieces the layers can use on CuPy, each the name of what it replaces:
 #   layernorm       LayerNorm forward and backward          (layernorm_fwd, _bwd, _bwd_params)
@@ -47,26 +46,10 @@ KERNEL_MODULES = ("minitensor.cupy_ops",)
 #   adamw           the AdamW update, one pass                (adamw_step)
 FUSED = ("layernorm", "bias_gelu", "causal_softmax", "softmax_xent", "adamw")
 
-# The fused pieces in use in this process: empty (the generic path) until selfcheck.select_kernels
-# chooses; a process-wide choice, like TF32, made once at the entry point.
-in_use = set()
-
-
-@contextlib.contextmanager
-def using(names):
-    """Within the block, exactly the fused pieces `names` are in use (the self-check and tests)."""
-    global in_use
-    saved = in_use
-    in_use = set(names)
-    try:
-        yield
-    finally:
-        in_use = saved
-
-
-# name -> check(xp, rng): runs the layer piece `name` (forward and backward) on small random inputs
-# drawn from the NumPy Generator rng, moved to xp, and returns its outputs; the self-check runs it
-# with and without the fused kernel and compares (minitensor/cupy_ops.py registers them).
+# name -> check(ops, rng): runs the layer piece `name` (forward and backward) through the backend
+# ops on small random inputs drawn from the NumPy Generator rng, moved to ops.xp, and returns its
+# outputs; the self-check runs it with and without the fused kernel and compares
+# (minitensor/cupy_ops.py registers them).
 CHECKS = {}
 
 

@@ -13,9 +13,10 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
                                        memory per layer: 2.2 GB on an H200, where ANDREA-120M at
                                        8 x 1024 needs 384 MiB), else Ops' query blocks
 
-The fused pieces run only when the start-up self-check accepted them (minitensor.selfcheck sets
-minitensor.cuda.in_use, once, at the entry point): it runs each piece's check below once through
-the Ops code and once through the kernel and keeps those that agree.
+Which fused pieces a CupyOps runs is fixed when it is built (`CupyOps(xp, fused=...)`; through
+`minitensor.backends.get_ops(cupy, kernels)`, where kernels="auto" runs the start-up self-check of
+minitensor.selfcheck once: each piece's check (minitensor/cupy_checks.py) once through the Ops
+code and once through the kernel, keeping those that agree).
 
 Every kernel is registered in minitensor.cuda.KERNELS, so that two checks run without a GPU
 (`python -m minitensor.kernels --check | --host-check`): NVRTC compiles each one, and g++ runs
@@ -41,13 +42,22 @@ class CupyOps(Ops):
     # the GPU's memory)
     dense_max_bytes = None
 
-    def __init__(self, xp):
+    def __init__(self, xp, fused=(), kernels_line=None):
+        """fused: the fused pieces to run (names of minitensor.cuda.FUSED), the others through the
+        Ops code; kernels_line: the log line that says how they were chosen."""
         super().__init__(xp)
+        unknown = set(fused) - set(cuda.FUSED)
+        if unknown:
+            raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.FUSED)}")
+        self.in_use = frozenset(fused)
+        self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
 
-    @staticmethod
-    def fused(name):
-        """Whether the fused piece `name` is in use (accepted by the self-check)."""
-        return name in cuda.in_use
+    def __repr__(self):
+        return f"CupyOps(fused {', '.join(sorted(self.in_use)) or 'none'})"
+
+    def fused(self, name):
+        """Whether the fused piece `name` runs (chosen when this backend was built)."""
+        return name in self.in_use
 
     # --- GELU ---
 
@@ -626,87 +636,3 @@ def adamw_kernel(p, g, m, v, mask, b1, b2, grad_scale, step_size, eps_hat, decay
     cuda.on_cupy(fn, p, "Ops.adamw_step")
     scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
     ADAMW_STEP.kernel()(p, m, v, g, mask, b1, b2, scale, step_size, eps_hat, decay, p, m, v)
-
-
-
-# =============================================================================================
-# The self-checks of the fused pieces (minitensor.selfcheck): each runs a piece forward and
-# backward on small random float32 inputs; the self-check runs it with the piece off (the Ops
-# code) and on (the kernel) and compares.
-
-
-def _draw(xp, rng, *shape, scale=1.0, shift=0.0):
-    return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
-
-
-@cuda.self_check("bias_gelu")
-def _check_bias_gelu(xp, rng):
-    """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails."""
-    from minitensor.ops import get_ops
-
-    ops = get_ops(xp)
-    x, b, dy = _draw(xp, rng, 150, 70, scale=4.0), _draw(xp, rng, 70), _draw(xp, rng, 150, 70)
-    y = ops.bias_gelu_forward(x, b)
-    return y, ops.bias_gelu_backward(x, b, dy)
-
-
-@cuda.self_check("layernorm")
-def _check_layernorm(xp, rng):
-    """LayerNorm forward and backward (with a skip gradient) over 40 rows of 100 columns."""
-    from minitensor.layernorm import LayerNorm
-    from minitensor.ops import get_ops
-
-    C = 100  # not a multiple of the 32-thread warps
-    dw, db = xp.zeros(C, np.float32), xp.zeros(C, np.float32)
-    ln = LayerNorm(_draw(xp, rng, C, shift=1.0), dw, _draw(xp, rng, C), db, ops=get_ops(xp))
-    y = ln.forward(_draw(xp, rng, 4, 10, C, scale=3.0, shift=0.5))
-    dx = ln.backward(_draw(xp, rng, 4, 10, C), skip=_draw(xp, rng, 4, 10, C))
-    return y, dx, dw, db
-
-
-@cuda.self_check("causal_softmax")
-def _check_causal_softmax(xp, rng):
-    """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
-    from minitensor.attention import CausalSelfAttention
-    from minitensor.linear import Linear
-    from minitensor.ops import get_ops
-
-    B, T, C, nh = 2, 40, 48, 4
-    ops = get_ops(xp)
-    grads = [xp.zeros(shape, np.float32) for shape in ((C, 3 * C), (3 * C,), (C, C), (C,))]
-    attn = CausalSelfAttention(Linear(_draw(xp, rng, C, 3 * C, scale=0.3), grads[0], _draw(xp, rng, 3 * C), grads[1]),
-                               Linear(_draw(xp, rng, C, C, scale=0.3), grads[2], _draw(xp, rng, C), grads[3]),
-                               nh, ops=ops)
-    attn.dense = True
-    out = attn.forward(_draw(xp, rng, B, T, C))
-    return (out, attn.backward(_draw(xp, rng, B, T, C)), *grads)
-
-
-@cuda.self_check("softmax_xent")
-def _check_softmax_xent(xp, rng):
-    """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits."""
-    from minitensor.loss import SoftmaxCrossEntropy
-    from minitensor.ops import get_ops
-
-    logits = _draw(xp, rng, 6, 8, 1000, scale=3.0)
-    targets = xp.asarray(rng.integers(0, 1000, (6, 8)))
-    fn = SoftmaxCrossEntropy(ops=get_ops(xp))
-    loss = fn.forward(logits, targets, inplace=True)
-    return xp.asarray(loss).reshape(1), fn.backward(0.5)
-
-
-@cuda.self_check("adamw")
-def _check_adamw(xp, rng):
-    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
-    from minitensor.optim import AdamW
-    from minitensor.params import Params
-
-    params = Params({"w": (7, 33), "b": (33,)}, xp=xp, dtype=np.float32)
-    params.data[...] = xp.asarray(rng.standard_normal(params.data.shape).astype(np.float32))
-    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
-    for scale in (1.0, 0.5):
-        for name in params.names():  # through the views: the padding between tensors keeps g = 0
-            view = params.grad(name)
-            view[...] = xp.asarray(rng.standard_normal(view.shape).astype(np.float32))
-        opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
-    return params.data, opt.m, opt.v

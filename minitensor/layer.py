@@ -10,7 +10,7 @@ Every layer computes through `self.ops` (minitensor.ops), the backend chosen whe
 built; without one it takes the CPU backend (`get_ops()`).
 """
 
-from minitensor.ops import get_ops
+from minitensor.backends import get_ops
 
 
 class Layer:

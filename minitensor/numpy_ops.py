@@ -300,6 +300,17 @@ class NumpyOps(Ops):
         sums = np.add.reduceat(rows[order], starts, axis=0)
         dW[sorted_idx[starts]] += sums
 
+    # --- gradient clipping ---
+
+    def global_norm(self, grads):
+        """A float: the squares accumulated in float64 a million at a time, so a float32 buffer's
+        norm loses nothing to its length, and no float64 copy of it is made."""
+        total = 0.0
+        for start in range(0, grads.size, 1 << 20):
+            g = grads[start:start + (1 << 20)]
+            total += float(np.dot(g, g))
+        return math.sqrt(total)
+
     # --- AdamW ---
 
     def adamw_decay_layout(self, params, decays):

@@ -1,6 +1,6 @@
 """The maths of every layer, written once against an array module `xp` (NumPy or CuPy).
 
-    ops = get_ops(xp, kernels)      # chosen once, when a model is built
+    ops = get_ops(xp, kernels)      # minitensor.backends: chosen once, when a model is built
     y, mean, rstd = ops.layernorm_forward(x, w, b, eps)
 
 `Ops` holds each piece in its plainest form, with the derivation beside it: the reference that
@@ -54,6 +54,7 @@ class Ops:
 
     def __init__(self, xp=np):
         self.xp = xp
+        self.kernels_line = "kernels: generic (NumPy)" if xp is np else "kernels: generic"  # for the log
 
     def __repr__(self):
         return f"{type(self).__name__}({self.name})"
@@ -424,6 +425,22 @@ class Ops:
         `dW[idx] += rows` would not do: it keeps one of them)."""
         self.xp.add.at(dW, idx, rows)
 
+    # --- gradient clipping: the whole gradient's norm, and the scale that brings it to `clip` ---
+
+    def global_norm(self, grads):
+        """sqrt(sum g^2) over the flat gradient buffer, left on the device (0-d array): reading
+        it would wait for the whole step."""
+        return self.xp.sqrt(self.xp.dot(grads, grads))
+
+    def clip_scale(self, norm, clip, loss):
+        """(scale, finite) on the device, reading nothing: scale = clip / (norm + 1e-6) when clip
+        and norm > clip, else 1; finite says whether both the loss and the norm are finite (the
+        step's guard). The AdamW step takes scale as it is; the host reads only finite."""
+        xp = self.xp
+        norm = xp.asanyarray(norm)  # asanyarray: a float becomes 0-d, an array stays what it is
+        scale = xp.where(norm > clip, clip / (norm + 1e-6), 1.0) if clip else xp.ones((), norm.dtype)
+        return scale, xp.isfinite(norm) & xp.isfinite(xp.asanyarray(loss))
+
     # --- AdamW, decoupled weight decay (Loshchilov & Hutter), over the flat buffers ---
     #
     #   m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2            g = gradient * grad_scale
@@ -481,27 +498,3 @@ def causal_mask(xp, T, dtype):
     if key not in _mask_cache:
         _mask_cache[key] = xp.asarray(np.triu(np.full((T, T), -np.inf, dtype=dtype), k=1))
     return _mask_cache[key]
-
-
-_ops = {}
-
-
-def get_ops(xp=np, kernels=None):
-    """The backend for arrays of xp, one instance per choice: on NumPy, NumpyOps with the numba
-    kernels unless kernels (or, when it is None, ANDREA_CPU_KERNELS) says 'numpy' or numba is
-    not installed (minitensor.cpu.mode); on CuPy, CupyOps."""
-    if xp is np:
-        from minitensor import cpu
-
-        key = ("numpy", cpu.mode(kernels))
-        if key not in _ops:
-            from minitensor.numpy_ops import NumpyOps
-
-            _ops[key] = NumpyOps(numba=key[1] == "numba")
-        return _ops[key]
-    key = ("cupy", xp)
-    if key not in _ops:
-        from minitensor.cupy_ops import CupyOps
-
-        _ops[key] = CupyOps(xp)
-    return _ops[key]

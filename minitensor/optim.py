@@ -8,36 +8,11 @@ Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as Py
 does, and only to the tensors `decays` selects (by default those of 2+ dimensions: matmul
 weights and embeddings). The update is `Ops.adamw_step` of the parameters' backend
 (minitensor.ops), which folds the bias corrections into two scalars, step_size and eps_hat.
+Gradient clipping is the backend's too (`ops.global_norm`, `ops.clip_scale`): on a GPU the norm
+stays on the device and the step takes the scale as a 0-d array, so nothing is read back.
 """
 
 import math
-
-import numpy as np
-
-from minitensor.backend import array_module
-
-
-def global_norm(grads):
-    """sqrt(sum(g^2)) over a flat buffer: a float accumulated in float64 chunk by chunk on NumPy, a
-    0-d array on CuPy."""
-    xp = array_module(grads)
-    if xp is not np:  # a 0-d device array: reading it would wait for the whole step
-        return xp.sqrt(xp.dot(grads, grads))
-    total = 0.0
-    for start in range(0, grads.size, 1 << 20):
-        g = grads[start:start + (1 << 20)]
-        total += float(np.dot(g, g))
-    return math.sqrt(total)
-
-
-def clip_scale(norm, clip, loss):
-    """(scale, finite) on norm's device, read nothing: scale = clip / (norm + 1e-6) when clip and
-    norm > clip, else 1; finite says whether both the loss and the norm are finite (the step's
-    guard). The AdamW step takes scale as it is; the host reads only finite."""
-    xp = array_module(norm)
-    norm = xp.asanyarray(norm)  # asanyarray: a NumPy float becomes 0-d, any array stays what it is
-    scale = xp.where(norm > clip, clip / (norm + 1e-6), 1.0) if clip else xp.ones((), norm.dtype)
-    return scale, xp.isfinite(norm) & xp.isfinite(xp.asanyarray(loss))
 
 
 class AdamW:

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from minitensor.ops import get_ops
+from minitensor.backends import get_ops
 
 ALIGN = 16
 

@@ -1,15 +1,16 @@
-"""The start-up self-check of the fused GPU kernels, and the choice of which ones CupyOps uses.
+"""The start-up self-check of the fused GPU kernels: which ones a CupyOps is built to use.
 
-    select_kernels("auto" | "fused" | "generic", xp) -> one line saying which are in use
+    select_kernels("auto" | "fused" | "generic", xp) -> (fused pieces, one line saying so)
 
-`auto` (the default on a GPU) runs each fused piece's check (minitensor.cuda.CHECKS, registered in
+`minitensor.backends.get_ops(cupy, kernels)` calls it once per choice, when the model's backend is
+built, and hands the pieces to `CupyOps`; nothing reads the choice later. `auto` (the default on
+a GPU) runs each fused piece's check (minitensor.cuda.CHECKS, registered in
 minitensor/cupy_ops.py: the piece forward and backward on small random float32 inputs, a few
-milliseconds) once through the Ops code and once through CupyOps' fused kernel, and keeps only
-the pieces whose outputs agree to float32 precision: max |fused - generic| <= RTOL * max(1,
-max |generic|) over every output. A piece that disagrees, or whose kernel fails to build or run,
-is reported in the line and the Ops code takes its place. `fused` uses every piece unchecked,
-`generic` none; on NumPy there is nothing to choose. The choice is made once, at the entry
-point, for the process.
+milliseconds) through a CupyOps without the piece (the Ops code) and one with it (the fused
+kernel), and keeps only the pieces whose outputs agree to float32 precision: max |fused -
+generic| <= RTOL * max(1, max |generic|) over every output. A piece that disagrees, or whose
+kernel fails to build or run, is reported in the line and the Ops code takes its place. `fused`
+uses every piece unchecked, `generic` none; on NumPy there is nothing to choose.
 """
 
 import numpy as np
@@ -24,10 +25,12 @@ SEED = 1234
 
 def compare(check, name, xp):
     """(agrees, detail) for one check: its outputs with the piece off and on, norm-wise."""
+    from minitensor.cupy_ops import CupyOps
+
     outputs = []
     for names in ((), (name,)):
-        with cuda.using(names):
-            outputs.append([to_numpy(a).astype(np.float64) for a in check(xp, np.random.default_rng(SEED))])
+        ops = CupyOps(xp, fused=names)
+        outputs.append([to_numpy(a).astype(np.float64) for a in check(ops, np.random.default_rng(SEED))])
     generic, fused = outputs
     worst = 0.0
     for g, f in zip(generic, fused, strict=True):
@@ -56,24 +59,20 @@ def choose(checks, xp):
 
 
 def select_kernels(mode, xp, checks=None):
-    """Sets minitensor.cuda.in_use for the process; returns the line that says what is in use."""
+    """(the fused pieces to use, the line that says which and why) for arrays of xp."""
     if mode not in MODES:
         raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
     if xp is np:
-        cuda.in_use = set()
-        return "kernels: generic (NumPy)"
+        return (), "kernels: generic (NumPy)"
     if mode == "generic":
-        cuda.in_use = set()
-        return "kernels: generic (train.kernels=generic)"
+        return (), "kernels: generic (train.kernels=generic)"
     if mode == "fused":
-        cuda.in_use = set(cuda.FUSED)
-        return f"kernels: fused {', '.join(cuda.FUSED)} (train.kernels=fused, not self-checked)"
+        return tuple(cuda.FUSED), f"kernels: fused {', '.join(cuda.FUSED)} (train.kernels=fused, not self-checked)"
     if checks is None:
         cuda.all_kernels()
         checks = cuda.CHECKS
     chosen, refused = choose(checks, xp)
-    cuda.in_use = set(chosen)
     line = f"kernels: fused {', '.join(chosen) or 'none'}"
     if refused:
         line += "; generic for " + "; ".join(f"{n} (failed its self-check: {why})" for n, why in refused.items())
-    return line
+    return tuple(chosen), line

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (SPEC 4)
+PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (NVIDIA's datasheet)
 PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
 # seconds each, at most (gpu_check.sh allows a little more)
 PARTS = {"compile": 40, "kernels": 23, "gradients": 23, "bench": 48}
@@ -130,16 +130,14 @@ def part_gradients(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from minitensor import cuda
     from minitensor.attention import CausalSelfAttention
     from minitensor.backend import set_tf32
-    from minitensor.selfcheck import select_kernels
 
     cfg = dataclasses.replace(load_config("tiny").model, context_length=256, n_layer=1 if dry else 4)
     B, T, steps = (1, 64, 2) if dry else (2, 256, 3)
     rng = np.random.default_rng(1)
     data = [rng.integers(0, cfg.vocab_size, (B, T + 1)) for _ in range(steps)]
-    ref_losses, ref_grads = _train(cfg, "cpu", "float64", data)
+    ref_losses, ref_grads, _ = _train(cfg, "cpu", "float64", data)
     log(f"ANDREA {cfg.n_layer} layers, d {cfg.d_model}, {steps} AdamW steps of {B} x {T} from seed 0; "
         f"NumPy float64 losses: {', '.join(f'{v:.6f}' for v in ref_losses)}")
     on_gpu = gpu_here(dry)
@@ -152,14 +150,7 @@ def part_gradients(dry):
     variants = (("dense core, kernels auto", True), ("blocked core (2 query blocks), generic kernels", False))
     for variant, dense in variants:
         CausalSelfAttention.dense = dense
-        if not on_gpu:
-            kernels_line = "kernels: generic (NumPy)"
-        else:
-            import cupy
-
-            kernels_line = select_kernels("auto" if dense else "generic", cupy)
-        losses, grads = _train(cfg, device, "float32", data)
-        cuda.in_use = set()
+        losses, grads, kernels_line = _train(cfg, device, "float32", data, "auto" if dense else "generic")
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         errs = {name: normwise(grads[name], ref_grads[name]) for name in ref_grads}
         worst = max(errs, key=errs.get)
@@ -172,14 +163,15 @@ def part_gradients(dry):
     return failed
 
 
-def _train(cfg, device, dtype, data):
-    """Per-step losses and the step-0 gradients {name: float64 NumPy array}, clipping at norm 1."""
+def _train(cfg, device, dtype, data, kernels=None):
+    """Per-step losses, the step-0 gradients {name: float64 NumPy array} (clipping at norm 1) and
+    the line that says which kernels ran."""
     from andrea.model import ANDREA
     from andrea.optim import AdamW
     from minitensor.backend import to_numpy
-    from minitensor.optim import clip_scale, global_norm
 
-    model = ANDREA(cfg, device=device, dtype=dtype, seed=0)
+    model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
+    ops = model.ops
     opt = AdamW(model, lr=1e-3)
     losses, grads = [], None
     for x in data:
@@ -188,8 +180,8 @@ def _train(cfg, device, dtype, data):
         model.backward()
         if grads is None:
             grads = {name: to_numpy(g).astype(np.float64) for name, g in model.named_grads()}
-        opt.step(grad_scale=clip_scale(global_norm(model.params.grads), 1.0, 0.0)[0])
-    return losses, grads
+        opt.step(grad_scale=ops.clip_scale(ops.global_norm(model.params.grads), 1.0, 0.0)[0])
+    return losses, grads, ops.kernels_line
 
 
 # --- kernels: fused against generic, at model shapes ----------------------------------------------
@@ -210,17 +202,16 @@ def part_kernels(dry):
     on_gpu = gpu_here(dry)
     if not on_gpu:
         xp = np
-        log(select_kernels("auto", np) + " (dry run: the self-check itself runs only on CuPy)")
+        log(select_kernels("auto", np)[1] + " (dry run: the self-check itself runs only on CuPy)")
         cuda.launch = kernelcheck.emulate_launch
     else:
         import cupy as xp
 
         start = time.perf_counter()
-        line = select_kernels("auto", xp)
+        _, line = select_kernels("auto", xp)
         failed = "generic for" in line  # a fused kernel disagreed with its generic path
         log(f"{verdict(not failed)} self-check in {time.perf_counter() - start:.1f} s (kernels compiled "
             f"included): {line}")
-        cuda.in_use = set()  # the comparisons below call the kernels directly
     if dry:
         N, C, F, BH, T, V = 6, 40, 64, 2, 20, 50
         shapes, reps = {"w": (50, 40), "b": (40,)}, 1
@@ -419,19 +410,17 @@ def part_bench(dry):
     from andrea.optim import AdamW
     from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
     from minitensor.backend import set_tf32
-    from minitensor.optim import clip_scale, global_norm
-    from minitensor.selfcheck import select_kernels
 
     full = load_config("tiny" if dry else "120m")
     cfg = dataclasses.replace(full.model, n_layer=1) if dry else full.model
     B, T = (2, 32) if dry else (8, 1024)
     warmup, steps = (1, 2) if dry else (3, 5)
-    model = ANDREA(cfg, device="gpu" if gpu_here(dry) else "cpu", dtype="float32", seed=0)
+    model = ANDREA(cfg, device="gpu" if gpu_here(dry) else "cpu", dtype="float32", seed=0, kernels=full.train.kernels)
     opt = AdamW(model, lr=6e-4)
     xp = model.xp
     mode = "tf32" if full.train.tf32 else "float32"
     log(f"{'tiny' if dry else 'ANDREA-120M'} at {B} x {T}, {warmup} warm-up steps then {steps} timed",
-        set_tf32(xp, full.train.tf32), select_kernels(full.train.kernels, xp))
+        set_tf32(xp, full.train.tf32), model.ops.kernels_line)
     rng = np.random.default_rng(0)
     # token ids stay on the host, as the training loader's do: the model checks them there and
     # copies them over; ids on the device would be read back, two host reads a step
@@ -456,7 +445,7 @@ def part_bench(dry):
         if timed_split:
             synchronize(xp)
             marks.append(time.perf_counter())
-        scale, finite = clip_scale(global_norm(model.params.grads), 1.0, loss)
+        scale, finite = model.ops.clip_scale(model.ops.global_norm(model.params.grads), 1.0, loss)
         if bool(finite):  # the one host read of a training step
             opt.step(grad_scale=scale)
         if timed_split:

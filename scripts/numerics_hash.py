@@ -54,7 +54,6 @@ def run_case(config, kernels, dtype):
     from andrea.model import ANDREA
     from andrea.optim import AdamW
     from minitensor.backend import to_numpy
-    from minitensor.optim import clip_scale, global_norm
 
     cfg = load_config(config)
     model = ANDREA(cfg.model, device="cpu", dtype=dtype, seed=0)
@@ -68,8 +67,8 @@ def run_case(config, kernels, dtype):
         model.zero_grad()
         loss = model.loss(x, y)
         model.backward(0.5)  # a dloss != 1 takes the scaling path of the cross-entropy's backward
-        norm = global_norm(model.params.grads)
-        scale, finite = clip_scale(norm, 1.0, loss)
+        norm = model.ops.global_norm(model.params.grads)
+        scale, finite = model.ops.clip_scale(norm, 1.0, loss)
         assert bool(finite)
         opt.step(lr=1e-3, grad_scale=scale)
         losses.append(float(loss))

@@ -4,8 +4,8 @@ NumPy is always there; CuPy joins the list only when a GPU actually works (a tin
 tiny matmul ran), so a CPU-only machine runs every check on NumPy and reports the GPU as absent
 in the header rather than as skipped gradient checks. The `cupy` fixture is for tests that run
 only on a GPU (the CUDA kernels): it skips them with the probe's reason when none works.
-`model_xp` runs a whole-model test on every backend, and on CuPy twice: with the generic kernels
-and with every fused one in use.
+`model_backend` runs a whole-model test on every backend, and on CuPy twice: with the generic
+kernels and with every fused one in use (`ANDREA(cfg, **model_backend.args)`).
 
 With ANDREA_TEST_PROFILE=gpu (scripts/gpu_check.sh), every hypothesis test runs at most
 GPU_EXAMPLES examples without a deadline: the lent GPU's minutes go to more kinds of checks
@@ -13,12 +13,13 @@ rather than more draws of each (the CPU suite keeps its counts).
 """
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 from hypothesis import settings
 
-from minitensor import backend, cuda
+from minitensor import backend
 
 GPU_EXAMPLES = 3
 
@@ -61,21 +62,29 @@ def cupy():
     return cupy
 
 
+class ModelBackend(NamedTuple):
+    xp: object
+    kernels: str | None  # the GPU's fused kernels, 'generic' or 'fused' (None on NumPy)
+
+    @property
+    def args(self):
+        """ANDREA's keyword arguments for this backend."""
+        return {"device": "cpu" if self.xp is np else "gpu", "kernels": self.kernels}
+
+
 def model_backends():
-    xps = [pytest.param((np, ()), id="numpy")]
+    backends = [pytest.param(ModelBackend(np, None), id="numpy")]
     if backend.gpu_available():
         import cupy
 
-        xps += [pytest.param((cupy, ()), id="cupy-generic", marks=pytest.mark.gpu),
-                pytest.param((cupy, cuda.FUSED), id="cupy-fused", marks=pytest.mark.gpu)]
-    return xps
+        backends += [pytest.param(ModelBackend(cupy, "generic"), id="cupy-generic", marks=pytest.mark.gpu),
+                     pytest.param(ModelBackend(cupy, "fused"), id="cupy-fused", marks=pytest.mark.gpu)]
+    return backends
 
 
 @pytest.fixture(scope="module", params=model_backends())
-def model_xp(request):
-    xp, fused = request.param
-    with cuda.using(fused):
-        yield xp
+def model_backend(request):
+    return request.param
 
 
 def pytest_collection_modifyitems(config, items):

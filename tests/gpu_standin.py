@@ -5,8 +5,8 @@
     env = standin_env(report_dir)           # for a command: the stand-in first on PYTHONPATH
 
 Only the tests that ask for it see it: the rest of the suite keeps the real CuPy (or none) and
-reports no GPU. On leaving, the modules, the probe's cached verdict, the kernels built and the
-fused pieces in use are what they were.
+reports no GPU. On leaving, the modules, the probe's cached verdict and the kernels built are what
+they were.
 
 What the stand-in runs is the project's own code: every xp operation of the CuPy branches, the
 ElementwiseKernel operations as C++ and the RawKernels through minitensor's launch emulation.
@@ -47,7 +47,7 @@ _standin_modules = {}  # imported once per process: minitensor's caches may hold
 def standin_cupy():
     """Within the block `import cupy` gives the stand-in and minitensor sees one usable GPU."""
     saved_modules = {name: mod for name, mod in sys.modules.items() if _ours(name)}
-    saved_state = (backend._gpu_probe, backend._fallback_reported, set(cuda.in_use))
+    saved_state = (backend._gpu_probe, backend._fallback_reported)
     for name in saved_modules:
         del sys.modules[name]
     if _standin_modules:
@@ -74,7 +74,7 @@ def standin_cupy():
             del sys.modules[name]
         sys.modules.update(saved_modules)
         _forget_built_kernels()
-        backend._gpu_probe, backend._fallback_reported, cuda.in_use = saved_state
+        backend._gpu_probe, backend._fallback_reported = saved_state
 
 
 def standin_env(report_dir=None, **extra):

@@ -14,12 +14,13 @@ import numpy as np
 from andrea.model import MLP
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import to_numpy
+from minitensor.backends import get_ops
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.gelu import GELU
 from minitensor.layernorm import LayerNorm
 from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
-from minitensor.ops import Ops, get_ops
+from minitensor.ops import Ops
 from minitensor.params import Params
 
 

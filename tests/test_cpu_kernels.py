@@ -14,9 +14,10 @@ from optional import require
 
 from minitensor import cpu, numpy_ops, parallel
 from minitensor.backend import to_numpy
+from minitensor.backends import get_ops
 from minitensor.layernorm import LayerNorm
 from minitensor.numpy_ops import NumpyOps
-from minitensor.ops import Ops, get_ops
+from minitensor.ops import Ops
 from minitensor.optim import AdamW
 from minitensor.params import Params
 

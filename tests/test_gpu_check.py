@@ -19,7 +19,9 @@ def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
                          capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
-    assert "FAIL" not in out, out[-4000:]
+    # verdicts open their line; the sampled text, from a model trained on andrea/'s source, may hold "FAIL"
+    failed = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert not failed and "SOME PHASES FAILED" not in out, failed or out[-4000:]
     summary = (tmp_path / "gpu_check" / "summary.txt").read_text().splitlines()
     assert [line.split()[2:4] for line in summary] == [["1", "tests"], ["2", "kernels"], ["3", "gradients"],
                                                        ["4", "train"], ["5", "nccl"], ["6", "bench"]], summary

@@ -102,12 +102,13 @@ def run_model(device, dtype, kernels, dense, steps=2):
     from andrea.optim import AdamW
     from minitensor.attention import CausalSelfAttention
     from minitensor.backend import to_numpy
-    from minitensor.optim import clip_scale, global_norm
-    from minitensor.selfcheck import select_kernels
+    from minitensor.cuda import FUSED
 
     cfg = small_model_config()
-    model = ANDREA(cfg, device=device, dtype=dtype, seed=0)
-    select_kernels(kernels, model.xp)
+    model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
+    ops = model.ops
+    if device == "gpu":  # the kernels asked for are the ones the backend was built with
+        assert ops.in_use == (frozenset(FUSED) if kernels == "fused" else frozenset()), ops
     CausalSelfAttention.dense = dense
     # AdamW divides by sqrt(v) + eps: where a gradient is near 0, a rounding difference in it is
     # magnified up to lr / eps times; float32's eps here keeps that within float32's reach
@@ -123,12 +124,11 @@ def run_model(device, dtype, kernels, dense, steps=2):
             losses.append(float(loss))
             if grads is None:
                 grads = {name: to_numpy(g).astype(np.float64) for name, g in model.named_grads()}
-            scale, finite = clip_scale(global_norm(model.params.grads), 1.0, loss)
+            scale, finite = ops.clip_scale(ops.global_norm(model.params.grads), 1.0, loss)
             assert bool(finite)
             opt.step(grad_scale=scale)
     finally:
         CausalSelfAttention.dense = None
-        select_kernels("generic", model.xp)
     weights = {name: to_numpy(w).astype(np.float64) for name, w in model.named_parameters()}
     return np.array(losses), grads, weights
 
@@ -151,12 +151,13 @@ def test_the_gpu_path_equals_the_cpu_path_forward_backward_and_adamw(kernels, de
 
 
 def test_the_fused_kernels_pass_their_start_up_self_check_on_the_standin():
+    from minitensor import cuda
     from minitensor.selfcheck import select_kernels
 
     with standin_cupy() as cupy:
-        line = select_kernels("auto", cupy)
-        select_kernels("generic", cupy)
+        fused, line = select_kernels("auto", cupy)
     assert every_piece_fused(line), line
+    assert sorted(fused) == sorted(cuda.FUSED)
 
 
 @pytest.mark.parametrize("broken, reason", [("sum", "CuPy cannot compile or run a kernel; is NVRTC installed?"),

@@ -10,13 +10,13 @@ from layer_cases import all_ops, attention_case, embedding_case, linear_case, lo
 
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import to_numpy
+from minitensor.backends import get_ops
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.gelu import GELU
 from minitensor.gradcheck import check_gradients
 from minitensor.layernorm import LayerNorm
 from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
-from minitensor.ops import get_ops
 from minitensor.params import Params
 
 examples = settings(max_examples=15, deadline=None)

@@ -1,4 +1,4 @@
-"""The byte-level BPE tokenizer: its id layout, exact round trips, EOT handling, files (SPEC 2).
+"""The byte-level BPE tokenizer: its id layout, exact round trips, EOT handling, files.
 
 One full-size tokenizer (8449 ids) is trained per module on ~1.5 MB of stdlib source (~1-2 s);
 a small one (allow_smaller) serves the tests where the size does not matter.

@@ -63,9 +63,9 @@ def trainer(tmp_path, monkeypatch):
     tokenizer, tokens, val_tokens = train.prepare_data(cfg)
     t = train.Trainer(cfg, out, tokens, val_tokens, tokenizer)
     assert t.accum == 3  # three micro-batches per optimizer step
-    real_loss, real_norm = train.ANDREA.loss, train.global_norm
+    real_loss, real_norm = train.ANDREA.loss, t.model.ops.global_norm
     monkeypatch.setattr(train.ANDREA, "loss", lambda self, x, y: on_device(real_loss(self, x, y)))
-    monkeypatch.setattr(train, "global_norm", lambda grads: on_device(real_norm(grads)))
+    monkeypatch.setattr(t.model.ops, "global_norm", lambda grads: on_device(real_norm(grads)))
     return t
 
 
