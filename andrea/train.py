@@ -34,7 +34,7 @@ from andrea import checkpoint as ckpt
 from andrea import data, hf, preflight, runlog
 from andrea import distributed as dist
 from andrea.cli import ArgumentParser, run_cli
-from andrea.config import load_config, make_config
+from andrea.config import VARIANT_DEFAULTS, load_config, make_config
 from andrea.errors import UserError
 from andrea.hf import load_tokenizer
 from andrea.model import ANDREA, flops_per_token, format_breakdown
@@ -129,6 +129,8 @@ class Trainer:
     def validate_checkpoint(self, tensors, meta):
         """Refuses a checkpoint this run cannot continue from exactly (raises CheckpointError)."""
         saved_model = meta.get("config", {}).get("model")
+        if saved_model is not None:
+            saved_model = {**VARIANT_DEFAULTS, **saved_model}
         current = self.cfg.to_dict()["model"]
         if saved_model != current:
             diff = sorted(k for k in current if saved_model is None or saved_model.get(k) != current[k])
