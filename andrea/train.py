@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data, hf, preflight, runlog
+from andrea import data, gradflow, hf, preflight, runlog
 from andrea import distributed as dist
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import VARIANT_DEFAULTS, load_config, make_config
@@ -219,7 +219,8 @@ class Trainer:
         try:
             while self.step < t.max_steps:
                 lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
-                loss, norm, applied = self.train_step(lr)
+                with gradflow.recording(self.model, self.step + 1, t) as flow:  # None unless logged
+                    loss, norm, applied = self.train_step(lr)
                 self.step += 1
                 window_steps += 1
                 if not applied:
@@ -249,6 +250,8 @@ class Trainer:
                     record["val_loss"] = val
                     log(f"step {self.step:>6}: val loss {val:.4f}")
                     window_start = time.perf_counter()  # evaluation time is not training throughput
+                if record and flow:
+                    record["grad_flow"] = flow.as_dict()
                 if record:
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
