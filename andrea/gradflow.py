@@ -56,7 +56,8 @@ def read_flow(run_dir) -> list[tuple[int, dict]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} does not exist: give the --out directory of a training run")
-    flows = [(step, r["grad_flow"]) for step, r in sorted(_records(path).items()) if isinstance(r.get("grad_flow"), dict)]
+    records = sorted(_records(path).items())
+    flows = [(step, r["grad_flow"]) for step, r in records if isinstance(r.get("grad_flow"), dict)]
     if not flows:
         raise UserError(f"{path} has no gradient flow: train with --set train.log_grad_flow=true")
     return flows

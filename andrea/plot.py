@@ -5,8 +5,9 @@ each, so noisy) and validation loss (every eval_interval steps) from metrics.jso
 tokens seen: step x batch_size x seq_len x micro-batches, from the run's config.json. The unigram
 baseline of the run's data (the loss of predicting every token by its frequency in the training
 tokens, from the data directory's meta.json) is drawn as a dashed line: a model below it has
-learned more than token frequencies. Several runs share one figure, one colour each. `--grad-flow` draws instead the gradient norm
-against depth of runs trained with train.log_grad_flow (andrea.gradflow).
+learned more than token frequencies. Several runs share one figure, one colour each.
+`--grad-flow` draws instead the gradient norm against depth of runs trained with
+train.log_grad_flow (andrea.gradflow).
 
 matplotlib comes from the optional `plot` extra; the figure is drawn on an Agg canvas of its own,
 so nothing about the process's matplotlib backend changes.
