@@ -48,7 +48,7 @@ THIN = ["model.context_length=64", "model.d_model=64", "model.n_head=4",
 @dataclass
 class Experiment:
     claim: str                     # the design document's claim, in English
-    original: str                  # and in its Portuguese
+    original: str                  # its words in the design document (Portuguese)
     base: list                     # overrides every arm shares
     arms: dict                     # arm name -> its own overrides
     steps: int                     # the default budget, in optimizer steps
@@ -138,16 +138,17 @@ EXPERIMENTS = {
     "residual": Experiment(
         claim="A 12-layer stack without residuals would lose the gradient signal long before it reached "
               "the embeddings; with residuals the gradient magnitude stays usable through hundreds of layers.",
-        original="uma pilha de 12 camadas sem residuais perderia o sinal do gradiente muito antes de chegar aos "
-                 "embeddings; com residuais, a magnitude do gradiente se mantém utilizável por centenas de camadas",
+        original="Uma pilha de 12 camadas sem resíduos perderia o sinal de gradiente muito antes de alcançar os "
+                 "embeddings; com resíduos, a magnitude do gradiente permanece utilizável através de centenas de "
+                 "camadas.",
         base=THIN + ["model.n_layer=12"],
         arms={"residual": [], "no-residual": ["model.residual=false"]},
         steps=150, judge=judge_residual),
     "norm": Experiment(
         claim="Post-norm trains poorly without learning-rate warmup and careful tuning; its gradients explode "
               "in the early layers. Pre-norm trains stably.",
-        original="post-norm treina mal sem warmup de learning rate e ajuste cuidadoso; os gradientes explodem "
-                 "nas camadas iniciais",
+        original="O pós-norm treina mal sem aquecimento de LR e ajuste cuidadoso de hiperparâmetros. Os gradientes "
+                 "explodem nas camadas iniciais [...] O treinamento pré-norm é estável.",
         base=THIN + ["model.n_layer=12"],
         arms={"pre-warmup": [], "pre-no-warmup": ["train.warmup_steps=0"],
               "post-warmup": ["model.norm=post"], "post-no-warmup": ["model.norm=post", "train.warmup_steps=0"]},
@@ -155,14 +156,16 @@ EXPERIMENTS = {
     "activation": Experiment(
         claim="GELU reaches a lower loss than ReLU at the same parameter count; its smooth curve gives cleaner "
               "gradients.",
-        original="GELU atinge loss menor que ReLU com o mesmo número de parâmetros; a curva suave dá gradientes "
-                 "mais limpos",
+        original="Empiricamente, transformers treinados com GELU alcançam perda menor do que transformers treinados "
+                 "com ReLU com o mesmo número de parâmetros. [...] a curva suave do GELU fornece gradientes mais "
+                 "limpos para a retropropagação.",
         base=THIN + ["model.n_layer=4"],
         arms={"gelu": [], "relu": ["model.activation=relu"]},
         steps=150, seeds=[0, 1, 2], judge=judge_activation),
     "mlp-ratio": Experiment(
         claim="The 4x MLP expansion: smaller ratios lose capacity, larger ones give diminishing returns.",
-        original="a expansão 4x do MLP: razões menores perdem capacidade, maiores dão retornos decrescentes",
+        original="Proporções menores reduzem a capacidade do modelo. Proporções maiores produzem retornos "
+                 "decrescentes por parâmetro gasto.",
         base=THIN + ["model.n_layer=4"],
         arms={f"ratio-{r}": [f"model.mlp_ratio={r}"] for r in (1, 2, 4, 8)},
         steps=150, judge=judge_mlp_ratio),
