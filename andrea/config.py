@@ -41,8 +41,10 @@ class ModelConfig:
     mlp_ratio: float = 4            # the MLP's hidden width over d_model
 
     def __post_init__(self):
+        _require(self.d_model >= 1, f"model.d_model must be at least 1, got {self.d_model}")
         _require(self.mlp_ratio > 0, f"model.mlp_ratio must be positive, got {self.mlp_ratio}")
         from_ratio = self.mlp_ratio * self.d_model
+        _require(math.isfinite(from_ratio), f"model.mlp_ratio ({self.mlp_ratio}) is too large")
         if self.mlp_dim is None:
             _require(from_ratio == int(from_ratio),
                      f"model.mlp_ratio ({self.mlp_ratio}) x model.d_model ({self.d_model}) must be a whole number")
