@@ -18,8 +18,10 @@ the same token budget; the runs log their gradient flow (train.log_grad_flow). I
                       stack, steps to a loss, diverged or not) and the verdict on the claim
     results.json      the same numbers
 
-The verdict rules are written next to each experiment below, fixed before the runs. Everything
-after the experiment's name is optional; `--set section.key=value` changes every arm (applied
+The verdict rules are written next to each experiment below, fixed before the runs. Ctrl-C stops
+the experiment after the current arm's step (that arm keeps a checkpoint); `--report-only` then
+writes the table, figure and verdict from the arms that finished. Everything after the
+experiment's name is optional; `--set section.key=value` changes every arm (applied
 last), e.g. a data directory or a smaller model for a quick look.
 """
 
@@ -170,6 +172,7 @@ EXPERIMENTS = {
         arms={f"ratio-{r}": [f"model.mlp_ratio={r}"] for r in (1, 2, 4, 8)},
         steps=150, judge=judge_mlp_ratio),
 }
+EXIT_INTERRUPTED = 130
 COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu"]
 
 
@@ -298,7 +301,18 @@ def report(name, exp, rows, target, command):
     return "\n".join(lines), verdicts
 
 
-def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), command=""):
+def finished(run_dir: Path) -> bool:
+    """Whether run_dir holds a run that trained to its train.max_steps."""
+    from andrea.plot import _records
+
+    try:
+        max_steps = json.loads((run_dir / "config.json").read_text())["train"]["max_steps"]
+        return max(_records(run_dir / "metrics.jsonl"), default=0) == max_steps
+    except (OSError, ValueError, KeyError, UserError):
+        return False
+
+
+def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), command="", report_only=False):
     exp = EXPERIMENTS[name]
     out = Path(out)
     marker = out / "results.json"
@@ -313,12 +327,22 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
     for seed in seeds or exp.seeds:
         for arm, overrides in exp.arms.items():
             run_dir = out / f"{arm}-seed{seed}"
+            if report_only:
+                if finished(run_dir):
+                    rows.append(summarise(run_dir, arm, seed, 0))
+                else:
+                    print(f"{name}: {run_dir} has no finished run: left out", file=sys.stderr, flush=True)
+                continue
             print(f"{name}: training {run_dir.name} ({n_steps} steps)", file=sys.stderr, flush=True)
             code = train_arm(run_dir, exp.base + budget + COMMON + overrides + [f"train.seed={seed}"] + list(extra),
                              out / "logs" / f"{run_dir.name}.log")
             if code == 2:
                 raise UserError(f"{run_dir.name} did not start: {_last_line(out / 'logs' / f'{run_dir.name}.log')}")
+            if code == EXIT_INTERRUPTED:  # Ctrl-C stops the experiment, not just this arm
+                raise KeyboardInterrupt
             rows.append(summarise(run_dir, arm, seed, code))
+    if not rows:
+        raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
     target = default_target(rows)
     steps_to(rows, target)
     text, verdicts = report(name, exp, rows, target, command)
@@ -346,6 +370,8 @@ def main(argv=None):
     ap.add_argument("--seeds", help="comma-separated seeds (default: the experiment's; 0,1,2 for activation)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value in every arm, applied last (repeatable)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing: the table, figure and verdict from the finished runs already in --out")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
     if args.scale <= 0:
@@ -358,7 +384,7 @@ def main(argv=None):
         raise UserError(f"--seeds must be integers separated by commas, got {args.seeds!r}") from None
     command = "python -m andrea.experiment " + " ".join(argv if argv is not None else sys.argv[1:])
     text = run_experiment(args.name, args.out or Path("runs/experiments") / args.name, args.steps, args.scale,
-                          seeds, args.set, command)
+                          seeds, args.set, command, args.report_only)
     print(text)
     return 0
 
