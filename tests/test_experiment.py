@@ -137,3 +137,25 @@ def test_plot_grad_flow_says_how_to_get_one(tmp_path, data_dir, capsys):
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
     assert run(plot.main, ["--grad-flow", str(run_dir)]) == 2
     assert "train.log_grad_flow=true" in capsys.readouterr().err
+
+
+def test_report_only_rebuilds_the_report_from_finished_runs(tmp_path, data_dir, capsys):
+    require("matplotlib")
+    out = tmp_path / "residual"
+    argv = ["residual", "--out", str(out), "--steps", "2"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv) == 0
+    first = json.loads((out / "results.json").read_text())["rows"]
+    (out / "results.json").unlink()
+    (out / "residual.png").unlink()
+    assert run(experiment.main, argv + ["--report-only"]) == 0
+    again = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["run"], r["val_loss"], r["ratio_final"]) for r in again] == \
+        [(r["run"], r["val_loss"], r["ratio_final"]) for r in first]
+    assert (out / "residual.png").is_file()
+    (out / "no-residual-seed0" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    capsys.readouterr()
+    assert run(experiment.main, argv + ["--report-only"]) == 0
+    assert "no-residual-seed0 has no finished run: left out" in capsys.readouterr().err
+    assert [r["run"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["residual-seed0"]
