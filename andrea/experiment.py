@@ -312,7 +312,8 @@ def finished(run_dir: Path) -> bool:
         return False
 
 
-def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), command="", report_only=False):
+def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), command="", report_only=False,
+                   arms=None):
     exp = EXPERIMENTS[name]
     out = Path(out)
     marker = out / "results.json"
@@ -326,6 +327,8 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
     rows = []
     for seed in seeds or exp.seeds:
         for arm, overrides in exp.arms.items():
+            if arms and arm not in arms:
+                continue
             run_dir = out / f"{arm}-seed{seed}"
             if report_only:
                 if finished(run_dir):
@@ -370,6 +373,8 @@ def main(argv=None):
     ap.add_argument("--seeds", help="comma-separated seeds (default: the experiment's; 0,1,2 for activation)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override a config value in every arm, applied last (repeatable)")
+    ap.add_argument("--arms", help="comma-separated arms to run (default: all; e.g. to run arms in parallel "
+                                   "processes, then --report-only)")
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: the table, figure and verdict from the finished runs already in --out")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -382,9 +387,14 @@ def main(argv=None):
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     except ValueError:
         raise UserError(f"--seeds must be integers separated by commas, got {args.seeds!r}") from None
+    arms = args.arms.split(",") if args.arms else None
+    unknown = sorted(set(arms or ()) - set(EXPERIMENTS[args.name].arms))
+    if unknown:
+        raise UserError(f"--arms: {', '.join(unknown)} is not an arm of {args.name}; its arms are "
+                        f"{', '.join(EXPERIMENTS[args.name].arms)}")
     command = "python -m andrea.experiment " + " ".join(argv if argv is not None else sys.argv[1:])
     text = run_experiment(args.name, args.out or Path("runs/experiments") / args.name, args.steps, args.scale,
-                          seeds, args.set, command, args.report_only)
+                          seeds, args.set, command, args.report_only, arms)
     print(text)
     return 0
 
