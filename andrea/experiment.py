@@ -87,6 +87,8 @@ def judge_identity(rows):
     """Claim 3 from the residual stack's first step: supports if every sublayer changes the stream
     by under 30% of its norm at initialisation, contradicts if one changes it by more than it is."""
     deltas = [r["delta_init_max"] for r in rows if r["arm"] == "residual"]
+    if not deltas:
+        return "leaves open", "the residual arm has not run"
     worst = max(deltas)
     why = f"at step 1 the largest sublayer change is {worst:.3g} of the stream it is added to"
     if worst < 0.3:

@@ -76,7 +76,8 @@ def test_the_arms_differ_only_in_their_variant(tmp_path, data_dir):
 
 @pytest.mark.parametrize("argv, message", [(["residual", "--scale", "0"], "--scale must be positive"),
                                            (["residual", "--seeds", "a"], "--seeds must be integers"),
-                                           (["residual", "--steps", "1"], "--steps must be at least 2")])
+                                           (["residual", "--steps", "1"], "--steps must be at least 2"),
+                                           (["residual", "--arms", "x"], "--arms: x is not an arm of residual")])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert run(experiment.main, argv) == 2
     err = capsys.readouterr().err.strip()
@@ -139,14 +140,18 @@ def test_plot_grad_flow_says_how_to_get_one(tmp_path, data_dir, capsys):
     assert "train.log_grad_flow=true" in capsys.readouterr().err
 
 
-def test_report_only_rebuilds_the_report_from_finished_runs(tmp_path, data_dir, capsys):
+def test_arms_then_report_only_rebuild_the_report_from_finished_runs(tmp_path, data_dir, capsys):
     require("matplotlib")
     out = tmp_path / "residual"
     argv = ["residual", "--out", str(out), "--steps", "2"]
     for o in SMALL + corpus(data_dir):
         argv += ["--set", o]
-    assert run(experiment.main, argv) == 0
+    assert run(experiment.main, argv + ["--arms", "no-residual"]) == 0
+    assert run(experiment.main, argv + ["--arms", "residual"]) == 0
+    assert [r["run"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["residual-seed0"]
+    assert run(experiment.main, argv + ["--report-only"]) == 0
     first = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["run"] for r in first] == ["residual-seed0", "no-residual-seed0"]
     (out / "results.json").unlink()
     (out / "residual.png").unlink()
     assert run(experiment.main, argv + ["--report-only"]) == 0
