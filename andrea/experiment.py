@@ -318,6 +318,10 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
                    arms=None):
     exp = EXPERIMENTS[name]
     out = Path(out)
+    try:  # the figure comes last: say now, not after the training, that it cannot be drawn
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("andrea.experiment draws with matplotlib: pip install -e '.[plot]'") from None
     marker = out / "results.json"
     if out.exists() and any(out.iterdir()) and not marker.exists() and not (out / "logs").exists():
         raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
