@@ -21,6 +21,10 @@ from andrea.errors import UserError
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
+# the values of the variant keys in runs saved before they existed (such a run was ANDREA's block)
+VARIANT_DEFAULTS = {"norm": "pre", "residual": True, "activation": "gelu", "mlp_ratio": 4}
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 8449
@@ -28,17 +32,47 @@ class ModelConfig:
     d_model: int = 768
     n_layer: int = 12
     n_head: int = 12
-    mlp_dim: int | None = None      # 4 * d_model when not given
+    mlp_dim: int | None = None      # mlp_ratio * d_model when not given
     ln_eps: float = 1e-5
+    # the design document's variants (docs/experiments.md); the defaults are ANDREA, GPT-2's block
+    norm: str = "pre"               # pre: x + f(LN(x)); post: LN(x + f(x)), the 2017 arrangement
+    residual: bool = True           # false: x = f(LN(x)) (pre) or LN(f(x)) (post), no skip
+    activation: str = "gelu"        # gelu (GPT-2's tanh approximation) or relu
+    mlp_ratio: float = 4            # the MLP's hidden width over d_model
 
     def __post_init__(self):
+        _require(self.d_model >= 1, f"model.d_model must be at least 1, got {self.d_model}")
+        _require(self.mlp_ratio > 0, f"model.mlp_ratio must be positive, got {self.mlp_ratio}")
+        from_ratio = self.mlp_ratio * self.d_model
+        _require(math.isfinite(from_ratio), f"model.mlp_ratio ({self.mlp_ratio}) is too large")
         if self.mlp_dim is None:
-            self.mlp_dim = 4 * self.d_model
+            _require(from_ratio == int(from_ratio),
+                     f"model.mlp_ratio ({self.mlp_ratio}) x model.d_model ({self.d_model}) must be a whole number")
+            self.mlp_dim = int(from_ratio)
+        elif self.mlp_dim != from_ratio:
+            # a config that gives mlp_dim alone (andrea-120m's YAML) keeps it; giving both, they must agree
+            _require(self.mlp_ratio == 4, f"model.mlp_dim ({self.mlp_dim}) and model.mlp_ratio ({self.mlp_ratio}) "
+                                          f"disagree (mlp_dim = mlp_ratio x d_model): set model.mlp_dim instead")
+            self.mlp_ratio = self.mlp_dim / self.d_model
         for name in ("vocab_size", "context_length", "d_model", "n_layer", "n_head", "mlp_dim"):
             _require(getattr(self, name) >= 1, f"model.{name} must be at least 1, got {getattr(self, name)}")
         _require(self.d_model % self.n_head == 0,
                  f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         _require(self.ln_eps > 0, f"model.ln_eps must be positive, got {self.ln_eps}")
+        _require(self.norm in ("pre", "post"), f"model.norm must be pre or post, got {self.norm!r}")
+        _require(self.activation in ("gelu", "relu"), f"model.activation must be gelu or relu, got {self.activation!r}")
+
+    @property
+    def is_gpt2(self):
+        """Whether this is GPT-2's block (pre-norm, residual, GELU), which the Hugging Face export writes."""
+        return self.norm == "pre" and self.residual and self.activation == "gelu"
+
+    def variant(self):
+        """The non-GPT-2 choices, e.g. "norm=post, residual=false" ("" for GPT-2's block)."""
+        changed = [f"norm={self.norm}"] if self.norm != "pre" else []
+        changed += ["residual=false"] if not self.residual else []
+        changed += [f"activation={self.activation}"] if self.activation != "gelu" else []
+        return ", ".join(changed)
 
     @property
     def head_size(self):
@@ -60,6 +94,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0          # 0 disables clipping
     log_interval: int = 10
+    log_grad_flow: bool = False     # per-block gradient and residual-stream norms at log steps (andrea.gradflow)
     eval_interval: int = 100
     eval_batches: int = 8
     checkpoint_interval: int = 200

@@ -335,6 +335,9 @@ def save_pretrained(model, directory, tokenizer=None) -> list[Path]:
     """Write config.json and model.safetensors (and the tokenizer's files when given); returns the paths."""
     directory = Path(directory)
     cfg = model.cfg
+    if not cfg.is_gpt2:
+        raise UserError(f"this model is a variant ({cfg.variant()}), not GPT-2: the Hugging Face export writes "
+                        "GPT-2's block only (model.norm=pre, model.residual=true, model.activation=gelu)")
     if tokenizer is not None and tokenizer.vocab_size != cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model {cfg.vocab_size}")
     eot_id = tokenizer.eot_id if tokenizer is not None else cfg.vocab_size - 1  # andrea's layout: EOT last

@@ -9,6 +9,18 @@ Parameters carry the key names of a Hugging Face GPT2LMHeadModel state dict, wei
 (in, out), all inside one flat buffer (minitensor.params). Backward runs the blocks in reverse,
 with the residual joins written out: dx = dx + sublayer.backward(dx).
 
+The design document's variants (model.norm, model.residual, model.activation, model.mlp_ratio;
+docs/experiments.md) change the Block and its MLP only, never a primitive layer:
+
+    norm=post:        x = ln_1(x + attn(x));  x = ln_2(x + mlp(x))    (the 2017 arrangement)
+    residual=false:   the "x +" above dropped, in either arrangement
+    activation=relu:  mlp(x) = c_proj(ReLU(c_fc(x)))
+
+They keep GPT-2's parameter names and count (post-norm keeps ln_f too), so a variant's checkpoint
+has the same layout; the Hugging Face export refuses them (transformers' GPT-2 computes pre-norm).
+With `record_flow(True)` the model measures, for the next forward and backward, how the residual
+stream and its gradient change through the blocks (GradFlow; train.log_grad_flow).
+
 The backend (minitensor.ops: NumPy with or without numba kernels, or CuPy) is chosen once, here,
 from the device, and handed to every layer. The Block and its MLP own the fusion schedule: the
 residual adds run in the epilogue of each branch's last product, c_fc's bias in GELU's pass,
@@ -95,29 +107,35 @@ def _layernorm(p, name, eps, ops):
 
 class MLPCache(NamedTuple):
     x: object          # (N, C), c_fc's input
-    h: object          # (N, 4C), c_fc's output as bias_gelu_forward left it
+    h: object          # (N, 4C), c_fc's output as the activation's bias pass left it
     shape: tuple
 
 
 class MLP(Layer):
-    """c_proj(GELU(c_fc(x))) (+ residual), in three passes over the (N, 4C) activation instead of five:
+    """c_proj(act(c_fc(x))) (+ residual), act GELU (GPT-2) or ReLU, in three passes over the
+    (N, 4C) activation instead of five:
 
-    forward:   h = x W_fc  (c_fc's bias is added in GELU's pass),  g = GELU(h + b_fc),
+    forward:   h = x W_fc  (c_fc's bias is added in the activation's pass),  g = act(h + b_fc),
                out = g W_proj + b_proj + residual  (one epilogue)
-    backward:  dg = dout W_proj^T;  GELU's backward recomputes g in the pass it makes anyway
-               (so no (N, 4C) activation per block waits from forward to backward besides h),
+    backward:  dg = dout W_proj^T;  the activation's backward recomputes g in the pass it makes
+               anyway (so no (N, 4C) activation per block waits from forward to backward besides h),
                dW_proj += g^T dout;  dW_fc += x^T dh;  dx = dh W_fc^T
     """
 
-    def __init__(self, c_fc, c_proj, ops):
+    def __init__(self, c_fc, c_proj, ops, activation="gelu"):
         super().__init__(ops)
         self.c_fc, self.c_proj = c_fc, c_proj
+        pieces = {"gelu": (ops.bias_gelu_forward, ops.bias_gelu_backward),
+                  "relu": (ops.bias_relu_forward, ops.bias_relu_backward)}
+        if activation not in pieces:
+            raise ValueError(f"activation must be one of {sorted(pieces)}, got {activation!r}")
+        self.act_forward, self.act_backward = pieces[activation]
 
     def forward(self, x, residual=None):
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
         h = x2 @ self.c_fc.W                                 # (N, 4C)
-        g = self.ops.bias_gelu_forward(h, self.c_fc.b)
+        g = self.act_forward(h, self.c_fc.b)
         out = g @ self.c_proj.W                              # (N, C)
         self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
         self._save(MLPCache(x2, h, x.shape))
@@ -127,38 +145,119 @@ class MLP(Layer):
         x2, h, shape = self._pop()
         dout2 = dout.reshape(-1, shape[-1])
         dg = dout2 @ self.c_proj.W.T
-        dh, g = self.ops.bias_gelu_backward(h, self.c_fc.b, dg, recompute_output=True)
+        dh, g = self.act_backward(h, self.c_fc.b, dg, recompute_output=True)
         self.c_proj.weight_grads(g, dout2)
         self.c_fc.weight_grads(x2, dh)
         return (dh @ self.c_fc.W.T).reshape(shape)
 
 
 class Block:
-    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """A transformer block: attention then MLP, each a sublayer f with its LayerNorm and skip.
+
+    pre-norm (ANDREA, GPT-2):  x1 = x + attn(ln_1(x)),   x2 = x1 + mlp(ln_2(x1))
+    post-norm (2017):          x1 = ln_1(x + attn(x)),   x2 = ln_2(x1 + mlp(x1))
+    without residuals the "x +" and "x1 +" are dropped.
+    """
 
     def __init__(self, p, prefix, cfg, ops):
+        self.norm, self.residual = cfg.norm, cfg.residual
         self.ln_1 = _layernorm(p, prefix + "ln_1", cfg.ln_eps, ops)
         self.attn = CausalSelfAttention(_linear(p, prefix + "attn.c_attn", ops),
                                         _linear(p, prefix + "attn.c_proj", ops), cfg.n_head, ops=ops)
         self.ln_2 = _layernorm(p, prefix + "ln_2", cfg.ln_eps, ops)
-        self.mlp = MLP(_linear(p, prefix + "mlp.c_fc", ops), _linear(p, prefix + "mlp.c_proj", ops), ops)
+        self.mlp = MLP(_linear(p, prefix + "mlp.c_fc", ops), _linear(p, prefix + "mlp.c_proj", ops), ops,
+                       cfg.activation)
+        self.flow = None                                     # (GradFlow, this block's index) while recording
 
     def forward(self, x):
-        # the residual adds run in the epilogue of each branch's last product
-        x1 = self.attn.forward(self.ln_1.forward(x), residual=x)
-        return self.mlp.forward(self.ln_2.forward(x1), residual=x1)
+        skip = self.residual
+        if self.norm == "pre":
+            # the residual adds run in the epilogue of each branch's last product
+            s1 = x1 = self.attn.forward(self.ln_1.forward(x), residual=x if skip else None)
+            s2 = x2 = self.mlp.forward(self.ln_2.forward(x1), residual=x1 if skip else None)
+        else:
+            s1 = self.attn.forward(x, residual=x if skip else None)          # x + attn(x)
+            x1 = self.ln_1.forward(s1)
+            s2 = self.mlp.forward(x1, residual=x1 if skip else None)         # x1 + mlp(x1)
+            x2 = self.ln_2.forward(s2)
+        if self.flow is not None:
+            flow, i = self.flow
+            flow.forward(i, x, s1, x1, s2, skip)
+        return x2
 
     def infer(self, x, kv, pos):
         """forward for inference at positions pos.., with this block's key/value cache kv: the same
         layers through their cache-free `infer`."""
-        x1 = self.attn.forward_kv(self.ln_1.infer(x), kv, pos, residual=x)
-        return self.mlp.infer(self.ln_2.infer(x1), residual=x1)
+        skip = self.residual
+        if self.norm == "pre":
+            x1 = self.attn.forward_kv(self.ln_1.infer(x), kv, pos, residual=x if skip else None)
+            return self.mlp.infer(self.ln_2.infer(x1), residual=x1 if skip else None)
+        x1 = self.ln_1.infer(self.attn.forward_kv(x, kv, pos, residual=x if skip else None))
+        return self.ln_2.infer(self.mlp.infer(x1, residual=x1 if skip else None))
 
     def backward(self, dx2):
-        # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
-        # added in the pass of the LayerNorm backward it goes around
-        dx1 = self.ln_2.backward(self.mlp.backward(dx2), skip=dx2)
-        return self.ln_1.backward(self.attn.backward(dx1), skip=dx1)
+        skip = self.residual
+        if self.norm == "pre":
+            # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
+            # added in the pass of the LayerNorm backward it goes around
+            dx1 = self.ln_2.backward(self.mlp.backward(dx2), skip=dx2 if skip else None)
+            dx = self.ln_1.backward(self.attn.backward(dx1), skip=dx1 if skip else None)
+        else:
+            # forward was: x2 = ln_2(s2), s2 = x1 + mlp(x1); x1 = ln_1(s1), s1 = x + attn(x): every
+            # gradient passes through a LayerNorm before it reaches the skip that goes around f
+            ds2 = self.ln_2.backward(dx2)
+            dx1 = self.mlp.backward(ds2)                     # a fresh array
+            if skip:
+                dx1 += ds2
+            ds1 = self.ln_1.backward(dx1)
+            dx = self.attn.backward(ds1)
+            if skip:
+                dx += ds1
+        if self.flow is not None:
+            flow, i = self.flow
+            flow.backward(i, dx)
+        return dx
+
+
+class GradFlow:
+    """How the residual stream and its gradient change through the blocks, in one forward and
+    backward (the last micro-batch's when there are several). Per block i, from its input x:
+
+        stream_rms[i]   sqrt(mean(x^2)), the size of the stream entering block i
+        attn_delta[i]   |attn's change to the stream| / |x|: |s1 - x| / |x| with a skip, |s1| / |x|
+                        without (s1: x + attn(...) pre-norm, before ln_1 post-norm)
+        mlp_delta[i]    the same for the MLP, relative to the stream it changes (x1)
+        grad_in[i]      |dL/dx|, the gradient reaching block i's input; grad_in[0] is the one that
+                        reaches the embeddings
+        grad_top        |dL/dx| at the top of the stack (the last block's output)
+
+    Norms are Frobenius norms over the whole (B, T, C) tensor, read to the host: a few
+    synchronisations per recorded step, none when not recording.
+    """
+
+    def __init__(self, n_layer):
+        self.stream_rms, self.attn_delta, self.mlp_delta, self.grad_in = ([None] * n_layer for _ in range(4))
+        self.grad_top = None
+
+    @staticmethod
+    def _norm(a):
+        return float(a.ravel() @ a.ravel()) ** 0.5
+
+    def forward(self, i, x, s1, x1, s2, skip):
+        nx, nx1 = self._norm(x), self._norm(x1)
+        self.stream_rms[i] = nx / x.size ** 0.5
+        self.attn_delta[i] = self._norm(s1 - x if skip else s1) / max(nx, 1e-30)
+        self.mlp_delta[i] = self._norm(s2 - x1 if skip else s2) / max(nx1, 1e-30)
+
+    def backward(self, i, dx):
+        self.grad_in[i] = self._norm(dx)
+
+    def top(self, dx):
+        self.grad_top = self._norm(dx)
+
+    def as_dict(self):
+        return {"grad_top": self.grad_top, "grad_in": self.grad_in, "stream_rms": self.stream_rms,
+                "attn_delta": self.attn_delta, "mlp_delta": self.mlp_delta}
 
 
 class ANDREA:
@@ -183,7 +282,15 @@ class ANDREA:
         self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), ops=ops,
                              zeroed=p.take_zeroed)
         self.loss_fn = SoftmaxCrossEntropy(check=False, ops=ops)
+        self.flow = None
         self.init_weights(seed)
+
+    def record_flow(self, on=True):
+        """Measure the next forward/backward(s) into a fresh GradFlow (self.flow), or stop (on=False)."""
+        self.flow = GradFlow(self.cfg.n_layer) if on else None
+        for i, block in enumerate(self.blocks):
+            block.flow = (self.flow, i) if on else None
+        return self.flow
 
     def init_weights(self, seed):
         """GPT-2 initialisation, drawn in float64 on the CPU so every device and dtype starts alike."""
@@ -247,6 +354,8 @@ class ANDREA:
     def backward(self, dloss=1.0):
         """Accumulates the gradients of the last loss into the gradient buffer."""
         dx = self.ln_f.backward(self.head.backward(self.loss_fn.backward(dloss)))
+        if self.flow is not None:
+            self.flow.top(dx)
         for block in reversed(self.blocks):
             dx = block.backward(dx)
         self.wpe.backward(dx)

@@ -8,6 +8,8 @@ tokens, from the data directory's meta.json) is drawn as a dashed line: a model 
 learned more than token frequencies. Several runs share one figure, one colour each. An existing
 --out is replaced only when andrea.plot drew it (the PNG's Software text says so): a command never
 overwrites a file it did not create.
+`--grad-flow` draws instead the gradient norm against depth of runs trained with
+train.log_grad_flow (andrea.gradflow).
 
 matplotlib comes from the optional `plot` extra; the figure is drawn on an Agg canvas of its own,
 so nothing about the process's matplotlib backend changes.
@@ -189,10 +191,17 @@ def plot_after_training(run_dir) -> str:
 def main(argv=None):
     ap = ArgumentParser(prog="python -m andrea.plot", description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", metavar="RUN", help="training run directories (train --out)")
-    ap.add_argument("--out", default="loss.png", help="the PNG to write (default loss.png)")
+    ap.add_argument("--out", help="the PNG to write (default loss.png, or grad_flow.png with --grad-flow)")
+    ap.add_argument("--grad-flow", action="store_true",
+                    help="draw the gradient norm against depth instead (runs trained with train.log_grad_flow)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
-    path = plot_runs(args.runs, args.out)
+    if args.grad_flow:
+        from andrea.gradflow import plot_flow
+
+        path = plot_flow(args.runs, args.out or "grad_flow.png")
+    else:
+        path = plot_runs(args.runs, args.out or "loss.png")
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

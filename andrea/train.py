@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from andrea import checkpoint as ckpt
-from andrea import data, hf, preflight, rundir, runlog
+from andrea import data, gradflow, hf, preflight, rundir, runlog
 from andrea import distributed as dist
 from andrea.cli import ArgumentParser, run_cli
-from andrea.config import load_config, make_config
+from andrea.config import VARIANT_DEFAULTS, load_config, make_config
 from andrea.errors import UserError
 from andrea.hf import load_tokenizer
 from andrea.model import ANDREA, flops_per_token, format_breakdown
@@ -135,6 +135,8 @@ class Trainer:
     def validate_checkpoint(self, tensors, meta):
         """Refuses a checkpoint this run cannot continue from exactly (raises CheckpointError)."""
         saved_model = meta.get("config", {}).get("model")
+        if saved_model is not None:
+            saved_model = {**VARIANT_DEFAULTS, **saved_model}
         current = self.cfg.to_dict()["model"]
         if saved_model != current:
             diff = sorted(k for k in current if saved_model is None or saved_model.get(k) != current[k])
@@ -209,7 +211,8 @@ class Trainer:
                 # the step: forward and backward over the micro-batches, one AdamW update
                 lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
                 meter.start()
-                loss, norm, applied = self.train_step(lr)
+                with gradflow.recording(self.model, self.step + 1, t) as flow:  # None unless a logged step
+                    loss, norm, applied = self.train_step(lr)
                 self.step += 1
                 self.last_loss = loss
                 meter.step_done()
@@ -218,7 +221,7 @@ class Trainer:
                     note(self.guard.stop_message(self.step, self.last_checkpoint, self.out_dir))
                     return EXIT_NONFINITE
                 # the log line and the evaluation, each on its own interval
-                self._log_and_evaluate(lr, loss, norm, meter)
+                self._log_and_evaluate(lr, loss, norm, meter, flow)
                 # the stop vote: a signal on any rank stops every rank after this same step
                 stopping = vote.agreed() or self.step == stop_at_step
                 # the checkpoint: on its interval, at the end, and when stopping
@@ -245,7 +248,7 @@ class Trainer:
             log(f"MFU is against the {name}: {peak / 1e12:.2f} TFLOP/s measured here")
         return Throughput(xp, self.tokens_per_step, self.flops_per_step, peak, name)
 
-    def _log_and_evaluate(self, lr, loss, norm, meter):
+    def _log_and_evaluate(self, lr, loss, norm, meter, flow=None):
         t = self.cfg.train
         record = None
         logging = self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps
@@ -265,6 +268,8 @@ class Trainer:
             record = record or {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm}
             record["val_loss"] = val
             log(f"step {self.step:>6}: val loss {val:.4f}")
+        if record and flow:
+            record["grad_flow"] = flow.as_dict()
         if record:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

@@ -196,6 +196,29 @@ class Ops:
         holds h); with recompute_output, also GELU(h)."""
         return self.gelu_backward(x, dy, recompute_output)
 
+    # --- ReLU: y = max(x, 0), dy/dx = 1 where x > 0, else 0 (the kink at 0 takes the 0 side) ---
+    #
+    # The design document's alternative to GELU (model.activation=relu). No backend overrides it:
+    # it runs here, against xp, on the CPU and the GPU alike.
+
+    def relu_forward(self, x):
+        """y = max(x, 0), any shape."""
+        return self.xp.maximum(x, 0)
+
+    def relu_backward(self, x, dy, recompute_output=False):
+        """dx = dy where x > 0, else 0; with recompute_output, (dx, ReLU(x))."""
+        dx = dy * (x > 0)
+        return (dx, self.relu_forward(x)) if recompute_output else dx
+
+    def bias_relu_forward(self, x, b):
+        """ReLU(x + b), x (N, C) updated to x + b in place, as bias_gelu_forward."""
+        x += b
+        return self.relu_forward(x)
+
+    def bias_relu_backward(self, x, b, dy, recompute_output=False):
+        """The gradient at h = x + b (x already holds h); with recompute_output, also ReLU(h)."""
+        return self.relu_backward(x, dy, recompute_output)
+
     # --- causal self-attention core: y = softmax(q k^T / sqrt(hs) + mask) v, per head ---
     #
     # The core runs over blocks of query rows: rows i0..i1 see keys 0..i1 only, so the scores

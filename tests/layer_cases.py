@@ -22,6 +22,7 @@ from minitensor.linear import Linear
 from minitensor.loss import SoftmaxCrossEntropy
 from minitensor.ops import Ops
 from minitensor.params import Params
+from minitensor.relu import ReLU
 
 
 @dataclass
@@ -65,6 +66,28 @@ def _np(a):
 
 def gelu_scalar(x):
     return 0.5 * x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def relu_scalar(x):
+    return x if x > 0 else 0.0
+
+
+SCALAR = {"gelu": gelu_scalar, "relu": relu_scalar}
+
+# ReLU's kink at 0: finite differences step parameters and inputs by up to 2e-4 (gradcheck's
+# fourth-order stencil), which moves a pre-activation of these cases by well under KINK_MARGIN;
+# so a draw with every pre-activation at least this far from 0 is differentiable where checked
+KINK_MARGIN = 2e-3
+
+
+def off_kinks(draw, pre_activation, activation, seed):
+    """draw(rng) -> values, redrawn (from seed, seed + 1000, ...) until every pre_activation(values)
+    is KINK_MARGIN away from ReLU's kink (Chainer's "move inputs off kinks"); GELU needs no redraw."""
+    for attempt in range(1000):
+        values = draw(np.random.default_rng(seed + 1000 * attempt))
+        if activation != "relu" or np.abs(pre_activation(values)).min(initial=np.inf) > KINK_MARGIN:
+            return values
+    raise AssertionError("no draw off ReLU's kink in 1000 attempts")
 
 
 def linear_case(xp, dtype, seed, dims):
@@ -121,6 +144,21 @@ def gelu_case(xp, dtype, seed, dims):
 
     def reference():
         return np.vectorize(gelu_scalar)(_np(x))
+
+    return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
+                reference, shape)
+
+
+def relu_case(xp, dtype, seed, dims):
+    rng = np.random.default_rng(seed)
+    shape = (dims["B"], dims["T"], dims["C"])
+    layer = ReLU(ops=_ops(xp, dims))
+    p = Params({}, xp=xp, dtype=dtype)
+    x = rng.standard_normal(shape) * 2
+    x = xp.asarray(np.sign(x) * (np.abs(x) + 0.05), dtype=dtype)        # off the kink at 0
+
+    def reference():
+        return np.vectorize(relu_scalar)(_np(x))
 
     return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
                 reference, shape)
@@ -250,54 +288,74 @@ def layernorm_skip_case(xp, dtype, seed, dims):
                 case.out_shape)
 
 
-def bias_gelu_case(xp, dtype, seed, dims):
-    """y = GELU(x + b) through ops.bias_gelu_forward / _backward (the MLP's fused piece), with
+def bias_act_case(activation):
+    """y = act(x + b) through ops.bias_<act>_forward / _backward (the MLP's fused piece), with
     x = h @ W so that the pass that may update x in place is differentiated through a product."""
-    rng = np.random.default_rng(seed)
-    B, T, n_in, n_out = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
-    ops = _ops(xp, dims)
-    p = _params(xp, dtype, rng, {"w": (n_in, n_out), "b": (n_out,)})
-    h = xp.asarray(rng.standard_normal((B * T, n_in)), dtype=dtype)
-    kept = {}
 
-    def forward():
-        x = h @ p["w"]
-        kept["x"] = x
-        return ops.bias_gelu_forward(x, p["b"]).reshape(B, T, n_out)
+    def build(xp, dtype, seed, dims):
+        B, T, n_in, n_out = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
+        ops = _ops(xp, dims)
+        act_forward = getattr(ops, f"bias_{activation}_forward")
+        act_backward = getattr(ops, f"bias_{activation}_backward")
+        w, b, h = off_kinks(lambda rng: (rng.standard_normal((n_in, n_out)), rng.standard_normal(n_out),
+                                         rng.standard_normal((B * T, n_in))),
+                            lambda v: v[2] @ v[0] + v[1], activation, seed)
+        p = Params({"w": (n_in, n_out), "b": (n_out,)}, xp=xp, dtype=dtype)
+        p["w"][...], p["b"][...] = xp.asarray(w), xp.asarray(b)
+        h = xp.asarray(h, dtype=dtype)
+        kept = {}
 
-    def backward(dy):
-        if "x" not in kept:  # what a layer's cache says: the pair is forward then backward, once
-            raise RuntimeError("bias_gelu_backward without a forward")
-        dx = ops.bias_gelu_backward(kept.pop("x"), p["b"], dy.reshape(B * T, n_out))
-        p.grad("w")[...] += h.T @ dx
-        p.grad("b")[...] += dx.sum(axis=0)
-        return {"h": dx @ p["w"].T}
+        def forward():
+            x = h @ p["w"]
+            kept["x"] = x
+            return act_forward(x, p["b"]).reshape(B, T, n_out)
 
-    def reference():
-        return np.vectorize(gelu_scalar)(_np(h) @ _np(p["w"]) + _np(p["b"])).reshape(B, T, n_out)
+        def backward(dy):
+            if "x" not in kept:  # what a layer's cache says: the pair is forward then backward, once
+                raise RuntimeError(f"bias_{activation}_backward without a forward")
+            dx = act_backward(kept.pop("x"), p["b"], dy.reshape(B * T, n_out))
+            p.grad("w")[...] += h.T @ dx
+            p.grad("b")[...] += dx.sum(axis=0)
+            return {"h": dx @ p["w"].T}
 
-    return Case(None, p, {"h": h}, forward, backward, reference, (B, T, n_out))
+        def reference():
+            return np.vectorize(SCALAR[activation])(_np(h) @ _np(p["w"]) + _np(p["b"])).reshape(B, T, n_out)
+
+        return Case(None, p, {"h": h}, forward, backward, reference, (B, T, n_out))
+
+    return build
 
 
-def mlp_case(xp, dtype, seed, dims):
-    """y = c_proj(GELU(c_fc(x))) as andrea's MLP runs it: c_fc's bias in GELU's pass, GELU(h)
-    recomputed in backward for c_proj's weight gradient."""
-    rng = np.random.default_rng(seed)
-    B, T, n_in, hidden = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
-    ops = _ops(xp, dims)
-    p = _params(xp, dtype, rng, {"fc.w": (n_in, hidden), "fc.b": (hidden,), "proj.w": (hidden, n_in),
-                                 "proj.b": (n_in,)})
-    fc = Linear(p["fc.w"], p.grad("fc.w"), p["fc.b"], p.grad("fc.b"), ops=ops)
-    proj = Linear(p["proj.w"], p.grad("proj.w"), p["proj.b"], p.grad("proj.b"), ops=ops)
-    mlp = MLP(fc, proj, ops)
-    x = xp.asarray(rng.standard_normal((B, T, n_in)), dtype=dtype)
+def mlp_case_for(activation):
+    """y = c_proj(act(c_fc(x))) as andrea's MLP runs it: c_fc's bias in the activation's pass,
+    act(h) recomputed in backward for c_proj's weight gradient."""
 
-    def reference():
-        h = _np(x) @ _np(p["fc.w"]) + _np(p["fc.b"])
-        return np.vectorize(gelu_scalar)(h) @ _np(p["proj.w"]) + _np(p["proj.b"])
+    def build(xp, dtype, seed, dims):
+        B, T, n_in, hidden = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
+        ops = _ops(xp, dims)
+        shapes = {"fc.w": (n_in, hidden), "fc.b": (hidden,), "proj.w": (hidden, n_in), "proj.b": (n_in,)}
+        values, x = off_kinks(lambda rng: ({n: rng.standard_normal(s) for n, s in shapes.items()},
+                                           rng.standard_normal((B, T, n_in))),
+                              lambda v: v[1] @ v[0]["fc.w"] + v[0]["fc.b"], activation, seed)
+        p = Params(shapes, xp=xp, dtype=dtype)
+        for name, view in p.items():
+            view[...] = xp.asarray(values[name])
+        fc = Linear(p["fc.w"], p.grad("fc.w"), p["fc.b"], p.grad("fc.b"), ops=ops)
+        proj = Linear(p["proj.w"], p.grad("proj.w"), p["proj.b"], p.grad("proj.b"), ops=ops)
+        mlp = MLP(fc, proj, ops, activation)
+        x = xp.asarray(x, dtype=dtype)
 
-    return Case(mlp, p, {"x": x}, lambda: mlp.forward(x), lambda dy: {"x": mlp.backward(dy)}, reference,
-                (B, T, n_in))
+        def reference():
+            h = _np(x) @ _np(p["fc.w"]) + _np(p["fc.b"])
+            return np.vectorize(SCALAR[activation])(h) @ _np(p["proj.w"]) + _np(p["proj.b"])
+
+        return Case(mlp, p, {"x": x}, lambda: mlp.forward(x), lambda dy: {"x": mlp.backward(dy)}, reference,
+                    (B, T, n_in))
+
+    return build
+
+
+mlp_case = mlp_case_for("gelu")
 
 
 CASES = {
@@ -309,9 +367,13 @@ CASES = {
     "attention-recompute": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed,
                                                                         {**dims, "block": 3, "recompute": True}),
     "attention-dense": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "dense": True}),
-    "bias+gelu": bias_gelu_case,
+    "bias+gelu": bias_act_case("gelu"),
     "mlp": mlp_case,
     "mlp+residual": with_residual(mlp_case),
+    "relu": relu_case,
+    "bias+relu": bias_act_case("relu"),
+    "mlp-relu": mlp_case_for("relu"),
+    "mlp-relu+residual": with_residual(mlp_case_for("relu")),
     "layernorm+residual": layernorm_skip_case,
     "attention+residual": with_residual(attention_case),
     "embedding": embedding_case,

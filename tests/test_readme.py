@@ -38,6 +38,8 @@ RULES = [
     (r"python -m andrea\.train --out out/code .*", TWO_STEPS),
     (r"python -m andrea\.train --config small --out out/small .*", TWO_STEPS),
     (r"python -m andrea\.train --config 120m --dry-run", []),
+    (r"python -m andrea\.train --set \S+ --out out/[\w-]+", TWO_STEPS),
+    (r"python -m andrea\.experiment \S+", ["--steps", "2", "--seeds", "0"]),
     (r"python -m andrea\.train .*--device gpu", ["--dry-run"]),  # exit 2 without a GPU: checked below
     (r"python -m andrea\.(sample|plot|export|params) .*", []),
     (r"python -m andrea\.bench", ["--configs", "tiny", "--no-allreduce"]),

@@ -1,0 +1,115 @@
+"""Gradient flow through the blocks, measured while training (train.log_grad_flow) and drawn.
+
+At each log step of a run with train.log_grad_flow: true, the model records one forward and
+backward (andrea.model.GradFlow, the step's last micro-batch) and metrics.jsonl's record of that
+step gets a "grad_flow" entry:
+
+    grad_top     |dL/dx| at the top of the stack (the last block's output)
+    grad_in      [|dL/dx| at block 0's input (the embeddings), block 1's, ...]
+    stream_rms   [the root mean square of the residual stream entering each block]
+    attn_delta   [|attention's change to the stream| / |stream|, per block]
+    mlp_delta    [the same for the MLP]
+
+The gradients are of the micro-batch's share of the loss (1 / micro-batches of it); ratios such as
+grad_in[0] / grad_top do not depend on that. Off (the default), training pays one flag test a step.
+
+`python -m andrea.plot --grad-flow RUN [RUN ...]` draws, per run, the gradient norm against depth
+at the logged steps (lighter: earlier) and the ratio of the embeddings' gradient to the top's over
+training, one colour per run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+from andrea.data import atomic_writer
+from andrea.errors import UserError
+
+
+@contextlib.contextmanager
+def recording(model, step, train_cfg):
+    """Within the block, model records its forward/backward into a GradFlow when `step` is one the
+    training loop logs (step 1, every log_interval, the last) and log_grad_flow is on; yields it,
+    or None."""
+    t = train_cfg
+    logged = step == 1 or step % t.log_interval == 0 or step == t.max_steps
+    if not (t.log_grad_flow and logged):
+        yield None
+        return
+    try:
+        yield model.record_flow(True)
+    finally:
+        model.record_flow(False)  # evaluation's forwards are not measured
+
+
+def embedding_ratio(flow: dict) -> float:
+    """|dL/dx| reaching the embeddings over |dL/dx| at the top of the stack."""
+    return flow["grad_in"][0] / flow["grad_top"] if flow["grad_top"] else float("nan")
+
+
+def read_flow(run_dir) -> list[tuple[int, dict]]:
+    """[(step, grad_flow record)] of a run, in step order; a UserError when it has none."""
+    from andrea.plot import _records
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: give the --out directory of a training run")
+    records = sorted(_records(path).items())
+    flows = [(step, r["grad_flow"]) for step, r in records if isinstance(r.get("grad_flow"), dict)]
+    if not flows:
+        raise UserError(f"{path} has no gradient flow: train with --set train.log_grad_flow=true")
+    return flows
+
+
+def draw_flow(runs: dict[str, list[tuple[int, dict]]]):
+    """A Figure: gradient norm against depth (left), the embeddings' share over training (right)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError("andrea.plot needs matplotlib: pip install -e '.[plot]'") from None
+    fig = Figure(figsize=(10, 4.2), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    depth_ax, time_ax = fig.subplots(1, 2)
+    for i, (label, flows) in enumerate(runs.items()):
+        colour = f"C{i % 10}"
+        for k, (step, f) in enumerate(flows):
+            layers = list(range(len(f["grad_in"]))) + [len(f["grad_in"])]
+            last = k == len(flows) - 1
+            depth_ax.plot(layers, f["grad_in"] + [f["grad_top"]], color=colour, lw=2 if last else 0.8,
+                          alpha=1.0 if last else 0.15 + 0.5 * k / len(flows),
+                          label=f"{label} (step {step})" if last else None)
+        time_ax.plot([s for s, _ in flows], [embedding_ratio(f) for _, f in flows], color=colour, lw=2,
+                     marker="o", ms=3, label=label)
+    depth_ax.set_yscale("log")
+    depth_ax.set_xlabel("block input (0 = embeddings; last = top of the stack)")
+    depth_ax.set_ylabel("|dL/dx|")
+    depth_ax.set_title("gradient norm against depth (lighter: earlier steps)")
+    time_ax.set_yscale("log")
+    time_ax.set_xlabel("step")
+    time_ax.set_ylabel("|dL/dx| at the embeddings / at the top")
+    time_ax.set_title("the gradient that reaches the embeddings")
+    for ax in (depth_ax, time_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return fig
+
+
+def plot_flow(run_dirs, out) -> Path:
+    """Draw the runs' gradient flow into the PNG `out` (written atomically); returns its path. As
+    for the loss plot, an existing `out` is replaced only when andrea.plot drew it."""
+    from andrea.plot import SOFTWARE, check_output
+
+    check_output(out)
+    runs = {}
+    for d in run_dirs:
+        label = Path(d).name or str(d)
+        runs[label if label not in runs else str(d)] = read_flow(d)
+    buffer = io.BytesIO()
+    draw_flow(runs).savefig(buffer, format="png", metadata={"Software": SOFTWARE})
+    out = Path(out)
+    with atomic_writer(out) as f:
+        f.write(buffer.getvalue())
+    return out

@@ -1,0 +1,166 @@
+"""andrea.experiment at a tiny budget (each command end to end in seconds: its runs, table, figure
+and verdict), the gradient-flow log and its plot, and a variant's run resumed and sampled."""
+
+import json
+from pathlib import Path
+
+import pytest
+from optional import require
+
+from andrea import experiment, gradflow, plot, sample, train
+from andrea.cli import run_cli
+from andrea.config import load_config
+from andrea.prepare import prepare
+
+STDLIB_JSON = Path(json.__file__).parent
+SMALL = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.context_length=16", "train.seq_len=16",
+         "train.batch_size=2", "train.eval_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
+    return d
+
+
+def corpus(data_dir):
+    return [f"data.inputs={STDLIB_JSON}", f"data.data_dir={data_dir}", "data.allow_smaller_vocab=true"]
+
+
+def run(main, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, argv)
+    return exit_info.value.code
+
+
+@pytest.mark.parametrize("name", sorted(experiment.EXPERIMENTS))
+def test_each_experiment_runs_and_reports(tmp_path, data_dir, name):
+    require("matplotlib")
+    out = tmp_path / name
+    argv = [name, "--out", str(out), "--steps", "3", "--seeds", "0"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv) == 0
+    arms = experiment.EXPERIMENTS[name].arms
+    results = json.loads((out / "results.json").read_text())
+    assert [r["arm"] for r in results["rows"]] == list(arms)
+    table = (out / "results.md").read_text()
+    for arm in arms:
+        assert f"| {arm}-seed0 |" in table
+        metrics = [json.loads(line) for line in (out / f"{arm}-seed0" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in metrics if "grad_flow" in r] == [1, 2, 3]  # log_interval 1 at 3 steps
+        assert len(metrics[0]["grad_flow"]["grad_in"]) == 2
+    for r in results["rows"]:
+        assert r["ratio_init"] > 0 and r["val_loss"] > 0 and r["exit_code"] == 0
+    assert any(v in table for v in ("**claim: supports**", "**claim: contradicts**", "**claim: leaves open**"))
+    assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_arms_differ_only_in_their_variant(tmp_path, data_dir):
+    out = tmp_path / "norm"
+    argv = ["norm", "--out", str(out), "--steps", "2"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    require("matplotlib")
+    assert run(experiment.main, argv) == 0
+    configs = {d.name: json.loads((d / "config.json").read_text()) for d in out.iterdir() if d.name.endswith("seed0")}
+    pre, post = configs["pre-warmup-seed0"], configs["post-no-warmup-seed0"]
+    assert (pre["model"]["norm"], post["model"]["norm"]) == ("pre", "post")
+    assert (pre["train"]["warmup_steps"], post["train"]["warmup_steps"]) == (1, 0)
+    for c in (pre, post):  # the same seed, hence the same initial draws and batches, and budget
+        c["model"].pop("norm")
+        c["train"].pop("warmup_steps")
+    assert pre == post
+
+
+@pytest.mark.parametrize("argv, message", [(["residual", "--scale", "0"], "--scale must be positive"),
+                                           (["residual", "--seeds", "a"], "--seeds must be integers"),
+                                           (["residual", "--steps", "1"], "--steps must be at least 2"),
+                                           (["residual", "--arms", "x"], "--arms: x is not an arm of residual")])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    assert run(experiment.main, argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {message}") and "\n" not in err
+
+
+def test_grad_flow_is_recorded_only_when_asked_and_only_at_log_steps():
+    cfg = load_config("tiny", SMALL + ["train.log_interval=3", "train.max_steps=7"]).train
+
+    class Model:
+        flow = None
+
+        def record_flow(self, on=True):
+            self.flow = object() if on else None
+            return self.flow
+
+    m = Model()
+    for step in range(1, 8):
+        with gradflow.recording(m, step, cfg) as flow:
+            assert flow is None and m.flow is None
+    cfg.log_grad_flow = True
+    seen = []
+    for step in range(1, 8):
+        with gradflow.recording(m, step, cfg) as flow:
+            if flow is not None:
+                seen.append(step)
+                assert m.flow is flow
+        assert m.flow is None  # evaluation after the step is not measured
+    assert seen == [1, 3, 6, 7]
+
+
+def test_a_variant_run_logs_its_flow_resumes_and_samples(tmp_path, data_dir):
+    require("matplotlib")
+    out = tmp_path / "post"
+    sets = []
+    for o in SMALL + corpus(data_dir) + ["model.norm=post", "model.activation=relu", "train.max_steps=4",
+                                        "train.log_interval=2", "train.log_grad_flow=true", "train.sample_tokens=0",
+                                        "train.device=cpu", "train.checkpoint_interval=2"]:
+        sets += ["--set", o]
+    assert run(train.main, ["--out", str(out), "--stop-at-step", "2"] + sets) == 0
+    assert run(train.main, ["--out", str(out), "--resume"]) == 0
+    saved = json.loads((out / "config.json").read_text())["model"]
+    assert (saved["norm"], saved["activation"], saved["residual"]) == ("post", "relu", True)
+    flows = gradflow.read_flow(out)
+    assert [s for s, _ in flows] == [1, 2, 4]
+    assert all(len(f["grad_in"]) == 2 and f["grad_top"] > 0 for _, f in flows)
+    model, _, _ = sample.load_model(out)
+    assert (model.cfg.norm, model.cfg.activation) == ("post", "relu")  # the checkpoint records the variant
+    assert [b.norm for b in model.blocks] == ["post", "post"]
+    assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "def "]) == 0
+    assert run(plot.main, ["--grad-flow", str(out), "--out", str(tmp_path / "g.png")]) == 0
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_grad_flow_says_how_to_get_one(tmp_path, data_dir, capsys):
+    run_dir = tmp_path / "plain"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    assert run(plot.main, ["--grad-flow", str(run_dir)]) == 2
+    assert "train.log_grad_flow=true" in capsys.readouterr().err
+
+
+def test_arms_then_report_only_rebuild_the_report_from_finished_runs(tmp_path, data_dir, capsys):
+    require("matplotlib")
+    out = tmp_path / "residual"
+    argv = ["residual", "--out", str(out), "--steps", "2"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv + ["--arms", "no-residual"]) == 0
+    assert run(experiment.main, argv + ["--arms", "residual"]) == 0
+    assert [r["run"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["residual-seed0"]
+    assert run(experiment.main, argv + ["--report-only"]) == 0
+    first = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["run"] for r in first] == ["residual-seed0", "no-residual-seed0"]
+    (out / "results.json").unlink()
+    (out / "residual.png").unlink()
+    assert run(experiment.main, argv + ["--report-only"]) == 0
+    again = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["run"], r["val_loss"], r["ratio_final"]) for r in again] == \
+        [(r["run"], r["val_loss"], r["ratio_final"]) for r in first]
+    assert (out / "residual.png").is_file()
+    (out / "no-residual-seed0" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    capsys.readouterr()
+    assert run(experiment.main, argv + ["--report-only"]) == 0
+    assert "no-residual-seed0 has no finished run: left out" in capsys.readouterr().err
+    assert [r["run"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["residual-seed0"]
