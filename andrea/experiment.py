@@ -199,9 +199,9 @@ def train_arm(out_dir: Path, overrides: list, log_path: Path) -> int:
 
 def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | None = None) -> dict:
     """The numbers of one run, from its metrics.jsonl."""
-    from andrea.plot import _records
+    from andrea.runlog import read_metrics
 
-    records = _records(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
     steps = sorted(records)
     losses = [(s, records[s]["loss"]) for s in steps if isinstance(records[s].get("loss"), (int, float))]
     vals = [(s, records[s]["val_loss"]) for s in steps if isinstance(records[s].get("val_loss"), (int, float))]
@@ -305,11 +305,11 @@ def report(name, exp, rows, target, command):
 
 def finished(run_dir: Path) -> bool:
     """Whether run_dir holds a run that trained to its train.max_steps."""
-    from andrea.plot import _records
+    from andrea.runlog import read_metrics
 
     try:
         max_steps = json.loads((run_dir / "config.json").read_text())["train"]["max_steps"]
-        return max(_records(run_dir / "metrics.jsonl"), default=0) == max_steps
+        return max(read_metrics(run_dir / "metrics.jsonl"), default=0) == max_steps
     except (OSError, ValueError, KeyError, UserError):
         return False
 

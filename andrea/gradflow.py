@@ -51,12 +51,12 @@ def embedding_ratio(flow: dict) -> float:
 
 def read_flow(run_dir) -> list[tuple[int, dict]]:
     """[(step, grad_flow record)] of a run, in step order; a UserError when it has none."""
-    from andrea.plot import _records
+    from andrea.runlog import read_metrics
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} does not exist: give the --out directory of a training run")
-    records = sorted(_records(path).items())
+    records = sorted(read_metrics(path).items())
     flows = [(step, r["grad_flow"]) for step, r in records if isinstance(r.get("grad_flow"), dict)]
     if not flows:
         raise UserError(f"{path} has no gradient flow: train with --set train.log_grad_flow=true")
@@ -97,18 +97,15 @@ def draw_flow(runs: dict[str, list[tuple[int, dict]]]):
     return fig
 
 
-def plot_flow(run_dirs, out) -> Path:
-    """Draw the runs' gradient flow into the PNG `out` (written atomically); returns its path. As
-    for the loss plot, an existing `out` is replaced only when andrea.plot drew it."""
-    from andrea.plot import SOFTWARE, check_output
-
-    check_output(out)
+def plot_flow(run_dirs, out, metadata=None) -> Path:
+    """Draw the runs' gradient flow into the PNG `out` (written atomically, with the PNG text
+    `metadata`); returns its path. `python -m andrea.plot --grad-flow` checks `out` first."""
     runs = {}
     for d in run_dirs:
         label = Path(d).name or str(d)
         runs[label if label not in runs else str(d)] = read_flow(d)
     buffer = io.BytesIO()
-    draw_flow(runs).savefig(buffer, format="png", metadata={"Software": SOFTWARE})
+    draw_flow(runs).savefig(buffer, format="png", metadata=metadata)
     out = Path(out)
     with atomic_writer(out) as f:
         f.write(buffer.getvalue())

@@ -28,6 +28,7 @@ from andrea.config import build_config
 from andrea.data import atomic_writer
 from andrea.errors import UserError
 from andrea.preflight import check_output_file
+from andrea.runlog import read_metrics
 
 
 @dataclass
@@ -44,7 +45,7 @@ def read_run(run_dir) -> Curves:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} does not exist: give the --out directory of a training run")
-    per_step = _records(path)
+    per_step = read_metrics(path)
     if not per_step:
         raise UserError(f"{path} holds no loss yet: plot once training has logged a step")
     tokens_per_step, data_dir = _run_config(run_dir)
@@ -57,27 +58,6 @@ def read_run(run_dir) -> Curves:
             curves.val.append((tokens, float(r["val_loss"])))
     curves.baseline = _unigram_baseline(run_dir, data_dir)
     return curves
-
-
-def _records(path: Path) -> dict[int, dict]:
-    """{step: record}, the last record of a step winning (a resumed run repeats the steps after its
-    last checkpoint); skipped non-finite steps are left out. A line cut short (the start of a JSON
-    object, which a crash or a full disk leaves; metrics.jsonl's writer ends it before the next
-    line) is ignored wherever it is; any other line that is not JSON means it is not a metrics file."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    per_step = {}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except ValueError:
-            if line.lstrip().startswith("{"):
-                continue
-            raise UserError(f"{path} line {n} is not JSON: is it a metrics file of andrea.train?") from None
-        if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped"):
-            per_step[r["step"]] = r
-    return per_step
 
 
 def _run_config(run_dir: Path) -> tuple[int, Path]:
@@ -199,7 +179,9 @@ def main(argv=None):
     if args.grad_flow:
         from andrea.gradflow import plot_flow
 
-        path = plot_flow(args.runs, args.out or "grad_flow.png")
+        out = args.out or "grad_flow.png"
+        check_output(out)  # as for the loss plot: never over a file andrea.plot did not draw
+        path = plot_flow(args.runs, out, metadata={"Software": SOFTWARE})
     else:
         path = plot_runs(args.runs, args.out or "loss.png")
     print(f"wrote {path}", file=sys.stderr)

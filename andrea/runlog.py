@@ -225,3 +225,24 @@ class MicroBatchProgress:
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """{step: record}, the last record of a step winning (a resumed run repeats the steps after its
+    last checkpoint); skipped non-finite steps are left out. A line cut short (the start of a JSON
+    object, which a crash or a full disk leaves; metrics.jsonl's writer ends it before the next
+    line) is ignored wherever it is; any other line that is not JSON means it is not a metrics file."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    per_step = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            if line.lstrip().startswith("{"):
+                continue
+            raise UserError(f"{path} line {n} is not JSON: is it a metrics file of andrea.train?") from None
+        if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped"):
+            per_step[r["step"]] = r
+    return per_step
