@@ -10,7 +10,8 @@ tables, see `is_generated_table`) -> cut them into blocks and choose the validat
 (andrea/stream.py: ~1% of the corpus, 5% of the stdlib, by a hash of each block's path and index;
 a single-file corpus gives its tail) -> train the BPE tokenizer on a sample of the training blocks
 (`--tokenizer-sample`, 30 MB: on the 1 GB corpus one trained on 30 MB came within 0.25% bytes/token
-of one trained on 100 MB, in 0.16 GiB less memory; the stdlib, 29 MB, is used whole), or load `tokenizer.json` if the directory already has one -> encode every block on every core
+of one trained on 100 MB, in 0.16 GiB less memory; the stdlib, 29 MB, is used whole), or load
+`tokenizer.json` if the directory already has one -> encode every block on every core
 (threads; tiktoken releases the GIL), in corpus order, EOT after each document -> write the ids into
 shards of ~100M tokens (`train-00000.bin`, ..., `val-00000.bin`, ...) -> write `meta.json` last:
 the manifest (each shard's token count and largest id), so its presence means the directory is
@@ -43,7 +44,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,12 @@ VAL_FRACTION = 0.01
 STDLIB_VAL_FRACTION = 0.05
 SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)
 TOKENIZER_SAMPLE = 30_000_000  # bytes of training text the tokenizer is trained on, at most (BENCHMARKS.md, data)
+# The trainer is fed pieces of at most ~64 KiB: `tokenizers` holds a batch of 256 texts at a time,
+# 256 x a 1-2 MiB block is up to 0.5 GB (the blocks of a large corpus are larger, stream.block_size).
+# A piece ends at a newline between two non-space characters, where GPT-2's regex always splits:
+# the words counted, hence the tokenizer, are the same as from the whole block.
+TRAINER_PIECE = 1 << 16
+PIECE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 PROGRESS_SECONDS = 5.0  # a log file gets a progress line at least this often
 CLEAR_TO_EOL = "\x1b[K"  # a redrawn progress line may be shorter than the last one
 
@@ -454,8 +461,7 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
                 if seen["bytes"] >= (1 << 20) and 2 * seen["bad"] > seen["bytes"]:
                     return  # mostly not text: stop reading, refused below
             bar.update(i + 1, n)
-            if text:
-                yield text
+            yield from trainer_pieces(text)
         read_all.set()
 
     def train():
@@ -489,6 +495,20 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
     if tok.vocab_size < vocab_size:
         log.line(f"note: the corpus is too small for {vocab_size} ids; the tokenizer has {tok.vocab_size}")
     return tok
+
+
+def trainer_pieces(text: str, limit: int = TRAINER_PIECE) -> Iterator[str]:
+    """`text` in pieces of about `limit` characters, cut only at PIECE_CUT (a text with no such
+    place past `limit` stays whole); nothing for an empty text. Joined, the pieces are `text`."""
+    start = 0
+    while len(text) - start > limit:
+        cut = PIECE_CUT.search(text, start + limit)
+        if cut is None:
+            break
+        yield text[start:cut.start()]
+        start = cut.start()
+    if start < len(text):
+        yield text[start:]
 
 
 # ----------------------------------------------------------------------------- progress on stderr
