@@ -9,8 +9,8 @@ The steps: list the files (one file = one document; the default corpus leaves ou
 tables, see `is_generated_table`) -> cut them into blocks and choose the validation blocks
 (andrea/stream.py: ~1% of the corpus, 5% of the stdlib, by a hash of each block's path and index;
 a single-file corpus gives its tail) -> train the BPE tokenizer on a sample of the training blocks
-(`--tokenizer-sample`, 30 MB: on the 1 GB corpus one trained on 30 MB came within 0.25% bytes/token
-of one trained on 100 MB, in 0.16 GiB less memory; the stdlib, 29 MB, is used whole), or load
+(`--tokenizer-sample`, 100 MB: one trained on 100 MB came within 0.3% bytes/token of one trained on
+1 GB; 30 MB takes ~0.15 GiB less but gave 0.8% more tokens on the 1 GB corpus), or load
 `tokenizer.json` if the directory already has one -> encode every block on every core
 (threads; tiktoken releases the GIL), in corpus order, EOT after each document -> write the ids into
 shards of ~100M tokens (`train-00000.bin`, ..., `val-00000.bin`, ...) -> write `meta.json` last:
@@ -84,7 +84,7 @@ CODEC_TABLE = re.compile(rb"^(decoding_table|decoding_map) = ", re.MULTILINE)
 VAL_FRACTION = 0.01
 STDLIB_VAL_FRACTION = 0.05
 SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)
-TOKENIZER_SAMPLE = 30_000_000  # bytes of training text the tokenizer is trained on, at most (BENCHMARKS.md, data)
+TOKENIZER_SAMPLE = 100_000_000  # bytes of training text the tokenizer is trained on, at most (BENCHMARKS.md, data)
 # The trainer is fed pieces of at most ~64 KiB: `tokenizers` holds a batch of 256 texts at a time,
 # 256 x a 1-2 MiB block is up to 0.5 GB (the blocks of a large corpus are larger, stream.block_size).
 # A piece ends at a newline between two non-space characters, where GPT-2's regex always splits:
@@ -624,7 +624,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer-sample", type=byte_count, default=TOKENIZER_SAMPLE, metavar="SIZE",
                    help="train the tokenizer on at most this much of the training text, spread over the corpus "
-                   "(default 30MB; accepts 500MB, 2GB, or bytes)")
+                   "(default 100MB; accepts 500MB, 2GB, or bytes)")
     p.add_argument("--workers", type=int, help="encoding threads (default: every core this process may use)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -1,6 +1,6 @@
 """Data preparation measured phase by phase, beside the encoder's own ceiling on the same text.
 
-    python scripts/bench_data.py --input /tmp/corpus-1g [--workers N] [--tokenizer-sample 30MB]
+    python scripts/bench_data.py --input /tmp/corpus-1g [--workers N] [--tokenizer-sample 100MB]
 
 Runs `python -m andrea.prepare` on the corpus into a fresh temporary data directory (removed
 afterwards unless --keep) and samples the child's resident memory (VmRSS, every 0.1 s), telling
@@ -111,7 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python scripts/bench_data.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", required=True, help="the corpus (a directory, file or glob)")
     ap.add_argument("--workers", type=int, default=default_workers())
-    ap.add_argument("--tokenizer-sample", default="30MB")
+    ap.add_argument("--tokenizer-sample", default="100MB")
     ap.add_argument("--ceiling-bytes", type=byte_count, default=byte_count("100MB"),
                     help="how much of the corpus the ceilings encode (default 100MB; tokenizers' gets a tenth)")
     ap.add_argument("--keep", type=Path, help="prepare into this directory and keep it")
