@@ -127,43 +127,55 @@ def resolve_inputs(specs: Iterable[str], progress: Callable[[int], None] | None 
     UserError. `progress`, if given, is called with the number of files found so far after each
     directory searched (listing a large corpus takes a while).
     """
-    found: set[Path] = set()
+    return [Path(name) for name in resolve_input_names(specs, progress)]
+
+
+def resolve_input_names(specs: Iterable[str], progress: Callable[[int], None] | None = None) -> list[str]:
+    """`resolve_inputs` as absolute path strings, in the same order (that of `Path`s: part by part),
+    without a `Path` object per file (~400 bytes each, which a corpus of a million files feels)."""
+    found: set[str] = set()
     for spec in specs:
         matches = _expand_spec(spec, progress or (lambda n: None), len(found))
         if not matches:
             raise UserError(f"input {spec!r} matches no file")
-        found.update(Path(os.path.abspath(p)) for p in matches)
-    return sorted(found)
+        found.update(os.path.abspath(m) for m in matches)
+    # Paths compare part by part: as strings whose separator sorts before every character.
+    return sorted(found, key=lambda name: name.replace(os.sep, "\0"))
 
 
-def _expand_spec(spec: str, progress: Callable[[int], None], before: int) -> list[Path]:
-    path = Path(os.path.expanduser(spec))
-    if path.is_file():
+def _expand_spec(spec: str, progress: Callable[[int], None], before: int) -> list[str]:
+    path = os.path.expanduser(spec)
+    if os.path.isfile(path):
         return [path]
-    if path.is_dir():
+    if os.path.isdir(path):
         return _text_files_under(path, progress, before)
     if not any(ch in spec for ch in "*?["):
         return []
     files = []
-    for match in sorted(glob.glob(os.path.expanduser(spec), recursive=True)):
-        m = Path(match)
-        if m.is_dir():
-            files.extend(_text_files_under(m, progress, before + len(files)))
-        elif m.is_file() and _looks_like_text(m):
-            files.append(m)
+    for match in sorted(glob.glob(path, recursive=True)):
+        if os.path.isdir(match):
+            files.extend(_text_files_under(match, progress, before + len(files)))
+        elif os.path.isfile(match) and _looks_like_text(Path(match)):
+            files.append(match)
     return files
 
 
-def _text_files_under(directory: Path, progress: Callable[[int], None], before: int = 0) -> list[Path]:
+def _text_files_under(directory: str, progress: Callable[[int], None], before: int = 0) -> list[str]:
     files = []
     for dirpath, dirnames, filenames in os.walk(directory):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS]
+        skipped_above = bool(SKIPPED_DIRS & set(Path(dirpath).parts))
         for name in filenames:
-            p = Path(dirpath, name)
-            if not name.startswith(".") and _looks_like_text(p) and p.is_file():
-                files.append(p)
+            full = os.path.join(dirpath, name)
+            if (not name.startswith(".") and not skipped_above and name not in SKIPPED_DIRS and not _binary_suffix(name)
+                    and os.path.isfile(full)):
+                files.append(full)
         progress(before + len(files))
     return files
+
+
+def _binary_suffix(name: str) -> bool:
+    return Path(name).suffix.lower() in BINARY_SUFFIXES
 
 
 def _looks_like_text(path: Path) -> bool:

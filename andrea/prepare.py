@@ -10,7 +10,8 @@ tables, see `is_generated_table`) -> cut them into blocks and choose the validat
 (andrea/stream.py: ~1% of the corpus, 5% of the stdlib, by a hash of each block's path and index;
 a single-file corpus gives its tail) -> train the BPE tokenizer on a sample of the training blocks
 (`--tokenizer-sample`, 100 MB: one trained on 100 MB came within 0.3% bytes/token of one trained on
-1 GB), or load `tokenizer.json` if the directory already has one -> encode every block on every core
+1 GB; 30 MB takes ~0.15 GiB less but gave 0.8% more tokens on the 1 GB corpus), or load
+`tokenizer.json` if the directory already has one -> encode every block on every core
 (threads; tiktoken releases the GIL), in corpus order, EOT after each document -> write the ids into
 shards of ~100M tokens (`train-00000.bin`, ..., `val-00000.bin`, ...) -> write `meta.json` last:
 the manifest (each shard's token count and largest id), so its presence means the directory is
@@ -43,9 +44,11 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from andrea import stream
 from andrea.cli import ArgumentParser, run_cli
@@ -54,6 +57,7 @@ from andrea.data import (
     SHARDED_META_VERSION,
     read_data_meta,
     read_token_header,
+    resolve_input_names,
     resolve_inputs,
     stdlib_corpus_files,
     stdlib_root,
@@ -80,18 +84,57 @@ CODEC_TABLE = re.compile(rb"^(decoding_table|decoding_map) = ", re.MULTILINE)
 VAL_FRACTION = 0.01
 STDLIB_VAL_FRACTION = 0.05
 SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)
-TOKENIZER_SAMPLE = 100_000_000  # bytes of training text the tokenizer is trained on, at most
+TOKENIZER_SAMPLE = 100_000_000  # bytes of training text the tokenizer is trained on, at most (BENCHMARKS.md, data)
+# The trainer is fed pieces of at most ~64 KiB: `tokenizers` holds a batch of 256 texts at a time,
+# 256 x a 1-2 MiB block is up to 0.5 GB (the blocks of a large corpus are larger, stream.block_size).
+# A piece ends at a newline between two non-space characters, where GPT-2's regex always splits:
+# the words counted, hence the tokenizer, are the same as from the whole block.
+TRAINER_PIECE = 1 << 16
+PIECE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 PROGRESS_SECONDS = 5.0  # a log file gets a progress line at least this often
 CLEAR_TO_EOL = "\x1b[K"  # a redrawn progress line may be shorter than the last one
 
 
+class FileList(Sequence):
+    """Files under `root`, compact: their relative paths joined into one string with the offsets of
+    each in a numpy array (~50 bytes a file, where a list of `Path` objects takes ~400: the listing
+    of a large corpus must not grow the memory the rest of the preparation runs in). `files[i]` is
+    the `Path` root / relative path i."""
+
+    def __init__(self, root: Path, paths: Iterable[Path | str]):
+        self.root = root
+        names = [os.path.relpath(p, root) for p in paths]
+        self._joined = "".join(names)
+        self._ends = np.cumsum([len(n) for n in names], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def relative(self, i: int) -> str:
+        """File i's path relative to the root, with / between its parts."""
+        start = int(self._ends[i - 1]) if i > 0 else 0
+        name = self._joined[start:int(self._ends[i])]
+        return name if os.sep == "/" else name.replace(os.sep, "/")
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        return self.root / self.relative(i)
+
+
 @dataclass(frozen=True)
 class Corpus:
-    files: list[Path]
+    files: FileList
     root: Path  # validation membership hashes the path relative to this
     description: str
     left_out: tuple[Path, ...] = ()  # generated tables of the default corpus, not trained on
     rule: int | None = None  # STDLIB_RULE for the default corpus
+
+    def __post_init__(self):
+        if not isinstance(self.files, FileList):  # a list of paths under root
+            object.__setattr__(self, "files", FileList(self.root, self.files))
 
 
 def load_corpus(inputs: list[str] | None, progress: Callable[[int], None] | None = None) -> Corpus:
@@ -99,12 +142,12 @@ def load_corpus(inputs: list[str] | None, progress: Callable[[int], None] | None
         root = stdlib_root()
         files = stdlib_corpus_files()
         generated = {p for p in files if is_generated_table(p)}
-        return Corpus([p for p in files if p not in generated], root,
+        return Corpus(FileList(root, [p for p in files if p not in generated]), root,
                       f"Python {platform.python_version()} standard library ({root}), generated tables left out",
                       tuple(sorted(generated)), STDLIB_RULE)
-    files = resolve_inputs(inputs, progress)
-    root = Path(os.path.commonpath([p.parent for p in files]))
-    return Corpus(files, root, f"{len(files)} files from {' '.join(inputs)}")
+    names = resolve_input_names(inputs, progress)
+    root = Path(os.path.commonpath([os.path.dirname(name) for name in names]))
+    return Corpus(FileList(root, names), root, f"{len(names)} files from {' '.join(inputs)}")
 
 
 def is_generated_table(path: Path) -> bool:
@@ -115,13 +158,16 @@ def is_generated_table(path: Path) -> bool:
     return bool(GENERATED_NOTE.search(head) or CODEC_TABLE.search(raw))
 
 
-def _signature(corpus: Corpus, sizes: list[int]) -> str:
+def _signature(corpus: Corpus, sizes) -> str:
     """A hash of every file's relative path, size and mtime: what changes when the corpus does
-    (a partial preparation resumes only on the corpus it started on)."""
-    listing = []
-    for p, size in zip(corpus.files, sizes):
-        listing.append([p.relative_to(corpus.root).as_posix(), size, p.stat().st_mtime_ns])
-    return hashlib.sha256(json.dumps(listing).encode("utf-8", errors="surrogateescape")).hexdigest()
+    (a partial preparation resumes only on the corpus it started on). The hash of the JSON list
+    [[path, size, mtime], ...], fed to sha256 one file at a time so the list is never built."""
+    digest = hashlib.sha256(b"[")
+    for i in range(len(corpus.files)):
+        entry = [corpus.files.relative(i), int(sizes[i]), corpus.files[i].stat().st_mtime_ns]
+        digest.update(((", " if i else "") + json.dumps(entry)).encode("utf-8", errors="surrogateescape"))
+    digest.update(b"]")
+    return digest.hexdigest()
 
 
 def default_workers() -> int:
@@ -178,9 +224,9 @@ def prepare(
             return {**meta, "skipped": True}
 
     corpus = load_corpus(inputs, log.every(PROGRESS_SECONDS, lambda n: f"listing the corpus: {n} files so far"))
-    sizes = [p.stat().st_size for p in corpus.files]
-    log.line(f"corpus: {len(corpus.files)} files, {sum(sizes) / 1e6:.1f} MB")
-    if not any(sizes):
+    sizes = np.array([p.stat().st_size for p in corpus.files], dtype=np.int64)
+    log.line(f"corpus: {len(corpus.files)} files, {sizes.sum() / 1e6:.1f} MB")
+    if not sizes.any():
         raise UserError(f"the corpus is empty: {len(corpus.files)} files, all of them empty")
     existing = None if fresh_tokenizer else _existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
     blocks = stream.plan_blocks(corpus.files, sizes, corpus.root, val_fraction)
@@ -223,8 +269,7 @@ def prepare(
         "root": str(corpus.root),
         **settings,
         "files": len(corpus.files),
-        "val_file_names": sorted({corpus.files[b.file].relative_to(corpus.root).as_posix()
-                                  for b in blocks if b.val}),
+        "val_file_names": sorted({corpus.files.relative(i) for i in np.unique(blocks.file[blocks.val]).tolist()}),
         "corpus_rule": corpus.rule,
         "left_out_generated": {
             "files": len(corpus.left_out),
@@ -239,7 +284,7 @@ def prepare(
         "seconds": {"tokenizer": round(t2 - t1, 2), "encode": round(t3 - t2, 2), "total": round(t3 - t0, 2)},
     }
     meta["val_files"] = len(meta["val_file_names"])
-    meta["train_files"] = len({b.file for b in blocks if not b.val})
+    meta["train_files"] = len(np.unique(blocks.file[~blocks.val]))
     write_json(data_dir / "meta.json", meta)
     (data_dir / STATE_FILE).unlink(missing_ok=True)
     return {**meta, "skipped": False}
@@ -376,25 +421,19 @@ def _save_given(path: Path, tok, source, log: _Log):
     return tok, f"given: {source}"
 
 
-def _sample_blocks(corpus: Corpus, blocks: list[stream.Block], sample: int) -> list[int]:
+def _sample_blocks(corpus: Corpus, blocks: stream.Blocks, sample: int) -> list[int]:
     """The training blocks the tokenizer learns from, in corpus order: all of them when they hold
     at most `sample` bytes, else blocks taken in the order of a hash of (path, index) until they do,
     which spreads the sample over the whole corpus."""
-    train = [j for j, b in enumerate(blocks) if not b.val]
-    if sum(blocks[j].nominal_end - blocks[j].nominal_start for j in train) <= sample:
-        return train
-
-    def key(j):
-        b = blocks[j]
-        return stream.split_key(f"{corpus.files[b.file].relative_to(corpus.root).as_posix()}#tokenizer#{b.index}")
-
-    chosen, total = [], 0
-    for j in sorted(train, key=key):
-        if total >= sample:
-            break
-        chosen.append(j)
-        total += blocks[j].nominal_end - blocks[j].nominal_start
-    return sorted(chosen)
+    train = np.flatnonzero(~blocks.val)
+    nbytes = blocks.nominal_end - blocks.nominal_start
+    if nbytes[train].sum() <= sample:
+        return train.tolist()
+    keys = np.array([stream.split_key(f"{corpus.files.relative(int(blocks.file[j]))}#tokenizer#{int(blocks.index[j])}")
+                     for j in train])
+    by_key = train[np.argsort(keys, kind="stable")]
+    before = np.cumsum(nbytes[by_key]) - nbytes[by_key]  # bytes chosen before each block
+    return sorted(by_key[before < sample].tolist())
 
 
 def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, log: _Log) -> Tokenizer:
@@ -402,7 +441,7 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
     `tokenizers` trainer does not return to Python while it counts or merges) and reports progress."""
     chosen = _sample_blocks(corpus, blocks, sample)
     reader = stream.BlockReader(corpus.files, sizes, blocks)
-    total = sum(blocks[j].nominal_end - blocks[j].nominal_start for j in chosen)
+    total = int((blocks.nominal_end[chosen] - blocks.nominal_start[chosen]).sum())
     log.line(f"training a {vocab_size}-id BPE tokenizer on {len(chosen)} blocks of the training files "
              f"({total / 1e6:.1f} MB)...")
     bar = log.progress("tokenizer: reading", len(chosen), total, unit="blocks")
@@ -422,8 +461,7 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
                 if seen["bytes"] >= (1 << 20) and 2 * seen["bad"] > seen["bytes"]:
                     return  # mostly not text: stop reading, refused below
             bar.update(i + 1, n)
-            if text:
-                yield text
+            yield from trainer_pieces(text)
         read_all.set()
 
     def train():
@@ -457,6 +495,20 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
     if tok.vocab_size < vocab_size:
         log.line(f"note: the corpus is too small for {vocab_size} ids; the tokenizer has {tok.vocab_size}")
     return tok
+
+
+def trainer_pieces(text: str, limit: int = TRAINER_PIECE) -> Iterator[str]:
+    """`text` in pieces of about `limit` characters, cut only at PIECE_CUT (a text with no such
+    place past `limit` stays whole); nothing for an empty text. Joined, the pieces are `text`."""
+    start = 0
+    while len(text) - start > limit:
+        cut = PIECE_CUT.search(text, start + limit)
+        if cut is None:
+            break
+        yield text[start:cut.start()]
+        start = cut.start()
+    if start < len(text):
+        yield text[start:]
 
 
 # ----------------------------------------------------------------------------- progress on stderr

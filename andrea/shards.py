@@ -106,13 +106,13 @@ class Encoder:
         st = self.state
         start = st["next_block"]
         todo = range(start, len(self.blocks))
-        total = sum(b.nominal_end - b.nominal_start for b in self.blocks)
+        total = self.blocks.nominal_bytes()
         self.log.line(f"encoding {len(self.blocks) - start} blocks "
-                      f"({sum(b.nominal_end - b.nominal_start for b in self.blocks[start:]) / 1e6:.1f} MB) "
+                      f"({self.blocks.nominal_bytes(start) / 1e6:.1f} MB) "
                       f"on {workers} threads...")
         bar = self.log.progress("encoding", len(self.blocks), total, unit="blocks")
         bar.files = start
-        bar.bytes = sum(b.nominal_end - b.nominal_start for b in self.blocks[:start])
+        bar.bytes = self.blocks.nominal_bytes(0, start)
         bar.resumed = bar.bytes
         try:
             for j, piece in zip(todo, stream.ordered_map(self._work, todo, workers)):
@@ -171,7 +171,7 @@ class Encoder:
             "train_bytes": st["bytes"]["train"],
             "val_bytes": st["bytes"]["val"],
             "not_utf8_files": not_utf8,
-            "empty_files": sum(1 for n in self.sizes if n == 0),
+            "empty_files": int(np.count_nonzero(np.asarray(self.sizes) == 0)),
             "train_tokens": n_tokens["train"],
             "val_tokens": n_tokens["val"],
             "shards": st["shards"],

@@ -372,3 +372,45 @@ def test_a_single_file_data_directory_from_before_the_shards_keeps_loading(tmp_p
     shutil.move(tmp_path / "moved", corpus)
     forced = prepare.prepare([str(corpus)], out, vocab_size=tok.vocab_size, progress=False, force=True)
     assert forced["tokenizer"] == "loaded" and not (out / "train.bin").exists() and (out / "train-00000.bin").exists()
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_trainer_pieces_cut_only_where_the_pretokenizer_splits_anyway():
+    """The trainer is fed blocks in ~64 KiB pieces (a batch of 256 whole 1 MiB blocks would be
+    0.25 GB): joined they give the block, and GPT-2's regex finds the same words in the pieces as in
+    the whole, so the tokenizer learnt from them is the same."""
+    from andrea.tokenizer import _hf_pre_tokenizer
+
+    rng = np.random.default_rng(3)
+    text = lines(rng, 60_000) + "x  \n  y\n\nz \n" * 500 + "é" * 3000 + "\n" + lines(rng, 20_000)
+    pieces = list(prepare.trainer_pieces(text, limit=500))
+    assert "".join(pieces) == text and len(pieces) > 50
+    assert all(len(p) <= 500 + 200 for p in pieces[:-1] if "é" * 3000 not in p)
+    pre = _hf_pre_tokenizer()  # the trainer's own
+
+    def words(t):
+        return [w for w, _ in pre.pre_tokenize_str(t)]
+
+    assert [w for p in pieces for w in words(p)] == words(text)
+    assert list(prepare.trainer_pieces("")) == [] and list(prepare.trainer_pieces("short")) == ["short"]
+
+
+def test_a_tokenizer_trained_on_pieces_equals_one_trained_on_whole_blocks():
+    rng = np.random.default_rng(4)
+    texts = [lines(rng, 200_000) for _ in range(4)]
+    whole = Tokenizer.train(texts, 350)
+    cut = Tokenizer.train((p for t in texts for p in prepare.trainer_pieces(t, limit=2_000)), 350)
+    assert cut.fingerprint() == whole.fingerprint()
+
+
+def test_the_plan_is_compact_and_reads_as_blocks(tmp_path):
+    corpus = make_corpus(tmp_path / "c", 12, 5_000)
+    files = prepare.FileList(corpus, sorted(corpus.rglob("*.txt")))
+    assert [files[i] for i in range(len(files))] == sorted(corpus.rglob("*.txt")) and files[-1] == files[11]
+    sizes = np.array([p.stat().st_size for p in files])
+    blocks = stream.plan_blocks(files, sizes, corpus, 0.2)
+    assert isinstance(blocks.file, np.ndarray) and len(blocks) == len(blocks[:])
+    assert blocks.nominal_bytes() == sizes.sum() == sum(b.nominal_end - b.nominal_start for b in blocks[:])
+    assert [b.file for b in blocks[:] if b.last] == list(range(12))
