@@ -225,7 +225,10 @@ def prepare(
 
     corpus = load_corpus(inputs, log.every(PROGRESS_SECONDS, lambda n: f"listing the corpus: {n} files so far"))
     sizes = np.array([p.stat().st_size for p in corpus.files], dtype=np.int64)
-    log.line(f"corpus: {len(corpus.files)} files, {sizes.sum() / 1e6:.1f} MB")
+    # the later lines count blocks (a file of up to 1 MiB is one; empty files have none), train and val apart
+    empty = int((sizes == 0).sum())
+    log.line(f"corpus: {len(corpus.files)} files ({empty} empty), {sizes.sum() / 1e6:.1f} MB; later lines count "
+             "blocks (pieces of at most 1 MiB), training and validation apart")
     if not sizes.any():
         raise UserError(f"the corpus is empty: {len(corpus.files)} files, all of them empty")
     existing = None if fresh_tokenizer else _existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
