@@ -30,19 +30,15 @@ variants = pytest.mark.parametrize("variant", sorted(VARIANTS))
 KINK_MARGIN = 5e-3
 
 
-def device(xp):
-    return "cpu" if xp is np else "gpu"
-
-
-def perturbed_model(xp, variant, seed, B, T, dtype="float64"):
+def perturbed_model(backend, variant, seed, B, T, dtype="float64"):
     """A tiny model of the variant, its weights moved off the symmetric init, and a batch; for ReLU,
     redrawn until no MLP pre-activation sits within KINK_MARGIN of the kink."""
     cfg = ModelConfig(**TINY, **VARIANTS[variant])
     for attempt in range(200):
         rng = np.random.default_rng(seed + 7919 * attempt)
-        m = ANDREA(cfg, device=device(xp), dtype=dtype, seed=seed)
+        m = ANDREA(cfg, **backend.args, dtype=dtype, seed=seed)
         for _, view in m.named_parameters():
-            view += xp.asarray(rng.normal(0, 0.3, view.shape))
+            view += backend.xp.asarray(rng.normal(0, 0.3, view.shape))
         idx, targets = rng.integers(0, 13, (B, T)), rng.integers(0, 13, (B, T))
         if cfg.activation != "relu":
             return m, idx, targets
@@ -58,10 +54,10 @@ def perturbed_model(xp, variant, seed, B, T, dtype="float64"):
 @variants
 @settings(max_examples=2, deadline=None)
 @given(seed=S.seeds, B=S.batch, T=S.time)
-def test_variant_gradients_match_finite_differences(model_xp, variant, seed, B, T):
+def test_variant_gradients_match_finite_differences(model_backend, variant, seed, B, T):
     if VARIANTS[variant].get("activation") == "relu":
         B, T = 1, min(T, 3)  # fewer pre-activations, so a draw clear of the kink comes quickly
-    m, idx, targets = perturbed_model(model_xp, variant, seed, B, T)
+    m, idx, targets = perturbed_model(model_backend, variant, seed, B, T)
     pairs = {n: (m.params[n], m.params.grad(n)) for n in m.params.names()}
 
     def backward(dloss):
@@ -70,18 +66,18 @@ def test_variant_gradients_match_finite_differences(model_xp, variant, seed, B, 
 
     m.loss(idx, targets)
     report = check_gradients(lambda: m.loss(idx, targets), backward, {}, pairs, 1.0,
-                             directions=None if model_xp is np else 6)
+                             directions=None if model_backend.xp is np else 6)
     assert report.max_rel_error <= 1e-6, report
     assert len(report.checked) == len(m.params.names())
 
 
 @variants
-def test_variant_float32_matches_float64(model_xp, variant):
+def test_variant_float32_matches_float64(model_backend, variant):
     rng = np.random.default_rng(0)
     idx, targets = rng.integers(0, 13, (2, 8)), rng.integers(0, 13, (2, 8))
     grads = {}
     for dtype in ("float32", "float64"):
-        m = ANDREA(ModelConfig(**TINY, **VARIANTS[variant]), device=device(model_xp), dtype=dtype, seed=5)
+        m = ANDREA(ModelConfig(**TINY, **VARIANTS[variant]), **model_backend.args, dtype=dtype, seed=5)
         loss = m.forward(idx, targets)
         m.zero_grad()
         m.backward()
