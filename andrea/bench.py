@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea import preflight
+from andrea.run import preflight
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.model import ANDREA, flops_per_token
-from andrea.optim import AdamW
-from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
+from andrea.model.transformer import ANDREA, flops_per_token
+from andrea.model.optim import AdamW
+from andrea.run.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
 from minitensor.backend import set_tf32
 from minitensor.memory import keep_freed_memory
 
@@ -197,7 +197,7 @@ def _subprocess_json(cmd, env=None):
 
 def bench_allreduce(parameters, device):
     """The gradient all-reduce for `parameters` float32 values: 2 MPI processes, or NCCL on a GPU."""
-    cmd = [sys.executable, "-m", "andrea.distributed", "--allreduce-bench", str(parameters)]
+    cmd = [sys.executable, "-m", "andrea.run.distributed", "--allreduce-bench", str(parameters)]
     if device == "gpu":
         return _subprocess_json([*cmd, "--gpu"])
     mpiexec = Path(sys.executable).parent / "mpiexec"
@@ -264,7 +264,7 @@ def main(argv=None):
                          "fused (scaled_dot_product_attention) attention; the table shows the faster")
     ap.add_argument("--components", action="store_true",
                     help="time each non-GEMM component (forward + backward, 120m shapes) against PyTorch's own "
-                         "kernel in this process, interleaved (andrea.components); with --torch, after the configs")
+                         "kernel in this process, interleaved (andrea.interop.components); with --torch, after the configs")
     ap.add_argument("--repeats", type=int, default=7, help="runs per engine and component with --components")
     ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
     ap.add_argument("--json", help="where to write the results (default bench.json; bench-components.json for "
@@ -301,7 +301,7 @@ def main(argv=None):
             variants = {}
             for variant, flags in (("explicit", []), ("sdpa", ["--sdpa"])):
                 variants[variant] = _subprocess_json(
-                    [sys.executable, "-m", "andrea.torch_reference", "--config", name, "--batch", str(B),
+                    [sys.executable, "-m", "andrea.interop.torch_reference", "--config", name, "--batch", str(B),
                      "--seq", str(T), "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", *flags])
             ok = {k: v for k, v in variants.items() if "tokens_per_s_median" in v}
             best = max(ok, key=lambda k: ok[k]["tokens_per_s_median"]) if ok else "explicit"
@@ -315,7 +315,7 @@ def main(argv=None):
 
 
 def _components(repeats):
-    from andrea import components
+    from andrea.interop import components
     from minitensor import cpu
 
     try:

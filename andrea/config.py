@@ -94,7 +94,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0          # 0 disables clipping
     log_interval: int = 10
-    log_grad_flow: bool = False     # per-block gradient and residual-stream norms at log steps (andrea.gradflow)
+    log_grad_flow: bool = False     # per-block gradient and residual-stream norms at log steps (andrea.run.gradflow)
     eval_interval: int = 100
     eval_batches: int = 8
     checkpoint_interval: int = 200

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from andrea.cli import run_cli
-from andrea.data import atomic_writer
+from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
-from andrea.gradflow import embedding_ratio
+from andrea.run.gradflow import embedding_ratio
 
 # small enough that an arm takes about a minute on 2 loaded CPU cores
 THIN = ["model.context_length=64", "model.d_model=64", "model.n_head=4",
@@ -199,7 +199,7 @@ def train_arm(out_dir: Path, overrides: list, log_path: Path) -> int:
 
 def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | None = None) -> dict:
     """The numbers of one run, from its metrics.jsonl."""
-    from andrea.runlog import read_metrics
+    from andrea.run.runlog import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
     steps = sorted(records)
@@ -305,7 +305,7 @@ def report(name, exp, rows, target, command):
 
 def finished(run_dir: Path) -> bool:
     """Whether run_dir holds a run that trained to its train.max_steps."""
-    from andrea.runlog import read_metrics
+    from andrea.run.runlog import read_metrics
 
     try:
         max_steps = json.loads((run_dir / "config.json").read_text())["train"]["max_steps"]

@@ -2,21 +2,21 @@
 
 --checkpoint takes a run directory (its newest good checkpoint) or one ckpt-* directory, as
 andrea.sample does. DIR gets config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-special_tokens_map.json and generation_config.json (andrea.hf), which transformers loads offline:
+special_tokens_map.json and generation_config.json (andrea.interop.hf), which transformers loads offline:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(DIR)
     tokenizer = AutoTokenizer.from_pretrained(DIR)
 
 DIR must be new, empty of those files, or an earlier export (which is replaced); a training run's
-directory or another program's files are refused before the checkpoint is read (andrea.rundir).
+directory or another program's files are refused before the checkpoint is read (andrea.run.rundir).
 """
 
 import sys
 
-from andrea import rundir
+from andrea.run import rundir
 from andrea.cli import ArgumentParser, run_cli
-from andrea.preflight import check_directory
+from andrea.run.preflight import check_directory
 from andrea.sample import load_model
 
 

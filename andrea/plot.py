@@ -9,7 +9,7 @@ learned more than token frequencies. Several runs share one figure, one colour e
 --out is replaced only when andrea.plot drew it (the PNG's Software text says so): a command never
 overwrites a file it did not create.
 `--grad-flow` draws instead the gradient norm against depth of runs trained with
-train.log_grad_flow (andrea.gradflow).
+train.log_grad_flow (andrea.run.gradflow).
 
 matplotlib comes from the optional `plot` extra; the figure is drawn on an Agg canvas of its own,
 so nothing about the process's matplotlib backend changes.
@@ -25,10 +25,10 @@ from pathlib import Path
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import build_config
-from andrea.data import atomic_writer
+from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
-from andrea.preflight import check_output_file
-from andrea.runlog import read_metrics
+from andrea.run.preflight import check_output_file
+from andrea.run.runlog import read_metrics
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _unigram_baseline(run_dir: Path, data_dir: Path) -> float | None:
 
 
 def _tokenizer_fingerprint(path: Path) -> str:
-    from andrea.hf import load_tokenizer  # tokenizers is a dependency, but plotting alone need not load it
+    from andrea.interop.hf import load_tokenizer  # tokenizers is a dependency, but plotting alone need not load it
 
     return load_tokenizer(path).fingerprint()
 
@@ -162,7 +162,7 @@ def plot_after_training(run_dir) -> str:
     except ImportError:
         return "no loss plot: matplotlib is not installed (pip install -e '.[plot]', then python -m andrea.plot)"
     try:
-        # the run directory is the run's own (andrea.rundir): its loss.png too, whoever drew it
+        # the run directory is the run's own (andrea.run.rundir): its loss.png too, whoever drew it
         return f"loss plot: {plot_runs([run_dir], Path(run_dir) / 'loss.png', replace=True)}"
     except (UserError, OSError) as e:  # the run itself succeeded: a failed plot must not fail it
         return f"warning: no loss plot: {e}"
@@ -177,7 +177,7 @@ def main(argv=None):
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
     if args.grad_flow:
-        from andrea.gradflow import plot_flow
+        from andrea.run.gradflow import plot_flow
 
         out = args.out or "grad_flow.png"
         check_output(out)  # as for the loss plot: never over a file andrea.plot did not draw

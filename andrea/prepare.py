@@ -7,7 +7,7 @@ shards and meta.json, its manifest.
 
 The steps: list the files (one file = one document; the default corpus leaves out machine-generated
 tables, see `is_generated_table`) -> cut them into blocks and choose the validation blocks
-(andrea/stream.py: ~1% of the corpus, 5% of the stdlib, by a hash of each block's path and index;
+(andrea/data/stream.py: ~1% of the corpus, 5% of the stdlib, by a hash of each block's path and index;
 a single-file corpus gives its tail) -> train the BPE tokenizer on a sample of the training blocks
 (`--tokenizer-sample`, 100 MB: one trained on 100 MB came within 0.3% bytes/token of one trained on
 1 GB; 30 MB takes ~0.15 GiB less but gave 0.8% more tokens on the 1 GB corpus), or load
@@ -19,7 +19,7 @@ complete, and training needs nothing else: not the corpus, not a scan of the ids
 
 Memory stays flat: every phase handles one block (<= ~2 MiB) per thread at a time, and the tokenizer
 sees at most the sample. After each full training shard the work done so far is recorded in
-`prepare-state.json` (andrea/shards.py), so an interrupted preparation continues from its last
+`prepare-state.json` (andrea/data/shards.py), so an interrupted preparation continues from its last
 finished shard (Ctrl-C stops within a second in every phase). A complete directory is kept as it is: running
 again does nothing, whatever happened to the corpus since (`--force` re-encodes the corpus as it
 is now, with the directory's tokenizer.json, which is always kept since checkpoints depend on it).
@@ -50,9 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea import stream
+from andrea.data import stream
 from andrea.cli import ArgumentParser, run_cli
-from andrea.data import (
+from andrea.data.dataset import (
     DATA_FORMAT,
     SHARDED_META_VERSION,
     read_data_meta,
@@ -63,11 +63,11 @@ from andrea.data import (
     stdlib_root,
 )
 from andrea.errors import UserError
-from andrea.hf import load_tokenizer
-from andrea.preflight import check_directory
-from andrea.runlog import remove_stale_temporaries
-from andrea.shards import STATE_FILE, Encoder, new_state, write_json
-from andrea.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
+from andrea.interop.hf import load_tokenizer
+from andrea.run.preflight import check_directory
+from andrea.run.runlog import remove_stale_temporaries
+from andrea.data.shards import STATE_FILE, Encoder, new_state, write_json
+from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
 
 META_VERSION = SHARDED_META_VERSION
 # The default corpus's rule, recorded in meta.json: a data directory prepared from the stdlib under

@@ -6,7 +6,7 @@
     python -m andrea.train --config 120m --dry-run           # the pre-flight checks and the plan, no training
 
 A run goes through phases, each a function below, read top to bottom in `run_training`: the
-checks (andrea.preflight: device, paths, step shape, --init-from's weights, memory, data; the same
+checks (andrea.run.preflight: device, paths, step shape, --init-from's weights, memory, data; the same
 with and without --dry-run, on every rank, after the ranks have compared their arguments), the
 run directory, the data, the model, the state (a checkpoint's or a fresh one), the loop, the end
 (the last save checked, the plot, the summary, a sample).
@@ -18,14 +18,14 @@ an AdamW step; log a line every log_interval steps and evaluate every eval_inter
 tokens/s, MFU and the ETA from the time of training steps alone); vote on stopping (StopVote:
 Ctrl-C or SIGTERM on any rank stops all after the same step); write a crash-safe checkpoint
 (weights, optimizer moments, data-loader and random states, config) every checkpoint_interval
-steps, at the end and when stopping, and say how to resume. andrea.rundir claims --out for this
-run alone (a marker of what wrote it, a lock held until the run ends); andrea.runlog keeps it to
+steps, at the end and when stopping, and say how to resume. andrea.run.rundir claims --out for this
+run alone (a marker of what wrote it, a lock held until the run ends); andrea.run.runlog keeps it to
 one story (metrics that survive a full disk, each step once after a resume, exit code 4 when the
 last save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
-andrea.distributed); rank 0 alone prints, writes metrics, checkpoints and samples.
+andrea.run.distributed); rank 0 alone prints, writes metrics, checkpoints and samples.
 """
 
 import json
@@ -38,16 +38,18 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea import checkpoint as ckpt
-from andrea import data, gradflow, hf, preflight, rundir, runlog
-from andrea import distributed as dist
+from andrea.run import checkpoint as ckpt
+from andrea.data import dataset as data
+from andrea.run import gradflow, preflight, rundir, runlog
+from andrea.interop import hf
+from andrea.run import distributed as dist
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import VARIANT_DEFAULTS, load_config, make_config
 from andrea.errors import UserError
-from andrea.hf import load_tokenizer
-from andrea.model import ANDREA, flops_per_token, format_breakdown
-from andrea.optim import AdamW
-from andrea.perf import format_duration, matmul_peak_flops, peak_label, synchronize
+from andrea.interop.hf import load_tokenizer
+from andrea.model.transformer import ANDREA, flops_per_token, format_breakdown
+from andrea.model.optim import AdamW
+from andrea.run.perf import format_duration, matmul_peak_flops, peak_label, synchronize
 from andrea.plot import plot_after_training
 from andrea.prepare import prepare
 from andrea.sample import stream

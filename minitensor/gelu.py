@@ -5,7 +5,7 @@
 
 (Hendrycks & Gimpel 2016.) The formula, in the one algebraic form every backend computes, is
 `Ops.gelu_forward` / `gelu_backward` (minitensor.ops). An MLP fuses the bias of the Linear
-before into GELU's pass through `ops.bias_gelu_forward` (andrea.model.MLP).
+before into GELU's pass through `ops.bias_gelu_forward` (andrea.model.transformer.MLP).
 """
 
 from typing import NamedTuple

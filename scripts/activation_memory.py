@@ -4,7 +4,7 @@ forward, each underlying buffer counted once.
     python scripts/activation_memory.py [config] [batch] [seq]    # default: 120m 1 1024
 
 Prints the total in MiB and, per layer and token, in d_model floats (what
-andrea/preflight.py's ACTIVATION_FLOATS_PER_LAYER estimates), the logits and the head's inputs
+andrea/run/preflight.py's ACTIVATION_FLOATS_PER_LAYER estimates), the logits and the head's inputs
 taken out first.
 """
 
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 from andrea.config import load_config
-from andrea.model import ANDREA
+from andrea.model.transformer import ANDREA
 from minitensor.layer import Layer
 
 

@@ -24,10 +24,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from andrea import stream
-from andrea.data import resolve_inputs
+from andrea.data import stream
+from andrea.data.dataset import resolve_inputs
 from andrea.prepare import byte_count, default_workers
-from andrea.tokenizer import Tokenizer
+from andrea.data.tokenizer import Tokenizer
 
 PHASES = [("training a ", "tokenizer reading"), ("tokenizer: computing", "tokenizer merges"),
           ("encoding", "encoding")]

@@ -166,8 +166,8 @@ def part_gradients(dry):
 def _train(cfg, device, dtype, data, kernels=None):
     """Per-step losses, the step-0 gradients {name: float64 NumPy array} (clipping at norm 1) and
     the line that says which kernels ran."""
-    from andrea.model import ANDREA
-    from andrea.optim import AdamW
+    from andrea.model.transformer import ANDREA
+    from andrea.model.optim import AdamW
     from minitensor.backend import to_numpy
 
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
@@ -189,7 +189,7 @@ def _train(cfg, device, dtype, data, kernels=None):
 
 def part_kernels(dry):
     from andrea.config import load_config
-    from andrea.model import param_shapes
+    from andrea.model.transformer import param_shapes
     from minitensor import cuda, cupy_ops, kernelcheck
     from minitensor.layernorm import LayerNorm
     from minitensor.loss import SoftmaxCrossEntropy
@@ -383,7 +383,7 @@ def _host(xp, a):
 
 
 def _time(xp, fn, inputs, reps):
-    from andrea.perf import synchronize
+    from andrea.run.perf import synchronize
 
     fn(inputs)
     synchronize(xp)
@@ -406,9 +406,9 @@ def part_bench(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from andrea.model import ANDREA, flops_per_token
-    from andrea.optim import AdamW
-    from andrea.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
+    from andrea.model.transformer import ANDREA, flops_per_token
+    from andrea.model.optim import AdamW
+    from andrea.run.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
     from minitensor.backend import set_tf32
 
     full = load_config("tiny" if dry else "120m")

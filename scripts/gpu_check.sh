@@ -14,7 +14,7 @@
 #                (two query blocks): per-step losses and step-0 gradients
 #   4 train      python -m andrea.train --device gpu for 3 steps (--stop-at-step), --resume to 6,
 #                then python -m andrea.sample --device gpu from the checkpoint
-#   5 nccl       python -m andrea.distributed --nccl-self-test (NCCL at one rank)
+#   5 nccl       python -m andrea.run.distributed --nccl-self-test (NCCL at one rank)
 #   6 bench      ANDREA-120M at 8 x 1024 with tf32: true: tokens/s, MFU, peak GPU memory
 #
 #     PYTHONPATH=. bash scripts/gpu_check.sh              (from the repository root)
@@ -86,10 +86,10 @@ train_stop_resume_sample() {
 
 nccl_one_rank() {  # NCCL refuses two ranks on one GPU: the communicator and an all-reduce at one rank
     if [ "$DEVICE" != gpu ]; then
-        "$PY" -m andrea.distributed --help > /dev/null && echo "dry run: the NCCL self-test needs a GPU (entry point found)"
+        "$PY" -m andrea.run.distributed --help > /dev/null && echo "dry run: the NCCL self-test needs a GPU (entry point found)"
         return
     fi
-    "$PY" -m andrea.distributed --nccl-self-test
+    "$PY" -m andrea.run.distributed --nccl-self-test
 }
 
 export -f gpu_tests train_stop_resume_sample nccl_one_rank

@@ -57,9 +57,9 @@ GPU_ONLY = {
                               ("unless", r"^xp is np$")],
     "minitensor/backends.py": [("unless", r"^xp is np$")],                   # get_ops: building CupyOps
     "minitensor/selfcheck.py": [("def", "compare"), ("def", "choose"), ("unless", r"^xp is np$")],
-    "andrea/perf.py": [("if", r"^xp is not np$"), ("if", r"^gpu$"), ("unless", r"^xp is np$")],
-    "andrea/preflight.py": [("if", r'^device == "gpu"$')],
-    "andrea/distributed.py": [("def", "use_local_gpu"), ("def", "NcclReducer"), ("def", "_load_nccl"),
+    "andrea/run/perf.py": [("if", r"^xp is not np$"), ("if", r"^gpu$"), ("unless", r"^xp is np$")],
+    "andrea/run/preflight.py": [("if", r'^device == "gpu"$')],
+    "andrea/run/distributed.py": [("def", "use_local_gpu"), ("def", "NcclReducer"), ("def", "_load_nccl"),
                               ("def", "nccl_self_test"), ("if", r"^gpu$"), ("unless", r"^xp is np$")],
     "andrea/bench.py": [("if", r'^device == "gpu"$')],
 }

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from andrea.model import MLP
+from andrea.model.transformer import MLP
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import to_numpy
 from minitensor.backends import get_ops

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from andrea import checkpoint
-from andrea.checkpoint import (
+from andrea.run import checkpoint
+from andrea.run.checkpoint import (
     META_FILE,
     TENSORS_FILE,
     CheckpointError,
@@ -257,8 +257,7 @@ _STALLED_SAVE = """
 import sys, time
 from pathlib import Path
 import numpy as np
-from andrea import checkpoint
-
+from andrea.run import checkpoint
 out, stall_at, ready = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 real = checkpoint._write_file
 
@@ -310,8 +309,7 @@ def test_sigkill_mid_save_leaves_previous_loadable(tmp_path, stall_at):
 _SAVE_OVER_FILE_SIZE_LIMIT = """
 import resource, signal, sys
 import numpy as np
-from andrea import checkpoint
-
+from andrea.run import checkpoint
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so write() fails with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 try:

@@ -22,9 +22,9 @@ import pytest
 import yaml
 from optional import require
 
-from andrea import checkpoint as ckpt
-from andrea import distributed as dist
-from andrea.data import BatchLoader, iter_eval_batches
+from andrea.run import checkpoint as ckpt
+from andrea.run import distributed as dist
+from andrea.data.dataset import BatchLoader, iter_eval_batches
 from andrea.errors import UserError
 from andrea.prepare import prepare
 from minitensor import backend
@@ -231,7 +231,7 @@ def test_gpu_under_mpi_without_a_gpu_is_one_line_error(tmp_path, data_dir):
 
 def test_a_plain_run_does_not_import_mpi4py():
     env = {k: v for k, v in os.environ.items() if k not in dist.LAUNCHER_VARIABLES}
-    code = ("import sys; from andrea import train, distributed as d; w = d.init(); "
+    code = ("import sys; from andrea import train; from andrea.run import distributed as d; w = d.init(); "
             "print(w.size, 'mpi4py' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env=dict(env, PYTHONPATH=str(ROOT)))

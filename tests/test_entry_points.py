@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 from optional import require
 from test_train import STDLIB_JSON, run_main, small_config
 
-from andrea import export, params, plot, prepare, rundir, sample, train
+from andrea import export, params, plot, prepare, sample, train
+
+from andrea.run import rundir
 from andrea.cli import run_cli
 from andrea.config import SECTIONS
 from andrea.prepare import prepare as prepare_data

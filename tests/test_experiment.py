@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from optional import require
 
-from andrea import experiment, gradflow, plot, sample, train
+from andrea import experiment, plot, sample, train
+
+from andrea.run import gradflow
 from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.prepare import prepare

@@ -98,8 +98,8 @@ def small_model_config(**changes):
 
 def run_model(device, dtype, kernels, dense, steps=2):
     """Losses, step-0 gradients and the final weights of `steps` AdamW steps of a small ANDREA."""
-    from andrea.model import ANDREA
-    from andrea.optim import AdamW
+    from andrea.model.transformer import ANDREA
+    from andrea.model.optim import AdamW
     from minitensor.attention import CausalSelfAttention
     from minitensor.backend import to_numpy
     from minitensor.cuda import FUSED
@@ -176,8 +176,7 @@ def test_the_gpu_probe_says_what_is_missing(monkeypatch, broken, reason):
 
 
 def test_the_nccl_allreduce_benchmark_runs_at_one_rank(capsys):
-    from andrea import distributed
-
+    from andrea.run import distributed
     with standin_cupy():
         assert distributed.main(["--allreduce-bench", "4096", "--gpu"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -197,7 +196,7 @@ def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():
 
 
 def test_the_memory_preflight_of_device_auto_counts_the_gpu_memory_when_a_gpu_works(tmp_path):
-    from andrea import preflight
+    from andrea.run import preflight
     from andrea.errors import UserError
 
     cfg = load_config("tiny", overrides=["train.device=auto"])

@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from optional import require
 
-from andrea import checkpoint as ckpt
-from andrea import hf
+from andrea.run import checkpoint as ckpt
+from andrea.interop import hf
 from andrea.config import ModelConfig, build_config
 from andrea.errors import UserError
 from andrea.export import main as export_main
-from andrea.model import ANDREA
-from andrea.tokenizer import Tokenizer
+from andrea.model.transformer import ANDREA
+from andrea.data.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 STDLIB_JSON = Path(json.__file__).parent
@@ -275,7 +275,7 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
     """transformers' GPT-2 and GPT2Tokenizer, saved by transformers -> andrea.train --init-from -> export ->
     transformers again."""
     torch, transformers = require("torch"), require("transformers")
-    from andrea import data
+    from andrea.data import dataset as data
     from andrea.train import main as train_main  # noqa: F401 (the entry point under test, via run_train)
 
     gpt2 = tmp_path / "gpt2"

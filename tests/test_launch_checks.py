@@ -169,7 +169,7 @@ def test_an_init_from_run_is_named_after_its_directory(tmp_path):
 
 
 def test_a_cpu_machine_with_cupy_installed_reads_one_calm_line(monkeypatch):
-    from andrea import preflight
+    from andrea.run import preflight
     from andrea.errors import UserError
     from minitensor import backend
 

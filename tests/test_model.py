@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 from andrea import ANDREA, AdamW, ModelConfig
 from andrea.errors import UserError
-from andrea.model import param_shapes, parameter_breakdown
+from andrea.model.transformer import param_shapes, parameter_breakdown
 from minitensor.backend import to_numpy
 from minitensor.gradcheck import check_gradients
 from minitensor.optim import cosine_lr

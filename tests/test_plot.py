@@ -11,7 +11,7 @@ from andrea import plot
 from andrea.cli import run_cli
 from andrea.config import build_config
 from andrea.errors import UserError
-from andrea.tokenizer import Tokenizer
+from andrea.data.tokenizer import Tokenizer
 
 
 def fake_run(tmp_path, name, records, batch_size=4, seq_len=16, baseline=6.5):
@@ -91,8 +91,7 @@ def test_after_training_says_where_or_why_not(tmp_path, monkeypatch):
 
 def test_a_line_cut_short_by_a_full_disk_is_skipped_wherever_it_is(tmp_path, monkeypatch):
     """metrics.jsonl's own writer, given a full disk once, leaves a cut line in the middle of the file."""
-    from andrea import runlog
-
+    from andrea.run import runlog
     run = fake_run(tmp_path, "a", [])
     real, calls = runlog._write, []
 

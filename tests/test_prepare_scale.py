@@ -17,9 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from andrea import data, prepare, shards, stream
+from andrea.data import dataset as data, shards, stream
+from andrea import prepare
 from andrea.errors import UserError
-from andrea.tokenizer import Tokenizer
+from andrea.data.tokenizer import Tokenizer
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
     "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega",
@@ -381,7 +382,7 @@ def test_trainer_pieces_cut_only_where_the_pretokenizer_splits_anyway():
     """The trainer is fed blocks in ~64 KiB pieces (a batch of 256 whole 1 MiB blocks would be
     0.25 GB): joined they give the block, and GPT-2's regex finds the same words in the pieces as in
     the whole, so the tokenizer learnt from them is the same."""
-    from andrea.tokenizer import _hf_pre_tokenizer
+    from andrea.data.tokenizer import _hf_pre_tokenizer
 
     rng = np.random.default_rng(3)
     text = lines(rng, 60_000) + "x  \n  y\n\nz \n" * 500 + "é" * 3000 + "\n" + lines(rng, 20_000)

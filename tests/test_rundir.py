@@ -1,7 +1,7 @@
 """No command loses a file it did not create (issue 20, class 1): train and export claim their --out.
 
 A directory andrea.train or andrea.export writes carries a marker of its kind and is locked while
-written (andrea.rundir). Checked here: export refuses a user's own config.json, the run it exports
+written (andrea.run.rundir). Checked here: export refuses a user's own config.json, the run it exports
 and a file, before reading the checkpoint; train refuses a Hugging Face model directory and a data
 directory, with --overwrite too, and deletes only its own files with it; two runs into one --out
 cannot both run; a lock left by a killed process locks nothing; runs from before the marker still
@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 from test_train import STDLIB_JSON, run_main, small_config
 
-from andrea import export, rundir
+from andrea import export
+
+from andrea.run import rundir
 from andrea.cli import run_cli
 from andrea.errors import UserError
 from andrea.prepare import prepare
@@ -189,7 +191,7 @@ def test_two_trainings_started_together_into_one_out(data_dir, tmp_path):
 def test_the_lock_of_a_killed_process_locks_nothing(tmp_path):
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from andrea import rundir; rundir.claim(sys.argv[1], 'run'); "
+        [sys.executable, "-c", "import sys, time; from andrea.run import rundir; rundir.claim(sys.argv[1], 'run'); "
                                "print('claimed', flush=True); time.sleep(60)", str(out)],
         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "claimed"

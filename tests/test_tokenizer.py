@@ -14,9 +14,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
-from andrea import data, tokenizer
+from andrea.data import dataset as data, tokenizer
 from andrea.errors import UserError
-from andrea.tokenizer import Tokenizer
+from andrea.data.tokenizer import Tokenizer
 
 EOT = Tokenizer.EOT_TEXT
 unicode_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=300)

@@ -11,7 +11,7 @@ from optional import require  # noqa: E402
 torch = require("torch")
 
 from andrea import ANDREA, ModelConfig  # noqa: E402
-from andrea.torch_reference import build_torch_model, load_andrea_state, torch_grads  # noqa: E402
+from andrea.interop.torch_reference import build_torch_model, load_andrea_state, torch_grads  # noqa: E402
 
 CFG = dict(vocab_size=37, context_length=8, d_model=12, n_layer=2, n_head=3)
 

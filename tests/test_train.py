@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from andrea import checkpoint as ckpt
+from andrea.run import checkpoint as ckpt
 from andrea import train
 from andrea.prepare import prepare
 
@@ -210,8 +210,7 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes(tmp_path, data_dir, sig
 def test_a_signal_during_the_stop_vote_is_not_lost(tmp_path, data_dir, monkeypatch, capsys):
     # the handler can run while the ranks agree on whether to stop (after this rank's flag was
     # read): the signal must still stop the run one step later, not be overwritten by the vote
-    from andrea import distributed as dist
-
+    from andrea.run import distributed as dist
     calls = []
 
     def racy_max_int(self, value):

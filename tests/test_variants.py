@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from andrea import ANDREA, ModelConfig
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.model import parameter_breakdown
+from andrea.model.transformer import parameter_breakdown
 from minitensor.backend import to_numpy
 from minitensor.gradcheck import check_gradients
 

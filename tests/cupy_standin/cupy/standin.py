@@ -9,7 +9,7 @@ With CUPY_STANDIN_REPORT=DIR in the environment, each process writes DIR/<pid>.j
 {"reads": [[what, nbytes, [caller frames]], ...], "kernels": [...], "skipped_gemms": n}, so a
 test can count the reads of a command it ran (`python -m andrea.train --device gpu ...`).
 
-GEMMs: `andrea.perf.matmul_peak_flops` measures the GPU's peak on 8192^3 products, ~20 s each on
+GEMMs: `andrea.run.perf.matmul_peak_flops` measures the GPU's peak on 8192^3 products, ~20 s each on
 a CPU. A matmul of more than GEMM_LIMIT multiply-adds is therefore not computed, and counted: its
 output gets a NaN in every 64 x 64 tile, so a result that were used would show. Every GEMM of the models
 the tests train is far below the limit.

@@ -6,7 +6,7 @@
     tok = load_tokenizer("export/")                   # andrea's tokenizer.json or a HF one
 
 andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv1D (in, out) layout
-(andrea.model.param_shapes), so the weights are copied name for name. What this module adds:
+(andrea.model.transformer.param_shapes), so the weights are copied name for name. What this module adds:
 
 - the configuration: n_positions <-> context_length, n_embd <-> d_model, n_inner <-> mlp_dim,
   layer_norm_epsilon <-> ln_eps; what GPT-2's configuration can say and andrea cannot compute
@@ -45,9 +45,9 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from andrea.config import ModelConfig
-from andrea.data import MAX_VOCAB, atomic_writer
+from andrea.data.dataset import MAX_VOCAB, atomic_writer
 from andrea.errors import UserError
-from andrea.tokenizer import BYTE_SYMBOLS, FORMAT, IdDecoding, Tokenizer
+from andrea.data.tokenizer import BYTE_SYMBOLS, FORMAT, IdDecoding, Tokenizer
 from minitensor.backend import to_numpy
 
 EOT_TEXT = "<|endoftext|>"

@@ -21,7 +21,7 @@ trainer scales each rank's backward by 1 / (accumulation x N), so the sum is the
 with two ranks the sum a + b is exactly the float32 sum one process accumulates over the same two
 micro-batches.
 
-`python -m andrea.distributed --nccl-self-test` checks the NCCL path at one rank on a GPU (the
+`python -m andrea.run.distributed --nccl-self-test` checks the NCCL path at one rank on a GPU (the
 library loads, the id exchange, an all-reduce and a broadcast); `--allreduce-bench ELEMENTS`
 times the gradient all-reduce (MPI under mpiexec; `--gpu`: NCCL), as andrea.bench reports it.
 """
@@ -384,7 +384,7 @@ def bench_allreduce(elements: int, gpu: bool) -> dict | None:
 def main(argv=None):
     from andrea.cli import ArgumentParser
 
-    ap = ArgumentParser(prog="python -m andrea.distributed", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m andrea.run.distributed", description=__doc__.splitlines()[0])
     ap.add_argument("--nccl-self-test", action="store_true", help="check NCCL at one rank on this GPU")
     ap.add_argument("--allreduce-bench", type=int, metavar="ELEMENTS",
                     help="time the in-place all-reduce of this many float32 values; prints JSON on rank 0")

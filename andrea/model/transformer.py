@@ -391,7 +391,7 @@ class ANDREA:
         for name, view in self.params.items():
             view[...] = self.xp.asarray(state[name], dtype=self.dtype)
 
-    # --- the Hugging Face format (andrea.hf, which never imports this module; imported here, on
+    # --- the Hugging Face format (andrea.interop.hf, which never imports this module; imported here, on
     # first use, so that a model without them loads neither tokenizers nor safetensors) ---
 
     @classmethod
@@ -400,8 +400,7 @@ class ANDREA:
 
         The config and the weights are checked (types, sizes, the files' headers, shapes, finite
         values) before the model is built, so a damaged directory costs no allocation."""
-        from andrea import hf
-
+        from andrea.interop import hf
         cfg = hf.read_model_config(directory)
         state = hf.read_state(directory, param_shapes(cfg))
         model = cls(cfg, device=device, dtype=dtype)
@@ -410,8 +409,7 @@ class ANDREA:
 
     def save_pretrained(self, directory, tokenizer=None):
         """Write a directory that transformers' AutoModelForCausalLM (and AutoTokenizer) load."""
-        from andrea import hf
-
+        from andrea.interop import hf
         return hf.save_pretrained(self, directory, tokenizer=tokenizer)
 
     # --- inference with a key/value cache ---

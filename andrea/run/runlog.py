@@ -1,4 +1,4 @@
-"""A run directory that tells one story: its metrics and its last words (andrea.rundir claims it).
+"""A run directory that tells one story: its metrics and its last words (andrea.run.rundir claims it).
 
     metrics = MetricsFile(out_dir / "metrics.jsonl")          # writes that survive a full disk
     drop_rows_after(out_dir / "metrics.jsonl", step, ...)     # on resume: each step once
@@ -22,13 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-from andrea import checkpoint as ckpt
-from andrea.data import atomic_writer
+from andrea.run import checkpoint as ckpt
+from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
 
 EXIT_SAVE_FAILED = 4
 PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
-_STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.data.atomic_writer's scratch: .<name>.<pid>.tmp
+_STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.data.dataset.atomic_writer's scratch: .<name>.<pid>.tmp
 
 
 def warn(msg: str) -> None:

@@ -13,7 +13,7 @@ head is tied: `logits = x @ wte.T`, and autograd adds both of wte's contribution
 
 PyTorch is optional (not a project dependency). From the command line
 
-    python -m andrea.torch_reference --config tiny --batch 16 --seq 128 --steps 20 --warmup 3
+    python -m andrea.interop.torch_reference --config tiny --batch 16 --seq 128 --steps 20 --warmup 3
 
 trains on random tokens in float32 with AdamW and prints one JSON line of throughput and peak
 memory; run in a fresh process, its peak RSS is that of PyTorch training this model alone. Exit
@@ -217,7 +217,7 @@ def benchmark(cfg, batch_size, seq_len, steps, warmup, threads=2, seed=0, sdpa=F
 def main(argv=None):
     from andrea.cli import ArgumentParser
 
-    ap = ArgumentParser(prog="python -m andrea.torch_reference",
+    ap = ArgumentParser(prog="python -m andrea.interop.torch_reference",
                                  description="Train ANDREA in PyTorch eager on random tokens; print one JSON line.")
     ap.add_argument("--config", default="tiny", help="tiny, small, 120m or a .yaml path")
     ap.add_argument("--batch", type=int, default=16)

@@ -38,7 +38,7 @@ import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
-from andrea.data import MAX_VOCAB, atomic_writer
+from andrea.data.dataset import MAX_VOCAB, atomic_writer
 from andrea.errors import UserError
 
 FORMAT = "andrea-bpe"

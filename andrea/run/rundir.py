@@ -37,8 +37,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from andrea import checkpoint as ckpt
-from andrea.data import atomic_writer
+from andrea.run import checkpoint as ckpt
+from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
 
 MARKER = ".andrea"

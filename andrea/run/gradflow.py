@@ -1,7 +1,7 @@
 """Gradient flow through the blocks, measured while training (train.log_grad_flow) and drawn.
 
 At each log step of a run with train.log_grad_flow: true, the model records one forward and
-backward (andrea.model.GradFlow, the step's last micro-batch) and metrics.jsonl's record of that
+backward (andrea.model.transformer.GradFlow, the step's last micro-batch) and metrics.jsonl's record of that
 step gets a "grad_flow" entry:
 
     grad_top     |dL/dx| at the top of the stack (the last block's output)
@@ -24,7 +24,7 @@ import contextlib
 import io
 from pathlib import Path
 
-from andrea.data import atomic_writer
+from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
 
 
@@ -51,7 +51,7 @@ def embedding_ratio(flow: dict) -> float:
 
 def read_flow(run_dir) -> list[tuple[int, dict]]:
     """[(step, grad_flow record)] of a run, in step order; a UserError when it has none."""
-    from andrea.runlog import read_metrics
+    from andrea.run.runlog import read_metrics
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():

@@ -1,4 +1,4 @@
-"""Encoding a planned corpus (andrea/stream.py's blocks) into token shards, resumably.
+"""Encoding a planned corpus (andrea/data/stream.py's blocks) into token shards, resumably.
 
 `Encoder.run` encodes blocks from `state["next_block"]` on, on several threads, and takes their ids
 in corpus order: each block's ids go to the open shard of its split (`train-NNNNN.bin` or
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea import stream
-from andrea.data import DATA_FORMAT, atomic_writer, shard_name, token_writer, unigram_entropy
+from andrea.data import stream
+from andrea.data.dataset import DATA_FORMAT, atomic_writer, shard_name, token_writer, unigram_entropy
 
 STATE_FILE = "prepare-state.json"
 

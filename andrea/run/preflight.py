@@ -34,10 +34,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from andrea import distributed as dist
-from andrea.data import MAX_VOCAB
+from andrea.run import distributed as dist
+from andrea.data.dataset import MAX_VOCAB
 from andrea.errors import UserError
-from andrea.model import parameter_breakdown
+from andrea.model.transformer import parameter_breakdown
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
@@ -233,7 +233,7 @@ def check_split(name: str, n_tokens: int, cfg, where) -> None:
 
 def prepared_counts(data_dir: Path):
     """(train tokens, val tokens) of an already prepared data directory (from its manifest), or None."""
-    from andrea.data import split_counts
+    from andrea.data.dataset import split_counts
 
     return split_counts(data_dir)
 
@@ -332,8 +332,7 @@ def check_step_shape(cfg, processes: int) -> None:
 def check_init_from(directory) -> None:
     """--init-from's config was read with the run config; its weight files must be there too (the
     tensors themselves are checked when they are loaded)."""
-    from andrea import hf
-
+    from andrea.interop import hf
     hf._weight_files(Path(directory))  # raises naming what is missing: the file, or shards of an index
 
 
