@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.run import preflight
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.model.transformer import ANDREA, flops_per_token
 from andrea.model.optim import AdamW
+from andrea.model.transformer import ANDREA, flops_per_token
+from andrea.run import preflight
 from andrea.run.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
 from minitensor.backend import set_tf32
 from minitensor.memory import keep_freed_memory
@@ -264,7 +264,8 @@ def main(argv=None):
                          "fused (scaled_dot_product_attention) attention; the table shows the faster")
     ap.add_argument("--components", action="store_true",
                     help="time each non-GEMM component (forward + backward, 120m shapes) against PyTorch's own "
-                         "kernel in this process, interleaved (andrea.interop.components); with --torch, after the configs")
+                         "kernel in this process, interleaved (andrea.interop.components); with --torch, after "
+                         "the configs")
     ap.add_argument("--repeats", type=int, default=7, help="runs per engine and component with --components")
     ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
     ap.add_argument("--json", help="where to write the results (default bench.json; bench-components.json for "

@@ -14,8 +14,8 @@ directory or another program's files are refused before the checkpoint is read (
 
 import sys
 
-from andrea.run import rundir
 from andrea.cli import ArgumentParser, run_cli
+from andrea.run import rundir
 from andrea.run.preflight import check_directory
 from andrea.sample import load_model
 

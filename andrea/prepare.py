@@ -50,8 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.data import stream
 from andrea.cli import ArgumentParser, run_cli
+from andrea.data import stream
 from andrea.data.dataset import (
     DATA_FORMAT,
     SHARDED_META_VERSION,
@@ -62,12 +62,12 @@ from andrea.data.dataset import (
     stdlib_corpus_files,
     stdlib_root,
 )
+from andrea.data.shards import STATE_FILE, Encoder, new_state, write_json
+from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
 from andrea.errors import UserError
 from andrea.interop.hf import load_tokenizer
 from andrea.run.preflight import check_directory
 from andrea.run.runlog import remove_stale_temporaries
-from andrea.data.shards import STATE_FILE, Encoder, new_state, write_json
-from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
 
 META_VERSION = SHARDED_META_VERSION
 # The default corpus's rule, recorded in meta.json: a data directory prepared from the stdlib under

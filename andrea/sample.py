@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.run import preflight
-from andrea.run.checkpoint import latest_checkpoint, load_checkpoint
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import make_config
 from andrea.errors import UserError
 from andrea.interop.hf import load_tokenizer
 from andrea.model.transformer import ANDREA
+from andrea.run import preflight
+from andrea.run.checkpoint import latest_checkpoint, load_checkpoint
 from minitensor.backend import GPUUnavailable, to_numpy
 from minitensor.memory import keep_freed_memory
 from minitensor.softmax import exp_rows

@@ -38,20 +38,20 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.run import checkpoint as ckpt
-from andrea.data import dataset as data
-from andrea.run import gradflow, preflight, rundir, runlog
-from andrea.interop import hf
-from andrea.run import distributed as dist
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import VARIANT_DEFAULTS, load_config, make_config
+from andrea.data import dataset as data
 from andrea.errors import UserError
+from andrea.interop import hf
 from andrea.interop.hf import load_tokenizer
-from andrea.model.transformer import ANDREA, flops_per_token, format_breakdown
 from andrea.model.optim import AdamW
-from andrea.run.perf import format_duration, matmul_peak_flops, peak_label, synchronize
+from andrea.model.transformer import ANDREA, flops_per_token, format_breakdown
 from andrea.plot import plot_after_training
 from andrea.prepare import prepare
+from andrea.run import checkpoint as ckpt
+from andrea.run import distributed as dist
+from andrea.run import gradflow, preflight, rundir, runlog
+from andrea.run.perf import format_duration, matmul_peak_flops, peak_label, synchronize
 from andrea.sample import stream
 from minitensor.backend import GPUUnavailable, quiet_fallback, set_tf32
 from minitensor.memory import keep_freed_memory

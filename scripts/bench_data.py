@@ -26,8 +26,8 @@ from pathlib import Path
 
 from andrea.data import stream
 from andrea.data.dataset import resolve_inputs
-from andrea.prepare import byte_count, default_workers
 from andrea.data.tokenizer import Tokenizer
+from andrea.prepare import byte_count, default_workers
 
 PHASES = [("training a ", "tokenizer reading"), ("tokenizer: computing", "tokenizer merges"),
           ("encoding", "encoding")]

@@ -166,8 +166,8 @@ def part_gradients(dry):
 def _train(cfg, device, dtype, data, kernels=None):
     """Per-step losses, the step-0 gradients {name: float64 NumPy array} (clipping at norm 1) and
     the line that says which kernels ran."""
-    from andrea.model.transformer import ANDREA
     from andrea.model.optim import AdamW
+    from andrea.model.transformer import ANDREA
     from minitensor.backend import to_numpy
 
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
@@ -406,8 +406,8 @@ def part_bench(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from andrea.model.transformer import ANDREA, flops_per_token
     from andrea.model.optim import AdamW
+    from andrea.model.transformer import ANDREA, flops_per_token
     from andrea.run.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
     from minitensor.backend import set_tf32
 

@@ -51,8 +51,8 @@ def run_case(config, kernels, dtype):
     import numpy as np
 
     from andrea.config import load_config
-    from andrea.model.transformer import ANDREA
     from andrea.model.optim import AdamW
+    from andrea.model.transformer import ANDREA
     from minitensor.backend import to_numpy
 
     cfg = load_config(config)

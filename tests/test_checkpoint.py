@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from andrea.errors import UserError
 from andrea.run import checkpoint
 from andrea.run.checkpoint import (
     META_FILE,
@@ -29,7 +30,6 @@ from andrea.run.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from andrea.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 

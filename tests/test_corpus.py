@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from andrea.data import dataset as data
 from andrea import prepare
+from andrea.data import dataset as data
 from andrea.prepare import STDLIB_RULE, Corpus, is_generated_table, load_corpus
 
 STDLIB_JSON = Path(json.__file__).parent

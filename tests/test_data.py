@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from andrea.data import dataset as data
 from andrea.cli import run_cli
+from andrea.data import dataset as data
 from andrea.data.dataset import BatchLoader, iter_eval_batches, read_tokens, write_tokens
+from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 from andrea.prepare import default_data_dir, main, prepare
-from andrea.data.tokenizer import Tokenizer
 
 FP = "ab" * 32
 

@@ -22,11 +22,11 @@ import pytest
 import yaml
 from optional import require
 
-from andrea.run import checkpoint as ckpt
-from andrea.run import distributed as dist
 from andrea.data.dataset import BatchLoader, iter_eval_batches
 from andrea.errors import UserError
 from andrea.prepare import prepare
+from andrea.run import checkpoint as ckpt
+from andrea.run import distributed as dist
 from minitensor import backend
 
 ROOT = Path(__file__).resolve().parents[1]

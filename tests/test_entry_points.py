@@ -31,11 +31,10 @@ from optional import require
 from test_train import STDLIB_JSON, run_main, small_config
 
 from andrea import export, params, plot, prepare, sample, train
-
-from andrea.run import rundir
 from andrea.cli import run_cli
 from andrea.config import SECTIONS
 from andrea.prepare import prepare as prepare_data
+from andrea.run import rundir
 
 CASES = {"train": 140, "sample": 60, "prepare": 50, "params": 60, "export": 40, "plot": 40}
 KEYS = [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in fields(cls)]

@@ -8,11 +8,10 @@ import pytest
 from optional import require
 
 from andrea import experiment, plot, sample, train
-
-from andrea.run import gradflow
 from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.prepare import prepare
+from andrea.run import gradflow
 
 STDLIB_JSON = Path(json.__file__).parent
 SMALL = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.context_length=16", "train.seq_len=16",

@@ -98,8 +98,8 @@ def small_model_config(**changes):
 
 def run_model(device, dtype, kernels, dense, steps=2):
     """Losses, step-0 gradients and the final weights of `steps` AdamW steps of a small ANDREA."""
-    from andrea.model.transformer import ANDREA
     from andrea.model.optim import AdamW
+    from andrea.model.transformer import ANDREA
     from minitensor.attention import CausalSelfAttention
     from minitensor.backend import to_numpy
     from minitensor.cuda import FUSED
@@ -196,8 +196,8 @@ def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():
 
 
 def test_the_memory_preflight_of_device_auto_counts_the_gpu_memory_when_a_gpu_works(tmp_path):
-    from andrea.run import preflight
     from andrea.errors import UserError
+    from andrea.run import preflight
 
     cfg = load_config("tiny", overrides=["train.device=auto"])
     with standin_cupy() as cupy:

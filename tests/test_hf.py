@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from optional import require
 
-from andrea.run import checkpoint as ckpt
-from andrea.interop import hf
 from andrea.config import ModelConfig, build_config
+from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 from andrea.export import main as export_main
+from andrea.interop import hf
 from andrea.model.transformer import ANDREA
-from andrea.data.tokenizer import Tokenizer
+from andrea.run import checkpoint as ckpt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the network
 STDLIB_JSON = Path(json.__file__).parent

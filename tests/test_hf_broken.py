@@ -16,11 +16,11 @@ import pytest
 import safetensors.numpy
 from test_train import STDLIB_JSON, run_main
 
-from andrea.interop import hf
 from andrea.config import ModelConfig
-from andrea.errors import UserError
-from andrea.model.transformer import ANDREA
 from andrea.data.tokenizer import Tokenizer
+from andrea.errors import UserError
+from andrea.interop import hf
+from andrea.model.transformer import ANDREA
 
 CFG = ModelConfig(vocab_size=300, context_length=16, d_model=8, n_layer=1, n_head=2)
 

@@ -137,7 +137,8 @@ def test_gelu_is_the_tanh_form_not_erf():
 
 
 def test_import_needs_no_cupy():
-    code = ("import sys, minitensor.kernels, minitensor.cupy_ops, andrea.model.transformer; minitensor.cuda.all_kernels(); "
+    code = ("import sys, minitensor.kernels, minitensor.cupy_ops, andrea.model.transformer; "
+            "minitensor.cuda.all_kernels(); "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 

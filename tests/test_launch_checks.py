@@ -169,8 +169,8 @@ def test_an_init_from_run_is_named_after_its_directory(tmp_path):
 
 
 def test_a_cpu_machine_with_cupy_installed_reads_one_calm_line(monkeypatch):
-    from andrea.run import preflight
     from andrea.errors import UserError
+    from andrea.run import preflight
     from minitensor import backend
 
     driver = ("no CUDA device (CUDARuntimeError: cudaErrorInsufficientDriver: CUDA driver version is "

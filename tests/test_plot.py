@@ -10,8 +10,8 @@ from optional import require
 from andrea import plot
 from andrea.cli import run_cli
 from andrea.config import build_config
-from andrea.errors import UserError
 from andrea.data.tokenizer import Tokenizer
+from andrea.errors import UserError
 
 
 def fake_run(tmp_path, name, records, batch_size=4, seq_len=16, baseline=6.5):

@@ -17,10 +17,11 @@ import time
 import numpy as np
 import pytest
 
-from andrea.data import dataset as data, shards, stream
 from andrea import prepare
-from andrea.errors import UserError
+from andrea.data import dataset as data
+from andrea.data import shards, stream
 from andrea.data.tokenizer import Tokenizer
+from andrea.errors import UserError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda",
     "mu", "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega",

@@ -97,7 +97,7 @@ def make_local_gpt2(cwd):
 
     directory = cwd / "gpt2"
     directory.mkdir()
-    texts = [p.read_text() for p in sorted((ROOT / "andrea").glob("*.py"))]
+    texts = [p.read_text() for p in sorted((ROOT / "andrea").rglob("*.py"))]
     vocab = foreign_tokenizer(directory, texts, vocab_size=600, transformers=transformers)
     config = transformers.GPT2Config(vocab_size=vocab, n_positions=256, n_embd=32, n_layer=2, n_head=2,
                                      bos_token_id=vocab - 1, eos_token_id=vocab - 1)

@@ -19,14 +19,13 @@ import yaml
 from test_train import STDLIB_JSON, run_main, small_config
 
 from andrea import bench, sample, train
-
-from andrea.run import preflight, runlog
-from andrea.run import checkpoint as ckpt
 from andrea import params as params_cli
 from andrea import prepare as prepare_cli
 from andrea.cli import run_cli
 from andrea.data.dataset import split_counts
 from andrea.prepare import prepare
+from andrea.run import checkpoint as ckpt
+from andrea.run import preflight, runlog
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,11 +20,10 @@ import pytest
 from test_train import STDLIB_JSON, run_main, small_config
 
 from andrea import export
-
-from andrea.run import rundir
 from andrea.cli import run_cli
 from andrea.errors import UserError
 from andrea.prepare import prepare
+from andrea.run import rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 

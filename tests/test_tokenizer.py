@@ -14,9 +14,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
-from andrea.data import dataset as data, tokenizer
-from andrea.errors import UserError
+from andrea.data import dataset as data
+from andrea.data import tokenizer
 from andrea.data.tokenizer import Tokenizer
+from andrea.errors import UserError
 
 EOT = Tokenizer.EOT_TEXT
 unicode_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=300)

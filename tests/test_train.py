@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import yaml
 
-from andrea.run import checkpoint as ckpt
 from andrea import train
 from andrea.prepare import prepare
+from andrea.run import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB_JSON = Path(json.__file__).parent

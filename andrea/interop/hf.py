@@ -46,8 +46,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from andrea.config import ModelConfig
 from andrea.data.dataset import MAX_VOCAB, atomic_writer
-from andrea.errors import UserError
 from andrea.data.tokenizer import BYTE_SYMBOLS, FORMAT, IdDecoding, Tokenizer
+from andrea.errors import UserError
 from minitensor.backend import to_numpy
 
 EOT_TEXT = "<|endoftext|>"

@@ -34,10 +34,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from andrea.run import distributed as dist
 from andrea.data.dataset import MAX_VOCAB
 from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
+from andrea.run import distributed as dist
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)

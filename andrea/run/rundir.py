@@ -37,9 +37,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from andrea.run import checkpoint as ckpt
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.run import checkpoint as ckpt
 
 MARKER = ".andrea"
 KINDS = {"run": "andrea.train", "export": "andrea.export"}

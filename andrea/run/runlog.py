@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.run import checkpoint as ckpt
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.run import checkpoint as ckpt
 
 EXIT_SAVE_FAILED = 4
 PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
