@@ -95,8 +95,10 @@ def load_model(checkpoint, device="cpu"):
     return model, tokenizer, dict(meta, checkpoint=str(path))
 
 
-def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, out=sys.stdout):
-    """Writes the prompt and then each new piece of text as soon as it is complete UTF-8."""
+def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, out=None):
+    """Writes the prompt and then each new piece of text, as soon as it is complete UTF-8, to `out`
+    (default: sys.stdout as it is at the call, so a redirection made after import is followed)."""
+    out = sys.stdout if out is None else out
     ids = tokenizer.encode(prompt)
     ctx = model.cfg.context_length
     if len(ids) > ctx:

@@ -69,6 +69,8 @@ def test_train_then_sample_end_to_end(tmp_path, data_dir, capsys):
     assert run_main(["--config", str(cfg), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "parameters on cpu" in printed and "sample (temperature" in printed
+    # the sample itself, streamed between the two rules, reaches the stdout of the moment (capsys's)
+    assert printed.split("-" * 60)[1].startswith("\ndef ")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(rows[0])
     assert any("val_loss" in r for r in rows)
