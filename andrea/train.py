@@ -440,16 +440,12 @@ def _set_json_rng_state(s):
 
 
 def kernels_line(ops):
-    """The start-up line that says which kernels the steps run. On a GPU: the CUDA kernels chosen
-    by their self-check (train.kernels), as the backend says. On the CPU: numba's compiled kernels
-    or NumPy's, as andrea.bench says; the numba ones compile during the first step unless numba's
-    disk cache holds them, so the line says why that step is slow."""
-    if ops.xp is not np:
-        return ops.kernels_line
+    """The start-up line that says which kernels the steps run, as the backend names them (on a GPU:
+    the CUDA kernels chosen by their self-check, train.kernels). numba's CPU kernels compile during
+    the first step unless numba's disk cache holds them, so the line says why that step is slow."""
     if getattr(ops, "numba", False):
-        return ("kernels: numba-compiled CPU kernels (ANDREA_CPU_KERNELS=numpy for NumPy alone); the first step "
-                "compiles them, 40-50 s unless numba's cache already holds them")
-    return "kernels: NumPy (pip install -e '.[fast]' adds numba's compiled CPU kernels)"
+        return ops.kernels_line + "; the first step compiles them, 40-50 s unless numba's cache already holds them"
+    return ops.kernels_line
 
 
 def prepare_data(cfg, build=True, tokenizer=None):

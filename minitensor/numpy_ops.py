@@ -53,6 +53,10 @@ class NumpyOps(Ops):
         super().__init__(np)
         self.numba = bool(numba) and cpu.numba is not None
         self.name = "numba" if self.numba else "numpy"
+        if self.numba:
+            self.kernels_line = "kernels: numba-compiled CPU kernels (ANDREA_CPU_KERNELS=numpy for NumPy alone)"
+        else:
+            self.kernels_line = "kernels: NumPy (pip install -e '.[fast]' adds numba's compiled CPU kernels)"
 
     # --- threads ---
 
