@@ -295,6 +295,7 @@ def _claim(data_dir: Path, meta: dict | None, state: dict | None, settings: dict
 
 
 def _resumed(state: dict, n_blocks: int, log: _Log) -> dict:
+    """The state file of the interrupted preparation this one continues, as it is (said on the log)."""
     log.line(f"resuming: {len(state['shards']['train'])} training shards were finished, continuing at block "
              f"{state['next_block']} of {n_blocks}")
     return state
