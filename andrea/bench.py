@@ -215,46 +215,54 @@ def print_table(results):
     print(head)
     print("-" * len(head))
     for r in results:
-        if "error" in r:
-            print(f"{r['config']:<7} error: {r['error']}")
-            continue
-        s = r["split_s"]
-        line = (f"{r['config']:<7} {r['batch']:>3} x {r['seq_len']:<4} "
-                f"{r['tokens_per_s_median']:>9,.0f} ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
-                f"{100 * r['mfu']:>6.1f}% {r['peak_rss_bytes'] / 2**30:>7.2f}Gi "
-                f"{1e3 * s['forward']:>6.0f}/{1e3 * s['backward']:.0f}/{1e3 * s['optimizer']:.0f}")
-        t = r.get("torch", {})
-        if "tokens_per_s_median" in t:
-            ratio = r["tokens_per_s_median"] / t["tokens_per_s_median"]
-            line += f"{t['tokens_per_s_median']:>12,.0f} {t['peak_rss_bytes'] / 2**30:>7.2f}Gi {ratio:>6.2f}"
-        elif torch:
-            line += f" {'torch: ' + t.get('error', 'not measured')}"
-        print(line)
+        print(_table_row(r, torch))
     print()
     for r in results:
         if r.get("peak"):
             print(f"{r['config']:<7} MFU against the {r['peak']}: {r['matmul_peak_flops'] / 1e12:.2f} TFLOP/s; "
                   + "; ".join(r.get("gpu_setup", [])))
     for r in results:
-        a = r.get("allreduce")
-        if a and "error" in a:
-            print(f"{r['config']:<7} gradient all-reduce: {a['error']}")
-        elif a:
-            step = r["batch"] * r["seq_len"] / r["tokens_per_s_median"] if "tokens_per_s_median" in r else None
-            share = f", {100 * a['seconds'] / step:.1f}% of the measured step" if step else ""
-            print(f"{r['config']:<7} gradient all-reduce: {a['bytes'] / 1e6:.1f} MB over {a['processes']} "
-                  f"{a['backend']} rank(s) in {1e3 * a['seconds']:.1f} ms{share}")
-        if "generation_tokens_per_s" in r:
-            gen = ", ".join(f"{v:,.0f} tok/s at {k}" for k, v in r["generation_tokens_per_s"].items())
-            print(f"{r['config']:<7} generation with the KV cache: {gen}")
-        if "profile" in r:
-            print(f"\n{r['config']} profile: {1e3 * r['profile']['step_s']:.0f} ms per step")
-            for k, v in r["profile"]["rows"].items():
-                print(f"  {k:<40} {1e3 * v:>9.1f} ms  {100 * v / r['profile']['step_s']:>5.1f}%")
+        _print_notes(r)
 
 
-def main(argv=None):
-    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
+def _table_row(r, torch):
+    """One config's line of the table: its speed, MFU, memory and split, then PyTorch's when measured."""
+    if "error" in r:
+        return f"{r['config']:<7} error: {r['error']}"
+    s = r["split_s"]
+    line = (f"{r['config']:<7} {r['batch']:>3} x {r['seq_len']:<4} "
+            f"{r['tokens_per_s_median']:>9,.0f} ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
+            f"{100 * r['mfu']:>6.1f}% {r['peak_rss_bytes'] / 2**30:>7.2f}Gi "
+            f"{1e3 * s['forward']:>6.0f}/{1e3 * s['backward']:.0f}/{1e3 * s['optimizer']:.0f}")
+    t = r.get("torch", {})
+    if "tokens_per_s_median" in t:
+        ratio = r["tokens_per_s_median"] / t["tokens_per_s_median"]
+        line += f"{t['tokens_per_s_median']:>12,.0f} {t['peak_rss_bytes'] / 2**30:>7.2f}Gi {ratio:>6.2f}"
+    elif torch:
+        line += f" {'torch: ' + t.get('error', 'not measured')}"
+    return line
+
+
+def _print_notes(r):
+    """The lines under the table for one config: its all-reduce, generation speed and profile."""
+    a = r.get("allreduce")
+    if a and "error" in a:
+        print(f"{r['config']:<7} gradient all-reduce: {a['error']}")
+    elif a:
+        step = r["batch"] * r["seq_len"] / r["tokens_per_s_median"] if "tokens_per_s_median" in r else None
+        share = f", {100 * a['seconds'] / step:.1f}% of the measured step" if step else ""
+        print(f"{r['config']:<7} gradient all-reduce: {a['bytes'] / 1e6:.1f} MB over {a['processes']} "
+              f"{a['backend']} rank(s) in {1e3 * a['seconds']:.1f} ms{share}")
+    if "generation_tokens_per_s" in r:
+        gen = ", ".join(f"{v:,.0f} tok/s at {k}" for k, v in r["generation_tokens_per_s"].items())
+        print(f"{r['config']:<7} generation with the KV cache: {gen}")
+    if "profile" in r:
+        print(f"\n{r['config']} profile: {1e3 * r['profile']['step_s']:.0f} ms per step")
+        for k, v in r["profile"]["rows"].items():
+            print(f"  {k:<40} {1e3 * v:>9.1f} ms  {100 * v / r['profile']['step_s']:>5.1f}%")
+
+
+def _parser():
     ap = ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,small,120m", help="comma-separated: tiny, small, 120m")
     ap.add_argument("--device", choices=["cpu", "gpu", "auto"], help="default: $ANDREA_DEVICE, else cpu")
@@ -272,12 +280,29 @@ def main(argv=None):
                                     "--components alone, so that it keeps the plain benchmark's file)")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--debug", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    keep_freed_memory()  # an entry point's choice: see minitensor/memory.py
+    args = _parser().parse_args(argv)
     args.device = preflight.choose_device(args.device, fallback="cpu")
     if args.one:
         print(json.dumps(run_one(args.one, args.device, args.profile)))
         return 0
-    # every mistake before minutes of measuring, not after
+    names = _check_request(args)  # every mistake before minutes of measuring, not after
+    if args.components and not args.torch:
+        return _write(args.json, [{"components": _components(args.repeats)}])
+    results = [measure_config(name, args) for name in names]
+    print_table(results)
+    if args.components:  # after the configs: a child's peak RSS starts from its parent's at the fork
+        print()
+        results.append({"components": _components(args.repeats)})
+    return _write(args.json, results)
+
+
+def _check_request(args):
+    """The config names to measure, once --json (defaulted here), --configs and --repeats are checked."""
     args.json = args.json or ("bench-components.json" if args.components and not args.torch else "bench.json")
     preflight.check_output_file(args.json, "--json")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -286,33 +311,35 @@ def main(argv=None):
         raise UserError(f"unknown config {unknown[0]!r} for the benchmark: use {', '.join(SHAPES)}")
     if args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
-    results = []
-    if args.components and not args.torch:
-        return _write(args.json, [{"components": _components(args.repeats)}])
-    for name in names:
-        print(f"measuring {name} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "andrea.bench", "--one", name, "--device", args.device]
-        r = _subprocess_json(cmd + (["--profile"] if args.profile else []))
-        r.setdefault("config", name)
-        if not args.no_allreduce and "parameters" in r:
-            r["allreduce"] = bench_allreduce(r["parameters"], r.get("device", args.device))
-        if args.torch:
-            B, T = SHAPES[name]
-            warmup, steps = STEPS[name]
-            variants = {}
-            for variant, flags in (("explicit", []), ("sdpa", ["--sdpa"])):
-                variants[variant] = _subprocess_json(
-                    [sys.executable, "-m", "andrea.interop.torch_reference", "--config", name, "--batch", str(B),
-                     "--seq", str(T), "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", *flags])
-            ok = {k: v for k, v in variants.items() if "tokens_per_s_median" in v}
-            best = max(ok, key=lambda k: ok[k]["tokens_per_s_median"]) if ok else "explicit"
-            r["torch"] = {**variants[best], "attention": best, "variants": variants}
-        results.append(r)
-    print_table(results)
-    if args.components:  # after the configs: a child's peak RSS starts from its parent's at the fork
-        print()
-        results.append({"components": _components(args.repeats)})
-    return _write(args.json, results)
+    return names
+
+
+def measure_config(name, args):
+    """One config measured in a fresh process, then its gradient all-reduce and PyTorch's run of it."""
+    print(f"measuring {name} ...", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "andrea.bench", "--one", name, "--device", args.device]
+    r = _subprocess_json(cmd + (["--profile"] if args.profile else []))
+    r.setdefault("config", name)
+    if not args.no_allreduce and "parameters" in r:
+        r["allreduce"] = bench_allreduce(r["parameters"], r.get("device", args.device))
+    if args.torch:
+        r["torch"] = bench_torch(name)
+    return r
+
+
+def bench_torch(name):
+    """PyTorch eager on the identical model, with explicit and with fused attention: the faster of the
+    two, with both kept under "variants"."""
+    B, T = SHAPES[name]
+    warmup, steps = STEPS[name]
+    variants = {}
+    for variant, flags in (("explicit", []), ("sdpa", ["--sdpa"])):
+        variants[variant] = _subprocess_json(
+            [sys.executable, "-m", "andrea.interop.torch_reference", "--config", name, "--batch", str(B),
+             "--seq", str(T), "--steps", str(steps), "--warmup", str(warmup), "--threads", "2", *flags])
+    ok = {k: v for k, v in variants.items() if "tokens_per_s_median" in v}
+    best = max(ok, key=lambda k: ok[k]["tokens_per_s_median"]) if ok else "explicit"
+    return {**variants[best], "attention": best, "variants": variants}
 
 
 def _components(repeats):

@@ -206,57 +206,79 @@ def _did_you_mean(key, options):
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _to_bool(value):
+    """A YAML boolean, or true/yes/1/on or false/no/0/off in any case."""
+    if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+        return True
+    if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+        return False
+    if isinstance(value, bool):
+        return value
+    raise ValueError
+
+
+def _to_int(value):
+    """A whole number, or a string of one ("2e3" too); a boolean is not one."""
+    if isinstance(value, bool):
+        raise ValueError
+    number = float(value) if isinstance(value, str) else value
+    if isinstance(number, float) and (not math.isfinite(number) or number != int(number)):
+        raise ValueError
+    return int(number)
+
+
+def _to_float(value):
+    """A finite number, or a string of one; a boolean is not one."""
+    if isinstance(value, bool):
+        raise ValueError
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError
+    return number
+
+
+def _to_list(value):
+    """A YAML list of strings, or one comma-separated string (empty items dropped)."""
+    if isinstance(value, str):
+        return [v for v in value.split(",") if v]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ValueError
+
+
+def _to_str(value):
+    """A string, or a number written as one."""
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ValueError
+    return str(value)
+
+
+# A field's kind is the first of these names its type mentions (`list[str]` mentions str too, so list
+# comes before str): the converter a value goes through, and what the error says the value must be.
+KINDS = (
+    ("bool", _to_bool, "true or false"),
+    ("int", _to_int, "an integer"),
+    ("float", _to_float, "a number"),
+    ("list", _to_list, "a list of strings"),
+    ("str", _to_str, "a string"),
+)
+
+
 def _coerce(section, key, value, kind):
     """Converts value (from YAML or a command-line string) to the field's type, or explains why not."""
-    where = f"{section}.{key}"
     if value is None and "None" in str(kind):
         return None
-    text = isinstance(value, str)
-    try:
-        if "bool" in str(kind):
-            if text and value.lower() in ("true", "yes", "1", "on"):
-                return True
-            if text and value.lower() in ("false", "no", "0", "off"):
-                return False
-            if isinstance(value, bool):
-                return value
-            raise ValueError
-        if "int" in str(kind):
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value) if text else value
-            if isinstance(number, float) and (not math.isfinite(number) or number != int(number)):
-                raise ValueError
-            return int(number)
-        if "float" in str(kind):
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value)
-            if not math.isfinite(number):
-                raise ValueError
-            return number
-        if "list" in str(kind):
-            if text:
-                return [v for v in value.split(",") if v]
-            if isinstance(value, list) and all(isinstance(v, str) for v in value):
-                return value
-            raise ValueError
-        if "str" in str(kind):
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ValueError
-            return str(value)
-    except (TypeError, ValueError):
-        pass
-    raise UserError(f"{where} must be {_type_name(kind)}, got {value!r}")
+    convert = next((convert for name, convert, _ in KINDS if name in str(kind)), None)
+    if convert is not None:
+        try:
+            return convert(value)
+        except (TypeError, ValueError):
+            pass
+    raise UserError(f"{section}.{key} must be {_type_name(kind)}, got {value!r}")
 
 
 def _type_name(kind):
-    k = str(kind)
-    for t, name in (("bool", "true or false"), ("int", "an integer"), ("float", "a number"),
-                    ("list", "a list of strings"), ("str", "a string")):
-        if t in k:
-            return name
-    return k
+    return next((said for name, _, said in KINDS if name in str(kind)), str(kind))
 
 
 def _apply(values, section, data):

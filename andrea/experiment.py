@@ -202,10 +202,9 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
     from andrea.run.runlog import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
-    steps = sorted(records)
-    losses = [(s, records[s]["loss"]) for s in steps if isinstance(records[s].get("loss"), (int, float))]
-    vals = [(s, records[s]["val_loss"]) for s in steps if isinstance(records[s].get("val_loss"), (int, float))]
-    flows = [(s, records[s]["grad_flow"]) for s in steps if isinstance(records[s].get("grad_flow"), dict)]
+    losses = _logged(records, "loss", (int, float))
+    vals = _logged(records, "val_loss", (int, float))
+    flows = _logged(records, "grad_flow", dict)
     val = vals[-1][1] if vals else math.nan
     first = losses[0][1] if losses else math.nan
     init = flows[0][1] if flows else None
@@ -221,6 +220,11 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
         "grad_init": init["grad_in"] + [init["grad_top"]] if init else [],
         "grad_final": final["grad_in"] + [final["grad_top"]] if final else [],
     }
+
+
+def _logged(records, key, kind):
+    """[(step, value)] of the steps whose record holds `key` as a `kind`, in step order."""
+    return [(s, records[s][key]) for s in sorted(records) if isinstance(records[s].get(key), kind)]
 
 
 def steps_to(rows, target):
@@ -318,13 +322,7 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
                    arms=None):
     exp = EXPERIMENTS[name]
     out = Path(out)
-    try:  # the figure comes last: say now, not after the training, that it cannot be drawn
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UserError("andrea.experiment draws with matplotlib: pip install -e '.[plot]'") from None
-    marker = out / "results.json"
-    if out.exists() and any(out.iterdir()) and not marker.exists() and not (out / "logs").exists():
-        raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
+    _check_out(out)
     n_steps = steps or max(2, round(exp.steps * scale))
     interval = max(1, n_steps // 15)
     budget = [f"train.max_steps={n_steps}", f"train.log_interval={interval}",
@@ -343,26 +341,49 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
                     print(f"{name}: {run_dir} has no finished run: left out", file=sys.stderr, flush=True)
                 continue
             print(f"{name}: training {run_dir.name} ({n_steps} steps)", file=sys.stderr, flush=True)
-            code = train_arm(run_dir, exp.base + budget + COMMON + overrides + [f"train.seed={seed}"] + list(extra),
-                             out / "logs" / f"{run_dir.name}.log")
-            if code == 2:
-                raise UserError(f"{run_dir.name} did not start: {_last_line(out / 'logs' / f'{run_dir.name}.log')}")
-            if code == EXIT_INTERRUPTED:  # Ctrl-C stops the experiment, not just this arm
-                raise KeyboardInterrupt
-            rows.append(summarise(run_dir, arm, seed, code))
+            sets = exp.base + budget + COMMON + overrides + [f"train.seed={seed}"] + list(extra)
+            rows.append(summarise(run_dir, arm, seed, _train_to_the_end(run_dir, sets, out / "logs")))
     if not rows:
         raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
     target = default_target(rows)
     steps_to(rows, target)
     text, verdicts = report(name, exp, rows, target, command)
+    _save(out, name, text, {"experiment": name, "steps": n_steps, "target": target, "rows": rows,
+                            "verdicts": verdicts}, draw(name, rows))
+    return text
+
+
+def _check_out(out):
+    """Refuse, before any training, what would fail later: no matplotlib to draw the figure with, or
+    an output directory holding something else than this experiment's runs."""
+    try:  # the figure comes last: say now, not after the training, that it cannot be drawn
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError("andrea.experiment draws with matplotlib: pip install -e '.[plot]'") from None
+    if out.exists() and any(out.iterdir()) and not (out / "results.json").exists() and not (out / "logs").exists():
+        raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
+
+
+def _train_to_the_end(run_dir, sets, logs):
+    """Train one arm; its exit code. A run that did not start is an error, and Ctrl-C in it stops the
+    experiment, not just this arm."""
+    code = train_arm(run_dir, sets, logs / f"{run_dir.name}.log")
+    if code == 2:
+        raise UserError(f"{run_dir.name} did not start: {_last_line(logs / f'{run_dir.name}.log')}")
+    if code == EXIT_INTERRUPTED:
+        raise KeyboardInterrupt
+    return code
+
+
+def _save(out, name, text, results, figure):
+    """The figure, the report beside it, and results.json last: its presence marks the directory as
+    this experiment's."""
     with atomic_writer(out / f"{name}.png") as f:
-        f.write(draw(name, rows))
+        f.write(figure)
     with atomic_writer(out / "results.md") as f:
         f.write(text.encode() + f"\n![{name}]({name}.png)\n".encode())
-    with atomic_writer(marker) as f:
-        f.write(json.dumps({"experiment": name, "steps": n_steps, "target": target, "rows": rows,
-                            "verdicts": verdicts}, indent=1).encode())
-    return text
+    with atomic_writer(out / "results.json") as f:
+        f.write(json.dumps(results, indent=1).encode())
 
 
 def _last_line(path):

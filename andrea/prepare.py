@@ -177,19 +177,10 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def prepare(
-    inputs: list[str] | None,
-    data_dir,
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    val_fraction: float | None = None,
-    progress: bool = True,
-    allow_smaller_vocab: bool = False,
-    force: bool = False,
-    tokenizer=None,
-    tokenizer_sample: int = TOKENIZER_SAMPLE,
-    workers: int | None = None,
-    shard_tokens: int = SHARD_TOKENS,
-) -> dict:
+def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
+            val_fraction: float | None = None, progress: bool = True, allow_smaller_vocab: bool = False,
+            force: bool = False, tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE,
+            workers: int | None = None, shard_tokens: int = SHARD_TOKENS) -> dict:
     """Prepare `data_dir` from `inputs` (None: the stdlib) and return the stats saved in meta.json.
 
     `tokenizer` (a tokenizer.json, or a directory holding one: andrea's or a Hugging Face
@@ -199,50 +190,26 @@ def prepare(
     t0 = time.perf_counter()
     data_dir = Path(data_dir)
     log = _Log(progress)
-    if val_fraction is None:
-        val_fraction = VAL_FRACTION if inputs else STDLIB_VAL_FRACTION
-    if not 0.0 < val_fraction < 1.0:
-        raise UserError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
-    if workers is not None and workers < 1:
-        raise UserError(f"--workers must be at least 1, got {workers}")
-    if tokenizer_sample < 1:
-        raise UserError(f"--tokenizer-sample must be a positive number of bytes, got {tokenizer_sample}")
+    # the request: its numbers in range; a tokenizer given is loaded and sets the vocabulary
+    val_fraction = _check_request(inputs, val_fraction, workers, tokenizer_sample)
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     vocab_size = given.vocab_size if given is not None else vocab_size
     wanted = {"inputs": list(inputs) if inputs else None, "requested_vocab_size": vocab_size,
               "val_fraction": val_fraction}
+    # the directory as it is: a complete preparation of the same request is kept
     meta, state = _our_files(data_dir)
-
-    fresh_tokenizer = False
-    if meta is not None and not inputs and meta.get("inputs") is None and meta.get("corpus_rule") != STDLIB_RULE:
-        log.line(f"{data_dir} holds the standard library prepared under an older rule (generated tables "
-                 "included): preparing it again, with a new tokenizer")
-        fresh_tokenizer = True
-    elif meta is not None:
-        _check_same_request(data_dir, meta, wanted, given, force)
-        if not force and _same_settings(meta, wanted) and _intact(data_dir, meta):
-            return {**meta, "skipped": True}
-
-    corpus = load_corpus(inputs, log.every(PROGRESS_SECONDS, lambda n: f"listing the corpus: {n} files so far"))
-    sizes = np.array([p.stat().st_size for p in corpus.files], dtype=np.int64)
-    # the later lines count blocks (a file of up to 1 MiB is one; empty files have none), train and val apart
-    empty = int((sizes == 0).sum())
-    log.line(f"corpus: {len(corpus.files)} files ({empty} empty), {sizes.sum() / 1e6:.1f} MB; later lines count "
-             "blocks (pieces of at most 1 MiB), training and validation apart")
-    if not sizes.any():
-        raise UserError(f"the corpus is empty: {len(corpus.files)} files, all of them empty")
+    fresh_tokenizer = _stdlib_under_older_rule(data_dir, meta, inputs, log)
+    if not fresh_tokenizer and meta is not None and _up_to_date(data_dir, meta, wanted, given, force):
+        return {**meta, "skipped": True}
+    # the corpus listed and cut into blocks; the directory's tokenizer checked against the request
+    corpus, sizes = _list_corpus(inputs, log)
     existing = None if fresh_tokenizer else _existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
     blocks = stream.plan_blocks(corpus.files, sizes, corpus.root, val_fraction)
     settings = {"signature": _signature(corpus, sizes), **wanted, "shard_tokens": shard_tokens,
                 "blocks": len(blocks)}
-
     # every check is done: from here on only files of this data directory are replaced or removed
-    data_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(data_dir)  # a killed run's unfinished shard
-    resumable = state is not None and existing is not None and state.get("settings") == {
-        **settings, "tokenizer_fingerprint": existing.fingerprint()}
-    _remove_ours(data_dir, meta, None if resumable else state, fresh_tokenizer)
-
+    resumable = _claim(data_dir, meta, state, settings, existing, fresh_tokenizer)
+    # the tokenizer: the one given, the directory's, or one trained on a sample of the training blocks
     t1 = time.perf_counter()
     if given is not None:
         tok, origin = _save_given(data_dir / "tokenizer.json", given, tokenizer, log)
@@ -254,17 +221,89 @@ def prepare(
         tok.save(data_dir / "tokenizer.json")
         origin = "trained"
     t2 = time.perf_counter()
+    # the encoding, into shards, continued after the last finished shard of an interrupted run
     settings["tokenizer_fingerprint"] = tok.fingerprint()
-    if resumable:
-        done = len(state["shards"]["train"])
-        log.line(f"resuming: {done} training shards were finished, continuing at block {state['next_block']} "
-                 f"of {len(blocks)}")
-    else:
-        state = new_state(settings, tok.vocab_size)
-    encoder = Encoder(tok, corpus, sizes, blocks, data_dir, state, shard_tokens, log)
-    counts = encoder.run(workers or default_workers())
+    state = _resumed(state, len(blocks), log) if resumable else new_state(settings, tok.vocab_size)
+    counts = Encoder(tok, corpus, sizes, blocks, data_dir, state, shard_tokens, log).run(workers or default_workers())
     t3 = time.perf_counter()
+    # the manifest, written last: its presence says that the directory is complete
+    seconds = {"tokenizer": round(t2 - t1, 2), "encode": round(t3 - t2, 2), "total": round(t3 - t0, 2)}
+    meta = _manifest(corpus, blocks, settings, counts, tok, origin, seconds)
+    write_json(data_dir / "meta.json", meta)
+    (data_dir / STATE_FILE).unlink(missing_ok=True)
+    return {**meta, "skipped": False}
 
+
+# ----------------------------------------------------------------------------- the phases of prepare
+
+
+def _check_request(inputs: list[str] | None, val_fraction: float | None, workers: int | None,
+                   tokenizer_sample: int) -> float:
+    """Refuse numbers out of range; return the validation fraction, defaulted for the corpus."""
+    if val_fraction is None:
+        val_fraction = VAL_FRACTION if inputs else STDLIB_VAL_FRACTION
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    if tokenizer_sample < 1:
+        raise UserError(f"--tokenizer-sample must be a positive number of bytes, got {tokenizer_sample}")
+    return val_fraction
+
+
+def _stdlib_under_older_rule(data_dir: Path, meta: dict | None, inputs: list[str] | None, log: _Log) -> bool:
+    """True (and said) when `data_dir` holds the default corpus prepared under another STDLIB_RULE and
+    the default corpus is asked for again: it is prepared again, tokenizer included."""
+    older = meta is not None and not inputs and meta.get("inputs") is None and meta.get("corpus_rule") != STDLIB_RULE
+    if older:
+        log.line(f"{data_dir} holds the standard library prepared under an older rule (generated tables "
+                 "included): preparing it again, with a new tokenizer")
+    return older
+
+
+def _up_to_date(data_dir: Path, meta: dict, wanted: dict, given, force: bool) -> bool:
+    """True when the complete directory `meta` describes answers the request as it is; a UserError
+    when it holds another corpus or tokenizer than the one asked for."""
+    _check_same_request(data_dir, meta, wanted, given, force)
+    return not force and _same_settings(meta, wanted) and _intact(data_dir, meta)
+
+
+def _list_corpus(inputs: list[str] | None, log: _Log) -> tuple[Corpus, np.ndarray]:
+    """The corpus and each file's size in bytes; a UserError when all of them are empty."""
+    corpus = load_corpus(inputs, log.every(PROGRESS_SECONDS, lambda n: f"listing the corpus: {n} files so far"))
+    sizes = np.array([p.stat().st_size for p in corpus.files], dtype=np.int64)
+    # the later lines count blocks (a file of up to 1 MiB is one; empty files have none), train and val apart
+    empty = int((sizes == 0).sum())
+    log.line(f"corpus: {len(corpus.files)} files ({empty} empty), {sizes.sum() / 1e6:.1f} MB; later lines count "
+             "blocks (pieces of at most 1 MiB), training and validation apart")
+    if not sizes.any():
+        raise UserError(f"the corpus is empty: {len(corpus.files)} files, all of them empty")
+    return corpus, sizes
+
+
+def _claim(data_dir: Path, meta: dict | None, state: dict | None, settings: dict, existing: Tokenizer | None,
+           fresh_tokenizer: bool) -> bool:
+    """Make `data_dir` ready to write: a killed run's unfinished shard, and the files of the last
+    preparation that this one does not continue, removed. True when it continues a partial one:
+    the same settings and the same tokenizer."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(data_dir)  # a killed run's unfinished shard
+    resumable = state is not None and existing is not None and state.get("settings") == {
+        **settings, "tokenizer_fingerprint": existing.fingerprint()}
+    _remove_ours(data_dir, meta, None if resumable else state, fresh_tokenizer)
+    return resumable
+
+
+def _resumed(state: dict, n_blocks: int, log: _Log) -> dict:
+    """The state file of the interrupted preparation this one continues, as it is (said on the log)."""
+    log.line(f"resuming: {len(state['shards']['train'])} training shards were finished, continuing at block "
+             f"{state['next_block']} of {n_blocks}")
+    return state
+
+
+def _manifest(corpus: Corpus, blocks: stream.Blocks, settings: dict, counts: dict, tok: Tokenizer, origin: str,
+              seconds: dict) -> dict:
+    """meta.json: the corpus, the settings, the shards and counts the encoder made, the tokenizer."""
     meta = {
         "format": DATA_FORMAT,
         "meta_version": META_VERSION,
@@ -284,13 +323,11 @@ def prepare(
         "tokenizer": origin,
         "tokenizer_fingerprint": tok.fingerprint(),
         "uniform_nats": math.log(tok.vocab_size),
-        "seconds": {"tokenizer": round(t2 - t1, 2), "encode": round(t3 - t2, 2), "total": round(t3 - t0, 2)},
+        "seconds": seconds,
     }
     meta["val_files"] = len(meta["val_file_names"])
     meta["train_files"] = len(np.unique(blocks.file[~blocks.val]))
-    write_json(data_dir / "meta.json", meta)
-    (data_dir / STATE_FILE).unlink(missing_ok=True)
-    return {**meta, "skipped": False}
+    return meta
 
 
 # ----------------------------------------------------------------------------- what the directory holds

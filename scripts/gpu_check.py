@@ -188,14 +188,7 @@ def _train(cfg, device, dtype, data, kernels=None):
 
 
 def part_kernels(dry):
-    from andrea.config import load_config
-    from andrea.model.transformer import param_shapes
-    from minitensor import cuda, cupy_ops, kernelcheck
-    from minitensor.layernorm import LayerNorm
-    from minitensor.loss import SoftmaxCrossEntropy
-    from minitensor.ops import Ops
-    from minitensor.optim import AdamW
-    from minitensor.params import Params
+    from minitensor import cuda, kernelcheck
     from minitensor.selfcheck import select_kernels
 
     failed = False
@@ -212,41 +205,96 @@ def part_kernels(dry):
         failed = "generic for" in line  # a fused kernel disagreed with its generic path
         log(f"{verdict(not failed)} self-check in {time.perf_counter() - start:.1f} s (kernels compiled "
             f"included): {line}")
-    if dry:
-        N, C, F, BH, T, V = 6, 40, 64, 2, 20, 50
-        shapes, reps = {"w": (50, 40), "b": (40,)}, 1
-    else:
-        N, C, F, BH, T, V = 8 * 1024, 768, 3072, 8 * 12, 1024, 8449
-        shapes, reps = param_shapes(load_config("120m").model), 10
-    dtype = np.float32
-    drawn, state = {}, {}
-    ref = Ops(xp)  # the generic side: the maths every kernel replaces
+    k = _KernelInputs(xp, dry)
+    log(f"float32; rows N {k.N}, C {k.C}, mlp {k.F}, scores {k.BH} x {k.T} x {k.T}, vocab {k.V}; times are the mean "
+        f"of {k.reps} calls after one, with the device synchronised around them; tolerance 1e-5 (norm-wise)")
+    for name, setup, fused, generic, elementwise in (case for cases in KERNEL_CASES for case in cases(k)):
+        if not on_gpu and elementwise:
+            log(f"skip {name:<26} (an ElementwiseKernel: needs CuPy)")
+            continue
+        failed |= not _compare_kernel(xp, name, setup, fused, generic, k.reps)
+        with contextlib.suppress(Exception):  # a broken device is reported already
+            _free(xp)
+    return failed
 
-    def reseed():  # every setup gets the same inputs, so the fused and the generic run see equal ones
-        state["k"] = 0
 
-    def rand(*shape, scale=1.0, shift=0.0):
+def _compare_kernel(xp, name, setup, fused, generic, reps):
+    """Logs how far the fused kernel's outputs are from the generic code's (each from a fresh setup)
+    and how long each takes; True when within 1e-5 norm-wise. An exception (a CUDA error, say) is
+    reported as a failure, so that the other kernels still run."""
+    try:
+        errs = [normwise(_host(xp, f), _host(xp, g)) for f, g in zip(fused(setup()), generic(setup()))]
+        ok = max(errs) <= 1e-5
+        t_fused, t_generic = _time(xp, fused, setup(), reps), _time(xp, generic, setup(), reps)
+        log(f"{verdict(ok)} {name:<26} max error {max(errs):.1e}   fused {1e3 * t_fused:8.3f} ms   generic "
+            f"{1e3 * t_generic:8.3f} ms   ({t_generic / t_fused:.2f}x)")
+    except Exception as e:
+        ok = False
+        log(f"FAIL {name:<26} {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+    return ok
+
+
+class _KernelInputs:
+    """The sizes the kernels are compared at (ANDREA-120M's: N rows of C, an MLP of F, BH score
+    matrices of T x T, V logits; toy ones in a dry run), the generic Ops every kernel replaces, and
+    the random inputs of each case's setup."""
+
+    def __init__(self, xp, dry):
+        from andrea.config import load_config
+        from andrea.model.transformer import param_shapes
+        from minitensor.ops import Ops
+
+        if dry:
+            self.N, self.C, self.F, self.BH, self.T, self.V = 6, 40, 64, 2, 20, 50
+            self.shapes, self.reps = {"w": (50, 40), "b": (40,)}, 1
+        else:
+            self.N, self.C, self.F, self.BH, self.T, self.V = 8 * 1024, 768, 3072, 8 * 12, 1024, 8449
+            self.shapes, self.reps = param_shapes(load_config("120m").model), 10
+        self.xp, self.dtype = xp, np.float32
+        self.ref = Ops(xp)  # the generic side: the maths every kernel replaces
+        self._drawn, self._k = {}, 0
+
+    def reseed(self):
+        """Starts a setup's draws again, so that the fused and the generic run see equal inputs."""
+        self._k = 0
+
+    def rand(self, *shape, scale=1.0, shift=0.0):
         """A fresh device copy of the k-th draw of this setup, drawn once on the host: cupy.random
         needs cuRAND, which a machine may lack."""
-        state["k"] += 1
-        key = (state["k"], shape, scale, shift)
-        if key not in drawn:
-            drawn[key] = shift + scale * np.random.default_rng(state["k"]).standard_normal(shape, dtype=dtype)
-        return xp.array(drawn[key])
+        self._k += 1
+        key = (self._k, shape, scale, shift)
+        if key not in self._drawn:
+            self._drawn[key] = shift + scale * np.random.default_rng(self._k).standard_normal(shape, dtype=self.dtype)
+        return self.xp.array(self._drawn[key])
 
-    def layernorm_setup():
-        reseed()
-        x, dy, w, b = rand(N, C, shift=0.3), rand(N, C), rand(C, scale=0.2, shift=1.0), rand(C, scale=0.1)
-        layer = LayerNorm(w, xp.zeros(C, dtype), b, xp.zeros(C, dtype), ops=ref)
+    def zeros(self, *shape):
+        return self.xp.zeros(shape, self.dtype)
+
+
+# Each function below gives its kernels' cases: (name, setup, fused, generic, uses an ElementwiseKernel
+# (skipped on NumPy)); setup() makes the inputs, fused(d) and generic(d) return the outputs compared.
+
+
+def _layernorm_cases(k):
+    """LayerNorm forward and backward, each also with the residual add folded in, against the layer."""
+    from minitensor import cupy_ops
+    from minitensor.layernorm import LayerNorm
+
+    N, C = k.N, k.C
+
+    def setup():
+        k.reseed()
+        x, dy, w, b = k.rand(N, C, shift=0.3), k.rand(N, C), k.rand(C, scale=0.2, shift=1.0), k.rand(C, scale=0.1)
+        layer = LayerNorm(w, k.zeros(C), b, k.zeros(C), ops=k.ref)
         layer.forward(x)
-        return dict(x=x, dy=dy, w=w, b=b, r=rand(N, C), layer=layer, cache=layer._cache,
-                    dw=xp.zeros(C, dtype), db=xp.zeros(C, dtype))
+        return dict(x=x, dy=dy, w=w, b=b, r=k.rand(N, C), layer=layer, cache=layer._cache, dw=k.zeros(C),
+                    db=k.zeros(C))
 
-    def ln_generic_fwd(d):
+    def generic_fwd(d):
         y = d["layer"].forward(d["x"])
         return y, d["layer"]._cache.mean, d["layer"]._cache.rstd
 
-    def ln_generic_bwd(d, add_to=None):
+    def generic_bwd(d, add_to=None):
         layer = d["layer"]
         layer._save(d["cache"])
         dx = layer.backward(d["dy"])
@@ -254,128 +302,149 @@ def part_kernels(dry):
             dx += add_to
         return dx, layer.dw, layer.db
 
-    def ln_generic_res(d):
+    def generic_res(d):
         d["x"] += d["r"]
         return d["layer"].forward(d["x"]), d["x"]
 
-    def gelu_setup():
-        reseed()
-        a, b = rand(N, F, scale=2.0), rand(F, scale=0.1)
-        return dict(a=a, b=b, h=a + b, dy=rand(N, F), db=xp.zeros(F, dtype), hb=xp.empty_like(a))
+    def fused_bwd(d, add_to=None):
+        return (cupy_ops.layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                d["dw"], d["db"], add_to=add_to), d["dw"], d["db"])
 
-    def gelu_generic_fwd(d):
-        xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
-        return (ref.gelu_forward(d["hb"]),)
+    return [
+        ("layernorm fwd", setup, lambda d: cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"]), generic_fwd,
+         False),
+        ("layernorm bwd", setup, fused_bwd, generic_bwd, False),
+        ("layernorm fwd + residual", setup,
+         lambda d: (cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+         generic_res, False),
+        ("layernorm bwd + residual", setup, lambda d: fused_bwd(d, add_to=d["r"]),
+         lambda d: generic_bwd(d, add_to=d["r"]), False),
+    ]
 
-    def gelu_generic_bwd(d):
-        dh = ref.gelu_backward(d["h"], d["dy"])
+
+def _gelu_cases(k):
+    """The MLP's bias + GELU, forward and backward (the bias gradient summed in), against the Ops."""
+    from minitensor import cupy_ops
+
+    def setup():
+        k.reseed()
+        a, b = k.rand(k.N, k.F, scale=2.0), k.rand(k.F, scale=0.1)
+        return dict(a=a, b=b, h=a + b, dy=k.rand(k.N, k.F), db=k.zeros(k.F), hb=k.xp.empty_like(a))
+
+    def generic_fwd(d):
+        k.xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
+        return (k.ref.gelu_forward(d["hb"]),)
+
+    def generic_bwd(d):
+        dh = k.ref.gelu_backward(d["h"], d["dy"])
         d["db"] += dh.sum(axis=0)
         return dh, d["db"]
 
-    def softmax_setup():
-        reseed()
-        s = rand(BH, T, T, scale=2.0)
-        p, lse = s.copy(), xp.empty((BH, T, 1), dtype)
-        ref.block_softmax(p[None], 0, lse[None])
-        return dict(s=s, p=p, lse=lse, dp=rand(BH, T, T), lse_out=xp.empty((BH, T, 1), dtype))
+    return [
+        ("bias + gelu fwd", setup, lambda d: (cupy_ops.bias_gelu_forward_gpu(d["a"], d["b"]),), generic_fwd, True),
+        ("bias + gelu bwd", setup, lambda d: (cupy_ops.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+                                              d["db"]), generic_bwd, True),
+    ]
 
-    def softmax_generic_fwd(d):
-        ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
+
+def _softmax_cases(k):
+    """The attention's causal softmax: forward, backward, and the probabilities recomputed from the
+    saved log-sum-exp, against the Ops' block softmax."""
+    from minitensor import cupy_ops
+
+    BH, T = k.BH, k.T
+
+    def setup():
+        k.reseed()
+        s = k.rand(BH, T, T, scale=2.0)
+        p, lse = s.copy(), k.xp.empty((BH, T, 1), k.dtype)
+        k.ref.block_softmax(p[None], 0, lse[None])
+        return dict(s=s, p=p, lse=lse, dp=k.rand(BH, T, T), lse_out=k.xp.empty((BH, T, 1), k.dtype))
+
+    def generic_fwd(d):
+        k.ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
         return d["s"], d["lse_out"]
 
-    def softmax_generic_bwd(d):
+    def generic_bwd(d):
         D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
-        ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
+        k.ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
         return (d["dp"],)
 
-    # the layer keeps softmax / N (its backward's scale folded in); the fused kernels take and give
-    # plain probabilities, so the generic side is compared times N
-    def xent_setup():
-        reseed()
-        z = rand(N, V, scale=2.0)
-        t = xp.asarray(np.random.default_rng(0).integers(0, V, N))
+    return [
+        ("causal softmax fwd", setup,
+         lambda d: (cupy_ops.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         generic_fwd, False),
+        ("causal softmax bwd", setup,
+         lambda d: (cupy_ops.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), generic_bwd, False),
+        ("causal softmax recompute", setup,
+         lambda d: (cupy_ops.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (k.ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
+    ]
+
+
+def _cross_entropy_cases(k):
+    """Softmax cross-entropy forward and backward against the loss layer. The layer keeps softmax / N
+    (its backward's scale folded in); the fused kernels take and give plain probabilities, so the
+    generic side is compared times N."""
+    from minitensor import cupy_ops
+    from minitensor.loss import SoftmaxCrossEntropy
+
+    N, V = k.N, k.V
+
+    def setup():
+        k.reseed()
+        z = k.rand(N, V, scale=2.0)
+        t = k.xp.asarray(np.random.default_rng(0).integers(0, V, N))
         scaled = z.copy()
-        loss_fn = SoftmaxCrossEntropy(ops=ref)
+        loss_fn = SoftmaxCrossEntropy(ops=k.ref)
         loss_fn.forward(scaled, t, inplace=True)
         return dict(z=z, t=t, probs=scaled * N, cache=loss_fn._cache, loss_fn=loss_fn)
 
-    def xent_generic_fwd(d):
+    def generic_fwd(d):
         return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"] * N
 
-    def xent_generic_bwd(d):
+    def generic_bwd(d):
         d["loss_fn"]._save(d["cache"])
         return (d["loss_fn"].backward(1.0),)
 
+    return [
+        ("cross-entropy fwd", setup, lambda d: (cupy_ops.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+         generic_fwd, False),
+        ("cross-entropy bwd", setup, lambda d: (cupy_ops.softmax_xent_backward_gpu(d["probs"], d["t"]),),
+         generic_bwd, True),
+    ]
+
+
+def _adamw_cases(k):
+    """One AdamW step over the model's parameter layout (decay on 2+-D tensors) against the optimizer."""
+    from minitensor import cupy_ops
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
     hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
-    def adamw_setup():
-        reseed()
-        params = Params(shapes, xp=xp, dtype=dtype, ops=ref)
-        params.data[...] = rand(params.size, scale=0.02)
-        params.grads[...] = rand(params.size, scale=1e-3)
+    def setup():
+        k.reseed()
+        params = Params(k.shapes, xp=k.xp, dtype=k.dtype, ops=k.ref)
+        params.data[...] = k.rand(params.size, scale=0.02)
+        params.grads[...] = k.rand(params.size, scale=1e-3)
         opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
                     weight_decay=hyper["weight_decay"])
         return dict(params=params, opt=opt, mask=params.mask(opt.decays))
 
-    def adamw_generic(d):
+    def generic(d):
         d["opt"].step(grad_scale=0.5)
         return d["params"].data, d["opt"].m, d["opt"].v
 
-    def adamw_fused(d):
+    def fused(d):
         p, opt = d["params"], d["opt"]
         cupy_ops.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
         return p.data, opt.m, opt.v
 
-    cases = [  # name, setup, fused, generic, uses an ElementwiseKernel (skipped on NumPy)
-        ("layernorm fwd", layernorm_setup, lambda d: cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"]),
-         ln_generic_fwd, False),
-        ("layernorm bwd", layernorm_setup,
-         lambda d: (cupy_ops.layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
-                                                    d["dw"], d["db"]), d["dw"], d["db"]), ln_generic_bwd, False),
-        ("layernorm fwd + residual", layernorm_setup,
-         lambda d: (cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
-         ln_generic_res, False),
-        ("layernorm bwd + residual", layernorm_setup,
-         lambda d: (cupy_ops.layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
-                                                    d["dw"], d["db"], add_to=d["r"]), d["dw"], d["db"]),
-         lambda d: ln_generic_bwd(d, add_to=d["r"]), False),
-        ("bias + gelu fwd", gelu_setup, lambda d: (cupy_ops.bias_gelu_forward_gpu(d["a"], d["b"]),), gelu_generic_fwd,
-         True),
-        ("bias + gelu bwd", gelu_setup, lambda d: (cupy_ops.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
-                                                   d["db"]), gelu_generic_bwd, True),
-        ("causal softmax fwd", softmax_setup,
-         lambda d: (cupy_ops.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
-         softmax_generic_fwd, False),
-        ("causal softmax bwd", softmax_setup,
-         lambda d: (cupy_ops.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), softmax_generic_bwd, False),
-        ("causal softmax recompute", softmax_setup,
-         lambda d: (cupy_ops.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
-         lambda d: (ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
-        ("cross-entropy fwd", xent_setup, lambda d: (cupy_ops.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
-         xent_generic_fwd, False),
-        ("cross-entropy bwd", xent_setup, lambda d: (cupy_ops.softmax_xent_backward_gpu(d["probs"], d["t"]),),
-         xent_generic_bwd, True),
-        ("adamw step", adamw_setup, adamw_fused, adamw_generic, True),
-    ]
-    log(f"float32; rows N {N}, C {C}, mlp {F}, scores {BH} x {T} x {T}, vocab {V}; times are the mean of {reps} "
-        f"calls after one, with the device synchronised around them; tolerance 1e-5 (norm-wise)")
-    for name, setup, fused, generic, elementwise in cases:
-        if not on_gpu and elementwise:
-            log(f"skip {name:<26} (an ElementwiseKernel: needs CuPy)")
-            continue
-        try:
-            errs = [normwise(_host(xp, f), _host(xp, g)) for f, g in zip(fused(setup()), generic(setup()))]
-            ok = max(errs) <= 1e-5
-            t_fused, t_generic = _time(xp, fused, setup(), reps), _time(xp, generic, setup(), reps)
-            log(f"{verdict(ok)} {name:<26} max error {max(errs):.1e}   fused {1e3 * t_fused:8.3f} ms   generic "
-                f"{1e3 * t_generic:8.3f} ms   ({t_generic / t_fused:.2f}x)")
-        except Exception as e:  # one case failing (a CUDA error, say) is reported, the others still run
-            ok = False
-            log(f"FAIL {name:<26} {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-        failed |= not ok
-        with contextlib.suppress(Exception):  # a broken device is reported above already
-            _free(xp)
-    return failed
+    return [("adamw step", setup, fused, generic, True)]
+
+
+KERNEL_CASES = (_layernorm_cases, _gelu_cases, _softmax_cases, _cross_entropy_cases, _adamw_cases)
 
 
 def _host(xp, a):
@@ -407,8 +476,8 @@ def part_bench(dry):
 
     from andrea.config import load_config
     from andrea.model.optim import AdamW
-    from andrea.model.transformer import ANDREA, flops_per_token
-    from andrea.run.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
+    from andrea.model.transformer import ANDREA
+    from andrea.run.perf import synchronize
     from minitensor.backend import set_tf32
 
     full = load_config("tiny" if dry else "120m")
@@ -416,60 +485,81 @@ def part_bench(dry):
     B, T = (2, 32) if dry else (8, 1024)
     warmup, steps = (1, 2) if dry else (3, 5)
     model = ANDREA(cfg, device="gpu" if gpu_here(dry) else "cpu", dtype="float32", seed=0, kernels=full.train.kernels)
-    opt = AdamW(model, lr=6e-4)
     xp = model.xp
-    mode = "tf32" if full.train.tf32 else "float32"
     log(f"{'tiny' if dry else 'ANDREA-120M'} at {B} x {T}, {warmup} warm-up steps then {steps} timed",
         set_tf32(xp, full.train.tf32), model.ops.kernels_line)
-    rng = np.random.default_rng(0)
-    # token ids stay on the host, as the training loader's do: the model checks them there and
-    # copies them over; ids on the device would be read back, two host reads a step
-    batches = [rng.integers(0, cfg.vocab_size, (B, T + 1)) for _ in range(2)]
-    pool = None if xp is np else xp.get_default_memory_pool()
-    used = [0]
-    split = {"forward": [], "backward": [], "optimizer": []}
-
-    def step(i, timed_split=False):
-        x = batches[i % 2]
-        marks = [time.perf_counter()]
-        loss = model.loss(x[:, :-1], x[:, 1:])
-        if pool is not None:
-            used[0] = max(used[0], pool.used_bytes())
-        if timed_split:
-            synchronize(xp)
-            marks.append(time.perf_counter())
-        model.zero_grad()
-        model.backward()
-        if pool is not None:
-            used[0] = max(used[0], pool.used_bytes())
-        if timed_split:
-            synchronize(xp)
-            marks.append(time.perf_counter())
-        scale, finite = model.ops.clip_scale(model.ops.global_norm(model.params.grads), 1.0, loss)
-        if bool(finite):  # the one host read of a training step
-            opt.step(grad_scale=scale)
-        if timed_split:
-            synchronize(xp)
-            marks.append(time.perf_counter())
-            for key, a, b in zip(split, marks, marks[1:]):
-                split[key].append(b - a)
-        return loss
-
+    training = _TrainingSteps(model, AdamW(model, lr=6e-4), B, T)
     start = time.perf_counter()
     for i in range(warmup):
-        step(i)
+        training.step(i)
     synchronize(xp)
     log(f"warm-up (kernel compilation included): {time.perf_counter() - start:.1f} s")
     times = []
     for i in range(steps):
         t0 = time.perf_counter()
-        loss = step(i)
+        loss = training.step(i)
         synchronize(xp)
         times.append(time.perf_counter() - t0)
-    step(0, timed_split=True)
+    training.step(0, timed_split=True)
     final_loss = float(loss)
+    result = _bench_result(training, cfg, "tf32" if full.train.tf32 else "float32", times, final_loss, dry)
+    _log_bench(result, cfg, xp, full.train.tf32)
+    print("RESULT " + json.dumps(result), flush=True)
+    return not np.isfinite(final_loss)
+
+
+class _TrainingSteps:
+    """Training steps of `model` as the training loop runs them, on two batches of B x T random ids,
+    recording the memory pool's peak use (after forward and backward) and, when asked, one step's
+    forward / backward / optimizer split."""
+
+    def __init__(self, model, opt, B, T):
+        self.model, self.opt, self.xp, self.B, self.T = model, opt, model.xp, B, T
+        rng = np.random.default_rng(0)
+        # token ids stay on the host, as the training loader's do: the model checks them there and
+        # copies them over; ids on the device would be read back, two host reads a step
+        self.batches = [rng.integers(0, model.cfg.vocab_size, (B, T + 1)) for _ in range(2)]
+        self.pool = None if self.xp is np else self.xp.get_default_memory_pool()
+        self.used = 0  # the pool's peak use, in bytes
+        self.split = {"forward": [], "backward": [], "optimizer": []}
+
+    def step(self, i, timed_split=False):
+        model, x = self.model, self.batches[i % 2]
+        marks = [time.perf_counter()]
+        loss = model.loss(x[:, :-1], x[:, 1:])
+        self._phase_done(marks, timed_split, memory=True)
+        model.zero_grad()
+        model.backward()
+        self._phase_done(marks, timed_split, memory=True)
+        scale, finite = model.ops.clip_scale(model.ops.global_norm(model.params.grads), 1.0, loss)
+        if bool(finite):  # the one host read of a training step
+            self.opt.step(grad_scale=scale)
+        self._phase_done(marks, timed_split)
+        if timed_split:
+            for key, a, b in zip(self.split, marks, marks[1:]):
+                self.split[key].append(b - a)
+        return loss
+
+    def _phase_done(self, marks, timed_split, memory=False):
+        from andrea.run.perf import synchronize
+
+        if memory and self.pool is not None:
+            self.used = max(self.used, self.pool.used_bytes())
+        if timed_split:
+            synchronize(self.xp)
+            marks.append(time.perf_counter())
+
+
+def _bench_result(training, cfg, mode, times, final_loss, dry):
+    """The benchmark's figures: speed, FLOP/s and MFU against the datasheet peaks and the measured
+    matmul peak, the step split, and memory (the GPU's pool and device, or the process's RSS)."""
+    from andrea.model.transformer import flops_per_token
+    from andrea.run.perf import matmul_peak_flops, peak_rss_bytes
+
+    xp, pool = training.xp, training.pool
+    B, T = training.B, training.T
     tokens_per_s = B * T / statistics.median(times)
-    n_params = model.num_parameters()
+    n_params = training.model.num_parameters()
     achieved = tokens_per_s * flops_per_token(cfg, T, n_params)
     measured = matmul_peak_flops(xp, n=256 if dry else 8192, repeats=3)
     result = {"mode": mode, "batch": B, "seq_len": T, "parameters": n_params, "tokens_per_s": tokens_per_s,
@@ -477,28 +567,34 @@ def part_bench(dry):
               "step_ms_max": 1e3 * max(times), "achieved_tflops": achieved / 1e12,
               "mfu_fp32_peak": achieved / PEAK_FP32, "mfu_tf32_peak": achieved / PEAK_TF32,
               "matmul_peak_tflops": measured / 1e12, "mfu_measured_peak": achieved / measured,
-              "split_ms": {k: 1e3 * v[0] for k, v in split.items()}, "loss": final_loss}
+              "split_ms": {k: 1e3 * v[0] for k, v in training.split.items()}, "loss": final_loss}
     if pool is not None:
         free, total = xp.cuda.runtime.memGetInfo()
-        result.update(pool_used_peak_gib=used[0] / 2**30, pool_total_gib=pool.total_bytes() / 2**30,
+        result.update(pool_used_peak_gib=training.used / 2**30, pool_total_gib=pool.total_bytes() / 2**30,
                       device_used_gib=(total - free) / 2**30,
                       device=xp.cuda.runtime.getDeviceProperties(0)["name"].decode())
     else:
         result["peak_rss_gib"] = peak_rss_bytes() / 2**30
-    log(f"{tokens_per_s:,.0f} tokens/s (step {result['step_ms_median']:.1f} ms median, {result['step_ms_min']:.1f}-"
-        f"{result['step_ms_max']:.1f}); {achieved / 1e12:.1f} TFLOP/s achieved "
+    return result
+
+
+def _log_bench(result, cfg, xp, tf32):
+    from andrea.model.transformer import flops_per_token
+    from andrea.run.perf import peak_label
+
+    T, n_params = result["seq_len"], result["parameters"]
+    log(f"{result['tokens_per_s']:,.0f} tokens/s (step {result['step_ms_median']:.1f} ms median, "
+        f"{result['step_ms_min']:.1f}-{result['step_ms_max']:.1f}); {result['achieved_tflops']:.1f} TFLOP/s achieved "
         f"({flops_per_token(cfg, T, n_params) / 1e6:.0f} MFLOP/token, {n_params:,} parameters)",
         f"MFU {100 * result['mfu_fp32_peak']:.1f}% of the FP32 peak (67 TFLOP/s), "
         f"{100 * result['mfu_tf32_peak']:.1f}% of the TF32 dense peak (495 TFLOP/s), "
-        f"{100 * result['mfu_measured_peak']:.1f}% of the {peak_label(xp, full.train.tf32)} measured here "
+        f"{100 * result['mfu_measured_peak']:.1f}% of the {peak_label(xp, tf32)} measured here "
         f"({result['matmul_peak_tflops']:.1f} TFLOP/s)",
         "one step split (synchronised): " + ", ".join(f"{k} {v:.1f} ms" for k, v in result["split_ms"].items()))
-    if pool is not None:
+    if "pool_used_peak_gib" in result:
         log(f"memory: memory pool peak in use {result['pool_used_peak_gib']:.2f} GiB (sampled after forward and "
             f"backward), pool holds {result['pool_total_gib']:.2f} GiB, device in use "
-            f"{result['device_used_gib']:.2f} GiB ({result['device']}); loss after the steps {final_loss:.4f}")
-    print("RESULT " + json.dumps(result), flush=True)
-    return not np.isfinite(final_loss)
+            f"{result['device_used_gib']:.2f} GiB ({result['device']}); loss after the steps {result['loss']:.4f}")
 
 
 # --- the driver -------------------------------------------------------------------------------------
@@ -523,25 +619,37 @@ def main(argv=None):
         ap.error(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
     summary, results = [], []
     for name in args.parts.split(","):
-        env = dict(os.environ, GPU_CHECK_TEED="1")
-        cmd = [sys.executable, os.path.abspath(__file__), "--part", name] + (["--dry-run"] if args.dry_run else [])
         log(f"== {name}")
-        start = time.perf_counter()
-        try:
-            limit = PARTS[name] * (DRY_TIME_SCALE if args.dry_run else 1)
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
-            out, err, status = proc.stdout, proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            out, err, status = _text(e.stdout), _text(e.stderr), f"timed out after {limit} s"
-        seconds = time.perf_counter() - start
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[len("RESULT "):]))
-            else:
-                log(line)
-        if status != 0:
-            log(*(f"  stderr: {line}" for line in err.strip().splitlines()[-15:]))
+        status, seconds = _run_part_process(name, args.dry_run, results)
         summary.append((name, status, seconds))
+    return _log_summary(summary, results)
+
+
+def _run_part_process(name, dry, results):
+    """Runs one part in a fresh process under its time limit, logs what it printed (its stderr's
+    tail if it failed) and appends its RESULT lines to `results`: (exit status or why none, seconds)."""
+    env = dict(os.environ, GPU_CHECK_TEED="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--part", name] + (["--dry-run"] if dry else [])
+    start = time.perf_counter()
+    try:
+        limit = PARTS[name] * (DRY_TIME_SCALE if dry else 1)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+        out, err, status = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, status = _text(e.stdout), _text(e.stderr), f"timed out after {limit} s"
+    seconds = time.perf_counter() - start
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            results.append(json.loads(line[len("RESULT "):]))
+        else:
+            log(line)
+    if status != 0:
+        log(*(f"  stderr: {line}" for line in err.strip().splitlines()[-15:]))
+    return status, seconds
+
+
+def _log_summary(summary, results):
+    """The verdict of each part and the benchmark's figures; the exit status, 1 if any part failed."""
     log("== summary")
     for name, status, seconds in summary:
         log(f"{verdict(status == 0)} {name:<14} {seconds:6.1f} s" + (f"  (exit status {status})" if status else ""))

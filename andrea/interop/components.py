@@ -44,144 +44,161 @@ ENGINES = ("andrea", "numpy", "torch")
 # lets the idle cores slow down (a 50 ms sleep made both engines' 1 ms LayerNorm ~1.5x slower).
 
 
-def _cases(torch, B=1, T=1024, seed=0):
-    """name -> (shape text, {engine: (prepare, run)}); prepare() is untimed, run() is timed. The
-    andrea engines each build their own layers on their backend: "andrea" the numba kernels (the
-    default), "numpy" the NumPy backend without them."""
-    import torch.nn.functional as F
+def _nothing():
+    pass
 
-    cfg = load_config("120m").model
-    C, nh, V, H = cfg.d_model, cfg.n_head, cfg.vocab_size, 4 * cfg.d_model
-    N = B * T
-    rng = np.random.default_rng(seed)
-    backends = {"andrea": get_ops(kernels="numba"), "numpy": get_ops(kernels="numpy")}
 
-    def randn(*shape):
-        return rng.standard_normal(shape, dtype=np.float32)
+def _grad_of(out_fn, inputs, dy):
+    """PyTorch: forward, then backward from dy, gradients reset first (as zero_grad(set_to_none) does)."""
+    def run():
+        for t in inputs:
+            t.grad = None
+        out_fn().backward(dy)
+    return run
 
-    def nothing():
-        pass
 
-    def grad_of(out_fn, inputs, dy):
-        """PyTorch: forward, then backward from dy, gradients reset first (as zero_grad(set_to_none) does)."""
-        def run():
-            for t in inputs:
-                t.grad = None
-            out_fn().backward(dy)
-        return run
+class _Setup:
+    """What every component's case shares: ANDREA-120M's shapes, one random generator (each case
+    draws its inputs from it in turn, in the order of CASES), PyTorch, and andrea's two backends:
+    "andrea" the numba kernels (the default), "numpy" the NumPy backend without them."""
 
-    def each_backend(make):
-        """{engine: (prepare, run)} for the andrea engines, make(ops) -> (prepare, run)."""
-        return {engine: make(ops) for engine, ops in backends.items()}
+    def __init__(self, torch, B, T, seed):
+        import torch.nn.functional as F
 
-    cases = {}
+        self.torch, self.F = torch, F
+        self.cfg = load_config("120m").model
+        self.B, self.T, self.N = B, T, B * T
+        self.C, self.nh, self.V, self.H = self.cfg.d_model, self.cfg.n_head, self.cfg.vocab_size, 4 * self.cfg.d_model
+        self.rng = np.random.default_rng(seed)
+        self.backends = {"andrea": get_ops(kernels="numba"), "numpy": get_ops(kernels="numpy")}
 
-    # GELU (N, 4C)
-    h, dh = randn(N, H), randn(N, H)
-    ht = torch.from_numpy(h.copy()).requires_grad_()
+    def randn(self, *shape):
+        return self.rng.standard_normal(shape, dtype=np.float32)
 
-    def gelu_run(ops):
+    def leaf(self, a):
+        """A PyTorch copy of `a` that takes gradients."""
+        return self.torch.from_numpy(a.copy()).requires_grad_()
+
+    def engines(self, make, torch_run):
+        """{engine: (prepare, run)}: make(ops) -> (prepare, run) for each andrea backend, then PyTorch's
+        run (nothing to prepare)."""
+        return {**{engine: make(ops) for engine, ops in self.backends.items()}, "torch": (_nothing, torch_run)}
+
+
+def _gelu(s):
+    """GELU over the MLP's hidden activations (N, 4C)."""
+    h, dh = s.randn(s.N, s.H), s.randn(s.N, s.H)
+    ht = s.leaf(h)
+
+    def andrea(ops):
         gelu = GELU(ops=ops)
-        return nothing, lambda: (gelu.forward(h), gelu.backward(dh))
+        return _nothing, lambda: (gelu.forward(h), gelu.backward(dh))
 
-    cases["GELU"] = (f"{N} x {H}", {
-        **each_backend(gelu_run),
-        "torch": (nothing, grad_of(lambda: F.gelu(ht, approximate="tanh"), [ht], torch.from_numpy(dh))),
-    })
+    torch_run = _grad_of(lambda: s.F.gelu(ht, approximate="tanh"), [ht], s.torch.from_numpy(dh))
+    return f"{s.N} x {s.H}", s.engines(andrea, torch_run)
 
-    # LayerNorm (N, C)
-    r, dr = randn(N, C), randn(N, C)
-    w, b = 1 + 0.1 * randn(C), 0.1 * randn(C)
-    tln = torch.nn.LayerNorm(C)
-    rt = torch.from_numpy(r.copy()).requires_grad_()
 
-    def layernorm_run(ops):
+def _layernorm(s):
+    """LayerNorm over the residual stream (N, C)."""
+    C = s.C
+    r, dr = s.randn(s.N, C), s.randn(s.N, C)
+    w, b = 1 + 0.1 * s.randn(C), 0.1 * s.randn(C)
+    tln = s.torch.nn.LayerNorm(C)
+    rt = s.leaf(r)
+
+    def andrea(ops):
         ln = LayerNorm(w, np.zeros(C, np.float32), b, np.zeros(C, np.float32), ops=ops)
-        return nothing, lambda: (ln.forward(r), ln.backward(dr))
+        return _nothing, lambda: (ln.forward(r), ln.backward(dr))
 
-    cases["LayerNorm"] = (f"{N} x {C}", {
-        **each_backend(layernorm_run),
-        "torch": (nothing, grad_of(lambda: tln(rt), [rt, *tln.parameters()], torch.from_numpy(dr))),
-    })
+    torch_run = _grad_of(lambda: tln(rt), [rt, *tln.parameters()], s.torch.from_numpy(dr))
+    return f"{s.N} x {C}", s.engines(andrea, torch_run)
 
-    # attention core: qkv (B, T, 3C) -> y (B, T, C), the backend's core between the two projections
-    qkv, dyy = randn(B, T, 3 * C), randn(B, T, C)
-    qkvt = torch.from_numpy(qkv.copy()).requires_grad_()
+
+def _attention(s):
+    """The attention core: qkv (B, T, 3C) -> y (B, T, C), the backend's core between the two projections."""
+    B, T, C, nh = s.B, s.T, s.C, s.nh
+    qkv, dyy = s.randn(B, T, 3 * C), s.randn(B, T, C)
+    qkvt = s.leaf(qkv)
 
     def heads(a, parts):
         a = a.reshape(B, T, parts, nh, C // nh)
         return [a[:, :, i].transpose(0, 2, 1, 3) for i in range(parts)]
 
-    def attention_run(ops):
+    def andrea(ops):
         def run():
             y = np.empty((B, T, C), np.float32)
             cache = ops.attention_forward(heads(qkv, 3), None, heads(y, 1)[0])
             dqkv = np.empty((B, T, 3 * C), np.float32)
             ops.attention_backward(heads(dyy, 1)[0], cache, heads(dqkv, 3))
-        return nothing, run
+        return _nothing, run
 
     def torch_attention():
         q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in qkvt.split(C, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = s.F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return y.transpose(1, 2).reshape(B, T, C)
 
-    cases["attention core"] = (f"{B} x {T}, {nh} heads", {
-        **each_backend(attention_run),
-        "torch": (nothing, grad_of(torch_attention, [qkvt], torch.from_numpy(dyy))),
-    })
+    return f"{B} x {T}, {nh} heads", s.engines(andrea, _grad_of(torch_attention, [qkvt], s.torch.from_numpy(dyy)))
 
-    # softmax cross-entropy over the tied head's logits (N, V); andrea overwrites them, so each run
-    # starts from a fresh copy (untimed)
-    logits, targets = randn(N, V), rng.integers(0, V, N)
+
+def _cross_entropy(s):
+    """Softmax cross-entropy over the tied head's logits (N, V); andrea overwrites them, so each run
+    starts from a fresh copy (untimed)."""
+    logits, targets = s.randn(s.N, s.V), s.rng.integers(0, s.V, s.N)
     work = np.empty_like(logits)
-    lt, tt = torch.from_numpy(logits.copy()).requires_grad_(), torch.from_numpy(targets)
+    lt, tt = s.leaf(logits), s.torch.from_numpy(targets)
 
-    def xent_run(ops):
+    def andrea(ops):
         ce = SoftmaxCrossEntropy(ops=ops)
         return (lambda: np.copyto(work, logits), lambda: (ce.forward(work, targets, inplace=True), ce.backward()))
 
-    cases["cross-entropy"] = (f"{N} x {V}", {
-        **each_backend(xent_run),
-        "torch": (nothing, grad_of(lambda: F.cross_entropy(lt, tt), [lt], None)),
-    })
+    return f"{s.N} x {s.V}", s.engines(andrea, _grad_of(lambda: s.F.cross_entropy(lt, tt), [lt], None))
 
-    # AdamW over the 120m parameter layout, decay on 2+-D tensors
-    shapes = param_shapes(cfg)
-    data = 0.02 * rng.standard_normal(Params(shapes).size, dtype=np.float32)
-    grads = 1e-3 * rng.standard_normal(data.size, dtype=np.float32)
 
-    def adamw_run(ops):
+def _adamw(s):
+    """One AdamW step over the 120m parameter layout, decay on 2+-D tensors."""
+    shapes = param_shapes(s.cfg)
+    data = 0.02 * s.rng.standard_normal(Params(shapes).size, dtype=np.float32)
+    grads = 1e-3 * s.rng.standard_normal(data.size, dtype=np.float32)
+
+    def andrea(ops):
         params = Params(shapes, ops=ops)
         params.data[:], params.grads[:] = data, grads
-        return nothing, AdamW(params, lr=6e-4).step
+        return _nothing, AdamW(params, lr=6e-4).step
 
     tparams, offset = {}, Params(shapes).offsets
     for n in shapes:
         size = int(np.prod(shapes[n]))
-        tparams[n] = torch.from_numpy(data[offset[n]:offset[n] + size].reshape(shapes[n]).copy()).requires_grad_()
-        tparams[n].grad = torch.from_numpy(grads[offset[n]:offset[n] + size].reshape(shapes[n]).copy())
+        tparams[n] = s.leaf(data[offset[n]:offset[n] + size].reshape(shapes[n]))
+        tparams[n].grad = s.torch.from_numpy(grads[offset[n]:offset[n] + size].reshape(shapes[n]).copy())
     groups = [{"params": [t for n, t in tparams.items() if len(shapes[n]) >= 2], "weight_decay": 0.1},
               {"params": [t for n, t in tparams.items() if len(shapes[n]) < 2], "weight_decay": 0.0}]
-    topt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    n_params = sum(int(np.prod(s)) for s in shapes.values())
-    cases["AdamW"] = (f"{n_params / 1e6:.1f}M parameters", {
-        **each_backend(adamw_run),
-        "torch": (nothing, topt.step),
-    })
+    topt = s.torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    n_params = sum(int(np.prod(shape)) for shape in shapes.values())
+    return f"{n_params / 1e6:.1f}M parameters", s.engines(andrea, topt.step)
 
-    # token embedding (V, C), ids (B, T): forward + backward into the gradient
-    W, idx, de = randn(V, C), rng.integers(0, V, (B, T)), randn(B, T, C)
-    Wt, idxt = torch.from_numpy(W.copy()).requires_grad_(), torch.from_numpy(idx)
 
-    def embedding_run(ops):
+def _embedding(s):
+    """The token embedding (V, C), ids (B, T): forward, and backward into the gradient."""
+    W, idx, de = s.randn(s.V, s.C), s.rng.integers(0, s.V, (s.B, s.T)), s.randn(s.B, s.T, s.C)
+    Wt, idxt = s.leaf(W), s.torch.from_numpy(idx)
+
+    def andrea(ops):
         emb = Embedding(W, np.zeros_like(W), ops=ops)
-        return nothing, lambda: (emb.forward(idx), emb.backward(de))
+        return _nothing, lambda: (emb.forward(idx), emb.backward(de))
 
-    cases["embedding"] = (f"{B} x {T} ids, {V} x {C}", {
-        **each_backend(embedding_run),
-        "torch": (nothing, grad_of(lambda: F.embedding(idxt, Wt), [Wt], torch.from_numpy(de))),
-    })
-    return cases
+    torch_run = _grad_of(lambda: s.F.embedding(idxt, Wt), [Wt], s.torch.from_numpy(de))
+    return f"{s.B} x {s.T} ids, {s.V} x {s.C}", s.engines(andrea, torch_run)
+
+
+# The components in the order they are measured and drawn from the shared random generator.
+CASES = {"GELU": _gelu, "LayerNorm": _layernorm, "attention core": _attention, "cross-entropy": _cross_entropy,
+         "AdamW": _adamw, "embedding": _embedding}
+
+
+def _cases(torch, B=1, T=1024, seed=0):
+    """name -> (shape text, {engine: (prepare, run)}); prepare() is untimed, run() is timed."""
+    setup = _Setup(torch, B, T, seed)
+    return {name: case(setup) for name, case in CASES.items()}
 
 
 def measure(repeats=7, names=None):
