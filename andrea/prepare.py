@@ -86,12 +86,24 @@ VAL_FRACTION = 0.01
 STDLIB_VAL_FRACTION = 0.05
 SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)
 TOKENIZER_SAMPLE = 100_000_000  # bytes of training text the tokenizer is trained on, at most (BENCHMARKS.md, data)
-# The trainer is fed pieces of at most ~64 KiB: `tokenizers` holds a batch of 256 texts at a time,
-# 256 x a 1-2 MiB block is up to 0.5 GB (the blocks of a large corpus are larger, stream.block_size).
-# A piece ends at a newline between two non-space characters, where GPT-2's regex always splits:
-# the words counted, hence the tokenizer, are the same as from the whole block.
+# The trainer is fed pieces of at most ~64 KiB: `tokenizers` holds a batch of 256 texts at a time, and
+# its pre-tokenizer's working memory grows with the text in hand (offsets for every byte, a string per
+# word): the 1 GB corpus's sample with its indented 1 MiB blocks left whole peaked 0.13 GiB higher than
+# in pieces (BENCHMARKS.md, "Flat memory").
+# A piece ends only where GPT-2's regex ends a word whatever comes next (the regex looks forward only),
+# so the words counted, hence the tokenizer, are those of the whole block: after a newline between two
+# non-space characters, or between two ASCII non-space characters of different kinds (letter, digit,
+# punctuation: "x(", "1a", ".b"), except after an apostrophe ("'s" is one word). The second kind is
+# what cuts indented text (code, JSON), where no line starts with a non-space character.
 TRAINER_PIECE = 1 << 16
-PIECE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+_LETTER, _DIGIT, _PUNCT = "A-Za-z", "0-9", r"!-/:-@\[-`{-~"
+_PUNCT_BUT_APOSTROPHE = r"!-&(-/:-@\[-`{-~"
+PIECE_CUT = re.compile(
+    r"(?<=\S\n)(?=\S)"
+    rf"|(?<=[{_LETTER}])(?=[{_DIGIT}{_PUNCT}])"
+    rf"|(?<=[{_DIGIT}])(?=[{_LETTER}{_PUNCT}])"
+    rf"|(?<=[{_PUNCT_BUT_APOSTROPHE}])(?=[{_LETTER}{_DIGIT}])"
+)
 PROGRESS_SECONDS = 5.0  # a log file gets a progress line at least this often
 CLEAR_TO_EOL = "\x1b[K"  # a redrawn progress line may be shorter than the last one
 
