@@ -110,9 +110,10 @@ CLEAR_TO_EOL = "\x1b[K"  # a redrawn progress line may be shorter than the last 
 
 class FileList(Sequence):
     """Files under `root`, compact: their paths joined into one string with the offsets of each in
-    a numpy array (~50 bytes a file, where a list of `Path` objects takes ~400: the listing of a
-    large corpus must not grow the memory the rest of the preparation runs in). The paths are taken
-    one at a time, never held as a list. `files[i]` is the `Path` root / relative path i."""
+    a numpy array (~110 bytes a file held with the sizes, measured on 75,140 files, where a list of
+    `Path` objects takes ~400: the listing of a large corpus must not grow the memory the rest of
+    the preparation runs in). The paths are taken one at a time, never held as a list.
+    `files[i]` is the `Path` root / relative path i."""
 
     JOIN_EVERY = 4096  # paths joined into one string at a time while they arrive
 
