@@ -44,6 +44,7 @@ import re
 import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,9 @@ from andrea.data import stream
 from andrea.data.dataset import (
     DATA_FORMAT,
     SHARDED_META_VERSION,
+    iter_input_names,
     read_data_meta,
     read_token_header,
-    resolve_input_names,
     resolve_inputs,
     stdlib_corpus_files,
     stdlib_root,
@@ -85,27 +86,78 @@ VAL_FRACTION = 0.01
 STDLIB_VAL_FRACTION = 0.05
 SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)
 TOKENIZER_SAMPLE = 100_000_000  # bytes of training text the tokenizer is trained on, at most (BENCHMARKS.md, data)
-# The trainer is fed pieces of at most ~64 KiB: `tokenizers` holds a batch of 256 texts at a time,
-# 256 x a 1-2 MiB block is up to 0.5 GB (the blocks of a large corpus are larger, stream.block_size).
-# A piece ends at a newline between two non-space characters, where GPT-2's regex always splits:
-# the words counted, hence the tokenizer, are the same as from the whole block.
+# The trainer is fed pieces of at most ~64 KiB: `tokenizers` holds a batch of 256 texts at a time, and
+# its pre-tokenizer's working memory grows with the text in hand (offsets for every byte, a string per
+# word): the 1 GB corpus's sample with its indented 1 MiB blocks left whole peaked 0.13 GiB higher than
+# in pieces (BENCHMARKS.md, "Flat memory").
+# A piece ends only where GPT-2's regex ends a word whatever comes next (the regex looks forward only),
+# so the words counted, hence the tokenizer, are those of the whole block: after a newline between two
+# non-space characters, or between two ASCII non-space characters of different kinds (letter, digit,
+# punctuation: "x(", "1a", ".b"), except after an apostrophe ("'s" is one word). The second kind is
+# what cuts indented text (code, JSON), where no line starts with a non-space character.
 TRAINER_PIECE = 1 << 16
-PIECE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+_LETTER, _DIGIT, _PUNCT = "A-Za-z", "0-9", r"!-/:-@\[-`{-~"
+_PUNCT_BUT_APOSTROPHE = r"!-&(-/:-@\[-`{-~"
+PIECE_CUT = re.compile(
+    r"(?<=\S\n)(?=\S)"
+    rf"|(?<=[{_LETTER}])(?=[{_DIGIT}{_PUNCT}])"
+    rf"|(?<=[{_DIGIT}])(?=[{_LETTER}{_PUNCT}])"
+    rf"|(?<=[{_PUNCT_BUT_APOSTROPHE}])(?=[{_LETTER}{_DIGIT}])"
+)
 PROGRESS_SECONDS = 5.0  # a log file gets a progress line at least this often
 CLEAR_TO_EOL = "\x1b[K"  # a redrawn progress line may be shorter than the last one
 
 
 class FileList(Sequence):
-    """Files under `root`, compact: their relative paths joined into one string with the offsets of
-    each in a numpy array (~50 bytes a file, where a list of `Path` objects takes ~400: the listing
-    of a large corpus must not grow the memory the rest of the preparation runs in). `files[i]` is
-    the `Path` root / relative path i."""
+    """Files under `root`, compact: their paths joined into one string with the offsets of each in
+    a numpy array (~110 bytes a file held with the sizes, measured on 75,140 files, where a list of
+    `Path` objects takes ~400: the listing of a large corpus must not grow the memory the rest of
+    the preparation runs in). The paths are taken one at a time, never held as a list.
+    `files[i]` is the `Path` root / relative path i."""
+
+    JOIN_EVERY = 4096  # paths joined into one string at a time while they arrive
 
     def __init__(self, root: Path, paths: Iterable[Path | str]):
         self.root = root
-        names = [os.path.relpath(p, root) for p in paths]
-        self._joined = "".join(names)
-        self._ends = np.cumsum([len(n) for n in names], dtype=np.int64)
+        self._skip = 0  # characters before each stored path's relative part (see under_common_root)
+        self._store(os.path.relpath(p, root) for p in paths)
+
+    @classmethod
+    def under_common_root(cls, names: Iterable[str]) -> FileList:
+        """A list of the absolute, normalised path strings `names`, consumed as they come, under the
+        deepest directory that holds them all (`os.path.commonpath` of their directories). The
+        root is known only at the end, so the paths are stored whole and cut when read."""
+        files = cls.__new__(cls)
+        root = None
+
+        def tracking_root():
+            nonlocal root
+            previous = None
+            for name in names:
+                directory = os.path.dirname(name)
+                if directory != previous:  # consecutive files mostly share their directory
+                    root = directory if root is None else os.path.commonpath([root, directory])
+                    previous = directory
+                yield name
+
+        files._store(tracking_root())
+        if root is None:
+            raise ValueError("a FileList under a common root needs at least one path")
+        files.root = Path(root)
+        files._skip = len(os.path.join(root, ""))
+        return files
+
+    def _store(self, names: Iterable[str]) -> None:
+        joined, batch, ends, end = [], [], array("q"), 0
+        for name in names:
+            batch.append(name)
+            end += len(name)
+            ends.append(end)
+            if len(batch) == self.JOIN_EVERY:
+                joined.append("".join(batch))
+                batch.clear()
+        self._joined = "".join(joined) + "".join(batch)
+        self._ends = np.array(ends, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -113,7 +165,7 @@ class FileList(Sequence):
     def relative(self, i: int) -> str:
         """File i's path relative to the root, with / between its parts."""
         start = int(self._ends[i - 1]) if i > 0 else 0
-        name = self._joined[start:int(self._ends[i])]
+        name = self._joined[start + self._skip:int(self._ends[i])]
         return name if os.sep == "/" else name.replace(os.sep, "/")
 
     def __getitem__(self, i):
@@ -145,9 +197,8 @@ def load_corpus(inputs: list[str] | None, progress: Callable[[int], None] | None
         return Corpus(FileList(root, [p for p in files if p not in generated]), root,
                       f"Python {platform.python_version()} standard library ({root}), generated tables left out",
                       tuple(sorted(generated)), STDLIB_RULE)
-    names = resolve_input_names(inputs, progress)
-    root = Path(os.path.commonpath([os.path.dirname(name) for name in names]))
-    return Corpus(FileList(root, names), root, f"{len(names)} files from {' '.join(inputs)}")
+    files = FileList.under_common_root(iter_input_names(inputs, progress))
+    return Corpus(files, files.root, f"{len(files)} files from {' '.join(inputs)}")
 
 
 def is_generated_table(path: Path) -> bool:

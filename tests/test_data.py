@@ -3,12 +3,14 @@
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from andrea import prepare as prepare_module
 from andrea.cli import run_cli
 from andrea.data import dataset as data
 from andrea.data.dataset import BatchLoader, iter_eval_batches, read_tokens, write_tokens
@@ -70,6 +72,54 @@ def test_resolve_refuses_specs_matching_nothing(tmp_path):
     for spec in (str(tmp_path / "missing.txt"), str(tmp_path / "*.rst"), str(tmp_path / "empty_dir")):
         with pytest.raises(UserError, match="matches no file"):
             data.resolve_inputs([str(tmp_path / "a.txt"), spec])
+
+
+def walked_by_os_walk(top):
+    """What a directory input takes, listed the plain way: os.walk, filtered, then sorted as Paths."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in data.SKIPPED_DIRS]
+        found += [os.path.join(dirpath, n) for n in filenames if not n.startswith(".") and n not in data.SKIPPED_DIRS
+                  and not data._binary_suffix(n) and os.path.isfile(os.path.join(dirpath, n))]
+    return [str(p) for p in sorted(map(Path, found))]
+
+
+def test_the_walk_gives_the_order_of_sorting_every_path_at_once(tmp_path):
+    # names that order differently as whole strings than part by part ("a/x" against "a.b", "a-b")
+    for rel in ("a.b", "a-b", "a/x", "a/y/z.txt", "a0", "ab/c", "B", "é.txt", "z/a/b/c/d.md", "a/.hid",
+                "a/__pycache__/m.py", "data.bin", "node_modules"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    (tmp_path / "linked").symlink_to(tmp_path / "a", target_is_directory=True)  # not followed, as os.walk
+    (tmp_path / "link.txt").symlink_to(tmp_path / "a.b")  # a link to a file is taken
+    (tmp_path / "broken.txt").symlink_to(tmp_path / "missing")
+    names = list(data.iter_input_names([str(tmp_path)]))
+    assert names == walked_by_os_walk(tmp_path)
+    assert [os.path.relpath(n, tmp_path) for n in names][:5] == ["B", "a/x", "a/y/z.txt", "a-b", "a.b"]
+    assert data.resolve_input_names([str(tmp_path / "a"), str(tmp_path / "a.b"), str(tmp_path)]) == names
+
+
+def test_the_listing_streams_one_directory_at_a_time(tmp_path):
+    for d in ("d1", "d2"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "x.txt").write_text("x")
+    names = data.iter_input_names([str(tmp_path)])
+    assert next(names) == str(tmp_path / "d1" / "x.txt")
+    (tmp_path / "d2" / "y.txt").write_text("y")  # d2 is listed only now that the walk reaches it
+    assert list(names) == [str(tmp_path / "d2" / n) for n in ("x.txt", "y.txt")]
+
+
+def test_a_file_list_under_the_common_root_equals_one_given_the_root(tmp_path):
+    make_tree(tmp_path)
+    names = data.resolve_input_names([str(tmp_path / "sub")])
+    files = prepare_module.FileList.under_common_root(iter(names))
+    root = Path(os.path.commonpath([os.path.dirname(n) for n in names]))
+    assert files.root == root == tmp_path / "sub"
+    assert [files.relative(i) for i in range(len(files))] == ["b.md", "deep/c.py"]
+    assert files[:] == prepare_module.FileList(root, names)[:] == [Path(n) for n in names]
+    one = prepare_module.FileList.under_common_root([str(tmp_path / "sub" / "deep" / "c.py")])
+    assert (one.root, one.relative(0)) == (tmp_path / "sub" / "deep", "c.py")
+    assert prepare_module.FileList.under_common_root(["/top.txt"]).relative(0) == "top.txt"
 
 
 def test_read_documents_replaces_bad_utf8_and_refuses_unreadable(tmp_path):

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from andrea import prepare
 from andrea.data import dataset as data
@@ -397,6 +399,30 @@ def test_trainer_pieces_cut_only_where_the_pretokenizer_splits_anyway():
 
     assert [w for p in pieces for w in words(p)] == words(text)
     assert list(prepare.trainer_pieces("")) == [] and list(prepare.trainer_pieces("short")) == ["short"]
+
+    # indented text has no line starting with a non-space character: it is cut between kinds of
+    # character ("x(", "1a", ".b"), never inside a word, a number, a run of spaces or after an apostrophe
+    code = "".join(f"    def f{i}(x_{i}, y='it's'):\n        return {{'k{i}': [x_{i}, y.e9]}}  \n" for i in range(400))
+    cut = list(prepare.trainer_pieces(code, limit=300))
+    assert "".join(cut) == code and len(cut) > 50 and max(map(len, cut[:-1])) <= 330
+    assert [w for p in cut for w in words(p)] == words(code)
+
+
+# the characters whose neighbours decide a cut: letters, digits, punctuation, an apostrophe and the
+# contractions it starts, spaces of several kinds, non-ASCII letters and symbols
+PIECE_TEXT = st.lists(st.sampled_from(list("ab1 9\n\t\r'.(_-é中😀\u00a0") + ["'s", "'ll", "<|endoftext|>"]),
+                      max_size=200).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(PIECE_TEXT, st.integers(1, 40))
+def test_trainer_pieces_give_the_words_of_the_whole_text(text, limit):
+    from andrea.data.tokenizer import _hf_pre_tokenizer
+
+    pre = _hf_pre_tokenizer()  # the trainer's own
+    pieces = list(prepare.trainer_pieces(text, limit=limit))
+    assert "".join(pieces) == text and all(pieces)
+    assert [w for p in pieces for w, _ in pre.pre_tokenize_str(p)] == [w for w, _ in pre.pre_tokenize_str(text)]
 
 
 def test_a_tokenizer_trained_on_pieces_equals_one_trained_on_whole_blocks():

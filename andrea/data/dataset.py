@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
+import heapq
 import json
 import os
 import struct
@@ -124,54 +125,124 @@ def resolve_inputs(specs: Iterable[str], progress: Callable[[int], None] | None 
     hidden ones, those under `SKIPPED_DIRS` (`__pycache__`, ...) and known binary formats
     (`BINARY_SUFFIXES`). A pattern with `*`, `?` or `[` is a glob (`**` recurses): the files it
     matches are filtered the same way, the directories searched. A spec that yields no file is a
-    UserError. `progress`, if given, is called with the number of files found so far after each
-    directory searched (listing a large corpus takes a while).
+    UserError. `progress`, if given, is called with the number of files found so far as they are
+    found (listing a large corpus takes a while).
     """
-    return [Path(name) for name in resolve_input_names(specs, progress)]
+    return [Path(name) for name in iter_input_names(specs, progress)]
 
 
 def resolve_input_names(specs: Iterable[str], progress: Callable[[int], None] | None = None) -> list[str]:
-    """`resolve_inputs` as absolute path strings, in the same order (that of `Path`s: part by part),
-    without a `Path` object per file (~400 bytes each, which a corpus of a million files feels)."""
-    found: set[str] = set()
-    for spec in specs:
-        matches = _expand_spec(spec, progress or (lambda n: None), len(found))
-        if not matches:
-            raise UserError(f"input {spec!r} matches no file")
-        found.update(os.path.abspath(m) for m in matches)
+    """`resolve_inputs` as absolute path strings, in the same order."""
+    return list(iter_input_names(specs, progress))
+
+
+def iter_input_names(specs: Iterable[str], progress: Callable[[int], None] | None = None) -> Iterator[str]:
+    """`resolve_inputs` one absolute path string at a time, without holding the list: a directory
+    is walked one directory at a time (`_walk_text_files`), each spec's files come sorted, and the
+    specs' streams are merged, a file named twice given once. Paths are ordered part by part, as
+    `Path`s compare: a directory's files come at the place of its name among its siblings.
+
+    A glob is the exception: its matches are expanded, sorted and held whole (the glob module
+    returns them as a list anyway). A spec that yields no file raises when its stream ends.
+    """
+    progress = progress or (lambda n: None)
+    previous, count = None, 0
+    for name in heapq.merge(*(_spec_names(spec) for spec in specs), key=_part_key):
+        if name != previous:
+            count += 1
+            progress(count)
+            yield name
+        previous = name
+
+
+def _part_key(name: str) -> str:
     # Paths compare part by part: as strings whose separator sorts before every character.
-    return sorted(found, key=lambda name: name.replace(os.sep, "\0"))
+    return name.replace(os.sep, "\0")
 
 
-def _expand_spec(spec: str, progress: Callable[[int], None], before: int) -> list[str]:
+def _spec_names(spec: str) -> Iterator[str]:
+    """The files of one spec in `_part_key` order; a UserError once it is clear there are none."""
     path = os.path.expanduser(spec)
     if os.path.isfile(path):
-        return [path]
-    if os.path.isdir(path):
-        return _text_files_under(path, progress, before)
-    if not any(ch in spec for ch in "*?["):
-        return []
-    files = []
-    for match in sorted(glob.glob(path, recursive=True)):
+        names: Iterable[str] = [os.path.abspath(path)]
+    elif os.path.isdir(path):
+        names = _walk_text_files(path)
+    elif any(ch in spec for ch in "*?["):
+        names = sorted(set(_glob_names(path)), key=_part_key)
+    else:
+        names = []
+    found = False
+    for name in names:
+        found = True
+        yield name
+    if not found:
+        raise UserError(f"input {spec!r} matches no file")
+
+
+def _glob_names(pattern: str) -> Iterator[str]:
+    for match in glob.glob(pattern, recursive=True):
         if os.path.isdir(match):
-            files.extend(_text_files_under(match, progress, before + len(files)))
+            yield from _walk_text_files(match)
         elif os.path.isfile(match) and _looks_like_text(Path(match)):
-            files.append(match)
-    return files
+            yield os.path.abspath(match)
 
 
-def _text_files_under(directory: str, progress: Callable[[int], None], before: int = 0) -> list[str]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(directory):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS]
-        skipped_above = bool(SKIPPED_DIRS & set(Path(dirpath).parts))
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            if (not name.startswith(".") and not skipped_above and name not in SKIPPED_DIRS and not _binary_suffix(name)
-                    and os.path.isfile(full)):
-                files.append(full)
-        progress(before + len(files))
-    return files
+def _walk_text_files(top: str) -> Iterator[str]:
+    """The files a directory input takes under the directory `top`, as absolute paths in
+    `_part_key` order.
+
+    Depth first with each directory's entries sorted by name, files and subdirectories together,
+    so the order is that of sorting every path at once, while only the entries of the directories
+    on the current path are held. Hidden entries, `SKIPPED_DIRS` and binary suffixes are left out;
+    a symbolic link to a directory is not followed (a link to a file is taken); a directory that
+    cannot be listed is skipped, as `os.walk` does. Nothing when `top`, as written, passes through a
+    skipped directory.
+    """
+    if SKIPPED_DIRS & set(Path(top).parts):
+        return
+    stack = [iter(_directory_entries(os.path.abspath(top)))]
+    while stack:
+        entry = next(stack[-1], None)
+        if entry is None:
+            stack.pop()
+        elif entry[1]:
+            stack.append(iter(_directory_entries(entry[0])))
+        else:
+            yield entry[0]
+
+
+def _directory_entries(directory: str) -> list[tuple[str, bool]]:
+    """(path, is a directory to enter) for the entries of `directory` a walk takes, sorted by name."""
+    try:
+        with os.scandir(directory) as it:
+            entries = list(it)
+    except OSError:
+        return []
+    taken = []
+    for entry in entries:
+        if entry.name.startswith(".") or entry.name in SKIPPED_DIRS:
+            continue
+        if _is_dir(entry):
+            if not entry.is_symlink():
+                taken.append((entry.name, True))
+        elif not _binary_suffix(entry.name) and _is_file(entry):
+            taken.append((entry.name, False))
+    taken.sort()
+    return [(os.path.join(directory, name), is_dir) for name, is_dir in taken]
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _is_file(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
 
 
 def _binary_suffix(name: str) -> bool:
