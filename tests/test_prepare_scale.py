@@ -11,6 +11,7 @@ import _thread
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -47,6 +48,24 @@ def tok_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(path)
     return path
+
+
+@pytest.fixture
+def ctrl_c_after():
+    """ctrl_c_after(seconds): a Ctrl-C then, as a terminal sends it. Python's own SIGINT handler is
+    put back for the test: a suite started in the background (`... &` in a script) inherits SIGINT
+    ignored, and `_thread.interrupt_main` does nothing then."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timers = []
+
+    def schedule(seconds):
+        timers.append(threading.Timer(seconds, _thread.interrupt_main))
+        timers[-1].start()
+
+    yield schedule
+    for timer in timers:
+        timer.cancel()
+    signal.signal(signal.SIGINT, previous)
 
 
 def make_corpus(root, n_files, n_bytes, seed=1):
@@ -157,11 +176,11 @@ def test_an_interrupted_prepare_resumes_from_its_last_finished_shard(tmp_path, t
         == {k: whole[k] for k in ("train_tokens", "val_tokens", "unigram_val_nats", "bytes", "not_utf8_files")}
 
 
-def test_ctrl_c_while_encoding_stops_within_a_second(tmp_path, tok_path, monkeypatch):
+def test_ctrl_c_while_encoding_stops_within_a_second(tmp_path, tok_path, monkeypatch, ctrl_c_after):
     corpus = make_corpus(tmp_path / "c", 40, 5_000)
     work = shards.Encoder._work
     monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: time.sleep(0.3) or work(self, j))
-    threading.Timer(0.5, _thread.interrupt_main).start()
+    ctrl_c_after(0.5)
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         prepare.prepare([str(corpus)], tmp_path / "d", progress=False, tokenizer=tok_path, workers=2)
@@ -282,11 +301,11 @@ def test_the_tokenizer_sample_is_bounded_and_spread(tmp_path, monkeypatch):
     assert 200_000 <= sum(seen) < 200_000 + 2 * 64 * 1024 and len(seen) < 20
 
 
-def test_ctrl_c_while_the_tokenizer_reads_stops_within_a_second(tmp_path, monkeypatch):
+def test_ctrl_c_while_the_tokenizer_reads_stops_within_a_second(tmp_path, monkeypatch, ctrl_c_after):
     corpus = make_corpus(tmp_path / "c", 200, 3_000)
     read = stream.read_block
     monkeypatch.setattr(stream, "read_block", lambda *a: time.sleep(0.02) or read(*a))
-    threading.Timer(0.5, _thread.interrupt_main).start()
+    ctrl_c_after(0.5)
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         prepare.prepare([str(corpus)], tmp_path / "d", progress=False, allow_smaller_vocab=True)
