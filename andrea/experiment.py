@@ -40,6 +40,7 @@ from pathlib import Path
 from andrea.cli import run_cli
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.run.figure import new_figure, require_matplotlib
 from andrea.run.gradflow import embedding_ratio
 
 # small enough that an arm takes about a minute on 2 loaded CPU cores
@@ -261,13 +262,7 @@ def table(rows, target):
 
 def draw(name, rows):
     """The figure: validation (and faint training) loss against steps; |dL/dx| against depth."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UserError("andrea.experiment draws with matplotlib: pip install -e '.[plot]'") from None
-    fig = Figure(figsize=(11, 4.2), dpi=90, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure("andrea.experiment", figsize=(11, 4.2), dpi=90)
     loss_ax, depth_ax = fig.subplots(1, 2)
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     for r in rows:
@@ -356,10 +351,7 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
 def _check_out(out):
     """Refuse, before any training, what would fail later: no matplotlib to draw the figure with, or
     an output directory holding something else than this experiment's runs."""
-    try:  # the figure comes last: say now, not after the training, that it cannot be drawn
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UserError("andrea.experiment draws with matplotlib: pip install -e '.[plot]'") from None
+    require_matplotlib("andrea.experiment")  # the figure comes last: say now, not after the training
     if out.exists() and any(out.iterdir()) and not (out / "results.json").exists() and not (out / "logs").exists():
         raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
 

@@ -27,6 +27,7 @@ from andrea.cli import ArgumentParser, run_cli
 from andrea.config import build_config
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.run.figure import new_figure
 from andrea.run.preflight import check_output_file
 from andrea.run.runlog import read_metrics
 
@@ -89,14 +90,8 @@ def _tokenizer_fingerprint(path: Path) -> str:
 
 def draw(runs: list[Curves]):
     """A matplotlib Figure of the runs' curves (matplotlib imported here: it is optional)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import EngFormatter
-    except ImportError:
-        raise UserError("andrea.plot needs matplotlib: pip install -e '.[plot]'") from None
-    fig = Figure(figsize=(7, 4.2), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure("andrea.plot", figsize=(7, 4.2))
+    from matplotlib.ticker import EngFormatter
     ax = fig.add_subplot()
     for i, run in enumerate(runs):
         colour = f"C{i % 10}"

@@ -2,6 +2,7 @@
 several runs on one figure, and one-line errors for missing or empty metrics."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -141,3 +142,13 @@ def test_plot_replaces_only_a_figure_it_drew(tmp_path, capsys):
         assert e.value.code == 0 and plot.drawn_here(out)
     (run / "loss.png").write_bytes(b"an older run's figure")  # the run's own directory: replaced
     assert plot.plot_after_training(run) == f"loss plot: {run / 'loss.png'}" and plot.drawn_here(run / "loss.png")
+
+
+@pytest.mark.parametrize("tool", ["andrea.plot", "andrea.experiment"])
+def test_without_matplotlib_a_tool_that_draws_says_which_extra_to_install(tool, monkeypatch):
+    from andrea.run.figure import new_figure, require_matplotlib
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets when it is absent
+    for ask in (lambda: require_matplotlib(tool), lambda: new_figure(tool, figsize=(4, 3))):
+        with pytest.raises(UserError, match=rf"^{tool} needs matplotlib: pip install -e '\.\[plot\]'$"):
+            ask()

@@ -7,4 +7,5 @@
     distributed.py   data parallelism over MPI (CPU) and NCCL (GPU)
     perf.py          matmul peak, MFU, peak memory, the clock
     gradflow.py      gradient norms through the blocks, recorded while training
+    figure.py        the figures' common start: matplotlib (an optional extra) asked for by name
 """

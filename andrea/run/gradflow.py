@@ -26,6 +26,7 @@ from pathlib import Path
 
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.run.figure import new_figure
 
 
 @contextlib.contextmanager
@@ -65,13 +66,7 @@ def read_flow(run_dir) -> list[tuple[int, dict]]:
 
 def draw_flow(runs: dict[str, list[tuple[int, dict]]]):
     """A Figure: gradient norm against depth (left), the embeddings' share over training (right)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UserError("andrea.plot needs matplotlib: pip install -e '.[plot]'") from None
-    fig = Figure(figsize=(10, 4.2), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure("andrea.plot", figsize=(10, 4.2))
     depth_ax, time_ax = fig.subplots(1, 2)
     for i, (label, flows) in enumerate(runs.items()):
         colour = f"C{i % 10}"
