@@ -40,7 +40,7 @@ from pathlib import Path
 from andrea.cli import run_cli
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
-from andrea.run.figure import new_figure, require_matplotlib
+from andrea.run.figure import label_depth_axis, new_figure, require_matplotlib
 from andrea.run.gradflow import embedding_ratio
 
 # small enough that an arm takes about a minute on 2 loaded CPU cores
@@ -279,10 +279,7 @@ def draw(name, rows):
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss (nats/token): validation (dots), training (faint)")
     loss_ax.set_title(f"{name}: loss")
-    depth_ax.set_yscale("log")
-    depth_ax.set_xlabel("block input (0 = embeddings; last = top of the stack)")
-    depth_ax.set_ylabel("|dL/dx|")
-    depth_ax.set_title("gradient norm against depth: step 1 (dashed), last step")
+    label_depth_axis(depth_ax, "gradient norm against depth: step 1 (dashed), last step")
     for ax in (loss_ax, depth_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -22,3 +22,11 @@ def new_figure(tool: str, figsize: tuple[float, float], dpi: int = 100):
     fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+def label_depth_axis(ax, title: str) -> None:
+    """The axes of a gradient-norm-against-depth plot (the gradient flow's and the experiments')."""
+    ax.set_yscale("log")
+    ax.set_xlabel("block input (0 = embeddings; last = top of the stack)")
+    ax.set_ylabel("|dL/dx|")
+    ax.set_title(title)

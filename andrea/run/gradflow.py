@@ -26,7 +26,7 @@ from pathlib import Path
 
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
-from andrea.run.figure import new_figure
+from andrea.run.figure import label_depth_axis, new_figure
 
 
 @contextlib.contextmanager
@@ -78,10 +78,7 @@ def draw_flow(runs: dict[str, list[tuple[int, dict]]]):
                           label=f"{label} (step {step})" if last else None)
         time_ax.plot([s for s, _ in flows], [embedding_ratio(f) for _, f in flows], color=colour, lw=2,
                      marker="o", ms=3, label=label)
-    depth_ax.set_yscale("log")
-    depth_ax.set_xlabel("block input (0 = embeddings; last = top of the stack)")
-    depth_ax.set_ylabel("|dL/dx|")
-    depth_ax.set_title("gradient norm against depth (lighter: earlier steps)")
+    label_depth_axis(depth_ax, "gradient norm against depth (lighter: earlier steps)")
     time_ax.set_yscale("log")
     time_ax.set_xlabel("step")
     time_ax.set_ylabel("|dL/dx| at the embeddings / at the top")
