@@ -12,13 +12,16 @@ GPU_EXAMPLES examples without a deadline: the lent GPU's minutes go to more kind
 rather than more draws of each (the CPU suite keeps its counts).
 """
 
+import json
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import pytest
 from hypothesis import settings
 
+from andrea.prepare import prepare
 from minitensor import backend
 
 GPU_EXAMPLES = 3
@@ -96,3 +99,15 @@ def pytest_collection_modifyitems(config, items):
         if current is not None:  # read by hypothesis when the test runs
             test._hypothesis_internal_use_settings = settings(
                 current, max_examples=min(current.max_examples, GPU_EXAMPLES), deadline=None)
+
+
+STDLIB_JSON = Path(json.__file__).parent  # the stdlib's json package: ~100 KB of Python, on every machine
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A data directory prepared from STDLIB_JSON with the ids that small corpus gives, once per test
+    module (a module's tests may damage theirs; test_distributed prepares its own)."""
+    d = tmp_path_factory.mktemp("data")
+    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
+    return d

@@ -9,7 +9,6 @@ scripts/gpu_check.sh at one rank.
 import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import yaml
 from optional import require
+from procs import run_in_own_session
 
 from andrea.data.dataset import BatchLoader, iter_eval_batches
 from andrea.errors import UserError
@@ -64,15 +64,7 @@ def run(args, n=2, faults=(), timeout=180, env=None):
     else:
         cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py",
                str(ROOT / "tests" / "mpi_driver.py"), *faults, "--", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
-                            cwd=ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} still running after {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_in_own_session(cmd, environ, ROOT, timeout)
 
 
 def metrics(out):

@@ -10,19 +10,11 @@ from optional import require
 from andrea import experiment, plot, sample, train
 from andrea.cli import run_cli
 from andrea.config import load_config
-from andrea.prepare import prepare
 from andrea.run import gradflow
 
 STDLIB_JSON = Path(json.__file__).parent
 SMALL = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.context_length=16", "train.seq_len=16",
          "train.batch_size=2", "train.eval_batches=1"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
-    return d
 
 
 def corpus(data_dir):

@@ -5,20 +5,11 @@ import json
 import subprocess
 import sys
 
-import pytest
 from optional import require
-from test_train import ROOT, STDLIB_JSON, run_main, small_config
+from test_train import ROOT, run_main, small_config
 
 from andrea import bench
 from andrea.plot import Curves, draw
-from andrea.prepare import prepare
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
-    return d
 
 
 def test_sample_says_which_checkpoint_and_step_it_loaded(tmp_path, data_dir):

@@ -26,7 +26,6 @@ import yaml
 from gpu_standin import ROOT, STANDIN, reports, standin_cupy, standin_env
 
 from andrea.config import load_config
-from andrea.prepare import prepare
 from minitensor import backend
 
 STDLIB_JSON = Path(json.__file__).parent
@@ -211,13 +210,6 @@ def test_the_memory_preflight_of_device_auto_counts_the_gpu_memory_when_a_gpu_wo
 
 
 # --- the command line: train, stop, resume and sample on the GPU, against the CPU ----------------
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
-    return d
 
 
 def run_config(tmp, data_dir, **train):

@@ -6,8 +6,6 @@ one error instead of waiting for each other forever.
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 import yaml
 from optional import require
+from procs import run_in_own_session
 
 from andrea.config import load_config
 from andrea.errors import UserError
@@ -38,15 +37,8 @@ def small_config(tmp, **train):
 def launch(cmd, timeout=120):
     """Runs a command in its own session; one still running after `timeout` fails the test (killed)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1", ANDREA_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"still running after {timeout} s (the ranks wait for each other)\n{out[-2000:]}\n{err[-2000:]}")
-    return proc.returncode, out, err
+    done = run_in_own_session(cmd, env, ROOT, timeout)
+    return done.returncode, done.stdout, done.stderr
 
 
 def train(*args, n=1):

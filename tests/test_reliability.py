@@ -23,18 +23,10 @@ from andrea import params as params_cli
 from andrea import prepare as prepare_cli
 from andrea.cli import run_cli
 from andrea.data.dataset import split_counts
-from andrea.prepare import prepare
 from andrea.run import checkpoint as ckpt
 from andrea.run import preflight, runlog
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
-    return d
 
 
 def cli(main, argv):

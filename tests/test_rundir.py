@@ -17,22 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train import STDLIB_JSON, run_main, small_config
+from test_train import run_main, small_config
 
 from andrea import export
 from andrea.cli import run_cli
 from andrea.errors import UserError
-from andrea.prepare import prepare
 from andrea.run import rundir
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from andrea import train
-from andrea.prepare import prepare
 from andrea.run import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,13 +32,6 @@ def small_config(tmp, data_dir, **train_overrides):
     path = Path(tmp) / "small.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
-    return d
 
 
 def run_main(argv):

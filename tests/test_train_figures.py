@@ -11,20 +11,11 @@ import json
 import re
 import time
 
-import pytest
-from test_train import STDLIB_JSON, run_main, small_config
+from test_train import run_main, small_config
 
 from andrea import train
-from andrea.prepare import prepare
 
 TOKENS_PER_STEP = 4 * 16  # small_config: batch 4 x context 16, one micro-batch
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
-    return d
 
 
 def slow_steps(monkeypatch, seconds, first=None):

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import strategies as S
 from hypothesis import given, settings
+from test_model import whole_model_gradient_report
 
 from andrea import ANDREA, ModelConfig
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
 from minitensor.backend import to_numpy
-from minitensor.gradcheck import check_gradients
 
 TINY = dict(vocab_size=13, context_length=8, d_model=6, n_layer=2, n_head=2)
 VARIANTS = {
@@ -58,15 +58,7 @@ def test_variant_gradients_match_finite_differences(model_backend, variant, seed
     if VARIANTS[variant].get("activation") == "relu":
         B, T = 1, min(T, 3)  # fewer pre-activations, so a draw clear of the kink comes quickly
     m, idx, targets = perturbed_model(model_backend, variant, seed, B, T)
-    pairs = {n: (m.params[n], m.params.grad(n)) for n in m.params.names()}
-
-    def backward(dloss):
-        m.backward(dloss)
-        return {}
-
-    m.loss(idx, targets)
-    report = check_gradients(lambda: m.loss(idx, targets), backward, {}, pairs, 1.0,
-                             directions=None if model_backend.xp is np else 6)
+    report = whole_model_gradient_report(m, idx, targets, model_backend.xp)
     assert report.max_rel_error <= 1e-6, report
     assert len(report.checked) == len(m.params.names())
 
