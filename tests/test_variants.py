@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import strategies as S
 from hypothesis import given, settings
-from test_model import whole_model_gradient_report
+from test_model import assert_float32_follows_float64, whole_model_gradient_report
 
 from andrea import ANDREA, ModelConfig
 from andrea.config import load_config
@@ -67,15 +67,7 @@ def test_variant_gradients_match_finite_differences(model_backend, variant, seed
 def test_variant_float32_matches_float64(model_backend, variant):
     rng = np.random.default_rng(0)
     idx, targets = rng.integers(0, 13, (2, 8)), rng.integers(0, 13, (2, 8))
-    grads = {}
-    for dtype in ("float32", "float64"):
-        m = ANDREA(ModelConfig(**TINY, **VARIANTS[variant]), **model_backend.args, dtype=dtype, seed=5)
-        loss = m.forward(idx, targets)
-        m.zero_grad()
-        m.backward()
-        grads[dtype] = (loss, to_numpy(m.params.grads).astype(np.float64))
-    assert grads["float32"][0] == pytest.approx(grads["float64"][0], rel=1e-6)
-    np.testing.assert_allclose(grads["float32"][1], grads["float64"][1], rtol=1e-3, atol=1e-6)
+    assert_float32_follows_float64(ModelConfig(**TINY, **VARIANTS[variant]), model_backend, idx, targets)
 
 
 @variants
