@@ -72,7 +72,8 @@ RULES = [
     (r"python -m andrea\.bench .*--device gpu", NEEDS_GPU),
     (r"python -m minitensor\.kernels --check", []),
     (r"bash scripts/gpu_check\.sh", NEEDS_GPU),
-    (r"bash scripts/gpu_check\.sh --dry-run", Elsewhere("tests/test_gpu_check.py", '"scripts/gpu_check.sh", "--dry-run"')),
+    (r"bash scripts/gpu_check\.sh --dry-run",
+     Elsewhere("tests/test_gpu_check.py", '"scripts/gpu_check.sh", "--dry-run"')),
     (r"python -m andrea\.run\.distributed --nccl-self-test", NEEDS_GPU),
     (r"python -c .*from_pretrained\('gpt2'\).*", LOCAL_GPT2),
     (r"python -c .*pipeline\('text-generation', model='andrea-tiny-hf'\).*", []),
@@ -188,7 +189,8 @@ def test_the_link_check_catches_a_broken_link(tmp_path, monkeypatch):
                     "[`Ops.gelu_backward`](../code.py)\n```bash\n[not a link](nowhere.md)\n```\n")
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
     errors = link_errors("docs/page.md")
-    assert len(errors) == 3 and "missing.md" in errors[0] and "#no-section" in errors[1] and "gelu_backward" in errors[2]
+    assert len(errors) == 3
+    assert "missing.md" in errors[0] and "#no-section" in errors[1] and "gelu_backward" in errors[2]
 
 
 # --- the commands ---
