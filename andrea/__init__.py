@@ -21,7 +21,7 @@ These three names are imported on first use, so `python -m andrea.train` (and be
 this file before anything loads NumPy. That is where an entry point's one setting that must
 precede NumPy is made: OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS reads it once, when NumPy loads it),
 so BLAS threads sleep right after each GEMM instead of spinning on the cores minitensor's own
-threads need (tiny trains ~10% faster on 2 cores). Only when the process's main module is one of
+threads need (measured: BENCHMARKS.md, "Process tuning"). Only when the process's main module is one of
 the entry points, and a value already in the environment wins. Importing andrea as a library
 sets nothing.
 """

@@ -177,7 +177,7 @@ def run_one(name, device, profile):
               "peak": peak_label(model.xp, full.train.tf32)}
     result.update(bench_training(model, opt, B, T, warmup, steps))
     # the peak is measured again after training and the best kept: on a shared VM one
-    # measurement alone can come out 40% low, which would inflate MFU
+    # measurement alone can come out low (BENCHMARKS.md), which would inflate MFU
     peak = max(peak, matmul_peak_flops(model.xp, n=4096, repeats=3, fresh=True))
     result["matmul_peak_flops"] = peak
     result["mfu"] = result["tokens_per_s_median"] * flops_per_token(cfg, T, model.num_parameters()) / peak

@@ -9,8 +9,7 @@ The steps: list the files (one file = one document; the default corpus leaves ou
 tables, see `is_generated_table`) -> cut them into blocks and choose the validation blocks
 (andrea/data/stream.py: ~1% of the corpus, 5% of the stdlib, by a hash of each block's path and index;
 a single-file corpus gives its tail) -> train the BPE tokenizer on a sample of the training blocks
-(`--tokenizer-sample`, 100 MB: one trained on 100 MB came within 0.3% bytes/token of one trained on
-1 GB; 30 MB takes ~0.15 GiB less but gave 0.8% more tokens on the 1 GB corpus), or load
+(`--tokenizer-sample`, 100 MB: why not less, BENCHMARKS.md, "Data preparation"), or load
 `tokenizer.json` if the directory already has one -> encode every block on every core
 (threads; tiktoken releases the GIL), in corpus order, EOT after each document -> write the ids into
 shards of ~100M tokens (`train-00000.bin`, ..., `val-00000.bin`, ...) -> write `meta.json` last:
@@ -80,16 +79,16 @@ STDLIB_RULE = 2
 GENERATED_NOTE = re.compile(r"auto-?generated|automatically generated|generated (by|from|on)\b", re.IGNORECASE)
 CODEC_TABLE = re.compile(rb"^(decoding_table|decoding_map) = ", re.MULTILINE)
 # Validation takes the blocks whose path hashes below this share. For the stdlib 1% is 17 files, half
-# of whose tokens are one file (test_doctest.py) and whose loss is 0.6 nats above the training
-# windows'; 5% (74 files, none over 12% of the tokens) comes within 0.2 nats (README, "default run").
+# of whose tokens are one file (test_doctest.py), whose loss stands well above the training
+# windows'; 5% (74 files, none over 12% of the tokens) comes much closer (BENCHMARKS.md, "The default run").
 VAL_FRACTION = 0.01
 STDLIB_VAL_FRACTION = 0.05
 SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)
 TOKENIZER_SAMPLE = 100_000_000  # bytes of training text the tokenizer is trained on, at most (BENCHMARKS.md, data)
 # The trainer is fed pieces of at most ~64 KiB: `tokenizers` holds a batch of 256 texts at a time, and
 # its pre-tokenizer's working memory grows with the text in hand (offsets for every byte, a string per
-# word): the 1 GB corpus's sample with its indented 1 MiB blocks left whole peaked 0.13 GiB higher than
-# in pieces (BENCHMARKS.md, "Flat memory").
+# word): the 1 GB corpus's sample with its indented 1 MiB blocks left whole peaked higher than in
+# pieces (BENCHMARKS.md, "Data preparation").
 # A piece ends only where GPT-2's regex ends a word whatever comes next (the regex looks forward only),
 # so the words counted, hence the tokenizer, are those of the whole block: after a newline between two
 # non-space characters, or between two ASCII non-space characters of different kinds (letter, digit,
@@ -110,8 +109,8 @@ CLEAR_TO_EOL = "\x1b[K"  # a redrawn progress line may be shorter than the last 
 
 class FileList(Sequence):
     """Files under `root`, compact: their paths joined into one string with the offsets of each in
-    a numpy array (~110 bytes a file held with the sizes, measured on 75,140 files, where a list of
-    `Path` objects takes ~400: the listing of a large corpus must not grow the memory the rest of
+    a numpy array (a fraction of what a list of `Path` objects takes, BENCHMARKS.md, "Data
+    preparation": the listing of a large corpus must not grow the memory the rest of
     the preparation runs in). The paths are taken one at a time, never held as a list.
     `files[i]` is the `Path` root / relative path i."""
 

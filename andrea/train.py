@@ -236,8 +236,8 @@ class Trainer:
         return 0
 
     def _throughput_meter(self):
-        # CPU: the best of 5 2048^3 products (~0.6 s; a single one can come out 40% low on a shared
-        # VM, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
+        # CPU: the best of 5 2048^3 products (a single one can come out low on a shared VM,
+        # BENCHMARKS.md, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
         # set_tf32, so the peak is the one of the GEMM mode the run uses. Only rank 0 logs MFU, of
         # the global FLOP/s against N times its own peak.
         xp, world = self.model.xp, self.world
@@ -299,8 +299,8 @@ class Throughput:
     The clock runs while steps run and stops (once the device has finished its queued work) for
     everything else: the log line, evaluation, checkpoints. Two tallies read it: the window since
     the last log line (the figures logged) and this run's steps after its first (the ETA and the
-    end-of-run rate): a process's first step also compiles kernels and warms caches, 40-50 s with
-    a cold numba cache against well under a second for the steps after it."""
+    end-of-run rate): a process's first step also compiles kernels and warms caches, far longer with
+    a cold numba cache than the steps after it (BENCHMARKS.md, "The CPU kernels")."""
 
     def __init__(self, xp, tokens_per_step, flops_per_step, peak, peak_name):
         self.xp, self.tokens_per_step, self.flops_per_step = xp, tokens_per_step, flops_per_step

@@ -97,8 +97,8 @@ def _wide_vectors():
 
     LLVM's default for every AVX-512 CPU is 256-bit vectors (`prefer-256-bit`, against the
     down-clocking of early AVX-512 chips); the BLAS runs 512-bit GEMMs in the same process
-    anyway, and the exp-bound kernels (softmax, GELU) run ~1.5x faster at the full width (measured
-    on a Xeon, Emerald Rapids: 0.28 against 0.42-0.56 ns per float32 exp). The CPU features are
+    anyway, and the exp-bound kernels (softmax, GELU) run faster at the full width (measured on a
+    Xeon, Emerald Rapids: BENCHMARKS.md, "The CPU kernels"). The CPU features are
     read when numba compiles its first function in the process, so this is set before that; it
     yields to NUMBA_CPU_FEATURES, and the on-disk cache keys on the features (no stale code)."""
     if os.environ.get("NUMBA_CPU_FEATURES") or numba.config.CPU_FEATURES:

@@ -196,8 +196,8 @@ def _run_host_program(program, n, stdin_bytes):
 # no thread passes a barrier before all have reached it; a warp shuffle is two barriers (every
 # thread of a block must shuffle together, as full-warp shuffles in a 1-D block of whole warps
 # do). A switch is a _setjmp/_longjmp pair, tens of nanoseconds with no system call, where an OS
-# thread per CUDA thread cost a scheduler round trip per thread and barrier (the self-check's three
-# RawKernel pieces took 16 s that way on 2 loaded cores). Blind to what only a GPU shows (races
+# thread per CUDA thread cost a scheduler round trip per thread and barrier (BENCHMARKS.md, "The
+# CPU kernels"). Blind to what only a GPU shows (races
 # between blocks, the launch itself), but it runs the kernel's indexing, masks and reductions.
 
 _EMU_PRELUDE = r"""#include <math.h>

@@ -5,13 +5,12 @@ to at most 32 MiB) with a fresh mmap and returns it to the kernel on free, and i
 of the heap back to the kernel whenever more than 128 KiB lies free there. A training step makes
 hundreds of NumPy temporaries of 0.1-50 MB (attention scores per block, GEMM outputs, GELU
 intermediates), so each one's pages are faulted in and zeroed by the kernel again, step after
-step: on the attention core of ANDREA-120M that was 25% of its time.
+step (its share of the attention core's time: BENCHMARKS.md, "Process tuning").
 
 keep_freed_memory() raises both thresholds to 1 GiB (mallopt), so freed blocks go back to
 malloc's own free lists and the next step's temporaries reuse pages already mapped. The price is
-fragmentation, measured: the benchmark's training steps peak at the same resident memory, a
-whole 120m training run (evaluation and checkpoints included) at 2.26 GiB against 2.25, but a
-300-step tiny run at 440 MB against 379 MB (and 14% sooner, 2:18 against 2:41). Memory freed
+fragmentation: a small run's peak resident memory grows, a large one's hardly (the figures:
+BENCHMARKS.md, "Process tuning"). Memory freed
 after the peak stays with the process until it exits, as it would under jemalloc or tcmalloc.
 
 It does nothing off glibc, when ANDREA_MALLOC_TUNE=0, or for a threshold already set by the user

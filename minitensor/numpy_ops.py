@@ -36,9 +36,9 @@ EPILOGUE_BLOCK = 1 << 15  # elements of y per row block of a Linear's epilogue (
 CHUNK = 1 << 16           # elements per elementwise chunk (GELU, AdamW): its operands stay in cache
 ROWS_IN_CACHE = 1 << 18   # elements per block of the cross-entropy's rows (1 MiB of float32)
 LN_ROW_BLOCK = 32         # rows per partial sum of LayerNorm's dw and db in the kernel
-# Below this many elements the LayerNorm kernels run on the calling thread. At 1024 x 768 (120m) a
-# forward and backward take ~0.9 ms on one core and ~0.6 on two, with the input in the cores'
-# caches as it is between the layers of a step (PyTorch's LayerNorm: ~0.63 ms on two).
+# Below this many elements the LayerNorm kernels run on the calling thread. At 1024 x 768 (120m)
+# two threads beat one, with the input in the cores' caches as it is between the layers of a step
+# (BENCHMARKS.md, "The CPU kernels").
 LN_MIN_WORK = 1 << 16
 
 
@@ -80,7 +80,7 @@ class NumpyOps(Ops):
         return np.einsum("ij,ij->j", a, b)
 
     def fill_zero(self, a):
-        # one thread's memset cannot fill the memory bandwidth (120m: 38 ms, 22 on 2 threads)
+        # one thread's memset cannot fill the memory bandwidth (BENCHMARKS.md, "The CPU kernels")
         parallel_for(a.size, lambda s, e: a.reshape(-1)[s:e].fill(0), min_work=1 << 20)
 
     # --- Linear ---
@@ -178,7 +178,7 @@ class NumpyOps(Ops):
 
     def _chunks(self, fn, *arrays):
         """fn over matching CHUNK-element pieces of same-shape arrays (whose temporaries then stay
-        in cache: 1.3-1.6x faster on 4-12 MB), spread over the threads; whole arrays when they are
+        in cache: BENCHMARKS.md, "The CPU kernels"), spread over the threads; whole arrays when they are
         not all C-contiguous."""
         size = arrays[0].size
         if size <= CHUNK or not all(a.flags.c_contiguous for a in arrays):
@@ -294,7 +294,7 @@ class NumpyOps(Ops):
         run of equal ids with one reduceat, add the sums to distinct rows (much faster than add.at)."""
         if self.numba and _floats(dW, rows) and dW.ndim == 2:
             ids = idx.astype(np.int64, copy=False)
-            # 1024 rows of 768 take ~0.3 ms on one core: split only well above that
+            # 1024 rows of 768 take less than a thread's hand-off (BENCHMARKS.md): split only well above that
             parallel_for(dW.shape[1], lambda s, e: scatter_add_rows_cpu(dW, ids, rows, s, e),
                          cost_per_item=ids.shape[0], min_work=1 << 21)
             return

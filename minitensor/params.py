@@ -73,7 +73,7 @@ class Params:
     def take_zeroed(self, grad_view):
         """True if grad_view (one of grad(name)) holds zeros from zero_grad and nothing since: its
         first contribution may then be written by the GEMM itself instead of into a temporary
-        added to it (120m: ~1.5 ms per layer and step). Later calls say False, so that further
+        added to it (BENCHMARKS.md, "The CPU kernels"). Later calls say False, so that further
         micro-batches and a second user of a shared view (the tied embedding) accumulate."""
         if id(grad_view) in self._zeroed:
             self._zeroed.discard(id(grad_view))

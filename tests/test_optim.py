@@ -8,8 +8,10 @@ import math
 
 import formulas as F
 import numpy as np
+import pytest
 
 from minitensor.backend import to_numpy
+from minitensor.backends import get_ops
 from minitensor.numpy_ops import NumpyOps
 from minitensor.ops import Ops
 from minitensor.optim import AdamW
@@ -69,3 +71,22 @@ def test_numpy_chunks_equal_the_masked_update_bit_for_bit(monkeypatch):
         opt.step(grad_scale=scale)
     for a, b in zip((params.data, opt.m, opt.v), want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_clip_scale_brings_the_norm_to_clip(xp):
+    """Ops.global_norm and Ops.clip_scale (docs/derivations.md, "AdamW with gradient clipping") on every
+    backend: the scale clip / (norm + 1e-6) above clip, 1 at or below it and with clip 0, and the guard
+    false for a non-finite loss or norm."""
+    g = np.random.default_rng(2).standard_normal(1000)
+    want = float(np.sqrt(g @ g))
+    for ops in {Ops(xp), get_ops(xp)}:
+        norm = ops.global_norm(xp.asarray(g))
+        assert float(norm) == pytest.approx(want, rel=1e-13)
+        scale, finite = ops.clip_scale(norm, 1.0, 2.5)
+        assert float(scale) == pytest.approx(1.0 / (want + 1e-6), rel=1e-13) and bool(finite)
+        assert float(to_numpy(scale) * want) == pytest.approx(1.0, rel=1e-6)  # the clipped norm is clip
+        for clip in (want, 2 * want, 0.0):                                    # not above clip, or no clipping
+            scale, finite = ops.clip_scale(norm, clip, 2.5)
+            assert float(scale) == 1.0 and bool(finite)
+        for loss, n in ((float("nan"), norm), (2.5, xp.asarray(float("inf")))):
+            assert not bool(ops.clip_scale(n, 1.0, loss)[1])

@@ -12,7 +12,7 @@ translated into the layout above. Encoding runs in `tiktoken`, given the same re
 byte string ranked by its id. Ids follow merge order, so "apply the earliest-learned merge first"
 (`tokenizers`) and "form the lowest-id token first" (tiktoken) pick the same merge at each step
 for merges learned this way; tests/test_tokenizer.py checks the ids are equal on the stdlib and on
-drawn text. tiktoken is 2-7x faster (BENCHMARKS.md) and releases the GIL, so threads encode in
+drawn text. tiktoken is faster (BENCHMARKS.md, "Data preparation") and releases the GIL, so threads encode in
 parallel. The `tokenizers` encoder stays as `encode_reference`, the definition the fast
 one is tested against. EOT is never registered with either encoder: a literal "<|endoftext|>" in a
 document is ordinary text.

@@ -39,9 +39,8 @@ from minitensor.params import Params
 
 ENGINES = ("andrea", "numpy", "torch")
 # Each timed run follows an untimed run of the same engine. PyTorch's OpenMP threads (and
-# OpenBLAS's) spin for a while after their work, on the cores the next engine needs (andrea's
-# attention core took 44.9 ms right after PyTorch against 40.4 alone), and a pause instead
-# lets the idle cores slow down (a 50 ms sleep made both engines' 1 ms LayerNorm ~1.5x slower).
+# OpenBLAS's) spin for a while after their work, on the cores the next engine needs, and a pause
+# instead lets the idle cores slow down (both measured: BENCHMARKS.md, "Components").
 
 
 def _nothing():

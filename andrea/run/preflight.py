@@ -132,9 +132,8 @@ class MemoryEstimate:
 
     @property
     def overhead_bytes(self) -> int:
-        # temporaries of the step, the interpreter, the token arrays: ANDREA-120M at 8 x 1024 on
-        # the CPU peaked at 6.96 GiB RSS against 6.49 GiB of state and activations, measured when
-        # 17 d_model floats per token and layer were kept (12 now: 5.08 GiB; not measured again)
+        # temporaries of the step, the interpreter, the token arrays (the measurement behind the
+        # 10%: BENCHMARKS.md, "Memory")
         return (self.state_bytes + self.activation_bytes) // 10
 
     @property
