@@ -57,7 +57,7 @@ PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (NVIDIA's datasheet)
 PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
 # seconds each, at most (gpu_check.sh allows a little more)
 PARTS = {"compile": 60, "kernels": 18, "gradients": 13, "sanitize": 15, "bench": 38}
-DRY_TIME_SCALE = 4  # a dry run's limits are 4 times these: it runs on a CPU, maybe under the CuPy stand-in
+DRY_TIME_SCALE = 6  # a dry run's limits are 6 times these: it runs on a CPU, maybe under the CuPy stand-in
 RESULTS = os.path.join(os.environ.get("OUT") or ".", "gpu_check_results.txt")
 
 
@@ -125,7 +125,8 @@ def part_compile(dry):
             log(f"ok   compiled {spec.name:<26} {dtype}  {time.perf_counter() - t0:.2f} s")
     seconds = time.perf_counter() - start
     log(f"compiled {count} kernels (every kernel x float32, float64) in {seconds:.1f} s")
-    warmed, warm_seconds = _warm_cupy_kernels(cupy)
+    cupy.cuda.get_current_stream().synchronize()
+    warmed, warm_seconds = _warm_cupy_kernels()
     failed |= warmed is None
     log(f"figure: {count} project kernels compiled in {seconds:.1f} s; CuPy's own kernels warmed by "
         f"{WARM_STEPS} tiny training steps in {warm_seconds:.1f} s ({_cache_line(warmed)})")
@@ -136,10 +137,24 @@ WARM_STEPS = 8  # {generic, fused} x {dense, blocked core} x {float32, float64}
 KEEP_PROBS = 16 << 20  # CausalSelfAttention.keep_probs_max_bytes as the layer has it
 
 
-def _warm_cupy_kernels(cupy):
+def _warm_cupy_kernels():
     """One tiny forward + backward + AdamW step per backend mode the GPU tests build, so that the
     ufunc and reduction kernels they need are compiled here (~0.15 s each, cold) and found in CuPy's
-    on-disk cache by the tests' process. (the kernel files added or None if a step failed, seconds)"""
+    on-disk cache by the tests' process. float32 and float64 need disjoint kernels: each dtype warms
+    in a process of its own, the two at once (NVRTC runs on the host's cores). (the kernel files
+    added, or None if a step failed; seconds)"""
+    from minitensor import cuda
+
+    before, start = _cache_files(), time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", dtype]) for dtype in cuda.DTYPES]
+    ok = not any([proc.wait() for proc in procs])  # their lines go straight to this part's output
+    after = _cache_files()
+    added = (after - before if before is not None and after is not None else 0) if ok else None
+    return added, time.perf_counter() - start
+
+
+def warm_steps(dtype):
+    """The warm-up steps of one dtype (`--warm DTYPE`, run by _warm_cupy_kernels): True if all ran."""
     import dataclasses
 
     from andrea.config import load_config
@@ -147,23 +162,19 @@ def _warm_cupy_kernels(cupy):
 
     cfg = dataclasses.replace(load_config("tiny").model, n_layer=1, context_length=8, vocab_size=37)
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6))
-    before, start, ok = _cache_files(), time.perf_counter(), True
+    ok = True
     for kernels in ("generic", "fused"):
         for dense in (True, False):
-            for dtype in ("float32", "float64"):
-                CausalSelfAttention.dense = dense  # the blocked core also recomputing its probabilities
-                CausalSelfAttention.keep_probs_max_bytes = KEEP_PROBS if dense else 0
-                try:
-                    _train(cfg, "gpu", dtype, [x], kernels)
-                except Exception as e:  # the others still warm; the tests will show the failure
-                    ok = False
-                    log(f"FAIL warm-up step, kernels {kernels}, dense core {dense}, {dtype}: "
-                        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            CausalSelfAttention.dense = dense  # the blocked core also recomputing its probabilities
+            CausalSelfAttention.keep_probs_max_bytes = KEEP_PROBS if dense else 0
+            try:
+                _train(cfg, "gpu", dtype, [x], kernels)
+            except Exception as e:  # the others still warm; the tests will show the failure
+                ok = False
+                log(f"FAIL warm-up step, kernels {kernels}, dense core {dense}, {dtype}: "
+                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
     CausalSelfAttention.dense, CausalSelfAttention.keep_probs_max_bytes = None, KEEP_PROBS
-    cupy.cuda.get_current_stream().synchronize()
-    after = _cache_files()
-    added = after - before if ok and before is not None and after is not None else (0 if ok else None)
-    return added, time.perf_counter() - start
+    return ok
 
 
 def _cache_files():
@@ -175,7 +186,8 @@ def _cache_files():
 def _cache_line(added):
     if added is None:
         return "a warm-up step FAILED"
-    return f"{added} kernel binaries added to CuPy's cache" if _cache_files() is not None else "no on-disk cache here"
+    d = os.environ.get("CUPY_CACHE_DIR") or "~/.cupy/kernel_cache"
+    return f"{added} kernel binaries added to {d}" if _cache_files() is not None else f"no {d} here"
 
 
 def _build(cupy, spec, dtype):
@@ -783,11 +795,14 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="toy sizes, on NumPy when no GPU works: exercises this script without a GPU")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from: {', '.join(PARTS)}")
+    ap.add_argument("--warm", help=argparse.SUPPRESS)  # internal: part compile's warm-up steps of one dtype
     ap.add_argument("--part", choices=list(PARTS), help="one part, in this process, with no time limit of its own")
     args = ap.parse_args(argv)
     # Ctrl-C and gpu_check.sh's timeout (SIGINT) raise KeyboardInterrupt where the part is, so its
     # traceback says what was running, even where the caller had SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.warm:
+        return 0 if warm_steps(args.warm) else 1
     if args.part:
         return 1 if run_part(args.part, args.dry_run) else 0
     unknown = set(args.parts.split(",")) - set(PARTS)

@@ -221,7 +221,7 @@ def benchmark(cfg, batch_size, seq_len, steps, warmup, threads=2, seed=0, sdpa=F
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
-        "device": device, "tf32": bool(tf32) and cuda, "loss": float(loss),
+        "device": device, "tf32": bool(tf32) and cuda, "loss": float(loss.detach()),
         **({"cuda_peak_bytes": torch.cuda.max_memory_allocated(device)} if cuda else {}),
     }
 
