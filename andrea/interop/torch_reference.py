@@ -178,8 +178,8 @@ def make_adamw(model, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fu
 
 def benchmark(cfg, batch_size, seq_len, steps, warmup, threads=2, seed=0, sdpa=False, device="cpu", tf32=False):
     """Full float32 training steps on random tokens; per-step times after `warmup` untimed steps.
-    device "cuda": the same on the GPU, each step synchronised, with TF32 GEMMs (and convolutions)
-    if `tf32`, and the caching allocator's peak; the token ids are drawn on the host and copied."""
+    device "cuda": the same on the GPU, each step synchronised, with TF32 GEMMs if `tf32`, and the
+    caching allocator's peak; the token ids are drawn on the host and copied."""
     _require_torch()
     if not 1 <= seq_len <= cfg.context_length:
         raise ValueError(f"seq_len must be in [1, {cfg.context_length}], got {seq_len}")
@@ -188,7 +188,7 @@ def benchmark(cfg, batch_size, seq_len, steps, warmup, threads=2, seed=0, sdpa=F
     torch.set_num_threads(threads)
     cuda = device != "cpu"
     if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(tf32)
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")  # "high": TF32 GEMMs
         torch.cuda.reset_peak_memory_stats(device)
     model = build_torch_model(cfg, "float32", sdpa=sdpa, seed=seed).to(device)
     model.train()
