@@ -637,10 +637,10 @@ def part_bench(dry):
     log(f"figure: andrea {result['tokens_per_s']:,.0f} tokens/s, step {result['step_ms_median']:.1f} ms median, "
         f"MFU {100 * result['mfu_tf32_peak']:.1f}% of the TF32 peak"
         + (f", pool peak {result['pool_used_peak_gib']:.2f} GiB" if "pool_used_peak_gib" in result else ""))
-    _log_step_model(result, dry)
     del training, model
     _free(xp)
     torch_failed = _bench_torch(cfg, B, T, warmup, steps, full.train.tf32, result["tokens_per_s"], dry)
+    _log_step_model(result, dry)  # last: were it slow, every measured figure is out already
     return not np.isfinite(final_loss) or torch_failed
 
 

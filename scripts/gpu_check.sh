@@ -83,6 +83,7 @@ figures() {  # figures <phase file> <status>: the lines worth keeping from a pha
     local file="$1" status="$2"
     sed -n 's/^figure: //p' "$file"
     grep -E '^[0-9/]+ tests? collected' "$file" | tail -1  # pytest --collect-only -q
+    grep -E '^(done: step|NCCL self-test: )' "$file" | cut -d'|' -f1-3  # andrea.train's last line, NCCL's
     # pytest's closing line ("= 148 passed, 2 failed in 51.2s =") and its three slowest tests
     grep -E '^=+ .*[0-9]+ (passed|failed|error|errors|skipped|deselected).* in [0-9.]+s' "$file" | tail -1 \
         | sed -E 's/^=+ //; s/ =+$//'

@@ -78,6 +78,8 @@ def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
     train = phases["4-train.txt"]
     assert "stopped at step 3" in train and "resumed from" in train and "step      6/6" in train
     assert CPU_KERNELS in train and "tf32: not applicable" in train
+    assert any(f.startswith("done: step 3 (3 this run)") for f in figures), figures
+    assert any(f.startswith("done: step 6 (3 this run)") for f in figures), figures
     assert any("compute-sanitizer skipped (dry run" in f for f in figures), figures
     assert any(f.startswith("NumPy 1-layer step x 2") for f in figures), figures
     assert any(re.match(r"\d+ of \d+ fused kernels within 1e-5", f) for f in figures), figures
@@ -107,7 +109,7 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     train = phases["4-train.txt"]
     assert "on gpu (float32)" in train and "kernels: fused " in train and "generic for" not in train
     assert "stopped at step 3" in train and "resumed from" in train and "step      6/6" in train
-    assert "NCCL self-test: ok" in phases["5-nccl.txt"]
+    assert "NCCL self-test: ok" in phases["5-nccl.txt"] and any(f.startswith("NCCL self-test: ok") for f in figures)
     assert any(f.startswith("CuPy 1-layer step x 2, dense and blocked core (kernels: fused") for f in figures)
     _bench_figures(figures, phases)
 
