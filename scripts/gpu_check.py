@@ -2,26 +2,40 @@
 compiled, the fused kernels, float32 GPU gradients against NumPy float64, and ANDREA-120M training
 throughput in TF32.
 
-    PYTHONPATH=. python scripts/gpu_check.py --parts compile,kernels,gradients,bench
+    PYTHONPATH=. python scripts/gpu_check.py --parts compile,kernels,gradients,sanitize,bench
     PYTHONPATH=. python scripts/gpu_check.py --dry-run   # the same code at toy sizes: on NumPy
                                                          # without a GPU, on the GPU if one works
+    PYTHONPATH=. python scripts/gpu_check.py --part bench  # one part in this process (gpu_check.sh:
+                                                         # its own time limit, SIGINT on a timeout)
 
-Parts (each in a fresh process with its own time limit, so a CUDA error or a hang in one does not
-hide the others; exit status 1 if any failed):
+Parts (with --parts each in a fresh process with its own time limit, so a CUDA error or a hang in
+one does not hide the others; exit status 1 if any failed). Lines starting "figure: " are what
+gpu_check.sh copies into its summary.
 
     compile    every registered kernel built for float32 and float64 (a RawKernel compiled, an
-               ElementwiseKernel run once on one element), so CuPy's kernel cache is warm before
-               anything is timed: gpu_check.sh runs it before the GPU tests
+               ElementwiseKernel run once on one element), then CuPy's own ufunc and reduction
+               kernels warmed: one tiny training step (B 2, T 5, one layer) for each of
+               {generic, fused kernels} x {dense, blocked attention core} x {float32, float64},
+               the backends the GPU tests build, so CuPy's on-disk kernel cache holds what the
+               tests then use: gpu_check.sh runs it before the GPU tests
     kernels    the start-up self-check (minitensor.selfcheck: which fused pieces agree with the
                generic path), then each fused kernel against the generic xp code of its layer at
-               ANDREA-120M shapes (float32): max error and time of each
+               ANDREA-120M shapes (float32): max error (computed on the device: ~800 M
+               elements are compared) and time of each
     gradients  a small ANDREA (4 layers, d 128; the dry run: 1 layer, T = 64, 2 steps) at T = 256 trained 3
                steps on CuPy in float32,
                once as training runs (dense attention core, self-checked fused kernels) and once
                with the generic kernels and the blocked core (two query blocks of 128), each
                against NumPy float64 from the same seed: per-step losses, step-0 gradients
+    sanitize   one training step of a 1-layer model with every fused kernel (dense core with the
+               probabilities kept, then the blocked core recomputing them), CuPy's memory pool off
+               so that each array is its own allocation: the workload gpu_check.sh runs under
+               compute-sanitizer (memcheck, racecheck)
     bench      ANDREA-120M, batch 8 x 1024, AdamW, tf32: true (set through CuPy's API), the
-               fused kernels self-checked: tokens/s, MFU, peak GPU memory
+               fused kernels self-checked: tokens/s, MFU, peak GPU memory, and the step model's
+               estimate beside the measured step if andrea.run.stepmodel is there; then PyTorch's
+               GPT-2 of the same shape on the same device (andrea/interop/torch_reference.py, TF32
+               as andrea's, eager and with scaled_dot_product_attention): tokens/s and the ratio
 
 Everything printed also goes to gpu_check_results.txt in $OUT if set, else the current directory
 (unless gpu_check.sh already keeps it).
@@ -31,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,8 +56,8 @@ import numpy as np
 PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (NVIDIA's datasheet)
 PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
 # seconds each, at most (gpu_check.sh allows a little more)
-PARTS = {"compile": 40, "kernels": 23, "gradients": 23, "bench": 48}
-DRY_TIME_SCALE = 4  # a dry run's limits are 4 times these: it runs on a CPU, maybe under the CuPy stand-in
+PARTS = {"compile": 60, "kernels": 18, "gradients": 13, "sanitize": 15, "bench": 38}
+DRY_TIME_SCALE = 6  # a dry run's limits are 6 times these: it runs on a CPU, maybe under the CuPy stand-in
 RESULTS = os.path.join(os.environ.get("OUT") or ".", "gpu_check_results.txt")
 
 
@@ -55,11 +70,20 @@ def log(*lines):
 
 
 def normwise(got, want):
-    """max |got - want| / max |want|, on the host, in float64."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    scale = float(np.max(np.abs(want))) if want.size else 0.0
-    err = float(np.max(np.abs(got - want))) if want.size else 0.0
+    """max |got - want| / max |want| in float64, where the arrays are (on the device for CuPy's:
+    two scalars come back, not the arrays)."""
+    xp = _module_of(got, want)
+    got, want = xp.asarray(got).astype(np.float64), xp.asarray(want).astype(np.float64)
+    if not want.size:
+        return 0.0
+    scale, err = float(xp.max(xp.abs(want))), float(xp.max(xp.abs(got - want)))
     return err / scale if scale else err
+
+
+def _module_of(*arrays):
+    """CuPy if any of them is a CuPy array (cupy.get_array_module), else NumPy."""
+    cupy = sys.modules.get("cupy")
+    return cupy.get_array_module(*arrays) if cupy is not None else np
 
 
 def verdict(ok):
@@ -99,8 +123,71 @@ def part_compile(dry):
                 log(f"FAIL compile {spec.name} {dtype}: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
                 continue
             log(f"ok   compiled {spec.name:<26} {dtype}  {time.perf_counter() - t0:.2f} s")
-    log(f"compiled {count} kernels (every kernel x float32, float64) in {time.perf_counter() - start:.1f} s")
+    seconds = time.perf_counter() - start
+    log(f"compiled {count} kernels (every kernel x float32, float64) in {seconds:.1f} s")
+    cupy.cuda.get_current_stream().synchronize()
+    warmed, warm_seconds = _warm_cupy_kernels()
+    failed |= warmed is None
+    log(f"figure: {count} project kernels compiled in {seconds:.1f} s; CuPy's own kernels warmed by "
+        f"{WARM_STEPS} tiny training steps in {warm_seconds:.1f} s ({_cache_line(warmed)})")
     return failed
+
+
+WARM_STEPS = 8  # {generic, fused} x {dense, blocked core} x {float32, float64}
+KEEP_PROBS = 16 << 20  # CausalSelfAttention.keep_probs_max_bytes as the layer has it
+
+
+def _warm_cupy_kernels():
+    """One tiny forward + backward + AdamW step per backend mode the GPU tests build, so that the
+    ufunc and reduction kernels they need are compiled here (~0.15 s each, cold) and found in CuPy's
+    on-disk cache by the tests' process. float32 and float64 need disjoint kernels: each dtype warms
+    in a process of its own, the two at once (NVRTC runs on the host's cores). (the kernel files
+    added, or None if a step failed; seconds)"""
+    from minitensor import cuda
+
+    before, start = _cache_files(), time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", dtype]) for dtype in cuda.DTYPES]
+    ok = not any([proc.wait() for proc in procs])  # their lines go straight to this part's output
+    after = _cache_files()
+    added = (after - before if before is not None and after is not None else 0) if ok else None
+    return added, time.perf_counter() - start
+
+
+def warm_steps(dtype):
+    """The warm-up steps of one dtype (`--warm DTYPE`, run by _warm_cupy_kernels): True if all ran."""
+    import dataclasses
+
+    from andrea.config import load_config
+    from minitensor.attention import CausalSelfAttention
+
+    cfg = dataclasses.replace(load_config("tiny").model, n_layer=1, context_length=8, vocab_size=37)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6))
+    ok = True
+    for kernels in ("generic", "fused"):
+        for dense in (True, False):
+            CausalSelfAttention.dense = dense  # the blocked core also recomputing its probabilities
+            CausalSelfAttention.keep_probs_max_bytes = KEEP_PROBS if dense else 0
+            try:
+                _train(cfg, "gpu", dtype, [x], kernels)
+            except Exception as e:  # the others still warm; the tests will show the failure
+                ok = False
+                log(f"FAIL warm-up step, kernels {kernels}, dense core {dense}, {dtype}: "
+                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+    CausalSelfAttention.dense, CausalSelfAttention.keep_probs_max_bytes = None, KEEP_PROBS
+    return ok
+
+
+def _cache_files():
+    """How many kernel binaries CuPy's on-disk cache holds (None where there is none to count)."""
+    d = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+    return sum(len(files) for _, _, files in os.walk(d)) if os.path.isdir(d) else None
+
+
+def _cache_line(added):
+    if added is None:
+        return "a warm-up step FAILED"
+    d = os.environ.get("CUPY_CACHE_DIR") or "~/.cupy/kernel_cache"
+    return f"{added} kernel binaries added to {d}" if _cache_files() is not None else f"no {d} here"
 
 
 def _build(cupy, spec, dtype):
@@ -156,6 +243,7 @@ def part_gradients(dry):
         worst = max(errs, key=errs.get)
         ok = loss_err <= 1e-4 and errs[worst] <= 1e-3
         failed |= not ok
+        log(f"figure: {verdict(ok).strip()} {variant}: losses {loss_err:.1e}, gradients {errs[worst]:.1e} ({worst})")
         log(f"{verdict(ok)} {'CuPy' if on_gpu else 'NumPy'} float32, {variant} ({kernels_line}): losses within "
             f"{loss_err:.2e} relative (tolerance 1e-4); step-0 gradients within {errs[worst]:.2e} norm-wise "
             f"(worst tensor {worst}; median {statistics.median(errs.values()):.2e}; tolerance 1e-3)")
@@ -184,6 +272,46 @@ def _train(cfg, device, dtype, data, kernels=None):
     return losses, grads, ops.kernels_line
 
 
+# --- sanitize: the step compute-sanitizer checks ------------------------------------------------
+
+
+def part_sanitize(dry):
+    """One training step with every fused kernel in float32 on a 1-layer model, with the dense core
+    (probabilities kept) and with the blocked core recomputing them, then AdamW: every project
+    kernel launched, at a T that is not a multiple of anything (13). CuPy's memory pool is off, so
+    an access past an array's end leaves its allocation and memcheck sees it."""
+    import dataclasses
+
+    from andrea.config import load_config
+    from minitensor import cuda
+    from minitensor.attention import CausalSelfAttention
+
+    on_gpu, pool = gpu_here(dry), "no CuPy"
+    if on_gpu:
+        import cupy
+
+        pool = "CuPy's pool on: this CuPy has no cupy.cuda.set_allocator"  # the stand-in has none
+        if hasattr(cupy.cuda, "set_allocator"):
+            cupy.cuda.set_allocator(None)
+            pool = "CuPy's pool off"
+    cfg = dataclasses.replace(load_config("tiny").model, n_layer=1, context_length=16, vocab_size=61)
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 14))
+    start, losses = time.perf_counter(), []
+    for dense in (True, False):
+        CausalSelfAttention.dense = dense
+        CausalSelfAttention.keep_probs_max_bytes = KEEP_PROBS if dense else 0
+        step_losses, _, line = _train(cfg, "gpu" if on_gpu else "cpu", "float32", [x, x], "fused" if on_gpu else None)
+        losses.append(step_losses)
+    CausalSelfAttention.dense, CausalSelfAttention.keep_probs_max_bytes = None, KEEP_PROBS
+    if on_gpu:
+        cupy.cuda.runtime.deviceSynchronize()  # a kernel's fault is reported here at the latest
+    finite = all(np.isfinite(v) for v in sum(losses, []))
+    log(f"figure: {'CuPy' if on_gpu else 'NumPy'} 1-layer step x 2, dense and blocked core ({line}; "
+        f"{len(cuda.FUSED)} fused pieces; {pool}): losses {', '.join(f'{v:.4f}' for v in sum(losses, []))} "
+        f"in {time.perf_counter() - start:.1f} s")
+    return not finite
+
+
 # --- kernels: fused against generic, at model shapes ----------------------------------------------
 
 
@@ -208,14 +336,19 @@ def part_kernels(dry):
     k = _KernelInputs(xp, dry)
     log(f"float32; rows N {k.N}, C {k.C}, mlp {k.F}, scores {k.BH} x {k.T} x {k.T}, vocab {k.V}; times are the mean "
         f"of {k.reps} calls after one, with the device synchronised around them; tolerance 1e-5 (norm-wise)")
+    start, compared, disagreed = time.perf_counter(), 0, []
     for name, setup, fused, generic, elementwise in (case for cases in KERNEL_CASES for case in cases(k)):
         if not on_gpu and elementwise:
             log(f"skip {name:<26} (an ElementwiseKernel: needs CuPy)")
             continue
-        failed |= not _compare_kernel(xp, name, setup, fused, generic, k.reps)
+        compared += 1
+        if not _compare_kernel(xp, name, setup, fused, generic, k.reps):
+            disagreed.append(name)
         with contextlib.suppress(Exception):  # a broken device is reported already
             _free(xp)
-    return failed
+    log(f"figure: {compared - len(disagreed)} of {compared} fused kernels within 1e-5 of the generic code "
+        f"in {time.perf_counter() - start:.1f} s" + (f"; FAILED: {', '.join(disagreed)}" if disagreed else ""))
+    return failed or bool(disagreed)
 
 
 def _compare_kernel(xp, name, setup, fused, generic, reps):
@@ -223,7 +356,7 @@ def _compare_kernel(xp, name, setup, fused, generic, reps):
     and how long each takes; True when within 1e-5 norm-wise. An exception (a CUDA error, say) is
     reported as a failure, so that the other kernels still run."""
     try:
-        errs = [normwise(_host(xp, f), _host(xp, g)) for f, g in zip(fused(setup()), generic(setup()))]
+        errs = [normwise(f, g) for f, g in zip(fused(setup()), generic(setup()))]
         ok = max(errs) <= 1e-5
         t_fused, t_generic = _time(xp, fused, setup(), reps), _time(xp, generic, setup(), reps)
         log(f"{verdict(ok)} {name:<26} max error {max(errs):.1e}   fused {1e3 * t_fused:8.3f} ms   generic "
@@ -447,10 +580,6 @@ def _adamw_cases(k):
 KERNEL_CASES = (_layernorm_cases, _gelu_cases, _softmax_cases, _cross_entropy_cases, _adamw_cases)
 
 
-def _host(xp, a):
-    return a.get() if xp is not np and hasattr(a, "get") else np.asarray(a)
-
-
 def _time(xp, fn, inputs, reps):
     from andrea.run.perf import synchronize
 
@@ -505,7 +634,62 @@ def part_bench(dry):
     result = _bench_result(training, cfg, "tf32" if full.train.tf32 else "float32", times, final_loss, dry)
     _log_bench(result, cfg, xp, full.train.tf32)
     print("RESULT " + json.dumps(result), flush=True)
-    return not np.isfinite(final_loss)
+    log(f"figure: andrea {result['tokens_per_s']:,.0f} tokens/s, step {result['step_ms_median']:.1f} ms median, "
+        f"MFU {100 * result['mfu_tf32_peak']:.1f}% of the TF32 peak"
+        + (f", pool peak {result['pool_used_peak_gib']:.2f} GiB" if "pool_used_peak_gib" in result else ""))
+    del training, model
+    _free(xp)
+    torch_failed = _bench_torch(cfg, B, T, warmup, steps, full.train.tf32, result["tokens_per_s"], dry)
+    _log_step_model(result, dry)  # last: were it slow, every measured figure is out already
+    return not np.isfinite(final_loss) or torch_failed
+
+
+def _log_step_model(result, dry):
+    """The hook for the H200 step model (issue 26): its estimate beside the measured step, where
+    andrea.run.stepmodel exists (nothing is said where it does not)."""
+    try:
+        from andrea.run.stepmodel import estimate_step_seconds
+    except ImportError:
+        return
+    try:
+        estimate = estimate_step_seconds()  # ANDREA-120M at 8 x 1024 on an H200, in seconds
+    except Exception as e:  # a broken model is reported, not a failed benchmark
+        log(f"step model: estimate_step_seconds() raised {type(e).__name__}: {e}")
+        return
+    log(f"figure: step model {1e3 * estimate:.1f} ms estimated (ANDREA-120M, 8 x 1024, H200), "
+        f"{result['step_ms_median']:.1f} ms measured{' (dry run: the toy model)' if dry else ''}: "
+        f"measured / estimated {result['step_ms_median'] / (1e3 * estimate):.2f}")
+
+
+def _bench_torch(cfg, B, T, warmup, steps, tf32, andrea_tokens_per_s, dry):
+    """PyTorch's GPT-2 of the same shape, on the same device (the GPU; in a dry run the CPU torch
+    at toy size), eager and with scaled_dot_product_attention: tokens/s and andrea / PyTorch.
+    True if it failed (in a dry run a missing torch is skipped)."""
+    from andrea.interop import torch_reference as ref
+
+    if ref.torch is None:
+        log(f"{'skip' if dry else 'FAIL'} PyTorch side by side: {ref.TORCH_MISSING}")
+        return not dry
+    device = "cuda" if ref.torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not dry:
+        log(f"FAIL PyTorch side by side: torch {ref.torch.__version__} sees no CUDA device")
+        return True
+    failed = False
+    for name, sdpa in (("eager", False), ("sdpa", True)):
+        try:
+            r = ref.benchmark(cfg, B, T, steps, warmup, sdpa=sdpa, device=device, tf32=tf32 and device != "cpu")
+        except Exception as e:  # the other variant still runs
+            failed = True
+            log(f"FAIL PyTorch {name}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            continue
+        peak = f", peak {r['cuda_peak_bytes'] / 2**30:.2f} GiB" if "cuda_peak_bytes" in r else ""
+        log(f"figure: PyTorch {r['torch_version']} {name} on {device}{' (TF32)' if r['tf32'] else ''}: "
+            f"{r['tokens_per_s_median']:,.0f} tokens/s, step {1e3 * r['step_s_median']:.1f} ms{peak}; "
+            f"andrea / PyTorch {andrea_tokens_per_s / r['tokens_per_s_median']:.2f}")
+        print("RESULT " + json.dumps({"mode": f"torch-{name}", **r}), flush=True)
+        if device != "cpu":
+            ref.torch.cuda.empty_cache()
+    return failed
 
 
 class _TrainingSteps:
@@ -601,7 +785,8 @@ def _log_bench(result, cfg, xp, tf32):
 
 
 def run_part(name, dry):
-    parts = {"compile": part_compile, "kernels": part_kernels, "gradients": part_gradients, "bench": part_bench}
+    parts = {"compile": part_compile, "kernels": part_kernels, "gradients": part_gradients,
+             "sanitize": part_sanitize, "bench": part_bench}
     return parts[name](dry)
 
 
@@ -610,8 +795,14 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="toy sizes, on NumPy when no GPU works: exercises this script without a GPU")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from: {', '.join(PARTS)}")
-    ap.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
+    ap.add_argument("--warm", help=argparse.SUPPRESS)  # internal: part compile's warm-up steps of one dtype
+    ap.add_argument("--part", choices=list(PARTS), help="one part, in this process, with no time limit of its own")
     args = ap.parse_args(argv)
+    # Ctrl-C and gpu_check.sh's timeout (SIGINT) raise KeyboardInterrupt where the part is, so its
+    # traceback says what was running, even where the caller had SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.warm:
+        return 0 if warm_steps(args.warm) else 1
     if args.part:
         return 1 if run_part(args.part, args.dry_run) else 0
     unknown = set(args.parts.split(",")) - set(PARTS)
@@ -654,7 +845,10 @@ def _log_summary(summary, results):
     for name, status, seconds in summary:
         log(f"{verdict(status == 0)} {name:<14} {seconds:6.1f} s" + (f"  (exit status {status})" if status else ""))
     for r in results:
-        log(f"     {r['mode']:<8} {r['tokens_per_s']:>10,.0f} tokens/s  MFU {100 * r['mfu_fp32_peak']:.1f}% of FP32 "
+        if r["mode"].startswith("torch"):
+            log(f"     {r['mode']:<12} {r['tokens_per_s_median']:>10,.0f} tokens/s on {r['device']}")
+            continue
+        log(f"     {r['mode']:<12} {r['tokens_per_s']:>10,.0f} tokens/s  MFU {100 * r['mfu_fp32_peak']:.1f}% of FP32 "
             f"peak, {100 * r['mfu_tf32_peak']:.1f}% of TF32 peak  "
             + (f"pool peak {r['pool_used_peak_gib']:.2f} GiB" if "pool_used_peak_gib" in r else ""))
     failed = [name for name, status, _ in summary if status != 0]

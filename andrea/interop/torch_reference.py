@@ -176,28 +176,38 @@ def make_adamw(model, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fu
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **({"fused": True} if fused else {}))
 
 
-def benchmark(cfg, batch_size, seq_len, steps, warmup, threads=2, seed=0, sdpa=False):
-    """Full float32 training steps on random tokens; per-step times after `warmup` untimed steps."""
+def benchmark(cfg, batch_size, seq_len, steps, warmup, threads=2, seed=0, sdpa=False, device="cpu", tf32=False):
+    """Full float32 training steps on random tokens; per-step times after `warmup` untimed steps.
+    device "cuda": the same on the GPU, each step synchronised, with TF32 GEMMs if `tf32`, and the
+    caching allocator's peak; the token ids are drawn on the host and copied."""
     _require_torch()
     if not 1 <= seq_len <= cfg.context_length:
         raise ValueError(f"seq_len must be in [1, {cfg.context_length}], got {seq_len}")
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got {steps} and {warmup}")
     torch.set_num_threads(threads)
-    model = build_torch_model(cfg, "float32", sdpa=sdpa, seed=seed)
+    cuda = device != "cpu"
+    if cuda:
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")  # "high": TF32 GEMMs
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_torch_model(cfg, "float32", sdpa=sdpa, seed=seed).to(device)
     model.train()
     opt = make_adamw(model, fused=True)  # PyTorch at its fastest: its fused AdamW kernel
     gen = torch.Generator().manual_seed(seed)
     times = []
     for i in range(warmup + steps):
-        idx = torch.randint(cfg.vocab_size, (batch_size, seq_len), generator=gen)
-        targets = torch.randint(cfg.vocab_size, (batch_size, seq_len), generator=gen)
+        idx = torch.randint(cfg.vocab_size, (batch_size, seq_len), generator=gen).to(device)
+        targets = torch.randint(cfg.vocab_size, (batch_size, seq_len), generator=gen).to(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(idx, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         if i >= warmup:
             times.append(dt)
@@ -211,6 +221,8 @@ def benchmark(cfg, batch_size, seq_len, steps, warmup, threads=2, seed=0, sdpa=F
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": device, "tf32": bool(tf32) and cuda, "loss": float(loss.detach()),
+        **({"cuda_peak_bytes": torch.cuda.max_memory_allocated(device)} if cuda else {}),
     }
 
 
