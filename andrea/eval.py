@@ -132,10 +132,14 @@ class Result(NamedTuple):
         return self.nats / (math.log(2) * self.text_bytes) if self.text_bytes else math.nan
 
 
-def evaluate(model, tokenizer, ids, seq_len: int, batch_size: int) -> Result:
-    """Every token of `ids` but the first as a target once, in consecutive windows of seq_len."""
+def check_length(ids) -> None:
     if len(ids) < 2:
         raise UserError(f"the text is {len(ids)} token(s): at least 2 are needed to predict one")
+
+
+def evaluate(model, tokenizer, ids, seq_len: int, batch_size: int) -> Result:
+    """Every token of `ids` but the first as a target once, in consecutive windows of seq_len."""
+    check_length(ids)
     lengths = tokenizer.text_bytes()
     starts = list(range(0, len(ids) - 1, seq_len))
     nats, targets, text_bytes = 0.0, 0, 0
@@ -185,6 +189,7 @@ def main(argv=None):
         ids, what = input_tokens(args.input, tokenizer)
     if args.max_tokens is not None and args.max_tokens < len(ids):
         ids, what = ids[:args.max_tokens], f"the first {args.max_tokens:,} tokens of {what}"
+    check_length(ids)
     print(f"model  {source}: {model.num_parameters():,} parameters", file=sys.stderr)
     print(f"text   {what}: {len(ids):,} tokens", file=sys.stderr, flush=True)
     r = evaluate(model, tokenizer, ids, seq_len, batch_size)

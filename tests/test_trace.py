@@ -33,8 +33,10 @@ def tiny_run(tmp, data_dir, steps=3):
     cfg = yaml.safe_load(path.read_text())
     cfg["model"].update(n_layer=2, n_head=2, context_length=32)
     path.write_text(yaml.safe_dump(cfg))
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
         assert run_main(["--config", str(path), "--out", str(tmp / "run")]) == 0
+    (tmp / "train.out").write_text(printed.getvalue())  # what training printed, beside the run
     return tmp / "run"
 
 
