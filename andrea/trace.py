@@ -137,12 +137,13 @@ def draw(blocks, ids, t: int, tokenizer):
     n_head = blocks[0].attention.shape[0]
     first = max(0, t + 1 - TABLE_POSITIONS)
     cols = list(range(first, t + 1))
-    fig = new_figure("andrea.trace", figsize=(6 + 0.9 * len(cols), 1.5 + 0.28 * len(blocks) * n_head))
-    ax_att, ax_lens = fig.subplots(1, 2, width_ratios=[1, 1.6])
     rows = np.concatenate([b.attention for b in blocks])                  # (n_layer * n_head, t + 1)
+    # GPT-2's 144 heads fit in 30 inches, in smaller type
+    fig = new_figure("andrea.trace", figsize=(6 + 0.9 * len(cols), 1.5 + min(0.28 * len(rows), 30)))
+    ax_att, ax_lens = fig.subplots(1, 2, width_ratios=[1, 1.6])
     image = ax_att.imshow(rows, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
     ax_att.set_yticks(range(len(rows)), [f"block {i} head {h}" for i in range(len(blocks)) for h in range(n_head)],
-                      fontsize=7)
+                      fontsize=7 if len(rows) <= 100 else 5)
     labels = [piece(tokenizer, ids[p]) for p in range(t + 1)]
     ax_att.set_xticks(range(t + 1), labels if t < 40 else [""] * (t + 1), rotation=90, fontsize=7)
     ax_att.set_title(f"attention of position {t} ({piece(tokenizer, ids[t])})", fontsize=9)
