@@ -1,7 +1,7 @@
 """ANDREA: GPT-2-architecture language models trained with minitensor, on NumPy or CuPy.
 
 The commands are the modules at this level, each `python -m andrea.<name>`: train, prepare,
-sample, export, plot, experiment, bench, params; cli.py is the shell they share, errors.py the
+sample, export, plot, experiment, bench, params, trace, eval; cli.py is the shell they share, errors.py the
 one error they turn into a one-line message, config.py the YAML configuration every part reads.
 What they are made of is grouped by concern:
 

@@ -104,7 +104,7 @@ class Trainer:
         self.step = 0
         self.guard = NonFiniteGuard(t.max_bad_steps)
         self.last_checkpoint = None
-        self.last_loss, self.last_val = None, None  # the last step's loss, the last (step, val loss)
+        self.last_loss, self.last_val = None, None  # the last step's loss, the last (step, val loss, val bpb)
         self.tokens_per_step = t.batch_size * self.T * self.accum * world.size
         self.flops_per_step = flops_per_token(cfg.model, self.T, self.model.num_parameters()) * self.tokens_per_step
 
@@ -190,15 +190,21 @@ class Trainer:
         return loss, norm, True
 
     def evaluate(self):
-        """The mean validation loss: the batches' losses add up on the device, read once at the end."""
+        """(mean validation loss in nats per token, bits per byte of the same targets): the batches'
+        losses add up on the device, read once at the end. Bits per byte = the targets' nats over
+        ln 2 x their bytes of text (EOT none), counted on the host from the tokenizer's byte table;
+        the eval batches are all the same size, so the batch mean x targets is their nats."""
         t = self.cfg.train
         w = self.world
-        total, n = 0.0, 0
+        total, n, targets, text_bytes = 0.0, 0, 0, 0
+        lengths = self.tokenizer.text_bytes()
         for x, y in data.iter_eval_batches(self.val_tokens, t.batch_size, self.T, t.eval_batches, w.rank, w.size):
             total, n = total + self.model.loss(x, y), n + 1
+            targets, text_bytes = targets + y.size, text_bytes + int(lengths[y].sum())
         if w.size > 1:
-            total, n = w.sum_scalars([float(total), n])
-        return float(total / n) if n else math.nan
+            total, n, targets, text_bytes = w.sum_scalars([float(total), n, targets, text_bytes])
+        val = float(total / n) if n else math.nan
+        return val, val * targets / (math.log(2) * text_bytes) if text_bytes else math.nan
 
     # --- the loop ---
 
@@ -265,11 +271,11 @@ class Trainer:
                 f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {meter.peak_name} | {when}")
         if self.step % t.eval_interval == 0 or self.step == t.max_steps:
             meter.stop()  # evaluation time is not training throughput
-            val = self.evaluate()
-            self.last_val = (self.step, val)
+            val, bpb = self.evaluate()
+            self.last_val = (self.step, val, bpb)
             record = record or {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm}
-            record["val_loss"] = val
-            log(f"step {self.step:>6}: val loss {val:.4f}")
+            record["val_loss"], record["val_bpb"] = val, bpb
+            log(f"step {self.step:>6}: val loss {val:.4f} ({bpb:.4f} bits/byte)")
         if record and flow:
             record["grad_flow"] = flow.as_dict()
         if record:

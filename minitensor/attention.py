@@ -85,11 +85,13 @@ class CausalSelfAttention(Layer):
         a = a.reshape(B, T, parts, self.n_head, hs)
         return [a[:, :, i].transpose(0, 2, 1, 3) for i in range(parts)]
 
-    def forward_kv(self, x, cache, pos, residual=None):
+    def forward_kv(self, x, cache, pos, residual=None, record=None):
         """Inference: x (B, T_new, C) at positions pos.., with cache = (k, v) arrays (B, nh, T_max, hs).
 
         Writes the new keys and values into the cache and attends over positions [0, pos + T_new),
         with the training forward's softmax; keeps nothing for backward. residual as in forward.
+        record: a dict that receives the attention probabilities, record["probs"] (B, nh, T_new,
+        pos + T_new), zero above the diagonal (andrea.trace).
         """
         xp = self.ops.xp
         B, T, C = x.shape
@@ -104,6 +106,8 @@ class CausalSelfAttention(Layer):
         att = xp.matmul(q * (1.0 / math.sqrt(hs)), k_cache[:, :, :end].transpose(0, 1, 3, 2))  # (B, nh, T, end)
         # new row i sits at position pos + i: the block of query rows pos..end against keys 0..end
         self.ops.block_softmax(att, pos, xp.empty((*att.shape[:-1], 1), dtype=att.dtype))
+        if record is not None:
+            record["probs"] = att
         y = xp.matmul(att, v_cache[:, :, :end]).transpose(0, 2, 1, 3).reshape(B * T, C)
         out = y @ self.c_proj.W
         self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))

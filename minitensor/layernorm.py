@@ -35,6 +35,13 @@ class LayerNorm(Layer):
         self._save(LayerNormCache(x2, mean, rstd, x.shape))
         return y.reshape(x.shape)
 
+    def infer_stats(self, x):
+        """infer(x) and the statistics it normalised by: (y, mean, rstd), mean and rstd (..., 1)."""
+        x2 = self.ops.xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+        y, mean, rstd = self.ops.layernorm_forward(x2, self.w, self.b, self.eps)
+        rows = (*x.shape[:-1], 1)
+        return y.reshape(x.shape), mean.reshape(rows), rstd.reshape(rows)
+
     def backward(self, dy, skip=None):
         """dx; plus skip (x's shape), if given, in the same pass: the gradient that reaches x
         around this layer (the residual path of a pre-norm block)."""

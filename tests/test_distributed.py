@@ -111,11 +111,13 @@ def test_two_processes_train_the_model_one_process_trains(tmp_path, data_dir, tw
     val = [(x["val_loss"], y["val_loss"]) for x, y in zip(a, b) if "val_loss" in x]
     assert len(val) == 2 and all("val_loss" in y for y in b if y["step"] in (3, 6))
     val_diff = max(abs(x - y) for x, y in val)
+    # bits per byte: each rank's targets and bytes summed with its losses, so the pair matches too
+    bpb_diff = max(abs(x["val_bpb"] - y["val_bpb"]) for x, y in zip(a, b) if "val_loss" in x)
     wa, wb = weights(one / "ckpt-00000006"), weights(two_ranks.out / "ckpt-00000006")
     weight_diff = max(float(np.abs(wa[k] - wb[k]).max()) for k in wa)
     print(f"1 vs 2 processes: max |loss diff| {loss_diff:.3g}, |val diff| {val_diff:.3g}, "
           f"|weight diff| {weight_diff:.3g}")
-    assert loss_diff < LOSS_TOL and val_diff < LOSS_TOL and weight_diff < WEIGHT_TOL
+    assert loss_diff < LOSS_TOL and val_diff < LOSS_TOL and bpb_diff < LOSS_TOL and weight_diff < WEIGHT_TOL
     assert a[-1]["loss"] < a[0]["loss"]  # it learns, so equal losses are not two dead runs
     # only rank 0 wrote: one checkpoint per interval, and the format does not depend on N
     assert [p.name for p in ckpt.list_checkpoints(two_ranks.out)] == ["ckpt-00000006", "ckpt-00000003"]

@@ -1,5 +1,5 @@
 """No traceback, and no file lost, from any entry point for any input: train, sample, prepare, params,
-export and plot.
+export, plot, trace and eval.
 
 Hypothesis generates values for every config key (read from the config dataclasses, so keys added
 later are covered without editing this file) and every flag: numbers of every sign, NaN, the
@@ -30,13 +30,14 @@ from hypothesis import strategies as st
 from optional import require
 from test_train import STDLIB_JSON, run_main, small_config
 
-from andrea import export, params, plot, prepare, sample, train
+from andrea import eval as evaluation
+from andrea import export, params, plot, prepare, sample, trace, train
 from andrea.cli import run_cli
 from andrea.config import SECTIONS
 from andrea.prepare import prepare as prepare_data
 from andrea.run import rundir
 
-CASES = {"train": 140, "sample": 60, "prepare": 50, "params": 60, "export": 40, "plot": 40}
+CASES = {"train": 140, "sample": 60, "prepare": 50, "params": 60, "export": 40, "plot": 40, "trace": 40, "eval": 40}
 KEYS = [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in fields(cls)]
 
 NUMBERS = st.one_of(
@@ -157,6 +158,8 @@ def own_output(main, argv):
         return [out]
     if out and main is plot.main and Path(out).is_file() and plot.drawn_here(out):
         return [out]
+    if out and main is trace.main and (Path(out) / trace.FIGURE).is_file():
+        return [str(Path(out) / trace.FIGURE)]  # refused unless andrea.trace drew it
     return []
 
 
@@ -336,6 +339,48 @@ def test_plot_never_tracebacks_nor_overwrites(world, tmp_path, monkeypatch):
     assert run_property("plot", strategy, check) >= CASES["plot"] // 2
 
 
+def test_trace_never_tracebacks_nor_overwrites(world, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = world["paths"]
+    counter = iter(range(10**9))
+    strategy = st.fixed_dictionaries({
+        "--checkpoint": st.sampled_from(paths + [str(world["run"])] * 4 + [str(world["root"] / "hf")] * 2),
+        "--prompt": st.one_of(TEXT, st.text(max_size=40).map(lambda s: s.replace("\0", ""))),
+    }, optional={"--position": flag_values(paths), "--top-k": flag_values(paths), "--device": flag_values(paths),
+                 "--out": st.sampled_from([p for p in paths if p != "/"] + ["fresh"] * 2)})
+
+    def check(ex):
+        argv = []
+        for flag, value in ex.items():
+            argv += [flag, str(tmp_path / f"t{next(counter)}") if value == "fresh" else value]
+        with nothing_lost(world, argv, may_change=own_output(trace.main, argv)):
+            code, err = call(trace.main, argv)
+        check_outcome(code, err, argv)
+
+    assert run_property("trace", strategy, check) >= CASES["trace"] // 2
+
+
+def test_eval_never_tracebacks(world, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = world["paths"]
+    texts = [p for p in paths if p != "/"]  # "/" as --input would read the whole file system
+    sizes = st.one_of(st.integers(-3, 40).map(str), TEXT)  # each window costs a forward: small ones only
+    strategy = st.fixed_dictionaries({
+        "model": st.sampled_from(paths + [str(world["run"])] * 4 + [str(world["root"] / "hf")] * 2),
+        "text": st.one_of(st.tuples(st.just("--data-dir"), st.sampled_from(paths + [str(world["data"])] * 4)),
+                          st.tuples(st.just("--input"), st.sampled_from(texts))),
+    }, optional={"--seq-len": sizes, "--batch-size": sizes, "--max-tokens": sizes, "--split": TEXT,
+                 "--device": flag_values(paths)})
+
+    def check(ex):
+        argv = [ex.pop("model"), *ex.pop("text")] + [x for flag, value in ex.items() for x in (flag, value)]
+        with nothing_lost(world, argv):
+            code, err = call(evaluation.main, argv)
+        check_outcome(code, err, argv)
+
+    assert run_property("eval", strategy, check) >= CASES["eval"] // 2
+
+
 def test_the_keys_come_from_the_config_classes():
     assert {"model.d_model", "train.lr", "train.device", "data.inputs"} <= set(KEYS)
     assert len(KEYS) == sum(len(fields(c)) for c in SECTIONS.values())
@@ -363,7 +408,14 @@ def test_every_path_kind_in_every_path_flag(world, tmp_path, monkeypatch):
             (export.main, ["--checkpoint", str(world["run"]), "--out", path]),
             (plot.main, [path, "--out", str(tmp_path / f"p{n}.png")]),
             (plot.main, [str(world["run"]), "--out", path]),
+            (trace.main, ["--checkpoint", path, "--prompt", "import"]),
+            (trace.main, ["--checkpoint", str(world["run"]), "--prompt", "import", "--out", path]),
+            (evaluation.main, [path, "--data-dir", str(world["data"]), "--max-tokens", "40"]),
+            (evaluation.main, [str(world["run"]), "--data-dir", path, "--max-tokens", "40"]),
+            (evaluation.main, [str(world["run"]), "--input", path, "--max-tokens", "40"]),
         ):
+            if (main is trace.main and argv[-1] == "/") or (main is evaluation.main and argv[1:3] == ["--input", "/"]):
+                continue  # a figure written into "/" (writable here: root), or the whole file system read as text
             if main is export.main and argv[3] == "/":
                 continue  # writable here (root): never export into it
             if main is prepare.main and argv[1] in ("", ".", "/", str(world["root"])):

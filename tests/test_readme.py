@@ -33,7 +33,8 @@ from optional import require
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 DOCS = ["README.md", "docs/data.md", "docs/training.md", "docs/distributed.md", "docs/gpu.md",
-        "docs/huggingface.md", "docs/architecture.md", "docs/derivations.md", "docs/experiments.md"]
+        "docs/huggingface.md", "docs/architecture.md", "docs/derivations.md", "docs/experiments.md",
+        "docs/trace.md"]
 LINKED = DOCS + ["BENCHMARKS.md"]
 TWO_STEPS = ["--max-steps", "2", "--set", "train.eval_batches=1"]  # a training command, cheaply: ~4 s less each
 LOCAL_GPT2 = "a small random GPT-2 made by transformers"
@@ -67,13 +68,20 @@ RULES = [
      Elsewhere("tests/test_experiment.py", "def test_each_experiment_runs_and_reports")),
     (r"python -m andrea\.train .*--device gpu.*", ["--dry-run"]),  # exit 2 without a GPU: checked below
     (r"python -m andrea\.(sample|plot|export|params) .*", []),
+    (r"python -m andrea\.trace --checkpoint RUN_OR_HF_DIR .*", "a synopsis: its words in capitals name the arguments"),
+    (r"python -m andrea\.trace --checkpoint out/andrea-tiny .*", []),
+    (r"python -m andrea\.eval RUN_OR_HF_DIR .*", "a synopsis: its words in capitals name the arguments"),
+    (r"python -m andrea\.eval out/andrea-tiny --data-dir data/stdlib", ["--max-tokens", "4000"]),
+    (r"python -m andrea\.eval out/andrea-tiny/ckpt-00000101 .*", "step 101 of the default run, which runs here for 2 steps; the README's eval command runs"),
+    (r"python -m andrea\.trace --checkpoint out/andrea-tiny/ckpt-00000101 .*",
+     "step 101 of the default run, which runs here for 2 steps; the README's trace command runs"),
     (r"python -m andrea\.bench", ["--configs", "tiny", "--no-allreduce"]),
     (r"python -m andrea\.bench --components", ["--repeats", "1"]),
     (r"python -m andrea\.bench .*--device gpu", NEEDS_GPU),
     (r"python -m minitensor\.kernels --check", []),
     (r"bash scripts/gpu_check\.sh", NEEDS_GPU),
     (r"bash scripts/gpu_check\.sh --dry-run",
-     Elsewhere("tests/test_gpu_check.py", '"scripts/gpu_check.sh", "--dry-run"')),
+     Elsewhere("tests/test_gpu_check.py", 'subprocess.run(["bash", str(SCRIPT), "--dry-run"]')),
     (r"python -m andrea\.run\.distributed --nccl-self-test", NEEDS_GPU),
     (r"python -c .*from_pretrained\('gpt2'\).*", LOCAL_GPT2),
     (r"python -c .*pipeline\('text-generation', model='andrea-tiny-hf'\).*", []),

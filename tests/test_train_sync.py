@@ -100,5 +100,5 @@ def test_a_non_finite_step_is_still_one_read_and_no_update(trainer, monkeypatch)
 
 def test_evaluation_reads_once(trainer, monkeypatch):
     monkeypatch.setattr(Device, "reads", 0)
-    val = trainer.evaluate()
-    assert Device.reads == 1 and isinstance(val, float) and np.isfinite(val)
+    val, bpb = trainer.evaluate()
+    assert Device.reads == 1 and isinstance(val, float) and np.isfinite(val) and np.isfinite(bpb)

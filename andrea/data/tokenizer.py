@@ -91,6 +91,13 @@ class IdDecoding:
         """The bytes id `token_id` stands for (EOT: the ASCII of its text)."""
         return self._token_bytes[self._checked_ids([token_id])[0]]
 
+    def text_bytes(self) -> np.ndarray:
+        """(vocab_size,) int64: the bytes of text each id stands for, 0 for EOT (it separates
+        documents, it is no text): summed over a split's ids, the size of its UTF-8 text."""
+        n = np.array([len(b) for b in self._token_bytes], dtype=np.int64)
+        n[self.eot_id] = 0
+        return n
+
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
 

@@ -195,6 +195,28 @@ class Block:
         x1 = self.ln_1.infer(self.attn.forward_kv(x, kv, pos, residual=x if skip else None))
         return self.ln_2.infer(self.mlp.infer(x1, residual=x1 if skip else None))
 
+    def trace(self, x, kv, pos):
+        """infer(x, kv, pos), keeping what andrea.trace shows, as a dict of arrays: "x" the stream
+        entering, "ln_1" and "ln_2" each LayerNorm's (mean, rstd) (..., 1), "probs" the attention
+        probabilities (B, nh, T, pos + T), "attn" and "mlp" each sublayer's output before its skip
+        adds it (its delta), "x1" the stream after attention, "x2" after the MLP. The skips are
+        added here after each sublayer instead of in its epilogue: the same float adds, so x2 is
+        infer's to the bit."""
+        skip, t = self.residual, {"x": x}
+        if self.norm == "pre":
+            h, *t["ln_1"] = self.ln_1.infer_stats(x)
+            t["attn"] = self.attn.forward_kv(h, kv, pos, record=t)
+            t["x1"] = x + t["attn"] if skip else t["attn"]
+            h, *t["ln_2"] = self.ln_2.infer_stats(t["x1"])
+            t["mlp"] = self.mlp.infer(h)
+            t["x2"] = t["x1"] + t["mlp"] if skip else t["mlp"]
+        else:
+            t["attn"] = self.attn.forward_kv(x, kv, pos, record=t)
+            t["x1"], *t["ln_1"] = self.ln_1.infer_stats(x + t["attn"] if skip else t["attn"])
+            t["mlp"] = self.mlp.infer(t["x1"])
+            t["x2"], *t["ln_2"] = self.ln_2.infer_stats(t["x1"] + t["mlp"] if skip else t["mlp"])
+        return t
+
     def backward(self, dx2):
         skip = self.residual
         if self.norm == "pre":
@@ -431,3 +453,15 @@ class ANDREA:
         for block, kv in zip(self.blocks, cache):
             x = block.infer(x, kv, pos)
         return self.head.infer(self.ln_f.infer(x[:, -1]))
+
+    def trace(self, idx):
+        """forward_kv's computation over idx (B, T) from position 0, block by block: a list of each
+        block's Block.trace, the first one's "x" the embedding (andrea.trace; its logit lens is ln_f
+        and the head applied to a block's "x2")."""
+        idx = self._ids(idx, "idx")
+        x = self.wte.W[idx] + self.wpe.W[:idx.shape[1]]
+        steps = []
+        for block, kv in zip(self.blocks, self.new_kv_cache(idx.shape[0])):
+            steps.append(block.trace(x, kv, 0))
+            x = steps[-1]["x2"]
+        return steps

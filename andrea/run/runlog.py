@@ -190,11 +190,11 @@ def summary(out_dir, steps_done: int, step: int, seconds: float, rate, loss, val
     """The end-of-run line: steps, time, throughput, the last step's loss, the last validation loss,
     where the checkpoint is. `rate` is (tokens/s, seconds, steps) of the training steps the rate
     comes from (andrea.train.Throughput.run_rate: after the first, without evaluation or saving);
-    `loss` the last step's training loss, `val` (step, loss) of the last evaluation, or None."""
+    `loss` the last step's training loss, `val` (step, loss, bits per byte) of the last evaluation, or None."""
     tokens_per_s, train_s, timed = rate
     after_first = "after the first step, " if timed < steps_done else ""
     loss = f"{loss:.4f}" if loss is not None else "n/a"
-    val = f"{val[1]:.4f} (step {val[0]})" if val is not None else "n/a"
+    val = f"{val[1]:.4f} ({val[2]:.4f} bits/byte, step {val[0]})" if val is not None else "n/a"
     return (f"done: step {step} ({steps_done} this run) in {seconds:.1f} s | {tokens_per_s:,.0f} tokens/s "
             f"({timed} step{'s' if timed != 1 else ''} {after_first}{train_s:.1f} s of training) | train loss "
             f"{loss} | val loss {val} | checkpoint {checkpoint or 'none'} | metrics {Path(out_dir) / 'metrics.jsonl'}")
