@@ -136,9 +136,12 @@ def _label_layers(rec, model, opt):
     model.loss, model.backward = counted_loss, counted_backward
 
 
-def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fused"):
+def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fused", overrides=(), verify=False):
     """The launches of one training step on the stand-in (which must be the `cupy` imported here):
-    a dict with the run's figures and "ops", one [kind, name, flops, read, written, scope] per op."""
+    a dict with the run's figures and "ops", one [kind, name, flops, read, written, scope] per op.
+
+    overrides: `section.key=value` config overrides; verify: compute too, checking every recorded
+    operation's result against NumPy's (small sizes only: the stand-in computes on the CPU)."""
     import cupy
 
     from andrea.config import load_config
@@ -150,7 +153,7 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
         raise UserError("the step model records on the CuPy stand-in (tests/cupy_standin), not on a real CuPy")
     from cupy import _record
 
-    full = load_config(config)
+    full = load_config(config, overrides)
     cfg, t = full.model, full.train
     B, T = batch or t.batch_size, seq or cfg.context_length
     accum = micro_batches or max(1, t.tokens_per_step // (B * T))
@@ -158,8 +161,8 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     saved_memory = dict(cupy_ops._gpu_memory_bytes)
     cupy_ops._gpu_memory_bytes.clear()  # the dense core's budget: the H200's memory, not the stand-in's
     try:
-        with _record.recording(total_bytes=H200.memory) as rec:
-            model = Unseeded(cfg, device="gpu", dtype="float32", kernels=kernels)
+        with _record.recording(total_bytes=H200.memory, verify=verify) as rec:
+            model = (ANDREA if verify else Unseeded)(cfg, device="gpu", dtype="float32", kernels=kernels)
             opt = AdamW(model, lr=t.lr, weight_decay=t.weight_decay)
             _label_layers(rec, model, opt)
             rng = np.random.default_rng(0)
@@ -253,7 +256,7 @@ def _per_block(per_block, n_layer):
     """{micro-batch kind: launches of one block}; every block of a micro-batch must launch alike."""
     out = {}
     for which in ("first", "later"):
-        counts = {per_block.get((which, f"block {i}"), 0) for i in range(n_layer)}
+        counts = {per_block.get((which, f"block {i}"), 0) for i in range(n_layer)} or {0}
         if len(counts) != 1:
             raise AssertionError(f"the blocks of the {which} micro-batch launch differently: {sorted(counts)}")
         out[which] = counts.pop()
