@@ -50,6 +50,7 @@ class Hardware:
     name: str
     tf32_peak: float          # FLOP/s, dense tensor cores: what MFU divides by
     gemm_efficiency: float    # the share of it cuBLAS reaches at the step's GEMM shapes
+    unaligned: float          # the factor on that for a GEMM with a leading dimension not a multiple of 16 bytes
     bandwidth: float          # bytes/s that memory-bound launches achieve
     launch_s: float           # seconds each launch costs beyond its work
     copy_latency_s: float     # a host<->device copy's fixed cost
@@ -65,6 +66,12 @@ class Hardware:
 #   GFLOP each (2048^3 is 17, 4096^3 is 137) with one side 768 wide (fewer, smaller tiles than a square
 #   product of the same work), so the lower end. The attention core's batched GEMMs (K = 64, or
 #   64-wide outputs) fall on the memory side of max() at any efficiency.
+# - half that for a GEMM with a leading dimension that is not a multiple of 16 bytes (the tied head's
+#   V = 8449 columns): Hopper's fast GEMM kernels load tiles with TMA, whose global strides must be
+#   multiples of 16 bytes (CUDA driver API, cuTensorMapEncodeTiled), so cuBLAS falls back to
+#   Ampere-style kernels with narrower loads; even without TMA in play, an align1 kernel ran at 74% of
+#   the aligned one on an RTX 4090 (github.com/pytorch/pytorch issue 181718). The factor is a guess
+#   within that: the first GPU run should measure it.
 # - 4.0 TB/s achieved by streaming kernels: 83% of the 4.8 nominal; a device-to-device copy measured
 #   ~4.3 TB/s on the lent H200 (SPEC.md section 5), row kernels with block reductions do somewhat worse.
 # - 4 us per launch: a kernel's submission through the CUDA runtime costs ~4-6 us of host time
@@ -73,7 +80,7 @@ class Hardware:
 #   idle while the last blocks finish). CuPy adds its Python dispatch on the host. 3-5 us is the usual
 #   range; the middle is taken.
 # - host<->device: ~10 us per copy (a synchronising cudaMemcpy from pageable memory) plus ~20 GB/s.
-H200 = Hardware("H200", tf32_peak=495e12, gemm_efficiency=0.70, bandwidth=4.0e12, launch_s=4e-6,
+H200 = Hardware("H200", tf32_peak=495e12, gemm_efficiency=0.70, unaligned=0.5, bandwidth=4.0e12, launch_s=4e-6,
                 copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9)
 
 LAUNCHES = ("gemm", "kernel", "elementwise", "reduction", "copy", "fill", "gather", "scatter")
@@ -208,13 +215,14 @@ def record_anywhere(config="120m", batch=None, seq=None, micro_batches=None, ker
 # The H200's time for a record
 
 
-def op_seconds(kind, flops, read, written, hw=H200):
+def op_seconds(kind, name, flops, read, written, hw=H200):
     """(GEMM s, memory s, launch s) of one op: its work on the side that bounds it, and its launch cost."""
     moved = (read + written) / hw.bandwidth
     if kind == "gemm":
-        return max(flops / (hw.tf32_peak * hw.gemm_efficiency), moved), 0.0, hw.launch_s
+        rate = hw.tf32_peak * hw.gemm_efficiency * (hw.unaligned if "unaligned" in name else 1.0)
+        return max(flops / rate, moved), 0.0, hw.launch_s
     if kind in TRANSFERS:
-        return 0.0, hw.copy_latency_s + (read if kind == "h2d" else read) / hw.pcie, 0.0
+        return 0.0, hw.copy_latency_s + read / hw.pcie, 0.0
     return 0.0, moved, hw.launch_s
 
 
@@ -235,7 +243,7 @@ def estimate(rec, hw=H200):
     total = np.zeros(7)
     last = f"micro-batch {rec['micro_batches'] - 1}"
     for kind, name, flops, read, written, scope in rec["ops"]:
-        gemm_s, mem_s, launch_s = op_seconds(kind, flops, read, written, hw)
+        gemm_s, mem_s, launch_s = op_seconds(kind, name, flops, read, written, hw)
         v = np.array([kind in LAUNCHES, flops if kind == "gemm" else 0, read + written, gemm_s, mem_s, launch_s,
                       gemm_s + mem_s + launch_s])
         mb = next((s for s in scope if s.startswith("micro-batch")), None)
@@ -278,7 +286,8 @@ def print_table(rec, est, hw=H200):
     print(f"{rec['config']} ({rec['parameters']:,} parameters), {rec['batch']} x {rec['seq']}, kernels "
           f"{rec['kernels']}: one optimizer step of {mb} micro-batch{'es' if mb > 1 else ''} "
           f"({est['tokens']:,} tokens), recorded on the CuPy stand-in")
-    print(f"{hw.name} model: GEMMs (TF32) at {100 * hw.gemm_efficiency:.0f}% of {hw.tf32_peak / 1e12:.0f} TFLOP/s, "
+    print(f"{hw.name} model: GEMMs (TF32) at {100 * hw.gemm_efficiency:.0f}% of {hw.tf32_peak / 1e12:.0f} TFLOP/s "
+          f"(x{hw.unaligned:g} with a leading dimension not a multiple of 16 bytes), "
           f"memory {hw.bandwidth / 1e12:.1f} TB/s, {1e6 * hw.launch_s:.0f} us per launch, host<->device copies "
           f"{1e6 * hw.copy_latency_s:.0f} us + {hw.pcie / 1e9:.0f} GB/s; time = max(GEMM, memory) + launch per op")
     head = (f"{'part':<34} {'pass':<8} {'launches':>9} {'GEMM GFLOP':>11} {'GB moved':>9} {'GEMM ms':>8} "

@@ -18,7 +18,8 @@ makes for it, with the bytes that launch reads and writes:
     gemm          matmul, `@`, 2-D `dot`, `tensordot`: 2 M N K FLOPs per matrix, operands read, result written;
                   as CuPy does it (cupy/_core/_routines_linalg.pyx): a 2-D operand neither C- nor F-contiguous
                   is copied first, a batched operand that is not C-contiguous is copied first, and an `out`
-                  that is not C-contiguous (or overlaps an operand) is written through a temporary and a copy
+                  that is not C-contiguous (or overlaps an operand) is written through a temporary and a copy;
+                  named "(unaligned)" when a leading dimension is not a multiple of 16 bytes
     copy          `copy`, `astype`, `ascontiguousarray` and a reshape that cannot be a view, `a[...] = b`
     fill          `fill`, `zeros`, `ones`, `full`, `a[...] = 0`
     gather        indexing by an integer array; scatter: `ufunc.at` and assigning through one
@@ -260,12 +261,20 @@ def _gemm(rec, a, b, out=None):
         for _ in range(3):  # the pointer arrays of a broadcast batched GEMM (_mat_ptrs)
             rec.add("elementwise", "cupy_mat_ptrs", math.prod(batch), 0, 8 * math.prod(batch))
     result = out if out is not None else np.empty(shape, dtype)
-    rec.add("gemm", "matmul (batched)" if batched else "matmul", 2 * math.prod(batch) * M * N * K,
+    aligned = all(_leading(x) * dtype.itemsize % 16 == 0 for x in (a2, b2) + ((result,) if result.ndim > 1 else ()))
+    name = ("matmul (batched)" if batched else "matmul") + ("" if aligned else " (unaligned)")
+    rec.add("gemm", name, 2 * math.prod(batch) * M * N * K,
             a.nbytes + b.nbytes, math.prod(shape) * dtype.itemsize, _shapes(a, b, result))
     if out is not None and (not out.flags.c_contiguous or out.dtype != dtype or np.may_share_memory(out, a)
                             or np.may_share_memory(out, b)):
         _copy(rec, "copy (matmul output)", out, out)
     return result
+
+
+def _leading(x):
+    """The leading dimension cuBLAS is given for matrix x (after any copy CuPy makes): its row
+    length, or its column length when only F-contiguous."""
+    return x.shape[-2] if x.flags.f_contiguous and not x.flags.c_contiguous and x.ndim == 2 else x.shape[-1]
 
 
 def _dot_rule(rec, name, fn, self_, args, kwargs):
