@@ -118,12 +118,21 @@ class CupyOps(Ops):
 
     # --- softmax cross-entropy ---
 
-    def softmax_xent_forward(self, z, t, inplace=False):
-        """fused: the probabilities (not divided by N) over a contiguous z."""
+    def vocab_padding(self, V):
+        """With the fused cross-entropy (which masks the padding), V rounded up to a multiple of 128,
+        as llm.c pads GPT-2's 50257 to 50304: every leading dimension of the tied head's three GEMMs
+        a multiple of 16 bytes (8449 -> 8576), so cuBLAS can use its aligned (TMA) kernels."""
+        return -(-V // 128) * 128 if self.fused("softmax_xent") else V
+
+    def softmax_xent_forward(self, z, t, inplace=False, valid=None):
+        """fused: the probabilities (not divided by N) over a contiguous z; with valid, over its
+        first `valid` columns, the rest given probability 0 (the tied head's padding)."""
         if not self.fused("softmax_xent"):
+            if valid not in (None, z.shape[-1]):
+                raise ValueError("padded logits need the fused cross-entropy (vocab_padding pads only with it)")
             return super().softmax_xent_forward(z, t, inplace)
         z = z if inplace and z.flags.c_contiguous else self.xp.array(z, order="C")
-        loss, _ = softmax_xent_forward_gpu(z, t)
+        loss, _ = softmax_xent_forward_gpu(z, t, valid)
         return loss, z
 
     def softmax_xent_backward(self, probs, t, dloss=1.0):
@@ -531,29 +540,32 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
 # =============================================================================================
 # Softmax cross-entropy over (N, V) logits
 
-# One block per row. The probabilities overwrite the logits; z[target] is read by thread 0 before
-# any write (the writes come after two barriers). A target outside [0, V) makes the row's loss
-# NaN rather than reading out of bounds: the check costs no host synchronisation.
-def _softmax_xent_fwd_traffic(z, targets, losses, **_):
-    """The logits read and overwritten by the probabilities (in place), the targets read, the losses written."""
-    return z.nbytes + targets.nbytes, z.nbytes + losses.nbytes
+# One block per row of V logits, of which the first n_valid are the vocabulary's (the rest: the tied
+# head's padding, given probability 0). The probabilities overwrite the logits; z[target] is read
+# by thread 0 before any write (the writes come after two barriers). A target outside [0, n_valid)
+# makes the row's loss NaN rather than reading out of bounds: the check costs no host synchronisation.
+def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
+    """The logits' first n_valid columns read, every column overwritten by the probabilities (in place),
+    the targets read, the losses written."""
+    return z.nbytes * int(n_valid) // int(V) + targets.nbytes, z.nbytes + losses.nbytes
 
 
 SOFTMAX_XENT_FWD = cuda.register(cuda.RawSpec("softmax_xent_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V) {
+extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V,
+                                            const int n_valid) {
   __shared__ T buf[32];
   const long long row = blockIdx.x;
   T *zr = z + row * V;
   const long long t = targets[row];
-  const bool valid = t >= 0 && t < V;
+  const bool valid = t >= 0 && t < n_valid;
   const T picked = threadIdx.x == 0 && valid ? zr[t] : (T)0;
   T top = lowest_of(picked);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
+  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
   top = block_max(top, buf);
   T total = 0;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) total += exp_of(zr[j] - top);
+  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) total += exp_of(zr[j] - top);
   total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = exp_of(zr[j] - top) / total;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = j < n_valid ? exp_of(zr[j] - top) / total : (T)0;
   if (threadIdx.x == 0) losses[row] = valid ? log_of(total) + top - picked : nan_of(top);
 }
 """, traffic=_softmax_xent_fwd_traffic))
@@ -574,18 +586,23 @@ def _xent_bwd_flat(probs, targets, V, scale):
     return (probs - onehot) * scale
 
 
-def softmax_xent_forward_gpu(logits, targets):
+def softmax_xent_forward_gpu(logits, targets, valid=None):
     """Softmax cross-entropy of logits (..., V) (CuPy, contiguous, overwritten by the
     probabilities) against integer targets (...); returns (loss, losses): the mean as a 0-d
-    device array (no host synchronisation) and the per-row terms. A target outside [0, V) gives
-    a NaN loss."""
+    device array (no host synchronisation) and the per-row terms. With valid (1..V), only the
+    first `valid` columns are logits, the others padding given probability 0. A target outside
+    [0, valid) gives a NaN loss."""
     fn = "softmax_xent_forward_gpu"
     z, t = _xent_operands(fn, logits, targets)
+    V = z.shape[1]
+    valid = V if valid is None else int(valid)
+    if not 1 <= valid <= V:
+        raise ValueError(f"{fn}: valid must be in [1, {V}], got {valid}")
     xp = array_module(logits)
     losses = xp.empty(z.shape[0], dtype=z.dtype)
     if z.shape[0]:
-        cuda.launch(SOFTMAX_XENT_FWD, z.dtype, (z.shape[0],), (cuda.threads(z.shape[1], 512),),
-                (z, t, losses, np.int32(z.shape[1])))
+        cuda.launch(SOFTMAX_XENT_FWD, z.dtype, (z.shape[0],), (cuda.threads(valid, 512),),
+                (z, t, losses, np.int32(V), np.int32(valid)))
     return losses.mean(), losses
 
 
