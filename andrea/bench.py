@@ -4,6 +4,8 @@
     python -m andrea.bench --configs tiny --torch   # and PyTorch eager on the identical model, side by side
     python -m andrea.bench --configs 120m --profile # where a step's time goes, per layer
     python -m andrea.bench --components             # each component against PyTorch's; bench-components.json
+    python -m andrea.bench --device gpu --model h200  # no measuring: the step model's table and estimate for an
+                                                    # H200 (andrea/run/stepmodel.py), 120m at 8 x 1024 by default
 
 Each config runs in a fresh process, so its peak resident memory is its own. A training step is
 forward + backward + AdamW on random token batches at the shapes the performance bars are set
@@ -264,7 +266,7 @@ def _print_notes(r):
 
 def _parser():
     ap = ArgumentParser(prog="python -m andrea.bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="tiny,small,120m", help="comma-separated: tiny, small, 120m")
+    ap.add_argument("--configs", help="comma-separated: tiny, small, 120m (default all three; 120m with --model)")
     ap.add_argument("--device", choices=["cpu", "gpu", "auto"], help="default: $ANDREA_DEVICE, else cpu")
     ap.add_argument("--profile", action="store_true", help="also time every layer's forward and backward")
     ap.add_argument("--torch", action="store_true",
@@ -278,6 +280,10 @@ def _parser():
     ap.add_argument("--no-allreduce", action="store_true", help="skip timing the gradient all-reduce")
     ap.add_argument("--json", help="where to write the results (default bench.json; bench-components.json for "
                                     "--components alone, so that it keeps the plain benchmark's file)")
+    ap.add_argument("--model", choices=["h200"],
+                    help="measure nothing: print the step model of a training step on this GPU (with --device gpu), "
+                         "every launch of the config's step at its batch_size x context length recorded on the CuPy "
+                         "stand-in and timed by andrea/run/stepmodel.py")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one config in this process
     ap.add_argument("--debug", action="store_true")
     return ap
@@ -290,6 +296,8 @@ def main(argv=None):
     if args.one:
         print(json.dumps(run_one(args.one, args.device, args.profile)))
         return 0
+    if args.model:
+        return _step_model(args)
     names = _check_request(args)  # every mistake before minutes of measuring, not after
     if args.components and not args.torch:
         return _write(args.json, [{"components": _components(args.repeats)}])
@@ -305,13 +313,33 @@ def _check_request(args):
     """The config names to measure, once --json (defaulted here), --configs and --repeats are checked."""
     args.json = args.json or ("bench-components.json" if args.components and not args.torch else "bench.json")
     preflight.check_output_file(args.json, "--json")
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    names = [n.strip() for n in (args.configs or "tiny,small,120m").split(",") if n.strip()]
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
         raise UserError(f"unknown config {unknown[0]!r} for the benchmark: use {', '.join(SHAPES)}")
     if args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
     return names
+
+
+def _step_model(args):
+    """--model: the step model's table for each config (its own batch and micro-batches), nothing measured."""
+    from andrea.run import stepmodel
+
+    if args.device != "gpu":
+        raise UserError(f"--model {args.model} models a GPU step: add --device gpu")
+    names = [n.strip() for n in (args.configs or "120m").split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise UserError(f"unknown config {unknown[0]!r} for the benchmark: use {', '.join(SHAPES)}")
+    results = []
+    for name in names:
+        rec = stepmodel.record_anywhere(name)
+        est = stepmodel.estimate(rec)
+        stepmodel.print_table(rec, est)
+        print()
+        results.append({"config": name, "model": args.model, **{k: v for k, v in est.items() if k != "rows"}})
+    return _write(args.json, results) if args.json else 0
 
 
 def measure_config(name, args):

@@ -110,14 +110,31 @@ class ElementwiseSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RawSpec:
-    """A `cupy.RawKernel` whose code is written against the type name `T` (one build per dtype)."""
+    """A `cupy.RawKernel` whose code is written against the type name `T` (one build per dtype).
+
+    `traffic(**args) -> (bytes read, bytes written)`: what one launch with these arguments (named
+    as the kernel's parameters) moves to and from device memory, for the step model
+    (andrea/run/stepmodel.py); None: every `const` pointer read once, every other pointer written
+    once (`bytes_moved`)."""
 
     name: str
     code: str
     options: tuple = ()
+    traffic: Callable = dataclasses.field(default=None, compare=False)
 
     def kernel(self, dtype):
         return _raw_kernel(self, np.dtype(dtype))
+
+    def bytes_moved(self, args):
+        """(bytes read, bytes written) of a launch with args (arrays with .nbytes, scalars)."""
+        params = raw_params(self)
+        if self.traffic is not None:
+            return self.traffic(**{name: a for (name, _, _), a in zip(params, args)})
+        signature = re.search(rf'void {self.name}\(([^)]*)\)', self.code).group(1)
+        const = {p.split("*")[-1].strip() for p in signature.split(",") if "const" in p and "*" in p}
+        read = sum(a.nbytes for (name, _, ptr), a in zip(params, args) if ptr and name in const)
+        written = sum(a.nbytes for (name, _, ptr), a in zip(params, args) if ptr and name not in const)
+        return read, written
 
     def source(self, dtype):
         return f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"

@@ -59,15 +59,23 @@ def _check_causal_softmax(ops, rng):
 
 @cuda.self_check("softmax_xent")
 def _check_softmax_xent(ops, rng):
-    """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits."""
+    """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits; then over the same
+    logits padded as the tied head pads them (ops.vocab_padding: 1024 columns with the kernel, none
+    without), whose padded columns must get no gradient."""
     from minitensor.loss import SoftmaxCrossEntropy
 
     xp = ops.xp
     logits = _draw(xp, rng, 6, 8, 1000, scale=3.0)
     targets = xp.asarray(rng.integers(0, 1000, (6, 8)))
     fn = SoftmaxCrossEntropy(ops=ops)
-    loss = fn.forward(logits, targets, inplace=True)
-    return xp.asarray(loss).reshape(1), fn.backward(0.5)
+    loss = fn.forward(logits.copy(), targets, inplace=True)
+    grad = fn.backward(0.5)
+    padded = xp.zeros((6, 8, ops.vocab_padding(1000)), dtype=logits.dtype)
+    padded[..., :1000] = logits
+    padded_loss = fn.forward(padded, targets, inplace=True, valid=1000)
+    padded_grad = fn.backward(0.5)
+    return (xp.asarray(loss).reshape(1), grad, xp.asarray(padded_loss).reshape(1),
+            xp.ascontiguousarray(padded_grad[..., :1000]), xp.abs(padded_grad[..., 1000:]).sum(axis=-1))
 
 
 @cuda.self_check("adamw")

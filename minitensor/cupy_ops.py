@@ -118,12 +118,21 @@ class CupyOps(Ops):
 
     # --- softmax cross-entropy ---
 
-    def softmax_xent_forward(self, z, t, inplace=False):
-        """fused: the probabilities (not divided by N) over a contiguous z."""
+    def vocab_padding(self, V):
+        """With the fused cross-entropy (which masks the padding), V rounded up to a multiple of 128,
+        as llm.c pads GPT-2's 50257 to 50304: every leading dimension of the tied head's three GEMMs
+        a multiple of 16 bytes (8449 -> 8576), so cuBLAS can use its aligned (TMA) kernels."""
+        return -(-V // 128) * 128 if self.fused("softmax_xent") else V
+
+    def softmax_xent_forward(self, z, t, inplace=False, valid=None):
+        """fused: the probabilities (not divided by N) over a contiguous z; with valid, over its
+        first `valid` columns, the rest given probability 0 (the tied head's padding)."""
         if not self.fused("softmax_xent"):
+            if valid not in (None, z.shape[-1]):
+                raise ValueError("padded logits need the fused cross-entropy (vocab_padding pads only with it)")
             return super().softmax_xent_forward(z, t, inplace)
         z = z if inplace and z.flags.c_contiguous else self.xp.array(z, order="C")
-        loss, _ = softmax_xent_forward_gpu(z, t)
+        loss, _ = softmax_xent_forward_gpu(z, t, valid)
         return loss, z
 
     def softmax_xent_backward(self, probs, t, dloss=1.0):
@@ -246,6 +255,12 @@ def _check_bias_gpu(x, b, out, fn, dy=None):
 # One block per row of x (N, C). With add_residual, x is first updated in place to x + residual
 # (the residual join before a pre-norm LayerNorm, fused); otherwise `residual` is not read. Each
 # thread touches the same columns in every loop, so y may be x itself.
+def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
+    """x (and the residual, when added: x is then written back) read once, y and the statistics written."""
+    joined = x.nbytes if add_residual else 0
+    return x.nbytes + joined + w.nbytes + b.nbytes, y.nbytes + mean.nbytes + rstd.nbytes + joined
+
+
 LAYERNORM_FWD = cuda.register(cuda.RawSpec("layernorm_fwd", cuda.ROW_COMMON + r"""
 extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, const T *b, T *y, T *mean,
                                          T *rstd, const int C, const T eps, const int add_residual) {
@@ -275,10 +290,15 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
     rstd[row] = r;
   }
 }
-"""))
+""", traffic=_layernorm_fwd_traffic))
 
 # forward was: y = xhat w + b, xhat = (x - mean) rstd. One block per row: dx, written or (with
 # accumulate) added into dx, the residual gradient of a pre-norm block, fused.
+def _layernorm_bwd_traffic(dy, x, w, mean, rstd, dx, accumulate, **_):
+    """dy, x and the statistics read; dx written (and read first when accumulating)."""
+    return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (dx.nbytes if accumulate else 0), dx.nbytes
+
+
 LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + r"""
 extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
                                          T *dx, const int C, const int accumulate) {
@@ -301,7 +321,7 @@ extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, co
     dxr[j] = accumulate ? dxr[j] + v : v;
   }
 }
-"""))
+""", traffic=_layernorm_bwd_traffic))
 
 # dw = sum over rows of dy xhat, db = sum over rows of dy, as partial sums per chunk of rows:
 # block (32, 8) sums 32 columns over one chunk; the wrapper adds the (chunks, C) partials in a
@@ -405,6 +425,21 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None):
 
 # One block per row; row r of a matrix attends to columns 0..r only (r = the row's index mod T).
 # The masked columns are never read and are written as exact zeros; p may be s itself.
+def _causal_fraction(n_ctx):
+    """The share of a (T, T) matrix on and below the diagonal: what the causal kernels read."""
+    return (int(n_ctx) + 1) / (2 * int(n_ctx))
+
+
+def _causal_softmax_fwd_traffic(s, p, lse, n_ctx, write_lse, **_):
+    """s read on and below the diagonal; p written in full (the masked part as zeros), lse if asked."""
+    return s.nbytes * _causal_fraction(n_ctx), p.nbytes + (lse.nbytes if write_lse else 0)
+
+
+def _causal_softmax_bwd_traffic(dp, p, ds, n_ctx, **_):
+    """dp and p read on and below the diagonal; ds written in full."""
+    return (dp.nbytes + p.nbytes) * _causal_fraction(n_ctx), ds.nbytes
+
+
 CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", cuda.ROW_COMMON + r"""
 extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, T *lse, const int n_ctx, const T scale,
                                               const int write_lse) {
@@ -425,7 +460,7 @@ extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, T *lse, const in
   for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) pr[j] = j <= last ? exp_of(scale * sr[j] - top) / total : (T)0;
   if (write_lse && threadIdx.x == 0) lse[row] = top + log_of(total);
 }
-"""))
+""", traffic=_causal_softmax_fwd_traffic))
 
 # forward was: p = softmax(z) by rows, z = scale s + mask. ds may be dp itself.
 CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", cuda.ROW_COMMON + r"""
@@ -441,7 +476,7 @@ extern "C" __global__ void causal_softmax_bwd(const T *dp, const T *p, T *ds, co
   dot = block_sum(dot, buf);
   for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) dsr[j] = j <= last ? scale * (pr[j] * (dpr[j] - dot)) : (T)0;
 }
-"""))
+""", traffic=_causal_softmax_bwd_traffic))
 
 # Elementwise: flat index i is row i / n_ctx (over all matrices), column i % n_ctx.
 CAUSAL_SOFTMAX_RECOMPUTE = cuda.register(cuda.ElementwiseSpec(
@@ -505,27 +540,35 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
 # =============================================================================================
 # Softmax cross-entropy over (N, V) logits
 
-# One block per row. The probabilities overwrite the logits; z[target] is read by thread 0 before
-# any write (the writes come after two barriers). A target outside [0, V) makes the row's loss
-# NaN rather than reading out of bounds: the check costs no host synchronisation.
+# One block per row of V logits, of which the first n_valid are the vocabulary's (the rest: the tied
+# head's padding, given probability 0). The probabilities overwrite the logits; z[target] is read
+# by thread 0 before any write (the writes come after two barriers). A target outside [0, n_valid)
+# makes the row's loss NaN rather than reading out of bounds: the check costs no host synchronisation.
+def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
+    """The logits' first n_valid columns read, every column overwritten by the probabilities (in place),
+    the targets read, the losses written."""
+    return z.nbytes * int(n_valid) // int(V) + targets.nbytes, z.nbytes + losses.nbytes
+
+
 SOFTMAX_XENT_FWD = cuda.register(cuda.RawSpec("softmax_xent_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V) {
+extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V,
+                                            const int n_valid) {
   __shared__ T buf[32];
   const long long row = blockIdx.x;
   T *zr = z + row * V;
   const long long t = targets[row];
-  const bool valid = t >= 0 && t < V;
+  const bool valid = t >= 0 && t < n_valid;
   const T picked = threadIdx.x == 0 && valid ? zr[t] : (T)0;
   T top = lowest_of(picked);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
+  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
   top = block_max(top, buf);
   T total = 0;
-  for (int j = threadIdx.x; j < V; j += blockDim.x) total += exp_of(zr[j] - top);
+  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) total += exp_of(zr[j] - top);
   total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = exp_of(zr[j] - top) / total;
+  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = j < n_valid ? exp_of(zr[j] - top) / total : (T)0;
   if (threadIdx.x == 0) losses[row] = valid ? log_of(total) + top - picked : nan_of(top);
 }
-"""))
+""", traffic=_softmax_xent_fwd_traffic))
 
 SOFTMAX_XENT_BWD = cuda.register(cuda.ElementwiseSpec(
     "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz",
@@ -543,18 +586,23 @@ def _xent_bwd_flat(probs, targets, V, scale):
     return (probs - onehot) * scale
 
 
-def softmax_xent_forward_gpu(logits, targets):
+def softmax_xent_forward_gpu(logits, targets, valid=None):
     """Softmax cross-entropy of logits (..., V) (CuPy, contiguous, overwritten by the
     probabilities) against integer targets (...); returns (loss, losses): the mean as a 0-d
-    device array (no host synchronisation) and the per-row terms. A target outside [0, V) gives
-    a NaN loss."""
+    device array (no host synchronisation) and the per-row terms. With valid (1..V), only the
+    first `valid` columns are logits, the others padding given probability 0. A target outside
+    [0, valid) gives a NaN loss."""
     fn = "softmax_xent_forward_gpu"
     z, t = _xent_operands(fn, logits, targets)
+    V = z.shape[1]
+    valid = V if valid is None else int(valid)
+    if not 1 <= valid <= V:
+        raise ValueError(f"{fn}: valid must be in [1, {V}], got {valid}")
     xp = array_module(logits)
     losses = xp.empty(z.shape[0], dtype=z.dtype)
     if z.shape[0]:
-        cuda.launch(SOFTMAX_XENT_FWD, z.dtype, (z.shape[0],), (cuda.threads(z.shape[1], 512),),
-                (z, t, losses, np.int32(z.shape[1])))
+        cuda.launch(SOFTMAX_XENT_FWD, z.dtype, (z.shape[0],), (cuda.threads(valid, 512),),
+                (z, t, losses, np.int32(V), np.int32(valid)))
     return losses.mean(), losses
 
 

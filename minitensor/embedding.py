@@ -8,6 +8,12 @@ contributions add into dW.
     Embedding:          out[b, t] = W[idx[b, t]]      dW[idx[b, t]] += dy[b, t]  (repeated ids add up)
     PositionEmbedding:  out[b, t] = W[t]              dW[t] += sum over b of dy[b, t]
     TiedHead:           logits = x W^T                dx = dlogits W,  dW += dlogits^T x
+
+A GPU backend computes the head over a vocabulary padded to a multiple of 128 (ops.vocab_padding,
+8449 -> 8576: aligned GEMMs) when asked (`forward(x, padded=True)`, the training loss): a copy of W
+with zero rows after its V, so the padded logits are zero, the loss gives them probability 0 and
+no gradient, and the padded rows' gradient is dropped before it reaches dW. The parameters, their
+count and everything saved stay V rows.
 """
 
 from typing import NamedTuple
@@ -62,6 +68,7 @@ class PositionEmbedding(Layer):
 class TiedHeadCache(NamedTuple):
     x: object          # (N, C), the input as rows
     shape: tuple
+    padded: object     # the (Vp, C) padded copy of W the logits were computed with, or None
 
 
 class TiedHead(Layer):
@@ -73,18 +80,39 @@ class TiedHead(Layer):
         super().__init__(ops)
         self.W, self.dW = W, dW
         self.zeroed = zeroed or (lambda dW: False)
+        self._padded_W = None                                # (Vp, C): W, then zero rows (padded=True)
 
-    def forward(self, x):
+    def forward(self, x, padded=False):
+        """logits (..., V); with padded, (..., Vp) over ops.vocab_padding(V) columns (V on the CPU), the
+        columns past V zero, for a loss that masks them (SoftmaxCrossEntropy.forward(valid=V))."""
         x2 = x.reshape(-1, self.W.shape[1])                  # (N, C)
-        self._save(TiedHeadCache(x2, x.shape))
-        return (x2 @ self.W.T).reshape(*x.shape[:-1], self.W.shape[0])
+        V = self.W.shape[0]
+        Vp = self.ops.vocab_padding(V) if padded else V
+        W = self.W if Vp == V else self._padded(Vp)
+        self._save(TiedHeadCache(x2, x.shape, None if Vp == V else W))
+        return (x2 @ W.T).reshape(*x.shape[:-1], Vp)
+
+    def _padded(self, Vp):
+        """W's current values in the first V rows of the (Vp, C) padded copy; the rows after stay zero."""
+        if self._padded_W is None or self._padded_W.shape[0] != Vp:
+            self._padded_W = self.ops.xp.zeros((Vp, self.W.shape[1]), dtype=self.W.dtype)
+        self._padded_W[:self.W.shape[0]] = self.W
+        return self._padded_W
 
     def backward(self, dlogits):
-        x2, x_shape = self._pop()
-        dl2 = dlogits.reshape(-1, self.W.shape[0])           # (N, V)
+        """dx from dlogits (..., V), or (..., Vp) after forward(padded=True)."""
+        x2, x_shape, Wp = self._pop()
+        W = self.W if Wp is None else Wp
+        dl2 = dlogits.reshape(-1, W.shape[0])                # (N, V) or (N, Vp)
         # forward was: logits = x @ W.T
-        if self.zeroed(self.dW):
+        if Wp is not None:                                   # the padded rows' gradient is dropped here
+            dWp = dl2.T @ x2                                 # (Vp, C)
+            if self.zeroed(self.dW):
+                self.dW[...] = dWp[:self.W.shape[0]]
+            else:
+                self.dW += dWp[:self.W.shape[0]]
+        elif self.zeroed(self.dW):
             self.ops.xp.matmul(dl2.T, x2, out=self.dW)       # (V, C)
         else:
             self.dW += dl2.T @ x2
-        return (dl2 @ self.W).reshape(x_shape)
+        return (dl2 @ W).reshape(x_shape)

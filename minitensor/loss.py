@@ -28,15 +28,20 @@ class SoftmaxCrossEntropy(Layer):
         super().__init__(ops)
         self.check = check
 
-    def forward(self, logits, targets, inplace=False):
-        """The mean loss as a 0-d array (no host synchronisation)."""
+    def forward(self, logits, targets, inplace=False, valid=None):
+        """The mean loss as a 0-d array (no host synchronisation). valid: how many of the logits'
+        columns are the vocabulary's, the rest padding (the tied head's, TiedHead.forward(padded=True))
+        that gets probability 0 and no gradient; None: all of them."""
         V = logits.shape[-1]
         if targets.shape != logits.shape[:-1]:
             raise ValueError(f"targets of shape {targets.shape} do not match logits of shape {logits.shape}")
         if self.check:
-            check_ids(targets, V, what="target id")
+            check_ids(targets, V if valid is None else valid, what="target id")
         t = targets.reshape(-1)
-        loss, probs = self.ops.softmax_xent_forward(logits.reshape(-1, V), t, inplace)
+        if valid is None or valid == V:
+            loss, probs = self.ops.softmax_xent_forward(logits.reshape(-1, V), t, inplace)
+        else:
+            loss, probs = self.ops.softmax_xent_forward(logits.reshape(-1, V), t, inplace, valid=valid)
         self._save(CrossEntropyCache(probs, t, logits.shape))
         return loss
 

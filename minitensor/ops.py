@@ -429,6 +429,11 @@ class Ops:
         self.over_rows(-(-N // rows), blocks, cost_per_item=rows * V)
         return (logsumexp - picked).mean(), probs
 
+    def vocab_padding(self, V):
+        """The width the tied head computes its logits over for a vocabulary of V (here V itself; a
+        GPU backend pads it so that the head's GEMMs are aligned, its loss masking the columns past V)."""
+        return V
+
     def softmax_rows_per_block(self, N, V):
         return N
 

@@ -362,8 +362,8 @@ class ANDREA:
         targets = self._ids(targets, "targets")
         if targets.shape != idx.shape:
             raise UserError(f"targets of shape {targets.shape} do not match idx of shape {idx.shape}")
-        logits = self.head.forward(self._trunk(idx))
-        return self.loss_fn.forward(logits, targets, inplace=True)
+        logits = self.head.forward(self._trunk(idx), padded=True)  # over the backend's padded vocabulary
+        return self.loss_fn.forward(logits, targets, inplace=True, valid=self.cfg.vocab_size)
 
     def _trunk(self, idx):
         B, T = idx.shape
