@@ -54,7 +54,7 @@ class CausalSelfAttention(Layer):
 
     def forward(self, x, residual=None):
         """out = c_proj(attention(c_attn(x))) (+ residual, added in c_proj's epilogue, if given)."""
-        xp = self.ops.xp
+        xp = self._take_ops(x).xp
         B, T, C = x.shape
         x2 = x.reshape(B * T, C)
         qkv = x2 @ self.c_attn.W                             # (B*T, 3C), its bias added with the head copies
@@ -91,7 +91,7 @@ class CausalSelfAttention(Layer):
         Writes the new keys and values into the cache and attends over positions [0, pos + T_new),
         with the training forward's softmax; keeps nothing for backward. residual as in forward.
         """
-        xp = self.ops.xp
+        xp = self._take_ops(x).xp
         B, T, C = x.shape
         hs = C // self.n_head
         qkv = x.reshape(B * T, C) @ self.c_attn.W

@@ -29,6 +29,7 @@ class Embedding(Layer):
         self.W, self.dW, self.check = W, dW, check
 
     def forward(self, idx):
+        self._take_ops(idx)
         if self.check:
             check_ids(idx, self.W.shape[0])
         self._save(idx)
@@ -75,6 +76,7 @@ class TiedHead(Layer):
         self.zeroed = zeroed or (lambda dW: False)
 
     def forward(self, x):
+        self._take_ops(x)
         x2 = x.reshape(-1, self.W.shape[1])                  # (N, C)
         self._save(TiedHeadCache(x2, x.shape))
         return (x2 @ self.W.T).reshape(*x.shape[:-1], self.W.shape[0])

@@ -30,6 +30,7 @@ class SoftmaxCrossEntropy(Layer):
 
     def forward(self, logits, targets, inplace=False):
         """The mean loss as a 0-d array (no host synchronisation)."""
+        self._take_ops(logits)
         V = logits.shape[-1]
         if targets.shape != logits.shape[:-1]:
             raise ValueError(f"targets of shape {targets.shape} do not match logits of shape {logits.shape}")
