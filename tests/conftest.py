@@ -58,6 +58,7 @@ def backends_line():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (tests/cupy_standin), no GPU here")
+    config.addinivalue_line("markers", "real_gpu(reason): a GPU-marked test the stand-in cannot run (skipped there)")
 
 
 def pytest_report_header(config):
@@ -117,6 +118,10 @@ def _few_examples(test):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        real = item.get_closest_marker("real_gpu")
+        if real and item.get_closest_marker("standin"):
+            item.add_marker(pytest.mark.skip(reason=f"needs a real GPU: {real.args[0]}"))
     if os.environ.get("ANDREA_TEST_PROFILE") != "gpu":
         return
     for item in items:

@@ -255,7 +255,8 @@ def test_small_stack_end_to_end(xp, seed, d, V):
 
     forward()
     pairs = {n: (p[n], p.grad(n)) for n in p.names()}
-    report = check_gradients(forward, backward, {}, pairs, 1.0)
+    # on CuPy every perturbed entry would cost a host read: random directions there instead
+    report = check_gradients(forward, backward, {}, pairs, 1.0, directions=None if xp is np else 6)
     assert report.max_rel_error <= 1e-6, report
 
 
