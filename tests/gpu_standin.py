@@ -5,9 +5,9 @@
     cupy = standin_module()                 # the module itself, for a test's parameters
     env = standin_env(report_dir)           # for a command: the stand-in first on PYTHONPATH
 
-Only the tests that ask for it see it: the rest of the suite keeps the real CuPy (or none) and
-reports no GPU. Without a GPU, every GPU-marked test asks for it (tests/conftest.py). On leaving, the modules, the probe's cached verdict and the kernels built are what
-they were.
+Only the tests that ask for it see it (without a GPU, every GPU-marked test does: tests/conftest.py):
+the rest of the suite keeps the real CuPy (or none) and reports no GPU. On leaving, the modules,
+the probe's cached verdict and the kernels built are what they were.
 
 What the stand-in runs is the project's own code: every xp operation of the CuPy branches, the
 ElementwiseKernel operations as C++ and the RawKernels through minitensor's launch emulation.

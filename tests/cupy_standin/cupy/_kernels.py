@@ -227,7 +227,7 @@ def _launch_buffers(name, params, host):
     buffer, as on the GPU, and arrays that partly overlap are refused. Returns (buffers, [(array,
     its buffer)])."""
     buffers, owned, slots = [], [], {}
-    for k, ((_, base, pointer), a) in enumerate(zip(params, host)):
+    for k, ((_, _, pointer), a) in enumerate(zip(params, host)):
         if not pointer:
             buffers.append(np.asarray(a).reshape(1))
             continue
@@ -250,7 +250,8 @@ def _emulation(spec, dtype):
             for k, (_, base, pointer) in enumerate(cuda.raw_params(spec))]
     return "\n".join([kernelcheck._EMU_PRELUDE, f"typedef {C_TYPES[dtype.name]} T;", "namespace k {", spec.code, "}",
                       'extern "C" int run(const unsigned *d, void **a) {',
-                      f"  launch(dim3{{d[0], d[1], d[2]}}, dim3{{d[3], d[4], d[5]}}, [&] {{ k::{spec.name}({', '.join(call)}); }});",
+                      "  launch(dim3{d[0], d[1], d[2]}, dim3{d[3], d[4], d[5]}, [&] {",
+                      f"    k::{spec.name}({', '.join(call)});", "  });",
                       "  return 0;", "}", ""])
 
 
