@@ -54,7 +54,7 @@ class CausalSelfAttention(Layer):
 
     def forward(self, x, residual=None):
         """out = c_proj(attention(c_attn(x))) (+ residual, added in c_proj's epilogue, if given)."""
-        xp = self.ops.xp
+        xp = self._take_ops(x).xp
         B, T, C = x.shape
         x2 = x.reshape(B * T, C)
         qkv = x2 @ self.c_attn.W                             # (B*T, 3C), its bias added with the head copies
@@ -93,7 +93,7 @@ class CausalSelfAttention(Layer):
         record: a dict that receives the attention probabilities, record["probs"] (B, nh, T_new,
         pos + T_new), zero above the diagonal (andrea.trace).
         """
-        xp = self.ops.xp
+        xp = self._take_ops(x).xp
         B, T, C = x.shape
         hs = C // self.n_head
         qkv = x.reshape(B * T, C) @ self.c_attn.W

@@ -9,6 +9,7 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
     causal_softmax / _backward         'causal_softmax_fwd' / '_bwd'         fused piece causal_softmax
     softmax_xent_forward / _backward   'softmax_xent_fwd' / '_bwd'           fused piece softmax_xent
     adamw_step                         'adamw_step'                          fused piece adamw
+    scatter_add_rows                   'scatter_add_rows' (always: deterministic where add.at's atomics are not)
     attention_forward                  the dense core within a memory budget (a 64th of the GPU's
                                        memory per layer: 2.2 GB on an H200, where ANDREA-120M at
                                        8 x 1024 needs 384 MiB), else Ops' query blocks
@@ -139,6 +140,25 @@ class CupyOps(Ops):
         if not self.fused("softmax_xent"):
             return super().softmax_xent_backward(probs, t, dloss)
         return softmax_xent_backward_gpu(probs, t, dloss)
+
+    # --- embedding ---
+
+    def scatter_add_rows(self, dW, idx, rows):
+        """dW[idx[i]] += rows[i], deterministic (Ops' add.at is atomic on CuPy: its sums' order
+        varies from run to run): the positions sorted by (id, position), then one thread per id
+        and column adds that id's rows in position order, the order of the numba CPU kernel."""
+        xp, n = self.xp, idx.shape[0]
+        if (rows.dtype != dW.dtype or dW.dtype not in (np.float32, np.float64) or dW.ndim != 2
+                or not dW.flags.c_contiguous):
+            return super().scatter_add_rows(dW, idx, rows)
+        if n == 0:
+            return
+        ids = xp.ascontiguousarray(idx, dtype=np.int64)
+        order = xp.argsort(ids * n + xp.arange(n, dtype=np.int64))  # unique keys: any sort gives this order
+        C = dW.shape[1]
+        block = cuda.threads(C, 256)
+        cuda.launch(SCATTER_ADD_ROWS, dW.dtype, (n, -(-C // block)), (block,),
+                    (dW, xp.ascontiguousarray(rows), order, ids[order], np.int64(n), np.int32(C)))
 
     # --- AdamW ---
 
@@ -629,6 +649,26 @@ def _xent_operands(fn, logits, targets):
     xp = array_module(logits)
     t = xp.ascontiguousarray(targets.reshape(-1), dtype=np.int64)
     return logits.reshape(-1, logits.shape[-1]), t
+
+
+# =============================================================================================
+# The embedding's backward: dW[id] += the rows at that id's positions, summed in position order
+
+# Block (k, j) handles position k of the sorted order and columns j*blockDim..: only the first
+# position of each id's run works, adding that run's rows one after another (no atomics, so the
+# same sums in the same order on every run). Blocks of the other positions return at once.
+SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", r"""
+extern "C" __global__ void scatter_add_rows(T *dW, const T *rows, const long long *order,
+                                            const long long *sorted_ids, const long long n, const int C) {
+  const long long first = blockIdx.x;
+  const long long c = (long long)blockIdx.y * blockDim.x + threadIdx.x;
+  if (c >= C || (first > 0 && sorted_ids[first - 1] == sorted_ids[first])) return;
+  const long long id = sorted_ids[first];
+  T acc = dW[id * C + c];
+  for (long long k = first; k < n && sorted_ids[k] == id; ++k) acc += rows[order[k] * C + c];
+  dW[id * C + c] = acc;
+}
+"""))
 
 
 # =============================================================================================

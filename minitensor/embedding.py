@@ -35,6 +35,7 @@ class Embedding(Layer):
         self.W, self.dW, self.check = W, dW, check
 
     def forward(self, idx):
+        self._take_ops(idx)
         if self.check:
             check_ids(idx, self.W.shape[0])
         self._save(idx)
@@ -85,6 +86,7 @@ class TiedHead(Layer):
     def forward(self, x, padded=False):
         """logits (..., V); with padded, (..., Vp) over ops.vocab_padding(V) columns (V on the CPU), the
         columns past V zero, for a loss that masks them (SoftmaxCrossEntropy.forward(valid=V))."""
+        self._take_ops(x)
         x2 = x.reshape(-1, self.W.shape[1])                  # (N, C)
         V = self.W.shape[0]
         Vp = self.ops.vocab_padding(V) if padded else V

@@ -19,6 +19,7 @@ class GELUCache(NamedTuple):
 
 class GELU(Layer):
     def forward(self, x):
+        self._take_ops(x)
         self._save(GELUCache(x))
         return self.ops.gelu_forward(x)
 

@@ -7,17 +7,34 @@ stale state. `infer(...)` is the same forward keeping nothing (inference and sam
 formula per layer, and a backward still pending from a training forward keeps its cache.
 
 Every layer computes through `self.ops` (minitensor.ops), the backend chosen when the model was
-built; without one it takes the CPU backend (`get_ops()`).
+built. A layer built without one takes, at each forward, the backend of the arrays it is given
+(`get_ops(xp)` for their module, NumPy's or CuPy's, as the model's is built); one built with a
+backend refuses arrays of another module. Importing a layer loads no backend.
 """
 
-from minitensor.backends import get_ops
+from minitensor.backend import array_module
 
 
 class Layer:
     _cache = None
 
     def __init__(self, ops=None):
-        self.ops = ops or get_ops()
+        self.ops = ops              # None until a forward: the backend of its arrays (_take_ops)
+        self._ops_given = ops is not None
+
+    def _take_ops(self, x):
+        """The backend for this forward, whose input x is an array: the one the layer was built
+        with, or, built without one, the backend of x's array module, kept for the backward."""
+        xp = array_module(x)
+        if not self._ops_given:
+            from minitensor.backends import get_ops  # here: importing a layer builds no backend
+
+            self.ops = get_ops(xp)
+        elif self.ops.xp is not xp:
+            raise TypeError(f"{type(self).__name__} was built with the {self.ops.xp.__name__} backend but given "
+                            f"{xp.__name__} arrays: build it with ops=get_ops({xp.__name__}) "
+                            "(minitensor.backends) or without ops=")
+        return self.ops
 
     def _save(self, cache):
         self._cache = cache

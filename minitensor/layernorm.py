@@ -30,6 +30,7 @@ class LayerNorm(Layer):
         self.w, self.dw, self.b, self.db, self.eps = w, dw, b, db, eps
 
     def forward(self, x):
+        self._take_ops(x)
         x2 = self.ops.xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))  # (N, C)
         y, mean, rstd = self.ops.layernorm_forward(x2, self.w, self.b, self.eps)
         self._save(LayerNormCache(x2, mean, rstd, x.shape))

@@ -29,6 +29,7 @@ class Linear(Layer):
         self.zeroed = zeroed or (lambda dW: False)
 
     def forward(self, x):
+        self._take_ops(x)
         x2 = x.reshape(-1, self.W.shape[0])                  # (N, n_in)
         y = x2 @ self.W                                      # (N, n_out)
         self.ops.add_epilogue(y, self.b)
@@ -43,4 +44,5 @@ class Linear(Layer):
 
     def weight_grads(self, x2, dy2):
         """dW += x^T dy, db += sum over rows of dy, for x2 (N, n_in) and dy2 (N, n_out)."""
+        self._take_ops(x2)  # also called without a forward (by an attention or MLP layer)
         self.ops.linear_weight_grads(x2, dy2, self.dW, self.db, write=self.zeroed(self.dW))

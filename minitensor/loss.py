@@ -32,6 +32,7 @@ class SoftmaxCrossEntropy(Layer):
         """The mean loss as a 0-d array (no host synchronisation). valid: how many of the logits'
         columns are the vocabulary's, the rest padding (the tied head's, TiedHead.forward(padded=True))
         that gets probability 0 and no gradient; None: all of them."""
+        self._take_ops(logits)
         V = logits.shape[-1]
         if targets.shape != logits.shape[:-1]:
             raise ValueError(f"targets of shape {targets.shape} do not match logits of shape {logits.shape}")

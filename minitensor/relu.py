@@ -18,6 +18,7 @@ class ReLUCache(NamedTuple):
 
 class ReLU(Layer):
     def forward(self, x):
+        self._take_ops(x)
         self._save(ReLUCache(x))
         return self.ops.relu_forward(x)
 

@@ -1,15 +1,18 @@
 """Shared fixtures: the backends every engine test runs on, and CuPy for the kernel tests.
 
-NumPy is always there; CuPy joins the list only when a GPU actually works (a tiny kernel and a
-tiny matmul ran), so a CPU-only machine runs every check on NumPy and reports the GPU as absent
-in the header rather than as skipped gradient checks. The `cupy` fixture is for tests that run
-only on a GPU (the CUDA kernels): it skips them with the probe's reason when none works.
-`model_backend` runs a whole-model test on every backend, and on CuPy twice: with the generic
-kernels and with every fused one in use (`ANDREA(cfg, **model_backend.args)`).
+NumPy is always there. The GPU-marked parameters run on CuPy: the real one when a GPU works (a
+tiny kernel and a tiny matmul ran), otherwise the CuPy stand-in (tests/cupy_standin, ids
+`cupy-standin...`, marked `gpu` and `standin`), which each such test enters for its setup, call
+and teardown (tests/gpu_standin.py), so the rest of the suite still sees no GPU. `pytest -m gpu`
+selects the same tests either way. The `cupy` fixture is for tests that run only on CuPy (the
+CUDA kernels). `model_backend` runs a whole-model test on every backend, and on CuPy twice: with
+the generic kernels and with every fused one in use (`ANDREA(cfg, **model_backend.args)`).
 
 With ANDREA_TEST_PROFILE=gpu (scripts/gpu_check.sh), every hypothesis test runs at most
 GPU_EXAMPLES examples without a deadline: the lent GPU's minutes go to more kinds of checks
-rather than more draws of each (the CPU suite keeps its counts).
+rather than more draws of each (the CPU suite keeps its counts). The stand-in's parameters always
+run that profile (the NumPy parameters of the same tests keep their counts): they check that the
+CuPy code paths run and agree with NumPy, not more draws of the same maths.
 """
 
 import json
@@ -19,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from gpu_standin import standin_cupy, standin_module
 from hypothesis import settings
 
 from andrea.prepare import prepare
@@ -27,18 +31,34 @@ from minitensor import backend
 GPU_EXAMPLES = 3
 
 
-def available_backends():
-    xps = [pytest.param(np, id="numpy")]
+def _gpu():
+    """(cupy, id prefix, marks) of the GPU-marked parameters: the real CuPy on a working GPU,
+    else the stand-in."""
     if backend.gpu_available():
         import cupy
 
-        xps.append(pytest.param(cupy, id="cupy", marks=pytest.mark.gpu))
-    return xps
+        return cupy, "cupy", [pytest.mark.gpu]
+    return standin_module(), "cupy-standin", [pytest.mark.gpu, pytest.mark.standin]
+
+
+GPU_CUPY, GPU_ID, GPU_MARKS = _gpu()
+ON_STANDIN = GPU_ID == "cupy-standin"
+
+
+def available_backends():
+    return [pytest.param(np, id="numpy"), pytest.param(GPU_CUPY, id=GPU_ID, marks=GPU_MARKS)]
 
 
 def backends_line():
     ok, why = backend._probe_gpu()
-    return f"andrea backends: numpy{', cupy (GPU)' if ok else ''}" + ("" if ok else f"; GPU tests not run: {why}")
+    if ok:
+        return "andrea backends: numpy, cupy (GPU)"
+    return f"andrea backends: numpy, cupy stand-in for the GPU-marked tests (no usable GPU: {why})"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (tests/cupy_standin), no GPU here")
+    config.addinivalue_line("markers", "real_gpu(reason): a GPU-marked test the stand-in cannot run (skipped there)")
 
 
 def pytest_report_header(config):
@@ -55,14 +75,17 @@ def xp(request):
     return request.param
 
 
-@pytest.fixture(scope="module")
-def cupy():
-    ok, why = backend._probe_gpu()
-    if not ok:
-        pytest.skip(f"no usable GPU: {why}")
-    import cupy
-
-    return cupy
+if ON_STANDIN:
+    @pytest.fixture(scope="module", params=[pytest.param(GPU_CUPY, id=GPU_ID, marks=GPU_MARKS)])
+    def cupy(request):
+        return request.param
+else:
+    @pytest.fixture(scope="module")
+    def cupy():
+        ok, why = backend._probe_gpu()
+        if not ok:
+            pytest.skip(f"no usable GPU: {why}")
+        return GPU_CUPY
 
 
 class ModelBackend(NamedTuple):
@@ -76,13 +99,9 @@ class ModelBackend(NamedTuple):
 
 
 def model_backends():
-    backends = [pytest.param(ModelBackend(np, None), id="numpy")]
-    if backend.gpu_available():
-        import cupy
-
-        backends += [pytest.param(ModelBackend(cupy, "generic"), id="cupy-generic", marks=pytest.mark.gpu),
-                     pytest.param(ModelBackend(cupy, "fused"), id="cupy-fused", marks=pytest.mark.gpu)]
-    return backends
+    return [pytest.param(ModelBackend(np, None), id="numpy")] + [
+        pytest.param(ModelBackend(GPU_CUPY, kernels), id=f"{GPU_ID}-{kernels}", marks=GPU_MARKS)
+        for kernels in ("generic", "fused")]
 
 
 @pytest.fixture(scope="module", params=model_backends())
@@ -90,15 +109,47 @@ def model_backend(request):
     return request.param
 
 
+def _few_examples(test):
+    """The GPU profile's settings for a hypothesis test (None for another test)."""
+    current = getattr(test, "_hypothesis_internal_use_settings", None)
+    if current is None:
+        return None
+    return settings(current, max_examples=min(current.max_examples, GPU_EXAMPLES), deadline=None)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        real = item.get_closest_marker("real_gpu")
+        # the stand-in's params, or the stand-in first on PYTHONPATH (which the probe takes for a GPU)
+        if real and (item.get_closest_marker("standin") or getattr(GPU_CUPY, "STANDIN", False)):
+            item.add_marker(pytest.mark.skip(reason=f"needs a real GPU: {real.args[0]}"))
     if os.environ.get("ANDREA_TEST_PROFILE") != "gpu":
         return
     for item in items:
         test = getattr(item, "obj", None)
-        current = getattr(test, "_hypothesis_internal_use_settings", None)
-        if current is not None:  # read by hypothesis when the test runs
-            test._hypothesis_internal_use_settings = settings(
-                current, max_examples=min(current.max_examples, GPU_EXAMPLES), deadline=None)
+        few = _few_examples(test)
+        if few is not None:  # read by hypothesis when the test runs
+            test._hypothesis_internal_use_settings = few
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A stand-in test runs its setup, call and teardown inside standin_cupy(), with the GPU
+    profile's examples (the test function is shared with its NumPy parameters, which keep theirs)."""
+    if item.get_closest_marker("standin") is None:
+        yield
+        return
+    test = getattr(item, "obj", None)
+    few = _few_examples(test)
+    kept = few and test._hypothesis_internal_use_settings
+    with standin_cupy():
+        if few:
+            test._hypothesis_internal_use_settings = few
+        try:
+            yield
+        finally:
+            if few:
+                test._hypothesis_internal_use_settings = kept
 
 
 STDLIB_JSON = Path(json.__file__).parent  # the stdlib's json package: ~100 KB of Python, on every machine

@@ -2,11 +2,12 @@
 
     with standin_cupy() as cupy: ...        # in this process: `import cupy` is the stand-in, and
                                             # minitensor's GPU probe finds a usable "GPU"
+    cupy = standin_module()                 # the module itself, for a test's parameters
     env = standin_env(report_dir)           # for a command: the stand-in first on PYTHONPATH
 
-Only the tests that ask for it see it: the rest of the suite keeps the real CuPy (or none) and
-reports no GPU. On leaving, the modules, the probe's cached verdict and the kernels built are what
-they were.
+Only the tests that ask for it see it (without a GPU, every GPU-marked test does: tests/conftest.py):
+the rest of the suite keeps the real CuPy (or none) and reports no GPU. On leaving, the modules,
+the probe's cached verdict and the kernels built are what they were.
 
 What the stand-in runs is the project's own code: every xp operation of the CuPy branches, the
 ElementwiseKernel operations as C++ and the RawKernels through minitensor's launch emulation.
@@ -75,6 +76,13 @@ def standin_cupy():
         sys.modules.update(saved_modules)
         _forget_built_kernels()
         backend._gpu_probe, backend._fallback_reported = saved_state
+
+
+def standin_module():
+    """The stand-in's `cupy` module, without entering it: what the GPU-marked tests are parametrised
+    with on a machine without a GPU (tests/conftest.py enters standin_cupy() around each of them)."""
+    with standin_cupy() as cupy:
+        return cupy
 
 
 def standin_env(report_dir=None, **extra):

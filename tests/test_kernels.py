@@ -234,6 +234,7 @@ def test_cupy_gelu_equals_numpy(cupy, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.real_gpu("compares with the code the real CuPy generates at a launch (its cached_codes)")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_registered_source_is_the_source_cupy_compiled(cupy, dtype):
     for spec in (cupy_ops.GELU_FWD, cupy_ops.GELU_BWD):

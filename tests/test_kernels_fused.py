@@ -493,6 +493,7 @@ def test_gpu_adamw(cupy, n, dtype, t, grad_scale, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.real_gpu("compares with the code the real CuPy generates at a launch (its cached_codes)")
 @pytest.mark.parametrize("name", ELEMENTWISE)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gpu_registered_source_is_what_cupy_compiles(cupy, name, dtype):

@@ -2,6 +2,9 @@
 bad targets, the checker catching a wrong backward, and a small stack checked end to end.
 """
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import strategies as S
@@ -11,6 +14,7 @@ from layer_cases import all_ops, attention_case, embedding_case, linear_case, lo
 from minitensor.attention import CausalSelfAttention
 from minitensor.backend import to_numpy
 from minitensor.backends import get_ops
+from minitensor.cupy_ops import CupyOps
 from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.gelu import GELU
 from minitensor.gradcheck import check_gradients
@@ -52,6 +56,37 @@ def test_scatter_add_equals_add_at(xp, seed, n, V, C):
         np.testing.assert_allclose(to_numpy(dW), expected, rtol=1e-12, atol=1e-12, err_msg=repr(ops))
 
 
+@pytest.mark.gpu
+def test_embedding_gradient_on_cupy_is_the_sequential_sum_on_every_run(cupy):
+    """CuPy's add.at is atomic (its sums' order, and so their rounding, vary from run to run; the
+    stand-in's too): the embedding's backward adds each id's rows in position order instead, so
+    a GPU's gradient, and a resume on it, can be bit-identical. float32 against that order's sum
+    bit for bit, twice (a GPU's float additions round as NumPy's); float64 against add.at."""
+    rng = np.random.default_rng(0)
+    V, C, n = 23, 300, 60                                    # C: two blocks of columns
+    idx = rng.permutation(np.arange(n) % (n // 3))           # 20 ids, each at 3 scattered positions
+    occurrence = np.array([np.count_nonzero(idx[:i] == idx[i]) for i in range(n)])
+    big = np.float32(2**24)                                  # +-2**24 and 1 in a row: order decides the rounding
+    rows = (np.array([big, 1, -big], np.float32)[occurrence][:, None]
+            + rng.standard_normal((n, C)).astype(np.float32))
+    start = rng.standard_normal((V, C)).astype(np.float32)
+    sequential, reverse = start.copy(), start.copy()
+    for i in range(n):
+        sequential[idx[i]] += rows[i]
+        reverse[idx[n - 1 - i]] += rows[n - 1 - i]
+    assert not np.array_equal(sequential, reverse)           # another order would show
+    ops = CupyOps(cupy)
+    for _ in range(2):
+        dW = cupy.asarray(start)
+        ops.scatter_add_rows(dW, cupy.asarray(idx), cupy.asarray(rows))
+        np.testing.assert_array_equal(dW.get(), sequential)
+    expected = start.astype(np.float64)
+    np.add.at(expected, idx, rows.astype(np.float64))
+    dW = cupy.asarray(start.astype(np.float64))
+    ops.scatter_add_rows(dW, cupy.asarray(idx), cupy.asarray(rows.astype(np.float64)))
+    np.testing.assert_allclose(dW.get(), expected, rtol=1e-12, atol=1e-12)
+
+
 @examples
 @given(seed=S.seeds, d=S.attention_dims())
 def test_attention_is_causal(xp, seed, d):
@@ -61,6 +96,9 @@ def test_attention_is_causal(xp, seed, d):
     t_changed = int(np.random.default_rng(seed).integers(0, d["T"]))
     x[:, t_changed:] += 1.0
     y1 = to_numpy(case.forward())
+    # bit for bit on a GPU too: the same kernels on the same shapes (a GEMM's output row i reads row i
+    # of its left operand only, in an order fixed by the shapes), and a causal row never reads a later
+    # position's score (the fused softmax skips it) or adds its value but times an exact 0
     np.testing.assert_array_equal(y1[:, :t_changed], y0[:, :t_changed])
     assert not np.allclose(y1[:, t_changed:], y0[:, t_changed:])
 
@@ -78,6 +116,43 @@ def test_cross_entropy_is_stable_for_huge_logits(xp):
     logits = xp.asarray([[1000.0, 0.0, -1000.0]])
     loss = SoftmaxCrossEntropy().forward(logits, xp.asarray([1]))
     assert abs(float(loss) - 1000.0) < 1e-9
+
+
+def test_a_layer_built_without_ops_takes_the_backend_of_its_arrays(xp):
+    """Built without ops=, a layer runs each forward (and its backward) on the backend of the arrays
+    it is given, the model's `get_ops(xp)`; it was NumPy's whatever the arrays, which on CuPy wrote
+    a CuPy array into np.empty (refused by CuPy 14)."""
+    rng = np.random.default_rng(0)
+    logits, targets = xp.asarray(rng.standard_normal((2, 3, 5))), xp.asarray(rng.integers(0, 5, (2, 3)))
+    loss, own = SoftmaxCrossEntropy(), SoftmaxCrossEntropy(ops=get_ops(xp))
+    assert float(loss.forward(logits, targets)) == float(own.forward(logits, targets))  # one backend, one result
+    assert loss.ops is get_ops(xp)
+    np.testing.assert_array_equal(to_numpy(loss.backward()), to_numpy(own.backward()))
+    p = Params({"w": (4, 3), "b": (3,), "g": (3,), "beta": (3,)}, xp=xp, dtype=np.float64)
+    p["w"][...] = xp.asarray(rng.standard_normal((4, 3)))
+    p["g"][...] = 1.0
+    x = xp.asarray(rng.standard_normal((2, 4)))
+    layers = [(Linear(p["w"], p.grad("w"), p["b"], p.grad("b")), x),
+              (LayerNorm(p["g"], p.grad("g"), p["beta"], p.grad("beta")), x[:, :3]), (GELU(), x)]
+    for layer, x in layers:
+        layer.backward(layer.forward(x))
+        assert layer.ops is get_ops(xp), type(layer).__name__
+
+
+@pytest.mark.gpu
+def test_a_layer_refuses_arrays_of_another_module_than_its_backend(cupy):
+    with pytest.raises(TypeError, match="built with the numpy backend but given cupy arrays: build it with"):
+        SoftmaxCrossEntropy(ops=get_ops(np)).forward(cupy.zeros((1, 3)), cupy.asarray([1]))
+    with pytest.raises(TypeError, match="built with the cupy backend but given numpy arrays"):
+        GELU(ops=CupyOps(cupy)).forward(np.zeros(3))
+
+
+def test_importing_a_layer_builds_no_backend():
+    code = ("import sys, minitensor.linear, minitensor.loss, minitensor.embedding; "
+            "print(sorted(m for m in sys.modules if m in ('minitensor.backends', 'minitensor.selfcheck', "
+            "'minitensor.cuda', 'minitensor.numpy_ops')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("bad", [-1, 5])
@@ -183,7 +258,8 @@ def test_small_stack_end_to_end(xp, seed, d, V):
 
     forward()
     pairs = {n: (p[n], p.grad(n)) for n in p.names()}
-    report = check_gradients(forward, backward, {}, pairs, 1.0)
+    # on CuPy every perturbed entry would cost a host read: random directions there instead
+    report = check_gradients(forward, backward, {}, pairs, 1.0, directions=None if xp is np else 6)
     assert report.max_rel_error <= 1e-6, report
 
 

@@ -6,7 +6,8 @@ on PYTHONPATH for a command); the rest of the suite sees the real CuPy, or none,
 - `ndarray` (cupy/_array.py): NumPy data that refuses implicit conversion to NumPy and NumPy
   operands as CuPy 14.2 does, and counts every read back to the host (`cupy.standin.reads`).
 - every other `cupy.<name>` is NumPy's function or ufunc of that name on the arrays behind
-  (`cupy.add.at` included); types and constants are NumPy's.
+  (`cupy.add.at` included, its updates in an order drawn anew at each call, as CUDA's atomics
+  land); types and constants are NumPy's.
 - `ElementwiseKernel` runs the project's operation as C++ on the host, `RawKernel` through
   minitensor's launch emulation (cupy/_kernels.py).
 - `cupy.cuda`: one device (runtime, Device, Stream, Event, memGetInfo), the cuBLAS handle, and

@@ -232,9 +232,19 @@ class ufunc:  # noqa: N801 (CuPy's name)
         return call(self._u.accumulate, args, kwargs)
 
     def at(self, a, indices, b=None):
+        """As CuPy's, whose atomics land in no fixed order: the updates of one index array and
+        as many rows of b are applied in an order drawn anew at each call, so a sum's rounding
+        may differ from run to run, as on a GPU."""
         if not isinstance(a, ndarray):
             raise _unsupported(a)
-        self._u.at(a._a, unwrap(indices), *(() if b is None else (unwrap(b),)))
+        indices, b = unwrap(indices), unwrap(b)
+        if isinstance(indices, np.ndarray) and indices.ndim == 1 and np.ndim(b) and len(b) == len(indices):
+            order = _atomics.permutation(len(indices))
+            indices, b = indices[order], b[order]
+        self._u.at(a._a, indices, *(() if b is None else (b,)))
+
+
+_atomics = np.random.default_rng()  # unseeded: the order of a GPU's atomics is not reproducible either
 
 
 def function(np_fn):

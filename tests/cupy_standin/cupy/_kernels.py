@@ -4,20 +4,24 @@ ElementwiseKernel: the operation is compiled as C++ (g++) inside the loop CuPy g
 it, `for (ptrdiff_t i = 0; i < n; ++i)`, with each non-raw parameter bound by reference to its
 element (`const T &x = _raw_x[i]`, `T &y = _raw_y[i]`, as CuPy 14.2 binds them: an output that is
 also an input is one buffer), raw parameters as pointers to their C-order elements, scalars as
-constants of their C type. Each (operation, types) is built once; the programs are kept under the
-system's temporary folder by the hash of their text, so later processes reuse them.
+constants of their C type. Each (operation, types) is built once, as a shared library called in
+this process (ctypes) on copies of the arguments; the libraries are kept under the system's
+temporary folder by the hash of their text, so later processes reuse them.
 
-RawKernel: minitensor's own launch emulation (`minitensor.kernelcheck.emulate_launch`: the CUDA
-code as C++, a fiber per CUDA thread), for the kernels written against the type name `T`
-(`typedef <type> T;` first, as minitensor.cuda.RawSpec.source writes them).
+RawKernel: minitensor's own launch emulation (minitensor.kernelcheck's: the CUDA code as C++, a
+fiber per CUDA thread), for the kernels written against the type name `T` (`typedef <type> T;`
+first, as minitensor.cuda.RawSpec.source writes them), built the same way, one library per kernel
+and dtype. A kernel that crashed would take the process with it (a test run sees which test).
 """
 
+import ctypes
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+from math import prod
 
 import numpy as np
 
@@ -83,30 +87,22 @@ class ElementwiseKernel:
             if not isinstance(o, ndarray) or o.shape != shape:
                 raise ValueError(f"{self.name}: output {p.name} must be a device array of shape {shape}")
         n = int(np.prod(shape, dtype=np.int64))
-        # each array argument: -1 and its data, or the index of an earlier argument with the same buffer
-        blob, host, alias = [np.int64(n).tobytes()], {}, {}
+        # a copy of each argument (a scalar as a one-element array of its C type); an argument with the
+        # same buffer as an earlier one is that one's copy
+        host, buffers = {}, []
         for k, (p, a) in enumerate(zip(params, args)):
             dtype = self._dtype(p, types)
             if not isinstance(a, ndarray):  # a scalar, cast to its C type as CuPy casts it
-                blob.append(np.asarray(a).astype(dtype).tobytes())
+                buffers.append(np.asarray(a).astype(dtype).reshape(1))
                 continue
             host[k] = a._a if p.raw else np.broadcast_to(a._a, shape)
-            alias[k] = next((j for j in host if j < k and _same(host[j], host[k])), -1)
-            blob.append(np.int64(alias[k]).tobytes())
-            if alias[k] < 0:
-                data = np.ascontiguousarray(host[k], dtype=dtype)
-                blob += [np.int64(data.size).tobytes(), data.tobytes()]
+            alias = next((j for j in host if j < k and _same(host[j], host[k])), -1)
+            buffers.append(buffers[alias] if alias >= 0 else np.array(host[k], dtype=dtype, order="C"))
         program = self._program(params, [k in host for k in range(len(params))], types)
         standin.kernels.add(("elementwise", self.name, ",".join(t.name for t in types.values())))
-        ran = subprocess.run([_build(program, self.name)], input=b"".join(blob), capture_output=True, check=False)
-        if ran.returncode:
-            raise RuntimeError(f"{self.name}: the host run failed (exit {ran.returncode}): "
-                               f"{ran.stderr.decode()[-500:]}")
-        offset = 0  # the program wrote each output's buffer, in parameter order
-        for k in range(n_in, len(params)):
-            dtype = self._dtype(params[k], types)
-            args[k]._a[...] = np.frombuffer(ran.stdout, dtype, n, offset).reshape(shape)
-            offset += n * dtype.itemsize
+        _call(_build(program, self.name), ctypes.c_longlong(n), buffers)
+        for k in range(n_in, len(params)):  # the outputs, in parameter order
+            args[k]._a[...] = buffers[k].reshape(shape)
         outs = args[n_in:]
         return outs[0] if len(outs) == 1 and not self.return_tuple else outs
 
@@ -129,32 +125,22 @@ class ElementwiseKernel:
         return types
 
     def _program(self, params, is_array, types):
-        """The C++ program for one set of argument kinds and types: reads n and the arguments from
-        stdin, runs the operation for i = 0..n-1, writes the outputs' buffers to stdout."""
-        head, loop, tail = ["long long n, alias, count;", "if (fread(&n, 8, 1, stdin) != 1) return 1;"], [], []
+        """The C++ library for one set of argument kinds and types: `run(n, args)` runs the
+        operation for i = 0..n-1 over the argument buffers args[k] (a scalar's: one element)."""
+        head, loop = [], []
         for k, p in enumerate(params):
             c = C_TYPES[self._dtype(p, types).name]
+            const = "" if p in self.out_params else "const "
             if not is_array[k]:
-                head.append(f"{c} _s{k}; if (fread(&_s{k}, sizeof _s{k}, 1, stdin) != 1) return 1;")
-                head.append(f"const {c} {p.name} = _s{k};")
-                continue
-            head.append(f"{c} *_p{k}; if (fread(&alias, 8, 1, stdin) != 1) return 1;\n"
-                        f"if (alias >= 0) _p{k} = ({c} *)_all[alias]; else {{\n"
-                        f"  if (fread(&count, 8, 1, stdin) != 1) return 1;\n"
-                        f"  _p{k} = ({c} *)malloc(count * sizeof({c}) + 1);\n"
-                        f"  if (fread(_p{k}, sizeof({c}), count, stdin) != (size_t)count) return 1;\n}}\n"
-                        f"_all[{k}] = _p{k};")
-            if p.raw:
-                head.append(f"{'' if p in self.out_params else 'const '}{c} *{p.name} = _p{k};")
-            elif p in self.out_params:
-                loop.append(f"{c} &{p.name} = _p{k}[i];")
-                tail.append(f"fwrite(_p{k}, sizeof({c}), n, stdout);")
+                head.append(f"const {c} {p.name} = *(const {c} *)_all[{k}];")
+            elif p.raw:
+                head.append(f"{const}{c} *{p.name} = ({c} *)_all[{k}];")
             else:
-                loop.append(f"const {c} &{p.name} = _p{k}[i];")
+                head.append(f"{c} *_p{k} = ({c} *)_all[{k}];")
+                loop.append(f"{const}{c} &{p.name} = _p{k}[i];")
         typedefs = "".join(f"typedef {C_TYPES[t.name]} {name};\n" for name, t in types.items())
-        return "\n".join([_PRELUDE + typedefs + self.preamble, "int main() {",
-                          f"void *_all[{len(params)}] = {{0}};", *head,
-                          "for (ptrdiff_t i = 0; i < n; ++i) {", *loop, self.operation + ";", "}", *tail,
+        return "\n".join([_PRELUDE + typedefs + self.preamble, 'extern "C" int run(long long n, void **_all) {',
+                          *head, "for (ptrdiff_t i = 0; i < n; ++i) {", *loop, self.operation + ";", "}",
                           "return 0;", "}", ""])
 
     def __repr__(self):
@@ -167,11 +153,11 @@ def _same(a, b):
 
 
 def _build(program, name):
-    """The executable of a program, compiled once and kept by the hash of its text."""
+    """The shared library of a program, compiled once and kept by the hash of its text."""
     folder = os.path.join(tempfile.gettempdir(), f"cupy-standin-{os.getuid()}")
-    exe = os.path.join(folder, f"{name}-{hashlib.sha256(program.encode()).hexdigest()[:20]}")
-    if os.path.exists(exe):
-        return exe
+    lib = os.path.join(folder, f"{name}-{hashlib.sha256(program.encode()).hexdigest()[:20]}.so")
+    if os.path.exists(lib):
+        return lib
     os.makedirs(folder, exist_ok=True)
     cxx = os.environ.get("CXX") or shutil.which("g++")
     if not cxx:
@@ -180,14 +166,27 @@ def _build(program, name):
     try:
         with open(os.path.join(work, "k.cpp"), "w") as f:
             f.write(program)
-        built = subprocess.run([cxx, "-O1", "-std=c++17", "k.cpp", "-o", "k"], cwd=work, capture_output=True,
-                               text=True, check=False)
+        # without _FORTIFY_SOURCE: its checked longjmp refuses the jumps between the emulation's fibers
+        built = subprocess.run([cxx, "-O1", "-std=c++17", "-U_FORTIFY_SOURCE", "-shared", "-fPIC", "k.cpp",
+                                "-o", "k.so"], cwd=work, capture_output=True, text=True, check=False)
         if built.returncode:
             raise RuntimeError(f"{name}: does not compile as C++:\n{built.stderr[-2000:]}\n{program}")
-        os.replace(os.path.join(work, "k"), exe)  # atomic: a process running at the same time sees all or none
+        os.replace(os.path.join(work, "k.so"), lib)  # atomic: a process running at the same time sees all or none
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return exe
+    return lib
+
+
+_loaded = {}
+
+
+def _call(lib, first, buffers):
+    """run(first, pointers to the buffers) of a library from _build, loaded once per process."""
+    if lib not in _loaded:
+        _loaded[lib] = ctypes.CDLL(lib).run
+    pointers = (ctypes.c_void_p * max(1, len(buffers)))(*[b.ctypes.data for b in buffers])
+    if _loaded[lib](first, pointers):
+        raise RuntimeError(f"{os.path.basename(lib)}: the host run failed")
 
 
 class RawKernel:
@@ -204,7 +203,7 @@ class RawKernel:
         standin.kernels.add(("raw", self.name, self.dtype.name))
 
     def __call__(self, grid, block, args, *, shared_mem=0, enable_cooperative_groups=False):
-        from minitensor import cuda, kernelcheck
+        from minitensor import cuda
 
         host = []
         for a in args:
@@ -212,8 +211,48 @@ class RawKernel:
                 raise _unsupported(a)
             host.append(a._a if isinstance(a, ndarray) else a)
         self.compile()
-        kernelcheck.emulate_launch(cuda.RawSpec(self.name, self.body, self.options), self.dtype, tuple(grid),
-                                   tuple(block), host)
+        spec = cuda.RawSpec(self.name, self.body, self.options)
+        cuda.check_launch_args(spec, self.dtype, host)
+        dims = np.array([*grid, 1, 1][:3] + [*block, 1, 1][:3], np.uint32)
+        if prod(dims[3:]) > 1024 or dims[3] % 32:
+            raise ValueError(f"{self.name}: a block of {dims[3:]} threads: at most 1024, x a multiple of 32")
+        buffers, owned = _launch_buffers(self.name, cuda.raw_params(spec), host)
+        _call(_build(_emulation(spec, self.dtype), self.name), dims.ctypes.data_as(ctypes.c_void_p), buffers)
+        for a, b in owned:  # the arrays updated in place, as on the GPU
+            a.reshape(-1)[...] = b
+
+
+def _launch_buffers(name, params, host):
+    """A copy of each argument (a scalar: one element of its C type); an array passed twice is one
+    buffer, as on the GPU, and arrays that partly overlap are refused. Returns (buffers, [(array,
+    its buffer)])."""
+    buffers, owned, slots = [], [], {}
+    for k, ((_, _, pointer), a) in enumerate(zip(params, host)):
+        if not pointer:
+            buffers.append(np.asarray(a).reshape(1))
+            continue
+        key = (a.__array_interface__["data"][0], a.nbytes)
+        if key not in slots and any(np.may_share_memory(a, b) for b, _ in owned):
+            raise ValueError(f"{name}: argument {k} partly overlaps another one")
+        if key not in slots:
+            slots[key] = np.array(a, order="C").reshape(-1)
+            owned.append((a, slots[key]))
+        buffers.append(slots[key])
+    return buffers, owned
+
+
+def _emulation(spec, dtype):
+    """The C++ library of one RawKernel's launch emulation for one dtype: run(d, args) launches it
+    over grid d[0..2] and block d[3..5] on the argument buffers."""
+    from minitensor import cuda, kernelcheck
+
+    call = [f"({base} *)a[{k}]" if pointer else f"*(const {base} *)a[{k}]"
+            for k, (_, base, pointer) in enumerate(cuda.raw_params(spec))]
+    return "\n".join([kernelcheck._EMU_PRELUDE, f"typedef {C_TYPES[dtype.name]} T;", "namespace k {", spec.code, "}",
+                      'extern "C" int run(const unsigned *d, void **a) {',
+                      "  launch(dim3{d[0], d[1], d[2]}, dim3{d[3], d[4], d[5]}, [&] {",
+                      f"    k::{spec.name}({', '.join(call)});", "  });",
+                      "  return 0;", "}", ""])
 
 
 def ctype_dtype(c):
