@@ -83,7 +83,7 @@ class Hardware:
 H200 = Hardware("H200", tf32_peak=495e12, gemm_efficiency=0.70, unaligned=0.5, bandwidth=4.0e12, launch_s=4e-6,
                 copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9)
 
-LAUNCHES = ("gemm", "kernel", "elementwise", "reduction", "copy", "fill", "gather", "scatter")
+LAUNCHES = ("gemm", "kernel", "elementwise", "reduction", "copy", "fill", "gather", "scatter", "sort")
 TRANSFERS = ("h2d", "d2h")
 
 

@@ -326,6 +326,19 @@ def _allocation(fill):
     return rule
 
 
+def _argsort_rule(rec, name, fn, _, args, kwargs):
+    """A 1-D argsort: CuPy sorts (key, index) pairs with a radix sort, several passes over both; it is
+    recorded as one launch that reads the keys and writes the indices, once per pass of 8 bits."""
+    a = args[0]
+    if a.ndim != 1:
+        raise NotImplementedError("recording: argsort of more than one dimension")
+    result = np.empty(a.shape, np.int64)
+    passes = a.dtype.itemsize
+    rec.add("sort", "argsort", 0, passes * (a.nbytes + result.nbytes), passes * (a.nbytes + result.nbytes),
+            _shapes(a))
+    return result
+
+
 def _arange_rule(rec, name, fn, _, args, kwargs):
     probe = np.arange(*args, **kwargs)  # host-side: ranges here are small (an index per row at most)
     result = np.empty(probe.shape, probe.dtype)
@@ -407,7 +420,7 @@ FUNCTIONS = {
                                    "moveaxis", "may_share_memory", "shares_memory", "result_type")},
     "empty": _allocation(False), "empty_like": _allocation(False),
     **{n: _allocation(True) for n in ("zeros", "zeros_like", "ones", "ones_like", "full", "full_like")},
-    "arange": _arange_rule, "where": _where_rule, "dot": _dot_rule, "tensordot": _tensordot_rule,
+    "arange": _arange_rule, "argsort": _argsort_rule, "where": _where_rule, "dot": _dot_rule, "tensordot": _tensordot_rule,
     "reshape": _reshape_function, "copyto": _copyto_rule,
 }
 
