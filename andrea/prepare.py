@@ -52,16 +52,17 @@ from pathlib import Path
 import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
-from andrea.data import stream
+from andrea.data import lock, stream
 from andrea.data.dataset import (
     DATA_FORMAT,
     SHARDED_META_VERSION,
+    check_shards,
     iter_input_names,
     read_data_meta,
-    read_token_header,
     resolve_inputs,
     stdlib_corpus_files,
     stdlib_root,
+    verify_shards,
 )
 from andrea.data.shards import STATE_FILE, Encoder, new_state, write_json
 from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
@@ -228,6 +229,31 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+@dataclass
+class Preparation:
+    """What a preparation of `data_dir` will do, decided from the request and the directory as it is,
+    before anything is written (`check_preparation`): `done`, the manifest, when the directory is
+    complete and answers the request (nothing to do); else the corpus listed and planned, and what
+    the directory holds that the writing replaces or continues."""
+
+    data_dir: Path
+    done: dict | None = None
+    corpus: Corpus | None = None
+    sizes: np.ndarray | None = None
+    blocks: stream.Blocks | None = None
+    settings: dict | None = None
+    given: object = None           # the tokenizer given, loaded
+    source: object = None          # where it came from
+    existing: Tokenizer | None = None
+    fresh_tokenizer: bool = False  # the stdlib under an older rule: a new tokenizer even if one is there
+    meta: dict | None = None       # the complete manifest this one replaces (--force, other settings)
+    state: dict | None = None      # the partial preparation this one continues or replaces
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    allow_smaller_vocab: bool = False
+    tokenizer_sample: int = TOKENIZER_SAMPLE
+    shard_tokens: int = SHARD_TOKENS
+
+
 def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
             val_fraction: float | None = None, progress: bool = True, allow_smaller_vocab: bool = False,
             force: bool = False, tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE,
@@ -236,13 +262,38 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
 
     `tokenizer` (a tokenizer.json, or a directory holding one: andrea's or a Hugging Face
     byte-level BPE) is used instead of training one; `vocab_size` is then its size. The result
-    has `"skipped": True` when the directory was already complete.
+    has `"skipped": True` when the directory was already complete. The directory is held
+    (andrea/data/lock.py) from before it is read until the manifest is written: another process
+    preparing it waits.
     """
     t0 = time.perf_counter()
     data_dir = Path(data_dir)
     log = _Log(progress)
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    with lock.writing(data_dir, log.line) as created:
+        try:
+            plan = check_preparation(inputs, data_dir, vocab_size, val_fraction, allow_smaller_vocab, force,
+                                     tokenizer, tokenizer_sample, shard_tokens, log)
+        except BaseException:
+            if created and not any(data_dir.iterdir()):
+                data_dir.rmdir()  # a refused first preparation leaves nothing behind
+            raise
+        if plan.done is not None:
+            return {**plan.done, "skipped": True}
+        return _write(plan, workers or default_workers(), t0, log)
+
+
+def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                      val_fraction: float | None = None, allow_smaller_vocab: bool = False, force: bool = False,
+                      tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE, shard_tokens: int = SHARD_TOKENS,
+                      log: _Log | None = None) -> Preparation:
+    """Every check of a preparation, reading only: the request, the directory's state and tokenizer,
+    the corpus (listed and cut into blocks, each split holding text). A UserError on what would fail;
+    the Preparation to write otherwise. `prepare` and `train --dry-run` both call this."""
+    data_dir, log = Path(data_dir), log or _Log(False)
     # the request: its numbers in range; a tokenizer given is loaded and sets the vocabulary
-    val_fraction = _check_request(inputs, val_fraction, workers, tokenizer_sample)
+    val_fraction = _check_request(inputs, val_fraction, None, tokenizer_sample)
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     vocab_size = given.vocab_size if given is not None else vocab_size
     wanted = {"inputs": list(inputs) if inputs else None, "requested_vocab_size": vocab_size,
@@ -251,37 +302,46 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
     meta, state = _our_files(data_dir)
     fresh_tokenizer = _stdlib_under_older_rule(data_dir, meta, inputs, log)
     if not fresh_tokenizer and meta is not None and _up_to_date(data_dir, meta, wanted, given, force):
-        return {**meta, "skipped": True}
+        return Preparation(data_dir, done=meta)
     # the corpus listed and cut into blocks; the directory's tokenizer checked against the request
     corpus, sizes = _list_corpus(inputs, log)
     existing = None if fresh_tokenizer else _existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
     blocks = stream.plan_blocks(corpus.files, sizes, corpus.root, val_fraction)
+    _check_splits_hold_text(corpus, sizes, blocks, val_fraction)
     settings = {"signature": _signature(corpus, sizes), **wanted, "shard_tokens": shard_tokens,
                 "blocks": len(blocks)}
+    return Preparation(data_dir, None, corpus, sizes, blocks, settings, given, tokenizer, existing, fresh_tokenizer,
+                       meta, state, vocab_size, allow_smaller_vocab, tokenizer_sample, shard_tokens)
+
+
+def _write(plan: Preparation, workers: int, t0: float, log: _Log) -> dict:
+    """The preparation `plan` describes, written into its directory (held by the caller)."""
+    data_dir, corpus, sizes, blocks, settings = plan.data_dir, plan.corpus, plan.sizes, plan.blocks, plan.settings
     # every check is done: from here on only files of this data directory are replaced or removed
-    resumable = _claim(data_dir, meta, state, settings, existing, fresh_tokenizer)
+    resumable = _claim(data_dir, plan.meta, plan.state, settings, plan.existing, plan.fresh_tokenizer)
     # the tokenizer: the one given, the directory's, or one trained on a sample of the training blocks
     t1 = time.perf_counter()
-    if given is not None:
-        tok, origin = _save_given(data_dir / "tokenizer.json", given, tokenizer, log)
-    elif existing is not None:
-        tok, origin = existing, "loaded"
+    if plan.given is not None:
+        tok, origin = _save_given(data_dir / "tokenizer.json", plan.given, plan.source, log)
+    elif plan.existing is not None:
+        tok, origin = plan.existing, "loaded"
         log.line(f"using the existing tokenizer {data_dir / 'tokenizer.json'} ({tok.vocab_size} ids)")
     else:
-        tok = _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller_vocab, tokenizer_sample, log)
+        tok = _train_tokenizer(corpus, sizes, blocks, plan.vocab_size, plan.allow_smaller_vocab,
+                               plan.tokenizer_sample, log)
         tok.save(data_dir / "tokenizer.json")
         origin = "trained"
     t2 = time.perf_counter()
     # the encoding, into shards, continued after the last finished shard of an interrupted run
     settings["tokenizer_fingerprint"] = tok.fingerprint()
-    state = _resumed(state, len(blocks), log) if resumable else new_state(settings, tok.vocab_size)
-    counts = Encoder(tok, corpus, sizes, blocks, data_dir, state, shard_tokens, log).run(workers or default_workers())
+    state = _resumed(plan.state, len(blocks), log) if resumable else new_state(settings, tok.vocab_size)
+    counts = Encoder(tok, corpus, sizes, blocks, data_dir, state, plan.shard_tokens, log).run(workers)
     t3 = time.perf_counter()
     # the manifest, written last: its presence says that the directory is complete
     seconds = {"tokenizer": round(t2 - t1, 2), "encode": round(t3 - t2, 2), "total": round(t3 - t0, 2)}
     meta = _manifest(corpus, blocks, settings, counts, tok, origin, seconds)
     write_json(data_dir / "meta.json", meta)
-    (data_dir / STATE_FILE).unlink(missing_ok=True)
+    (data_dir / STATE_FILE).unlink(missing_ok=True)  # after the manifest: a leftover beside it is ignored
     return {**meta, "skipped": False}
 
 
@@ -316,7 +376,10 @@ def _up_to_date(data_dir: Path, meta: dict, wanted: dict, given, force: bool) ->
     """True when the complete directory `meta` describes answers the request as it is; a UserError
     when it holds another corpus or tokenizer than the one asked for."""
     _check_same_request(data_dir, meta, wanted, given, force)
-    return not force and _same_settings(meta, wanted) and _intact(data_dir, meta)
+    if force or not _same_settings(meta, wanted):
+        return False
+    _check_intact(data_dir, meta)  # a damaged directory is said, never re-made in silence
+    return True
 
 
 def _list_corpus(inputs: list[str] | None, log: _Log) -> tuple[Corpus, np.ndarray]:
@@ -332,12 +395,46 @@ def _list_corpus(inputs: list[str] | None, log: _Log) -> tuple[Corpus, np.ndarra
     return corpus, sizes
 
 
+def _check_splits_hold_text(corpus: Corpus, sizes, blocks: stream.Blocks, val_fraction: float) -> None:
+    """Both splits hold text (a corpus of one line has no validation: a cut falls only at a line's end),
+    else a UserError with what gives them some. Only the cuts are read, and only until a block with
+    bytes is found, which is at once for all but very long lines."""
+    reader = stream.BlockReader(corpus.files, sizes, blocks)
+    for name, side in (("validation", True), ("training", False)):
+        if any(reader.n_bytes(int(j)) for j in np.flatnonzero(blocks.val == side)):
+            continue
+        nonempty = np.flatnonzero(sizes)
+        if len(nonempty) > 1:
+            raise UserError(f"the {name} split of this corpus holds no text (its blocks are empty pieces of long "
+                            "lines): give more text, more files, or another --val-fraction")
+        raise UserError(_one_file_advice(corpus.files[int(nonempty[0])], int(sizes[nonempty[0]]), name,
+                                         val_fraction))
+
+
+def _one_file_advice(path: Path, size: int, name: str, val_fraction: float) -> str:
+    """Why a one-file corpus gives the split `name` no text, and the --val-fraction that gives it some."""
+    with open(path, "rb") as f:  # the last newline with text after it
+        f.seek(max(size - (1 << 20), 0))
+        tail = f.read()
+    last = tail.rfind(b"\n", 0, len(tail) - 1)
+    line = max(size - (1 << 20), 0) + last if last >= 0 else -1
+    why = (f"the {name} split of {path} ({size} bytes) would hold no text: a one-file corpus validates on its "
+           f"last --val-fraction ({val_fraction:g}), starting at a line's start")
+    if name == "validation" and line > 0:
+        wanted = math.ceil(1000 * (1 - line / size) + 1e-9) / 1000  # moves the cut before the last line
+        if wanted < 1:
+            return f"{why}, and the last line begins before that: use --val-fraction {wanted:g} or more"
+    return f"{why}: give text of several lines (at least two), or several files"
+
+
 def _claim(data_dir: Path, meta: dict | None, state: dict | None, settings: dict, existing: Tokenizer | None,
            fresh_tokenizer: bool) -> bool:
     """Make `data_dir` ready to write: a killed run's unfinished shard, and the files of the last
     preparation that this one does not continue, removed. True when it continues a partial one:
     the same settings and the same tokenizer."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(data_dir, os.W_OK | os.X_OK):
+        raise UserError(f"{data_dir} needs preparing but cannot be written (no permission, or a read-only file "
+                        "system): choose another --data-dir (or --set data.data_dir=... for train)")
     remove_stale_temporaries(data_dir)  # a killed run's unfinished shard
     resumable = state is not None and existing is not None and state.get("settings") == {
         **settings, "tokenizer_fingerprint": existing.fingerprint()}
@@ -398,6 +495,8 @@ def _our_files(data_dir: Path) -> tuple[dict | None, dict | None]:
     state = _read_json(state_path)
     if state is not None and state.get("format") != DATA_FORMAT + "-partial":
         raise UserError(f"{data_dir} holds a {STATE_FILE} that andrea did not write: choose another --data-dir")
+    if meta is not None:
+        state = None  # left by a process killed between the manifest and removing the state: finished
     if meta is None and state is None and not damaged and data_dir.is_dir():
         clash = sorted(p.name for p in data_dir.iterdir() if re.fullmatch(r"(train|val)(-\d{5})?\.bin", p.name))
         if clash:
@@ -439,21 +538,20 @@ def _same_settings(meta: dict, wanted: dict) -> bool:
         meta.get("val_fraction") == wanted["val_fraction"])
 
 
-def _intact(data_dir: Path, meta: dict) -> bool:
-    """True when every shard the manifest names has the header it says (headers only, no ids read)."""
+def _check_intact(data_dir: Path, meta: dict) -> None:
+    """Every shard the manifest names has the size and header it says, and tokenizer.json is the one
+    it names (headers only, no ids read): a UserError naming the first file that is not."""
+    tok = load_tokenizer(data_dir / "tokenizer.json")
+    if tok.fingerprint() != meta.get("tokenizer_fingerprint"):
+        raise UserError(f"{data_dir / 'tokenizer.json'} is not the tokenizer {data_dir / 'meta.json'} was encoded "
+                        "with: the data directory was changed since it was prepared; prepare it again (--force)")
     try:
-        fingerprint = load_tokenizer(data_dir / "tokenizer.json").fingerprint()
-        if meta["meta_version"] == 1:
-            files = [("train.bin", meta["train_tokens"]), ("val.bin", meta["val_tokens"])]
-        else:
-            files = [(e["file"], e["tokens"]) for split in ("train", "val") for e in meta["shards"][split]]
-        for name, count in files:
-            header = read_token_header(data_dir / name)
-            if (header.count, header.fingerprint) != (count, fingerprint):
-                return False
-    except (UserError, KeyError, TypeError):
-        return False
-    return fingerprint == meta.get("tokenizer_fingerprint")
+        check_shards(data_dir, meta, tok.fingerprint())
+    except UserError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{data_dir / 'meta.json'} is damaged ({type(e).__name__}: {e}): prepare it again "
+                        "(--force)") from e
 
 
 def _existing_tokenizer(data_dir: Path, vocab_size: int, allow_smaller: bool, given) -> Tokenizer | None:
@@ -481,7 +579,7 @@ def _remove_ours(data_dir: Path, meta: dict | None, state: dict | None, tokenize
             names |= {"train.bin", "val.bin"}
         else:
             names |= {e["file"] for split in ("train", "val") for e in meta["shards"][split]}
-        names.add("meta.json")
+        names |= {"meta.json", STATE_FILE}  # a state beside a manifest is a leftover of the finished run
     if state is not None:
         names |= {e["file"] for split in ("train", "val") for e in state["shards"][split]}
         names.add(STATE_FILE)
@@ -557,7 +655,7 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
 
     def train():
         try:
-            result["tok"] = Tokenizer.train(texts(), vocab_size, allow_smaller)
+            result["tok"] = Tokenizer.train(texts(), vocab_size, allow_smaller=True)
         except BaseException as e:  # handed to the main thread
             result["error"] = e
 
@@ -583,9 +681,25 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
     if "error" in result:
         raise result["error"]
     tok = result["tok"]
+    if tok.vocab_size < vocab_size and not allow_smaller:
+        train_bytes = int((blocks.nominal_end - blocks.nominal_start)[~blocks.val].sum())
+        raise UserError(_too_few_ids(tok.vocab_size, vocab_size, total, train_bytes, sample))
     if tok.vocab_size < vocab_size:
         log.line(f"note: the corpus is too small for {vocab_size} ids; the tokenizer has {tok.vocab_size}")
     return tok
+
+
+def _too_few_ids(found: int, wanted: int, read: int, train_bytes: int, sample: int) -> str:
+    """What to change when the tokenizer reached `found` of `wanted` ids on `read` bytes of the
+    corpus's `train_bytes` of training text: the sample when it left text out, else the corpus."""
+    ran_out = f"BPE ran out of pairs after {found - 257} merges ({found} of {wanted} ids)"
+    if read < train_bytes:
+        return (f"the tokenizer sample is too small for {wanted} token ids: {ran_out} on the {read / 1e6:.2f} MB that "
+                f"--tokenizer-sample {sample} took of the corpus's {train_bytes / 1e6:.1f} MB of training text; about "
+                f"1 MB is needed: raise --tokenizer-sample (default {TOKENIZER_SAMPLE // 1_000_000}MB), or keep "
+                "fewer ids with --allow-smaller-vocab")
+    return (f"the corpus is too small for {wanted} token ids: {ran_out}; about 1 MB of text is needed "
+            "(python -m andrea.prepare --allow-smaller-vocab keeps fewer ids)")
 
 
 def trainer_pieces(text: str, limit: int = TRAINER_PIECE) -> Iterator[str]:
@@ -663,7 +777,7 @@ class _Progress:
         rate = (self.bytes - self.resumed) / elapsed
         left = max(self.total_bytes - self.bytes, 0)
         # The first second's rate is mostly start-up: no ETA from it.
-        eta = f"{left / rate:.0f}s" if left == 0 or (rate > 0 and elapsed > 1) else "?"
+        eta = "0s" if left == 0 else f"{left / rate:.0f}s" if rate > 0 and elapsed > 1 else "?"
         return (
             f"{self.label} {self.files:>{len(str(self.total_files))}}/{self.total_files} {self.unit}  "
             f"{self.bytes / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB  {rate / 1e6:.1f} MB/s  ETA {eta}"
@@ -717,6 +831,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="train the tokenizer on at most this much of the training text, spread over the corpus "
                    "(default 100MB; accepts 500MB, 2GB, or bytes)")
     p.add_argument("--workers", type=int, help="encoding threads (default: every core this process may use)")
+    p.add_argument("--verify", action="store_true",
+                   help="read every shard of --data-dir and check it against the checksums in meta.json; writes nothing")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -728,6 +844,26 @@ def byte_count(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 100MB, 1GB or 5000000")
     return int(float(m.group(1)) * 1000 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def verify(data_dir) -> str:
+    """`prepare --verify`: every shard of a complete `data_dir` read and checked against its manifest
+    (size, header, the ids' sha256 and largest id); a UserError naming each shard that differs."""
+    data_dir = Path(data_dir)
+    meta = read_data_meta(data_dir)
+    if meta is None:
+        raise UserError(f"{data_dir} holds no complete prepared data (meta.json) to verify: run python -m andrea.prepare")
+    _check_intact(data_dir, meta)
+    checked, tokens, problems = verify_shards(data_dir, meta, meta["tokenizer_fingerprint"])
+    if problems:
+        raise UserError(f"{len(problems)} shard(s) of {data_dir} changed since they were written: "
+                        f"{'; '.join(problems)}; prepare it again with --force")
+    shards = sum(len(meta["shards"][s]) for s in ("train", "val")) if meta["meta_version"] != 1 else 2
+    if checked < shards:
+        return (f"{data_dir}: {shards} shards, {tokens:,} tokens; sizes and headers match meta.json, but "
+                f"{shards - checked} shards have no checksum (prepared before checksums were recorded): "
+                "prepare --force records them")
+    return f"{data_dir}: {shards} shards, {tokens:,} tokens: every checksum matches meta.json"
 
 
 def format_summary(stats: dict, data_dir: Path) -> str:
@@ -764,7 +900,10 @@ def format_summary(stats: dict, data_dir: Path) -> str:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     data_dir = args.data_dir or default_data_dir(args.inputs)
-    check_directory(data_dir, "--data-dir")
+    if args.verify:
+        print(verify(data_dir))
+        return 0
+    check_directory(data_dir, "--data-dir", writable=not data_dir.is_dir())  # else checked if it is written
     stats = prepare(
         args.inputs,
         data_dir,

@@ -71,7 +71,8 @@ def atomic_writer(path) -> Iterator[BinaryIO]:
     """Open `path` for binary writing so that it appears complete or not at all.
 
     Writes go to a hidden temporary file beside `path`, which is fsync'ed and renamed over
-    `path` only when the block ends without an exception; on any exception it is removed.
+    `path` only when the block ends without an exception; on any exception it is removed. A failure
+    of the file system (a full disk) names `path`: a write's OSError carries no file name of its own.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -81,6 +82,11 @@ def atomic_writer(path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e  # OSError() gives the errno's own subclass
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -315,12 +321,14 @@ class TokenFileHeader:
 
 
 class TokenSink:
-    """Appends token ids to an open token file and counts them (see `token_writer`)."""
+    """Appends token ids to an open token file, counts them and hashes them (`sha256`: of the bytes
+    after the header, what the manifest records and `verify_split` checks; see `token_writer`)."""
 
     def __init__(self, f: BinaryIO, vocab_size: int):
         self._f = f
         self.vocab_size = vocab_size
         self.count = 0
+        self.sha256 = hashlib.sha256()
 
     def write(self, tokens) -> None:
         ids = np.asarray(tokens)
@@ -331,7 +339,9 @@ class TokenSink:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"token id {hi if hi >= self.vocab_size else lo} is outside 0..{self.vocab_size - 1}")
-        self._f.write(np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes())
+        raw = np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes()
+        self._f.write(raw)
+        self.sha256.update(raw)
         self.count += ids.size
 
 
@@ -540,6 +550,59 @@ def open_split(data_dir, split: str, vocab_size: int, fingerprint: str) -> Token
         arrays.append(_open_ids(path, header, vocab_size, fingerprint))
         names.append(entry["file"])
     return TokenShards(arrays, vocab_size, names)
+
+
+def check_shards(data_dir, meta: dict, fingerprint: str) -> None:
+    """Every shard the manifest `meta` names has the header and size it says, made with the tokenizer
+    of `fingerprint`: a UserError naming the first that does not (headers only, no ids read)."""
+    data_dir = Path(data_dir)
+    for split in ("train", "val"):
+        for name, count in _manifest_files(meta, split):
+            path = data_dir / name
+            header = read_token_header(path)  # the file's size against its header's count
+            if header.count != count:
+                raise UserError(f"{path} holds {header.count} tokens but meta.json says {count}: the data "
+                                "directory was changed since it was prepared; prepare it again (--force)")
+            if header.fingerprint != fingerprint:
+                raise UserError(f"{path} was made with another tokenizer than {data_dir / 'tokenizer.json'}: the "
+                                "data directory was changed since it was prepared; prepare it again (--force)")
+
+
+def _manifest_files(meta: dict, split: str) -> list[tuple[str, int]]:
+    if meta["meta_version"] == 1:
+        return [(f"{split}.bin", int(meta[f"{split}_tokens"]))]
+    return [(e["file"], int(e["tokens"])) for e in meta["shards"][split]]
+
+
+VERIFY_CHUNK = 1 << 24  # bytes of ids read at a time by verify_shards
+
+
+def verify_shards(data_dir, meta: dict, fingerprint: str) -> tuple[int, int, list[str]]:
+    """Read every shard whole: (shards with a checksum, tokens read, problems). A problem is a shard
+    whose ids' sha256 or largest id is not the manifest's, each a line naming the shard; the headers
+    and sizes are checked first (`check_shards`, a UserError). Manifests from before the checksums
+    have none: their shards are counted as read but not as checked."""
+    data_dir = Path(data_dir)
+    check_shards(data_dir, meta, fingerprint)
+    checked, tokens, problems = 0, 0, []
+    entries = [e for split in ("train", "val") for e in meta["shards"][split]] if meta["meta_version"] != 1 else []
+    for entry in entries:
+        path = data_dir / entry["file"]
+        digest, top = hashlib.sha256(), -1
+        with open(path, "rb") as f:
+            f.seek(HEADER_SIZE)
+            while chunk := f.read(VERIFY_CHUNK):
+                digest.update(chunk)
+                top = max(top, int(np.frombuffer(chunk, dtype=TOKEN_DTYPE).max()))
+        tokens += int(entry["tokens"])
+        if "sha256" not in entry:
+            continue
+        checked += 1
+        if digest.hexdigest() != entry["sha256"]:
+            problems.append(f"{path}: its ids' checksum is not the one meta.json recorded when it was written")
+        elif top != entry["max_id"]:
+            problems.append(f"{path}: its largest id is {top}, meta.json says {entry['max_id']}")
+    return checked, tokens, problems
 
 
 # ----------------------------------------------------------------------------- batches

@@ -96,9 +96,15 @@ def probe_device(device: str) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------------------------- paths
 
-def check_directory(path, what: str) -> None:
-    """Refuses a path that cannot be (or become) a directory: a file, or a file among its parents."""
+def check_directory(path, what: str, writable: bool = True) -> None:
+    """Refuses a path that cannot be (or become) a directory: a file, or a file among its parents;
+    with `writable`, one that cannot be written; without, an existing one that cannot be read (a
+    complete data directory on a read-only mount is only read)."""
     path = Path(path)
+    if not writable and path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise UserError(f"{what} {path} cannot be read: no permission to read it")
+        return
     if path.exists() and not path.is_dir():
         raise UserError(f"{what} {path} is a file, not a directory: choose a directory")
     ancestor = path
