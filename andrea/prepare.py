@@ -301,7 +301,8 @@ def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFA
     # the directory as it is: a complete preparation of the same request is kept
     meta, state = _our_files(data_dir)
     fresh_tokenizer = _stdlib_under_older_rule(data_dir, meta, inputs, log)
-    if not fresh_tokenizer and meta is not None and _up_to_date(data_dir, meta, wanted, given, force):
+    if not fresh_tokenizer and meta is not None and _up_to_date(data_dir, meta, wanted, given, force,
+                                                                                 allow_smaller_vocab):
         return Preparation(data_dir, done=meta)
     # the corpus listed and cut into blocks; the directory's tokenizer checked against the request
     corpus, sizes = _list_corpus(inputs, log)
@@ -372,11 +373,11 @@ def _stdlib_under_older_rule(data_dir: Path, meta: dict | None, inputs: list[str
     return older
 
 
-def _up_to_date(data_dir: Path, meta: dict, wanted: dict, given, force: bool) -> bool:
+def _up_to_date(data_dir: Path, meta: dict, wanted: dict, given, force: bool, allow_smaller: bool) -> bool:
     """True when the complete directory `meta` describes answers the request as it is; a UserError
     when it holds another corpus or tokenizer than the one asked for."""
     _check_same_request(data_dir, meta, wanted, given, force)
-    if force or not _same_settings(meta, wanted):
+    if force or not _same_settings(meta, wanted, allow_smaller):
         return False
     _check_intact(data_dir, meta)  # a damaged directory is said, never re-made in silence
     return True
@@ -531,11 +532,12 @@ def _check_same_request(data_dir: Path, meta: dict, wanted: dict, given, force: 
                         "corpus there with its existing tokenizer.json")
 
 
-def _same_settings(meta: dict, wanted: dict) -> bool:
-    """The vocabulary asked for (or the one the directory has) and the validation fraction match."""
-    vocab = wanted["requested_vocab_size"]
-    return vocab in (meta.get("requested_vocab_size"), meta.get("vocab_size")) and (
-        meta.get("val_fraction") == wanted["val_fraction"])
+def _same_settings(meta: dict, wanted: dict, allow_smaller: bool) -> bool:
+    """The vocabulary asked for (or the one the directory has, or a larger one with allow_smaller,
+    which the directory's tokenizer answers) and the validation fraction match."""
+    vocab, has = wanted["requested_vocab_size"], meta.get("vocab_size")
+    fits = vocab in (meta.get("requested_vocab_size"), has) or (allow_smaller and isinstance(has, int) and has < vocab)
+    return fits and meta.get("val_fraction") == wanted["val_fraction"]
 
 
 def _check_intact(data_dir: Path, meta: dict) -> None:

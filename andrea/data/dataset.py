@@ -31,6 +31,7 @@ not at all. No pickle anywhere.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import glob
 import hashlib
 import heapq
@@ -84,13 +85,19 @@ def atomic_writer(path) -> Iterator[BinaryIO]:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        if e.filename is None and e.errno is not None:
-            raise OSError(e.errno, e.strerror, str(path)) from e  # OSError() gives the errno's own subclass
-        raise
+        raise named(e, path) from None if e.filename is None else e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def named(e: OSError, path) -> OSError:
+    """`e` naming `path` when it names no file (a write's error does not): OSError(errno, ...) is the
+    errno's own subclass, so a caller catching PermissionError still does."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror, str(path))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -186,11 +193,72 @@ def _spec_names(spec: str) -> Iterator[str]:
 
 
 def _glob_names(pattern: str) -> Iterator[str]:
-    for match in glob.glob(pattern, recursive=True):
+    for match in _glob(pattern):
         if os.path.isdir(match):
             yield from _walk_text_files(match)
         elif os.path.isfile(match) and _looks_like_text(Path(match)):
             yield os.path.abspath(match)
+
+
+def _glob(pattern: str) -> Iterator[str]:
+    """The paths `pattern` matches, as `glob.glob(pattern, recursive=True)` gives them, except that a
+    wildcard (`**` included) never goes through a symbolic link to a directory, as the directory walk
+    never enters one: `self -> .` or `up -> ..` would make `**` loop or take each file many times
+    (glob follows them until the path is too long). A link written out in the pattern is followed."""
+    parts = Path(os.path.expanduser(pattern)).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    top = os.path.join(*parts[:fixed]) if fixed else os.curdir
+    if fixed == len(parts):
+        return iter([top] if os.path.lexists(top) else [])
+    return _match(top, parts[fixed:], prefix=fixed > 0)
+
+
+def _match(directory: str, parts: tuple[str, ...], prefix: bool = True) -> Iterator[str]:
+    """The paths under `directory` that the pattern parts `parts` match (see `_glob`)."""
+    head, rest = parts[0], parts[1:]
+    name = (lambda entry: os.path.join(directory, entry)) if prefix else (lambda entry: entry)
+    if head == "**":
+        if not rest:  # every file and directory below: the directory itself, walked by the caller
+            yield directory if prefix else os.curdir
+            return
+        yield from _match(directory, rest, prefix)
+        for entry, is_dir in _wildcard_entries(directory, "*"):
+            if is_dir:
+                yield from _match(name(entry), parts)
+        return
+    if not glob.has_magic(head):
+        path = name(head)
+        if not rest:
+            if os.path.lexists(path):
+                yield path
+        elif os.path.isdir(path):
+            yield from _match(path, rest)
+        return
+    for entry, is_dir in _wildcard_entries(directory, head):
+        if not rest:
+            yield name(entry)
+        elif is_dir:
+            yield from _match(name(entry), rest)
+
+
+def _wildcard_entries(directory: str, part: str) -> list[tuple[str, bool]]:
+    """(name, is a real directory) of the entries of `directory` that the wildcard `part` matches:
+    hidden names only for a part that starts with a dot, and no symbolic link to a directory."""
+    try:
+        with os.scandir(directory) as it:
+            entries = list(it)
+    except OSError:
+        return []
+    taken = []
+    for entry in entries:
+        if entry.name.startswith(".") and not part.startswith("."):
+            continue
+        if not fnmatch.fnmatchcase(entry.name, part):
+            continue
+        linked_dir = entry.is_symlink() and os.path.isdir(entry.path)
+        if not linked_dir:
+            taken.append((entry.name, _is_dir(entry)))
+    return sorted(taken)
 
 
 def _walk_text_files(top: str) -> Iterator[str]:
@@ -324,8 +392,8 @@ class TokenSink:
     """Appends token ids to an open token file, counts them and hashes them (`sha256`: of the bytes
     after the header, what the manifest records and `verify_split` checks; see `token_writer`)."""
 
-    def __init__(self, f: BinaryIO, vocab_size: int):
-        self._f = f
+    def __init__(self, f: BinaryIO, vocab_size: int, path=None):
+        self._f, self.path = f, path
         self.vocab_size = vocab_size
         self.count = 0
         self.sha256 = hashlib.sha256()
@@ -340,7 +408,10 @@ class TokenSink:
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"token id {hi if hi >= self.vocab_size else lo} is outside 0..{self.vocab_size - 1}")
         raw = np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes()
-        self._f.write(raw)
+        try:
+            self._f.write(raw)
+        except OSError as e:  # a full disk: the error names the shard (the sink's owner may not be in a with)
+            raise named(e, self.path) from None
         self.sha256.update(raw)
         self.count += ids.size
 
@@ -354,7 +425,7 @@ def token_writer(path, vocab_size: int, fingerprint: str) -> Iterator[TokenSink]
         raise ValueError("a tokenizer fingerprint has at most 64 ASCII characters")
     with atomic_writer(path) as f:
         f.write(bytes(HEADER_SIZE))  # the count is known only at the end
-        sink = TokenSink(f, vocab_size)
+        sink = TokenSink(f, vocab_size, path)
         yield sink
         f.seek(0)
         f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, vocab_size, sink.count, fp))
