@@ -24,7 +24,7 @@ from andrea import prepare, train
 from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.data import dataset as data
-from andrea.data import lock, shards
+from andrea.data import shards
 from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 
@@ -94,22 +94,29 @@ def test_a_kill_between_the_state_and_the_manifest_is_finished_by_prepare_and_tr
             assert meta["shards"] == expected["shards"]
 
 
-def test_a_kill_between_the_manifest_and_removing_the_state_leaves_a_complete_directory(tmp_path, tok_path):
-    """meta.json written, prepare-state.json not yet removed: complete for prepare, train and
-    prepare --force, which re-encodes from the start and deletes no shard it then lacks."""
-    corpus, out, expected = prepared(tmp_path, tok_path, shard_tokens=20_000)
-    leftover = {"format": "andrea-data-partial", "settings": {**expected, "blocks": expected["blocks"]},
-                "next_block": expected["blocks"], "shards": expected["shards"], "counts": {"train": [], "val": []}}
-    (out / shards.STATE_FILE).write_text(json.dumps(leftover))
-    again = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000)
-    assert again["skipped"]
-    tok, train_ids, _ = train.prepare_data(train_config(corpus, out))
-    assert len(train_ids) == expected["train_tokens"]
-    forced = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000, force=True)
-    assert not forced["skipped"] and forced["shards"] == expected["shards"]
-    assert not (out / shards.STATE_FILE).exists()
-    for entry in forced["shards"]["train"] + forced["shards"]["val"]:
-        assert data.read_tokens(out / entry["file"]).size == entry["tokens"]
+def test_a_kill_between_the_manifest_and_removing_the_state_leaves_a_complete_directory(tmp_path, tok_path,
+                                                                                       monkeypatch):
+    """meta.json written, prepare-state.json not yet removed: complete for prepare and train, and
+    prepare --force re-encodes it from the start, deleting no shard it then lacks."""
+    write, states = shards.write_json, []
+    monkeypatch.setattr(shards, "write_json", lambda path, obj: states.append(json.dumps(obj)) or write(path, obj))
+    corpus, killed, expected = prepared(tmp_path, tok_path, "killed", shard_tokens=20_000)
+    (killed / shards.STATE_FILE).write_text(states[-1])  # as the kill left it
+    assert json.loads(states[-1])["next_block"] == expected["blocks"]
+    for entry in ("prepare", "prepare --force", "train"):
+        out = tmp_path / entry.replace(" ", "")
+        shutil.copytree(killed, out)
+        if entry == "train":
+            tok, train_ids, _ = train.prepare_data(train_config(corpus, out))
+            assert len(train_ids) == expected["train_tokens"]
+            continue
+        meta = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000,
+                               force=entry.endswith("--force"))
+        assert meta["skipped"] == (entry == "prepare") and meta["shards"] == expected["shards"]
+        if not meta["skipped"]:
+            assert not (out / shards.STATE_FILE).exists()
+        for e in meta["shards"]["train"] + meta["shards"]["val"]:
+            assert data.read_tokens(out / e["file"]).size == e["tokens"]
 
 
 # ----------------------------------------------------------------------------- class 2: one writer at a time
@@ -118,6 +125,8 @@ def test_a_kill_between_the_manifest_and_removing_the_state_leaves_a_complete_di
 def test_a_second_preparation_waits_for_the_first_then_finds_it_complete(tmp_path, tok_path, capsys):
     """While a process holds the data directory, prepare writes nothing and waits (saying so); once
     the holder is done, it finds the directory complete and keeps it."""
+    from andrea.data import lock
+
     corpus, out, first = prepared(tmp_path, tok_path)
     other = tmp_path / "other"
     result = {}
@@ -154,7 +163,8 @@ def test_two_preparations_with_different_tokenizers_leave_one_consistent_directo
     tok = Tokenizer.load(out / "tokenizer.json")
     meta = json.loads((out / "meta.json").read_text())
     assert meta["tokenizer_fingerprint"] == tok.fingerprint()
-    data.check_shards(out, meta, tok.fingerprint())
+    for entry in meta["shards"]["train"] + meta["shards"]["val"]:
+        assert data.read_token_header(out / entry["file"]).fingerprint == tok.fingerprint()
 
 
 # ----------------------------------------------------------------------------- class 3: damage is said
