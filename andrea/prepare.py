@@ -34,11 +34,25 @@ opens the same shards from the manifest.
 
 from __future__ import annotations
 
-import argparse
+import os
+import signal
+
+
+def _interrupted_at_start(signum, frame):
+    """Ctrl-C before the command's shell (andrea/cli.py) is up, while the imports below run (a second
+    or so on a busy machine): nothing is written yet, so the process ends at once, as the shell would."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_at_start)  # main() gives Python's handler back
+
+import argparse  # after the handler above, on purpose
+import atexit
 import hashlib
 import json
 import math
-import os
 import platform
 import re
 import sys
@@ -275,13 +289,13 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
         try:
             plan = check_preparation(inputs, data_dir, vocab_size, val_fraction, allow_smaller_vocab, force,
                                      tokenizer, tokenizer_sample, shard_tokens, log)
+            if plan.done is not None:
+                return {**plan.done, "skipped": True}
+            return _write(plan, workers or default_workers(), t0, log)
         except BaseException:
-            if created and not any(data_dir.iterdir()):
-                data_dir.rmdir()  # a refused first preparation leaves nothing behind
+            if created and data_dir.is_dir() and not any(data_dir.iterdir()):
+                data_dir.rmdir()  # a refused or interrupted first preparation leaves nothing behind
             raise
-        if plan.done is not None:
-            return {**plan.done, "skipped": True}
-        return _write(plan, workers or default_workers(), t0, log)
 
 
 def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
@@ -662,9 +676,9 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
             result["error"] = e
 
     worker = threading.Thread(target=train, name="andrea-tokenizer", daemon=True)
-    worker.start()
     announced, last = False, time.perf_counter()
     try:
+        worker.start()  # inside: a Ctrl-C while it starts finds the thread running
         while worker.is_alive():
             worker.join(0.25)
             if read_all.is_set() and not announced:
@@ -674,8 +688,10 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
             elif announced and time.perf_counter() - last >= PROGRESS_SECONDS:
                 last = time.perf_counter()
                 log.line(f"tokenizer: still computing merges ({last - bar.start:.0f} s since reading began)")
-    except BaseException:
+    except BaseException as e:
         stop.set()  # the reading ends at the next block; the thread dies with the process
+        _exit_before_finalizing(130 if isinstance(e, KeyboardInterrupt) else e.code if isinstance(e, SystemExit)
+                                and isinstance(e.code, int) else 1)
         raise
     if seen["bytes"] and 2 * seen["bad"] > seen["bytes"]:
         raise UserError(f"the corpus does not look like text: {seen['bad'] / 1e6:.1f} of the first "
@@ -702,6 +718,29 @@ def _too_few_ids(found: int, wanted: int, read: int, train_bytes: int, sample: i
                 "fewer ids with --allow-smaller-vocab")
     return (f"the corpus is too small for {wanted} token ids: {ran_out}; about 1 MB of text is needed "
             "(python -m andrea.prepare --allow-smaller-vocab keeps fewer ids)")
+
+
+def _exit_before_finalizing(code: int) -> None:
+    """In a process that is one of andrea's commands (whose shell turns the interruption into its
+    exit code), end it with `code` once it has unwound (every file closed or removed, the shell's
+    line printed) but before the interpreter finalizes: the tokenizers trainer's threads (Rust:
+    the trainer's own and rayon's, which call back for text) would meet a finalizing interpreter,
+    which aborts the process ('FATAL: exception not rethrown', SIGABRT), seen even after the
+    trainer's thread had returned. A library caller's process is left alone (it may go on)."""
+    from andrea import entry_point
+
+    if not (entry_point() or "").startswith("andrea."):
+        return
+
+    def exit_now() -> None:
+        for stream_ in (sys.stdout, sys.stderr):
+            try:
+                stream_.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    atexit.register(exit_now)
 
 
 def trainer_pieces(text: str, limit: int = TRAINER_PIECE) -> Iterator[str]:
@@ -900,6 +939,8 @@ def format_summary(stats: dict, data_dir: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the shell is up: Ctrl-C unwinds from here
     args = _parser().parse_args(argv)
     data_dir = args.data_dir or default_data_dir(args.inputs)
     if args.verify:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -363,3 +364,63 @@ def test_the_dry_run_checks_init_from_weights_as_loading_does(tmp_path, capsys, 
     (damaged / "model.safetensors").write_bytes(bytes(raw))
     code, err = dry_run(tmp_path, capsys, "--init-from", str(damaged))
     assert code == 2 and "not a complete safetensors file" in one_line(err)
+
+
+# ----------------------------------------------------------------------------- class 6: Ctrl-C from outside
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = Path(json.__file__).parent.parent
+SIGINT_CORPUS = [str(STDLIB / name) for name in ("email", "unittest")]  # 1.3 MB of Python
+
+
+def _wait_until_importing_numpy(pid):
+    """Returns as soon as the process has loaded NumPy's core library, a fraction of a second after it
+    started: it runs andrea.prepare's imports then. (Sooner, the interpreter is still starting
+    itself, and a SIGINT is Python's own business: its site module fails to import.)"""
+    maps = Path(f"/proc/{pid}/maps")
+    if not maps.exists():
+        pytest.skip("no /proc: the moment the imports run cannot be seen from outside")
+    t0 = time.perf_counter()
+    while "_multiarray_umath" not in maps.read_text():
+        assert time.perf_counter() - t0 < 30
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("moment, delay", [("start", 0), ("tokenizer reading", 0), ("tokenizer reading", 0.02),
+                                           ("tokenizer merges", 0.05), ("encoding", 0.05)])
+def test_ctrl_c_from_outside_at_any_moment_exits_130_leaving_nothing_half_written(tmp_path, moment, delay):
+    """SIGINT sent to a `python -m andrea.prepare` process, as a terminal's Ctrl-C is: as it starts
+    (its imports, see _wait_until_importing_numpy), while the tokenizers trainer reads (a Rust library on a thread of its own),
+    while it merges, while the shards are written. Each ends with `interrupted` and exit code 130,
+    no traceback and no abort, and the data directory holds no temporary file and no manifest."""
+    import signal
+
+    out = tmp_path / "d"
+    proc = subprocess.Popen([sys.executable, "-m", "andrea.prepare", "--input", *SIGINT_CORPUS, "--data-dir",
+                             str(out), "--vocab-size", "3000", "--allow-smaller-vocab", "--workers", "1"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    marker = {"start": None, "tokenizer reading": "training a ", "tokenizer merges": "tokenizer: computing",
+              "encoding": "encoding "}[moment]
+    seen = []
+    try:
+        if marker is None:
+            _wait_until_importing_numpy(proc.pid)
+        else:
+            for line in proc.stderr:
+                seen.append(line)
+                if line.startswith(marker):
+                    break
+            time.sleep(delay)  # at the reading's very start (the thread starting) the old code aborted most
+        assert proc.poll() is None, f"it ended before {moment}: {''.join(seen)}"
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = "".join(seen) + err
+    assert proc.returncode == 130, err
+    assert err.rstrip().endswith("interrupted"), err
+    assert "Traceback" not in err and "FATAL" not in err and "panicked" not in err, err
+    left = [p.name for p in out.iterdir()] if out.exists() else []
+    assert "meta.json" not in left and not [n for n in left if n.endswith(".tmp")], left
