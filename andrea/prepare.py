@@ -693,6 +693,13 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
         _exit_before_finalizing(130 if isinstance(e, KeyboardInterrupt) else e.code if isinstance(e, SystemExit)
                                 and isinstance(e.code, int) else 1)
         raise
+    return _trained(result, seen, blocks, vocab_size, allow_smaller, total, sample, log)
+
+
+def _trained(result: dict, seen: dict, blocks, vocab_size: int, allow_smaller: bool, total: int, sample: int,
+             log: _Log) -> Tokenizer:
+    """The tokenizer the trainer's thread made, or what went wrong: text that is not UTF-8, the
+    trainer's error, or fewer ids than asked for (the sample's fault, or the corpus's)."""
     if seen["bytes"] and 2 * seen["bad"] > seen["bytes"]:
         raise UserError(f"the corpus does not look like text: {seen['bad'] / 1e6:.1f} of the first "
                         f"{seen['bytes'] / 1e6:.1f} MB read are not UTF-8 (e.g. {seen['bad_file']}): give text files")
