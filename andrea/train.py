@@ -41,6 +41,7 @@ import numpy as np
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import VARIANT_DEFAULTS, load_config, make_config
 from andrea.data import dataset as data
+from andrea.data import lock
 from andrea.errors import UserError
 from andrea.interop import hf
 from andrea.interop.hf import load_tokenizer
@@ -462,14 +463,15 @@ def prepare_data(cfg, build=True, tokenizer=None):
             prepare(**preflight.data_request(cfg, tokenizer), progress=True)
         except UserError as e:
             raise UserError(preflight.in_train_terms(str(e))) from e
-    tokenizer = load_tokenizer(data_dir / "tokenizer.json")
-    vocab_size = preflight.model_vocab_size(cfg, tokenizer.vocab_size, data_dir)
-    if vocab_size != cfg.model.vocab_size:
-        note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
-        cfg.model.vocab_size = vocab_size
-    fp = tokenizer.fingerprint()
-    train_tokens = data.open_split(data_dir, "train", cfg.model.vocab_size, fp)
-    val_tokens = data.open_split(data_dir, "val", cfg.model.vocab_size, fp)
+    with lock.reading(data_dir, note):  # one preparation's files, should another process prepare it now
+        tokenizer = load_tokenizer(data_dir / "tokenizer.json")
+        vocab_size = preflight.model_vocab_size(cfg, tokenizer.vocab_size, data_dir)
+        if vocab_size != cfg.model.vocab_size:
+            note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
+            cfg.model.vocab_size = vocab_size
+        fp = tokenizer.fingerprint()
+        train_tokens = data.open_split(data_dir, "train", cfg.model.vocab_size, fp)
+        val_tokens = data.open_split(data_dir, "val", cfg.model.vocab_size, fp)
     return tokenizer, train_tokens, val_tokens
 
 

@@ -142,6 +142,21 @@ def test_a_second_preparation_waits_for_the_first_then_finds_it_complete(tmp_pat
     assert result["meta"]["skipped"] and "waiting: another process is preparing" in capsys.readouterr().err
 
 
+def test_train_opens_the_data_only_when_no_preparation_is_writing_it(tmp_path, tok_path):
+    from andrea.data import lock
+
+    corpus, out, first = prepared(tmp_path, tok_path)
+    opened = {}
+    with lock.writing(out):
+        reader = threading.Thread(target=lambda: opened.update(
+            data=train.prepare_data(train_config(corpus, out), build=False)))
+        reader.start()
+        time.sleep(0.5)
+        assert reader.is_alive() and not opened  # it waits for the writer
+    reader.join(30)
+    assert len(opened["data"][1]) == first["train_tokens"]
+
+
 def test_two_preparations_with_different_tokenizers_leave_one_consistent_directory(tmp_path, tok_path):
     corpus = make_corpus(tmp_path / "c", 6, 60_000)
     other = tmp_path / "other.json"

@@ -2,6 +2,8 @@
 
     with lock.writing(data_dir, say):   # created if missing; an exclusive flock on the directory itself
         ...                             # check what it holds, then write: no other process writes meanwhile
+    with lock.reading(data_dir):        # a shared flock while train opens the manifest, tokenizer, shards
+        ...
 
 A second preparation of the same directory (two `prepare`, or the parallel `train`s of an experiment
 sharing data/stdlib) waits, saying so, rather than being refused: once the first has finished, the
@@ -42,12 +44,29 @@ def writing(data_dir, say: Callable[[str], None] | None = None) -> Iterator[bool
             os.close(fd)  # closing the descriptor drops the lock
 
 
-def _wait_for(fd: int, data_dir: Path, say) -> None:
-    if _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, data_dir):
+@contextlib.contextmanager
+def reading(data_dir, say: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold `data_dir` for reading while its manifest, tokenizer and shards are opened: a shared flock,
+    so a preparation in progress is waited for (and waits), and what is opened is one preparation's.
+    A directory that is not there is not held; the opened shards stay readable after the block."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        yield
+        return
+    fd = os.open(data_dir, os.O_RDONLY)
+    try:
+        _wait_for(fd, data_dir, say, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _wait_for(fd: int, data_dir: Path, say, how: int = fcntl.LOCK_EX) -> None:
+    if _flock(fd, how | fcntl.LOCK_NB, data_dir):
         return
     (say or _say)(f"waiting: another process is preparing {data_dir} (a prepare or a train); this one goes on "
                   "when it has finished (Ctrl-C stops waiting)")
-    _flock(fd, fcntl.LOCK_EX, data_dir)
+    _flock(fd, how, data_dir)
 
 
 def _same_directory(fd: int, data_dir: Path) -> bool:
