@@ -14,15 +14,21 @@ a single-file corpus gives its tail) -> train the BPE tokenizer on a sample of t
 `tokenizer.json` if the directory already has one -> encode every block on every core
 (threads; tiktoken releases the GIL), in corpus order, EOT after each document -> write the ids into
 shards of ~100M tokens (`train-00000.bin`, ..., `val-00000.bin`, ...) -> write `meta.json` last:
-the manifest (each shard's token count and largest id), so its presence means the directory is
-complete, and training needs nothing else: not the corpus, not a scan of the ids.
+the manifest (each shard's token count, largest id and the sha256 of its ids), so its presence means
+the directory is complete, and training needs nothing else: not the corpus, not a scan of the ids.
 
 Memory stays flat: every phase handles one block (<= ~2 MiB) per thread at a time, and the tokenizer
 sees at most the sample. After each full training shard the work done so far is recorded in
 `prepare-state.json` (andrea/data/shards.py), so an interrupted preparation continues from its last
-finished shard (Ctrl-C stops within a second in every phase). A complete directory is kept as it is: running
-again does nothing, whatever happened to the corpus since (`--force` re-encodes the corpus as it
-is now, with the directory's tokenizer.json, which is always kept since checkpoints depend on it).
+finished shard (Ctrl-C stops within a second in every phase, exit 130). The directory's states:
+empty, partial (the state file, no manifest), complete (the manifest: the one finished state; a state
+file left beside it by a kill is ignored, and removed when the directory is next written). A complete
+directory is kept as it is: running again does nothing, whatever happened to the corpus since
+(`--force` re-encodes the corpus as it is now, with the directory's tokenizer.json, which is always
+kept since checkpoints depend on it), but a shard whose size or header is not the manifest's is an
+error naming it, never re-made in silence; `--verify` reads every shard against its checksum.
+One process prepares a directory at a time (andrea/data/lock.py): another waits, then finds it complete.
+`check_preparation` makes every check of a preparation without writing (`train --dry-run` calls it).
 
 A refused run deletes nothing: every check (the directory is an andrea data directory or empty of
 its file names; the tokenizer, vocabulary and corpus fit) comes before any file is removed, and only
