@@ -210,7 +210,10 @@ def _glob(pattern: str) -> Iterator[str]:
     top = os.path.join(*parts[:fixed]) if fixed else os.curdir
     if fixed == len(parts):
         return iter([top] if os.path.lexists(top) else [])
-    return _match(top, parts[fixed:], prefix=fixed > 0)
+    matches = _match(top, parts[fixed:], prefix=fixed > 0)
+    if pattern.endswith(("/", os.sep)):  # as in glob: a trailing slash matches directories only
+        return (m for m in matches if os.path.isdir(m))
+    return matches
 
 
 def _match(directory: str, parts: tuple[str, ...], prefix: bool = True) -> Iterator[str]:
