@@ -951,9 +951,35 @@ def format_summary(stats: dict, data_dir: Path) -> str:
     return "\n".join(f"{name:<12}{value}" for name, value in rows)
 
 
+MMAP_THRESHOLD = 128 << 10  # glibc's own starting value, held fixed by the prepare command
+
+
+def fixed_mmap_threshold() -> dict:
+    """The prepare command's malloc setting: glibc's mmap threshold held at 128 KiB. Left dynamic,
+    glibc raises it to the size of the largest buffer freed so far, so every later block's buffers
+    (its bytes, its text, its ids: each the size of a block, which grows with the corpus up to 1 MiB,
+    see stream.block_size) come from the threads' arenas, which keep what is freed. Measured on this
+    project's 2-core VM under load, encoding 5 MB files with 2 workers: peak RSS 121.6 MiB at 40 MB
+    of corpus, 133.2 at 160 MB, 155.6 at 640 MB; 121.4 at 160 MB with the threshold held (BENCHMARKS).
+    Not when the user set the threshold (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES) or off glibc;
+    `train` keeps its own setting (minitensor/memory.py). Returns what it set."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return {}
+    try:
+        import ctypes
+        import ctypes.util
+
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return {}
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return {"mmap_threshold": MMAP_THRESHOLD} if mallopt(-3, MMAP_THRESHOLD) == 1 else {}  # -3: M_MMAP_THRESHOLD
+
+
 def main(argv: list[str]) -> int:
     if signal.getsignal(signal.SIGINT) is _interrupted_at_start:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the shell is up: Ctrl-C unwinds from here
+    fixed_mmap_threshold()
     args = _parser().parse_args(argv)
     data_dir = args.data_dir or default_data_dir(args.inputs)
     if args.verify:

@@ -443,3 +443,20 @@ def test_ctrl_c_from_outside_at_any_moment_exits_130_leaving_nothing_half_writte
     assert "Traceback" not in err and "FATAL" not in err and "panicked" not in err, err
     left = [p.name for p in out.iterdir()] if out.exists() else []
     assert "meta.json" not in left and not [n for n in left if n.endswith(".tmp")], left
+
+
+# ----------------------------------------------------------------------------- issue 30, class 14: memory
+
+
+def test_the_prepare_command_holds_mallocs_mmap_threshold(monkeypatch):
+    """What kept prepare's peak memory growing with the corpus (the block size does, up to 1 MiB, and
+    glibc's dynamic mmap threshold followed it): the command holds the threshold, unless the user set it."""
+    import platform
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", "")
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    assert prepare.fixed_mmap_threshold() == {"mmap_threshold": 128 << 10}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert prepare.fixed_mmap_threshold() == {}
