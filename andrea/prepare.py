@@ -13,15 +13,21 @@ a single-file corpus gives its tail) -> train the BPE tokenizer on a sample of t
 `tokenizer.json` if the directory already has one -> encode every block on every core
 (threads; tiktoken releases the GIL), in corpus order, EOT after each document -> write the ids into
 shards of ~100M tokens (`train-00000.bin`, ..., `val-00000.bin`, ...) -> write `meta.json` last:
-the manifest (each shard's token count and largest id), so its presence means the directory is
-complete, and training needs nothing else: not the corpus, not a scan of the ids.
+the manifest (each shard's token count, largest id and the sha256 of its ids), so its presence means
+the directory is complete, and training needs nothing else: not the corpus, not a scan of the ids.
 
 Memory stays flat: every phase handles one block (<= ~2 MiB) per thread at a time, and the tokenizer
 sees at most the sample. After each full training shard the work done so far is recorded in
 `prepare-state.json` (andrea/data/shards.py), so an interrupted preparation continues from its last
-finished shard (Ctrl-C stops within a second in every phase). A complete directory is kept as it is: running
-again does nothing, whatever happened to the corpus since (`--force` re-encodes the corpus as it
-is now, with the directory's tokenizer.json, which is always kept since checkpoints depend on it).
+finished shard (Ctrl-C stops within a second in every phase, exit 130). The directory's states:
+empty, partial (the state file, no manifest), complete (the manifest: the one finished state; a state
+file left beside it by a kill is ignored, and removed when the directory is next written). A complete
+directory is kept as it is: running again does nothing, whatever happened to the corpus since
+(`--force` re-encodes the corpus as it is now, with the directory's tokenizer.json, which is always
+kept since checkpoints depend on it), but a shard whose size or header is not the manifest's is an
+error naming it, never re-made in silence; `--verify` reads every shard against its checksum.
+One process prepares a directory at a time (andrea/data/lock.py): another waits, then finds it complete.
+`check_preparation` makes every check of a preparation without writing (`train --dry-run` calls it).
 
 A refused run deletes nothing: every check (the directory is an andrea data directory or empty of
 its file names; the tokenizer, vocabulary and corpus fit) comes before any file is removed, and only
@@ -33,11 +39,25 @@ opens the same shards from the manifest.
 
 from __future__ import annotations
 
-import argparse
+import os
+import signal
+
+
+def _interrupted_at_start(signum, frame):
+    """Ctrl-C before the command's shell (andrea/cli.py) is up, while the imports below run (a second
+    or so on a busy machine): nothing is written yet, so the process ends at once, as the shell would."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_at_start)  # main() gives Python's handler back
+
+import argparse  # after the handler above, on purpose
+import atexit
 import hashlib
 import json
 import math
-import os
 import platform
 import re
 import sys
@@ -51,16 +71,17 @@ from pathlib import Path
 import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
-from andrea.data import stream
+from andrea.data import lock, stream
 from andrea.data.dataset import (
     DATA_FORMAT,
     SHARDED_META_VERSION,
+    check_shards,
     iter_input_names,
     read_data_meta,
-    read_token_header,
     resolve_inputs,
     stdlib_corpus_files,
     stdlib_root,
+    verify_shards,
 )
 from andrea.data.shards import STATE_FILE, Encoder, new_state, write_json
 from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
@@ -227,6 +248,31 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+@dataclass
+class Preparation:
+    """What a preparation of `data_dir` will do, decided from the request and the directory as it is,
+    before anything is written (`check_preparation`): `done`, the manifest, when the directory is
+    complete and answers the request (nothing to do); else the corpus listed and planned, and what
+    the directory holds that the writing replaces or continues."""
+
+    data_dir: Path
+    done: dict | None = None
+    corpus: Corpus | None = None
+    sizes: np.ndarray | None = None
+    blocks: stream.Blocks | None = None
+    settings: dict | None = None
+    given: object = None           # the tokenizer given, loaded
+    source: object = None          # where it came from
+    existing: Tokenizer | None = None
+    fresh_tokenizer: bool = False  # the stdlib under an older rule: a new tokenizer even if one is there
+    meta: dict | None = None       # the complete manifest this one replaces (--force, other settings)
+    state: dict | None = None      # the partial preparation this one continues or replaces
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    allow_smaller_vocab: bool = False
+    tokenizer_sample: int = TOKENIZER_SAMPLE
+    shard_tokens: int = SHARD_TOKENS
+
+
 def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
             val_fraction: float | None = None, progress: bool = True, allow_smaller_vocab: bool = False,
             force: bool = False, tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE,
@@ -235,13 +281,38 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
 
     `tokenizer` (a tokenizer.json, or a directory holding one: andrea's or a Hugging Face
     byte-level BPE) is used instead of training one; `vocab_size` is then its size. The result
-    has `"skipped": True` when the directory was already complete.
+    has `"skipped": True` when the directory was already complete. The directory is held
+    (andrea/data/lock.py) from before it is read until the manifest is written: another process
+    preparing it waits.
     """
     t0 = time.perf_counter()
     data_dir = Path(data_dir)
     log = _Log(progress)
+    if workers is not None and workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    with lock.writing(data_dir, log.line) as created:
+        try:
+            plan = check_preparation(inputs, data_dir, vocab_size, val_fraction, allow_smaller_vocab, force,
+                                     tokenizer, tokenizer_sample, shard_tokens, log)
+            if plan.done is not None:
+                return {**plan.done, "skipped": True}
+            return _write(plan, workers or default_workers(), t0, log)
+        except BaseException:
+            if created and data_dir.is_dir() and not any(data_dir.iterdir()):
+                data_dir.rmdir()  # a refused or interrupted first preparation leaves nothing behind
+            raise
+
+
+def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                      val_fraction: float | None = None, allow_smaller_vocab: bool = False, force: bool = False,
+                      tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE, shard_tokens: int = SHARD_TOKENS,
+                      log: _Log | None = None) -> Preparation:
+    """Every check of a preparation, reading only: the request, the directory's state and tokenizer,
+    the corpus (listed and cut into blocks, each split holding text). A UserError on what would fail;
+    the Preparation to write otherwise. `prepare` and `train --dry-run` both call this."""
+    data_dir, log = Path(data_dir), log or _Log(False)
     # the request: its numbers in range; a tokenizer given is loaded and sets the vocabulary
-    val_fraction = _check_request(inputs, val_fraction, workers, tokenizer_sample)
+    val_fraction = _check_request(inputs, val_fraction, None, tokenizer_sample)
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     vocab_size = given.vocab_size if given is not None else vocab_size
     wanted = {"inputs": list(inputs) if inputs else None, "requested_vocab_size": vocab_size,
@@ -249,38 +320,48 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
     # the directory as it is: a complete preparation of the same request is kept
     meta, state = _our_files(data_dir)
     fresh_tokenizer = _stdlib_under_older_rule(data_dir, meta, inputs, log)
-    if not fresh_tokenizer and meta is not None and _up_to_date(data_dir, meta, wanted, given, force):
-        return {**meta, "skipped": True}
+    if not fresh_tokenizer and meta is not None and _up_to_date(data_dir, meta, wanted, given, force,
+                                                                                 allow_smaller_vocab):
+        return Preparation(data_dir, done=meta)
     # the corpus listed and cut into blocks; the directory's tokenizer checked against the request
     corpus, sizes = _list_corpus(inputs, log)
     existing = None if fresh_tokenizer else _existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
     blocks = stream.plan_blocks(corpus.files, sizes, corpus.root, val_fraction)
+    _check_splits_hold_text(corpus, sizes, blocks, val_fraction)
     settings = {"signature": _signature(corpus, sizes), **wanted, "shard_tokens": shard_tokens,
                 "blocks": len(blocks)}
+    return Preparation(data_dir, None, corpus, sizes, blocks, settings, given, tokenizer, existing, fresh_tokenizer,
+                       meta, state, vocab_size, allow_smaller_vocab, tokenizer_sample, shard_tokens)
+
+
+def _write(plan: Preparation, workers: int, t0: float, log: _Log) -> dict:
+    """The preparation `plan` describes, written into its directory (held by the caller)."""
+    data_dir, corpus, sizes, blocks, settings = plan.data_dir, plan.corpus, plan.sizes, plan.blocks, plan.settings
     # every check is done: from here on only files of this data directory are replaced or removed
-    resumable = _claim(data_dir, meta, state, settings, existing, fresh_tokenizer)
+    resumable = _claim(data_dir, plan.meta, plan.state, settings, plan.existing, plan.fresh_tokenizer)
     # the tokenizer: the one given, the directory's, or one trained on a sample of the training blocks
     t1 = time.perf_counter()
-    if given is not None:
-        tok, origin = _save_given(data_dir / "tokenizer.json", given, tokenizer, log)
-    elif existing is not None:
-        tok, origin = existing, "loaded"
+    if plan.given is not None:
+        tok, origin = _save_given(data_dir / "tokenizer.json", plan.given, plan.source, log)
+    elif plan.existing is not None:
+        tok, origin = plan.existing, "loaded"
         log.line(f"using the existing tokenizer {data_dir / 'tokenizer.json'} ({tok.vocab_size} ids)")
     else:
-        tok = _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller_vocab, tokenizer_sample, log)
+        tok = _train_tokenizer(corpus, sizes, blocks, plan.vocab_size, plan.allow_smaller_vocab,
+                               plan.tokenizer_sample, log)
         tok.save(data_dir / "tokenizer.json")
         origin = "trained"
     t2 = time.perf_counter()
     # the encoding, into shards, continued after the last finished shard of an interrupted run
     settings["tokenizer_fingerprint"] = tok.fingerprint()
-    state = _resumed(state, len(blocks), log) if resumable else new_state(settings, tok.vocab_size)
-    counts = Encoder(tok, corpus, sizes, blocks, data_dir, state, shard_tokens, log).run(workers or default_workers())
+    state = _resumed(plan.state, len(blocks), log) if resumable else new_state(settings, tok.vocab_size)
+    counts = Encoder(tok, corpus, sizes, blocks, data_dir, state, plan.shard_tokens, log).run(workers)
     t3 = time.perf_counter()
     # the manifest, written last: its presence says that the directory is complete
     seconds = {"tokenizer": round(t2 - t1, 2), "encode": round(t3 - t2, 2), "total": round(t3 - t0, 2)}
     meta = _manifest(corpus, blocks, settings, counts, tok, origin, seconds)
     write_json(data_dir / "meta.json", meta)
-    (data_dir / STATE_FILE).unlink(missing_ok=True)
+    (data_dir / STATE_FILE).unlink(missing_ok=True)  # after the manifest: a leftover beside it is ignored
     return {**meta, "skipped": False}
 
 
@@ -311,11 +392,14 @@ def _stdlib_under_older_rule(data_dir: Path, meta: dict | None, inputs: list[str
     return older
 
 
-def _up_to_date(data_dir: Path, meta: dict, wanted: dict, given, force: bool) -> bool:
+def _up_to_date(data_dir: Path, meta: dict, wanted: dict, given, force: bool, allow_smaller: bool) -> bool:
     """True when the complete directory `meta` describes answers the request as it is; a UserError
     when it holds another corpus or tokenizer than the one asked for."""
     _check_same_request(data_dir, meta, wanted, given, force)
-    return not force and _same_settings(meta, wanted) and _intact(data_dir, meta)
+    if force or not _same_settings(meta, wanted, allow_smaller):
+        return False
+    _check_intact(data_dir, meta)  # a damaged directory is said, never re-made in silence
+    return True
 
 
 def _list_corpus(inputs: list[str] | None, log: _Log) -> tuple[Corpus, np.ndarray]:
@@ -331,12 +415,46 @@ def _list_corpus(inputs: list[str] | None, log: _Log) -> tuple[Corpus, np.ndarra
     return corpus, sizes
 
 
+def _check_splits_hold_text(corpus: Corpus, sizes, blocks: stream.Blocks, val_fraction: float) -> None:
+    """Both splits hold text (a corpus of one line has no validation: a cut falls only at a line's end),
+    else a UserError with what gives them some. Only the cuts are read, and only until a block with
+    bytes is found, which is at once for all but very long lines."""
+    reader = stream.BlockReader(corpus.files, sizes, blocks)
+    for name, side in (("validation", True), ("training", False)):
+        if any(reader.n_bytes(int(j)) for j in np.flatnonzero(blocks.val == side)):
+            continue
+        nonempty = np.flatnonzero(sizes)
+        if len(nonempty) > 1:
+            raise UserError(f"the {name} split of this corpus holds no text (its blocks are empty pieces of long "
+                            "lines): give more text, more files, or another --val-fraction")
+        raise UserError(_one_file_advice(corpus.files[int(nonempty[0])], int(sizes[nonempty[0]]), name,
+                                         val_fraction))
+
+
+def _one_file_advice(path: Path, size: int, name: str, val_fraction: float) -> str:
+    """Why a one-file corpus gives the split `name` no text, and the --val-fraction that gives it some."""
+    with open(path, "rb") as f:  # the last newline with text after it
+        f.seek(max(size - (1 << 20), 0))
+        tail = f.read()
+    last = tail.rfind(b"\n", 0, len(tail) - 1)
+    line = max(size - (1 << 20), 0) + last if last >= 0 else -1
+    why = (f"the {name} split of {path} ({size} bytes) would hold no text: a one-file corpus validates on its "
+           f"last --val-fraction ({val_fraction:g}), starting at a line's start")
+    if name == "validation" and line > 0:
+        wanted = math.ceil(1000 * (1 - line / size) + 1e-9) / 1000  # moves the cut before the last line
+        if wanted < 1:
+            return f"{why}, and the last line begins before that: use --val-fraction {wanted:g} or more"
+    return f"{why}: give text of several lines (at least two), or several files"
+
+
 def _claim(data_dir: Path, meta: dict | None, state: dict | None, settings: dict, existing: Tokenizer | None,
            fresh_tokenizer: bool) -> bool:
     """Make `data_dir` ready to write: a killed run's unfinished shard, and the files of the last
     preparation that this one does not continue, removed. True when it continues a partial one:
     the same settings and the same tokenizer."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(data_dir, os.W_OK | os.X_OK):
+        raise UserError(f"{data_dir} needs preparing but cannot be written (no permission, or a read-only file "
+                        "system): choose another --data-dir (or --set data.data_dir=... for train)")
     remove_stale_temporaries(data_dir)  # a killed run's unfinished shard
     resumable = state is not None and existing is not None and state.get("settings") == {
         **settings, "tokenizer_fingerprint": existing.fingerprint()}
@@ -397,6 +515,8 @@ def _our_files(data_dir: Path) -> tuple[dict | None, dict | None]:
     state = _read_json(state_path)
     if state is not None and state.get("format") != DATA_FORMAT + "-partial":
         raise UserError(f"{data_dir} holds a {STATE_FILE} that andrea did not write: choose another --data-dir")
+    if meta is not None:
+        state = None  # left by a process killed between the manifest and removing the state: finished
     if meta is None and state is None and not damaged and data_dir.is_dir():
         clash = sorted(p.name for p in data_dir.iterdir() if re.fullmatch(r"(train|val)(-\d{5})?\.bin", p.name))
         if clash:
@@ -431,28 +551,28 @@ def _check_same_request(data_dir: Path, meta: dict, wanted: dict, given, force: 
                         "corpus there with its existing tokenizer.json")
 
 
-def _same_settings(meta: dict, wanted: dict) -> bool:
-    """The vocabulary asked for (or the one the directory has) and the validation fraction match."""
-    vocab = wanted["requested_vocab_size"]
-    return vocab in (meta.get("requested_vocab_size"), meta.get("vocab_size")) and (
-        meta.get("val_fraction") == wanted["val_fraction"])
+def _same_settings(meta: dict, wanted: dict, allow_smaller: bool) -> bool:
+    """The vocabulary asked for (or the one the directory has, or a larger one with allow_smaller,
+    which the directory's tokenizer answers) and the validation fraction match."""
+    vocab, has = wanted["requested_vocab_size"], meta.get("vocab_size")
+    fits = vocab in (meta.get("requested_vocab_size"), has) or (allow_smaller and isinstance(has, int) and has < vocab)
+    return fits and meta.get("val_fraction") == wanted["val_fraction"]
 
 
-def _intact(data_dir: Path, meta: dict) -> bool:
-    """True when every shard the manifest names has the header it says (headers only, no ids read)."""
+def _check_intact(data_dir: Path, meta: dict) -> None:
+    """Every shard the manifest names has the size and header it says, and tokenizer.json is the one
+    it names (headers only, no ids read): a UserError naming the first file that is not."""
+    tok = load_tokenizer(data_dir / "tokenizer.json")
+    if tok.fingerprint() != meta.get("tokenizer_fingerprint"):
+        raise UserError(f"{data_dir / 'tokenizer.json'} is not the tokenizer {data_dir / 'meta.json'} was encoded "
+                        "with: the data directory was changed since it was prepared; prepare it again (--force)")
     try:
-        fingerprint = load_tokenizer(data_dir / "tokenizer.json").fingerprint()
-        if meta["meta_version"] == 1:
-            files = [("train.bin", meta["train_tokens"]), ("val.bin", meta["val_tokens"])]
-        else:
-            files = [(e["file"], e["tokens"]) for split in ("train", "val") for e in meta["shards"][split]]
-        for name, count in files:
-            header = read_token_header(data_dir / name)
-            if (header.count, header.fingerprint) != (count, fingerprint):
-                return False
-    except (UserError, KeyError, TypeError):
-        return False
-    return fingerprint == meta.get("tokenizer_fingerprint")
+        check_shards(data_dir, meta, tok.fingerprint())
+    except UserError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{data_dir / 'meta.json'} is damaged ({type(e).__name__}: {e}): prepare it again "
+                        "(--force)") from e
 
 
 def _existing_tokenizer(data_dir: Path, vocab_size: int, allow_smaller: bool, given) -> Tokenizer | None:
@@ -480,7 +600,7 @@ def _remove_ours(data_dir: Path, meta: dict | None, state: dict | None, tokenize
             names |= {"train.bin", "val.bin"}
         else:
             names |= {e["file"] for split in ("train", "val") for e in meta["shards"][split]}
-        names.add("meta.json")
+        names |= {"meta.json", STATE_FILE}  # a state beside a manifest is a leftover of the finished run
     if state is not None:
         names |= {e["file"] for split in ("train", "val") for e in state["shards"][split]}
         names.add(STATE_FILE)
@@ -556,14 +676,14 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
 
     def train():
         try:
-            result["tok"] = Tokenizer.train(texts(), vocab_size, allow_smaller)
+            result["tok"] = Tokenizer.train(texts(), vocab_size, allow_smaller=True)
         except BaseException as e:  # handed to the main thread
             result["error"] = e
 
     worker = threading.Thread(target=train, name="andrea-tokenizer", daemon=True)
-    worker.start()
     announced, last = False, time.perf_counter()
     try:
+        worker.start()  # inside: a Ctrl-C while it starts finds the thread running
         while worker.is_alive():
             worker.join(0.25)
             if read_all.is_set() and not announced:
@@ -573,18 +693,66 @@ def _train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, l
             elif announced and time.perf_counter() - last >= PROGRESS_SECONDS:
                 last = time.perf_counter()
                 log.line(f"tokenizer: still computing merges ({last - bar.start:.0f} s since reading began)")
-    except BaseException:
+    except BaseException as e:
         stop.set()  # the reading ends at the next block; the thread dies with the process
+        _exit_before_finalizing(130 if isinstance(e, KeyboardInterrupt) else e.code if isinstance(e, SystemExit)
+                                and isinstance(e.code, int) else 1)
         raise
+    return _trained(result, seen, blocks, vocab_size, allow_smaller, total, sample, log)
+
+
+def _trained(result: dict, seen: dict, blocks, vocab_size: int, allow_smaller: bool, total: int, sample: int,
+             log: _Log) -> Tokenizer:
+    """The tokenizer the trainer's thread made, or what went wrong: text that is not UTF-8, the
+    trainer's error, or fewer ids than asked for (the sample's fault, or the corpus's)."""
     if seen["bytes"] and 2 * seen["bad"] > seen["bytes"]:
         raise UserError(f"the corpus does not look like text: {seen['bad'] / 1e6:.1f} of the first "
                         f"{seen['bytes'] / 1e6:.1f} MB read are not UTF-8 (e.g. {seen['bad_file']}): give text files")
     if "error" in result:
         raise result["error"]
     tok = result["tok"]
+    if tok.vocab_size < vocab_size and not allow_smaller:
+        train_bytes = int((blocks.nominal_end - blocks.nominal_start)[~blocks.val].sum())
+        raise UserError(_too_few_ids(tok.vocab_size, vocab_size, total, train_bytes, sample))
     if tok.vocab_size < vocab_size:
         log.line(f"note: the corpus is too small for {vocab_size} ids; the tokenizer has {tok.vocab_size}")
     return tok
+
+
+def _too_few_ids(found: int, wanted: int, read: int, train_bytes: int, sample: int) -> str:
+    """What to change when the tokenizer reached `found` of `wanted` ids on `read` bytes of the
+    corpus's `train_bytes` of training text: the sample when it left text out, else the corpus."""
+    ran_out = f"BPE ran out of pairs after {found - 257} merges ({found} of {wanted} ids)"
+    if read < train_bytes:
+        return (f"the tokenizer sample is too small for {wanted} token ids: {ran_out} on the {read / 1e6:.2f} MB that "
+                f"--tokenizer-sample {sample} took of the corpus's {train_bytes / 1e6:.1f} MB of training text; about "
+                f"1 MB is needed: raise --tokenizer-sample (default {TOKENIZER_SAMPLE // 1_000_000}MB), or keep "
+                "fewer ids with --allow-smaller-vocab")
+    return (f"the corpus is too small for {wanted} token ids: {ran_out}; about 1 MB of text is needed "
+            "(python -m andrea.prepare --allow-smaller-vocab keeps fewer ids)")
+
+
+def _exit_before_finalizing(code: int) -> None:
+    """In a process that is one of andrea's commands (whose shell turns the interruption into its
+    exit code), end it with `code` once it has unwound (every file closed or removed, the shell's
+    line printed) but before the interpreter finalizes: the tokenizers trainer's threads (Rust:
+    the trainer's own and rayon's, which call back for text) would meet a finalizing interpreter,
+    which aborts the process ('FATAL: exception not rethrown', SIGABRT), seen even after the
+    trainer's thread had returned. A library caller's process is left alone (it may go on)."""
+    from andrea import entry_point
+
+    if not (entry_point() or "").startswith("andrea."):
+        return
+
+    def exit_now() -> None:
+        for stream_ in (sys.stdout, sys.stderr):
+            try:
+                stream_.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    atexit.register(exit_now)
 
 
 def trainer_pieces(text: str, limit: int = TRAINER_PIECE) -> Iterator[str]:
@@ -662,7 +830,7 @@ class _Progress:
         rate = (self.bytes - self.resumed) / elapsed
         left = max(self.total_bytes - self.bytes, 0)
         # The first second's rate is mostly start-up: no ETA from it.
-        eta = f"{left / rate:.0f}s" if left == 0 or (rate > 0 and elapsed > 1) else "?"
+        eta = "0s" if left == 0 else f"{left / rate:.0f}s" if rate > 0 and elapsed > 1 else "?"
         return (
             f"{self.label} {self.files:>{len(str(self.total_files))}}/{self.total_files} {self.unit}  "
             f"{self.bytes / 1e6:.1f}/{self.total_bytes / 1e6:.1f} MB  {rate / 1e6:.1f} MB/s  ETA {eta}"
@@ -716,6 +884,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="train the tokenizer on at most this much of the training text, spread over the corpus "
                    "(default 100MB; accepts 500MB, 2GB, or bytes)")
     p.add_argument("--workers", type=int, help="encoding threads (default: every core this process may use)")
+    p.add_argument("--verify", action="store_true",
+                   help="read every shard of --data-dir and check it against the checksums in meta.json; writes nothing")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -727,6 +897,26 @@ def byte_count(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 100MB, 1GB or 5000000")
     return int(float(m.group(1)) * 1000 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def verify(data_dir) -> str:
+    """`prepare --verify`: every shard of a complete `data_dir` read and checked against its manifest
+    (size, header, the ids' sha256 and largest id); a UserError naming each shard that differs."""
+    data_dir = Path(data_dir)
+    meta = read_data_meta(data_dir)
+    if meta is None:
+        raise UserError(f"{data_dir} holds no complete prepared data (meta.json) to verify: run python -m andrea.prepare")
+    _check_intact(data_dir, meta)
+    checked, tokens, problems = verify_shards(data_dir, meta, meta["tokenizer_fingerprint"])
+    if problems:
+        raise UserError(f"{len(problems)} shard(s) of {data_dir} changed since they were written: "
+                        f"{'; '.join(problems)}; prepare it again with --force")
+    shards = sum(len(meta["shards"][s]) for s in ("train", "val")) if meta["meta_version"] != 1 else 2
+    if checked < shards:
+        return (f"{data_dir}: {shards} shards, {tokens:,} tokens; sizes and headers match meta.json, but "
+                f"{shards - checked} shards have no checksum (prepared before checksums were recorded): "
+                "prepare --force records them")
+    return f"{data_dir}: {shards} shards, {tokens:,} tokens: every checksum matches meta.json"
 
 
 def format_summary(stats: dict, data_dir: Path) -> str:
@@ -760,10 +950,43 @@ def format_summary(stats: dict, data_dir: Path) -> str:
     return "\n".join(f"{name:<12}{value}" for name, value in rows)
 
 
+MMAP_THRESHOLD = 128 << 10  # glibc's own starting value, held fixed by the prepare command
+
+
+def fixed_mmap_threshold() -> dict:
+    """The prepare command's malloc setting: glibc's mmap threshold held at 128 KiB. Left dynamic,
+    glibc raises it to the size of the largest buffer freed so far, so every later block's buffers
+    (its bytes, its text, its ids: each the size of a block, which grows with the corpus up to 1 MiB,
+    see stream.block_size) come from the threads' arenas, which keep what is freed. Measured on this
+    project's 2-core VM under load, encoding 5 MB files with 2 workers and a given tokenizer: peak RSS
+    121.6 / 133.2 / 155.6 MiB at 40 / 160 / 640 MB of corpus with the threshold dynamic, 122.8 / 125.2 /
+    131.5 held (what remains is the blocks in flight); training the tokenizer on a 20 MB sample as well:
+    165.1 / 173.7 MiB at 40 / 160 MB dynamic, 152.5 / 156.0 held.
+    Not when the user set the threshold (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES) or off glibc;
+    `train` keeps its own setting (minitensor/memory.py). Returns what it set."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return {}
+    try:
+        import ctypes
+        import ctypes.util
+
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return {}
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return {"mmap_threshold": MMAP_THRESHOLD} if mallopt(-3, MMAP_THRESHOLD) == 1 else {}  # -3: M_MMAP_THRESHOLD
+
+
 def main(argv: list[str]) -> int:
+    if signal.getsignal(signal.SIGINT) is _interrupted_at_start:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the shell is up: Ctrl-C unwinds from here
+    fixed_mmap_threshold()
     args = _parser().parse_args(argv)
     data_dir = args.data_dir or default_data_dir(args.inputs)
-    check_directory(data_dir, "--data-dir")
+    if args.verify:
+        print(verify(data_dir))
+        return 0
+    check_directory(data_dir, "--data-dir", writable=not data_dir.is_dir())  # else checked if it is written
     stats = prepare(
         args.inputs,
         data_dir,

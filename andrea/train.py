@@ -41,6 +41,7 @@ import numpy as np
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import VARIANT_DEFAULTS, load_config, make_config
 from andrea.data import dataset as data
+from andrea.data import lock
 from andrea.errors import UserError
 from andrea.interop import hf
 from andrea.interop.hf import load_tokenizer
@@ -465,21 +466,18 @@ def prepare_data(cfg, build=True, tokenizer=None):
     # prepare() returns at once when data_dir already holds this corpus, and refuses another one
     if build:
         try:
-            prepare(cfg.data.inputs or None, data_dir, vocab_size=cfg.model.vocab_size,
-                    val_fraction=cfg.data.val_fraction, allow_smaller_vocab=cfg.data.allow_smaller_vocab,
-                    tokenizer=tokenizer)
+            prepare(**preflight.data_request(cfg, tokenizer), progress=True)
         except UserError as e:
             raise UserError(preflight.in_train_terms(str(e))) from e
-    tokenizer = load_tokenizer(data_dir / "tokenizer.json")
-    if cfg.data.allow_smaller_vocab and tokenizer.vocab_size < cfg.model.vocab_size:
-        note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
-        cfg.model.vocab_size = tokenizer.vocab_size
-    if tokenizer.vocab_size != cfg.model.vocab_size:
-        raise UserError(f"the tokenizer in {data_dir} has {tokenizer.vocab_size} ids but model.vocab_size is "
-                        f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer.vocab_size} or prepare again")
-    fp = tokenizer.fingerprint()
-    train_tokens = data.open_split(data_dir, "train", cfg.model.vocab_size, fp)
-    val_tokens = data.open_split(data_dir, "val", cfg.model.vocab_size, fp)
+    with lock.reading(data_dir, note):  # one preparation's files, should another process prepare it now
+        tokenizer = load_tokenizer(data_dir / "tokenizer.json")
+        vocab_size = preflight.model_vocab_size(cfg, tokenizer.vocab_size, data_dir)
+        if vocab_size != cfg.model.vocab_size:
+            note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
+            cfg.model.vocab_size = vocab_size
+        fp = tokenizer.fingerprint()
+        train_tokens = data.open_split(data_dir, "train", cfg.model.vocab_size, fp)
+        val_tokens = data.open_split(data_dir, "val", cfg.model.vocab_size, fp)
     return tokenizer, train_tokens, val_tokens
 
 
@@ -625,7 +623,8 @@ def check_launch(args, world):
     with world.together():
         if preflight.train_device(cfg.train.device) != "cpu":
             dist.use_local_gpu(world)  # before the probe touches a GPU
-        plan = preflight.check(cfg, out_dir, world.size, args.init_from, warn=None if world.is_main else _quiet)
+        plan = preflight.check(cfg, out_dir, world.size, args.init_from, warn=None if world.is_main else _quiet,
+                               tokenizer=run_tokenizer(args, out_dir), corpus=world.is_main)
         rundir.check(out_dir, "run", args.resume, args.overwrite)  # another program's directory, a run in use
     gpus = int(world.sum_scalars([plan.device == "gpu"])[0])
     with world.together():
@@ -659,14 +658,19 @@ def require_same_launch(world, args, cfg, out_dir):
 def load_data(cfg, args, world, out_dir):
     """(tokenizer, train tokens, val tokens) on every rank: rank 0 prepares what is missing first."""
     with world.together():
-        # a resumed run encodes with its own tokenizer, should its data directory have to be prepared again
-        own = out_dir / "tokenizer.json" if args.resume and (out_dir / "tokenizer.json").is_file() else None
-        prepared = prepare_data(cfg, tokenizer=args.init_from or own) if world.is_main else None
+        prepared = prepare_data(cfg, tokenizer=run_tokenizer(args, out_dir)) if world.is_main else None
     with world.together():
         tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
         preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
         preflight.check_prompt(tokenizer, cfg)
     return tokenizer, train_tokens, val_tokens
+
+
+def run_tokenizer(args, out_dir):
+    """The tokenizer the run prepares its data with, if it must: --init-from's; a resumed run's own
+    (should its data directory have to be prepared again); None: the directory's, or a new one."""
+    own = out_dir / "tokenizer.json" if args.resume and (out_dir / "tokenizer.json").is_file() else None
+    return args.init_from or own
 
 
 def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens):

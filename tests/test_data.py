@@ -388,8 +388,10 @@ def test_prepare_fast_path_force_and_other_corpus(corpus, tmp_path):
     forced = prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True, force=True)
     assert not forced["skipped"] and forced["tokenizer"] == "loaded"
     assert forced["tokenizer_fingerprint"] == first["tokenizer_fingerprint"]
-    (out / "val-00000.bin").unlink()  # a damaged directory is rebuilt without --force
-    assert not prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)["skipped"]
+    (out / "val-00000.bin").unlink()  # a damaged directory is said, naming the shard, and rebuilt with --force
+    with pytest.raises(UserError, match="val-00000.bin does not exist"):
+        prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)
+    assert not prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True, force=True)["skipped"]
     (corpus / "new.txt").write_text("a new document\n")  # a changed corpus changes nothing until --force
     assert prepare([str(corpus)], out, progress=False, allow_smaller_vocab=True)["skipped"]
     with pytest.raises(UserError, match="another corpus"):

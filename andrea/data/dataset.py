@@ -31,6 +31,7 @@ not at all. No pickle anywhere.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import glob
 import hashlib
 import heapq
@@ -71,7 +72,8 @@ def atomic_writer(path) -> Iterator[BinaryIO]:
     """Open `path` for binary writing so that it appears complete or not at all.
 
     Writes go to a hidden temporary file beside `path`, which is fsync'ed and renamed over
-    `path` only when the block ends without an exception; on any exception it is removed.
+    `path` only when the block ends without an exception; on any exception it is removed. A failure
+    of the file system (a full disk) names `path`: a write's OSError carries no file name of its own.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -81,10 +83,21 @@ def atomic_writer(path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise named(e, path) from None if e.filename is None else e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def named(e: OSError, path) -> OSError:
+    """`e` naming `path` when it names no file (a write's error does not): OSError(errno, ...) is the
+    errno's own subclass, so a caller catching PermissionError still does."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror, str(path))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -180,11 +193,75 @@ def _spec_names(spec: str) -> Iterator[str]:
 
 
 def _glob_names(pattern: str) -> Iterator[str]:
-    for match in glob.glob(pattern, recursive=True):
+    for match in _glob(pattern):
         if os.path.isdir(match):
             yield from _walk_text_files(match)
         elif os.path.isfile(match) and _looks_like_text(Path(match)):
             yield os.path.abspath(match)
+
+
+def _glob(pattern: str) -> Iterator[str]:
+    """The paths `pattern` matches, as `glob.glob(pattern, recursive=True)` gives them, except that a
+    wildcard (`**` included) never goes through a symbolic link to a directory, as the directory walk
+    never enters one: `self -> .` or `up -> ..` would make `**` loop or take each file many times
+    (glob follows them until the path is too long). A link written out in the pattern is followed."""
+    parts = Path(os.path.expanduser(pattern)).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    top = os.path.join(*parts[:fixed]) if fixed else os.curdir
+    if fixed == len(parts):
+        return iter([top] if os.path.lexists(top) else [])
+    matches = _match(top, parts[fixed:], prefix=fixed > 0)
+    if pattern.endswith(("/", os.sep)):  # as in glob: a trailing slash matches directories only
+        return (m for m in matches if os.path.isdir(m))
+    return matches
+
+
+def _match(directory: str, parts: tuple[str, ...], prefix: bool = True) -> Iterator[str]:
+    """The paths under `directory` that the pattern parts `parts` match (see `_glob`)."""
+    head, rest = parts[0], parts[1:]
+    name = (lambda entry: os.path.join(directory, entry)) if prefix else (lambda entry: entry)
+    if head == "**":
+        if not rest:  # every file and directory below: the directory itself, walked by the caller
+            yield directory if prefix else os.curdir
+            return
+        yield from _match(directory, rest, prefix)
+        for entry, is_dir in _wildcard_entries(directory, "*"):
+            if is_dir:
+                yield from _match(name(entry), parts)
+        return
+    if not glob.has_magic(head):
+        path = name(head)
+        if not rest:
+            if os.path.lexists(path):
+                yield path
+        elif os.path.isdir(path):
+            yield from _match(path, rest)
+        return
+    for entry, is_dir in _wildcard_entries(directory, head):
+        if not rest:
+            yield name(entry)
+        elif is_dir:
+            yield from _match(name(entry), rest)
+
+
+def _wildcard_entries(directory: str, part: str) -> list[tuple[str, bool]]:
+    """(name, is a real directory) of the entries of `directory` that the wildcard `part` matches:
+    hidden names only for a part that starts with a dot, and no symbolic link to a directory."""
+    try:
+        with os.scandir(directory) as it:
+            entries = list(it)
+    except OSError:
+        return []
+    taken = []
+    for entry in entries:
+        if entry.name.startswith(".") and not part.startswith("."):
+            continue
+        if not fnmatch.fnmatchcase(entry.name, part):
+            continue
+        linked_dir = entry.is_symlink() and os.path.isdir(entry.path)
+        if not linked_dir:
+            taken.append((entry.name, _is_dir(entry)))
+    return sorted(taken)
 
 
 def _walk_text_files(top: str) -> Iterator[str]:
@@ -315,12 +392,14 @@ class TokenFileHeader:
 
 
 class TokenSink:
-    """Appends token ids to an open token file and counts them (see `token_writer`)."""
+    """Appends token ids to an open token file, counts them and hashes them (`sha256`: of the bytes
+    after the header, what the manifest records and `verify_split` checks; see `token_writer`)."""
 
-    def __init__(self, f: BinaryIO, vocab_size: int):
-        self._f = f
+    def __init__(self, f: BinaryIO, vocab_size: int, path=None):
+        self._f, self.path = f, path
         self.vocab_size = vocab_size
         self.count = 0
+        self.sha256 = hashlib.sha256()
 
     def write(self, tokens) -> None:
         ids = np.asarray(tokens)
@@ -331,7 +410,12 @@ class TokenSink:
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(f"token id {hi if hi >= self.vocab_size else lo} is outside 0..{self.vocab_size - 1}")
-        self._f.write(np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes())
+        raw = np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes()
+        try:
+            self._f.write(raw)
+        except OSError as e:  # a full disk: the error names the shard (the sink's owner may not be in a with)
+            raise named(e, self.path) from None
+        self.sha256.update(raw)
         self.count += ids.size
 
 
@@ -344,7 +428,7 @@ def token_writer(path, vocab_size: int, fingerprint: str) -> Iterator[TokenSink]
         raise ValueError("a tokenizer fingerprint has at most 64 ASCII characters")
     with atomic_writer(path) as f:
         f.write(bytes(HEADER_SIZE))  # the count is known only at the end
-        sink = TokenSink(f, vocab_size)
+        sink = TokenSink(f, vocab_size, path)
         yield sink
         f.seek(0)
         f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, vocab_size, sink.count, fp))
@@ -540,6 +624,59 @@ def open_split(data_dir, split: str, vocab_size: int, fingerprint: str) -> Token
         arrays.append(_open_ids(path, header, vocab_size, fingerprint))
         names.append(entry["file"])
     return TokenShards(arrays, vocab_size, names)
+
+
+def check_shards(data_dir, meta: dict, fingerprint: str) -> None:
+    """Every shard the manifest `meta` names has the header and size it says, made with the tokenizer
+    of `fingerprint`: a UserError naming the first that does not (headers only, no ids read)."""
+    data_dir = Path(data_dir)
+    for split in ("train", "val"):
+        for name, count in _manifest_files(meta, split):
+            path = data_dir / name
+            header = read_token_header(path)  # the file's size against its header's count
+            if header.count != count:
+                raise UserError(f"{path} holds {header.count} tokens but meta.json says {count}: the data "
+                                "directory was changed since it was prepared; prepare it again (--force)")
+            if header.fingerprint != fingerprint:
+                raise UserError(f"{path} was made with another tokenizer than {data_dir / 'tokenizer.json'}: the "
+                                "data directory was changed since it was prepared; prepare it again (--force)")
+
+
+def _manifest_files(meta: dict, split: str) -> list[tuple[str, int]]:
+    if meta["meta_version"] == 1:
+        return [(f"{split}.bin", int(meta[f"{split}_tokens"]))]
+    return [(e["file"], int(e["tokens"])) for e in meta["shards"][split]]
+
+
+VERIFY_CHUNK = 1 << 24  # bytes of ids read at a time by verify_shards
+
+
+def verify_shards(data_dir, meta: dict, fingerprint: str) -> tuple[int, int, list[str]]:
+    """Read every shard whole: (shards with a checksum, tokens read, problems). A problem is a shard
+    whose ids' sha256 or largest id is not the manifest's, each a line naming the shard; the headers
+    and sizes are checked first (`check_shards`, a UserError). Manifests from before the checksums
+    have none: their shards are counted as read but not as checked."""
+    data_dir = Path(data_dir)
+    check_shards(data_dir, meta, fingerprint)
+    checked, tokens, problems = 0, 0, []
+    entries = [e for split in ("train", "val") for e in meta["shards"][split]] if meta["meta_version"] != 1 else []
+    for entry in entries:
+        path = data_dir / entry["file"]
+        digest, top = hashlib.sha256(), -1
+        with open(path, "rb") as f:
+            f.seek(HEADER_SIZE)
+            while chunk := f.read(VERIFY_CHUNK):
+                digest.update(chunk)
+                top = max(top, int(np.frombuffer(chunk, dtype=TOKEN_DTYPE).max()))
+        tokens += int(entry["tokens"])
+        if "sha256" not in entry:
+            continue
+        checked += 1
+        if digest.hexdigest() != entry["sha256"]:
+            problems.append(f"{path}: its ids' checksum is not the one meta.json recorded when it was written")
+        elif top != entry["max_id"]:
+            problems.append(f"{path}: its largest id is {top}, meta.json says {entry['max_id']}")
+    return checked, tokens, problems
 
 
 # ----------------------------------------------------------------------------- batches

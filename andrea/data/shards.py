@@ -71,10 +71,11 @@ class ShardWriter:
     def close(self) -> None:
         if self._sink is None:
             return
-        count, stack = self._sink.count, self._stack
+        count, digest, stack = self._sink.count, self._sink.sha256.hexdigest(), self._stack
         self._sink = self._stack = None
         stack.close()  # header written, file renamed into place
-        self.done.append({"file": shard_name(self.split, len(self.done)), "tokens": count, "max_id": self.max_id})
+        self.done.append({"file": shard_name(self.split, len(self.done)), "tokens": count, "max_id": self.max_id,
+                          "sha256": digest})
         self.max_id = -1
 
     def abandon(self) -> None:

@@ -160,14 +160,23 @@ def cut_at(f, nominal: int, size: int, limit: int) -> int:
     return nominal + skip
 
 
-def read_block(path: Path, block: Block, size: int, next_nominal_end: int) -> bytes:
-    """The bytes of `block` of the file at `path` (of `size` bytes when planned)."""
+def block_span(f, block: Block, size: int, next_nominal_end: int) -> tuple[int, int]:
+    """(start, end) in the open file `f` of `block` (of a file of `size` bytes when planned)."""
+    start = cut_at(f, block.nominal_start, size, block.nominal_end)
+    end = size if block.last else cut_at(f, block.nominal_end, size, next_nominal_end)
+    return start, max(start, end)
+
+
+def read_block(path: Path, block: Block, size: int, next_nominal_end: int, span_only: bool = False):
+    """The bytes of `block` of the file at `path` (of `size` bytes when planned); with `span_only`,
+    how many they are, found by reading only around the cuts."""
     try:
         with open(path, "rb") as f:
-            start = cut_at(f, block.nominal_start, size, block.nominal_end)
-            end = size if block.last else cut_at(f, block.nominal_end, size, next_nominal_end)
+            start, end = block_span(f, block, size, next_nominal_end)
+            if span_only:
+                return end - start
             f.seek(start)
-            return f.read(max(end - start, 0))
+            return f.read(end - start)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from e
 
@@ -187,13 +196,20 @@ class BlockReader:
         self.paths, self.sizes, self.blocks = paths, sizes, blocks
 
     def read(self, j: int) -> tuple[int, str, bool]:
+        raw = self._read(j, span_only=False)
+        text, valid = decode(raw)
+        return len(raw), text, valid
+
+    def n_bytes(self, j: int) -> int:
+        """How many bytes block j holds, its cuts found without reading the rest of it."""
+        return self._read(j, span_only=True)
+
+    def _read(self, j: int, span_only: bool):
         b = self.blocks[j]
         following = self.blocks[j + 1] if j + 1 < len(self.blocks) else None
         size = int(self.sizes[b.file])
         limit = following.nominal_end if following is not None and following.file == b.file else size
-        raw = read_block(self.paths[b.file], b, size, limit)
-        text, valid = decode(raw)
-        return len(raw), text, valid
+        return read_block(self.paths[b.file], b, size, limit, span_only)
 
 
 def ordered_map(

@@ -9,8 +9,10 @@
   probed (a kernel and a matmul run on it), so the plan names the device the run will get;
 - the shape of a step: `train.tokens_per_step` must divide into batch x seq_len x processes, and
   `model.vocab_size` must fit the token files' uint16 ids;
-- `--init-from`: the directory's weight files must be there (their contents are read when loaded);
-- the paths: `--out` and `data.data_dir` must be (or be creatable as) directories;
+- `--init-from`: the directory's weights, as loading reads them (hf.read_state: every file's header,
+  each tensor's name and shape against the config, every value finite);
+- the paths: `--out` must be (or be creatable as) a directory; `data.data_dir` too, written only when
+  it must be prepared (a complete one on a read-only mount is only read);
 - the sample prompt: a run that ends with a sample needs a prompt that encodes to tokens;
 - the schedule: `train.warmup_steps` beyond `train.max_steps` is a warning saying the peak rate
   the run reaches (it was silent; refusing it would break quick `--max-steps 10` runs);
@@ -19,7 +21,10 @@
   below), against what the machine has
   (`MemAvailable` and the cgroup limit on Linux, free GPU memory on a GPU, which `auto` counts
   as when a GPU works): an error when the estimate does not fit, a warning above 80%;
-- the data, when it is already prepared: both splits must hold a window of seq_len + 1 tokens
+- the data, as the run's preparation checks it (andrea.prepare.check_preparation, reading only):
+  the inputs (one matching nothing, or other than those the directory was prepared from), the
+  directory's state, shards and tokenizer, the corpus and its two splits; when it is prepared, the
+  tokenizer's size against model.vocab_size and a window of seq_len + 1 tokens in both splits
   (`check_data` repeats this after a first-run preparation).
 
 Activation memory follows BENCHMARKS.md's measurement on ANDREA-120M: 12 d_model floats per
@@ -96,9 +101,15 @@ def probe_device(device: str) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------------------------- paths
 
-def check_directory(path, what: str) -> None:
-    """Refuses a path that cannot be (or become) a directory: a file, or a file among its parents."""
+def check_directory(path, what: str, writable: bool = True) -> None:
+    """Refuses a path that cannot be (or become) a directory: a file, or a file among its parents;
+    with `writable`, one that cannot be written; without, an existing one that cannot be read (a
+    complete data directory on a read-only mount is only read)."""
     path = Path(path)
+    if not writable and path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise UserError(f"{what} {path} cannot be read: no permission to read it")
+        return
     if path.exists() and not path.is_dir():
         raise UserError(f"{what} {path} is a file, not a directory: choose a directory")
     ancestor = path
@@ -286,19 +297,21 @@ def describe_model(m) -> str:
             f"{'s' if m.n_head != 1 else ''}, context {m.context_length}, vocab {m.vocab_size}")
 
 
-def check(cfg, out_dir, processes=1, init_from=None, warn=None) -> Plan:
+def check(cfg, out_dir, processes=1, init_from=None, warn=None, tokenizer=None, corpus=True) -> Plan:
     """Everything that can be checked before data preparation and model allocation; see the module doc.
 
-    Run on every one of `processes` ranks alike (andrea.train), with and without --dry-run."""
+    Run on every one of `processes` ranks alike (andrea.train), with and without --dry-run; `tokenizer`
+    is the one the run prepares with (data_request), and `corpus` False skips the checks of the
+    preparation (listing the corpus: rank 0's, which alone prepares)."""
     t = cfg.train
     requested = train_device(t.device)
     device, device_note = probe_device(requested)
     check_directory(out_dir, "--out")
     data_dir = cfg.data.resolved_dir()
-    check_directory(data_dir, "data.data_dir")
+    check_directory(data_dir, "data.data_dir", writable=prepared_counts(data_dir) is None)
     check_step_shape(cfg, processes)
     if init_from:
-        check_init_from(init_from)
+        check_init_from(init_from, cfg)
     if t.warmup_steps > t.max_steps:
         # refusing would break quick runs (`--max-steps 10` on a config warming up for 50): say what happens
         peak = t.lr * t.max_steps / t.warmup_steps
@@ -309,13 +322,7 @@ def check(cfg, out_dir, processes=1, init_from=None, warn=None) -> Plan:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
     mem = estimate_memory(cfg)
     verdict = check_memory(mem, memory_device(device), warn)  # device is probed already: cpu or gpu
-    counts = prepared_counts(data_dir)
-    if counts is None:
-        source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
-        data = f"{data_dir} not prepared yet: the run prepares it from {source} first"
-    else:
-        check_data(cfg, *counts, data_dir)
-        data = f"{data_dir}: {counts[0]:,} train tokens, {counts[1]:,} val tokens"
+    data = check_preparation(cfg, tokenizer) if corpus else _prepared_line(cfg, data_dir)
     return Plan(cfg, Path(out_dir), requested, device, mem, verdict, data, processes, device_note)
 
 
@@ -328,11 +335,59 @@ def check_step_shape(cfg, processes: int) -> None:
     dist.accumulation(t.tokens_per_step, t.batch_size, t.sequence_length(m), processes)
 
 
-def check_init_from(directory) -> None:
-    """--init-from's config was read with the run config; its weight files must be there too (the
-    tensors themselves are checked when they are loaded)."""
+def check_init_from(directory, cfg) -> None:
+    """--init-from's config was read with the run config; its weights are checked as loading them
+    checks them (hf.read_state, which the run's hf.load_weights calls): files, headers, names,
+    shapes against the model config, finite values."""
     from andrea.interop import hf
-    hf._weight_files(Path(directory))  # raises naming what is missing: the file, or shards of an index
+    from andrea.model.transformer import param_shapes
+
+    hf.read_state(Path(directory), param_shapes(cfg.model))
+
+
+def data_request(cfg, tokenizer=None) -> dict:
+    """The arguments of the run's preparation (andrea.prepare.prepare and check_preparation alike)."""
+    return {"inputs": cfg.data.inputs or None, "data_dir": cfg.data.resolved_dir(), "vocab_size": cfg.model.vocab_size,
+            "val_fraction": cfg.data.val_fraction, "allow_smaller_vocab": cfg.data.allow_smaller_vocab,
+            "tokenizer": tokenizer}
+
+
+def check_preparation(cfg, tokenizer=None) -> str:
+    """The run's preparation checked as `prepare` checks it before writing, reading only; then, for a
+    prepared directory, the model's vocabulary and both splits. The plan's data line."""
+    from andrea.prepare import check_preparation as check_request
+
+    request = data_request(cfg, tokenizer)
+    try:
+        plan = check_request(**request)
+    except UserError as e:
+        raise UserError(in_train_terms(str(e))) from e
+    data_dir = request["data_dir"]
+    if plan.done is None:
+        source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
+        return (f"{data_dir} not prepared yet: the run prepares it from {source} first ({len(plan.corpus.files):,} "
+                f"files, {plan.sizes.sum() / 1e6:.1f} MB)")
+    model_vocab_size(cfg, plan.done["vocab_size"], data_dir)
+    return _prepared_line(cfg, data_dir)
+
+
+def _prepared_line(cfg, data_dir) -> str:
+    counts = prepared_counts(data_dir)
+    if counts is None:
+        return f"{data_dir} not prepared yet: the run prepares it first"
+    check_data(cfg, *counts, data_dir)
+    return f"{data_dir}: {counts[0]:,} train tokens, {counts[1]:,} val tokens"
+
+
+def model_vocab_size(cfg, tokenizer_vocab: int, data_dir) -> int:
+    """The model's vocabulary with the data's tokenizer of `tokenizer_vocab` ids: model.vocab_size, or
+    the tokenizer's smaller size with data.allow_smaller_vocab; another size is a UserError."""
+    if cfg.data.allow_smaller_vocab and tokenizer_vocab < cfg.model.vocab_size:
+        return tokenizer_vocab
+    if tokenizer_vocab != cfg.model.vocab_size:
+        raise UserError(f"the tokenizer in {data_dir} has {tokenizer_vocab} ids but model.vocab_size is "
+                        f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer_vocab} or prepare again")
+    return tokenizer_vocab
 
 
 def check_prompt(tokenizer, cfg) -> None:
