@@ -87,7 +87,7 @@ from andrea.data.shards import STATE_FILE, Encoder, new_state, write_json
 from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer
 from andrea.errors import UserError
 from andrea.interop.hf import load_tokenizer
-from andrea.run.preflight import check_directory
+from andrea.run.paths import check_directory
 from andrea.run.runlog import remove_stale_temporaries
 
 META_VERSION = SHARDED_META_VERSION

@@ -43,6 +43,7 @@ from andrea.data.dataset import MAX_VOCAB
 from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
 from andrea.run import distributed as dist
+from andrea.run.paths import check_directory, check_output_file  # noqa: F401 (check_output_file: the commands')
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
@@ -100,37 +101,6 @@ def probe_device(device: str) -> tuple[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------- paths
-
-def check_directory(path, what: str, writable: bool = True) -> None:
-    """Refuses a path that cannot be (or become) a directory: a file, or a file among its parents;
-    with `writable`, one that cannot be written; without, an existing one that cannot be read (a
-    complete data directory on a read-only mount is only read)."""
-    path = Path(path)
-    if not writable and path.is_dir():
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise UserError(f"{what} {path} cannot be read: no permission to read it")
-        return
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{what} {path} is a file, not a directory: choose a directory")
-    ancestor = path
-    while not ancestor.exists():
-        if ancestor.parent == ancestor:
-            break
-        ancestor = ancestor.parent
-    if ancestor.exists() and not ancestor.is_dir():
-        raise UserError(f"{what} {path} cannot be created: {ancestor} is a file")
-    if ancestor.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {path} cannot be written: no permission to write in {ancestor}")
-
-
-def check_output_file(path, what: str) -> None:
-    """Refuses a file to be written whose directory does not exist, or which is a directory."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{what} {path} is a directory: give a file name")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise UserError(f"{what} {path}: the directory {parent} does not exist")
 
 
 # ----------------------------------------------------------------------------------------------- memory

@@ -1,0 +1,41 @@
+"""The checks of a path the commands will write, made before any work: a directory that can be
+(or become) one and be written, a file whose directory exists. Below preflight and prepare, which
+both use them (prepare is itself called by preflight's data check).
+"""
+
+import os
+from pathlib import Path
+
+from andrea.errors import UserError
+
+
+def check_directory(path, what: str, writable: bool = True) -> None:
+    """Refuses a path that cannot be (or become) a directory: a file, or a file among its parents;
+    with `writable`, one that cannot be written; without, an existing one that cannot be read (a
+    complete data directory on a read-only mount is only read)."""
+    path = Path(path)
+    if not writable and path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise UserError(f"{what} {path} cannot be read: no permission to read it")
+        return
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is a file, not a directory: choose a directory")
+    ancestor = path
+    while not ancestor.exists():
+        if ancestor.parent == ancestor:
+            break
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        raise UserError(f"{what} {path} cannot be created: {ancestor} is a file")
+    if ancestor.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path} cannot be written: no permission to write in {ancestor}")
+
+
+def check_output_file(path, what: str) -> None:
+    """Refuses a file to be written whose directory does not exist, or which is a directory."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory: give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{what} {path}: the directory {parent} does not exist")
