@@ -55,6 +55,7 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
 
 import argparse  # after the handler above, on purpose
 import atexit
+import contextlib
 import hashlib
 import json
 import math
@@ -746,10 +747,8 @@ def _exit_before_finalizing(code: int) -> None:
 
     def exit_now() -> None:
         for stream_ in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream_.flush()
-            except (OSError, ValueError):
-                pass
         os._exit(code)
 
     atexit.register(exit_now)
@@ -885,7 +884,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default 100MB; accepts 500MB, 2GB, or bytes)")
     p.add_argument("--workers", type=int, help="encoding threads (default: every core this process may use)")
     p.add_argument("--verify", action="store_true",
-                   help="read every shard of --data-dir and check it against the checksums in meta.json; writes nothing")
+                   help="read every shard of --data-dir and check it against the checksums in meta.json; "
+                        "writes nothing")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -905,7 +905,8 @@ def verify(data_dir) -> str:
     data_dir = Path(data_dir)
     meta = read_data_meta(data_dir)
     if meta is None:
-        raise UserError(f"{data_dir} holds no complete prepared data (meta.json) to verify: run python -m andrea.prepare")
+        raise UserError(f"{data_dir} holds no complete prepared data (meta.json) to verify: "
+                        "run python -m andrea.prepare")
     _check_intact(data_dir, meta)
     checked, tokens, problems = verify_shards(data_dir, meta, meta["tokenizer_fingerprint"])
     if problems:

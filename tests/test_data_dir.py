@@ -326,7 +326,7 @@ def test_a_recursive_glob_follows_no_symbolic_link(tmp_path):
     assert named == [root / "self" / "d0" / p.name for p in walked if p.parent.name == "d0"]
 
 
-# ----------------------------------------------------------------------------- class 7: the dry run checks what the run checks
+# --------------------------------------------------------------- class 7: the dry run checks what the run checks
 
 
 def dry_run(tmp_path, capsys, *argv):
@@ -405,8 +405,8 @@ def _wait_until_importing_numpy(pid):
                                            ("tokenizer merges", 0.05), ("encoding", 0.05)])
 def test_ctrl_c_from_outside_at_any_moment_exits_130_leaving_nothing_half_written(tmp_path, moment, delay):
     """SIGINT sent to a `python -m andrea.prepare` process, as a terminal's Ctrl-C is: as it starts
-    (its imports, see _wait_until_importing_numpy), while the tokenizers trainer reads (a Rust library on a thread of its own),
-    while it merges, while the shards are written. Each ends with `interrupted` and exit code 130,
+    (its imports, see _wait_until_importing_numpy), while the tokenizers trainer reads (a Rust library on a
+    thread of its own), while it merges, while the shards are written. Each ends with `interrupted` and exit code 130,
     no traceback and no abort, and the data directory holds no temporary file and no manifest."""
     import signal
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from gpu_standin import reports, standin_cupy, standin_env
 
 ROOT = Path(__file__).resolve().parents[1]

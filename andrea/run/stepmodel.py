@@ -2,7 +2,7 @@
 
     python -m andrea.run.stepmodel                     # ANDREA-120M, 8 x 1024: the table by layer, the estimate, MFU
     python -m andrea.bench --device gpu --model h200   # the same table
-    estimate_step_seconds()                            # seconds of one bench step (1 micro-batch + AdamW), for gpu_check
+    estimate_step_seconds()          # seconds of one bench step (1 micro-batch + AdamW), for gpu_check
 
 Recorded, not guessed: the training step (andrea.train.Trainer.train_step: zero_grad, forward and
 backward over the micro-batches, the gradient norm, the clipping scale, the one host read, AdamW)
@@ -304,7 +304,7 @@ def print_table(rec, est, hw=H200):
             micro += v
     print(_row(f"{'later micro-batch' if mb > 1 else 'micro-batch'} total", "", micro))
     step = np.zeros(7)
-    for (w, part, phase), v in est["rows"].items():
+    for (w, _part, _phase), v in est["rows"].items():
         if w == "step":
             step += v
     print(_row("optimizer step (zero_grad, clip, AdamW)", "", step))

@@ -420,7 +420,8 @@ FUNCTIONS = {
                                    "moveaxis", "may_share_memory", "shares_memory", "result_type")},
     "empty": _allocation(False), "empty_like": _allocation(False),
     **{n: _allocation(True) for n in ("zeros", "zeros_like", "ones", "ones_like", "full", "full_like")},
-    "arange": _arange_rule, "argsort": _argsort_rule, "where": _where_rule, "dot": _dot_rule, "tensordot": _tensordot_rule,
+    "arange": _arange_rule, "argsort": _argsort_rule, "where": _where_rule, "dot": _dot_rule,
+    "tensordot": _tensordot_rule,
     "reshape": _reshape_function, "copyto": _copyto_rule,
 }
 
