@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
-from andrea.config import VARIANT_DEFAULTS, load_config, make_config
+from andrea.config import load_config, make_config, saved_model_config
 from andrea.data import dataset as data
 from andrea.errors import UserError
 from andrea.interop import hf
@@ -137,8 +137,10 @@ class Trainer:
     def validate_checkpoint(self, tensors, meta):
         """Refuses a checkpoint this run cannot continue from exactly (raises CheckpointError)."""
         saved_model = meta.get("config", {}).get("model")
-        if saved_model is not None:
-            saved_model = {**VARIANT_DEFAULTS, **saved_model}
+        try:  # as this andrea builds it: the keys of older runs filled in, the derived values derived again
+            saved_model = saved_model_config(saved_model) if isinstance(saved_model, dict) else None
+        except UserError as e:
+            raise ckpt.CheckpointError(f"its model config is not one this andrea reads: {e}") from None
         current = self.cfg.to_dict()["model"]
         if saved_model != current:
             diff = sorted(k for k in current if saved_model is None or saved_model.get(k) != current[k])

@@ -274,3 +274,25 @@ def test_existing_checkpoints_need_resume(tmp_path, data_dir, capsys):
     out = stopped_run(tmp_path, data_dir, 4)
     assert run_main(["--config", str(small_config(tmp_path, data_dir)), "--out", str(out)]) == 2
     assert "add --resume" in capsys.readouterr().err
+
+
+def test_a_run_with_any_valid_config_resumes_samples_and_exports(tmp_path, data_dir, capsys):
+    # issue 30, class 8: mlp_dim 115 on d_model 56 trained, then --resume, sample and export refused
+    # it ("mlp_dim (115) and mlp_ratio (2.05...) disagree"); the seed 2^53 + 1 was saved as 2^53
+    from andrea import export, sample
+    from andrea.cli import run_cli
+
+    out, seed = tmp_path / "run", 2**53 + 1
+    cfg = small_config(tmp_path, data_dir, max_steps=2, eval_interval=2, checkpoint_interval=1)
+    assert run_main(["--config", str(cfg), "--out", str(out), "--set", "model.d_model=56", "--set",
+                     "model.mlp_dim=115", "--set", f"train.seed={seed}", "--stop-at-step", "1"]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["model"]["mlp_dim"], saved["train"]["seed"]) == (115, seed)
+    assert run_main(["--out", str(out), "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    for main, argv in ((sample.main, ["--checkpoint", str(out), "--max-new-tokens", "2"]),
+                       (export.main, ["--checkpoint", str(out), "--out", str(tmp_path / "hf")])):
+        with pytest.raises(SystemExit) as done:
+            run_cli(main, argv)
+        assert done.value.code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_inner"] == 115
