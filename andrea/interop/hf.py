@@ -338,8 +338,8 @@ def save_pretrained(model, directory, tokenizer=None) -> list[Path]:
     if not cfg.is_gpt2:
         raise UserError(f"this model is a variant ({cfg.variant()}), not GPT-2: the Hugging Face export writes "
                         "GPT-2's block only (model.norm=pre, model.residual=true, model.activation=gelu)")
-    if tokenizer is not None and tokenizer.vocab_size != cfg.vocab_size:
-        raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model {cfg.vocab_size}")
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:  # fewer: a padded vocabulary, kept
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
     eot_id = tokenizer.eot_id if tokenizer is not None else cfg.vocab_size - 1  # andrea's layout: EOT last
     dtype = np.dtype(model.dtype).name
     tensors = {name: np.ascontiguousarray(to_numpy(view)) for name, view in model.named_parameters()}
