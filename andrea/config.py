@@ -44,9 +44,7 @@ class ModelConfig:
     def __post_init__(self):
         _require(self.d_model >= 1, f"model.d_model must be at least 1, got {self.d_model}")
         self.mlp_dim = self._hidden_width()
-        # the ratio is derived from the width, always by this one division: a saved config holds this
-        # float, and reading it back compares it with the same division (see _hidden_width)
-        self.mlp_ratio = self.mlp_dim / self.d_model
+        self.mlp_ratio = self.mlp_dim / self.d_model  # derived, so not saved: see to_dict
         for name in ("vocab_size", "context_length", "d_model", "n_layer", "n_head", "mlp_dim"):
             _require(getattr(self, name) >= 1, f"model.{name} must be at least 1, got {getattr(self, name)}")
         _require(self.d_model % self.n_head == 0,
@@ -58,7 +56,8 @@ class ModelConfig:
     def _hidden_width(self):
         """mlp_dim: as given; else mlp_ratio x d_model (4 x when neither is given), a whole number.
         Given both, they must agree: mlp_dim = mlp_ratio x d_model, or mlp_ratio = mlp_dim / d_model
-        exactly as __post_init__ derives it (115 / 56 is no float that gives back 115 when multiplied)."""
+        exactly as __post_init__ derives it (115 / 56 is no float that gives back 115 when multiplied:
+        runs saved before to_dict left the ratio out hold that float)."""
         ratio = self.mlp_ratio
         if ratio is not None:
             _require(ratio > 0, f"model.mlp_ratio must be positive, got {ratio}")
@@ -72,6 +71,14 @@ class ModelConfig:
                  f"model.mlp_dim ({self.mlp_dim}) and model.mlp_ratio ({ratio}) disagree (mlp_dim = mlp_ratio x "
                  "d_model): give only one of them")
         return self.mlp_dim
+
+    def to_dict(self):
+        """The values that determine the model, as config.json and checkpoints save them: mlp_ratio is
+        left out, derived from mlp_dim again when read (saved, it would contradict a later override of
+        d_model, or mlp_dim / d_model times d_model would miss mlp_dim by a rounding)."""
+        values = asdict(self)
+        del values["mlp_ratio"]
+        return values
 
     @property
     def is_gpt2(self):
@@ -182,7 +189,7 @@ class Config:
     name: str = "custom"
 
     def to_dict(self):
-        return {"name": self.name, "model": asdict(self.model), "train": asdict(self.train),
+        return {"name": self.name, "model": self.model.to_dict(), "train": asdict(self.train),
                 "data": asdict(self.data)}
 
 

@@ -87,6 +87,11 @@ def test_every_config_value_survives_its_own_config_json(overrides):
 
 def test_mlp_ratio_and_mlp_dim_given_together_must_agree_whatever_the_ratio():
     assert load_config("tiny", ["model.mlp_dim=512", "model.mlp_ratio=4"]).model.mlp_dim == 512
+    # what runs saved before the ratio was left out of config.json hold: the ratio mlp_dim / d_model
+    saved = {"model": {"d_model": 56, "n_head": 4, "mlp_dim": 115, "mlp_ratio": 115 / 56}}
+    assert make_config(saved).model.mlp_dim == 115
+    # a saved config's width stays as it is when d_model changes, as in a YAML that gives mlp_dim
+    assert make_config(json.loads(json.dumps(load_config("tiny").to_dict())), ["model.d_model=64"]).model.mlp_dim == 512
     # an explicit 4 was taken for "not given" and silently replaced by mlp_dim / d_model
     with pytest.raises(UserError, match=r"model.mlp_dim \(100\) and model.mlp_ratio \(4.0\) disagree"):
         load_config("tiny", ["model.mlp_dim=100", "model.mlp_ratio=4"])
