@@ -547,12 +547,19 @@ def build_run_config(args):
     return cfg, out_dir
 
 
-def _refuse_another_config(name, overrides, cfg, out_dir):
-    """--config with --resume may only name the run's own config: a different one would be ignored."""
+def config_differences(name, overrides, cfg):
+    """The keys ("train.lr", ...) in which config `name` with `overrides` differs from a run's saved
+    config `cfg`, but for a model.vocab_size that data.allow_smaller_vocab lowered at the run's start."""
     given, saved = load_config(name, overrides).to_dict(), cfg.to_dict()
     diff = [f"{s}.{k}" for s in ("model", "train", "data") for k in saved[s] if given[s].get(k) != saved[s][k]]
     if given["data"]["allow_smaller_vocab"] and saved["model"]["vocab_size"] < given["model"]["vocab_size"]:
         diff.remove("model.vocab_size")  # lowered to the tokenizer's size when the run started
+    return diff
+
+
+def _refuse_another_config(name, overrides, cfg, out_dir):
+    """--config with --resume may only name the run's own config: a different one would be ignored."""
+    diff = config_differences(name, overrides, cfg)
     if diff:
         raise UserError(f"--config {name} differs from the config of the run in {out_dir} in {', '.join(diff[:4])}: "
                         "drop --config to resume that run (change values with --set), or start a new run "
