@@ -42,7 +42,7 @@ from andrea.cli import ArgumentParser, run_cli
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
 from andrea.run.figure import label_depth_axis, new_figure, require_matplotlib
-from andrea.run.gradflow import embedding_ratio
+from andrea.run.gradflow import check_flow, embedding_ratio
 from andrea.run.preflight import check_directory
 
 # small enough that an arm takes about a minute on 2 loaded CPU cores
@@ -209,7 +209,7 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
     losses = _logged(records, "loss", (int, float))
     vals = _logged(records, "val_loss", (int, float))
-    flows = _logged(records, "grad_flow", dict)
+    flows = [(s, check_flow(f, f"{run_dir / 'metrics.jsonl'} step {s}")) for s, f in _logged(records, "grad_flow", dict)]
     val = vals[-1][1] if vals else math.nan
     first = losses[0][1] if losses else math.nan
     init = flows[0][1] if flows else None

@@ -183,6 +183,24 @@ def test_plot_grad_flow_says_how_to_get_one(tmp_path, data_dir, capsys):
     assert "train.log_grad_flow=true" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("key", ["grad_top", "grad_in", "mlp_delta"])
+def test_plot_grad_flow_of_a_record_missing_a_key_names_the_key(tmp_path, key, capsys):
+    # issue 30, class 11: a KeyError traceback
+    require("matplotlib")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    flow = {"grad_top": 1.0, "grad_in": [0.5, 0.7], "stream_rms": [1.0, 1.1], "attn_delta": [0.1, 0.1],
+            "mlp_delta": [0.2, 0.2]}
+    rows = [{"step": 1, "loss": 9.0, "grad_flow": flow}, {"step": 2, "loss": 8.0, "grad_flow": dict(flow)}]
+    del rows[1]["grad_flow"][key]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run(plot.main, ["--grad-flow", str(run_dir), "--out", str(tmp_path / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'metrics.jsonl'} step 2: its grad_flow has no {key!r}") and \
+        err.count("\n") == 1
+    assert not (tmp_path / "g.png").exists()
+
+
 def test_arms_then_report_only_rebuild_the_report_from_finished_runs(tmp_path, data_dir, capsys):
     require("matplotlib")
     out = tmp_path / "residual"
