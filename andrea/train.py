@@ -28,6 +28,7 @@ its share of every step's windows and the gradients are summed across them once 
 andrea.run.distributed); rank 0 alone prints, writes metrics, checkpoints and samples.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -664,14 +665,8 @@ def require_same_launch(world, args, cfg, out_dir):
     mine = {f"{section}.{key}": value for section in ("model", "train", "data")
             for key, value in cfg.to_dict()[section].items()}
     mine.update({"--out": str(out_dir)}, **{"--" + f.replace("_", "-"): getattr(args, f) for f in LAUNCH_FLAGS})
-    mine = json.loads(json.dumps(mine))  # as the broadcast gives rank 0's: lists, not tuples
-    main_rank = world.broadcast_json(mine)
-    with world.together():
-        differ = [k for k in mine if mine[k] != main_rank.get(k)]
-        if differ:
-            shown = ", ".join(f"{k} {mine[k]!r} (rank 0: {main_rank.get(k)!r})" for k in differ[:3])
-            raise UserError(f"this process was started with other arguments than rank 0: {shown}; start every "
-                            "process with the same arguments")
+    dist.require_same(world, mine, "this process was started with other arguments than rank 0",
+                      "start every process with the same arguments")
 
 
 def load_data(cfg, args, world, out_dir):
@@ -684,7 +679,26 @@ def load_data(cfg, args, world, out_dir):
         tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
         preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
         preflight.check_prompt(tokenizer, cfg)
+    # the same data.data_dir on every rank may be other data on each (a node's own copy, another
+    # working directory): a rank on another corpus or tokenizer would train the model without a word
+    short = {"tokenizer fingerprint": tokenizer.fingerprint()[:16],
+             "data fingerprint": data_fingerprint(cfg.data.resolved_dir(), train_tokens, val_tokens)[:16]}
+    dist.require_same(world, short, "this process's data differs from rank 0's",
+                      f"every process must read the same prepared data: give each a copy of rank 0's "
+                      f"{cfg.data.resolved_dir()} (meta.json, the shards and tokenizer.json)")
     return tokenizer, train_tokens, val_tokens
+
+
+def data_fingerprint(data_dir, train_tokens, val_tokens, ids=4096):
+    """sha256 of what a rank trains on, cheaply: the manifest's shard table (names, token counts,
+    largest ids, the tokenizer's fingerprint) and the first and last `ids` ids of every shard."""
+    meta = data.read_data_meta(data_dir) or {}
+    table = {k: meta.get(k) for k in ("shards", "train_tokens", "val_tokens", "tokenizer_fingerprint")}
+    digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode())
+    for split in (train_tokens, val_tokens):
+        for shard in split.shards:
+            digest.update(np.ascontiguousarray(shard[:ids]).tobytes() + np.ascontiguousarray(shard[-ids:]).tobytes())
+    return digest.hexdigest()
 
 
 def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens):
