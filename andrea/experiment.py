@@ -221,10 +221,22 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
         "ratio_init": embedding_ratio(init) if init else math.nan,
         "ratio_final": embedding_ratio(final) if final else math.nan,
         "delta_init_max": max(init["attn_delta"] + init["mlp_delta"]) if init else math.nan,
-        "losses": losses, "vals": vals,
+        "losses": losses, "vals": vals, "unigram_baseline": _baseline(run_dir),
         "grad_init": init["grad_in"] + [init["grad_top"]] if init else [],
         "grad_final": final["grad_in"] + [final["grad_top"]] if final else [],
     }
+
+
+def _baseline(run_dir):
+    """The unigram baseline of the run's validation tokens (andrea.train.unigram_baseline), or None."""
+    from andrea.config import make_config
+    from andrea.run.runlog import read_saved_config
+    from andrea.train import unigram_baseline
+
+    try:
+        return unigram_baseline(make_config(read_saved_config(run_dir)))
+    except UserError:
+        return None
 
 
 def _logged(records, key, kind):
@@ -298,6 +310,10 @@ def report(name, exp, rows, target, command):
         verdicts.append(("claim 3 (near identity at initialisation)", *judge_identity(rows)))
     lines = [f"# {name}\n", f"> {exp.claim}\n>\n> ({exp.original})\n",
              f"Command: `{command}`\n", table(rows, target)]
+    baselines = sorted({r["unigram_baseline"] for r in rows if r.get("unigram_baseline") is not None})
+    if baselines:  # the arms share their data, so one number (or one per data directory, if --set says so)
+        lines.append(f"Unigram baseline of the validation tokens: {', '.join(f'{b:.3f}' for b in baselines)} "
+                     "nats/token; a final validation loss below it learned more than the tokens' frequencies.\n")
     for what, verdict, why in verdicts:
         lines.append(f"\n**{what}: {verdict}**: {why}.\n")
     return "\n".join(lines), verdicts

@@ -47,6 +47,9 @@ def test_each_experiment_runs_and_reports(tmp_path, data_dir, name):
     for r in results["rows"]:
         assert r["ratio_init"] > 0 and r["val_loss"] > 0 and r["exit_code"] == 0
     assert any(v in table for v in ("**claim: supports**", "**claim: contradicts**", "**claim: leaves open**"))
+    baseline = json.loads((data_dir / "meta.json").read_text())["unigram_val_nats"]
+    assert f"Unigram baseline of the validation tokens: {baseline:.3f} nats/token" in table  # issue 30, class 14
+    assert {r["unigram_baseline"] for r in results["rows"]} == {baseline}
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -296,3 +296,25 @@ def test_a_run_with_any_valid_config_resumes_samples_and_exports(tmp_path, data_
             run_cli(main, argv)
         assert done.value.code == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_inner"] == 115
+
+
+def test_mfu_stays_honest_when_the_peak_was_measured_low_and_the_summary_gives_the_baseline(
+        tmp_path, data_dir, monkeypatch, capsys):
+    # issue 30, class 14: the peak, measured once at start on a busy machine, came out low and MFU
+    # read 105-110%; and neither the summary nor anything else said the unigram baseline
+    measured = train.matmul_peak_flops
+
+    def busy_at_start(xp, fresh=False, **kwargs):
+        return measured(xp, fresh=fresh, **kwargs) if fresh else 1e6  # 1 MFLOP/s: far below any step
+
+    monkeypatch.setattr(train, "matmul_peak_flops", busy_at_start)
+    out = tmp_path / "run"
+    assert run_main(["--config", str(small_config(tmp_path, data_dir, max_steps=3)), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    mfu = [r["mfu"] for r in rows if "mfu" in r]
+    assert len(mfu) == 3 and all(0 < m <= 1 for m in mfu), mfu
+    assert "above the peak of 1e-06 measured so far (a busy machine measures it low); measured again" in printed
+    baseline = json.loads((data_dir / "meta.json").read_text())["unigram_val_nats"]
+    summary = next(line for line in printed.splitlines() if line.startswith("done: "))
+    assert f"(step 3) against a unigram baseline of {baseline:.4f}" in summary
