@@ -11,7 +11,7 @@ key (with a "did you mean"), a wrong type, an impossible value.
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import InitVar, asdict, dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
@@ -24,6 +24,11 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 # the values of the variant keys in runs saved before they existed (such a run was ANDREA's block)
 VARIANT_DEFAULTS = {"norm": "pre", "residual": True, "activation": "gelu"}
+
+
+class DerivedRatio(float):
+    """A ratio ModelConfig derived (mlp_dim / d_model), not one it was given: dataclasses.replace hands
+    it back as the mlp_ratio argument, where it counts as not given, so the width stays mlp_dim."""
 
 
 @dataclass
@@ -39,12 +44,15 @@ class ModelConfig:
     norm: str = "pre"               # pre: x + f(LN(x)); post: LN(x + f(x)), the 2017 arrangement
     residual: bool = True           # false: x = f(LN(x)) (pre) or LN(f(x)) (post), no skip
     activation: str = "gelu"        # gelu (GPT-2's tanh approximation) or relu
-    mlp_ratio: float | None = None  # the MLP's hidden width over d_model: 4 unless mlp_dim or this is given
+    # the MLP's hidden width over d_model (4 unless this or mlp_dim is given): an argument, not a
+    # field, so a config is saved with the mlp_dim it gives (asdict leaves it out); self.mlp_ratio is
+    # then mlp_dim / d_model, marked as derived (DerivedRatio)
+    mlp_ratio: InitVar[float | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, mlp_ratio):
         _require(self.d_model >= 1, f"model.d_model must be at least 1, got {self.d_model}")
-        self.mlp_dim = self._hidden_width()
-        self.mlp_ratio = self.mlp_dim / self.d_model  # derived, so not saved: see to_dict
+        self.mlp_dim = self._hidden_width(None if isinstance(mlp_ratio, DerivedRatio) else mlp_ratio)
+        self.mlp_ratio = DerivedRatio(self.mlp_dim / self.d_model)
         for name in ("vocab_size", "context_length", "d_model", "n_layer", "n_head", "mlp_dim"):
             _require(getattr(self, name) >= 1, f"model.{name} must be at least 1, got {getattr(self, name)}")
         _require(self.d_model % self.n_head == 0,
@@ -53,12 +61,11 @@ class ModelConfig:
         _require(self.norm in ("pre", "post"), f"model.norm must be pre or post, got {self.norm!r}")
         _require(self.activation in ("gelu", "relu"), f"model.activation must be gelu or relu, got {self.activation!r}")
 
-    def _hidden_width(self):
+    def _hidden_width(self, ratio):
         """mlp_dim: as given; else mlp_ratio x d_model (4 x when neither is given), a whole number.
         Given both, they must agree: mlp_dim = mlp_ratio x d_model, or mlp_ratio = mlp_dim / d_model
         exactly as __post_init__ derives it (115 / 56 is no float that gives back 115 when multiplied:
-        runs saved before to_dict left the ratio out hold that float)."""
-        ratio = self.mlp_ratio
+        runs saved while the ratio was a field hold that float)."""
         if ratio is not None:
             _require(ratio > 0, f"model.mlp_ratio must be positive, got {ratio}")
             _require(math.isfinite(ratio * self.d_model), f"model.mlp_ratio ({ratio}) is too large")
@@ -71,14 +78,6 @@ class ModelConfig:
                  f"model.mlp_dim ({self.mlp_dim}) and model.mlp_ratio ({ratio}) disagree (mlp_dim = mlp_ratio x "
                  "d_model): give only one of them")
         return self.mlp_dim
-
-    def to_dict(self):
-        """The values that determine the model, as config.json and checkpoints save them: mlp_ratio is
-        left out, derived from mlp_dim again when read (saved, it would contradict a later override of
-        d_model, or mlp_dim / d_model times d_model would miss mlp_dim by a rounding)."""
-        values = asdict(self)
-        del values["mlp_ratio"]
-        return values
 
     @property
     def is_gpt2(self):
@@ -189,7 +188,7 @@ class Config:
     name: str = "custom"
 
     def to_dict(self):
-        return {"name": self.name, "model": self.model.to_dict(), "train": asdict(self.train),
+        return {"name": self.name, "model": asdict(self.model), "train": asdict(self.train),
                 "data": asdict(self.data)}
 
 
@@ -308,8 +307,14 @@ def _type_name(kind):
     return next((said for name, _, said in KINDS if name in str(kind)), str(kind))
 
 
+def _keys(cls):
+    """{key: its type} of a section: its fields, and its arguments that are no fields (mlp_ratio)."""
+    arguments = {name: kind for name, kind in cls.__annotations__.items() if isinstance(kind, InitVar)}
+    return {f.name: f.type for f in fields(cls)} | arguments
+
+
 def _apply(values, section, data):
-    known = {f.name: f.type for f in fields(SECTIONS[section])}
+    known = _keys(SECTIONS[section])
     for key, value in data.items():
         if key not in known:
             raise UserError(f"unknown key {section}.{key}{_did_you_mean(key, list(known))}")

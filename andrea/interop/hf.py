@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -316,7 +317,7 @@ def init_from_config(config, directory, overrides=()):
     from andrea.config import load_config, make_config
 
     imported = read_model_config(directory)
-    shape = {"model": imported.to_dict()}
+    shape = {"model": asdict(imported)}
     for item in (o for o in overrides if o.startswith("model.")):
         key = item.split("=", 1)[0]
         if make_config(shape, [item]).model != imported:
@@ -325,7 +326,7 @@ def init_from_config(config, directory, overrides=()):
     # the train overrides are checked against the imported model (a seq_len above the config's own
     # context is fine when the GPT-2's is larger), so the model section is swapped before they apply
     values = load_config(config).to_dict()
-    values["model"] = imported.to_dict()
+    values["model"] = asdict(imported)
     return make_config(values, [o for o in overrides if not o.startswith("model.")], name=values["name"],
                        source=str(Path(directory) / "config.json"))
 
