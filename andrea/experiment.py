@@ -209,7 +209,8 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
     losses = _logged(records, "loss", (int, float))
     vals = _logged(records, "val_loss", (int, float))
-    flows = [(s, check_flow(f, f"{run_dir / 'metrics.jsonl'} step {s}")) for s, f in _logged(records, "grad_flow", dict)]
+    where = run_dir / "metrics.jsonl"
+    flows = [(s, check_flow(f, f"{where} step {s}")) for s, f in _logged(records, "grad_flow", dict)]
     val = vals[-1][1] if vals else math.nan
     first = losses[0][1] if losses else math.nan
     init = flows[0][1] if flows else None
