@@ -307,14 +307,14 @@ def _type_name(kind):
     return next((said for name, _, said in KINDS if name in str(kind)), str(kind))
 
 
-def _keys(cls):
+def section_keys(cls):
     """{key: its type} of a section: its fields, and its arguments that are no fields (mlp_ratio)."""
     arguments = {name: kind for name, kind in cls.__annotations__.items() if isinstance(kind, InitVar)}
     return {f.name: f.type for f in fields(cls)} | arguments
 
 
 def _apply(values, section, data):
-    known = _keys(SECTIONS[section])
+    known = section_keys(SECTIONS[section])
     for key, value in data.items():
         if key not in known:
             raise UserError(f"unknown key {section}.{key}{_did_you_mean(key, list(known))}")
