@@ -11,7 +11,8 @@ key (with a "did you mean"), a wrong type, an impossible value.
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import InitVar, asdict, dataclass, field, fields
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import yaml
@@ -22,7 +23,12 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 # the values of the variant keys in runs saved before they existed (such a run was ANDREA's block)
-VARIANT_DEFAULTS = {"norm": "pre", "residual": True, "activation": "gelu", "mlp_ratio": 4}
+VARIANT_DEFAULTS = {"norm": "pre", "residual": True, "activation": "gelu"}
+
+
+class DerivedRatio(float):
+    """A ratio ModelConfig derived (mlp_dim / d_model), not one it was given: dataclasses.replace hands
+    it back as the mlp_ratio argument, where it counts as not given, so the width stays mlp_dim."""
 
 
 @dataclass
@@ -38,22 +44,15 @@ class ModelConfig:
     norm: str = "pre"               # pre: x + f(LN(x)); post: LN(x + f(x)), the 2017 arrangement
     residual: bool = True           # false: x = f(LN(x)) (pre) or LN(f(x)) (post), no skip
     activation: str = "gelu"        # gelu (GPT-2's tanh approximation) or relu
-    mlp_ratio: float = 4            # the MLP's hidden width over d_model
+    # the MLP's hidden width over d_model (4 unless this or mlp_dim is given): an argument, not a
+    # field, so a config is saved with the mlp_dim it gives (asdict leaves it out); self.mlp_ratio is
+    # then mlp_dim / d_model, marked as derived (DerivedRatio)
+    mlp_ratio: InitVar[float | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, mlp_ratio):
         _require(self.d_model >= 1, f"model.d_model must be at least 1, got {self.d_model}")
-        _require(self.mlp_ratio > 0, f"model.mlp_ratio must be positive, got {self.mlp_ratio}")
-        from_ratio = self.mlp_ratio * self.d_model
-        _require(math.isfinite(from_ratio), f"model.mlp_ratio ({self.mlp_ratio}) is too large")
-        if self.mlp_dim is None:
-            _require(from_ratio == int(from_ratio),
-                     f"model.mlp_ratio ({self.mlp_ratio}) x model.d_model ({self.d_model}) must be a whole number")
-            self.mlp_dim = int(from_ratio)
-        elif self.mlp_dim != from_ratio:
-            # a config that gives mlp_dim alone (andrea-120m's YAML) keeps it; giving both, they must agree
-            _require(self.mlp_ratio == 4, f"model.mlp_dim ({self.mlp_dim}) and model.mlp_ratio ({self.mlp_ratio}) "
-                                          f"disagree (mlp_dim = mlp_ratio x d_model): set model.mlp_dim instead")
-            self.mlp_ratio = self.mlp_dim / self.d_model
+        self.mlp_dim = self._hidden_width(None if isinstance(mlp_ratio, DerivedRatio) else mlp_ratio)
+        self.mlp_ratio = DerivedRatio(self.mlp_dim / self.d_model)
         for name in ("vocab_size", "context_length", "d_model", "n_layer", "n_head", "mlp_dim"):
             _require(getattr(self, name) >= 1, f"model.{name} must be at least 1, got {getattr(self, name)}")
         _require(self.d_model % self.n_head == 0,
@@ -61,6 +60,24 @@ class ModelConfig:
         _require(self.ln_eps > 0, f"model.ln_eps must be positive, got {self.ln_eps}")
         _require(self.norm in ("pre", "post"), f"model.norm must be pre or post, got {self.norm!r}")
         _require(self.activation in ("gelu", "relu"), f"model.activation must be gelu or relu, got {self.activation!r}")
+
+    def _hidden_width(self, ratio):
+        """mlp_dim: as given; else mlp_ratio x d_model (4 x when neither is given), a whole number.
+        Given both, they must agree: mlp_dim = mlp_ratio x d_model, or mlp_ratio = mlp_dim / d_model
+        exactly as __post_init__ derives it (115 / 56 is no float that gives back 115 when multiplied:
+        runs saved while the ratio was a field hold that float)."""
+        if ratio is not None:
+            _require(ratio > 0, f"model.mlp_ratio must be positive, got {ratio}")
+            _require(math.isfinite(ratio * self.d_model), f"model.mlp_ratio ({ratio}) is too large")
+        if self.mlp_dim is None:
+            from_ratio = (4 if ratio is None else ratio) * self.d_model
+            _require(from_ratio == int(from_ratio),
+                     f"model.mlp_ratio ({ratio}) x model.d_model ({self.d_model}) must be a whole number")
+            return int(from_ratio)
+        _require(ratio is None or ratio * self.d_model == self.mlp_dim or self.mlp_dim / self.d_model == ratio,
+                 f"model.mlp_dim ({self.mlp_dim}) and model.mlp_ratio ({ratio}) disagree (mlp_dim = mlp_ratio x "
+                 "d_model): give only one of them")
+        return self.mlp_dim
 
     @property
     def is_gpt2(self):
@@ -218,13 +235,22 @@ def _to_bool(value):
 
 
 def _to_int(value):
-    """A whole number, or a string of one ("2e3" too); a boolean is not one."""
+    """A whole number, or a string of one ("2e3" too); a boolean is not one. A string is read as an
+    exact decimal, never through a float: 9007199254740993 stays itself (a float holds ...992)."""
     if isinstance(value, bool):
         raise ValueError
-    number = float(value) if isinstance(value, str) else value
-    if isinstance(number, float) and (not math.isfinite(number) or number != int(number)):
+    if isinstance(value, str):
+        try:
+            number = Decimal(value.strip())
+        except InvalidOperation:  # no number at all
+            raise ValueError from None
+        # "1e999999999" is a whole number too, which int() would spend minutes writing out
+        if not number.is_finite() or number.adjusted() > 100 or number != number.to_integral_value():
+            raise ValueError
+        return int(number)
+    if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
         raise ValueError
-    return int(number)
+    return int(value)
 
 
 def _to_float(value):
@@ -281,8 +307,14 @@ def _type_name(kind):
     return next((said for name, _, said in KINDS if name in str(kind)), str(kind))
 
 
+def section_keys(cls):
+    """{key: its type} of a section: its fields, and its arguments that are no fields (mlp_ratio)."""
+    arguments = {name: kind for name, kind in cls.__annotations__.items() if isinstance(kind, InitVar)}
+    return {f.name: f.type for f in fields(cls)} | arguments
+
+
 def _apply(values, section, data):
-    known = {f.name: f.type for f in fields(SECTIONS[section])}
+    known = section_keys(SECTIONS[section])
     for key, value in data.items():
         if key not in known:
             raise UserError(f"unknown key {section}.{key}{_did_you_mean(key, list(known))}")
@@ -312,8 +344,10 @@ def _yaml_problem(e):
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
 
 
-def make_config(raw, overrides=(), name="custom", source="the config"):
-    """A validated Config from {section: {key: value}} (YAML or JSON values) plus overrides."""
+def make_config(raw, overrides=(), name=None, source="the config"):
+    """A validated Config from {section: {key: value}} (YAML or JSON values) plus overrides; its name
+    is `name`, else raw's own (a saved config.json's), else "custom"."""
+    name = name if name is not None else str(raw.get("name", "custom"))
     values = {s: {} for s in SECTIONS}
     for section, data in raw.items():
         if section == "name":
@@ -332,6 +366,13 @@ def make_config(raw, overrides=(), name="custom", source="the config"):
             raise UserError(f"unknown section {section!r} in override {item!r}{_did_you_mean(section, list(SECTIONS))}")
         _apply(values, section, {key: value})
     return build_config(values, name=name)
+
+
+def saved_model_config(values: dict) -> dict:
+    """The model section of a saved run (its config.json, a checkpoint's meta) as this andrea builds
+    it, for comparing with a run's own: keys from before they existed take VARIANT_DEFAULTS, and the
+    derived values (mlp_dim, mlp_ratio) are derived again, as for the run's config."""
+    return make_config({"model": {**VARIANT_DEFAULTS, **values}}).to_dict()["model"]
 
 
 def build_config(values, name="custom"):

@@ -19,7 +19,9 @@ the same token budget; the runs log their gradient flow (train.log_grad_flow). I
     results.json      the same numbers
 
 The verdict rules are written next to each experiment below, fixed before the runs. Ctrl-C stops
-the experiment after the current arm's step (that arm keeps a checkpoint); `--report-only` then
+the experiment after the current arm's step (that arm keeps a checkpoint); the same command again
+keeps the arms that finished, resumes that one from its checkpoint and trains the rest (an arm
+directory holding a run of another config, e.g. another --steps, is trained again); `--report-only`
 writes the table, figure and verdict from the arms that finished. Everything after the
 experiment's name is optional; `--set section.key=value` changes every arm (applied
 last), e.g. a data directory or a smaller model for a quick look.
@@ -27,7 +29,6 @@ last), e.g. a data directory or a smaller model for a quick look.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -37,11 +38,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from andrea.cli import run_cli
+from andrea.cli import ArgumentParser, run_cli
 from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
 from andrea.run.figure import label_depth_axis, new_figure, require_matplotlib
-from andrea.run.gradflow import embedding_ratio
+from andrea.run.gradflow import check_flow, embedding_ratio
+from andrea.run.preflight import check_directory
 
 # small enough that an arm takes about a minute on 2 loaded CPU cores
 THIN = ["model.context_length=64", "model.d_model=64", "model.n_head=4",
@@ -182,15 +184,17 @@ COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu
 # ----------------------------------------------------------------------------- running the arms
 
 
-def train_arm(out_dir: Path, overrides: list, log_path: Path) -> int:
-    """One andrea.train run, its console output into log_path; returns its exit code."""
+def train_arm(out_dir: Path, overrides: list, log_path: Path, resume: bool = False) -> int:
+    """One andrea.train run, its console output into log_path (added to it when resuming); returns its
+    exit code. A fresh run replaces what out_dir holds; `resume` continues the run there."""
     from andrea import train
 
-    argv = ["--config", "tiny", "--out", str(out_dir), "--overwrite"]
-    for o in overrides:
+    argv = ["--out", str(out_dir), "--resume"] if resume else ["--config", "tiny", "--out", str(out_dir), "--overwrite"]
+    for o in [] if resume else overrides:
         argv += ["--set", o]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w", encoding="utf-8") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+    with open(log_path, "a" if resume else "w", encoding="utf-8") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
         try:
             return train.main(argv)
         except UserError as e:
@@ -205,7 +209,8 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
     losses = _logged(records, "loss", (int, float))
     vals = _logged(records, "val_loss", (int, float))
-    flows = _logged(records, "grad_flow", dict)
+    where = run_dir / "metrics.jsonl"
+    flows = [(s, check_flow(f, f"{where} step {s}")) for s, f in _logged(records, "grad_flow", dict)]
     val = vals[-1][1] if vals else math.nan
     first = losses[0][1] if losses else math.nan
     init = flows[0][1] if flows else None
@@ -217,10 +222,22 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
         "ratio_init": embedding_ratio(init) if init else math.nan,
         "ratio_final": embedding_ratio(final) if final else math.nan,
         "delta_init_max": max(init["attn_delta"] + init["mlp_delta"]) if init else math.nan,
-        "losses": losses, "vals": vals,
+        "losses": losses, "vals": vals, "unigram_baseline": _baseline(run_dir),
         "grad_init": init["grad_in"] + [init["grad_top"]] if init else [],
         "grad_final": final["grad_in"] + [final["grad_top"]] if final else [],
     }
+
+
+def _baseline(run_dir):
+    """The unigram baseline of the run's validation tokens (andrea.train.unigram_baseline), or None."""
+    from andrea.config import make_config
+    from andrea.run.runlog import read_saved_config
+    from andrea.train import unigram_baseline
+
+    try:
+        return unigram_baseline(make_config(read_saved_config(run_dir)))
+    except UserError:
+        return None
 
 
 def _logged(records, key, kind):
@@ -294,9 +311,37 @@ def report(name, exp, rows, target, command):
         verdicts.append(("claim 3 (near identity at initialisation)", *judge_identity(rows)))
     lines = [f"# {name}\n", f"> {exp.claim}\n>\n> ({exp.original})\n",
              f"Command: `{command}`\n", table(rows, target)]
+    baselines = sorted({r["unigram_baseline"] for r in rows if r.get("unigram_baseline") is not None})
+    if baselines:  # the arms share their data, so one number (or one per data directory, if --set says so)
+        lines.append(f"Unigram baseline of the validation tokens: {', '.join(f'{b:.3f}' for b in baselines)} "
+                     "nats/token; a final validation loss below it learned more than the tokens' frequencies.\n")
     for what, verdict, why in verdicts:
         lines.append(f"\n**{what}: {verdict}**: {why}.\n")
     return "\n".join(lines), verdicts
+
+
+def arm_state(run_dir: Path, sets: list) -> str:
+    """What run_dir holds for an arm trained with `sets`: "finished" (this arm's run, to its end),
+    "interrupted" (this arm's run, with a checkpoint to resume from), or "new" (nothing of this arm:
+    missing, never checkpointed, or a run of another config, e.g. another --steps, which is retrained)."""
+    from andrea.config import make_config
+    from andrea.run import checkpoint as ckpt
+    from andrea.run.runlog import read_saved_config
+    from andrea.train import config_differences
+
+    if not (run_dir / "config.json").is_file():
+        return "new"
+    try:
+        differ = config_differences("tiny", sets, make_config(read_saved_config(run_dir)))
+    except UserError:
+        return "new"
+    if differ:
+        print(f"{run_dir} holds a run of another config ({', '.join(differ[:3])} differ): trained again",
+              file=sys.stderr, flush=True)
+        return "new"
+    if finished(run_dir):
+        return "finished"
+    return "interrupted" if ckpt.list_checkpoints(run_dir) else "new"
 
 
 def finished(run_dir: Path) -> bool:
@@ -332,9 +377,8 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
                 else:
                     print(f"{name}: {run_dir} has no finished run: left out", file=sys.stderr, flush=True)
                 continue
-            print(f"{name}: training {run_dir.name} ({n_steps} steps)", file=sys.stderr, flush=True)
             sets = exp.base + budget + COMMON + overrides + [f"train.seed={seed}"] + list(extra)
-            rows.append(summarise(run_dir, arm, seed, _train_to_the_end(run_dir, sets, out / "logs")))
+            rows.append(summarise(run_dir, arm, seed, _train_to_the_end(name, run_dir, sets, out / "logs", n_steps)))
     if not rows:
         raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
     target = default_target(rows)
@@ -346,20 +390,31 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
 
 
 def _check_out(out):
-    """Refuse, before any training, what would fail later: no matplotlib to draw the figure with, or
-    an output directory holding something else than this experiment's runs."""
+    """Refuse, before any training, what would fail later: no matplotlib to draw the figure with, an
+    --out that cannot be a directory, or one holding something else than this experiment's runs."""
     require_matplotlib("andrea.experiment")  # the figure comes last: say now, not after the training
+    check_directory(out, "--out")
     if out.exists() and any(out.iterdir()) and not (out / "results.json").exists() and not (out / "logs").exists():
         raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
 
 
-def _train_to_the_end(run_dir, sets, logs):
-    """Train one arm; its exit code. A run that did not start is an error, and Ctrl-C in it stops the
-    experiment, not just this arm."""
-    code = train_arm(run_dir, sets, logs / f"{run_dir.name}.log")
+def _train_to_the_end(name, run_dir, sets, logs, n_steps):
+    """Train one arm, or resume it, or keep it when it has finished already; its exit code. A run that
+    did not start is an error, and Ctrl-C in it stops the experiment, not just this arm: that arm keeps
+    its checkpoint, and the same command again resumes it (and keeps the arms that finished)."""
+    state = arm_state(run_dir, sets)
+    if state == "finished":
+        print(f"{name}: {run_dir.name} has finished already: kept", file=sys.stderr, flush=True)
+        return 0
+    doing = "resuming" if state == "interrupted" else "training"
+    print(f"{name}: {doing} {run_dir.name} ({n_steps} steps)", file=sys.stderr, flush=True)
+    log = logs / f"{run_dir.name}.log"
+    code = train_arm(run_dir, sets, log, resume=state == "interrupted")
     if code == 2:
-        raise UserError(f"{run_dir.name} did not start: {_last_line(logs / f'{run_dir.name}.log')}")
+        raise UserError(f"{run_dir.name} did not start: {_last_line(log)}")
     if code == EXIT_INTERRUPTED:
+        print(f"{name}: interrupted in {run_dir.name}, which keeps its checkpoint; the same command again resumes "
+              "it and keeps the arms that finished", file=sys.stderr, flush=True)
         raise KeyboardInterrupt
     return code
 
@@ -381,7 +436,7 @@ def _last_line(path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m andrea.experiment", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m andrea.experiment", description=__doc__.splitlines()[0])
     ap.add_argument("name", choices=sorted(EXPERIMENTS), help="which claim to test")
     ap.add_argument("--out", help="where the runs, figure and table go (default runs/experiments/NAME)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the default number of steps (e.g. 4)")
@@ -395,8 +450,8 @@ def main(argv=None):
                     help="train nothing: the table, figure and verdict from the finished runs already in --out")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
-    if args.scale <= 0:
-        raise UserError(f"--scale must be positive, got {args.scale}")
+    if not (math.isfinite(args.scale) and args.scale > 0):
+        raise UserError(f"--scale must be positive and finite, got {args.scale}")
     if args.steps is not None and args.steps < 2:
         raise UserError(f"--steps must be at least 2, got {args.steps}")
     try:

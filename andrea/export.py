@@ -8,30 +8,48 @@ special_tokens_map.json and generation_config.json (andrea.interop.hf), which tr
     model = AutoModelForCausalLM.from_pretrained(DIR)
     tokenizer = AutoTokenizer.from_pretrained(DIR)
 
-DIR must be new, empty of those files, or an earlier export (which is replaced); a training run's
-directory or another program's files are refused before the checkpoint is read (andrea.run.rundir).
+DIR must be new, empty of those files, or an earlier export of the same run (which is replaced); a
+training run's directory, another run's export or another program's files are refused before the
+checkpoint is read (andrea.run.rundir). An export that is refused (a variant's block) or fails
+writes nothing: a DIR it created is removed again.
 """
 
+import shutil
 import sys
+from pathlib import Path
 
 from andrea.cli import ArgumentParser, run_cli
+from andrea.interop import hf
 from andrea.run import rundir
 from andrea.run.preflight import check_directory
 from andrea.sample import load_model
+
+
+def run_directory(checkpoint) -> Path:
+    """The run directory of --checkpoint (a run directory, or one of its ckpt-* directories)."""
+    path = Path(checkpoint)
+    return path.parent if path.name.startswith("ckpt-") or (path / "meta.json").exists() else path
 
 
 def main(argv=None):
     ap = ArgumentParser(prog="python -m andrea.export", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a run directory or a ckpt-* directory")
     ap.add_argument("--out", required=True, help="the directory to write (created if missing; an earlier "
-                                                 "export there is replaced)")
+                                                 "export of the same run there is replaced)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
     check_directory(args.out, "--out")
-    rundir.check(args.out, "export")
+    rundir.check(args.out, "export", source=run_directory(args.checkpoint))
     model, tokenizer, meta = load_model(args.checkpoint, device="cpu")
-    with rundir.claim(args.out, "export"):
-        paths = model.save_pretrained(args.out, tokenizer=tokenizer)
+    hf.check_exportable(model.cfg, tokenizer)  # a refused export writes nothing, not even its --out
+    out, created = Path(args.out), not Path(args.out).exists()
+    try:
+        with rundir.claim(out, "export", source=Path(meta["checkpoint"]).parent):
+            paths = model.save_pretrained(out, tokenizer=tokenizer)
+    except BaseException:
+        if created:  # a failed write (a full disk) leaves no half export where there was nothing
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     print(f"exported step {meta.get('step')} of {args.checkpoint} ({model.num_parameters():,} parameters) "
           f"to {args.out}: {', '.join(p.name for p in paths)}", file=sys.stderr)
     print(f"load it with transformers: AutoModelForCausalLM.from_pretrained({args.out!r}), "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,13 +126,20 @@ def drawn_here(path) -> bool:
 
 
 def check_output(out, replace: bool = False) -> None:
-    """Refuses an --out that cannot be written, or that holds a file andrea.plot did not draw
-    (unless `replace`: a training run's own loss.png)."""
+    """Refuses, before anything is drawn, an --out that cannot be written, or that holds a file
+    andrea.plot did not draw (unless `replace`: a training run's own loss.png)."""
     out = Path(out)
     check_output_file(out, "--out")
     if out.exists() and not replace and not drawn_here(out):
         raise UserError(f"--out {out} already exists and is not a figure drawn by andrea.plot: choose another "
                         "name, or move that file away")
+    # what the write needs (a new file beside out, renamed over it), tried: permissions alone do not
+    # tell, as a read-only mount, or root, shows
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        tempfile.NamedTemporaryFile(dir=parent, prefix=".tmp-plot-").close()
+    except OSError as e:
+        raise UserError(f"--out {out} cannot be written: {e.strerror or e} in {parent}; choose another --out") from None
 
 
 def plot_runs(run_dirs, out, replace: bool = False) -> Path:

@@ -41,8 +41,9 @@ def sample_next(logits, rng, temperature=1.0, top_k=None):
     return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])
 
 
-def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
-    """Yields new token ids one at a time after the prompt (a list of ids, at least one)."""
+def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0, n_ids=None):
+    """Yields new token ids one at a time after the prompt (a list of ids, at least one), each below
+    `n_ids` (the tokenizer's size; default the model's: a padded vocabulary's extra ids decode to nothing)."""
     if not len(prompt_ids):
         raise UserError("the prompt encodes to no tokens: give at least one character")
     rng = np.random.default_rng(seed)
@@ -53,7 +54,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, see
     logits = model.forward_kv(np.array([window]), cache, 0)
     pos = len(window)
     for _ in range(max_new_tokens):
-        nxt = int(sample_next(logits, rng, temperature, top_k)[0])
+        nxt = int(sample_next(logits[:, :n_ids], rng, temperature, top_k)[0])
         ids.append(nxt)
         yield nxt
         if pos == ctx:  # full: rebuild the cache from the last half of the context
@@ -107,7 +108,7 @@ def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, o
     out.write(prompt)
     out.flush()
     decoder = tokenizer.stream_decoder()
-    for nxt in generate(model, ids, max_new_tokens, temperature, top_k, seed):
+    for nxt in generate(model, ids, max_new_tokens, temperature, top_k, seed, n_ids=tokenizer.vocab_size):
         piece = decoder.feed(nxt)
         if piece:
             out.write(piece)

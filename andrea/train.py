@@ -28,6 +28,7 @@ its share of every step's windows and the gradients are summed across them once 
 andrea.run.distributed); rank 0 alone prints, writes metrics, checkpoints and samples.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -39,9 +40,10 @@ from pathlib import Path
 import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
-from andrea.config import VARIANT_DEFAULTS, load_config, make_config
+from andrea.config import load_config, make_config, saved_model_config
 from andrea.data import dataset as data
 from andrea.data import lock
+from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 from andrea.interop import hf
 from andrea.interop.hf import load_tokenizer
@@ -138,8 +140,10 @@ class Trainer:
     def validate_checkpoint(self, tensors, meta):
         """Refuses a checkpoint this run cannot continue from exactly (raises CheckpointError)."""
         saved_model = meta.get("config", {}).get("model")
-        if saved_model is not None:
-            saved_model = {**VARIANT_DEFAULTS, **saved_model}
+        try:  # as this andrea builds it: the keys of older runs filled in, the derived values derived again
+            saved_model = saved_model_config(saved_model) if isinstance(saved_model, dict) else None
+        except UserError as e:
+            raise ckpt.CheckpointError(f"its model config is not one this andrea reads: {e}") from None
         current = self.cfg.to_dict()["model"]
         if saved_model != current:
             diff = sorted(k for k in current if saved_model is None or saved_model.get(k) != current[k])
@@ -246,16 +250,30 @@ class Trainer:
         # CPU: the best of 5 2048^3 products (a single one can come out low on a shared VM,
         # BENCHMARKS.md, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
         # set_tf32, so the peak is the one of the GEMM mode the run uses. Only rank 0 logs MFU, of
-        # the global FLOP/s against N times its own peak.
+        # the global FLOP/s against N times its own peak. A peak measured while other work loaded
+        # the machine comes out low (MFU read 105-110% so): the meter measures it again when a
+        # window's steps beat it (Throughput.window).
         xp, world = self.model.xp, self.world
         name = peak_label(xp, self.cfg.train.tf32)
         if world.size > 1:
             name = f"{world.size} x {name}"
-        peak = 1.0
-        if world.is_main:
-            peak = (matmul_peak_flops(xp, n=2048, repeats=5) if xp is np else matmul_peak_flops(xp)) * world.size
-            log(f"MFU is against the {name}: {peak / 1e12:.2f} TFLOP/s measured here")
-        return Throughput(xp, self.tokens_per_step, self.flops_per_step, peak, name)
+
+        def measure(fresh=False):
+            n = {"n": 2048, "repeats": 5} if xp is np else {}
+            return matmul_peak_flops(xp, fresh=fresh, **n) * world.size
+
+        def measure_again(beaten, peak):
+            fresh = measure(fresh=True)
+            log(f"note: the steps since the last line ran at {beaten / 1e12:.3g} TFLOP/s, above the peak of "
+                f"{peak / 1e12:.3g} measured so far (a busy machine measures it low); measured again: "
+                f"{fresh / 1e12:.3g} TFLOP/s. MFU is now against the highest of the measurements and the rates run")
+            return fresh
+
+        if not world.is_main:  # its MFU is never logged
+            return Throughput(xp, self.tokens_per_step, self.flops_per_step, 1.0, name)
+        peak = measure()
+        log(f"MFU is against the {name}: {peak / 1e12:.2f} TFLOP/s measured here (measured again when steps beat it)")
+        return Throughput(xp, self.tokens_per_step, self.flops_per_step, peak, name, measure_again)
 
     def _log_and_evaluate(self, lr, loss, norm, meter, flow=None):
         t = self.cfg.train
@@ -307,11 +325,17 @@ class Throughput:
     everything else: the log line, evaluation, checkpoints. Two tallies read it: the window since
     the last log line (the figures logged) and this run's steps after its first (the ETA and the
     end-of-run rate): a process's first step also compiles kernels and warms caches, far longer with
-    a cold numba cache than the steps after it (BENCHMARKS.md, "The CPU kernels")."""
+    a cold numba cache than the steps after it (BENCHMARKS.md, "The CPU kernels").
 
-    def __init__(self, xp, tokens_per_step, flops_per_step, peak, peak_name):
+    MFU is against `peak`, the matmul peak measured at start. A window whose steps ran faster than
+    it shows that measurement was low (a machine busy with other work at that moment):
+    `measure_again(achieved, peak)` then measures it afresh, and the peak becomes the highest of
+    every measurement and every rate achieved (the device did run that fast), so MFU stays a share
+    of what this device demonstrably does, at most 100%."""
+
+    def __init__(self, xp, tokens_per_step, flops_per_step, peak, peak_name, measure_again=None):
         self.xp, self.tokens_per_step, self.flops_per_step = xp, tokens_per_step, flops_per_step
-        self.peak, self.peak_name = peak, peak_name
+        self.peak, self.peak_name, self.measure_again = peak, peak_name, measure_again
         self.first_step_s = None                  # this run's first step, start-up included
         self.run_steps, self.run_s = 0, 0.0       # the steps after it
         self.window_steps, self.window_s = 0, 0.0
@@ -343,9 +367,11 @@ class Throughput:
         self.stop()
         seconds = max(self.window_s, 1e-9)
         tps = self.window_steps * self.tokens_per_step / seconds
-        mfu = self.window_steps * self.flops_per_step / seconds / self.peak
+        achieved = self.window_steps * self.flops_per_step / seconds
+        if self.measure_again is not None and achieved > self.peak:  # the clock is stopped meanwhile
+            self.peak = max(self.peak, self.measure_again(achieved, self.peak), achieved)
         self.window_steps, self.window_s = 0, 0.0
-        return tps, mfu
+        return tps, achieved / self.peak
 
     def eta(self, steps_left):
         """Seconds for `steps_left` more steps at this run's pace after its first step; None before
@@ -471,14 +497,30 @@ def prepare_data(cfg, build=True, tokenizer=None):
             raise UserError(preflight.in_train_terms(str(e))) from e
     with lock.reading(data_dir, note):  # one preparation's files, should another process prepare it now
         tokenizer = load_tokenizer(data_dir / "tokenizer.json")
-        vocab_size = preflight.model_vocab_size(cfg, tokenizer.vocab_size, data_dir)
-        if vocab_size != cfg.model.vocab_size:
-            note(f"note: the corpus gave a tokenizer of {tokenizer.vocab_size} ids; model.vocab_size set to match")
-            cfg.model.vocab_size = vocab_size
+        fit_vocabulary(cfg, tokenizer, data_dir)
         fp = tokenizer.fingerprint()
-        train_tokens = data.open_split(data_dir, "train", cfg.model.vocab_size, fp)
-        val_tokens = data.open_split(data_dir, "val", cfg.model.vocab_size, fp)
+        # the token files hold the tokenizer's ids, which a padded model.vocab_size holds too
+        train_tokens = data.open_split(data_dir, "train", tokenizer.vocab_size, fp)
+        val_tokens = data.open_split(data_dir, "val", tokenizer.vocab_size, fp)
     return tokenizer, train_tokens, val_tokens
+
+
+def fit_vocabulary(cfg, tokenizer, data_dir):
+    """model.vocab_size against the tokenizer's ids. Smaller cannot embed them. Larger is a padded
+    vocabulary when the tokenizer came with the model (a Hugging Face one, --init-from's: GPT-2-class
+    checkpoints round their embedding up, and transformers' from_pretrained loads them as they are;
+    the extra ids never occur in the data and are never sampled); with andrea's own tokenizer, it
+    means the corpus gave fewer ids than asked for, which data.allow_smaller_vocab accepts."""
+    n, m = tokenizer.vocab_size, cfg.model.vocab_size
+    if cfg.data.allow_smaller_vocab and n < m and isinstance(tokenizer, Tokenizer):
+        note(f"note: the corpus gave a tokenizer of {n} ids; model.vocab_size set to match")
+        cfg.model.vocab_size = m = n
+    if n < m and not isinstance(tokenizer, Tokenizer):
+        note(f"note: model.vocab_size {m} pads the tokenizer's {n} ids (ids {n}..{m - 1} are never in the data "
+             "and never sampled)")
+    elif n != m:
+        raise UserError(f"the tokenizer in {data_dir} has {n} ids but model.vocab_size is {m}: set "
+                        f"model.vocab_size={n} or prepare again")
 
 
 def parse_args(argv):
@@ -534,12 +576,19 @@ def build_run_config(args):
     return cfg, out_dir
 
 
-def _refuse_another_config(name, overrides, cfg, out_dir):
-    """--config with --resume may only name the run's own config: a different one would be ignored."""
+def config_differences(name, overrides, cfg):
+    """The keys ("train.lr", ...) in which config `name` with `overrides` differs from a run's saved
+    config `cfg`, but for a model.vocab_size that data.allow_smaller_vocab lowered at the run's start."""
     given, saved = load_config(name, overrides).to_dict(), cfg.to_dict()
     diff = [f"{s}.{k}" for s in ("model", "train", "data") for k in saved[s] if given[s].get(k) != saved[s][k]]
     if given["data"]["allow_smaller_vocab"] and saved["model"]["vocab_size"] < given["model"]["vocab_size"]:
         diff.remove("model.vocab_size")  # lowered to the tokenizer's size when the run started
+    return diff
+
+
+def _refuse_another_config(name, overrides, cfg, out_dir):
+    """--config with --resume may only name the run's own config: a different one would be ignored."""
+    diff = config_differences(name, overrides, cfg)
     if diff:
         raise UserError(f"--config {name} differs from the config of the run in {out_dir} in {', '.join(diff[:4])}: "
                         "drop --config to resume that run (change values with --set), or start a new run "
@@ -645,14 +694,8 @@ def require_same_launch(world, args, cfg, out_dir):
     mine = {f"{section}.{key}": value for section in ("model", "train", "data")
             for key, value in cfg.to_dict()[section].items()}
     mine.update({"--out": str(out_dir)}, **{"--" + f.replace("_", "-"): getattr(args, f) for f in LAUNCH_FLAGS})
-    mine = json.loads(json.dumps(mine))  # as the broadcast gives rank 0's: lists, not tuples
-    main_rank = world.broadcast_json(mine)
-    with world.together():
-        differ = [k for k in mine if mine[k] != main_rank.get(k)]
-        if differ:
-            shown = ", ".join(f"{k} {mine[k]!r} (rank 0: {main_rank.get(k)!r})" for k in differ[:3])
-            raise UserError(f"this process was started with other arguments than rank 0: {shown}; start every "
-                            "process with the same arguments")
+    dist.require_same(world, mine, "this process was started with other arguments than rank 0",
+                      "start every process with the same arguments")
 
 
 def load_data(cfg, args, world, out_dir):
@@ -663,6 +706,13 @@ def load_data(cfg, args, world, out_dir):
         tokenizer, train_tokens, val_tokens = prepared or prepare_data(cfg, build=False)
         preflight.check_data(cfg, len(train_tokens), len(val_tokens), cfg.data.resolved_dir())
         preflight.check_prompt(tokenizer, cfg)
+    # the same data.data_dir on every rank may be other data on each (a node's own copy, another
+    # working directory): a rank on another corpus or tokenizer would train the model without a word
+    short = {"tokenizer fingerprint": tokenizer.fingerprint()[:16],
+             "data fingerprint": data_fingerprint(cfg.data.resolved_dir(), train_tokens, val_tokens)[:16]}
+    dist.require_same(world, short, "this process's data differs from rank 0's",
+                      f"every process must read the same prepared data: give each a copy of rank 0's "
+                      f"{cfg.data.resolved_dir()} (meta.json, the shards and tokenizer.json)")
     return tokenizer, train_tokens, val_tokens
 
 
@@ -671,6 +721,18 @@ def run_tokenizer(args, out_dir):
     (should its data directory have to be prepared again); None: the directory's, or a new one."""
     own = out_dir / "tokenizer.json" if args.resume and (out_dir / "tokenizer.json").is_file() else None
     return args.init_from or own
+
+
+def data_fingerprint(data_dir, train_tokens, val_tokens, ids=4096):
+    """sha256 of what a rank trains on, cheaply: the manifest's shard table (names, token counts,
+    largest ids, the tokenizer's fingerprint) and the first and last `ids` ids of every shard."""
+    meta = data.read_data_meta(data_dir) or {}
+    table = {k: meta.get(k) for k in ("shards", "train_tokens", "val_tokens", "tokenizer_fingerprint")}
+    digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode())
+    for split in (train_tokens, val_tokens):
+        for shard in split.shards:
+            digest.update(np.ascontiguousarray(shard[:ids]).tobytes() + np.ascontiguousarray(shard[-ids:]).tobytes())
+    return digest.hexdigest()
 
 
 def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens):
@@ -701,12 +763,19 @@ def finish(trainer, code, start_step, seconds):
     if code in (0, EXIT_INTERRUPTED):
         loss = float(trainer.last_loss) if trainer.last_loss is not None else None
         log(runlog.summary(out_dir, trainer.step - start_step, trainer.step, seconds, trainer.meter.run_rate(),
-                           loss, trainer.last_val, trainer.last_checkpoint))
+                           loss, trainer.last_val, trainer.last_checkpoint, unigram_baseline(trainer.cfg)))
     if code == 0 and trainer.step >= t.max_steps and t.sample_tokens > 0:
         log(f"\nsample (temperature 0.8, top-k 50) from {t.sample_prompt!r}:\n" + "-" * 60)
         stream(trainer.model, trainer.tokenizer, t.sample_prompt, t.sample_tokens, 0.8, 50, seed=t.seed)
         log("-" * 60 + f"\nmore: python -m andrea.sample --checkpoint {out_dir} --prompt 'import '")
     return code
+
+
+def unigram_baseline(cfg):
+    """The validation tokens' unigram entropy in nats (the loss of predicting every token by its
+    frequency in the training tokens) from the data directory's meta.json; None when it has none."""
+    value = (data.read_data_meta(cfg.data.resolved_dir()) or {}).get("unigram_val_nats")
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def resume(trainer, stop_at_step):

@@ -1,9 +1,13 @@
-"""Small command-line tools: the parameter count and the config loader's messages."""
+"""Small command-line tools: the parameter count and the config loader's messages and round trip."""
+
+import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from andrea import params
-from andrea.config import load_config
+from andrea.config import load_config, make_config
 from andrea.errors import UserError
 
 
@@ -40,6 +44,57 @@ def test_overrides_are_typed():
     cfg = load_config("tiny", ["train.lr=1e-3", "model.n_layer=2", "train.tf32=true", "data.inputs=a,b"])
     assert cfg.train.lr == 1e-3 and cfg.model.n_layer == 2 and cfg.train.tf32 is True
     assert cfg.data.inputs == ["a", "b"]
+
+
+def saved_and_read_back(cfg):
+    """What a run's config.json (and its checkpoints' meta) gives back: the config through JSON."""
+    return make_config(json.loads(json.dumps(cfg.to_dict())))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1))
+def test_an_integer_override_is_read_exactly(seed):
+    # issue 30, class 8: 9007199254740993 went through a float and was saved as ...992
+    cfg = load_config("tiny", [f"train.seed={seed}"])
+    assert cfg.train.seed == seed and saved_and_read_back(cfg).train.seed == seed
+
+
+def test_whole_numbers_are_read_in_any_notation_and_nothing_else_is():
+    assert load_config("tiny", ["train.max_steps=2e3"]).train.max_steps == 2000
+    assert load_config("tiny", ["train.seed=9007199254740993"]).train.seed == 9007199254740993
+    for bad in ("inf", "nan", "1e999999999", "0x10", "2.5"):
+        with pytest.raises(UserError, match=f"train.seed must be an integer, got '{bad}'"):
+            load_config("tiny", [f"train.seed={bad}"])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.d_model=56", "model.mlp_dim=115"],        # a width no float ratio gives back exactly
+    ["model.mlp_ratio=2"], ["model.mlp_ratio=1.5"], ["model.mlp_dim=3"],
+    ["train.seed=9007199254740993", "train.lr=1e-3", "train.min_lr=1.1e-4", "data.val_fraction=0.1",
+     "train.sample_prompt=1e3", "data.inputs=a,b", "train.tf32=yes"],
+])
+def test_every_config_value_survives_its_own_config_json(overrides):
+    # issue 30, class 8: a run of --set model.mlp_dim=115 (d_model 56) trained, but its saved config
+    # (mlp_ratio 2.0535714285714284) was refused by --resume, sample and export
+    cfg = load_config("tiny", overrides)
+    back = saved_and_read_back(cfg)
+    assert back.to_dict() == cfg.to_dict() and back.name == "andrea-tiny"
+    assert saved_and_read_back(back).to_dict() == cfg.to_dict()  # and again
+    from andrea.config import saved_model_config  # what a checkpoint's model config is compared as
+
+    assert saved_model_config(cfg.to_dict()["model"]) == cfg.to_dict()["model"]
+
+
+def test_mlp_ratio_and_mlp_dim_given_together_must_agree_whatever_the_ratio():
+    assert load_config("tiny", ["model.mlp_dim=512", "model.mlp_ratio=4"]).model.mlp_dim == 512
+    # what runs saved before the ratio was left out of config.json hold: the ratio mlp_dim / d_model
+    saved = {"model": {"d_model": 56, "n_head": 4, "mlp_dim": 115, "mlp_ratio": 115 / 56}}
+    assert make_config(saved).model.mlp_dim == 115
+    # a saved config's width stays as it is when d_model changes, as in a YAML that gives mlp_dim
+    assert make_config(json.loads(json.dumps(load_config("tiny").to_dict())), ["model.d_model=64"]).model.mlp_dim == 512
+    # an explicit 4 was taken for "not given" and silently replaced by mlp_dim / d_model
+    with pytest.raises(UserError, match=r"model.mlp_dim \(100\) and model.mlp_ratio \(4.0\) disagree"):
+        load_config("tiny", ["model.mlp_dim=100", "model.mlp_ratio=4"])
 
 
 @pytest.mark.parametrize("value", ["abc", "", " ", "1.5", "2"])

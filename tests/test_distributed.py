@@ -220,6 +220,51 @@ def test_gpu_under_mpi_without_a_gpu_is_one_line_error(tmp_path, data_dir):
     assert "Traceback" not in r.stderr
 
 
+def test_ranks_whose_data_directories_hold_other_data_are_refused_at_start(tmp_path):
+    # issue 30, class 13: two ranks whose data.data_dir held different corpora and tokenizers of the
+    # same size trained together and exited 0
+    require("mpi4py")
+    import http
+
+    cwd = {rank: tmp_path / f"node{rank}" for rank in (0, 1)}
+    for rank, corpus in ((0, STDLIB_JSON), (1, Path(http.__file__).parent)):
+        cwd[rank].mkdir()
+        prepare([str(corpus)], cwd[rank] / "data", vocab_size=300, progress=False)
+    cfg = yaml.safe_load(config(tmp_path, cwd[0] / "data").read_text())
+    cfg["data"]["data_dir"] = "data"  # the same setting on both ranks, another directory for each
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rank = [sys.executable, "-m", "mpi4py", "-m", "andrea.train", "--config", str(path), "--out", str(tmp_path / "o")]
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1", ANDREA_NUM_THREADS="1")
+    r = run_in_own_session([str(MPIEXEC), "-n", "1", "-wdir", str(cwd[0]), *rank, ":",
+                            "-n", "1", "-wdir", str(cwd[1]), *rank], environ, ROOT, 120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert errors[0].startswith("error: this process's data differs from rank 0's: tokenizer fingerprint ")
+    assert "data fingerprint" in errors[0] and "(rank 1 of 2)" in errors[0]
+    assert not list((tmp_path / "o").glob("ckpt-*"))
+
+
+def test_the_data_fingerprint_tells_other_data_under_the_same_tokenizer(tmp_path, data_dir):
+    import http
+    import shutil
+
+    from andrea.data import dataset
+    from andrea.interop.hf import load_tokenizer
+    from andrea.train import data_fingerprint
+
+    def fingerprint(d):
+        fp, vocab = load_tokenizer(d / "tokenizer.json").fingerprint(), json.loads((d / "meta.json").read_text())
+        splits = [dataset.open_split(d, s, vocab["vocab_size"], fp) for s in ("train", "val")]
+        return data_fingerprint(d, *splits)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    other = tmp_path / "other"  # another corpus, encoded with the same tokenizer
+    prepare([str(Path(http.__file__).parent)], other, tokenizer=data_dir / "tokenizer.json", progress=False)
+    assert fingerprint(copy) == fingerprint(data_dir) != fingerprint(other)
+
+
 # ----------------------------------------------------------------------------- no MPI needed
 
 

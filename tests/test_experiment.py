@@ -47,6 +47,9 @@ def test_each_experiment_runs_and_reports(tmp_path, data_dir, name):
     for r in results["rows"]:
         assert r["ratio_init"] > 0 and r["val_loss"] > 0 and r["exit_code"] == 0
     assert any(v in table for v in ("**claim: supports**", "**claim: contradicts**", "**claim: leaves open**"))
+    baseline = json.loads((data_dir / "meta.json").read_text())["unigram_val_nats"]
+    assert f"Unigram baseline of the validation tokens: {baseline:.3f} nats/token" in table  # issue 30, class 14
+    assert {r["unigram_baseline"] for r in results["rows"]} == {baseline}
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -68,6 +71,11 @@ def test_the_arms_differ_only_in_their_variant(tmp_path, data_dir):
 
 
 @pytest.mark.parametrize("argv, message", [(["residual", "--scale", "0"], "--scale must be positive"),
+                                           (["residual", "--scale", "inf"], "--scale must be positive and finite"),
+                                           (["residual", "--scale", "nan"], "--scale must be positive and finite"),
+                                           (["resid"], "argument name: invalid choice: 'resid'"),
+                                           ([], "the following arguments are required: name"),
+                                           (["residual", "--bogus"], "unrecognized arguments: --bogus"),
                                            (["residual", "--seeds", "a"], "--seeds must be integers"),
                                            (["residual", "--steps", "1"], "--steps must be at least 2"),
                                            (["residual", "--arms", "x"], "--arms: x is not an arm of residual")])
@@ -75,6 +83,51 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert run(experiment.main, argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {message}") and "\n" not in err
+
+
+def test_an_out_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "f").write_text("mine")
+    assert run(experiment.main, ["residual", "--out", str(tmp_path / "f")]) == 2  # was exit 1 (NotADirectoryError)
+    assert capsys.readouterr().err == f"error: --out {tmp_path / 'f'} is a file, not a directory: choose a directory\n"
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_an_interrupted_experiment_continues_where_it_stopped(tmp_path, data_dir, monkeypatch, capsys):
+    # issue 30, class 10: the same command again retrained the finished arm and restarted the
+    # interrupted one, deleting the checkpoint the interruption had said to resume from
+    require("matplotlib")
+    import os
+    import signal
+
+    out = tmp_path / "residual"
+    argv = ["residual", "--out", str(out), "--steps", "4", "--seeds", "0"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    step = train.Trainer.train_step
+
+    def ctrl_c_in_the_second_arm(self, lr):  # as a Ctrl-C at step 2 of no-residual would
+        if not self.cfg.model.residual and self.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(self, lr)
+
+    monkeypatch.setattr(train.Trainer, "train_step", ctrl_c_in_the_second_arm)
+    assert run(experiment.main, argv) == 130
+    assert "interrupted in no-residual-seed0, which keeps its checkpoint" in capsys.readouterr().err
+    kept = (out / "residual-seed0" / "ckpt-00000004" / "meta.json").read_bytes()
+    assert (out / "no-residual-seed0" / "ckpt-00000002").is_dir()
+    monkeypatch.setattr(train.Trainer, "train_step", step)
+    assert run(experiment.main, argv) == 0
+    err = capsys.readouterr().err
+    assert "residual-seed0 has finished already: kept" in err and "resuming no-residual-seed0" in err
+    assert (out / "residual-seed0" / "ckpt-00000004" / "meta.json").read_bytes() == kept  # not trained again
+    assert "resumed from" in (out / "logs" / "no-residual-seed0.log").read_text()
+    rows = [json.loads(line) for line in (out / "no-residual-seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["run"] for r in json.loads((out / "results.json").read_text())["rows"]] == \
+        ["residual-seed0", "no-residual-seed0"]
+    # another budget is another experiment: its arms are trained again
+    assert run(experiment.main, argv[:4] + ["3"] + argv[5:]) == 0
+    assert "holds a run of another config (train.max_steps" in capsys.readouterr().err
 
 
 def test_grad_flow_is_recorded_only_when_asked_and_only_at_log_steps():
@@ -131,6 +184,24 @@ def test_plot_grad_flow_says_how_to_get_one(tmp_path, data_dir, capsys):
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
     assert run(plot.main, ["--grad-flow", str(run_dir)]) == 2
     assert "train.log_grad_flow=true" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["grad_top", "grad_in", "mlp_delta"])
+def test_plot_grad_flow_of_a_record_missing_a_key_names_the_key(tmp_path, key, capsys):
+    # issue 30, class 11: a KeyError traceback
+    require("matplotlib")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    flow = {"grad_top": 1.0, "grad_in": [0.5, 0.7], "stream_rms": [1.0, 1.1], "attn_delta": [0.1, 0.1],
+            "mlp_delta": [0.2, 0.2]}
+    rows = [{"step": 1, "loss": 9.0, "grad_flow": flow}, {"step": 2, "loss": 8.0, "grad_flow": dict(flow)}]
+    del rows[1]["grad_flow"][key]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run(plot.main, ["--grad-flow", str(run_dir), "--out", str(tmp_path / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'metrics.jsonl'} step 2: its grad_flow has no {key!r}") and \
+        err.count("\n") == 1
+    assert not (tmp_path / "g.png").exists()
 
 
 def test_arms_then_report_only_rebuild_the_report_from_finished_runs(tmp_path, data_dir, capsys):

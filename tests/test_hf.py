@@ -337,3 +337,37 @@ def test_prepare_with_a_given_tokenizer_refuses_to_mix_tokenizers(tmp_path):
     prepare([str(STDLIB_JSON)], tmp_path / "d2", progress=False, allow_smaller_vocab=True)  # andrea's own
     with pytest.raises(UserError, match="already holds another tokenizer"):
         prepare([str(STDLIB_JSON)], tmp_path / "d2", progress=False, tokenizer=gpt2)
+
+
+def test_a_gpt2_with_a_padded_vocabulary_fine_tunes_samples_and_exports(tmp_path, capsys):
+    """issue 30, class 9: a GPT-2 whose config.json's vocab_size is larger than its tokenizer's (GPT-2-class
+    checkpoints round it up) was refused by --init-from, with advice (model.vocab_size=N) that --init-from
+    then refused too; transformers' from_pretrained loads it."""
+    torch, transformers = require("torch"), require("transformers")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    n = foreign_tokenizer(gpt2, [p.read_text() for p in sorted(STDLIB_JSON.glob("*.py"))], transformers=transformers)
+    random_gpt2(transformers, torch, gpt2, vocab_size=n + 7, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text(json.dumps({
+        "train": {"batch_size": 2, "max_steps": 2, "warmup_steps": 0, "log_interval": 1, "eval_interval": 2,
+                  "eval_batches": 1, "checkpoint_interval": 2, "sample_tokens": 0, "device": "cpu"},
+        "data": {"inputs": [str(STDLIB_JSON)], "data_dir": str(tmp_path / "data")}}))
+    out = tmp_path / "run"
+    assert run_train(["--config", str(cfg), "--init-from", str(gpt2), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert f"model.vocab_size {n + 7} pads the tokenizer's {n} ids" in capsys.readouterr().err
+    assert run_train(["--out", str(out), "--resume", "--max-steps", "3"]) == 0
+    assert export_main(["--checkpoint", str(out), "--out", str(tmp_path / "export")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert back.config.vocab_size == n + 7 and len(transformers.AutoTokenizer.from_pretrained(tmp_path / "export")) == n
+
+
+def test_sampling_never_draws_the_ids_a_padded_vocabulary_adds():
+    from andrea.config import ModelConfig
+    from andrea.sample import generate
+
+    model = ANDREA(ModelConfig(vocab_size=20, context_length=8, d_model=8, n_layer=1, n_head=2), seed=0)
+    model.wte.W[15:] = 10.0 * model.wte.W[:5].sum(0)  # the padded rows would win every draw
+    drawn = list(generate(model, [1, 2], 30, temperature=1.0, seed=0, n_ids=15))
+    assert len(drawn) == 30 and max(drawn) < 15
+    assert max(generate(model, [1, 2], 30, temperature=1.0, seed=0)) >= 15  # which they do without n_ids

@@ -3,6 +3,8 @@ several runs on one figure, and one-line errors for missing or empty metrics."""
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,6 +125,40 @@ def test_plot_refuses_a_bad_out_in_one_line_before_drawing(tmp_path, capsys, whe
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert ".tmp" not in err and "usage:" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "data-a"]
+
+
+def unwritable_directory(tmp_path):
+    """A directory in which no file can be created: one without write permission, or, for root (whom
+    permissions do not stop), sysfs, which refuses new files to everyone."""
+    mine = tmp_path / "read-only"
+    mine.mkdir()
+    mine.chmod(0o555)
+    for d in (mine, Path("/sys")):
+        try:
+            tempfile.NamedTemporaryFile(dir=d).close()
+        except OSError:
+            return d
+    pytest.skip("no directory here refuses new files")
+
+
+@pytest.mark.parametrize("grad_flow", [False, True])
+def test_plot_into_a_directory_it_cannot_write_is_refused_before_drawing(tmp_path, capsys, monkeypatch, grad_flow):
+    # issue 30, class 4: it drew the figure first and then failed writing it, exit 1
+    from andrea.run import gradflow
+
+    run = fake_run(tmp_path, "a", RECORDS)
+    target = unwritable_directory(tmp_path)
+
+    def drawing(*args, **kwargs):
+        raise AssertionError("drew a figure it cannot write")
+
+    monkeypatch.setattr(plot, "draw", drawing)
+    monkeypatch.setattr(gradflow, "draw_flow", drawing)
+    with pytest.raises(SystemExit) as e:
+        run_cli(plot.main, [str(run), "--out", str(target / "loss.png")] + (["--grad-flow"] if grad_flow else []))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: --out {target / 'loss.png'} cannot be written") \
+        and err.count("\n") == 1, err
 
 
 def test_plot_replaces_only_a_figure_it_drew(tmp_path, capsys):

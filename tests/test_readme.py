@@ -204,6 +204,19 @@ def test_the_link_check_catches_a_broken_link(tmp_path, monkeypatch):
 
 # --- the commands ---
 
+def test_the_library_snippets_run_as_written(tmp_path):
+    # issue 30, class 14: the snippet used idx and targets it never defined. Each ```python block of
+    # the README runs in a fresh interpreter; a block that makes `loss` must give about ln V at
+    # initialisation (GPT-2's init spreads the first prediction almost evenly over the V ids)
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert blocks
+    check = "\nimport math\nif 'loss' in dir(): assert abs(loss - math.log(cfg.vocab_size)) < 0.5, loss\n"
+    for block in blocks:
+        result = subprocess.run([sys.executable, "-c", block + check], cwd=tmp_path, capture_output=True, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+        assert result.returncode == 0, f"{block}\n{result.stderr[-3000:]}"
+
+
 def make_local_gpt2(cwd):
     """What the README's download makes (`gpt2/`: config, safetensors weights, GPT-2's tokenizer
     files), small and random, offline."""

@@ -103,6 +103,58 @@ def test_export_replaces_its_own_earlier_export_and_keeps_other_files(run, tmp_p
     assert (out / "model.safetensors").read_bytes() != b"stale" and (out / "README.md").read_text() == "a model card"
 
 
+def test_export_refuses_to_replace_the_export_of_another_run(run, tmp_path, capsys):
+    # issue 30, class 12: the export of one run silently replaced another run's
+    import shutil
+
+    other = tmp_path / "other-run"
+    shutil.copytree(run, other)  # another run directory (with the same weights: which run it is, is the path)
+    out = tmp_path / "hf"
+    assert cli(export.main, ["--checkpoint", str(run), "--out", str(out)], capsys)[0] == 0
+    before = snapshot(out)
+    code, last = cli(export.main, ["--checkpoint", str(other), "--out", str(out)], capsys)
+    assert code == 2 and last.startswith(f"error: --out {out} holds the export of another run ({run.resolve()})")
+    assert snapshot(out) == before
+    newest = sorted(run.glob("ckpt-*"))[-1]  # the same run, named by one of its checkpoints: replaced
+    assert cli(export.main, ["--checkpoint", str(newest), "--out", str(out)], capsys)[0] == 0
+    marker = json.loads((out / rundir.MARKER).read_text())
+    marker.pop("source")  # an export of an andrea that did not name its run
+    (out / rundir.MARKER).write_text(json.dumps(marker))
+    code, last = cli(export.main, ["--checkpoint", str(run), "--out", str(out)], capsys)
+    assert code == 2 and "a run it does not name" in last
+
+
+def test_a_refused_export_leaves_nothing_behind(run, tmp_path, capsys):
+    # issue 30, class 12: a variant's export was refused after --out was made and marked
+    import shutil
+
+    variant = tmp_path / "post-norm"
+    shutil.copytree(run, variant)
+    for meta_path in variant.glob("ckpt-*/meta.json"):  # the same tensors, under a post-norm config
+        record = json.loads(meta_path.read_text())
+        record["meta"]["config"]["model"]["norm"] = "post"
+        meta_path.write_text(json.dumps(record))
+    out = tmp_path / "hf"
+    code, last = cli(export.main, ["--checkpoint", str(variant), "--out", str(out)], capsys)
+    assert code == 2 and "is a variant (norm=post), not GPT-2" in last
+    assert not out.exists()
+
+
+def test_an_export_that_fails_to_write_leaves_no_half_export(run, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from andrea.interop import hf
+
+    def full_disk(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(hf, "atomic_writer", full_disk)
+    out = tmp_path / "hf"
+    code, last = cli(export.main, ["--checkpoint", str(run), "--out", str(out)], capsys)
+    assert code == 1 and "No space left on device" in last
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------------------------- train
 
 def hugging_face_directory(path):

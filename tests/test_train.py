@@ -274,3 +274,47 @@ def test_existing_checkpoints_need_resume(tmp_path, data_dir, capsys):
     out = stopped_run(tmp_path, data_dir, 4)
     assert run_main(["--config", str(small_config(tmp_path, data_dir)), "--out", str(out)]) == 2
     assert "add --resume" in capsys.readouterr().err
+
+
+def test_a_run_with_any_valid_config_resumes_samples_and_exports(tmp_path, data_dir, capsys):
+    # issue 30, class 8: mlp_dim 115 on d_model 56 trained, then --resume, sample and export refused
+    # it ("mlp_dim (115) and mlp_ratio (2.05...) disagree"); the seed 2^53 + 1 was saved as 2^53
+    from andrea import export, sample
+    from andrea.cli import run_cli
+
+    out, seed = tmp_path / "run", 2**53 + 1
+    cfg = small_config(tmp_path, data_dir, max_steps=2, eval_interval=2, checkpoint_interval=1)
+    assert run_main(["--config", str(cfg), "--out", str(out), "--set", "model.d_model=56", "--set",
+                     "model.mlp_dim=115", "--set", f"train.seed={seed}", "--stop-at-step", "1"]) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["model"]["mlp_dim"], saved["train"]["seed"]) == (115, seed)
+    assert run_main(["--out", str(out), "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    for main, argv in ((sample.main, ["--checkpoint", str(out), "--max-new-tokens", "2"]),
+                       (export.main, ["--checkpoint", str(out), "--out", str(tmp_path / "hf")])):
+        with pytest.raises(SystemExit) as done:
+            run_cli(main, argv)
+        assert done.value.code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_inner"] == 115
+
+
+def test_mfu_stays_honest_when_the_peak_was_measured_low_and_the_summary_gives_the_baseline(
+        tmp_path, data_dir, monkeypatch, capsys):
+    # issue 30, class 14: the peak, measured once at start on a busy machine, came out low and MFU
+    # read 105-110%; and neither the summary nor anything else said the unigram baseline
+    measured = train.matmul_peak_flops
+
+    def busy_at_start(xp, fresh=False, **kwargs):
+        return measured(xp, fresh=fresh, **kwargs) if fresh else 1e6  # 1 MFLOP/s: far below any step
+
+    monkeypatch.setattr(train, "matmul_peak_flops", busy_at_start)
+    out = tmp_path / "run"
+    assert run_main(["--config", str(small_config(tmp_path, data_dir, max_steps=3)), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    mfu = [r["mfu"] for r in rows if "mfu" in r]
+    assert len(mfu) == 3 and all(0 < m <= 1 for m in mfu), mfu
+    assert "above the peak of 1e-06 measured so far (a busy machine measures it low); measured again" in printed
+    baseline = json.loads((data_dir / "meta.json").read_text())["unigram_val_nats"]
+    summary = next(line for line in printed.splitlines() if line.startswith("done: "))
+    assert f"(step 3) against a unigram baseline of {baseline:.4f}" in summary

@@ -331,15 +331,21 @@ def init_from_config(config, directory, overrides=()):
                        source=str(Path(directory) / "config.json"))
 
 
+def check_exportable(cfg: ModelConfig, tokenizer=None) -> None:
+    """A UserError when a GPT-2 directory cannot hold this model (a variant's block) or its tokenizer
+    (more ids than the model has: fewer is a padded vocabulary, which transformers loads too)."""
+    if not cfg.is_gpt2:
+        raise UserError(f"this model is a variant ({cfg.variant()}), not GPT-2: the Hugging Face export writes "
+                        "GPT-2's block only (model.norm=pre, model.residual=true, model.activation=gelu)")
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
+
+
 def save_pretrained(model, directory, tokenizer=None) -> list[Path]:
     """Write config.json and model.safetensors (and the tokenizer's files when given); returns the paths."""
     directory = Path(directory)
     cfg = model.cfg
-    if not cfg.is_gpt2:
-        raise UserError(f"this model is a variant ({cfg.variant()}), not GPT-2: the Hugging Face export writes "
-                        "GPT-2's block only (model.norm=pre, model.residual=true, model.activation=gelu)")
-    if tokenizer is not None and tokenizer.vocab_size != cfg.vocab_size:
-        raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model {cfg.vocab_size}")
+    check_exportable(cfg, tokenizer)
     eot_id = tokenizer.eot_id if tokenizer is not None else cfg.vocab_size - 1  # andrea's layout: EOT last
     dtype = np.dtype(model.dtype).name
     tensors = {name: np.ascontiguousarray(to_numpy(view)) for name, view in model.named_parameters()}

@@ -9,7 +9,9 @@ from Open MPI, PMIX_RANK from PMIx launchers such as srun), else `MPIWorld` over
 A world gives rank / size / local_rank / is_main, and every collective training needs, issued by
 all ranks in the same order:
 - `sum_scalars(values)`: float64 all-reduce of a few numbers (loss, validation sums, stop flag);
-- `broadcast_json(obj)`: rank 0's JSON-safe value on every rank (checkpoint metadata, no pickle);
+- `broadcast_json(obj)`: rank 0's JSON-safe value on every rank (checkpoint metadata, no pickle),
+  and on it `require_same(world, values, ...)`: one error for all when a rank's values (its
+  arguments, the fingerprints of its tokenizer and data) differ from rank 0's;
 - `barrier()`; `together()`: a block every rank runs, which, if it fails on any rank, ends all
   ranks there with the lowest failing rank's message;
 - `reducer_for(xp)`: the gradient reducer for the model's array module: the world itself for
@@ -113,6 +115,22 @@ class _World:
             where = "" if len(failed) == self.size else f" (rank {self.rank} of {self.size})"
             raise AgreedError(f"{error}{where}") from error
         raise error
+
+
+def require_same(world, mine: dict, what: str, advice: str) -> None:
+    """Every rank's `mine` ({name: JSON-safe value}) against rank 0's; if any rank's differs, all stop
+    with one error, "<what>: <the first differing names, this rank's value and rank 0's>; <advice>".
+    Ranks that differ would issue different collectives (and wait for each other forever), or train
+    one model on different data without a word. A collective: every rank calls it, at the same place."""
+    if world.size == 1:
+        return
+    mine = json.loads(json.dumps(mine))  # as the broadcast gives rank 0's: lists, not tuples
+    main_rank = world.broadcast_json(mine)
+    with world.together():
+        differ = [k for k in mine if mine[k] != main_rank.get(k)]
+        if differ:
+            shown = ", ".join(f"{k} {mine[k]!r} (rank 0: {main_rank.get(k)!r})" for k in differ[:3])
+            raise UserError(f"{what}: {shown}; {advice}")
 
 
 class Single(_World):

@@ -45,6 +45,28 @@ def recording(model, step, train_cfg):
         model.record_flow(False)  # evaluation's forwards are not measured
 
 
+FLOW_LISTS = ("grad_in", "stream_rms", "attn_delta", "mlp_delta")  # one number per block each
+
+
+def check_flow(flow: dict, where: str) -> dict:
+    """`flow` (a grad_flow record) if it holds every key above, of its kind: grad_top a number, the
+    lists one number per block; else a UserError naming `where` and the first key that is not so."""
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if not number(flow.get("grad_top")):
+        raise UserError(f"{where}: its grad_flow has no 'grad_top' (a number): the file is damaged, or not written by "
+                        "andrea.train")
+    blocks = flow.get("grad_in")
+    for key in FLOW_LISTS:
+        value = flow.get(key)
+        if not (isinstance(value, list) and value and all(number(x) for x in value)
+                and len(value) == len(blocks)):
+            raise UserError(f"{where}: its grad_flow has no {key!r} (a list of one number per block): the file is "
+                            "damaged, or not written by andrea.train")
+    return flow
+
+
 def embedding_ratio(flow: dict) -> float:
     """|dL/dx| reaching the embeddings over |dL/dx| at the top of the stack."""
     return flow["grad_in"][0] / flow["grad_top"] if flow["grad_top"] else float("nan")
@@ -58,7 +80,8 @@ def read_flow(run_dir) -> list[tuple[int, dict]]:
     if not path.is_file():
         raise UserError(f"{path} does not exist: give the --out directory of a training run")
     records = sorted(read_metrics(path).items())
-    flows = [(step, r["grad_flow"]) for step, r in records if isinstance(r.get("grad_flow"), dict)]
+    flows = [(step, check_flow(r["grad_flow"], f"{path} step {step}")) for step, r in records
+             if isinstance(r.get("grad_flow"), dict)]
     if not flows:
         raise UserError(f"{path} has no gradient flow: train with --set train.log_grad_flow=true")
     return flows

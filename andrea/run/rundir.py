@@ -11,7 +11,8 @@ directory is claimed. Before writing, a command asks what the directory is:
 
 - missing, or holding none of the files the command writes: it is claimed and marked;
 - marked with the command's own kind: a run is continued (--resume) or replaced (--overwrite,
-  which deletes only the files andrea.train writes), an export is replaced by the new export;
+  which deletes only the files andrea.train writes), an export is replaced by a new export of the
+  same run (the marker of an export names its run directory, "source");
 - anything else (a Hugging Face model saved by transformers, a data directory, a user's own
   config.json, the run being exported, the export of another run...) is refused, `--overwrite`
   or not, naming the files that are in the way.
@@ -51,15 +52,20 @@ _FILES = {"run": RUN_FILES, "export": EXPORT_FILES}
 _ANDREA_CONFIG_SECTIONS = {"model", "train", "data"}
 
 
+def _marker(directory: Path) -> dict | None:
+    try:
+        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
 def kind_of(directory) -> str | None:
     """"run" or "export" for a directory andrea wrote (its marker, or a run's config.json from before
     markers), another kind a marker names, or None: missing, empty, or another program's."""
     directory = Path(directory)
-    try:
-        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        marker = None
-    if isinstance(marker, dict) and isinstance(marker.get("kind"), str):
+    marker = _marker(directory)
+    if marker is not None and isinstance(marker.get("kind"), str):
         return marker["kind"]
     try:
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
@@ -76,18 +82,34 @@ def _written_by(kind: str, directory: Path) -> list[str]:
     return names
 
 
-def check(directory, kind: str, resume: bool = False, overwrite: bool = False) -> None:
-    """Refuses (UserError) a directory that a command of `kind` must not write into; writes nothing."""
+def check(directory, kind: str, resume: bool = False, overwrite: bool = False, source=None) -> None:
+    """Refuses (UserError) a directory that a command of `kind` must not write into; writes nothing.
+    `source`: what an export exports (its run directory), which an earlier export there must share."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--out {directory} is a file, not a directory: choose a directory")
     if not directory.is_dir():
         return
     _refuse_if_in_use(directory, kind)  # say so first, whatever it holds
-    _refuse_what_is_not_ours(directory, kind, resume, overwrite)
+    _refuse_what_is_not_ours(directory, kind, resume, overwrite, source)
 
 
-def _refuse_what_is_not_ours(directory: Path, kind: str, resume: bool, overwrite: bool) -> None:
+def _source(source) -> str | None:
+    """How a marker names an export's source: the run directory's absolute path."""
+    return None if source is None else str(Path(source).resolve())
+
+
+def _refuse_another_source(directory: Path, source) -> None:
+    """An export is replaced only by an export of the same run (a marker without a source is of an
+    andrea that did not record it: which run it holds is unknown, so it is not replaced either)."""
+    earlier = (_marker(directory) or {}).get("source")
+    if source is not None and earlier != _source(source):
+        whose = f"of another run ({earlier})" if earlier else "of a run it does not name (an older andrea's)"
+        raise UserError(f"--out {directory} holds the export {whose}, not of {_source(source)}: choose another --out, "
+                        "or delete that export first")
+
+
+def _refuse_what_is_not_ours(directory: Path, kind: str, resume: bool, overwrite: bool, source=None) -> None:
     found, ours = kind_of(directory), _written_by(kind, directory)
     command = KINDS[kind]
     if directory.resolve().name.startswith("ckpt-") and (directory / ckpt.META_FILE).is_file():
@@ -105,6 +127,8 @@ def _refuse_what_is_not_ours(directory: Path, kind: str, resume: bool, overwrite
     if kind == "run" and ours and not resume and not overwrite:
         raise UserError(f"{directory} holds another run: add --resume to continue it, choose another --out, or "
                         "add --overwrite to delete it and start afresh")
+    if kind == "export" and found == "export":
+        _refuse_another_source(directory, source)
 
 
 # ----------------------------------------------------------------------------------------------- claims
@@ -171,26 +195,30 @@ def _in_use(directory: Path, kind: str) -> UserError:
                      "or choose another --out")
 
 
-def claim(directory, kind: str, resume: bool = False, overwrite: bool = False) -> Claim:
-    """Checks `directory` (as check() does), creates it if missing, locks it and marks it as `kind`.
+def claim(directory, kind: str, resume: bool = False, overwrite: bool = False, source=None) -> Claim:
+    """Checks `directory` (as check() does), creates it if missing, locks it and marks it as `kind`
+    (and an export with its `source`).
 
     For a run with --overwrite, then deletes the earlier run's files (and only those). The claim
     holds until release(), the end of a `with` block on it or of a `released_at_end()` block, or
     the end of the process.
     """
     directory = Path(directory)
-    check(directory, kind, resume, overwrite)
+    check(directory, kind, resume, overwrite, source)
     directory.mkdir(parents=True, exist_ok=True)
     held = Claim(directory, kind)
     try:
-        _refuse_what_is_not_ours(directory, kind, resume, overwrite)  # again, holding the lock
+        _refuse_what_is_not_ours(directory, kind, resume, overwrite, source)  # again, holding the lock
         if kind == "run" and not resume:
             for path in ckpt.list_checkpoints(directory):
                 shutil.rmtree(path)
             for name in RUN_FILES:
                 (directory / name).unlink(missing_ok=True)
+        marker = {"kind": kind, "written_by": KINDS[kind], "pid": os.getpid()}
+        if source is not None:
+            marker["source"] = _source(source)
         with atomic_writer(directory / MARKER) as f:
-            f.write((json.dumps({"kind": kind, "written_by": KINDS[kind], "pid": os.getpid()}) + "\n").encode())
+            f.write((json.dumps(marker) + "\n").encode())
     except BaseException:
         held.release()
         raise

@@ -186,15 +186,20 @@ def final_checkpoint_check(out_dir, step: int, last_checkpoint, code: int) -> in
     return EXIT_SAVE_FAILED
 
 
-def summary(out_dir, steps_done: int, step: int, seconds: float, rate, loss, val, checkpoint) -> str:
-    """The end-of-run line: steps, time, throughput, the last step's loss, the last validation loss,
+def summary(out_dir, steps_done: int, step: int, seconds: float, rate, loss, val, checkpoint,
+            baseline=None) -> str:
+    """The end-of-run line: steps, time, throughput, the last step's loss, the last validation loss
+    beside the data's unigram baseline (a loss below it learned more than token frequencies),
     where the checkpoint is. `rate` is (tokens/s, seconds, steps) of the training steps the rate
     comes from (andrea.train.Throughput.run_rate: after the first, without evaluation or saving);
-    `loss` the last step's training loss, `val` (step, loss, bits per byte) of the last evaluation, or None."""
+    `loss` the last step's training loss, `val` (step, loss, bits per byte) of the last evaluation, or None;
+    `baseline` the validation tokens' unigram entropy (meta.json's unigram_val_nats), or None."""
     tokens_per_s, train_s, timed = rate
     after_first = "after the first step, " if timed < steps_done else ""
     loss = f"{loss:.4f}" if loss is not None else "n/a"
     val = f"{val[1]:.4f} ({val[2]:.4f} bits/byte, step {val[0]})" if val is not None else "n/a"
+    if baseline is not None:
+        val += f" against a unigram baseline of {baseline:.4f}"
     return (f"done: step {step} ({steps_done} this run) in {seconds:.1f} s | {tokens_per_s:,.0f} tokens/s "
             f"({timed} step{'s' if timed != 1 else ''} {after_first}{train_s:.1f} s of training) | train loss "
             f"{loss} | val loss {val} | checkpoint {checkpoint or 'none'} | metrics {Path(out_dir) / 'metrics.jsonl'}")
