@@ -31,7 +31,7 @@ import numpy as np
 
 from minitensor import cuda
 from minitensor.backend import array_module
-from minitensor.ops import GELU_AC, GELU_AC3, GELU_C, Ops
+from minitensor.ops import GELU_AC, GELU_AC3, GELU_C, AttentionCache, Ops
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
 
@@ -105,6 +105,46 @@ class CupyOps(Ops):
             B, nh, T, _ = qkv4[0].shape
             dense = B * nh * T * T * y4.itemsize <= (self.dense_max_bytes or _gpu_memory(self.xp) // 64)
         return super().attention_forward(qkv4, b, y4, block, keep_probs_max_bytes, dense)
+
+    # The dense core with the fused softmax: the 1/sqrt(hs) scale goes into the softmax kernels
+    # (forward: p = softmax(scale s); backward: ds = scale p (dp - rowsum(dp p))), so q is kept
+    # unscaled and neither q nor dq takes a pass of its own, and rowsum(dy y) (Ops' D) is not
+    # computed: the backward kernel sums dp p itself. CuPy's batched matmul copies an operand that
+    # is not C-contiguous (SPEC section 5): k^T (forward), dy^T, v^T and q^T (backward) are those
+    # copies; dv and dk come out transposed (dv^T = dy^T p, dk^T = q^T ds), read as stored.
+
+    def attention_forward_dense(self, qkv4, b, y4):
+        if not self.fused("causal_softmax"):
+            return super().attention_forward_dense(qkv4, b, y4)
+        xp = self.xp
+        B, nh, T, hs = qkv4[0].shape
+        C = nh * hs
+        q, k, v = (xp.empty((B * nh, T, hs), dtype=y4.dtype) for _ in range(3))
+        for i, (src, dst) in enumerate(zip(qkv4, (q, k, v))):  # the head split, c_attn's bias added
+            dst = dst.reshape(B, nh, T, hs)
+            if b is None:
+                dst[...] = src
+            else:
+                xp.add(src, b[i * C:(i + 1) * C].reshape(nh, 1, hs), out=dst)
+        s = xp.matmul(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
+        p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
+        y4[...] = xp.matmul(p, v).reshape(B, nh, T, hs)       # heads back in order
+        return AttentionCache(q, k, v, y4, None, p, T, self._attention_backward_dense_gpu)
+
+    def _attention_backward_dense_gpu(self, dy4, cache, grads4):
+        xp = self.xp
+        q, k, v, _, _, p = cache[:6]                          # q unscaled (attention_forward_dense above)
+        BH, T, hs = q.shape
+        B, nh = dy4.shape[:2]
+        dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
+        dvT = xp.matmul(dy.transpose(0, 2, 1), p)             # forward was y = p v: dv^T = dy^T p
+        dp = xp.matmul(dy, v.transpose(0, 2, 1))
+        # forward was p = softmax(scale q k^T): ds = scale p (dp - rowsum(dp p)), dq = ds k, dk^T = q^T ds
+        ds = causal_softmax_backward_gpu(dp, p, 1.0 / math.sqrt(hs), out=dp)
+        dq = xp.matmul(ds, k)
+        dkT = xp.matmul(q.transpose(0, 2, 1), ds)
+        for g, d in zip(grads4, (dq, dkT.transpose(0, 2, 1), dvT.transpose(0, 2, 1))):
+            g[...] = d.reshape(B, nh, T, hs)
 
     def causal_softmax(self, s):
         if not self.fused("causal_softmax"):
