@@ -94,9 +94,9 @@ class CupyOps(Ops):
     def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
         if not self.fused("layernorm"):
             return super().layernorm_backward(dy, x, mean, rstd, w, dw, db, dres)
-        # the kernel adds dx into a copy of the skip gradient: the caller's array is kept
-        add_to = None if dres is None else self.xp.array(dres, order="C")
-        return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=add_to)
+        # the kernel reads the skip gradient and writes dx beside it: the caller's array is kept
+        residual = None if dres is None else self.xp.ascontiguousarray(dres)
+        return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=residual)
 
     # --- attention ---
 
@@ -333,19 +333,21 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
 """, traffic=_layernorm_fwd_traffic))
 
 # forward was: y = xhat w + b, xhat = (x - mean) rstd. One block per row: dx, written or (with
-# accumulate) added into dx, the residual gradient of a pre-norm block, fused.
-def _layernorm_bwd_traffic(dy, x, w, mean, rstd, dx, accumulate, **_):
-    """dy, x and the statistics read; dx written (and read first when accumulating)."""
-    return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (dx.nbytes if accumulate else 0), dx.nbytes
+# accumulate) written as res + dx, the residual gradient of a pre-norm block, fused. res may be dx
+# itself (each thread reads res[j] before it writes dx[j]).
+def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, accumulate, **_):
+    """dy, x and the statistics read, and res when accumulating; dx written."""
+    return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0), dx.nbytes
 
 
 LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + r"""
 extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
-                                         T *dx, const int C, const int accumulate) {
+                                         const T *res, T *dx, const int C, const int accumulate) {
   __shared__ T buf[32];
   const long long row = blockIdx.x;
   const T *dyr = dy + row * C;
   const T *xr = x + row * C;
+  const T *resr = res + row * C;
   T *dxr = dx + row * C;
   const T m = mean[row], r = rstd[row];
   T sg = 0, sgx = 0;
@@ -358,7 +360,7 @@ extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, co
   const T mgx = block_sum(sgx, buf) / (T)C;
   for (int j = threadIdx.x; j < C; j += blockDim.x) {
     const T v = r * (dyr[j] * w[j] - mg - (xr[j] - m) * r * mgx);
-    dxr[j] = accumulate ? dxr[j] + v : v;
+    dxr[j] = accumulate ? resr[j] + v : v;
   }
 }
 """, traffic=_layernorm_bwd_traffic))
@@ -425,12 +427,13 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
     return y, mean, rstd
 
 
-def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None):
+def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None):
     """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
     (..., C), mean and rstd N values); accumulates dw += sum(dy xhat), db += sum(dy) over rows.
 
-    Returns a new dx, or, with `add_to` (x's shape), adds dx into add_to and returns it: the
-    residual gradient of a pre-norm block, fused."""
+    Returns a new dx; with `residual` (x's shape, contiguous), a new residual + dx, the residual
+    gradient of a pre-norm block, fused (residual is kept); with `add_to` instead, adds dx into
+    add_to in place and returns it."""
     fn = "layernorm_backward_gpu"
     N, C = cuda.rows(fn, x)
     cuda.like(fn, "dy", dy, x)
@@ -441,23 +444,33 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None):
     for name, a in (("dw", dw), ("db", db)):
         if a.shape != (C,):
             raise ValueError(f"{fn}: {name} must have shape ({C},), got {a.shape}")
-    if add_to is not None:
-        cuda.like(fn, "add_to", add_to, x)
+    if add_to is not None and residual is not None:
+        raise ValueError(f"{fn}: give add_to (in place) or residual (kept), not both")
+    for name, a in (("add_to", add_to), ("residual", residual)):
+        if a is not None:
+            cuda.like(fn, name, a, x)
     xp = array_module(x)
     dx = xp.empty_like(x) if add_to is None else add_to
+    res = add_to if add_to is not None else residual
     if not N:
         return dx
     cuda.launch(LAYERNORM_BWD, x.dtype, (N,), (cuda.threads(C, 128),),
-            (dy, x, w, mean, rstd, dx, np.int32(C), np.int32(add_to is not None)))
+            (dy, x, w, mean, rstd, dx if res is None else res, dx, np.int32(C), np.int32(res is not None)))
+    _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C)
+    return dx
+
+
+def _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C):
+    """dw += sum(dy xhat), db += sum(dy) over the rows: partial sums per chunk of rows, both into one
+    (2, chunks, C) buffer, added up by one reduction."""
     rows_per_chunk = max(64, -(-N // 128))  # at most 128 chunks: enough blocks to fill a GPU
     chunks = -(-N // rows_per_chunk)
-    part_w = xp.empty((chunks, C), dtype=x.dtype)
-    part_b = xp.empty((chunks, C), dtype=x.dtype)
+    parts = array_module(x).empty((2, chunks, C), dtype=x.dtype)
     cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32), chunks), LN_PARAM_BLOCK,
-            (dy, x, mean, rstd, part_w, part_b, np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
-    dw += part_w.sum(axis=0)
-    db += part_b.sum(axis=0)
-    return dx
+            (dy, x, mean, rstd, parts[0], parts[1], np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
+    sums = parts.sum(axis=1)
+    dw += sums[0]
+    db += sums[1]
 
 
 # =============================================================================================

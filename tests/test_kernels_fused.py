@@ -264,6 +264,11 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     acc = r.copy()
     assert cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)
+    # or residual + dx into a new array, the residual kept (the skip gradient needs no copy)
+    kept = r.copy()
+    joined = cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept)
+    assert joined is not kept and np.array_equal(kept, r)
+    assert_close(joined.reshape(-1, C), r2 + dx_ref, scale=scale)
 
 
 def test_layernorm_param_gradients_over_several_row_chunks(emulated):
