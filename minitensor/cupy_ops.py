@@ -4,7 +4,8 @@
 method it replaces, and falls back to `super()` where a kernel does not apply:
 
     gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, any float dtype)
-    bias_gelu_forward / _backward      'bias_gelu_fwd' / '_bwd'             fused piece bias_gelu
+    bias_gelu_forward / _backward      'bias_gelu_fwd' / '_bwd' ('_bwd_fwd' with the output recomputed),
+                                       fused piece bias_gelu
     layernorm_forward / _backward      'layernorm_fwd', '_bwd', '_bwd_params' fused piece layernorm
     causal_softmax / _backward         'causal_softmax_fwd' / '_bwd'         fused piece causal_softmax
     softmax_xent_forward / _backward   'softmax_xent_fwd' / '_bwd'           fused piece softmax_xent
@@ -59,6 +60,16 @@ class CupyOps(Ops):
         """Whether the fused piece `name` runs (chosen when this backend was built)."""
         return name in self.in_use
 
+    # --- Linear ---
+
+    def linear_weight_grads(self, x, dy, dW, db, write=False):
+        """With write (the first micro-batch after zero_grad), the bias gradient written by its
+        reduction itself (`sum(out=db)`) rather than through a temporary and a copy."""
+        if not write or db is None:
+            return super().linear_weight_grads(x, dy, dW, db, write)
+        self.xp.matmul(x.T, dy, out=dW)
+        dy.sum(axis=0, out=db)
+
     # --- GELU ---
 
     def gelu_forward(self, x):
@@ -81,8 +92,9 @@ class CupyOps(Ops):
     def bias_gelu_backward(self, x, b, dy, recompute_output=False):
         if not self.fused("bias_gelu"):
             return super().bias_gelu_backward(x, b, dy, recompute_output)
-        dh = bias_gelu_backward_gpu(x, b, dy)
-        return (dh, bias_gelu_forward_gpu(x, b)) if recompute_output else dh
+        if recompute_output:
+            return bias_gelu_backward_recompute_gpu(x, b, dy)
+        return bias_gelu_backward_gpu(x, b, dy)
 
     # --- LayerNorm ---
 
@@ -251,6 +263,22 @@ BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
 ))
 
 
+# The backward and the recomputed output in one pass (MLP.backward needs both): h read once, the
+# exp shared. y = h / den is the forward kernel's expression, dh the backward kernel's (sig = 1 / den).
+BIAS_GELU_BWD_FWD = cuda.register(cuda.ElementwiseSpec(
+    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y",
+    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n"
+    "const T h2 = h * h;\n"
+    f"const T den = (T)1 + exp(h * (h2 * (T){_M2AC!r} + (T){_M2C!r}));\n"
+    "const T sig = (T)1 / den;\n"
+    f"dh = (((T)1 - sig) * (h * (h2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;\n"
+    "y = h / den;",
+    reference=lambda x, b, C, dy: (_REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
+                                   _REFERENCE.gelu_forward(x + b[_column(x.size, C)])),
+    scalars=(("C", 7),),
+))
+
+
 def bias_gelu_forward_gpu(x, b, out=None):
     """GELU(x + b) for x (..., C) and b (C,) CuPy arrays, into `out` if given; returns y.
 
@@ -274,6 +302,13 @@ def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
     if db is not None:
         db += dh.reshape(-1, dh.shape[-1]).sum(axis=0)
     return dh
+
+
+def bias_gelu_backward_recompute_gpu(x, b, dy):
+    """(dh, y): bias_gelu_backward_gpu's dh and bias_gelu_forward_gpu's y in one pass, new arrays."""
+    _check_bias_gpu(x, b, None, "bias_gelu_backward_recompute_gpu", dy)
+    cuda.on_cupy("bias_gelu_backward_recompute_gpu", x, "Ops.bias_gelu_backward")
+    return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
 
 
 def _check_bias_gpu(x, b, out, fn, dy=None):

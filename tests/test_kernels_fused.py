@@ -29,6 +29,7 @@ from minitensor.params import Params
 
 NEW_KERNELS = {
     "bias_gelu_fwd": cuda.ElementwiseSpec, "bias_gelu_bwd": cuda.ElementwiseSpec,
+    "bias_gelu_bwd_fwd": cuda.ElementwiseSpec,
     "layernorm_fwd": cuda.RawSpec, "layernorm_bwd": cuda.RawSpec, "layernorm_bwd_params": cuda.RawSpec,
     "causal_softmax_fwd": cuda.RawSpec, "causal_softmax_bwd": cuda.RawSpec,
     "causal_softmax_recompute": cuda.ElementwiseSpec,
@@ -207,6 +208,7 @@ def test_new_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
 SLIPS = {  # a plausible mistake in each operation, which the host check must catch
     "bias_gelu_fwd": ("b[(unsigned int)i % (unsigned int)C]", "b[0]"),
     "bias_gelu_bwd": ("((T)1 - sig) *", "sig *"),
+    "bias_gelu_bwd_fwd": ("y = h / den", "y = h * den"),
     "causal_softmax_recompute": ("col <= row", "col < row"),
     "softmax_xent_bwd": ("col == targets[row]", "col == targets[0]"),
     "adamw_step": ("decay * mask", "decay"),
