@@ -4,6 +4,8 @@
 method it replaces, and falls back to `super()` where a kernel does not apply:
 
     gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, any float dtype)
+    add_epilogue                       'bias_residual_add' with a bias and a residual (ElementwiseKernel,
+                                       the same adds as Ops': any float dtype)
     bias_gelu_forward / _backward      'bias_gelu_fwd' / '_bwd' ('_bwd_fwd' with the output recomputed),
                                        fused piece bias_gelu
     layernorm_forward / _backward      'layernorm_fwd', '_bwd', '_bwd_params' fused piece layernorm
@@ -61,6 +63,13 @@ class CupyOps(Ops):
         return name in self.in_use
 
     # --- Linear ---
+
+    def add_epilogue(self, y, b=None, r=None):
+        """y += b and y += r in one pass ('bias_residual_add', the same two float adds in the same
+        order) when both are given, as in the residual branches' last products."""
+        if b is None or r is None or not _epilogue_fits(y, b, r):
+            return super().add_epilogue(y, b, r)
+        BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)
 
     def linear_weight_grads(self, x, dy, dW, db, write=False):
         """With write (the first micro-batch after zero_grad), the bias gradient written by its
@@ -309,6 +318,22 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
     _check_bias_gpu(x, b, None, "bias_gelu_backward_recompute_gpu", dy)
     cuda.on_cupy("bias_gelu_backward_recompute_gpu", x, "Ops.bias_gelu_backward")
     return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
+
+
+# y = (y + b) + r, Ops.add_epilogue's two adds in one pass; y is its own output (in place).
+BIAS_RESIDUAL_ADD = cuda.register(cuda.ElementwiseSpec(
+    "bias_residual_add", "T y_in, raw T b, int32 C, T r", "T y",
+    "y = (y_in + b[(unsigned int)i % (unsigned int)C]) + r;",
+    reference=lambda y_in, b, C, r: (y_in + b[_column(y_in.size, C)]) + r,
+    scalars=(("C", 7),),
+))
+
+
+def _epilogue_fits(y, b, r):
+    """Whether bias_residual_add applies: y (N, C) float and contiguous, b (C,) and r (N, C) alike."""
+    return (y.dtype in (np.float32, np.float64) and y.ndim == 2 and y.flags.c_contiguous and y.size < 2**31
+            and b.dtype == y.dtype and b.shape == y.shape[-1:] and b.flags.c_contiguous
+            and r.dtype == y.dtype and r.shape == y.shape and not array_module(y).may_share_memory(y, r))
 
 
 def _check_bias_gpu(x, b, out, fn, dy=None):

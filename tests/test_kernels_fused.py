@@ -29,7 +29,7 @@ from minitensor.params import Params
 
 NEW_KERNELS = {
     "bias_gelu_fwd": cuda.ElementwiseSpec, "bias_gelu_bwd": cuda.ElementwiseSpec,
-    "bias_gelu_bwd_fwd": cuda.ElementwiseSpec,
+    "bias_gelu_bwd_fwd": cuda.ElementwiseSpec, "bias_residual_add": cuda.ElementwiseSpec,
     "layernorm_fwd": cuda.RawSpec, "layernorm_bwd": cuda.RawSpec, "layernorm_bwd_params": cuda.RawSpec,
     "causal_softmax_fwd": cuda.RawSpec, "causal_softmax_bwd": cuda.RawSpec,
     "causal_softmax_recompute": cuda.ElementwiseSpec,
@@ -209,6 +209,7 @@ SLIPS = {  # a plausible mistake in each operation, which the host check must ca
     "bias_gelu_fwd": ("b[(unsigned int)i % (unsigned int)C]", "b[0]"),
     "bias_gelu_bwd": ("((T)1 - sig) *", "sig *"),
     "bias_gelu_bwd_fwd": ("y = h / den", "y = h * den"),
+    "bias_residual_add": (") + r;", ") - r;"),
     "causal_softmax_recompute": ("col <= row", "col < row"),
     "softmax_xent_bwd": ("col == targets[row]", "col == targets[0]"),
     "adamw_step": ("decay * mask", "decay"),
@@ -517,3 +518,29 @@ def test_gpu_registered_source_is_what_cupy_compiles(cupy, name, dtype):
     fresh(*args)  # contiguous: reduced to 1-D, 32-bit indexing
     [compiled] = fresh.cached_codes.values()
     assert spec.source(dtype).endswith(compiled)
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_epilogue_adds_bias_and_residual_in_one_kernel_as_ops_does(dtype):
+    """CupyOps.add_epilogue on the CuPy stand-in: y + b + r in one 'bias_residual_add', to the bit
+    Ops' two adds; a residual that is y itself, or no residual, goes through Ops' code."""
+    from gpu_standin import standin_cupy
+
+    rng = np.random.default_rng(8)
+    y, b, r = (rng.standard_normal(s).astype(dtype) for s in ((9, 70), (70,), (9, 70)))
+    want = y.copy()
+    Ops(np).add_epilogue(want, b, r)
+    with standin_cupy() as cupy:
+        ops = cupy_ops.CupyOps(cupy)
+        yg = cupy.asarray(y)
+        ops.add_epilogue(yg, cupy.asarray(b), cupy.asarray(r))
+        assert [name for _, name, _ in cupy.standin.kernels] == ["bias_residual_add"]
+        assert np.array_equal(cupy.asnumpy(yg), want)
+        ops.add_epilogue(yg, cupy.asarray(b), yg)
+        ops.add_epilogue(yg, cupy.asarray(b))
+        assert [name for _, name, _ in cupy.standin.kernels] == ["bias_residual_add"]
+        got = cupy.asnumpy(yg)
+    Ops(np).add_epilogue(want, b, want)
+    Ops(np).add_epilogue(want, b)
+    assert np.array_equal(got, want)
