@@ -139,14 +139,9 @@ class CupyOps(Ops):
             return super().attention_forward_dense(qkv4, b, y4)
         xp = self.xp
         B, nh, T, hs = qkv4[0].shape
-        C = nh * hs
-        q, k, v = (xp.empty((B * nh, T, hs), dtype=y4.dtype) for _ in range(3))
-        for i, (src, dst) in enumerate(zip(qkv4, (q, k, v))):  # the head split, c_attn's bias added
-            dst = dst.reshape(B, nh, T, hs)
-            if b is None:
-                dst[...] = src
-            else:
-                xp.add(src, b[i * C:(i + 1) * C].reshape(nh, 1, hs), out=dst)
+        heads = xp.empty((3, B * nh, T, hs), dtype=y4.dtype)  # q, k, v, each (BH, T, hs) contiguous
+        _split_heads(xp, qkv4, b, heads.reshape(3, B, nh, T, hs))
+        q, k, v = heads
         s = xp.matmul(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
         p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
         y4[...] = xp.matmul(p, v).reshape(B, nh, T, hs)       # heads back in order
@@ -158,14 +153,21 @@ class CupyOps(Ops):
         BH, T, hs = q.shape
         B, nh = dy4.shape[:2]
         dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
-        dvT = xp.matmul(dy.transpose(0, 2, 1), p)             # forward was y = p v: dv^T = dy^T p
+        dkvT = xp.empty((2, BH, hs, T), dtype=q.dtype)        # dk^T, dv^T side by side
+        xp.matmul(dy.transpose(0, 2, 1), p, out=dkvT[1])      # forward was y = p v: dv^T = dy^T p
         dp = xp.matmul(dy, v.transpose(0, 2, 1))
         # forward was p = softmax(scale q k^T): ds = scale p (dp - rowsum(dp p)), dq = ds k, dk^T = q^T ds
         ds = causal_softmax_backward_gpu(dp, p, 1.0 / math.sqrt(hs), out=dp)
         dq = xp.matmul(ds, k)
-        dkT = xp.matmul(q.transpose(0, 2, 1), ds)
-        for g, d in zip(grads4, (dq, dkT.transpose(0, 2, 1), dvT.transpose(0, 2, 1))):
-            g[...] = d.reshape(B, nh, T, hs)
+        xp.matmul(q.transpose(0, 2, 1), ds, out=dkvT[0])
+        dkv = dkvT.transpose(0, 1, 3, 2).reshape(2, B, nh, T, hs)
+        stacked = _stacked_heads(grads4)
+        if stacked is not None:                               # dk and dv in one copy
+            stacked[0][...] = dq.reshape(B, nh, T, hs)
+            stacked[1:][...] = dkv
+            return
+        for g, d in zip(grads4, (dq.reshape(B, nh, T, hs), dkv[0], dkv[1])):
+            g[...] = d
 
     def causal_softmax(self, s):
         if not self.fused("causal_softmax"):
@@ -207,6 +209,38 @@ class CupyOps(Ops):
         if not self.fused("adamw"):
             return super().adamw_step(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
         adamw_kernel(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
+
+
+def _stacked_heads(views):
+    """The (3, B, nh, T, hs) view of the (B*T, 3C) array that the three (B, nh, T, hs) views were cut
+    from (CausalSelfAttention._heads: q, k, v side by side in each row), found through CuPy's public
+    `base` and `data.ptr`; None where they are not exactly that (then each is handled on its own)."""
+    base = views[0].base
+    B, nh, T, hs = views[0].shape
+    C, item = nh * hs, views[0].itemsize
+    if (base is None or base.size != B * T * 3 * C or base.dtype != views[0].dtype or not base.flags.c_contiguous
+            or len(views) != 3):
+        return None
+    strides = (T * 3 * C * item, hs * item, 3 * C * item, item)
+    for i, v in enumerate(views):
+        if v.shape != (B, nh, T, hs) or v.strides != strides or v.data.ptr != base.data.ptr + i * C * item:
+            return None
+    return base.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)
+
+
+def _split_heads(xp, qkv4, b, out):
+    """out (3, B, nh, T, hs) = the heads of qkv4 (three (B, nh, T, hs) views) plus c_attn's bias b
+    (3C,): one pass over all three where they are views of one array, else one each."""
+    B, nh, T, hs = qkv4[0].shape
+    stacked = _stacked_heads(qkv4)
+    bias = None if b is None else b.reshape(3, 1, nh, 1, hs)
+    pairs = [(stacked, bias, out)] if stacked is not None else [
+        (src, None if bias is None else bias[i], out[i]) for i, src in enumerate(qkv4)]
+    for src, add, dst in pairs:
+        if add is None:
+            dst[...] = src
+        else:
+            xp.add(src, add, out=dst)
 
 
 _gpu_memory_bytes = {}

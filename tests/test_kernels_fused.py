@@ -544,3 +544,41 @@ def test_the_epilogue_adds_bias_and_residual_in_one_kernel_as_ops_does(dtype):
     Ops(np).add_epilogue(want, b, want)
     Ops(np).add_epilogue(want, b)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
+    """CupyOps' dense core (fused softmax) on the CuPy stand-in, float64, against Ops': with q, k, v
+    views of one (B*T, 3C) array (split in one pass, dk and dv merged in one copy) and as separate
+    arrays (one pass each)."""
+    import types
+
+    from gpu_standin import standin_cupy
+
+    from minitensor.attention import CausalSelfAttention
+
+    B, T, nh, hs = 2, 5, 2, 3
+    C = nh * hs
+    rng = np.random.default_rng(9)
+    qkv, b, dy = rng.standard_normal((B * T, 3 * C)), rng.standard_normal(3 * C), rng.standard_normal((B * T, C))
+    layer = types.SimpleNamespace(n_head=nh)
+
+    def run(ops, xp):
+        views = CausalSelfAttention._heads(layer, xp.asarray(qkv), B, T)
+        dqkv = xp.zeros((B * T, 3 * C))
+        grads = CausalSelfAttention._heads(layer, dqkv, B, T)
+        if separate:
+            views, grads = [v.copy() for v in views], [xp.zeros(g.shape) for g in grads]
+        if xp is not np:
+            assert (cupy_ops._stacked_heads(views) is None) == separate
+        y = xp.empty((B, T, C))
+        cache = ops.attention_forward(views, xp.asarray(b), CausalSelfAttention._heads(layer, y, B, T, 1)[0],
+                                      dense=True)
+        ops.attention_backward(CausalSelfAttention._heads(layer, xp.asarray(dy), B, T, 1)[0], cache, grads)
+        return [np.asarray(getattr(xp, "asnumpy", np.asarray)(a)) for a in (y, *grads)]
+
+    want = run(Ops(np), np)
+    with standin_cupy() as cupy:
+        got = run(cupy_ops.CupyOps(cupy, fused=("causal_softmax",)), cupy)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
