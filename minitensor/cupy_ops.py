@@ -73,11 +73,22 @@ class CupyOps(Ops):
 
     def linear_weight_grads(self, x, dy, dW, db, write=False):
         """With write (the first micro-batch after zero_grad), the bias gradient written by its
-        reduction itself (`sum(out=db)`) rather than through a temporary and a copy."""
-        if not write or db is None:
+        reduction itself (`sum(out=db)`) rather than through a temporary and a copy; without, where
+        db follows dW in the gradient buffer (Params lays a weight and its bias out so), both added
+        in one pass."""
+        if db is None:
             return super().linear_weight_grads(x, dy, dW, db, write)
-        self.xp.matmul(x.T, dy, out=dW)
-        dy.sum(axis=0, out=db)
+        if write:
+            self.xp.matmul(x.T, dy, out=dW)
+            dy.sum(axis=0, out=db)
+            return
+        joint = _joined(dW, db, (dW.shape[0] + 1, dW.shape[1]))
+        if joint is None:
+            return super().linear_weight_grads(x, dy, dW, db, write)
+        grads = self.xp.empty(joint.shape, dtype=joint.dtype)  # x^T dy and sum(dy) side by side, added in one pass
+        self.xp.matmul(x.T, dy, out=grads[:-1])
+        dy.sum(axis=0, out=grads[-1])
+        joint += grads
 
     # --- GELU ---
 
@@ -209,6 +220,19 @@ class CupyOps(Ops):
         if not self.fused("adamw"):
             return super().adamw_step(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
         adamw_kernel(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
+
+
+def _joined(first, second, shape):
+    """The view of `shape` over `first` and then `second` where both are contiguous views of one
+    contiguous array and second starts where first ends (Params' gradient buffer: a weight and then
+    its bias), found through CuPy's public base and data.ptr; else None."""
+    base = first.base
+    if (base is None or second.base is None or not base.flags.c_contiguous or second.base.data.ptr != base.data.ptr
+            or not (first.flags.c_contiguous and second.flags.c_contiguous) or first.dtype != second.dtype
+            or second.data.ptr != first.data.ptr + first.nbytes or math.prod(shape) != first.size + second.size):
+        return None
+    start = (first.data.ptr - base.data.ptr) // first.itemsize
+    return base.reshape(-1)[start:start + first.size + second.size].reshape(shape)
 
 
 def _stacked_heads(views):
@@ -563,8 +587,12 @@ def _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C):
     cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32), chunks), LN_PARAM_BLOCK,
             (dy, x, mean, rstd, parts[0], parts[1], np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
     sums = parts.sum(axis=1)
-    dw += sums[0]
-    db += sums[1]
+    joint = _joined(dw, db, (2, C))
+    if joint is not None:  # db follows dw in the gradient buffer: one add
+        joint += sums
+    else:
+        dw += sums[0]
+        db += sums[1]
 
 
 # =============================================================================================

@@ -546,6 +546,7 @@ def test_the_epilogue_adds_bias_and_residual_in_one_kernel_as_ops_does(dtype):
     assert np.array_equal(got, want)
 
 
+@needs_cxx
 @pytest.mark.parametrize("separate", [False, True])
 def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
     """CupyOps' dense core (fused softmax) on the CuPy stand-in, float64, against Ops': with q, k, v
@@ -580,5 +581,43 @@ def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
     want = run(Ops(np), np)
     with standin_cupy() as cupy:
         got = run(cupy_ops.CupyOps(cupy, fused=("causal_softmax",)), cupy)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+@needs_cxx
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_weight_and_bias_gradients_that_follow_each_other_are_added_in_one_pass(adjacent):
+    """CupyOps.linear_weight_grads and the LayerNorm parameter sums on the CuPy stand-in, float64,
+    written (just zeroed) then accumulated, against Ops': with db right after dW in one buffer (as
+    Params lays them out: one add for both) and apart (an add each)."""
+    from gpu_standin import standin_cupy
+
+    rng = np.random.default_rng(10)
+    N, n_in, n_out = 7, 5, 3
+    x, dy = rng.standard_normal((N, n_in)), rng.standard_normal((N, n_out))
+    ln_x, ln_dy = rng.standard_normal((N, n_out)), rng.standard_normal((N, n_out))
+    gap = 0 if adjacent else 2
+
+    def run(ops, xp):
+        g = xp.zeros(n_in * n_out + gap + n_out)
+        dW, db = g[:n_in * n_out].reshape(n_in, n_out), g[n_in * n_out + gap:]
+        lg = xp.zeros(2 * n_out + gap)
+        dw, dbl = lg[:n_out], lg[n_out + gap:]
+        if xp is not np:
+            assert (cupy_ops._joined(dW, db, (n_in + 1, n_out)) is None) != adjacent
+            assert (cupy_ops._joined(dw, dbl, (2, n_out)) is None) != adjacent
+        for write in (True, False):
+            ops.linear_weight_grads(xp.asarray(x), xp.asarray(dy), dW, db, write=write)
+        ln = LayerNorm(xp.asarray(rng_w), dw, xp.asarray(rng_b), dbl, ops=ops)
+        for _ in range(2):
+            ln.forward(xp.asarray(ln_x))
+            ln.backward(xp.asarray(ln_dy))
+        return [np.asarray(getattr(xp, "asnumpy", np.asarray)(a)) for a in (dW, db, dw, dbl)]
+
+    rng_w, rng_b = rng.standard_normal(n_out), rng.standard_normal(n_out)
+    want = run(Ops(np), np)
+    with standin_cupy() as cupy:
+        got = run(cupy_ops.CupyOps(cupy, fused=("layernorm",)), cupy)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
