@@ -231,8 +231,10 @@ def _joined(first, second, shape):
             or not (first.flags.c_contiguous and second.flags.c_contiguous) or first.dtype != second.dtype
             or second.data.ptr != first.data.ptr + first.nbytes or math.prod(shape) != first.size + second.size):
         return None
-    start = (first.data.ptr - base.data.ptr) // first.itemsize
-    return base.reshape(-1)[start:start + first.size + second.size].reshape(shape)
+    start, item = first.data.ptr - base.data.ptr, first.itemsize
+    if start < 0 or start % item or start // item + first.size + second.size > base.size:
+        return None
+    return base.reshape(-1)[start // item:start // item + first.size + second.size].reshape(shape)
 
 
 def _stacked_heads(views):
