@@ -18,11 +18,12 @@ def _draw(xp, rng, *shape, scale=1.0, shift=0.0):
 
 @cuda.self_check("bias_gelu")
 def _check_bias_gelu(ops, rng):
-    """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails."""
+    """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails; the backward
+    also with the output recomputed (as MLP.backward asks)."""
     xp = ops.xp
     x, b, dy = _draw(xp, rng, 150, 70, scale=4.0), _draw(xp, rng, 70), _draw(xp, rng, 150, 70)
     y = ops.bias_gelu_forward(x, b)
-    return y, ops.bias_gelu_backward(x, b, dy)
+    return y, ops.bias_gelu_backward(x, b, dy), *ops.bias_gelu_backward(x, b, dy, recompute_output=True)
 
 
 @cuda.self_check("layernorm")

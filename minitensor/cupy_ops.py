@@ -4,7 +4,10 @@
 method it replaces, and falls back to `super()` where a kernel does not apply:
 
     gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, any float dtype)
-    bias_gelu_forward / _backward      'bias_gelu_fwd' / '_bwd'             fused piece bias_gelu
+    add_epilogue                       'bias_residual_add' with a bias and a residual (ElementwiseKernel,
+                                       the same adds as Ops': any float dtype)
+    bias_gelu_forward / _backward      'bias_gelu_fwd' / '_bwd' ('_bwd_fwd' with the output recomputed),
+                                       fused piece bias_gelu
     layernorm_forward / _backward      'layernorm_fwd', '_bwd', '_bwd_params' fused piece layernorm
     causal_softmax / _backward         'causal_softmax_fwd' / '_bwd'         fused piece causal_softmax
     softmax_xent_forward / _backward   'softmax_xent_fwd' / '_bwd'           fused piece softmax_xent
@@ -32,7 +35,7 @@ import numpy as np
 
 from minitensor import cuda
 from minitensor.backend import array_module
-from minitensor.ops import GELU_AC, GELU_AC3, GELU_C, Ops
+from minitensor.ops import GELU_AC, GELU_AC3, GELU_C, AttentionCache, Ops
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
 
@@ -60,6 +63,34 @@ class CupyOps(Ops):
         """Whether the fused piece `name` runs (chosen when this backend was built)."""
         return name in self.in_use
 
+    # --- Linear ---
+
+    def add_epilogue(self, y, b=None, r=None):
+        """y += b and y += r in one pass ('bias_residual_add', the same two float adds in the same
+        order) when both are given, as in the residual branches' last products."""
+        if b is None or r is None or not _epilogue_fits(y, b, r):
+            return super().add_epilogue(y, b, r)
+        BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)
+
+    def linear_weight_grads(self, x, dy, dW, db, write=False):
+        """With write (the first micro-batch after zero_grad), the bias gradient written by its
+        reduction itself (`sum(out=db)`) rather than through a temporary and a copy; without, where
+        db follows dW in the gradient buffer (Params lays a weight and its bias out so), both added
+        in one pass."""
+        if db is None:
+            return super().linear_weight_grads(x, dy, dW, db, write)
+        if write:
+            self.xp.matmul(x.T, dy, out=dW)
+            dy.sum(axis=0, out=db)
+            return
+        joint = _joined(dW, db, (dW.shape[0] + 1, dW.shape[1]))
+        if joint is None:
+            return super().linear_weight_grads(x, dy, dW, db, write)
+        grads = self.xp.empty(joint.shape, dtype=joint.dtype)  # x^T dy and sum(dy) side by side, added in one pass
+        self.xp.matmul(x.T, dy, out=grads[:-1])
+        dy.sum(axis=0, out=grads[-1])
+        joint += grads
+
     # --- GELU ---
 
     def gelu_forward(self, x):
@@ -82,8 +113,9 @@ class CupyOps(Ops):
     def bias_gelu_backward(self, x, b, dy, recompute_output=False):
         if not self.fused("bias_gelu"):
             return super().bias_gelu_backward(x, b, dy, recompute_output)
-        dh = bias_gelu_backward_gpu(x, b, dy)
-        return (dh, bias_gelu_forward_gpu(x, b)) if recompute_output else dh
+        if recompute_output:
+            return bias_gelu_backward_recompute_gpu(x, b, dy)
+        return bias_gelu_backward_gpu(x, b, dy)
 
     # --- LayerNorm ---
 
@@ -95,9 +127,9 @@ class CupyOps(Ops):
     def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
         if not self.fused("layernorm"):
             return super().layernorm_backward(dy, x, mean, rstd, w, dw, db, dres)
-        # the kernel adds dx into a copy of the skip gradient: the caller's array is kept
-        add_to = None if dres is None else self.xp.array(dres, order="C")
-        return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=add_to)
+        # the kernel reads the skip gradient and writes dx beside it: the caller's array is kept
+        residual = None if dres is None else self.xp.ascontiguousarray(dres)
+        return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=residual)
 
     # --- attention ---
 
@@ -106,6 +138,48 @@ class CupyOps(Ops):
             B, nh, T, _ = qkv4[0].shape
             dense = B * nh * T * T * y4.itemsize <= (self.dense_max_bytes or _gpu_memory(self.xp) // 64)
         return super().attention_forward(qkv4, b, y4, block, keep_probs_max_bytes, dense)
+
+    # The dense core with the fused softmax: the 1/sqrt(hs) scale goes into the softmax kernels
+    # (forward: p = softmax(scale s); backward: ds = scale p (dp - rowsum(dp p))), so q is kept
+    # unscaled and neither q nor dq takes a pass of its own, and rowsum(dy y) (Ops' D) is not
+    # computed: the backward kernel sums dp p itself. CuPy's batched matmul copies an operand that
+    # is not C-contiguous (SPEC section 5): k^T (forward), dy^T, v^T and q^T (backward) are those
+    # copies; dv and dk come out transposed (dv^T = dy^T p, dk^T = q^T ds), read as stored.
+
+    def attention_forward_dense(self, qkv4, b, y4):
+        if not self.fused("causal_softmax"):
+            return super().attention_forward_dense(qkv4, b, y4)
+        xp = self.xp
+        B, nh, T, hs = qkv4[0].shape
+        heads = xp.empty((3, B * nh, T, hs), dtype=y4.dtype)  # q, k, v, each (BH, T, hs) contiguous
+        _split_heads(xp, qkv4, b, heads.reshape(3, B, nh, T, hs))
+        q, k, v = heads
+        s = xp.matmul(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
+        p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
+        y4[...] = xp.matmul(p, v).reshape(B, nh, T, hs)       # heads back in order
+        return AttentionCache(q, k, v, y4, None, p, T, self._attention_backward_dense_gpu)
+
+    def _attention_backward_dense_gpu(self, dy4, cache, grads4):
+        xp = self.xp
+        q, k, v, _, _, p = cache[:6]                          # q unscaled (attention_forward_dense above)
+        BH, T, hs = q.shape
+        B, nh = dy4.shape[:2]
+        dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
+        dkvT = xp.empty((2, BH, hs, T), dtype=q.dtype)        # dk^T, dv^T side by side
+        xp.matmul(dy.transpose(0, 2, 1), p, out=dkvT[1])      # forward was y = p v: dv^T = dy^T p
+        dp = xp.matmul(dy, v.transpose(0, 2, 1))
+        # forward was p = softmax(scale q k^T): ds = scale p (dp - rowsum(dp p)), dq = ds k, dk^T = q^T ds
+        ds = causal_softmax_backward_gpu(dp, p, 1.0 / math.sqrt(hs), out=dp)
+        dq = xp.matmul(ds, k)
+        xp.matmul(q.transpose(0, 2, 1), ds, out=dkvT[0])
+        dkv = dkvT.transpose(0, 1, 3, 2).reshape(2, B, nh, T, hs)
+        stacked = _stacked_heads(grads4)
+        if stacked is not None:                               # dk and dv in one copy
+            stacked[0][...] = dq.reshape(B, nh, T, hs)
+            stacked[1:][...] = dkv
+            return
+        for g, d in zip(grads4, (dq.reshape(B, nh, T, hs), dkv[0], dkv[1])):
+            g[...] = d
 
     def causal_softmax(self, s):
         if not self.fused("causal_softmax"):
@@ -166,6 +240,53 @@ class CupyOps(Ops):
         if not self.fused("adamw"):
             return super().adamw_step(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
         adamw_kernel(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
+
+
+def _joined(first, second, shape):
+    """The view of `shape` over `first` and then `second` where both are contiguous views of one
+    contiguous array and second starts where first ends (Params' gradient buffer: a weight and then
+    its bias), found through CuPy's public base and data.ptr; else None."""
+    base = first.base
+    if (base is None or second.base is None or not base.flags.c_contiguous or second.base.data.ptr != base.data.ptr
+            or not (first.flags.c_contiguous and second.flags.c_contiguous) or first.dtype != second.dtype
+            or second.data.ptr != first.data.ptr + first.nbytes or math.prod(shape) != first.size + second.size):
+        return None
+    start, item = first.data.ptr - base.data.ptr, first.itemsize
+    if start < 0 or start % item or start // item + first.size + second.size > base.size:
+        return None
+    return base.reshape(-1)[start // item:start // item + first.size + second.size].reshape(shape)
+
+
+def _stacked_heads(views):
+    """The (3, B, nh, T, hs) view of the (B*T, 3C) array that the three (B, nh, T, hs) views were cut
+    from (CausalSelfAttention._heads: q, k, v side by side in each row), found through CuPy's public
+    `base` and `data.ptr`; None where they are not exactly that (then each is handled on its own)."""
+    base = views[0].base
+    B, nh, T, hs = views[0].shape
+    C, item = nh * hs, views[0].itemsize
+    if (base is None or base.size != B * T * 3 * C or base.dtype != views[0].dtype or not base.flags.c_contiguous
+            or len(views) != 3):
+        return None
+    strides = (T * 3 * C * item, hs * item, 3 * C * item, item)
+    for i, v in enumerate(views):
+        if v.shape != (B, nh, T, hs) or v.strides != strides or v.data.ptr != base.data.ptr + i * C * item:
+            return None
+    return base.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)
+
+
+def _split_heads(xp, qkv4, b, out):
+    """out (3, B, nh, T, hs) = the heads of qkv4 (three (B, nh, T, hs) views) plus c_attn's bias b
+    (3C,): one pass over all three where they are views of one array, else one each."""
+    B, nh, T, hs = qkv4[0].shape
+    stacked = _stacked_heads(qkv4)
+    bias = None if b is None else b.reshape(3, 1, nh, 1, hs)
+    pairs = [(stacked, bias, out)] if stacked is not None else [
+        (src, None if bias is None else bias[i], out[i]) for i, src in enumerate(qkv4)]
+    for src, add, dst in pairs:
+        if add is None:
+            dst[...] = src
+        else:
+            xp.add(src, add, out=dst)
 
 
 _gpu_memory_bytes = {}
@@ -231,6 +352,22 @@ BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
 ))
 
 
+# The backward and the recomputed output in one pass (MLP.backward needs both): h read once, the
+# exp shared. y = h / den is the forward kernel's expression, dh the backward kernel's (sig = 1 / den).
+BIAS_GELU_BWD_FWD = cuda.register(cuda.ElementwiseSpec(
+    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y",
+    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n"
+    "const T h2 = h * h;\n"
+    f"const T den = (T)1 + exp(h * (h2 * (T){_M2AC!r} + (T){_M2C!r}));\n"
+    "const T sig = (T)1 / den;\n"
+    f"dh = (((T)1 - sig) * (h * (h2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;\n"
+    "y = h / den;",
+    reference=lambda x, b, C, dy: (_REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
+                                   _REFERENCE.gelu_forward(x + b[_column(x.size, C)])),
+    scalars=(("C", 7),),
+))
+
+
 def bias_gelu_forward_gpu(x, b, out=None):
     """GELU(x + b) for x (..., C) and b (C,) CuPy arrays, into `out` if given; returns y.
 
@@ -254,6 +391,29 @@ def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
     if db is not None:
         db += dh.reshape(-1, dh.shape[-1]).sum(axis=0)
     return dh
+
+
+def bias_gelu_backward_recompute_gpu(x, b, dy):
+    """(dh, y): bias_gelu_backward_gpu's dh and bias_gelu_forward_gpu's y in one pass, new arrays."""
+    _check_bias_gpu(x, b, None, "bias_gelu_backward_recompute_gpu", dy)
+    cuda.on_cupy("bias_gelu_backward_recompute_gpu", x, "Ops.bias_gelu_backward")
+    return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
+
+
+# y = (y + b) + r, Ops.add_epilogue's two adds in one pass; y is its own output (in place).
+BIAS_RESIDUAL_ADD = cuda.register(cuda.ElementwiseSpec(
+    "bias_residual_add", "T y_in, raw T b, int32 C, T r", "T y",
+    "y = (y_in + b[(unsigned int)i % (unsigned int)C]) + r;",
+    reference=lambda y_in, b, C, r: (y_in + b[_column(y_in.size, C)]) + r,
+    scalars=(("C", 7),),
+))
+
+
+def _epilogue_fits(y, b, r):
+    """Whether bias_residual_add applies: y (N, C) float and contiguous, b (C,) and r (N, C) alike."""
+    return (y.dtype in (np.float32, np.float64) and y.ndim == 2 and y.flags.c_contiguous and y.size < 2**31
+            and b.dtype == y.dtype and b.shape == y.shape[-1:] and b.flags.c_contiguous
+            and r.dtype == y.dtype and r.shape == y.shape and not array_module(y).may_share_memory(y, r))
 
 
 def _check_bias_gpu(x, b, out, fn, dy=None):
@@ -313,19 +473,21 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
 """, traffic=_layernorm_fwd_traffic))
 
 # forward was: y = xhat w + b, xhat = (x - mean) rstd. One block per row: dx, written or (with
-# accumulate) added into dx, the residual gradient of a pre-norm block, fused.
-def _layernorm_bwd_traffic(dy, x, w, mean, rstd, dx, accumulate, **_):
-    """dy, x and the statistics read; dx written (and read first when accumulating)."""
-    return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (dx.nbytes if accumulate else 0), dx.nbytes
+# accumulate) written as res + dx, the residual gradient of a pre-norm block, fused. res may be dx
+# itself (each thread reads res[j] before it writes dx[j]).
+def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, accumulate, **_):
+    """dy, x and the statistics read, and res when accumulating; dx written."""
+    return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0), dx.nbytes
 
 
 LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + r"""
 extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
-                                         T *dx, const int C, const int accumulate) {
+                                         const T *res, T *dx, const int C, const int accumulate) {
   __shared__ T buf[32];
   const long long row = blockIdx.x;
   const T *dyr = dy + row * C;
   const T *xr = x + row * C;
+  const T *resr = res + row * C;
   T *dxr = dx + row * C;
   const T m = mean[row], r = rstd[row];
   T sg = 0, sgx = 0;
@@ -338,7 +500,7 @@ extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, co
   const T mgx = block_sum(sgx, buf) / (T)C;
   for (int j = threadIdx.x; j < C; j += blockDim.x) {
     const T v = r * (dyr[j] * w[j] - mg - (xr[j] - m) * r * mgx);
-    dxr[j] = accumulate ? dxr[j] + v : v;
+    dxr[j] = accumulate ? resr[j] + v : v;
   }
 }
 """, traffic=_layernorm_bwd_traffic))
@@ -405,12 +567,13 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
     return y, mean, rstd
 
 
-def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None):
+def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None):
     """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
     (..., C), mean and rstd N values); accumulates dw += sum(dy xhat), db += sum(dy) over rows.
 
-    Returns a new dx, or, with `add_to` (x's shape), adds dx into add_to and returns it: the
-    residual gradient of a pre-norm block, fused."""
+    Returns a new dx; with `residual` (x's shape, contiguous), a new residual + dx, the residual
+    gradient of a pre-norm block, fused (residual is kept); with `add_to` instead, adds dx into
+    add_to in place and returns it."""
     fn = "layernorm_backward_gpu"
     N, C = cuda.rows(fn, x)
     cuda.like(fn, "dy", dy, x)
@@ -421,23 +584,37 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None):
     for name, a in (("dw", dw), ("db", db)):
         if a.shape != (C,):
             raise ValueError(f"{fn}: {name} must have shape ({C},), got {a.shape}")
-    if add_to is not None:
-        cuda.like(fn, "add_to", add_to, x)
+    if add_to is not None and residual is not None:
+        raise ValueError(f"{fn}: give add_to (in place) or residual (kept), not both")
+    for name, a in (("add_to", add_to), ("residual", residual)):
+        if a is not None:
+            cuda.like(fn, name, a, x)
     xp = array_module(x)
     dx = xp.empty_like(x) if add_to is None else add_to
+    res = add_to if add_to is not None else residual
     if not N:
         return dx
     cuda.launch(LAYERNORM_BWD, x.dtype, (N,), (cuda.threads(C, 128),),
-            (dy, x, w, mean, rstd, dx, np.int32(C), np.int32(add_to is not None)))
+            (dy, x, w, mean, rstd, dx if res is None else res, dx, np.int32(C), np.int32(res is not None)))
+    _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C)
+    return dx
+
+
+def _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C):
+    """dw += sum(dy xhat), db += sum(dy) over the rows: partial sums per chunk of rows, both into one
+    (2, chunks, C) buffer, added up by one reduction."""
     rows_per_chunk = max(64, -(-N // 128))  # at most 128 chunks: enough blocks to fill a GPU
     chunks = -(-N // rows_per_chunk)
-    part_w = xp.empty((chunks, C), dtype=x.dtype)
-    part_b = xp.empty((chunks, C), dtype=x.dtype)
+    parts = array_module(x).empty((2, chunks, C), dtype=x.dtype)
     cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32), chunks), LN_PARAM_BLOCK,
-            (dy, x, mean, rstd, part_w, part_b, np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
-    dw += part_w.sum(axis=0)
-    db += part_b.sum(axis=0)
-    return dx
+            (dy, x, mean, rstd, parts[0], parts[1], np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
+    sums = parts.sum(axis=1)
+    joint = _joined(dw, db, (2, C))
+    if joint is not None:  # db follows dw in the gradient buffer: one add
+        joint += sums
+    else:
+        dw += sums[0]
+        db += sums[1]
 
 
 # =============================================================================================

@@ -29,6 +29,7 @@ from minitensor.params import Params
 
 NEW_KERNELS = {
     "bias_gelu_fwd": cuda.ElementwiseSpec, "bias_gelu_bwd": cuda.ElementwiseSpec,
+    "bias_gelu_bwd_fwd": cuda.ElementwiseSpec, "bias_residual_add": cuda.ElementwiseSpec,
     "layernorm_fwd": cuda.RawSpec, "layernorm_bwd": cuda.RawSpec, "layernorm_bwd_params": cuda.RawSpec,
     "causal_softmax_fwd": cuda.RawSpec, "causal_softmax_bwd": cuda.RawSpec,
     "causal_softmax_recompute": cuda.ElementwiseSpec,
@@ -207,6 +208,8 @@ def test_new_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
 SLIPS = {  # a plausible mistake in each operation, which the host check must catch
     "bias_gelu_fwd": ("b[(unsigned int)i % (unsigned int)C]", "b[0]"),
     "bias_gelu_bwd": ("((T)1 - sig) *", "sig *"),
+    "bias_gelu_bwd_fwd": ("y = h / den", "y = h * den"),
+    "bias_residual_add": (") + r;", ") - r;"),
     "causal_softmax_recompute": ("col <= row", "col < row"),
     "softmax_xent_bwd": ("col == targets[row]", "col == targets[0]"),
     "adamw_step": ("decay * mask", "decay"),
@@ -264,6 +267,11 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     acc = r.copy()
     assert cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)
+    # or residual + dx into a new array, the residual kept (the skip gradient needs no copy)
+    kept = r.copy()
+    joined = cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept)
+    assert joined is not kept and np.array_equal(kept, r)
+    assert_close(joined.reshape(-1, C), r2 + dx_ref, scale=scale)
 
 
 def test_layernorm_param_gradients_over_several_row_chunks(emulated):
@@ -511,3 +519,106 @@ def test_gpu_registered_source_is_what_cupy_compiles(cupy, name, dtype):
     fresh(*args)  # contiguous: reduced to 1-D, 32-bit indexing
     [compiled] = fresh.cached_codes.values()
     assert spec.source(dtype).endswith(compiled)
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_epilogue_adds_bias_and_residual_in_one_kernel_as_ops_does(dtype):
+    """CupyOps.add_epilogue on the CuPy stand-in: y + b + r in one 'bias_residual_add', to the bit
+    Ops' two adds; a residual that is y itself, or no residual, goes through Ops' code."""
+    from gpu_standin import standin_cupy
+
+    rng = np.random.default_rng(8)
+    y, b, r = (rng.standard_normal(s).astype(dtype) for s in ((9, 70), (70,), (9, 70)))
+    want = y.copy()
+    Ops(np).add_epilogue(want, b, r)
+    with standin_cupy() as cupy:
+        ops = cupy_ops.CupyOps(cupy)
+        yg = cupy.asarray(y)
+        ops.add_epilogue(yg, cupy.asarray(b), cupy.asarray(r))
+        assert [name for _, name, _ in cupy.standin.kernels] == ["bias_residual_add"]
+        assert np.array_equal(cupy.asnumpy(yg), want)
+        ops.add_epilogue(yg, cupy.asarray(b), yg)
+        ops.add_epilogue(yg, cupy.asarray(b))
+        assert [name for _, name, _ in cupy.standin.kernels] == ["bias_residual_add"]
+        got = cupy.asnumpy(yg)
+    Ops(np).add_epilogue(want, b, want)
+    Ops(np).add_epilogue(want, b)
+    assert np.array_equal(got, want)
+
+
+@needs_cxx
+@pytest.mark.parametrize("separate", [False, True])
+def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
+    """CupyOps' dense core (fused softmax) on the CuPy stand-in, float64, against Ops': with q, k, v
+    views of one (B*T, 3C) array (split in one pass, dk and dv merged in one copy) and as separate
+    arrays (one pass each)."""
+    import types
+
+    from gpu_standin import standin_cupy
+
+    from minitensor.attention import CausalSelfAttention
+
+    B, T, nh, hs = 2, 5, 2, 3
+    C = nh * hs
+    rng = np.random.default_rng(9)
+    qkv, b, dy = rng.standard_normal((B * T, 3 * C)), rng.standard_normal(3 * C), rng.standard_normal((B * T, C))
+    layer = types.SimpleNamespace(n_head=nh)
+
+    def run(ops, xp):
+        views = CausalSelfAttention._heads(layer, xp.asarray(qkv), B, T)
+        dqkv = xp.zeros((B * T, 3 * C))
+        grads = CausalSelfAttention._heads(layer, dqkv, B, T)
+        if separate:
+            views, grads = [v.copy() for v in views], [xp.zeros(g.shape) for g in grads]
+        if xp is not np:
+            assert (cupy_ops._stacked_heads(views) is None) == separate
+        y = xp.empty((B, T, C))
+        cache = ops.attention_forward(views, xp.asarray(b), CausalSelfAttention._heads(layer, y, B, T, 1)[0],
+                                      dense=True)
+        ops.attention_backward(CausalSelfAttention._heads(layer, xp.asarray(dy), B, T, 1)[0], cache, grads)
+        return [np.asarray(getattr(xp, "asnumpy", np.asarray)(a)) for a in (y, *grads)]
+
+    want = run(Ops(np), np)
+    with standin_cupy() as cupy:
+        got = run(cupy_ops.CupyOps(cupy, fused=("causal_softmax",)), cupy)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+@needs_cxx
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_weight_and_bias_gradients_that_follow_each_other_are_added_in_one_pass(adjacent):
+    """CupyOps.linear_weight_grads and the LayerNorm parameter sums on the CuPy stand-in, float64,
+    written (just zeroed) then accumulated, against Ops': with db right after dW in one buffer (as
+    Params lays them out: one add for both) and apart (an add each)."""
+    from gpu_standin import standin_cupy
+
+    rng = np.random.default_rng(10)
+    N, n_in, n_out = 7, 5, 3
+    x, dy = rng.standard_normal((N, n_in)), rng.standard_normal((N, n_out))
+    ln_x, ln_dy = rng.standard_normal((N, n_out)), rng.standard_normal((N, n_out))
+    gap = 0 if adjacent else 2
+
+    def run(ops, xp):
+        g = xp.zeros(n_in * n_out + gap + n_out)
+        dW, db = g[:n_in * n_out].reshape(n_in, n_out), g[n_in * n_out + gap:]
+        lg = xp.zeros(2 * n_out + gap)
+        dw, dbl = lg[:n_out], lg[n_out + gap:]
+        if xp is not np:
+            assert (cupy_ops._joined(dW, db, (n_in + 1, n_out)) is None) != adjacent
+            assert (cupy_ops._joined(dw, dbl, (2, n_out)) is None) != adjacent
+        for write in (True, False):
+            ops.linear_weight_grads(xp.asarray(x), xp.asarray(dy), dW, db, write=write)
+        ln = LayerNorm(xp.asarray(rng_w), dw, xp.asarray(rng_b), dbl, ops=ops)
+        for _ in range(2):
+            ln.forward(xp.asarray(ln_x))
+            ln.backward(xp.asarray(ln_dy))
+        return [np.asarray(getattr(xp, "asnumpy", np.asarray)(a)) for a in (dW, db, dw, dbl)]
+
+    rng_w, rng_b = rng.standard_normal(n_out), rng.standard_normal(n_out)
+    want = run(Ops(np), np)
+    with standin_cupy() as cupy:
+        got = run(cupy_ops.CupyOps(cupy, fused=("layernorm",)), cupy)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
