@@ -78,6 +78,7 @@ RULES = [
      "step 101 of the default run, which runs here for 2 steps; the README's trace command runs"),
     (r"python -m andrea\.bench", ["--configs", "tiny", "--no-allreduce"]),
     (r"python -m andrea\.bench --components", ["--repeats", "1"]),
+    (r"python -m andrea\.run\.stepmodel", []),
     (r"python -m andrea\.bench .*--device gpu", NEEDS_GPU),
     (r"python -m minitensor\.kernels --check", []),
     (r"bash scripts/gpu_check\.sh", NEEDS_GPU),
