@@ -251,7 +251,7 @@ class Trainer:
         # BENCHMARKS.md, which would inflate MFU). GPU: 8192^3 products in a loop timed with events, after
         # set_tf32, so the peak is the one of the GEMM mode the run uses. Only rank 0 logs MFU, of
         # the global FLOP/s against N times its own peak. A peak measured while other work loaded
-        # the machine comes out low (MFU read 105-110% so): the meter measures it again when a
+        # the machine comes out low (MFU then read over 100%): the meter measures it again when a
         # window's steps beat it (Throughput.window).
         xp, world = self.model.xp, self.world
         name = peak_label(xp, self.cfg.train.tf32)
@@ -477,7 +477,8 @@ def kernels_line(ops):
     the CUDA kernels chosen by their self-check, train.kernels). numba's CPU kernels compile during
     the first step unless numba's disk cache holds them, so the line says why that step is slow."""
     if getattr(ops, "numba", False):
-        return ops.kernels_line + "; the first step compiles them, 40-50 s unless numba's cache already holds them"
+        return ops.kernels_line + ("; the first step compiles them (tens of seconds) unless numba's cache "
+                                   "already holds them")
     return ops.kernels_line
 
 

@@ -6,7 +6,7 @@ whose cores it does not describe): on the CPU the best of a few 4096^3 float32
 matmuls through NumPy's BLAS; on a GPU loops of 8192^3 products through cuBLAS timed with CUDA
 events, in the GEMM mode of the run (TF32 or not). The MFU lines name the peak they divide by.
 A measurement taken while other work loads the machine comes out low, and MFU against it above
-100% (105-110% was seen on a shared 2-core VM): training measures the peak again (`fresh`) when
+100% (as it did on a shared VM): training measures the peak again (`fresh`) when
 its steps beat it, and divides by the highest measurement or rate achieved (andrea.train.Throughput).
 """
 
