@@ -43,7 +43,6 @@ from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config, make_config, saved_model_config
 from andrea.data import dataset as data
 from andrea.data import lock
-from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 from andrea.interop import hf
 from andrea.interop.hf import load_tokenizer
@@ -498,30 +497,12 @@ def prepare_data(cfg, build=True, tokenizer=None):
             raise UserError(preflight.in_train_terms(str(e))) from e
     with lock.reading(data_dir, note):  # one preparation's files, should another process prepare it now
         tokenizer = load_tokenizer(data_dir / "tokenizer.json")
-        fit_vocabulary(cfg, tokenizer, data_dir)
+        preflight.fit_vocabulary(cfg, tokenizer, data_dir, note)
         fp = tokenizer.fingerprint()
         # the token files hold the tokenizer's ids, which a padded model.vocab_size holds too
         train_tokens = data.open_split(data_dir, "train", tokenizer.vocab_size, fp)
         val_tokens = data.open_split(data_dir, "val", tokenizer.vocab_size, fp)
     return tokenizer, train_tokens, val_tokens
-
-
-def fit_vocabulary(cfg, tokenizer, data_dir):
-    """model.vocab_size against the tokenizer's ids. Smaller cannot embed them. Larger is a padded
-    vocabulary when the tokenizer came with the model (a Hugging Face one, --init-from's: GPT-2-class
-    checkpoints round their embedding up, and transformers' from_pretrained loads them as they are;
-    the extra ids never occur in the data and are never sampled); with andrea's own tokenizer, it
-    means the corpus gave fewer ids than asked for, which data.allow_smaller_vocab accepts."""
-    n, m = tokenizer.vocab_size, cfg.model.vocab_size
-    if cfg.data.allow_smaller_vocab and n < m and isinstance(tokenizer, Tokenizer):
-        note(f"note: the corpus gave a tokenizer of {n} ids; model.vocab_size set to match")
-        cfg.model.vocab_size = m = n
-    if n < m and not isinstance(tokenizer, Tokenizer):
-        note(f"note: model.vocab_size {m} pads the tokenizer's {n} ids (ids {n}..{m - 1} are never in the data "
-             "and never sampled)")
-    elif n != m:
-        raise UserError(f"the tokenizer in {data_dir} has {n} ids but model.vocab_size is {m}: set "
-                        f"model.vocab_size={n} or prepare again")
 
 
 def parse_args(argv):

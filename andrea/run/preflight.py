@@ -34,12 +34,14 @@ and head inputs), plus attention probabilities where a layer keeps them (only wh
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from andrea.data.dataset import MAX_VOCAB
+from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
 from andrea.run import distributed as dist
@@ -337,7 +339,9 @@ def check_preparation(cfg, tokenizer=None) -> str:
         source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
         return (f"{data_dir} not prepared yet: the run prepares it from {source} first ({len(plan.corpus.files):,} "
                 f"files, {plan.sizes.sum() / 1e6:.1f} MB)")
-    model_vocab_size(cfg, plan.done["vocab_size"], data_dir)
+    from andrea.interop.hf import load_tokenizer
+
+    fit_vocabulary(copy.deepcopy(cfg), load_tokenizer(Path(data_dir) / "tokenizer.json"), data_dir)
     return _prepared_line(cfg, data_dir)
 
 
@@ -349,15 +353,22 @@ def _prepared_line(cfg, data_dir) -> str:
     return f"{data_dir}: {counts[0]:,} train tokens, {counts[1]:,} val tokens"
 
 
-def model_vocab_size(cfg, tokenizer_vocab: int, data_dir) -> int:
-    """The model's vocabulary with the data's tokenizer of `tokenizer_vocab` ids: model.vocab_size, or
-    the tokenizer's smaller size with data.allow_smaller_vocab; another size is a UserError."""
-    if cfg.data.allow_smaller_vocab and tokenizer_vocab < cfg.model.vocab_size:
-        return tokenizer_vocab
-    if tokenizer_vocab != cfg.model.vocab_size:
-        raise UserError(f"the tokenizer in {data_dir} has {tokenizer_vocab} ids but model.vocab_size is "
-                        f"{cfg.model.vocab_size}: set model.vocab_size={tokenizer_vocab} or prepare again")
-    return tokenizer_vocab
+def fit_vocabulary(cfg, tokenizer, data_dir, note=lambda msg: None) -> None:
+    """model.vocab_size against the tokenizer's ids. Smaller cannot embed them. Larger is a padded
+    vocabulary when the tokenizer came with the model (a Hugging Face one, --init-from's: GPT-2-class
+    checkpoints round their embedding up, and transformers' from_pretrained loads them as they are;
+    the extra ids never occur in the data and are never sampled); with andrea's own tokenizer, it
+    means the corpus gave fewer ids than asked for, which data.allow_smaller_vocab accepts."""
+    n, m = tokenizer.vocab_size, cfg.model.vocab_size
+    if cfg.data.allow_smaller_vocab and n < m and isinstance(tokenizer, Tokenizer):
+        note(f"note: the corpus gave a tokenizer of {n} ids; model.vocab_size set to match")
+        cfg.model.vocab_size = m = n
+    if n < m and not isinstance(tokenizer, Tokenizer):
+        note(f"note: model.vocab_size {m} pads the tokenizer's {n} ids (ids {n}..{m - 1} are never in the data "
+             "and never sampled)")
+    elif n != m:
+        raise UserError(f"the tokenizer in {data_dir} has {n} ids but model.vocab_size is {m}: set "
+                        f"model.vocab_size={n} or prepare again")
 
 
 def check_prompt(tokenizer, cfg) -> None:
