@@ -247,11 +247,7 @@ def _match(directory: str, parts: tuple[str, ...], prefix: bool = True) -> Itera
 def _wildcard_entries(directory: str, part: str) -> list[tuple[str, bool]]:
     """(name, is a real directory) of the entries of `directory` that the wildcard `part` matches:
     hidden names only for a part that starts with a dot, and no symbolic link to a directory."""
-    try:
-        with os.scandir(directory) as it:
-            entries = list(it)
-    except OSError:
-        return []
+    entries = _scandir(directory)
     taken = []
     for entry in entries:
         if entry.name.startswith(".") and not part.startswith("."):
@@ -262,6 +258,15 @@ def _wildcard_entries(directory: str, part: str) -> list[tuple[str, bool]]:
         if not linked_dir:
             taken.append((entry.name, _is_dir(entry)))
     return sorted(taken)
+
+
+def _scandir(directory: str) -> list[os.DirEntry]:
+    """The entries of `directory`, unsorted; none for one that cannot be listed (as `os.walk` skips it)."""
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError:
+        return []
 
 
 def _walk_text_files(top: str) -> Iterator[str]:
@@ -290,11 +295,7 @@ def _walk_text_files(top: str) -> Iterator[str]:
 
 def _directory_entries(directory: str) -> list[tuple[str, bool]]:
     """(path, is a directory to enter) for the entries of `directory` a walk takes, sorted by name."""
-    try:
-        with os.scandir(directory) as it:
-            entries = list(it)
-    except OSError:
-        return []
+    entries = _scandir(directory)
     taken = []
     for entry in entries:
         if entry.name.startswith(".") or entry.name in SKIPPED_DIRS:

@@ -62,11 +62,11 @@ def reading(data_dir, say: Callable[[str], None] | None = None) -> Iterator[None
 
 
 def _wait_for(fd: int, data_dir: Path, say, how: int = fcntl.LOCK_EX) -> None:
-    if _flock(fd, how | fcntl.LOCK_NB, data_dir):
+    if flock(fd, how | fcntl.LOCK_NB, data_dir, "process prepares it"):
         return
     (say or _say)(f"waiting: another process is preparing {data_dir} (a prepare or a train); this one goes on "
                   "when it has finished (Ctrl-C stops waiting)")
-    _flock(fd, how, data_dir)
+    flock(fd, how, data_dir, "process prepares it")
 
 
 def _same_directory(fd: int, data_dir: Path) -> bool:
@@ -77,9 +77,10 @@ def _same_directory(fd: int, data_dir: Path) -> bool:
         return False
 
 
-def _flock(fd: int, how: int, data_dir: Path) -> bool:
-    """flock: False when another process holds the lock (LOCK_NB); a file system without locks (some
-    network mounts) gets a warning and no lock, rather than no preparation."""
+def flock(fd: int, how: int, directory: Path, others: str) -> bool:
+    """flock: False when another process holds the lock (with LOCK_NB). A file system without locks
+    (some network mounts) gets a warning and no lock, rather than no work: `others` says what must
+    then not run at the same time. Data directories and run directories (andrea.run.rundir) alike."""
     try:
         fcntl.flock(fd, how)
     except BlockingIOError:
@@ -87,8 +88,8 @@ def _flock(fd: int, how: int, data_dir: Path) -> bool:
     except OSError as e:
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             raise
-        _say(f"warning: {data_dir} cannot be locked here ({e.strerror}): make sure no other process prepares "
-             "it at the same time")
+        _say(f"warning: {directory} cannot be locked here ({e.strerror}): make sure no other {others} "
+             "at the same time")
     return True
 
 

@@ -30,17 +30,18 @@ A file system that cannot lock (some network mounts) is a warning, and the comma
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from andrea.data.dataset import atomic_writer
+from andrea.data.lock import flock
 from andrea.errors import UserError
 from andrea.run import checkpoint as ckpt
+
+WRITERS = "command writes into it"  # what must not run beside a directory that cannot be locked
 
 MARKER = ".andrea"
 KINDS = {"run": "andrea.train", "export": "andrea.export"}
@@ -142,7 +143,7 @@ class Claim:
     def __init__(self, directory: Path, kind: str):
         self.directory, self.kind = directory, kind
         self.fd = os.open(directory, os.O_RDONLY)
-        if not _lock(self.fd, fcntl.LOCK_EX, directory):
+        if not flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, directory, WRITERS):
             os.close(self.fd)
             raise _in_use(directory, kind)
 
@@ -165,26 +166,11 @@ def _refuse_if_in_use(directory: Path, kind: str) -> None:
     (several processes may probe at the same time, as the ranks of one run do)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
-        free = _lock(fd, fcntl.LOCK_SH, directory)
+        free = flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, directory, WRITERS)
     finally:
         os.close(fd)
     if not free:
         raise _in_use(directory, kind)
-
-
-def _lock(fd: int, how: int, directory: Path) -> bool:
-    """flock without waiting: False when another process holds a conflicting lock. A file system
-    without locks (some network mounts) gets a warning and no lock, rather than no run."""
-    try:
-        fcntl.flock(fd, how | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError as e:
-        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-        print(f"warning: {directory} cannot be locked here ({e.strerror}): make sure no other command "
-              "writes into it at the same time", file=sys.stderr, flush=True)
-    return True
 
 
 def _in_use(directory: Path, kind: str) -> UserError:
