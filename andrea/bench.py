@@ -38,7 +38,7 @@ from andrea.model.optim import AdamW
 from andrea.model.transformer import ANDREA, flops_per_token
 from andrea.run import preflight
 from andrea.run.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
-from minitensor.backend import set_tf32
+from minitensor.device import set_tf32
 from minitensor.memory import keep_freed_memory
 
 SHAPES = {"tiny": (16, 128), "small": (8, 256), "120m": (1, 1024)}
@@ -372,7 +372,7 @@ def bench_torch(name):
 
 def _components(repeats):
     from andrea.interop import components
-    from minitensor import cpu
+    from minitensor.backends import numba_jit
 
     try:
         import torch  # noqa: F401
@@ -382,7 +382,7 @@ def _components(repeats):
 
     print("measuring the components ...", file=sys.stderr, flush=True)
     table = components.measure(repeats=repeats)
-    components.print_table(table, cpu.mode())
+    components.print_table(table, numba_jit.mode())
     print()
     return table
 

@@ -45,10 +45,11 @@ def run_cli(main: Callable[[list[str]], int | None], argv: Sequence[str] | None 
 
 def _check_environment():
     """Settings read deep inside the engine, checked before any work so a typo is one line."""
-    from minitensor import cpu, parallel
+    from minitensor import parallel
+    from minitensor.backends import numba_jit
 
     try:
-        cpu.mode()
+        numba_jit.mode()
         parallel.num_threads()
     except ValueError as e:
         raise UserError(str(e)) from e

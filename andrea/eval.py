@@ -39,7 +39,7 @@ from andrea.interop import hf
 from andrea.model.transformer import ANDREA
 from andrea.run import preflight
 from andrea.sample import load_model
-from minitensor.backend import GPUUnavailable
+from minitensor.device import GPUUnavailable
 
 HF_WEIGHTS = (hf.WEIGHTS, hf.WEIGHTS_INDEX, "pytorch_model.bin")  # from_pretrained refuses the pickle by name
 LOGIT_FLOATS = 1 << 26  # a batch's logits at most (256 MiB of float32): the batch size's default bound

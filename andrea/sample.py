@@ -22,9 +22,9 @@ from andrea.interop.hf import load_tokenizer
 from andrea.model.transformer import ANDREA
 from andrea.run import preflight
 from andrea.run.checkpoint import latest_checkpoint, load_checkpoint
-from minitensor.backend import GPUUnavailable, to_numpy
+from minitensor.backends.softmax import exp_rows
+from minitensor.device import GPUUnavailable, to_numpy
 from minitensor.memory import keep_freed_memory
-from minitensor.softmax import exp_rows
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=None):

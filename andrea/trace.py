@@ -39,8 +39,8 @@ from andrea.errors import UserError
 from andrea.eval import load_any
 from andrea.run import preflight
 from andrea.run.figure import new_figure, require_matplotlib
-from minitensor.backend import to_numpy
-from minitensor.softmax import exp_rows
+from minitensor.backends.softmax import exp_rows
+from minitensor.device import to_numpy
 
 FIGURE = "trace.png"
 SOFTWARE = "andrea.trace"  # the PNG's Software text: an existing trace.png is replaced only when it carries it

@@ -55,7 +55,7 @@ from andrea.run import distributed as dist
 from andrea.run import gradflow, preflight, rundir, runlog
 from andrea.run.perf import format_duration, matmul_peak_flops, peak_label, synchronize
 from andrea.sample import stream
-from minitensor.backend import GPUUnavailable, quiet_fallback, set_tf32
+from minitensor.device import GPUUnavailable, quiet_fallback, set_tf32
 from minitensor.memory import keep_freed_memory
 from minitensor.optim import cosine_lr
 

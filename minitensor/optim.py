@@ -7,7 +7,7 @@
 Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as PyTorch's AdamW
 does, and only to the tensors `decays` selects (by default those of 2+ dimensions: matmul
 weights and embeddings). The update is `Ops.adamw_step` of the parameters' backend
-(minitensor.ops), which folds the bias corrections into two scalars, step_size and eps_hat.
+(minitensor.backends.ops), which folds the bias corrections into two scalars, step_size and eps_hat.
 Gradient clipping is the backend's too (`ops.global_norm`, `ops.clip_scale`): on a GPU the norm
 stays on the device and the step takes the scale as a 0-d array, so nothing is read back.
 """

@@ -14,7 +14,7 @@ import numpy as np
 
 from andrea.config import load_config
 from andrea.model.transformer import ANDREA
-from minitensor.layer import Layer
+from minitensor.layers.layer import Layer
 
 
 def layers_of(obj, depth=0, found=None):

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from minitensor.backends import get_ops  # noqa: E402
-from minitensor.gelu import GELU  # noqa: E402
-from minitensor.layernorm import LayerNorm  # noqa: E402
+from minitensor.layers.gelu import GELU  # noqa: E402
+from minitensor.layers.layernorm import LayerNorm  # noqa: E402
 from minitensor.parallel import num_threads  # noqa: E402
 
 C_, A_ = math.sqrt(2 / math.pi), 0.044715

@@ -18,7 +18,7 @@ gpu_check.sh copies into its summary.
                {generic, fused kernels} x {dense, blocked attention core} x {float32, float64},
                the backends the GPU tests build, so CuPy's on-disk kernel cache holds what the
                tests then use: gpu_check.sh runs it before the GPU tests
-    kernels    the start-up self-check (minitensor.selfcheck: which fused pieces agree with the
+    kernels    the start-up self-check (minitensor.checks.selfcheck: which fused pieces agree with the
                generic path), then each fused kernel against the generic xp code of its layer at
                ANDREA-120M shapes (float32): max error (computed on the device: ~800 M
                elements are compared) and time of each
@@ -94,7 +94,7 @@ def gpu_here(dry):
     """Whether the parts run on CuPy: always for the real check, in a dry run only if a GPU works."""
     if not dry:
         return True
-    from minitensor.backend import gpu_available
+    from minitensor.device import gpu_available
 
     return gpu_available()
 
@@ -103,11 +103,11 @@ def gpu_here(dry):
 
 
 def part_compile(dry):
-    from minitensor import cuda
+    from minitensor.backends import cuda
 
     if not gpu_here(dry):
         log("dry run on NumPy: no CUDA kernels to compile (the NVRTC compile check is "
-            "`python -m minitensor.kernels --check`)")
+            "`python -m minitensor.checks --check`)")
         return False
     import cupy
 
@@ -143,7 +143,7 @@ def _warm_cupy_kernels():
     on-disk cache by the tests' process. float32 and float64 need disjoint kernels: each dtype warms
     in a process of its own, the two at once (NVRTC runs on the host's cores). (the kernel files
     added, or None if a step failed; seconds)"""
-    from minitensor import cuda
+    from minitensor.backends import cuda
 
     before, start = _cache_files(), time.perf_counter()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm", dtype]) for dtype in cuda.DTYPES]
@@ -158,7 +158,7 @@ def warm_steps(dtype):
     import dataclasses
 
     from andrea.config import load_config
-    from minitensor.attention import CausalSelfAttention
+    from minitensor.layers.attention import CausalSelfAttention
 
     cfg = dataclasses.replace(load_config("tiny").model, n_layer=1, context_length=8, vocab_size=37)
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 6))
@@ -193,7 +193,7 @@ def _cache_line(added):
 def _build(cupy, spec, dtype):
     """Builds one kernel for dtype on the device: a RawKernel compiled, an ElementwiseKernel run on
     one element (CuPy compiles it at its first call, for the argument types of that call)."""
-    from minitensor import cuda
+    from minitensor.backends import cuda
 
     if isinstance(spec, cuda.RawSpec):
         spec.kernel(dtype).compile()
@@ -217,8 +217,8 @@ def part_gradients(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from minitensor.attention import CausalSelfAttention
-    from minitensor.backend import set_tf32
+    from minitensor.device import set_tf32
+    from minitensor.layers.attention import CausalSelfAttention
 
     cfg = dataclasses.replace(load_config("tiny").model, context_length=256, n_layer=1 if dry else 4)
     B, T, steps = (1, 64, 2) if dry else (2, 256, 3)
@@ -256,7 +256,7 @@ def _train(cfg, device, dtype, data, kernels=None):
     the line that says which kernels ran."""
     from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
-    from minitensor.backend import to_numpy
+    from minitensor.device import to_numpy
 
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
     ops = model.ops
@@ -283,8 +283,8 @@ def part_sanitize(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from minitensor import cuda
-    from minitensor.attention import CausalSelfAttention
+    from minitensor.backends import cuda
+    from minitensor.layers.attention import CausalSelfAttention
 
     on_gpu, pool = gpu_here(dry), "no CuPy"
     if on_gpu:
@@ -316,8 +316,9 @@ def part_sanitize(dry):
 
 
 def part_kernels(dry):
-    from minitensor import cuda, kernelcheck
-    from minitensor.selfcheck import select_kernels
+    from minitensor.backends import cuda
+    from minitensor.checks import kernelcheck
+    from minitensor.checks.selfcheck import select_kernels
 
     failed = False
     on_gpu = gpu_here(dry)
@@ -375,7 +376,7 @@ class _KernelInputs:
     def __init__(self, xp, dry):
         from andrea.config import load_config
         from andrea.model.transformer import param_shapes
-        from minitensor.ops import Ops
+        from minitensor.backends.ops import Ops
 
         if dry:
             self.N, self.C, self.F, self.BH, self.T, self.V = 6, 40, 64, 2, 20, 50
@@ -410,8 +411,8 @@ class _KernelInputs:
 
 def _layernorm_cases(k):
     """LayerNorm forward and backward, each also with the residual add folded in, against the layer."""
-    from minitensor import cupy_ops
-    from minitensor.layernorm import LayerNorm
+    from minitensor.backends import cupy_ops
+    from minitensor.layers.layernorm import LayerNorm
 
     N, C = k.N, k.C
 
@@ -457,7 +458,7 @@ def _layernorm_cases(k):
 
 def _gelu_cases(k):
     """The MLP's bias + GELU, forward and backward (the bias gradient summed in), against the Ops."""
-    from minitensor import cupy_ops
+    from minitensor.backends import cupy_ops
 
     def setup():
         k.reseed()
@@ -483,7 +484,7 @@ def _gelu_cases(k):
 def _softmax_cases(k):
     """The attention's causal softmax: forward, backward, and the probabilities recomputed from the
     saved log-sum-exp, against the Ops' block softmax."""
-    from minitensor import cupy_ops
+    from minitensor.backends import cupy_ops
 
     BH, T = k.BH, k.T
 
@@ -519,8 +520,8 @@ def _cross_entropy_cases(k):
     """Softmax cross-entropy forward and backward against the loss layer. The layer keeps softmax / N
     (its backward's scale folded in); the fused kernels take and give plain probabilities, so the
     generic side is compared times N."""
-    from minitensor import cupy_ops
-    from minitensor.loss import SoftmaxCrossEntropy
+    from minitensor.backends import cupy_ops
+    from minitensor.layers.loss import SoftmaxCrossEntropy
 
     N, V = k.N, k.V
 
@@ -550,7 +551,7 @@ def _cross_entropy_cases(k):
 
 def _adamw_cases(k):
     """One AdamW step over the model's parameter layout (decay on 2+-D tensors) against the optimizer."""
-    from minitensor import cupy_ops
+    from minitensor.backends import cupy_ops
     from minitensor.optim import AdamW
     from minitensor.params import Params
 
@@ -607,7 +608,7 @@ def part_bench(dry):
     from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from andrea.run.perf import synchronize
-    from minitensor.backend import set_tf32
+    from minitensor.device import set_tf32
 
     full = load_config("tiny" if dry else "120m")
     cfg = dataclasses.replace(full.model, n_layer=1) if dry else full.model

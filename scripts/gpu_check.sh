@@ -184,7 +184,7 @@ setup() {  # the environment every phase sees
     PY="${PYTHON:-$(command -v python3 || command -v python)}"
     DEVICE=gpu
     if [ -n "$DRY" ]; then
-        DEVICE=$("$PY" -c 'from minitensor.backend import gpu_available; print("gpu" if gpu_available() else "cpu")') \
+        DEVICE=$("$PY" -c 'from minitensor.device import gpu_available; print("gpu" if gpu_available() else "cpu")') \
             || DEVICE=cpu
     fi
     # the GPU check's NumPy references run NumPy alone: numba's kernels are the CPU suite's, and their

@@ -35,28 +35,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The GPU backend (minitensor/cupy_ops.py): CupyOps, every kernel's launch wrapper and argument
+# The GPU backend (minitensor/backends/cupy_ops.py): CupyOps, every kernel's launch wrapper and argument
 # check. Its module-level kernel specs and their host references (the
 # `_reference`s, `_column`, `_recompute_flat`, `_xent_bwd_flat`, `_adamw_op_reference`) run without a
-# GPU too (`python -m minitensor.kernels --check | --host-check`) and are not counted.
+# GPU too (`python -m minitensor.checks --check | --host-check`) and are not counted.
 CUPY_OPS = ["CupyOps", "_gpu_memory",
             "bias_gelu_forward_gpu", "bias_gelu_backward_gpu", "_check_bias_gpu",
             "layernorm_forward_gpu", "layernorm_backward_gpu",
             "causal_softmax_forward_gpu", "causal_softmax_backward_gpu", "causal_softmax_recompute_gpu",
             "softmax_xent_forward_gpu", "softmax_xent_backward_gpu", "_xent_operands",
             "adamw_step_gpu", "adamw_kernel"]
-# The self-checks of the fused pieces (minitensor/cupy_checks.py): run only to build a CupyOps.
+# The self-checks of the fused pieces (minitensor/checks/cupy_checks.py): run only to build a CupyOps.
 CUPY_CHECKS = ["_draw", "_check_bias_gelu", "_check_layernorm", "_check_causal_softmax", "_check_softmax_xent",
                "_check_adamw"]
 
 GPU_ONLY = {
-    "minitensor/cupy_ops.py": [("def", name) for name in CUPY_OPS],
-    "minitensor/cupy_checks.py": [("def", name) for name in CUPY_CHECKS],
-    "minitensor/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch")],
-    "minitensor/backend.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),
+    "minitensor/backends/cupy_ops.py": [("def", name) for name in CUPY_OPS],
+    "minitensor/checks/cupy_checks.py": [("def", name) for name in CUPY_CHECKS],
+    "minitensor/backends/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch")],
+    "minitensor/device.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),
                               ("unless", r"^xp is np$")],
-    "minitensor/backends.py": [("unless", r"^xp is np$")],                   # get_ops: building CupyOps
-    "minitensor/selfcheck.py": [("def", "compare"), ("def", "choose"), ("unless", r"^xp is np$")],
+    "minitensor/backends/__init__.py": [("unless", r"^xp is np$")],                   # get_ops: building CupyOps
+    "minitensor/checks/selfcheck.py": [("def", "compare"), ("def", "choose"), ("unless", r"^xp is np$")],
     "andrea/run/perf.py": [("if", r"^xp is not np$"), ("if", r"^gpu$"), ("unless", r"^xp is np$")],
     "andrea/run/preflight.py": [("if", r'^device == "gpu"$')],
     "andrea/run/distributed.py": [("def", "use_local_gpu"), ("def", "NcclReducer"), ("def", "_load_nccl"),

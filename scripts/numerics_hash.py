@@ -53,7 +53,7 @@ def run_case(config, kernels, dtype):
     from andrea.config import load_config
     from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
-    from minitensor.backend import to_numpy
+    from minitensor.device import to_numpy
 
     cfg = load_config(config)
     model = ANDREA(cfg.model, device="cpu", dtype=dtype, seed=0)

@@ -26,7 +26,7 @@ from gpu_standin import standin_cupy, standin_module
 from hypothesis import settings
 
 from andrea.prepare import prepare
-from minitensor import backend
+from minitensor import device
 
 GPU_EXAMPLES = 3
 
@@ -34,7 +34,7 @@ GPU_EXAMPLES = 3
 def _gpu():
     """(cupy, id prefix, marks) of the GPU-marked parameters: the real CuPy on a working GPU,
     else the stand-in."""
-    if backend.gpu_available():
+    if device.gpu_available():
         import cupy
 
         return cupy, "cupy", [pytest.mark.gpu]
@@ -50,7 +50,7 @@ def available_backends():
 
 
 def backends_line():
-    ok, why = backend._probe_gpu()
+    ok, why = device._probe_gpu()
     if ok:
         return "andrea backends: numpy, cupy (GPU)"
     return f"andrea backends: numpy, cupy stand-in for the GPU-marked tests (no usable GPU: {why})"
@@ -82,7 +82,7 @@ if ON_STANDIN:
 else:
     @pytest.fixture(scope="module")
     def cupy():
-        ok, why = backend._probe_gpu()
+        ok, why = device._probe_gpu()
         if not ok:
             pytest.skip(f"no usable GPU: {why}")
         return GPU_CUPY

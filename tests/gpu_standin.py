@@ -12,7 +12,7 @@ the probe's cached verdict and the kernels built are what they were.
 What the stand-in runs is the project's own code: every xp operation of the CuPy branches, the
 ElementwiseKernel operations as C++ and the RawKernels through minitensor's launch emulation.
 What only a real GPU can show: NVRTC compiling the kernels for the device and running them
-(`python -m minitensor.kernels --check` compiles them for sm_80/sm_90 without one), CUDA's float
+(`python -m minitensor.checks --check` compiles them for sm_80/sm_90 without one), CUDA's float
 rounding and its reductions' summation orders, races between blocks, cuBLAS and TF32 numerics,
 memory use and speed, streams overlapping, NCCL between GPUs and the driver's errors.
 """
@@ -24,7 +24,8 @@ import os
 import sys
 from pathlib import Path
 
-from minitensor import backend, cuda
+from minitensor import device
+from minitensor.backends import cuda
 
 STANDIN = Path(__file__).resolve().parent / "cupy_standin"
 ROOT = STANDIN.parents[1]
@@ -48,7 +49,7 @@ _standin_modules = {}  # imported once per process: minitensor's caches may hold
 def standin_cupy():
     """Within the block `import cupy` gives the stand-in and minitensor sees one usable GPU."""
     saved_modules = {name: mod for name, mod in sys.modules.items() if _ours(name)}
-    saved_state = (backend._gpu_probe, backend._fallback_reported)
+    saved_state = (device._gpu_probe, device._fallback_reported)
     for name in saved_modules:
         del sys.modules[name]
     if _standin_modules:
@@ -63,7 +64,7 @@ def standin_cupy():
             sys.path.remove(str(STANDIN))
         _standin_modules.update({name: mod for name, mod in sys.modules.items() if _ours(name)})
     _forget_built_kernels()
-    backend._gpu_probe = None
+    device._gpu_probe = None
     try:
         import cupy
 
@@ -75,7 +76,7 @@ def standin_cupy():
             del sys.modules[name]
         sys.modules.update(saved_modules)
         _forget_built_kernels()
-        backend._gpu_probe, backend._fallback_reported = saved_state
+        device._gpu_probe, device._fallback_reported = saved_state
 
 
 def standin_module():

@@ -3,7 +3,7 @@
 A case builder takes (xp, dtype, seed, dims) and returns a Case whose forward()/backward(dy) run
 the layer on the arrays held in the case (so the gradient checker can perturb them in place), and
 whose reference() recomputes the forward in float64 NumPy with plain loops. The layers run on
-dims["ops"] if given (a backend of minitensor.ops), else on get_ops(xp), the default one.
+dims["ops"] if given (a backend of minitensor.backends.ops), else on get_ops(xp), the default one.
 """
 
 import math
@@ -12,17 +12,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from andrea.model.transformer import MLP
-from minitensor.attention import CausalSelfAttention
-from minitensor.backend import to_numpy
 from minitensor.backends import get_ops
-from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
-from minitensor.gelu import GELU
-from minitensor.layernorm import LayerNorm
-from minitensor.linear import Linear
-from minitensor.loss import SoftmaxCrossEntropy
-from minitensor.ops import Ops
+from minitensor.backends.ops import Ops
+from minitensor.device import to_numpy
+from minitensor.layers.attention import CausalSelfAttention
+from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
+from minitensor.layers.gelu import GELU
+from minitensor.layers.layernorm import LayerNorm
+from minitensor.layers.linear import Linear
+from minitensor.layers.loss import SoftmaxCrossEntropy
+from minitensor.layers.relu import ReLU
 from minitensor.params import Params
-from minitensor.relu import ReLU
 
 
 @dataclass
@@ -47,7 +47,7 @@ def _ops(xp, dims):
 def all_ops(xp):
     """Every backend for arrays of xp: the Ops reference and each optimised one."""
     if xp is np:
-        from minitensor.numpy_ops import NumpyOps
+        from minitensor.backends.numpy_ops import NumpyOps
 
         return [Ops(np), NumpyOps(numba=False), NumpyOps(numba=True)]
     return [Ops(xp), get_ops(xp)]

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from minitensor import cuda
+from minitensor.backends import cuda
 
 toolchain_reason = None
 try:

@@ -1,4 +1,4 @@
-"""The CPU backend (minitensor.numpy_ops) against the Ops code it overrides.
+"""The CPU backend (minitensor.backends.numpy_ops) against the Ops code it overrides.
 
 test_layers.py runs every gradient check and the float32-vs-float64 comparison on the default
 backend (.ci/run runs it with ANDREA_CPU_KERNELS=numba and =numpy); here each NumpyOps, with the
@@ -12,12 +12,12 @@ import pytest
 from layer_cases import CASES
 from optional import require
 
-from minitensor import cpu, numpy_ops, parallel
-from minitensor.backend import to_numpy
-from minitensor.backends import get_ops
-from minitensor.layernorm import LayerNorm
-from minitensor.numpy_ops import NumpyOps
-from minitensor.ops import Ops
+from minitensor import parallel
+from minitensor.backends import get_ops, numba_jit, numpy_ops
+from minitensor.backends.numpy_ops import NumpyOps
+from minitensor.backends.ops import Ops
+from minitensor.device import to_numpy
+from minitensor.layers.layernorm import LayerNorm
 from minitensor.optim import AdamW
 from minitensor.params import Params
 
@@ -62,7 +62,7 @@ def test_attention_row_kernels_without_blas_in_kernels(monkeypatch, name, dtype,
     monkeypatch.setattr(numpy_ops, "attention_forward_cpu", lambda *a: calls.append(a))
     real = numpy_ops.block_softmax_backward_cpu
     monkeypatch.setattr(numpy_ops, "block_softmax_backward_cpu", lambda *a: (rows.append(a[0].shape), real(*a)))
-    monkeypatch.setattr(cpu, "blas_in_kernels", lambda: False)
+    monkeypatch.setattr(numba_jit, "blas_in_kernels", lambda: False)
     fast = run_case(name, dtype, NumpyOps(numba=True))
     ref = run_case(name, dtype, Ops(np))
     assert not calls and rows
@@ -90,10 +90,10 @@ def test_exp_float32_within_two_ulp():
     assert list(edge) == [0, 0, 0, 1, np.inf, np.inf, np.inf]
 
 
-@cpu.kernel()
+@numba_jit.kernel()
 def _exp_kernel(x, y):
     for i in range(x.size):
-        y[i] = cpu.exp(x[i])
+        y[i] = numba_jit.exp(x[i])
 
 
 def _exp_all(x):

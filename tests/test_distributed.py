@@ -27,7 +27,7 @@ from andrea.errors import UserError
 from andrea.prepare import prepare
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
-from minitensor import backend
+from minitensor import device
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB_JSON = Path(json.__file__).parent
@@ -203,7 +203,7 @@ def test_data_is_prepared_once_by_rank_0(tmp_path, data_dir):
     path = tmp_path / "fresh.yaml"
     path.write_text(yaml.safe_dump(cfg))
     # with device auto and no usable GPU, the fallback note is said once too (by rank 0)
-    gpu = backend._probe_gpu()[0]
+    gpu = device._probe_gpu()[0]
     r = run(["--config", str(path), "--out", str(tmp_path / "o"), "--device", "cpu" if gpu else "auto"])
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("-id BPE tokenizer on") == 1 and (fresh / "train-00000.bin").exists()

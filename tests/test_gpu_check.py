@@ -95,7 +95,7 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     assert "(dry run at toy sizes, device gpu)" in out and "CuPy stand-in" in out
 
     tests = phases["1-tests.txt"]
-    from minitensor import cuda
+    from minitensor.backends import cuda
 
     compiled = tests.index(f"compiled {2 * len(cuda.all_kernels())} kernels (every kernel x float32, float64)")
     assert compiled < tests.index("tests collected") and "tests/test_model.py::" in tests

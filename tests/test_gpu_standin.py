@@ -26,14 +26,14 @@ import yaml
 from gpu_standin import ROOT, STANDIN, reports, standin_cupy, standin_env
 
 from andrea.config import load_config
-from minitensor import backend
+from minitensor import device
 
 STDLIB_JSON = Path(json.__file__).parent
 
 
 def every_piece_fused(text):
     """Whether the log says every fused piece passed its self-check (in any order), none refused."""
-    from minitensor.cuda import FUSED
+    from minitensor.backends.cuda import FUSED
 
     line = next((ln for ln in text.splitlines() if ln.startswith("kernels: fused ")), "")
     return set(line[len("kernels: fused "):].split(", ")) == set(FUSED) and "generic for" not in text
@@ -43,12 +43,12 @@ def every_piece_fused(text):
 
 
 def test_only_the_tests_that_ask_see_the_standin():
-    before = backend._probe_gpu()
+    before = device._probe_gpu()
     with standin_cupy() as cupy:
         assert Path(cupy.__file__).is_relative_to(STANDIN)
-        assert backend._probe_gpu() == (True, "")
-        assert backend.get_backend("gpu").xp is cupy
-    assert backend._probe_gpu() == before
+        assert device._probe_gpu() == (True, "")
+        assert device.get_backend("gpu").xp is cupy
+    assert device._probe_gpu() == before
     assert not getattr(sys.modules.get("cupy"), "STANDIN", False)
 
 
@@ -99,9 +99,9 @@ def run_model(device, dtype, kernels, dense, steps=2):
     """Losses, step-0 gradients and the final weights of `steps` AdamW steps of a small ANDREA."""
     from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
-    from minitensor.attention import CausalSelfAttention
-    from minitensor.backend import to_numpy
-    from minitensor.cuda import FUSED
+    from minitensor.backends.cuda import FUSED
+    from minitensor.device import to_numpy
+    from minitensor.layers.attention import CausalSelfAttention
 
     cfg = small_model_config()
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
@@ -150,8 +150,8 @@ def test_the_gpu_path_equals_the_cpu_path_forward_backward_and_adamw(kernels, de
 
 
 def test_the_fused_kernels_pass_their_start_up_self_check_on_the_standin():
-    from minitensor import cuda
-    from minitensor.selfcheck import select_kernels
+    from minitensor.backends import cuda
+    from minitensor.checks.selfcheck import select_kernels
 
     with standin_cupy() as cupy:
         fused, line = select_kernels("auto", cupy)
@@ -168,9 +168,9 @@ def test_the_gpu_probe_says_what_is_missing(monkeypatch, broken, reason):
             raise RuntimeError(f"{broken} failed")
 
         monkeypatch.setattr(cupy.ndarray, "sum" if broken == "sum" else "__matmul__", fails, raising=False)
-        ok, why = backend._probe_gpu()
-        with pytest.raises(backend.GPUUnavailable, match="no usable GPU"):
-            backend.get_backend("gpu")
+        ok, why = device._probe_gpu()
+        with pytest.raises(device.GPUUnavailable, match="no usable GPU"):
+            device.get_backend("gpu")
     assert not ok and why.startswith(reason) and f"RuntimeError: {broken} failed" in why
 
 
@@ -183,7 +183,7 @@ def test_the_nccl_allreduce_benchmark_runs_at_one_rank(capsys):
 
 
 def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():
-    from minitensor.backend import set_tf32
+    from minitensor.device import set_tf32
 
     with standin_cupy() as cupy:
         on, off = set_tf32(cupy, True), set_tf32(cupy, False)

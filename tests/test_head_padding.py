@@ -16,10 +16,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minitensor.backends import get_ops
-from minitensor.cuda import FUSED
-from minitensor.embedding import TiedHead
-from minitensor.gradcheck import check_gradients
-from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.backends.cuda import FUSED
+from minitensor.checks.gradcheck import check_gradients
+from minitensor.layers.embedding import TiedHead
+from minitensor.layers.loss import SoftmaxCrossEntropy
 
 
 def _inputs(N, C, V, seed=0):

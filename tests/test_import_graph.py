@@ -78,3 +78,23 @@ def test_no_module_imports_itself_back():
     assert "andrea.interop.hf" in graph["andrea.model.transformer"]
     assert "andrea.model.transformer" not in graph["andrea.interop.hf"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+LAYERS = sorted(p.stem for p in (ROOT / "minitensor" / "layers").glob("*.py") if p.stem != "__init__")
+NOT_FOR_A_LAYER = ("minitensor.backends.numpy_ops", "minitensor.backends.numba_kernels", "minitensor.backends.numba_jit",
+                   "minitensor.backends.cupy_ops", "minitensor.backends.cuda", "minitensor.checks", "numba", "cupy")
+
+
+def test_importing_a_layer_loads_no_backend_kernels_or_checks():
+    """The layering of minitensor's tree: layers/ -> backends/ -> checks/. A layer is read (and
+    imported) without the CPU's numba kernels, the GPU's kernel registry or any check; the backend
+    that computes it is built when a model is, or at a layer's first forward."""
+    import subprocess
+    import sys
+
+    probe = ("import importlib, sys\n"
+             f"for name in {LAYERS!r}:\n"
+             "    importlib.import_module('minitensor.layers.' + name)\n"
+             f"print(sorted(m for m in sys.modules if m.startswith({NOT_FOR_A_LAYER!r})))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert len(LAYERS) >= 8 and out.strip() == "[]", f"importing the layers loaded {out.strip()}"

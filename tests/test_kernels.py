@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor import cuda, cupy_ops, kernelcheck, kernels, numpy_ops
-from minitensor.numpy_ops import NumpyOps
-from minitensor.ops import Ops
+from minitensor.backends import cuda, cupy_ops, numpy_ops
+from minitensor.backends.numpy_ops import NumpyOps
+from minitensor.backends.ops import Ops
+from minitensor.checks import kernelcheck
+from minitensor.checks.__main__ import main as kernels_main
 
 DTYPES = [np.float32, np.float64]
 shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=9)
@@ -137,8 +139,8 @@ def test_gelu_is_the_tanh_form_not_erf():
 
 
 def test_import_needs_no_cupy():
-    code = ("import sys, minitensor.kernels, minitensor.cupy_ops, andrea.model.transformer; "
-            "minitensor.cuda.all_kernels(); "
+    code = ("import sys, minitensor.checks, minitensor.backends.cupy_ops, andrea.model.transformer; "
+            "minitensor.backends.cuda.all_kernels(); "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
@@ -160,7 +162,7 @@ def test_check_fails_on_what_nvrtc_rejects(monkeypatch, capsys):
     broken = cuda.ElementwiseSpec("broken", "T x", "T y", "y = x < 0 ? -INFINITY : x",
                                      reference=lambda x: x)
     monkeypatch.setattr(cuda, "KERNELS", {"broken": broken})
-    assert kernels.main(["--check", "--arch", "sm_90"]) == 1
+    assert kernels_main(["--check", "--arch", "sm_90"]) == 1
     out = capsys.readouterr().out
     assert "FAIL broken float32 sm_90" in out and "INFINITY" in out
     syntax = cuda.RawSpec("syntax", 'extern "C" __global__ void syntax(T *y) { y[0] = ; }')
@@ -189,7 +191,7 @@ def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
     cuda.toolchain.cache_clear()
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
     try:
-        assert kernels.main(["--check"]) == 2
+        assert kernels_main(["--check"]) == 2
     finally:
         cuda.toolchain.cache_clear()
     assert "pip install -e '.[kernel-check]'" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""The fused GPU kernels (minitensor/cupy_ops.py, registered in minitensor.cuda) against their NumPy formulas.
+"""The fused GPU kernels (minitensor/backends/cupy_ops.py, registered in minitensor.backends.cuda) against
+their NumPy formulas.
 
 Without a GPU: each formula against the Ops code it stands for, on every CPU backend; NVRTC compiles every new
 kernel; each elementwise operation runs as C++ on the host (and the check catches a slip in it);
@@ -19,11 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor import cuda, cupy_ops, kernelcheck
-from minitensor.layernorm import LayerNorm
-from minitensor.loss import SoftmaxCrossEntropy
-from minitensor.numpy_ops import NumpyOps
-from minitensor.ops import Ops
+from minitensor.backends import cuda, cupy_ops
+from minitensor.backends.numpy_ops import NumpyOps
+from minitensor.backends.ops import Ops
+from minitensor.checks import kernelcheck
+from minitensor.layers.layernorm import LayerNorm
+from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.optim import AdamW
 from minitensor.params import Params
 
@@ -557,7 +559,7 @@ def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
 
     from gpu_standin import standin_cupy
 
-    from minitensor.attention import CausalSelfAttention
+    from minitensor.layers.attention import CausalSelfAttention
 
     B, T, nh, hs = 2, 5, 2, 3
     C = nh * hs

@@ -18,7 +18,7 @@ from procs import run_in_own_session
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.train import build_run_config, kernels_line, parse_args
-from minitensor import cpu
+from minitensor.backends import numba_jit
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -135,7 +135,7 @@ def test_the_start_up_line_names_the_cpu_path_the_steps_run():
     from minitensor.backends import get_ops
 
     line = kernels_line(get_ops(np, "numba"))  # was "kernels: generic (NumPy)" while numba ran
-    if cpu.numba is not None:
+    if numba_jit.numba is not None:
         assert line.startswith("kernels: numba-compiled CPU kernels") and "the first step compiles them" in line
         # the backend's own line, which andrea.bench prints, names them too (it said "generic (NumPy)")
         assert get_ops(np, "numba").kernels_line.startswith("kernels: numba-compiled CPU kernels")
@@ -165,18 +165,18 @@ def test_an_init_from_run_is_named_after_its_directory(tmp_path):
 def test_a_cpu_machine_with_cupy_installed_reads_one_calm_line(monkeypatch):
     from andrea.errors import UserError
     from andrea.run import preflight
-    from minitensor import backend
+    from minitensor import device
 
     driver = ("no CUDA device (CUDARuntimeError: cudaErrorInsufficientDriver: CUDA driver version is "
               "insufficient for CUDA runtime version)")
-    monkeypatch.setattr(backend, "_probe_gpu", lambda: (False, driver))
-    device, note = preflight.probe_device("auto")
-    assert device == "cpu" and "Error" not in note and "insufficient" not in note
+    monkeypatch.setattr(device, "_probe_gpu", lambda: (False, driver))
+    chosen, note = preflight.probe_device("auto")
+    assert chosen == "cpu" and "Error" not in note and "insufficient" not in note
     assert note.startswith("no usable GPU (CuPy is installed, but this machine has no CUDA driver or GPU)")
     with pytest.raises(UserError, match="--device gpu: no usable GPU: no CUDA device"):
         preflight.probe_device("gpu")  # asked for: the full reason
     assert preflight.probe_device("cpu") == ("cpu", "")
-    monkeypatch.setattr(backend, "_probe_gpu", lambda: (True, ""))
+    monkeypatch.setattr(device, "_probe_gpu", lambda: (True, ""))
     assert preflight.probe_device("auto") == ("gpu", "")
 
 

@@ -11,16 +11,16 @@ import strategies as S
 from hypothesis import given, settings
 from layer_cases import all_ops, attention_case, embedding_case, linear_case, loss_case
 
-from minitensor.attention import CausalSelfAttention
-from minitensor.backend import to_numpy
 from minitensor.backends import get_ops
-from minitensor.cupy_ops import CupyOps
-from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
-from minitensor.gelu import GELU
-from minitensor.gradcheck import check_gradients
-from minitensor.layernorm import LayerNorm
-from minitensor.linear import Linear
-from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.backends.cupy_ops import CupyOps
+from minitensor.checks.gradcheck import check_gradients
+from minitensor.device import to_numpy
+from minitensor.layers.attention import CausalSelfAttention
+from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
+from minitensor.layers.gelu import GELU
+from minitensor.layers.layernorm import LayerNorm
+from minitensor.layers.linear import Linear
+from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.params import Params
 
 examples = settings(max_examples=15, deadline=None)
@@ -148,9 +148,9 @@ def test_a_layer_refuses_arrays_of_another_module_than_its_backend(cupy):
 
 
 def test_importing_a_layer_builds_no_backend():
-    code = ("import sys, minitensor.linear, minitensor.loss, minitensor.embedding; "
-            "print(sorted(m for m in sys.modules if m in ('minitensor.backends', 'minitensor.selfcheck', "
-            "'minitensor.cuda', 'minitensor.numpy_ops')))")
+    code = ("import sys, minitensor.layers.linear, minitensor.layers.loss, minitensor.layers.embedding; "
+            "print(sorted(m for m in sys.modules if m in ('minitensor.backends', 'minitensor.checks.selfcheck', "
+            "'minitensor.backends.cuda', 'minitensor.backends.numpy_ops')))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
 
@@ -264,7 +264,7 @@ def test_small_stack_end_to_end(xp, seed, d, V):
 
 
 def test_linear_epilogue_row_blocks_add_bias_and_residual(xp, monkeypatch):
-    from minitensor import numpy_ops
+    from minitensor.backends import numpy_ops
 
     monkeypatch.setattr(numpy_ops, "EPILOGUE_BLOCK", 5)  # 5 // 3 = 1 row per block, and an odd count of rows
     ops = get_ops(xp)

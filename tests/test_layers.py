@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from layer_cases import CASES
 
-from minitensor.backend import to_numpy
-from minitensor.gradcheck import check_gradients
+from minitensor.checks.gradcheck import check_gradients
+from minitensor.device import to_numpy
 
 
 @st.composite

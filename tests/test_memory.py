@@ -43,7 +43,7 @@ def test_it_does_its_work_once():
 def test_importing_the_library_tunes_nothing():
     """minitensor and andrea as libraries: no environment variable, no malloc setting, no NumPy yet."""
     code = ("import os, sys, andrea, minitensor; numpy_first = 'numpy' in sys.modules; "
-            "import minitensor.layernorm, minitensor.memory as m; from andrea import ANDREA; "
+            "import minitensor.layers.layernorm, minitensor.memory as m; from andrea import ANDREA; "
             "print(numpy_first, os.environ.get('OPENBLAS_THREAD_TIMEOUT'), m._done)")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

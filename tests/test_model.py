@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from andrea import ANDREA, AdamW, ModelConfig
 from andrea.errors import UserError
 from andrea.model.transformer import param_shapes, parameter_breakdown
-from minitensor.backend import to_numpy
-from minitensor.gradcheck import check_gradients
+from minitensor.checks.gradcheck import check_gradients
+from minitensor.device import to_numpy
 from minitensor.optim import cosine_lr
 
 TINY = dict(vocab_size=13, context_length=8, d_model=6, n_layer=2, n_head=2)

@@ -10,10 +10,10 @@ import formulas as F
 import numpy as np
 import pytest
 
-from minitensor.backend import to_numpy
 from minitensor.backends import get_ops
-from minitensor.numpy_ops import NumpyOps
-from minitensor.ops import Ops
+from minitensor.backends.numpy_ops import NumpyOps
+from minitensor.backends.ops import Ops
+from minitensor.device import to_numpy
 from minitensor.optim import AdamW
 from minitensor.params import Params
 
@@ -60,7 +60,7 @@ def test_masked_update_equals_the_textbook_step(xp):
 
 
 def test_numpy_chunks_equal_the_masked_update_bit_for_bit(monkeypatch):
-    monkeypatch.setattr("minitensor.numpy_ops.CHUNK", 512)   # several chunks per tensor, and a partial one
+    monkeypatch.setattr("minitensor.backends.numpy_ops.CHUNK", 512)   # several chunks per tensor, and a partial one
     params, grads = draw(1)
     params.ops = NumpyOps(numba=False)
     scales = (1.0, 0.3, 0.7)

@@ -260,7 +260,7 @@ def test_every_documented_command_runs_as_written(tmp_path):
     require("mpi4py")
     require("matplotlib")
     scratch(tmp_path)
-    from minitensor.backend import gpu_available
+    from minitensor.device import gpu_available
 
     done = set()
     for page, words in doc_commands():

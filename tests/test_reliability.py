@@ -96,10 +96,10 @@ def test_memory_close_to_the_limit_warns(monkeypatch):
 
 def test_auto_device_checks_the_memory_of_the_device_it_will_run_on(monkeypatch):
     """device auto on a GPU machine is checked against the GPU's free memory, not the host's."""
-    from minitensor import backend
+    from minitensor import device
 
     for usable, want in ((True, "gpu"), (False, "cpu")):
-        monkeypatch.setattr(backend, "gpu_available", lambda usable=usable: usable)
+        monkeypatch.setattr(device, "gpu_available", lambda usable=usable: usable)
         assert preflight.memory_device("auto") == want
     assert preflight.memory_device("gpu") == "gpu" and preflight.memory_device("cpu") == "cpu"
 
@@ -121,7 +121,7 @@ def test_warmup_longer_than_the_run_is_said_with_the_peak_it_reaches(tmp_path, d
 # ----------------------------------------------------------------------------------------------- ANDREA_DEVICE
 
 def test_andrea_device_is_honoured_when_no_device_is_given(tmp_path, data_dir, monkeypatch, capsys):
-    from minitensor.backend import gpu_available
+    from minitensor.device import gpu_available
 
     cfg = small_config(tmp_path, data_dir, device="auto")
     monkeypatch.setenv("ANDREA_DEVICE", "tpu")

@@ -1,4 +1,4 @@
-"""The start-up self-check of the fused kernels (minitensor/selfcheck.py) and the backend it builds.
+"""The start-up self-check of the fused kernels (minitensor/checks/selfcheck.py) and the backend it builds.
 
 The checks run on the CuPy stand-in (tests/gpu_standin.py): RawKernels through the launch
 emulation, ElementwiseKernels as C++ on the host. A kernel made to disagree (a sign flipped in
@@ -16,11 +16,11 @@ import pytest
 from gpu_standin import standin_cupy
 from markers import needs_cxx
 
-from minitensor import cuda, cupy_ops, selfcheck
-from minitensor.backends import get_ops
-from minitensor.cupy_ops import CupyOps
-from minitensor.layernorm import LayerNorm
-from minitensor.ops import Ops
+from minitensor.backends import cuda, cupy_ops, get_ops
+from minitensor.backends.cupy_ops import CupyOps
+from minitensor.backends.ops import Ops
+from minitensor.checks import selfcheck
+from minitensor.layers.layernorm import LayerNorm
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_a_whole_model_step_with_every_fused_piece_equals_the_generic_one(cupy, 
     """ANDREA (2 blocks) forward, backward and an AdamW step, with every fused piece and the dense
     attention core, against the generic code, in float64: the model's use of the fused paths."""
     from andrea import ANDREA, AdamW, ModelConfig
-    from minitensor.attention import CausalSelfAttention
+    from minitensor.layers.attention import CausalSelfAttention
 
     monkeypatch.setattr(CausalSelfAttention, "dense", True)
     rng = np.random.default_rng(3)

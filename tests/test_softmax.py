@@ -1,4 +1,4 @@
-"""The one row softmax (minitensor.softmax.exp_rows) against its textbook form on every backend,
+"""The one row softmax (minitensor.backends.softmax.exp_rows) against its textbook form on every backend,
 and sampling (andrea.sample.sample_next), which draws from it: the same ids as a draw from the
 textbook probabilities with the same generator."""
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from andrea.sample import sample_next
-from minitensor.backend import to_numpy
-from minitensor.softmax import exp_rows
+from minitensor.backends.softmax import exp_rows
+from minitensor.device import to_numpy
 
 
 @pytest.mark.parametrize("dtype, rtol", [(np.float32, 2e-6), (np.float64, 1e-13)])

@@ -88,7 +88,7 @@ def test_the_120m_step_does_not_regress(step_120m):
 def test_an_extra_launch_per_block_is_a_regression(monkeypatch):
     """At a small size (the launches of a block do not depend on its width), with one launch more in
     each of a block's two residual epilogues."""
-    from minitensor.cupy_ops import CupyOps
+    from minitensor.backends.cupy_ops import CupyOps
 
     epilogue = CupyOps.add_epilogue
 

@@ -22,7 +22,7 @@ from andrea import trace
 from andrea.cli import run_cli
 from andrea.config import ModelConfig
 from andrea.model.transformer import ANDREA
-from minitensor.backend import to_numpy
+from minitensor.device import to_numpy
 
 PROMPT = "def loads(s, *, cls=None):\n    return"
 

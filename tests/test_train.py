@@ -254,7 +254,7 @@ def test_debug_shows_the_traceback(tmp_path, data_dir):
 
 
 def test_gpu_without_a_gpu_is_a_clear_error(tmp_path, data_dir):
-    from minitensor.backend import gpu_available
+    from minitensor.device import gpu_available
 
     if gpu_available():
         pytest.skip("this machine has a usable GPU")

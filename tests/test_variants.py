@@ -14,7 +14,7 @@ from andrea import ANDREA, ModelConfig
 from andrea.config import load_config
 from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
-from minitensor.backend import to_numpy
+from minitensor.device import to_numpy
 
 TINY = dict(vocab_size=13, context_length=8, d_model=6, n_layer=2, n_head=2)
 VARIANTS = {

@@ -29,10 +29,10 @@ import numpy as np
 from andrea.config import load_config
 from andrea.model.transformer import param_shapes
 from minitensor.backends import get_ops
-from minitensor.embedding import Embedding
-from minitensor.gelu import GELU
-from minitensor.layernorm import LayerNorm
-from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.layers.embedding import Embedding
+from minitensor.layers.gelu import GELU
+from minitensor.layers.layernorm import LayerNorm
+from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.optim import AdamW
 from minitensor.parallel import num_threads
 from minitensor.params import Params

@@ -48,13 +48,13 @@ from andrea.config import ModelConfig
 from andrea.data.dataset import MAX_VOCAB, atomic_writer
 from andrea.data.tokenizer import BYTE_SYMBOLS, FORMAT, IdDecoding, Tokenizer
 from andrea.errors import UserError
-from minitensor.backend import to_numpy
+from minitensor.device import to_numpy
 
 EOT_TEXT = "<|endoftext|>"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # both names are the tanh approximation of GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
-# which andrea computes (minitensor.ops)
+# which andrea computes (minitensor.backends.ops)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 _SYMBOL_TO_BYTE = {s: b for b, s in enumerate(BYTE_SYMBOLS)}
 _SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}

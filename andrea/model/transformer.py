@@ -21,7 +21,7 @@ has the same layout; the Hugging Face export refuses them (transformers' GPT-2 c
 With `record_flow(True)` the model measures, for the next forward and backward, how the residual
 stream and its gradient change through the blocks (GradFlow; train.log_grad_flow).
 
-The backend (minitensor.ops: NumPy with or without numba kernels, or CuPy) is chosen once, here,
+The backend (minitensor.backends.ops: NumPy with or without numba kernels, or CuPy) is chosen once, here,
 from the device, and handed to every layer. The Block and its MLP own the fusion schedule: the
 residual adds run in the epilogue of each branch's last product, c_fc's bias in GELU's pass,
 and c_proj's input is recomputed in backward instead of kept.
@@ -34,14 +34,14 @@ import numpy as np
 
 from andrea.config import ModelConfig
 from andrea.errors import UserError
-from minitensor.attention import CausalSelfAttention
-from minitensor.backend import get_backend, resolve_dtype, to_numpy
 from minitensor.backends import get_ops
-from minitensor.embedding import Embedding, PositionEmbedding, TiedHead
-from minitensor.layer import Layer
-from minitensor.layernorm import LayerNorm
-from minitensor.linear import Linear
-from minitensor.loss import SoftmaxCrossEntropy
+from minitensor.device import get_backend, resolve_dtype, to_numpy
+from minitensor.layers.attention import CausalSelfAttention
+from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
+from minitensor.layers.layer import Layer
+from minitensor.layers.layernorm import LayerNorm
+from minitensor.layers.linear import Linear
+from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.params import Params
 
 
@@ -287,7 +287,7 @@ class ANDREA:
         """kernels: on the CPU 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba when
         installed); on a GPU the fused kernels, 'auto' (the default: those that pass the start-up
         self-check), 'fused' or 'generic' (train.kernels); chosen here once, like the device
-        (minitensor.backends.get_ops). ops: a minitensor.ops backend to use instead of the device's
+        (minitensor.backends.get_ops). ops: a minitensor.backends.ops backend to use instead of the device's
         (tests)."""
         self.cfg = cfg
         self.backend = get_backend(device)

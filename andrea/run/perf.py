@@ -30,7 +30,7 @@ def matmul_peak_flops(xp=np, n=None, repeats=3, dtype="float32", fresh=False, lo
     on the host. CuPy (n = 8192 by default, and at least that: a smaller product is over in
     microseconds and its launch overhead would understate the peak, overstating MFU): the best of
     `repeats` loops of `loops` products each, timed with CUDA events around the loop. The GPU's
-    GEMM mode (TF32 or not, minitensor.backend.set_tf32) is whatever it is when this first runs."""
+    GEMM mode (TF32 or not, minitensor.device.set_tf32) is whatever it is when this first runs."""
     gpu = xp is not np
     n = max(8192, n or 8192) if gpu else n or 4096
     key = (xp.__name__, n, dtype)

@@ -49,7 +49,7 @@ from andrea.run.paths import check_directory, check_output_file  # noqa: F401 (c
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
-KEPT_PROBS_MAX_BYTES = 16 << 20   # minitensor.attention keeps a layer's probabilities only up to this size
+KEPT_PROBS_MAX_BYTES = 16 << 20   # minitensor.layers.attention keeps a layer's probabilities only up to this size
 WARN_FRACTION = 0.8
 
 
@@ -88,15 +88,15 @@ def probe_device(device: str) -> tuple[str, str]:
     The note says why "auto" falls back to the CPU, in one calm line: a CPU machine with CuPy
     installed (the dev extra brings it for the kernel check) has no CUDA driver, which is no error.
     """
-    from minitensor import backend
+    import minitensor.device
 
     if device == "cpu":
         return "cpu", ""
-    ok, why = backend._probe_gpu()  # cached: the model's backend gets the same answer
+    ok, why = minitensor.device._probe_gpu()  # cached: the model's backend gets the same answer
     if ok:
         return "gpu", ""
     if device == "gpu":
-        raise UserError(f"--device gpu: no usable GPU: {why}. To use one: {backend.INSTALL_HINT}")
+        raise UserError(f"--device gpu: no usable GPU: {why}. To use one: {minitensor.device.INSTALL_HINT}")
     if "InsufficientDriver" in why or "NoDevice" in why or "no CUDA device found" in why:
         why = "CuPy is installed, but this machine has no CUDA driver or GPU"
     return "cpu", f"no usable GPU ({why}): training on the CPU; --device cpu skips the GPU probe"
@@ -167,9 +167,9 @@ def available_memory(device: str) -> tuple[int | None, str]:
 
 def memory_device(device: str) -> str:
     """Whose memory a run on `device` fills: "gpu" for gpu, and for auto when a GPU works (the
-    model goes there: minitensor.backend.get_backend), else "cpu"."""
+    model goes there: minitensor.device.get_backend), else "cpu"."""
     if device == "auto":
-        from minitensor.backend import gpu_available
+        from minitensor.device import gpu_available
 
         return "gpu" if gpu_available() else "cpu"
     return "gpu" if device == "gpu" else "cpu"

@@ -9,7 +9,7 @@ backward over the micro-batches, the gradient norm, the clipping scale, the one 
 runs with the GPU backend (`kernels='fused'`) on the CuPy stand-in in its recording mode
 (tests/cupy_standin/cupy/_record.py): arrays of the real size that are never computed nor touched,
 each CuPy launch recorded with its shapes, its GEMM FLOPs and the bytes it reads and writes (the
-project's RawKernels declare theirs: minitensor.cuda.RawSpec.traffic). The launch count, the paths
+project's RawKernels declare theirs: minitensor.backends.cuda.RawSpec.traffic). The launch count, the paths
 taken (the dense attention core on an H200's memory) and every shape are those of the real step;
 only time is modelled, per launch:
 
@@ -154,7 +154,8 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     from andrea.config import load_config
     from andrea.model.optim import AdamW
     from andrea.train import Trainer
-    from minitensor import backend, cupy_ops
+    from minitensor import device
+    from minitensor.backends import cupy_ops
 
     if not getattr(cupy, "STANDIN", False):
         raise UserError("the step model records on the CuPy stand-in (tests/cupy_standin), not on a real CuPy")
@@ -164,7 +165,7 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     cfg, t = full.model, full.train
     B, T = batch or t.batch_size, seq or cfg.context_length
     accum = micro_batches or max(1, t.tokens_per_step // (B * T))
-    backend.get_backend("gpu")  # the GPU probe computes: before recording
+    device.get_backend("gpu")  # the GPU probe computes: before recording
     saved_memory = dict(cupy_ops._gpu_memory_bytes)
     cupy_ops._gpu_memory_bytes.clear()  # the dense core's budget: the H200's memory, not the stand-in's
     try:

@@ -8,9 +8,9 @@ constants of their C type. Each (operation, types) is built once, as a shared li
 this process (ctypes) on copies of the arguments; the libraries are kept under the system's
 temporary folder by the hash of their text, so later processes reuse them.
 
-RawKernel: minitensor's own launch emulation (minitensor.kernelcheck's: the CUDA code as C++, a
+RawKernel: minitensor's own launch emulation (minitensor.checks.kernelcheck's: the CUDA code as C++, a
 fiber per CUDA thread), for the kernels written against the type name `T` (`typedef <type> T;`
-first, as minitensor.cuda.RawSpec.source writes them), built the same way, one library per kernel
+first, as minitensor.backends.cuda.RawSpec.source writes them), built the same way, one library per kernel
 and dtype. A kernel that crashed would take the process with it (a test run sees which test).
 """
 
@@ -203,7 +203,7 @@ class RawKernel:
         standin.kernels.add(("raw", self.name, self.dtype.name))
 
     def __call__(self, grid, block, args, *, shared_mem=0, enable_cooperative_groups=False):
-        from minitensor import cuda
+        from minitensor.backends import cuda
 
         host = []
         for a in args:
@@ -244,7 +244,8 @@ def _launch_buffers(name, params, host):
 def _emulation(spec, dtype):
     """The C++ library of one RawKernel's launch emulation for one dtype: run(d, args) launches it
     over grid d[0..2] and block d[3..5] on the argument buffers."""
-    from minitensor import cuda, kernelcheck
+    from minitensor.backends import cuda
+    from minitensor.checks import kernelcheck
 
     call = [f"({base} *)a[{k}]" if pointer else f"*(const {base} *)a[{k}]"
             for k, (_, base, pointer) in enumerate(cuda.raw_params(spec))]

@@ -24,7 +24,7 @@ makes for it, with the bytes that launch reads and writes:
     fill          `fill`, `zeros`, `ones`, `full`, `a[...] = 0`
     gather        indexing by an integer array; scatter: `ufunc.at` and assigning through one
     kernel        an ElementwiseKernel (every array argument read or written once) or a RawKernel (the
-                  traffic its minitensor.cuda spec declares, `RawSpec.bytes_moved`)
+                  traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`)
     h2d, d2h      copies between host and device (not launches); a read gives ones: values are not tracked
 
 An operation without a rule raises NotImplementedError naming it, so that nothing is left out of a
@@ -618,7 +618,7 @@ def _elementwise_kernel(self, *args, size=None, block_size=None, stream=None):
 
 
 def _raw_kernel(self, grid, block, args, *, shared_mem=0, enable_cooperative_groups=False):
-    from minitensor import cuda
+    from minitensor.backends import cuda
 
     host = [a._a if isinstance(a, ndarray) else a for a in args]
     spec = cuda.KERNELS.get(self.name) or cuda.RawSpec(self.name, self.body, self.options)

@@ -1,1 +1,1 @@
-"""The stand-in's private CuPy modules that minitensor.backend.set_tf32 uses."""
+"""The stand-in's private CuPy modules that minitensor.device.set_tf32 uses."""

@@ -8,8 +8,8 @@ every optimised implementation is checked against. A backend subclasses it and o
 the pieces it speeds up, falling back to `super()` for what it does not handle (a dtype, a
 layout, a size):
 
-    minitensor.numpy_ops.NumpyOps   the CPU: NumPy work split over threads, numba kernels
-    minitensor.cupy_ops.CupyOps     the GPU: CUDA kernels accepted by the start-up self-check
+    minitensor.backends.numpy_ops.NumpyOps   the CPU: NumPy work split over threads, numba kernels
+    minitensor.backends.cupy_ops.CupyOps     the GPU: CUDA kernels accepted by the start-up self-check
 
 Layers hold an `ops` and call it; none of them looks at an array's type. Shapes follow the
 layers: N rows of C (or V) values; B sequences of T positions; n_head heads of hs values.
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from minitensor.softmax import exp_rows
+from minitensor.backends.softmax import exp_rows
 
 # GELU, the tanh approximation GPT-2 uses (Hendrycks & Gimpel 2016):
 #   y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)

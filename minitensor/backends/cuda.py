@@ -1,19 +1,19 @@
 """The CUDA side of minitensor: the kernel registry, lazy CuPy builds, launches, and the switch.
 
-The CUDA kernels live with the GPU backend (minitensor/cupy_ops.py), each beside the CupyOps
+The CUDA kernels live with the GPU backend (minitensor/backends/cupy_ops.py), each beside the CupyOps
 method that runs it and checked against the Ops method it replaces; this module holds what they
 share:
 
 - the registry `KERNELS` (name -> spec). A spec holds what CuPy needs to build the kernel (built
   lazily, once) and can produce the exact source NVRTC compiles for a dtype, which makes two
-  checks possible without a GPU (`python -m minitensor.kernels --check | --host-check`, see
-  minitensor/kernelcheck.py); `all_kernels()` imports the layer modules so every kernel is in it.
+  checks possible without a GPU (`python -m minitensor.checks --check | --host-check`, see
+  minitensor/checks/kernelcheck.py); `all_kernels()` imports the layer modules so every kernel is in it.
 - `launch`, which runs a RawKernel after checking each argument against its C type (CuPy would
   pass a Python int as 64 bits and a Python float as a double, silently), and the argument
   checks of the wrappers.
 - the names of the fused pieces (FUSED), each the Ops piece it replaces, and their self-checks
   (CHECKS). The Ops code is the reference; a CupyOps runs the fused pieces it was built with
-  (minitensor.backends.get_ops, minitensor.selfcheck).
+  (minitensor.backends.get_ops, minitensor.checks.selfcheck).
 
 The exact elementwise sources come from CuPy private APIs, so CuPy's minor version is
 pinned by the `kernel-check` extra. Importing this module costs nothing: CuPy is imported only
@@ -29,14 +29,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from minitensor.backend import array_module
+from minitensor.device import array_module
 
 INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU needed)"
 DTYPES = ("float32", "float64")
 ARCHS = ("sm_80", "sm_90")
 
 # The modules that register kernels and their self-checks, imported by all_kernels().
-KERNEL_MODULES = ("minitensor.cupy_ops", "minitensor.cupy_checks")
+KERNEL_MODULES = ("minitensor.backends.cupy_ops", "minitensor.checks.cupy_checks")
 
 # The fused pieces the layers can use on CuPy, each the name of what it replaces:
 #   layernorm       LayerNorm forward and backward          (layernorm_fwd, _bwd, _bwd_params)
@@ -49,7 +49,7 @@ FUSED = ("layernorm", "bias_gelu", "causal_softmax", "softmax_xent", "adamw")
 # name -> check(ops, rng): runs the layer piece `name` (forward and backward) through the backend
 # ops on small random inputs drawn from the NumPy Generator rng, moved to ops.xp, and returns its
 # outputs; the self-check runs it with and without the fused kernel and compares
-# (minitensor/cupy_ops.py registers them).
+# (minitensor/backends/cupy_ops.py registers them).
 CHECKS = {}
 
 

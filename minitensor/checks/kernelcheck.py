@@ -1,4 +1,4 @@
-"""Checks of the registered CUDA kernels that need no GPU, behind `python -m minitensor.kernels`.
+"""Checks of the registered CUDA kernels that need no GPU, behind `python -m minitensor.checks`.
 
     --check       `check_kernels`: NVRTC compiles every kernel x dtype x arch as CuPy would
                   (`compile_source`), for an arch given rather than queried from a GPU
@@ -6,11 +6,11 @@
                   with its NumPy reference (spec.reference)
 
 and `emulate_launch` runs a RawKernel's code on the CPU as C++ (a fiber per CUDA thread): the
-tests put it in place of `minitensor.cuda.launch` to compare the row kernels with their formulas
+tests put it in place of `minitensor.backends.cuda.launch` to compare the row kernels with their formulas
 without a GPU.
 
 The compile check uses CuPy private APIs, so CuPy's minor version is pinned by the
-`kernel-check` extra. The registry it checks is `minitensor.cuda.all_kernels()` (the GPU
+`kernel-check` extra. The registry it checks is `minitensor.backends.cuda.all_kernels()` (the GPU
 backend imported); CuPy is imported only when a compile check runs.
 """
 
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from minitensor import cuda
+from minitensor.backends import cuda
 
 # ---------------------------------------------------------------------------------------------
 # The compile check: NVRTC, as CuPy calls it, for an arch given rather than queried from a GPU
@@ -287,7 +287,7 @@ template <class F> static void launch(dim3 grid, dim3 block, F body) {
 
 
 def emulate_launch(spec, dtype, grid, block, args):
-    """Runs a RawSpec kernel on the CPU over NumPy arguments, as `minitensor.cuda.launch` does on
+    """Runs a RawSpec kernel on the CPU over NumPy arguments, as `minitensor.backends.cuda.launch` does on
     the GPU: the arrays are updated in place, and an array passed twice is one buffer, as on the
     GPU."""
     cuda.check_launch_args(spec, dtype, args)
@@ -378,7 +378,7 @@ def _emulator_dir():
 
 
 # ---------------------------------------------------------------------------------------------
-# Command line (`minitensor.kernels.main` parses it)
+# Command line (`minitensor.checks.main` parses it)
 
 
 def run(host, archs):

@@ -1,6 +1,6 @@
 """The GPU backend: CuPy, with GELU as an ElementwiseKernel and the fused CUDA kernels.
 
-`CupyOps` overrides pieces of `minitensor.ops.Ops`, each with a kernel that must equal the Ops
+`CupyOps` overrides pieces of `minitensor.backends.ops.Ops`, each with a kernel that must equal the Ops
 method it replaces, and falls back to `super()` where a kernel does not apply:
 
     gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, any float dtype)
@@ -19,13 +19,13 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
 
 Which fused pieces a CupyOps runs is fixed when it is built (`CupyOps(xp, fused=...)`; through
 `minitensor.backends.get_ops(cupy, kernels)`, where kernels="auto" runs the start-up self-check of
-minitensor.selfcheck once: each piece's check (minitensor/cupy_checks.py) once through the Ops
+minitensor.checks.selfcheck once: each piece's check (minitensor/checks/cupy_checks.py) once through the Ops
 code and once through the kernel, keeping those that agree).
 
-Every kernel is registered in minitensor.cuda.KERNELS, so that two checks run without a GPU
-(`python -m minitensor.kernels --check | --host-check`): NVRTC compiles each one, and g++ runs
+Every kernel is registered in minitensor.backends.cuda.KERNELS, so that two checks run without a GPU
+(`python -m minitensor.checks --check | --host-check`): NVRTC compiles each one, and g++ runs
 each elementwise operation on the host against its `reference`, which is the Ops code. Only
-CuPy's public API is called here (ElementwiseKernel and RawKernel through minitensor.cuda,
+CuPy's public API is called here (ElementwiseKernel and RawKernel through minitensor.backends.cuda,
 cupy.cuda for the device), so a NumPy-backed stand-in of CuPy can run this file in CI.
 """
 
@@ -33,9 +33,9 @@ import math
 
 import numpy as np
 
-from minitensor import cuda
-from minitensor.backend import array_module
-from minitensor.ops import GELU_AC, GELU_AC3, GELU_C, AttentionCache, Ops
+from minitensor.backends import cuda
+from minitensor.backends.ops import GELU_AC, GELU_AC3, GELU_C, AttentionCache, Ops
+from minitensor.device import array_module
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
 
@@ -47,7 +47,7 @@ class CupyOps(Ops):
     dense_max_bytes = None
 
     def __init__(self, xp, fused=(), kernels_line=None):
-        """fused: the fused pieces to run (names of minitensor.cuda.FUSED), the others through the
+        """fused: the fused pieces to run (names of minitensor.backends.cuda.FUSED), the others through the
         Ops code; kernels_line: the log line that says how they were chosen."""
         super().__init__(xp)
         unknown = set(fused) - set(cuda.FUSED)
@@ -544,7 +544,7 @@ extern "C" __global__ void layernorm_bwd_params(const T *dy, const T *x, const T
 
 def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
     """LayerNorm of the rows of x (..., C) (CuPy, contiguous); returns (y, mean, rstd), y shaped
-    like x, mean and rstd (N, 1) as minitensor/layernorm.py caches them (N = x.size / C).
+    like x, mean and rstd (N, 1) as minitensor/layers/layernorm.py caches them (N = x.size / C).
 
     With `residual` (x's shape), x is first updated in place to x + residual, the residual join
     of a pre-norm block fused into the normalisation; the caller then caches x as the input.

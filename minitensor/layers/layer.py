@@ -6,13 +6,13 @@ drops the cache, so a second backward without a new forward fails at once instea
 stale state. `infer(...)` is the same forward keeping nothing (inference and sampling): one
 formula per layer, and a backward still pending from a training forward keeps its cache.
 
-Every layer computes through `self.ops` (minitensor.ops), the backend chosen when the model was
+Every layer computes through `self.ops` (minitensor.backends.ops), the backend chosen when the model was
 built. A layer built without one takes, at each forward, the backend of the arrays it is given
 (`get_ops(xp)` for their module, NumPy's or CuPy's, as the model's is built); one built with a
 backend refuses arrays of another module. Importing a layer loads no backend.
 """
 
-from minitensor.backend import array_module
+from minitensor.device import array_module
 
 
 class Layer:

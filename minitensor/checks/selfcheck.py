@@ -4,8 +4,8 @@
 
 `minitensor.backends.get_ops(cupy, kernels)` calls it once per choice, when the model's backend is
 built, and hands the pieces to `CupyOps`; nothing reads the choice later. `auto` (the default on
-a GPU) runs each fused piece's check (minitensor.cuda.CHECKS, registered in
-minitensor/cupy_ops.py: the piece forward and backward on small random float32 inputs, a few
+a GPU) runs each fused piece's check (minitensor.backends.cuda.CHECKS, registered in
+minitensor/backends/cupy_ops.py: the piece forward and backward on small random float32 inputs, a few
 milliseconds) through a CupyOps without the piece (the Ops code) and one with it (the fused
 kernel), and keeps only the pieces whose outputs agree to float32 precision: max |fused -
 generic| <= RTOL * max(1, max |generic|) over every output. A piece that disagrees, or whose
@@ -15,8 +15,8 @@ uses every piece unchecked, `generic` none; on NumPy there is nothing to choose.
 
 import numpy as np
 
-from minitensor import cuda
-from minitensor.backend import to_numpy
+from minitensor.backends import cuda
+from minitensor.device import to_numpy
 
 MODES = ("auto", "fused", "generic")
 RTOL = 1e-4  # about 800 float32 epsilons: summation orders differ, formulas must not
@@ -25,7 +25,7 @@ SEED = 1234
 
 def compare(check, name, xp):
     """(agrees, detail) for one check: its outputs with the piece off and on, norm-wise."""
-    from minitensor.cupy_ops import CupyOps
+    from minitensor.backends.cupy_ops import CupyOps
 
     outputs = []
     for names in ((), (name,)):

@@ -13,7 +13,7 @@ zeroed (`zeroed(dW)`, minitensor.params), the GEMM writes dW instead of adding a
 
 from typing import NamedTuple
 
-from minitensor.layer import Layer
+from minitensor.layers.layer import Layer
 
 
 class LinearCache(NamedTuple):

@@ -2,7 +2,7 @@
 
 NumPy makes one pass over memory per operation, and its float32 exp/tanh are a few ns per
 element; a compiled loop nest makes one pass per kernel and keeps the arithmetic in registers.
-The kernels themselves are plain functions decorated with `kernel(...)` in minitensor/numpy_ops.py,
+The kernels themselves are plain functions decorated with `kernel(...)` in minitensor/backends/numpy_ops.py,
 beside the NumpyOps methods that run them. Whether they run is chosen once, when a model is
 built (minitensor.backends.get_ops, `mode` below):
 

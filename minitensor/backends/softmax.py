@@ -6,8 +6,8 @@
 Subtracting the row maximum first means exp never overflows: every e <= 1, and the maximum's
 own term is 1, so total >= 1 and its log is finite. A row may hold -inf (a mask) as long as one
 entry is finite: exp(-inf - max) is exactly 0. The division by total is left to the callers,
-since each folds something into it or needs only lse: the cross-entropy (minitensor.loss)
-divides by total N, backward's 1/N folded in; attention (minitensor.attention's block_exp, after
+since each folds something into it or needs only lse: the cross-entropy (minitensor.layers.loss)
+divides by total N, backward's 1/N folded in; attention (minitensor.layers.attention's block_exp, after
 the causal mask) keeps lse to recompute the probabilities in backward; sampling (andrea.sample)
 divides by total.
 
@@ -15,7 +15,7 @@ The numba and CUDA kernels of those layers are other implementations of this mat
 check them against the layers' generic code, which is this function.
 """
 
-from minitensor.backend import array_module
+from minitensor.device import array_module
 
 
 def exp_rows(z, out=None):

@@ -18,7 +18,7 @@ count and everything saved stay V rows.
 
 from typing import NamedTuple
 
-from minitensor.layer import Layer
+from minitensor.layers.layer import Layer
 
 
 def check_ids(idx, V, what="token id"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from minitensor.backend import array_module, to_numpy
+from minitensor.device import array_module, to_numpy
 
 
 @dataclass

@@ -7,13 +7,13 @@ Shapes: logits (..., V), targets (...) integer ids in [0, V).
 
 The forward keeps the probabilities (one array of the logits' size; with `inplace=True` written
 over the logits to save that memory), so backward only subtracts at each target and scales. The
-arithmetic is `Ops.softmax_xent_forward` / `softmax_xent_backward` (minitensor.ops).
+arithmetic is `Ops.softmax_xent_forward` / `softmax_xent_backward` (minitensor.backends.ops).
 """
 
 from typing import NamedTuple
 
-from minitensor.embedding import check_ids
-from minitensor.layer import Layer
+from minitensor.layers.embedding import check_ids
+from minitensor.layers.layer import Layer
 
 
 class CrossEntropyCache(NamedTuple):

@@ -3,13 +3,13 @@
     y  = max(x, 0)
     dx = dy where x > 0, else 0      (at the kink x = 0 the derivative is taken as 0)
 
-The formula is `Ops.relu_forward` / `relu_backward` (minitensor.ops); an MLP fuses the bias of
+The formula is `Ops.relu_forward` / `relu_backward` (minitensor.backends.ops); an MLP fuses the bias of
 the Linear before into ReLU's pass through `ops.bias_relu_forward` (andrea.model.transformer.MLP).
 """
 
 from typing import NamedTuple
 
-from minitensor.layer import Layer
+from minitensor.layers.layer import Layer
 
 
 class ReLUCache(NamedTuple):

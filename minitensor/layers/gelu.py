@@ -4,13 +4,13 @@
     dx = dy (0.5 (1 + tanh u) + 0.5 x (1 - tanh(u)^2) du/dx),   du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 
 (Hendrycks & Gimpel 2016.) The formula, in the one algebraic form every backend computes, is
-`Ops.gelu_forward` / `gelu_backward` (minitensor.ops). An MLP fuses the bias of the Linear
+`Ops.gelu_forward` / `gelu_backward` (minitensor.backends.ops). An MLP fuses the bias of the Linear
 before into GELU's pass through `ops.bias_gelu_forward` (andrea.model.transformer.MLP).
 """
 
 from typing import NamedTuple
 
-from minitensor.layer import Layer
+from minitensor.layers.layer import Layer
 
 
 class GELUCache(NamedTuple):

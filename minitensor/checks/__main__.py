@@ -1,17 +1,17 @@
-"""The command line of the CUDA kernel checks, which need no GPU (minitensor/kernelcheck.py).
+"""The command line of the CUDA kernel checks, which need no GPU (minitensor/checks/kernelcheck.py).
 
-    python -m minitensor.kernels               lists the registered kernels
-    python -m minitensor.kernels --check       NVRTC compiles every kernel x dtype x arch
-    python -m minitensor.kernels --host-check  g++ runs each elementwise operation on the CPU
+    python -m minitensor.checks               lists the registered kernels
+    python -m minitensor.checks --check       NVRTC compiles every kernel x dtype x arch
+    python -m minitensor.checks --host-check  g++ runs each elementwise operation on the CPU
                                                and compares it with its reference, the Ops code
 
-The kernels themselves live with the GPU backend, minitensor/cupy_ops.py; the registry is
-`minitensor.cuda.KERNELS`.
+The kernels themselves live with the GPU backend, minitensor/backends/cupy_ops.py; the registry is
+`minitensor.backends.cuda.KERNELS`.
 """
 import argparse
 import sys
 
-from minitensor import cuda
+from minitensor.backends import cuda
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,12 +23,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    parser = _Parser(prog="python -m minitensor.kernels", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="python -m minitensor.checks", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="NVRTC-compile every kernel (no GPU needed)")
     parser.add_argument("--host-check", action="store_true", help="run elementwise operations as C++ vs NumPy")
     parser.add_argument("--arch", nargs="+", default=list(cuda.ARCHS), help="GPU archs to compile for (sm_XX)")
     args = parser.parse_args(argv)
-    from minitensor import kernelcheck  # here: the library never needs it
+    from minitensor.checks import kernelcheck  # here: the library never needs it
 
     if not (args.check or args.host_check):
         print("kernels:", ", ".join(cuda.all_kernels()))
@@ -38,7 +38,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # the imported module's main, not this __main__ copy
-    from minitensor.kernels import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -9,12 +9,12 @@ rstd = 1 / sqrt(var + eps), not the normalised tensor (as llm.c does).
                g = w dy;  xhat depends on x directly and through mean and rstd, and summing the
                three paths gives  dx = rstd (g - mean(g) - xhat mean(g xhat))
 
-The arithmetic is `Ops.layernorm_forward` / `layernorm_backward` (minitensor.ops).
+The arithmetic is `Ops.layernorm_forward` / `layernorm_backward` (minitensor.backends.ops).
 """
 
 from typing import NamedTuple
 
-from minitensor.layer import Layer
+from minitensor.layers.layer import Layer
 
 
 class LayerNormCache(NamedTuple):

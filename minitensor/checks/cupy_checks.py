@@ -1,15 +1,15 @@
-"""The self-checks of CupyOps' fused pieces, registered in minitensor.cuda.CHECKS.
+"""The self-checks of CupyOps' fused pieces, registered in minitensor.backends.cuda.CHECKS.
 
 Each runs one piece forward and backward on small random float32 inputs through the backend
-`ops` it is given and returns its outputs; minitensor.selfcheck runs it with a CupyOps that has
+`ops` it is given and returns its outputs; minitensor.checks.selfcheck runs it with a CupyOps that has
 the piece off (the Ops code) and one that has it on (the kernel) and compares. They build the
-layers themselves, so they live apart from the kernels (minitensor/cupy_ops.py), which the
+layers themselves, so they live apart from the kernels (minitensor/backends/cupy_ops.py), which the
 layers' backend chooser imports.
 """
 
 import numpy as np
 
-from minitensor import cuda
+from minitensor.backends import cuda
 
 
 def _draw(xp, rng, *shape, scale=1.0, shift=0.0):
@@ -29,7 +29,7 @@ def _check_bias_gelu(ops, rng):
 @cuda.self_check("layernorm")
 def _check_layernorm(ops, rng):
     """LayerNorm forward and backward (with a skip gradient) over 40 rows of 100 columns."""
-    from minitensor.layernorm import LayerNorm
+    from minitensor.layers.layernorm import LayerNorm
 
     xp = ops.xp
     C = 100  # not a multiple of the 32-thread warps
@@ -43,8 +43,8 @@ def _check_layernorm(ops, rng):
 @cuda.self_check("causal_softmax")
 def _check_causal_softmax(ops, rng):
     """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
-    from minitensor.attention import CausalSelfAttention
-    from minitensor.linear import Linear
+    from minitensor.layers.attention import CausalSelfAttention
+    from minitensor.layers.linear import Linear
 
     xp = ops.xp
     B, T, C, nh = 2, 40, 48, 4
@@ -63,7 +63,7 @@ def _check_softmax_xent(ops, rng):
     """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits; then over the same
     logits padded as the tied head pads them (ops.vocab_padding: 1024 columns with the kernel, none
     without), whose padded columns must get no gradient."""
-    from minitensor.loss import SoftmaxCrossEntropy
+    from minitensor.layers.loss import SoftmaxCrossEntropy
 
     xp = ops.xp
     logits = _draw(xp, rng, 6, 8, 1000, scale=3.0)

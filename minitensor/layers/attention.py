@@ -13,7 +13,7 @@ and backward, the core's terms named as the forward lines they differentiate:
     ds = att * (datt - rowsum(datt * att))    # att = softmax(s) by rows; rowsum(datt att) = rowsum(dy y)
     dq = ds k / sqrt(hs),  dk = ds^T q / sqrt(hs)   # s = q k^T / sqrt(hs)
 
-The core is `ops.attention_forward` / `attention_backward` (minitensor.ops): blocks of query
+The core is `ops.attention_forward` / `attention_backward` (minitensor.backends.ops): blocks of query
 rows that never compute the scores above the diagonal, the backend's optimised variants beside
 it. b_attn is added by the copies that make each head's q, k, v contiguous, and the block's
 residual (`forward(x, residual=r)`) in c_proj's epilogue, so neither costs a pass of its own.
@@ -24,8 +24,8 @@ row of attention instead of re-running the whole sequence.
 import math
 from typing import NamedTuple
 
-from minitensor.layer import Layer
-from minitensor.ops import AttentionCache
+from minitensor.backends.ops import AttentionCache
+from minitensor.layers.layer import Layer
 
 
 class SelfAttentionCache(NamedTuple):

@@ -1,0 +1,48 @@
+"""The compute backends, built once per choice: `get_ops(xp, kernels)`.
+
+    ops = get_ops(numpy)                  # NumpyOps (numpy_ops.py), numba kernels if installed
+    ops = get_ops(cupy, "auto")           # CupyOps (cupy_ops.py) with the self-checked kernels
+
+    ops.py            Ops: every piece in its plainest form, the reference the others are checked against
+    softmax.py        the row softmax every softmax runs
+    numpy_ops.py      NumpyOps: the CPU, work over threads; numba_kernels.py its compiled kernels,
+                      numba_jit.py how they compile (or not, without numba)
+    cupy_ops.py       CupyOps: the GPU, CUDA kernels chosen by the start-up self-check
+                      (minitensor.checks.selfcheck); cuda.py their registry and launches
+
+The model builds its backend here from the device's array module (minitensor.device) and its
+kernels setting, and hands it to every layer; a layer built without one takes its arrays'. The
+imports are in the function: importing a backend module (minitensor.backends.ops) runs this file,
+and must not load numba, CuPy's kernels or the self-check.
+"""
+
+import numpy as np
+
+_ops = {}
+
+
+def get_ops(xp=np, kernels=None):
+    """The backend for arrays of xp, built once per choice and logged by its `kernels_line`.
+
+    On NumPy: NumpyOps with the numba kernels unless kernels (or, when it is None or one of the
+    GPU's choices below, ANDREA_CPU_KERNELS) says 'numpy' or numba is not installed
+    (minitensor.backends.numba_jit.mode). On CuPy: CupyOps with the fused kernels kernels says, 'auto' (the
+    default: those that pass the start-up self-check, run here once), 'fused' (all, unchecked)
+    or 'generic' (none; minitensor.checks.selfcheck)."""
+    from minitensor.backends import numba_jit
+    from minitensor.checks import selfcheck
+
+    if xp is np:
+        key = ("numpy", numba_jit.mode(None if kernels in selfcheck.MODES else kernels))
+        if key not in _ops:
+            from minitensor.backends.numpy_ops import NumpyOps
+
+            _ops[key] = NumpyOps(numba=key[1] == "numba")
+        return _ops[key]
+    key = ("cupy", xp, kernels or "auto")
+    if key not in _ops:
+        from minitensor.backends.cupy_ops import CupyOps
+
+        fused, line = selfcheck.select_kernels(key[2], xp)
+        _ops[key] = CupyOps(xp, fused, line)
+    return _ops[key]

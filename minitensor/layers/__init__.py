@@ -1,0 +1,25 @@
+"""The layers: each file opens with its maths, forward and backward, and computes through `self.ops`.
+
+    layer.py      the contract (forward keeps a cache, backward pops it) and the backend it takes
+    linear.py     y = x W + b
+    layernorm.py  y = (x - mean) rstd w + b, by rows
+    gelu.py       GPT-2's tanh GELU          relu.py   max(x, 0)
+    attention.py  causal multi-head self-attention
+    embedding.py  token and position embeddings, and the tied output head
+    loss.py       softmax cross-entropy
+
+Importing a layer loads no backend: the arithmetic is in minitensor.backends (Ops, the
+reference, and the NumPy and CuPy backends that speed it up).
+"""
+
+from minitensor.layers.attention import CausalSelfAttention
+from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
+from minitensor.layers.gelu import GELU
+from minitensor.layers.layer import Layer
+from minitensor.layers.layernorm import LayerNorm
+from minitensor.layers.linear import Linear
+from minitensor.layers.loss import SoftmaxCrossEntropy
+from minitensor.layers.relu import ReLU
+
+__all__ = ["CausalSelfAttention", "Embedding", "GELU", "Layer", "LayerNorm", "Linear", "PositionEmbedding", "ReLU",
+           "SoftmaxCrossEntropy", "TiedHead"]
