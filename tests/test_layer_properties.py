@@ -2,8 +2,6 @@
 bad targets, the checker catching a wrong backward, and a small stack checked end to end.
 """
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
