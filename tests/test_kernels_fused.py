@@ -224,7 +224,7 @@ def test_host_check_catches_a_slip_in_each_operation(name):
     spec = cuda.all_kernels()[name]
     old, new = SLIPS[name]
     assert old in spec.operation
-    slipped = dataclasses.replace(spec, name=name + "_slip", operation=spec.operation.replace(old, new))
+    slipped = dataclasses.replace(spec, name=name + "_slip", inline=spec.operation.replace(old, new))
     assert not kernelcheck.host_check(slipped, "float64").ok
 
 

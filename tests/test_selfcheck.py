@@ -97,7 +97,7 @@ def test_every_piece_has_a_check_that_runs_on_the_ops_code():
 def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeypatch, piece, spec, wrong):
     good = getattr(cupy_ops, spec)
     assert wrong[0] in good.code
-    monkeypatch.setattr(cupy_ops, spec, dataclasses.replace(good, code=good.code.replace(*wrong)))
+    monkeypatch.setattr(cupy_ops, spec, dataclasses.replace(good, inline=good.code.replace(*wrong)))
     cuda.all_kernels()
     fused, line = selfcheck.select_kernels("auto", cupy, {piece: cuda.CHECKS[piece]})
     assert line.startswith(f"kernels: fused none; generic for {piece} (failed its self-check: max error")

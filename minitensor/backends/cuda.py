@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import pathlib
 import re
 from collections.abc import Callable
 
@@ -80,6 +81,9 @@ def all_kernels():
 class ElementwiseSpec:
     """A `cupy.ElementwiseKernel`, described without CuPy.
 
+    Its operation is the section `// @kernel <name>` of kernels/<file> (read at the first use); a
+    spec made in a test may give it `inline` instead. A `#include "x.cuh"` at the section's top
+    becomes its preamble.
     `reference(**inputs)` is the NumPy form the kernel must equal (one output array, or a tuple
     for several): the layer's generic code (GELU's, AdamW's update) on flat arrays as the kernel
     sees them, or, where a flat index stands for a row and a column, a few lines that gather by it
@@ -91,13 +95,21 @@ class ElementwiseSpec:
     name: str
     in_params: str
     out_params: str
-    operation: str
-    reference: Callable = dataclasses.field(compare=False)
-    preamble: str = ""
+    file: str = ""  # the .cu file under minitensor/backends/kernels/ holding the operation
+    reference: Callable = dataclasses.field(default=None, compare=False)
     options: tuple = ()
     scalars: tuple = ()  # ((name, sample value), ...)
     # ((name, fn), ...): fn maps the host check's samples of an input into its domain (v >= 0, ...)
     domains: tuple = dataclasses.field(default=(), compare=False)
+    inline: str = ""  # the operation itself, for a kernel that has no file (a test's)
+
+    @property
+    def operation(self):
+        return self.inline or cu_code(self.file, self.name)[1]
+
+    @property
+    def preamble(self):
+        return "" if self.inline else cu_code(self.file, self.name)[0]
 
     def kernel(self, dtype=None):
         """The CuPy kernel; one object serves every dtype."""
@@ -112,15 +124,25 @@ class ElementwiseSpec:
 class RawSpec:
     """A `cupy.RawKernel` whose code is written against the type name `T` (one build per dtype).
 
+    Its code is the section `// @kernel <name>` of kernels/<file> (read at the first use), the
+    headers it `#include`s pasted in; a spec made in a test may give it `inline` instead.
     `traffic(**args) -> (bytes read, bytes written)`: what one launch with these arguments (named
     as the kernel's parameters) moves to and from device memory, for the step model
     (andrea/run/stepmodel.py); None: every `const` pointer read once, every other pointer written
     once (`bytes_moved`)."""
 
     name: str
-    code: str
+    file: str = ""  # the .cu file under minitensor/backends/kernels/ holding the kernel
     options: tuple = ()
     traffic: Callable = dataclasses.field(default=None, compare=False)
+    inline: str = ""  # the code itself, for a kernel that has no file (a test's)
+
+    @property
+    def code(self):
+        if self.inline:
+            return self.inline
+        headers, body = cu_code(self.file, self.name)
+        return f"{headers}\n{body}\n"
 
     def kernel(self, dtype):
         return _raw_kernel(self, np.dtype(dtype))
@@ -138,6 +160,57 @@ class RawSpec:
 
     def source(self, dtype):
         return f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA sources: .cu files under kernels/, read at the first use
+
+KERNEL_DIR = pathlib.Path(__file__).with_name("kernels")
+MARK = "// @kernel "
+
+
+def cu_code(file, name):
+    """(headers, body) of the section `// @kernel <name>` of kernels/<file>: the section runs to the
+    next such line; its opening // comment lines are the reader's; each `#include "x.cuh"` after
+    them is that header's text (its opening comment dropped) for the headers, "\n" around each;
+    the rest, blank lines trimmed, is the body (a RawKernel's code, an ElementwiseKernel's operation)."""
+    sections = _cu_file(file)
+    if name not in sections:
+        raise KeyError(f"{KERNEL_DIR / file} has no section '{MARK}{name}' (it has: {', '.join(sections)})")
+    return sections[name]
+
+
+@functools.cache
+def _cu_file(file):
+    if not file:
+        raise ValueError("a kernel spec needs its .cu file (or inline code)")
+    sections, lines = {}, None
+    for line in (KERNEL_DIR / file).read_text().splitlines():
+        if line.startswith(MARK):
+            lines = sections.setdefault(line[len(MARK):].split()[0], [])
+            if lines:
+                raise ValueError(f"{KERNEL_DIR / file}: two sections named {line[len(MARK):].split()[0]!r}")
+        elif lines is not None:
+            lines.append(line)
+    return {name: _section(lines) for name, lines in sections.items()}
+
+
+def _section(lines):
+    lines = list(lines)
+    while lines and lines[0].startswith("//"):
+        lines.pop(0)
+    headers = ""
+    while lines and lines[0].startswith('#include "'):
+        headers += f"\n{_header(lines.pop(0).split(chr(34))[1])}\n"
+    return headers, "\n".join(lines).strip("\n")
+
+
+@functools.cache
+def _header(file):
+    lines = (KERNEL_DIR / file).read_text().splitlines()
+    while lines and lines[0].startswith("//"):
+        lines.pop(0)
+    return "\n".join(lines).strip("\n")
 
 
 # name -> spec, for every CUDA kernel in the project. A spec has `name`, `options` (passed to
@@ -224,52 +297,6 @@ def _elementwise_source(spec, dtype):
     header = "".join(f"#include <{h}>\n" for h in tc.core._cupy_header_list)
     return header + code
 
-
-
-# Shared by the row kernels: overloads that keep float maths in float, and block-wide reductions.
-# The reductions need a 1-D block of a multiple of 32 threads (at most 1024), all calling them
-# (they use __syncthreads and full-warp shuffles); every thread gets the result; `buf` is 32 Ts of
-# shared memory, reusable by the next call. NVRTC has no INFINITY or NAN: the bit patterns instead.
-ROW_COMMON = r"""
-__device__ __forceinline__ float exp_of(float v) { return expf(v); }
-__device__ __forceinline__ double exp_of(double v) { return exp(v); }
-__device__ __forceinline__ float log_of(float v) { return logf(v); }
-__device__ __forceinline__ double log_of(double v) { return log(v); }
-__device__ __forceinline__ float sqrt_of(float v) { return sqrtf(v); }
-__device__ __forceinline__ double sqrt_of(double v) { return sqrt(v); }
-__device__ __forceinline__ float lowest_of(float) { return -3.40282347e+38f; }
-__device__ __forceinline__ double lowest_of(double) { return -1.7976931348623157e+308; }
-__device__ __forceinline__ float nan_of(float) { return __int_as_float(0x7fc00000); }
-__device__ __forceinline__ double nan_of(double) { return __longlong_as_double(0x7ff8000000000000LL); }
-
-__device__ T block_sum(T v, T *buf) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();  /* buf may still be read by the previous call */
-  if (lane == 0) buf[warp] = v;
-  __syncthreads();
-  v = lane < n_warps ? buf[lane] : (T)0;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ T block_max(T v, T *buf) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) {
-    const T u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = u > v ? u : v;
-  }
-  __syncthreads();
-  if (lane == 0) buf[warp] = v;
-  __syncthreads();
-  v = lane < n_warps ? buf[lane] : lowest_of(v);
-  for (int o = 16; o > 0; o >>= 1) {
-    const T u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = u > v ? u : v;
-  }
-  return v;
-}
-"""
 
 
 # ---------------------------------------------------------------------------------------------

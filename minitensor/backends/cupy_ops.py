@@ -34,7 +34,7 @@ import math
 import numpy as np
 
 from minitensor.backends import cuda
-from minitensor.backends.ops import GELU_AC, GELU_AC3, GELU_C, AttentionCache, Ops
+from minitensor.backends.ops import AttentionCache, Ops
 from minitensor.device import array_module
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
@@ -303,23 +303,14 @@ def _gpu_memory(xp):
 # =============================================================================================
 # GELU (the ElementwiseKernels)
 
-# GELU in the form of Ops.gelu_forward / gelu_backward (sigmoid(2u) = 0.5 (1 + tanh u)):
-#   sig = 1 / (1 + exp(x (-2AC x^2 - 2C))),  y = x sig,  dx = dy sig (1 + (1 - sig) x (2AC3 x^2 + 2C))
-# with AC = 0.044715 sqrt(2/pi), AC3 = 3 AC, C = sqrt(2/pi). exp = inf (x below about -10) gives
-# y = -0 and dx = 0, as it should. The references are the Ops methods themselves.
-_M2AC, _M2C, _2AC3, _2C = -2.0 * GELU_AC, -2.0 * GELU_C, 2.0 * GELU_AC3, 2.0 * GELU_C
-_GELU_FWD_SRC = f"y = {{x}} / ((T)1 + exp({{x}} * ({{x}} * {{x}} * (T){_M2AC!r} + (T){_M2C!r})));"
-_GELU_BWD_SRC = (f"const T x2 = {{x}} * {{x}};\n"
-                 f"const T sig = (T)1 / ((T)1 + exp({{x}} * (x2 * (T){_M2AC!r} + (T){_M2C!r})));\n"
-                 f"{{dx}} = (((T)1 - sig) * ({{x}} * (x2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;")
-
+# The formulas and their constants: kernels/gelu.cu. The references are the Ops methods themselves.
 GELU_FWD = cuda.register(cuda.ElementwiseSpec(
-    "gelu_fwd", "T x", "T y", _GELU_FWD_SRC.format(x="x"),
+    "gelu_fwd", "T x", "T y", "gelu.cu",
     reference=lambda x: _REFERENCE.gelu_forward(x),
 ))
 
 GELU_BWD = cuda.register(cuda.ElementwiseSpec(
-    "gelu_bwd", "T x, T dy", "T dx", _GELU_BWD_SRC.format(x="x", dx="dx"),
+    "gelu_bwd", "T x, T dy", "T dx", "gelu.cu",
     reference=lambda x, dy: _REFERENCE.gelu_backward(x, dy),
 ))
 
@@ -333,35 +324,23 @@ def _column(n, C):
     return np.arange(n) % int(C)
 
 
-# `i` is the flat C-order index over x's shape, so `i % C` is the column even for strided x; the
-# 32-bit cast avoids a 64-bit modulo per element (the wrappers refuse 2**31 elements or more).
 # The references are GELU's Ops code applied to h = x + b, on flat arrays as the kernels see them,
 # gathering the bias by i % C (the host check's flat samples, C = 7, are not whole rows).
 BIAS_GELU_FWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n" + _GELU_FWD_SRC.format(x="h"),
+    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y", "gelu.cu",
     reference=lambda x, b, C: _REFERENCE.gelu_forward(x + b[_column(x.size, C)]),
     scalars=(("C", 7),),
 ))
 
 BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n" + _GELU_BWD_SRC.format(x="h", dx="dh"),
+    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh", "gelu.cu",
     reference=lambda x, b, C, dy: _REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
     scalars=(("C", 7),),
 ))
 
 
-# The backward and the recomputed output in one pass (MLP.backward needs both): h read once, the
-# exp shared. y = h / den is the forward kernel's expression, dh the backward kernel's (sig = 1 / den).
 BIAS_GELU_BWD_FWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n"
-    "const T h2 = h * h;\n"
-    f"const T den = (T)1 + exp(h * (h2 * (T){_M2AC!r} + (T){_M2C!r}));\n"
-    "const T sig = (T)1 / den;\n"
-    f"dh = (((T)1 - sig) * (h * (h2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;\n"
-    "y = h / den;",
+    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y", "gelu.cu",
     reference=lambda x, b, C, dy: (_REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
                                    _REFERENCE.gelu_forward(x + b[_column(x.size, C)])),
     scalars=(("C", 7),),
@@ -400,10 +379,8 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
     return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
 
 
-# y = (y + b) + r, Ops.add_epilogue's two adds in one pass; y is its own output (in place).
 BIAS_RESIDUAL_ADD = cuda.register(cuda.ElementwiseSpec(
-    "bias_residual_add", "T y_in, raw T b, int32 C, T r", "T y",
-    "y = (y_in + b[(unsigned int)i % (unsigned int)C]) + r;",
+    "bias_residual_add", "T y_in, raw T b, int32 C, T r", "T y", "linear.cu",
     reference=lambda y_in, b, C, r: (y_in + b[_column(y_in.size, C)]) + r,
     scalars=(("C", 7),),
 ))
@@ -431,115 +408,25 @@ def _check_bias_gpu(x, b, out, fn, dy=None):
 # What these kernels must equal is Ops.layernorm_forward / _backward: the start-up self-check runs
 # the layer both ways on the GPU. The tests run the kernels on the host (kernelcheck.emulate_launch)
 # against the textbook form in tests/formulas.py.
-#
-# One block per row of x (N, C). With add_residual, x is first updated in place to x + residual
-# (the residual join before a pre-norm LayerNorm, fused); otherwise `residual` is not read. Each
-# thread touches the same columns in every loop, so y may be x itself.
+# The kernels: kernels/layernorm.cu.
 def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
     """x (and the residual, when added: x is then written back) read once, y and the statistics written."""
     joined = x.nbytes if add_residual else 0
     return x.nbytes + joined + w.nbytes + b.nbytes, y.nbytes + mean.nbytes + rstd.nbytes + joined
 
 
-LAYERNORM_FWD = cuda.register(cuda.RawSpec("layernorm_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, const T *b, T *y, T *mean,
-                                         T *rstd, const int C, const T eps, const int add_residual) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  T *xr = x + row * C;
-  T *yr = y + row * C;
-  T sum = 0;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    T v = xr[j];
-    if (add_residual) {
-      v += residual[row * C + j];
-      xr[j] = v;
-    }
-    sum += v;
-  }
-  const T m = block_sum(sum, buf) / (T)C;
-  T sq = 0;  /* the centred second pass, as NumPy: no cancellation from E[x^2] - E[x]^2 */
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T d = xr[j] - m;
-    sq += d * d;
-  }
-  const T r = (T)1 / sqrt_of(block_sum(sq, buf) / (T)C + eps);
-  for (int j = threadIdx.x; j < C; j += blockDim.x) yr[j] = (xr[j] - m) * r * w[j] + b[j];
-  if (threadIdx.x == 0) {
-    mean[row] = m;
-    rstd[row] = r;
-  }
-}
-""", traffic=_layernorm_fwd_traffic))
+LAYERNORM_FWD = cuda.register(cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic))
 
-# forward was: y = xhat w + b, xhat = (x - mean) rstd. One block per row: dx, written or (with
-# accumulate) written as res + dx, the residual gradient of a pre-norm block, fused. res may be dx
-# itself (each thread reads res[j] before it writes dx[j]).
 def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, accumulate, **_):
     """dy, x and the statistics read, and res when accumulating; dx written."""
     return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0), dx.nbytes
 
 
-LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
-                                         const T *res, T *dx, const int C, const int accumulate) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const T *dyr = dy + row * C;
-  const T *xr = x + row * C;
-  const T *resr = res + row * C;
-  T *dxr = dx + row * C;
-  const T m = mean[row], r = rstd[row];
-  T sg = 0, sgx = 0;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T g = dyr[j] * w[j];
-    sg += g;
-    sgx += g * ((xr[j] - m) * r);
-  }
-  const T mg = block_sum(sg, buf) / (T)C;
-  const T mgx = block_sum(sgx, buf) / (T)C;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T v = r * (dyr[j] * w[j] - mg - (xr[j] - m) * r * mgx);
-    dxr[j] = accumulate ? resr[j] + v : v;
-  }
-}
-""", traffic=_layernorm_bwd_traffic))
+LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic))
 
-# dw = sum over rows of dy xhat, db = sum over rows of dy, as partial sums per chunk of rows:
-# block (32, 8) sums 32 columns over one chunk; the wrapper adds the (chunks, C) partials in a
-# fixed order, so the result is deterministic (no atomics).
+# The parameter sums: blocks of (32, 8) threads, each 32 columns over a chunk of rows.
 LN_PARAM_BLOCK = (32, 8)
-LAYERNORM_BWD_PARAMS = cuda.register(cuda.RawSpec("layernorm_bwd_params", r"""
-extern "C" __global__ void layernorm_bwd_params(const T *dy, const T *x, const T *mean, const T *rstd,
-                                                T *part_w, T *part_b, const int N, const int C,
-                                                const int rows_per_chunk) {
-  __shared__ T acc_w[8][32];
-  __shared__ T acc_b[8][32];
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  const int first = blockIdx.y * rows_per_chunk;
-  const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
-  T sw = 0, sb = 0;
-  if (j < C) {
-    for (int i = first + threadIdx.y; i < stop; i += 8) {
-      const long long k = (long long)i * C + j;
-      const T g = dy[k];
-      sw += g * ((x[k] - mean[i]) * rstd[i]);
-      sb += g;
-    }
-  }
-  acc_w[threadIdx.y][threadIdx.x] = sw;
-  acc_b[threadIdx.y][threadIdx.x] = sb;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < C) {
-    for (int k = 1; k < 8; ++k) {
-      sw += acc_w[k][threadIdx.x];
-      sb += acc_b[k][threadIdx.x];
-    }
-    part_w[(long long)blockIdx.y * C + j] = sw;
-    part_b[(long long)blockIdx.y * C + j] = sb;
-  }
-}
-"""))
+LAYERNORM_BWD_PARAMS = cuda.register(cuda.RawSpec("layernorm_bwd_params", "layernorm.cu"))
 
 
 def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
@@ -620,8 +507,7 @@ def _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C):
 # =============================================================================================
 # The causal softmax over (..., T, T) attention scores, forward, backward, recomputed
 
-# One block per row; row r of a matrix attends to columns 0..r only (r = the row's index mod T).
-# The masked columns are never read and are written as exact zeros; p may be s itself.
+# The kernels: kernels/causal_softmax.cu.
 def _causal_fraction(n_ctx):
     """The share of a (T, T) matrix on and below the diagonal: what the causal kernels read."""
     return (int(n_ctx) + 1) / (2 * int(n_ctx))
@@ -637,50 +523,14 @@ def _causal_softmax_bwd_traffic(dp, p, ds, n_ctx, **_):
     return (dp.nbytes + p.nbytes) * _causal_fraction(n_ctx), ds.nbytes
 
 
-CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, T *lse, const int n_ctx, const T scale,
-                                              const int write_lse) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const int last = row % n_ctx;
-  const T *sr = s + row * n_ctx;
-  T *pr = p + row * n_ctx;
-  T top = lowest_of(scale);
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) {
-    const T z = scale * sr[j];
-    top = z > top ? z : top;
-  }
-  top = block_max(top, buf);  /* finite: every row keeps its diagonal entry */
-  T total = 0;
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) total += exp_of(scale * sr[j] - top);
-  total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) pr[j] = j <= last ? exp_of(scale * sr[j] - top) / total : (T)0;
-  if (write_lse && threadIdx.x == 0) lse[row] = top + log_of(total);
-}
-""", traffic=_causal_softmax_fwd_traffic))
+CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu",
+                                                 traffic=_causal_softmax_fwd_traffic))
 
-# forward was: p = softmax(z) by rows, z = scale s + mask. ds may be dp itself.
-CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void causal_softmax_bwd(const T *dp, const T *p, T *ds, const int n_ctx, const T scale) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const int last = row % n_ctx;
-  const T *dpr = dp + row * n_ctx;
-  const T *pr = p + row * n_ctx;
-  T *dsr = ds + row * n_ctx;
-  T dot = 0;
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) dot += dpr[j] * pr[j];
-  dot = block_sum(dot, buf);
-  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) dsr[j] = j <= last ? scale * (pr[j] * (dpr[j] - dot)) : (T)0;
-}
-""", traffic=_causal_softmax_bwd_traffic))
+CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu",
+                                                 traffic=_causal_softmax_bwd_traffic))
 
-# Elementwise: flat index i is row i / n_ctx (over all matrices), column i % n_ctx.
 CAUSAL_SOFTMAX_RECOMPUTE = cuda.register(cuda.ElementwiseSpec(
-    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p",
-    "const unsigned int row = (unsigned int)i / (unsigned int)n_ctx;\n"
-    "const unsigned int col = (unsigned int)i - row * (unsigned int)n_ctx;\n"
-    "p = col <= row % (unsigned int)n_ctx ? exp(scale * s - lse[row]) : (T)0;",
+    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p", "causal_softmax.cu",
     reference=lambda s, lse, n_ctx, scale: _recompute_flat(s, lse, int(n_ctx), scale),
     scalars=(("n_ctx", 6), ("scale", 0.35)),
 ))
@@ -737,41 +587,17 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
 # =============================================================================================
 # Softmax cross-entropy over (N, V) logits
 
-# One block per row of V logits, of which the first n_valid are the vocabulary's (the rest: the tied
-# head's padding, given probability 0). The probabilities overwrite the logits; z[target] is read
-# by thread 0 before any write (the writes come after two barriers). A target outside [0, n_valid)
-# makes the row's loss NaN rather than reading out of bounds: the check costs no host synchronisation.
+# The kernels: kernels/softmax_xent.cu.
 def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
     """The logits' first n_valid columns read, every column overwritten by the probabilities (in place),
     the targets read, the losses written."""
     return z.nbytes * int(n_valid) // int(V) + targets.nbytes, z.nbytes + losses.nbytes
 
 
-SOFTMAX_XENT_FWD = cuda.register(cuda.RawSpec("softmax_xent_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V,
-                                            const int n_valid) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  T *zr = z + row * V;
-  const long long t = targets[row];
-  const bool valid = t >= 0 && t < n_valid;
-  const T picked = threadIdx.x == 0 && valid ? zr[t] : (T)0;
-  T top = lowest_of(picked);
-  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
-  top = block_max(top, buf);
-  T total = 0;
-  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) total += exp_of(zr[j] - top);
-  total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = j < n_valid ? exp_of(zr[j] - top) / total : (T)0;
-  if (threadIdx.x == 0) losses[row] = valid ? log_of(total) + top - picked : nan_of(top);
-}
-""", traffic=_softmax_xent_fwd_traffic))
+SOFTMAX_XENT_FWD = cuda.register(cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic))
 
 SOFTMAX_XENT_BWD = cuda.register(cuda.ElementwiseSpec(
-    "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz",
-    "const unsigned int row = (unsigned int)i / (unsigned int)V;\n"
-    "const long long col = (long long)((unsigned int)i - row * (unsigned int)V);\n"
-    "dz = (probs - (col == targets[row] ? (T)1 : (T)0)) * scale;",
+    "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz", "softmax_xent.cu",
     reference=lambda probs, targets, V, scale: _xent_bwd_flat(probs, targets, int(V), scale),
     scalars=(("V", 5), ("scale", 0.25)),
 ))
@@ -831,21 +657,8 @@ def _xent_operands(fn, logits, targets):
 # =============================================================================================
 # The embedding's backward: dW[id] += the rows at that id's positions, summed in position order
 
-# Block (k, j) handles position k of the sorted order and columns j*blockDim..: only the first
-# position of each id's run works, adding that run's rows one after another (no atomics, so the
-# same sums in the same order on every run). Blocks of the other positions return at once.
-SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", r"""
-extern "C" __global__ void scatter_add_rows(T *dW, const T *rows, const long long *order,
-                                            const long long *sorted_ids, const long long n, const int C) {
-  const long long first = blockIdx.x;
-  const long long c = (long long)blockIdx.y * blockDim.x + threadIdx.x;
-  if (c >= C || (first > 0 && sorted_ids[first - 1] == sorted_ids[first])) return;
-  const long long id = sorted_ids[first];
-  T acc = dW[id * C + c];
-  for (long long k = first; k < n && sorted_ids[k] == id; ++k) acc += rows[order[k] * C + c];
-  dW[id * C + c] = acc;
-}
-"""))
+# The kernel: kernels/embedding.cu.
+SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", "embedding.cu"))
 
 
 # =============================================================================================
@@ -859,20 +672,9 @@ def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, ste
     return p, m, v
 
 
-# adamw_update's form: m_hat / (sqrt(v_hat) + eps) = (m sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)),
-# so the bias corrections are two host scalars (step_size, eps_hat). grad_scale is a one-element
-# device array (the clipping scale, computed on the device: reading it would stall the step).
-# Each output is computed from the inputs before any is written, so p, m, v may be passed as
-# their own outputs (in place).
+# The kernel (its form, adamw_update's, explained there): kernels/adamw.cu.
 ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
-    "adamw_step",
-    "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay",
-    "T p, T m, T v",
-    "const T gs = g * grad_scale[0];\n"
-    "const T m1 = beta1 * m_in + ((T)1 - beta1) * gs;\n"
-    "const T v1 = beta2 * v_in + ((T)1 - beta2) * gs * gs;\n"
-    "const T p1 = p_in * ((T)1 - decay * mask) - step_size * (m1 / (sqrt(v1) + eps_hat));\n"
-    "m = m1;\nv = v1;\np = p1;",
+    "adamw_step", "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay", "T p, T m, T v", "adamw.cu",
     reference=_adamw_op_reference,
     scalars=(("beta1", 0.9), ("beta2", 0.95), ("step_size", 1e-3), ("eps_hat", 1e-8), ("decay", 1e-4)),
     domains=(("v_in", np.abs), ("mask", lambda a: (a > 0).astype(a.dtype))),
