@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor.backends import cuda, cupy_ops, numpy_ops
+from minitensor.backends import all_kernels, cuda, cupy_ops, numpy_ops
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import kernelcheck
@@ -140,7 +140,7 @@ def test_gelu_is_the_tanh_form_not_erf():
 
 def test_import_needs_no_cupy():
     code = ("import sys, minitensor.checks, minitensor.backends.cupy_ops, andrea.model.transformer; "
-            "minitensor.backends.cuda.all_kernels(); "
+            "minitensor.backends.all_kernels(); "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
@@ -164,7 +164,7 @@ def test_every_section_of_the_kernel_files_is_a_registered_kernel():
                 name = line[len(cuda.MARK):].split()[0]
                 assert name not in sections, (name, path.name, sections.get(name))
                 sections[name] = path.name
-    kernels = cuda.all_kernels()
+    kernels = all_kernels()
     assert set(sections) == set(kernels)
     assert all(spec.file == sections[name] for name, spec in kernels.items())
     with pytest.raises(KeyError, match=r"layernorm.cu has no section '// @kernel layernorm_fwdx' \(it has: "):
@@ -191,7 +191,7 @@ def test_the_gelu_kernels_constants_are_the_ops_constants():
 @needs_nvrtc
 def test_every_kernel_compiles_with_nvrtc():
     results = list(kernelcheck.check_kernels())
-    assert len(results) == len(cuda.all_kernels()) * len(cuda.DTYPES) * len(cuda.ARCHS)
+    assert len(results) == len(all_kernels()) * len(cuda.DTYPES) * len(cuda.ARCHS)
     assert [r.line() for r in results if not r.ok] == []
 
 
@@ -241,11 +241,11 @@ def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
 
 
 @needs_cxx
-@pytest.mark.parametrize("name", sorted(n for n, s in cuda.all_kernels().items()
+@pytest.mark.parametrize("name", sorted(n for n, s in all_kernels().items()
                                         if isinstance(s, cuda.ElementwiseSpec)))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
-    result = kernelcheck.host_check(cuda.all_kernels()[name], dtype)
+    result = kernelcheck.host_check(all_kernels()[name], dtype)
     assert result.ok, result.line()
 
 

@@ -7,13 +7,18 @@ share:
 - the registry `KERNELS` (name -> spec). A spec holds what CuPy needs to build the kernel (built
   lazily, once) and can produce the exact source NVRTC compiles for a dtype, which makes two
   checks possible without a GPU (`python -m minitensor.checks --check | --host-check`, see
-  minitensor/checks/kernelcheck.py); `all_kernels()` imports the layer modules so every kernel is in it.
+  minitensor/checks/kernelcheck.py). cupy_ops.py fills it; `minitensor.backends.all_kernels()`
+  imports that module and returns it full.
 - `launch`, which runs a RawKernel after checking each argument against its C type (CuPy would
   pass a Python int as 64 bits and a Python float as a double, silently), and the argument
   checks of the wrappers.
-- the names of the fused pieces (FUSED), each the Ops piece it replaces, and their self-checks
-  (CHECKS). The Ops code is the reference; a CupyOps runs the fused pieces it was built with
-  (minitensor.backends.get_ops, minitensor.checks.selfcheck).
+- the fused pieces' records `PIECES` (name -> FusedPiece: the Ops methods it replaces, its kernels,
+  how to build its sample inputs), declared in minitensor/backends/cupy_ops.py beside their
+  wrappers, from which the start-up self-check (minitensor.checks.selfcheck), the tests and
+  gpu_check's kernel phase all run (`minitensor.backends.fused_pieces()` returns them all). The
+  Ops code is the reference; a CupyOps runs the fused pieces it was built with (get_ops).
+- the CUDA sources' loader: each kernel is the section `// @kernel NAME` of a .cu file under
+  minitensor/backends/kernels/, read at its first use (`cu_code`).
 
 The exact elementwise sources come from CuPy private APIs, so CuPy's minor version is
 pinned by the `kernel-check` extra. Importing this module costs nothing: CuPy is imported only
@@ -23,7 +28,6 @@ by the functions that need it.
 import argparse
 import dataclasses
 import functools
-import importlib
 import pathlib
 import re
 from collections.abc import Callable
@@ -35,42 +39,6 @@ from minitensor.device import array_module
 INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU needed)"
 DTYPES = ("float32", "float64")
 ARCHS = ("sm_80", "sm_90")
-
-# The modules that register kernels and their self-checks, imported by all_kernels().
-KERNEL_MODULES = ("minitensor.backends.cupy_ops", "minitensor.checks.cupy_checks")
-
-# The fused pieces the layers can use on CuPy, each the name of what it replaces:
-#   layernorm       LayerNorm forward and backward          (layernorm_fwd, _bwd, _bwd_params)
-#   bias_gelu       GELU(x + b) forward and backward          (bias_gelu_fwd, _bwd)
-#   causal_softmax  the attention probabilities and their gradient (causal_softmax_fwd, _bwd)
-#   softmax_xent    cross-entropy forward and backward        (softmax_xent_fwd, _bwd)
-#   adamw           the AdamW update, one pass                (adamw_step)
-FUSED = ("layernorm", "bias_gelu", "causal_softmax", "softmax_xent", "adamw")
-
-# name -> check(ops, rng): runs the layer piece `name` (forward and backward) through the backend
-# ops on small random inputs drawn from the NumPy Generator rng, moved to ops.xp, and returns its
-# outputs; the self-check runs it with and without the fused kernel and compares
-# (minitensor/backends/cupy_ops.py registers them).
-CHECKS = {}
-
-
-def self_check(name):
-    """Decorator: registers a layer's check of its fused piece `name` (one of FUSED)."""
-    if name not in FUSED:
-        raise ValueError(f"unknown fused piece {name!r}: one of {', '.join(FUSED)}")
-
-    def add(fn):
-        CHECKS[name] = fn
-        return fn
-
-    return add
-
-
-def all_kernels():
-    """KERNELS, after importing every module that registers kernels (and their CHECKS)."""
-    for name in KERNEL_MODULES:
-        importlib.import_module(name)
-    return KERNELS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +195,42 @@ def register(spec):
         raise ValueError(f"a kernel named {spec.name!r} is already registered")
     return KERNELS.setdefault(spec.name, spec)
 
+
+@dataclasses.dataclass(frozen=True)
+class FusedPiece:
+    """One fused piece of CupyOps, declared once (minitensor/backends/cupy_ops.py, beside its
+    wrappers); the start-up self-check, the tests and gpu_check's kernel phase all read it.
+
+    name      what CupyOps(fused=...), the kernels line and train.kernels call it
+    replaces  the Ops methods CupyOps overrides with it (each runs `super()` when the piece is off)
+    kernels   its kernel specs, registered in KERNELS with the piece
+    sample    sample(ops, rng) -> outputs: the piece's layer forward and backward through the backend
+              `ops` on small random float32 inputs drawn from the NumPy Generator rng (moved to
+              ops.xp); the self-check runs it with the piece off and on and compares
+              (minitensor.checks.selfcheck)
+    cases     None, or cases(k) -> [(name, setup, fused, generic, uses an ElementwiseKernel), ...]:
+              gpu_check's comparisons of each kernel's wrapper with the Ops code at ANDREA-120M
+              shapes (k: the sizes and inputs of scripts/gpu_check.py's _KernelInputs); without
+              them gpu_check compares `sample` off and on
+    """
+
+    name: str
+    replaces: tuple
+    kernels: tuple
+    sample: Callable = dataclasses.field(compare=False)
+    cases: Callable = dataclasses.field(default=None, compare=False)
+
+
+# name -> FusedPiece, in the order they are declared
+PIECES = {}
+
+
+def fused_piece(name, replaces, kernels, sample, cases=None):
+    """Registers a fused piece and its kernels; returns the piece."""
+    if name in PIECES and PIECES[name].kernels != tuple(kernels):
+        raise ValueError(f"a fused piece named {name!r} is already registered")
+    piece = FusedPiece(name, tuple(replaces), tuple(register(k) for k in kernels), sample, cases)
+    return PIECES.setdefault(name, piece)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,8 +19,13 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
 
 Which fused pieces a CupyOps runs is fixed when it is built (`CupyOps(xp, fused=...)`; through
 `minitensor.backends.get_ops(cupy, kernels)`, where kernels="auto" runs the start-up self-check of
-minitensor.checks.selfcheck once: each piece's check (minitensor/checks/cupy_checks.py) once through the Ops
-code and once through the kernel, keeping those that agree).
+minitensor.checks.selfcheck once: each piece's sample once through the Ops code and once through the
+kernel, keeping those that agree).
+
+Each fused piece is declared once, by a record (`cuda.fused_piece`) at the end of its section below:
+its name, the Ops methods it replaces, its kernels, how to build its sample inputs (`sample`, the
+self-check's) and gpu_check's comparisons at ANDREA-120M shapes (`cases`). The CUDA source of every
+kernel is in minitensor/backends/kernels/, the section `// @kernel NAME` of one .cu file.
 
 Every kernel is registered in minitensor.backends.cuda.KERNELS, so that two checks run without a GPU
 (`python -m minitensor.checks --check | --host-check`): NVRTC compiles each one, and g++ runs
@@ -40,6 +45,10 @@ from minitensor.device import array_module
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
 
 
+def _draw(xp, rng, *shape, scale=1.0, shift=0.0):
+    return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
+
+
 class CupyOps(Ops):
     name = "cupy"
     # the dense attention core when all heads' probabilities fit this many bytes (None: a 64th of
@@ -47,12 +56,12 @@ class CupyOps(Ops):
     dense_max_bytes = None
 
     def __init__(self, xp, fused=(), kernels_line=None):
-        """fused: the fused pieces to run (names of minitensor.backends.cuda.FUSED), the others through the
-        Ops code; kernels_line: the log line that says how they were chosen."""
+        """fused: the fused pieces to run (names of their records, minitensor.backends.fused_pieces()),
+        the others through the Ops code; kernels_line: the log line that says how they were chosen."""
         super().__init__(xp)
-        unknown = set(fused) - set(cuda.FUSED)
+        unknown = set(fused) - set(cuda.PIECES)  # every record is in: this module declares them
         if unknown:
-            raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.FUSED)}")
+            raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.PIECES)}")
         self.in_use = frozenset(fused)
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
 
@@ -326,25 +335,25 @@ def _column(n, C):
 
 # The references are GELU's Ops code applied to h = x + b, on flat arrays as the kernels see them,
 # gathering the bias by i % C (the host check's flat samples, C = 7, are not whole rows).
-BIAS_GELU_FWD = cuda.register(cuda.ElementwiseSpec(
+BIAS_GELU_FWD = cuda.ElementwiseSpec(
     "bias_gelu_fwd", "T x, raw T b, int32 C", "T y", "gelu.cu",
     reference=lambda x, b, C: _REFERENCE.gelu_forward(x + b[_column(x.size, C)]),
     scalars=(("C", 7),),
-))
+)
 
-BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
+BIAS_GELU_BWD = cuda.ElementwiseSpec(
     "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh", "gelu.cu",
     reference=lambda x, b, C, dy: _REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
     scalars=(("C", 7),),
-))
+)
 
 
-BIAS_GELU_BWD_FWD = cuda.register(cuda.ElementwiseSpec(
+BIAS_GELU_BWD_FWD = cuda.ElementwiseSpec(
     "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y", "gelu.cu",
     reference=lambda x, b, C, dy: (_REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
                                    _REFERENCE.gelu_forward(x + b[_column(x.size, C)])),
     scalars=(("C", 7),),
-))
+)
 
 
 def bias_gelu_forward_gpu(x, b, out=None):
@@ -377,6 +386,51 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
     _check_bias_gpu(x, b, None, "bias_gelu_backward_recompute_gpu", dy)
     cuda.on_cupy("bias_gelu_backward_recompute_gpu", x, "Ops.bias_gelu_backward")
     return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
+
+
+# --- the fused piece bias_gelu: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _bias_gelu_sample(ops, rng):
+    """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails; the backward
+    also with the output recomputed (as MLP.backward asks)."""
+    xp = ops.xp
+    x, b, dy = _draw(xp, rng, 150, 70, scale=4.0), _draw(xp, rng, 70), _draw(xp, rng, 150, 70)
+    y = ops.bias_gelu_forward(x, b)
+    return y, ops.bias_gelu_backward(x, b, dy), *ops.bias_gelu_backward(x, b, dy, recompute_output=True)
+
+
+def _bias_gelu_cases(k):
+    """The MLP's bias + GELU, forward and backward (the bias gradient summed in), against the Ops."""
+
+    def setup():
+        k.reseed()
+        a, b = k.rand(k.N, k.F, scale=2.0), k.rand(k.F, scale=0.1)
+        return dict(a=a, b=b, h=a + b, dy=k.rand(k.N, k.F), db=k.zeros(k.F), hb=k.xp.empty_like(a))
+
+    def generic_fwd(d):
+        k.xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
+        return (k.ref.gelu_forward(d["hb"]),)
+
+    def generic_bwd(d):
+        dh = k.ref.gelu_backward(d["h"], d["dy"])
+        d["db"] += dh.sum(axis=0)
+        return dh, d["db"]
+
+    return [
+        ("bias + gelu fwd", setup, lambda d: (bias_gelu_forward_gpu(d["a"], d["b"]),), generic_fwd, True),
+        ("bias + gelu bwd", setup, lambda d: (bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+                                              d["db"]), generic_bwd, True),
+    ]
+
+
+BIAS_GELU = cuda.fused_piece(
+    "bias_gelu",
+    replaces=("bias_gelu_forward", "bias_gelu_backward"),
+    kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD),
+    sample=_bias_gelu_sample,
+    cases=_bias_gelu_cases,
+)
 
 
 BIAS_RESIDUAL_ADD = cuda.register(cuda.ElementwiseSpec(
@@ -415,18 +469,18 @@ def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
     return x.nbytes + joined + w.nbytes + b.nbytes, y.nbytes + mean.nbytes + rstd.nbytes + joined
 
 
-LAYERNORM_FWD = cuda.register(cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic))
+LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic)
 
 def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, accumulate, **_):
     """dy, x and the statistics read, and res when accumulating; dx written."""
     return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0), dx.nbytes
 
 
-LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic))
+LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic)
 
 # The parameter sums: blocks of (32, 8) threads, each 32 columns over a chunk of rows.
 LN_PARAM_BLOCK = (32, 8)
-LAYERNORM_BWD_PARAMS = cuda.register(cuda.RawSpec("layernorm_bwd_params", "layernorm.cu"))
+LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu")
 
 
 def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
@@ -504,6 +558,77 @@ def _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C):
         db += sums[1]
 
 
+# --- the fused piece layernorm: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _layernorm_sample(ops, rng):
+    """LayerNorm forward and backward (with a skip gradient) over 40 rows of 100 columns."""
+    from minitensor.layers.layernorm import LayerNorm
+
+    xp = ops.xp
+    C = 100  # not a multiple of the 32-thread warps
+    dw, db = xp.zeros(C, np.float32), xp.zeros(C, np.float32)
+    ln = LayerNorm(_draw(xp, rng, C, shift=1.0), dw, _draw(xp, rng, C), db, ops=ops)
+    y = ln.forward(_draw(xp, rng, 4, 10, C, scale=3.0, shift=0.5))
+    dx = ln.backward(_draw(xp, rng, 4, 10, C), skip=_draw(xp, rng, 4, 10, C))
+    return y, dx, dw, db
+
+
+def _layernorm_cases(k):
+    """LayerNorm forward and backward, each also with the residual add folded in, against the layer."""
+    from minitensor.layers.layernorm import LayerNorm
+
+    N, C = k.N, k.C
+
+    def setup():
+        k.reseed()
+        x, dy, w, b = k.rand(N, C, shift=0.3), k.rand(N, C), k.rand(C, scale=0.2, shift=1.0), k.rand(C, scale=0.1)
+        layer = LayerNorm(w, k.zeros(C), b, k.zeros(C), ops=k.ref)
+        layer.forward(x)
+        return dict(x=x, dy=dy, w=w, b=b, r=k.rand(N, C), layer=layer, cache=layer._cache, dw=k.zeros(C),
+                    db=k.zeros(C))
+
+    def generic_fwd(d):
+        y = d["layer"].forward(d["x"])
+        return y, d["layer"]._cache.mean, d["layer"]._cache.rstd
+
+    def generic_bwd(d, add_to=None):
+        layer = d["layer"]
+        layer._save(d["cache"])
+        dx = layer.backward(d["dy"])
+        if add_to is not None:
+            dx += add_to
+        return dx, layer.dw, layer.db
+
+    def generic_res(d):
+        d["x"] += d["r"]
+        return d["layer"].forward(d["x"]), d["x"]
+
+    def fused_bwd(d, add_to=None):
+        return (layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                d["dw"], d["db"], add_to=add_to), d["dw"], d["db"])
+
+    return [
+        ("layernorm fwd", setup, lambda d: layernorm_forward_gpu(d["x"], d["w"], d["b"]), generic_fwd,
+         False),
+        ("layernorm bwd", setup, fused_bwd, generic_bwd, False),
+        ("layernorm fwd + residual", setup,
+         lambda d: (layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+         generic_res, False),
+        ("layernorm bwd + residual", setup, lambda d: fused_bwd(d, add_to=d["r"]),
+         lambda d: generic_bwd(d, add_to=d["r"]), False),
+    ]
+
+
+LAYERNORM = cuda.fused_piece(
+    "layernorm",
+    replaces=("layernorm_forward", "layernorm_backward"),
+    kernels=(LAYERNORM_FWD, LAYERNORM_BWD, LAYERNORM_BWD_PARAMS),
+    sample=_layernorm_sample,
+    cases=_layernorm_cases,
+)
+
+
 # =============================================================================================
 # The causal softmax over (..., T, T) attention scores, forward, backward, recomputed
 
@@ -523,17 +648,17 @@ def _causal_softmax_bwd_traffic(dp, p, ds, n_ctx, **_):
     return (dp.nbytes + p.nbytes) * _causal_fraction(n_ctx), ds.nbytes
 
 
-CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu",
-                                                 traffic=_causal_softmax_fwd_traffic))
+CAUSAL_SOFTMAX_FWD = cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu",
+                                                 traffic=_causal_softmax_fwd_traffic)
 
-CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu",
-                                                 traffic=_causal_softmax_bwd_traffic))
+CAUSAL_SOFTMAX_BWD = cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu",
+                                                 traffic=_causal_softmax_bwd_traffic)
 
-CAUSAL_SOFTMAX_RECOMPUTE = cuda.register(cuda.ElementwiseSpec(
+CAUSAL_SOFTMAX_RECOMPUTE = cuda.ElementwiseSpec(
     "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p", "causal_softmax.cu",
     reference=lambda s, lse, n_ctx, scale: _recompute_flat(s, lse, int(n_ctx), scale),
     scalars=(("n_ctx", 6), ("scale", 0.35)),
-))
+)
 
 
 def _recompute_flat(s, lse, n_ctx, scale):
@@ -584,6 +709,69 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
     return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))
 
 
+# --- the fused piece causal_softmax: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _causal_softmax_sample(ops, rng):
+    """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
+    from minitensor.layers.attention import CausalSelfAttention
+    from minitensor.layers.linear import Linear
+
+    xp = ops.xp
+    B, T, C, nh = 2, 40, 48, 4
+    grads = [xp.zeros(shape, np.float32) for shape in ((C, 3 * C), (3 * C,), (C, C), (C,))]
+    attn = CausalSelfAttention(Linear(_draw(xp, rng, C, 3 * C, scale=0.3), grads[0], _draw(xp, rng, 3 * C), grads[1],
+                                      ops=ops),
+                               Linear(_draw(xp, rng, C, C, scale=0.3), grads[2], _draw(xp, rng, C), grads[3], ops=ops),
+                               nh, ops=ops)
+    attn.dense = True
+    out = attn.forward(_draw(xp, rng, B, T, C))
+    return (out, attn.backward(_draw(xp, rng, B, T, C)), *grads)
+
+
+def _causal_softmax_cases(k):
+    """The attention's causal softmax: forward, backward, and the probabilities recomputed from the
+    saved log-sum-exp, against the Ops' block softmax."""
+
+    BH, T = k.BH, k.T
+
+    def setup():
+        k.reseed()
+        s = k.rand(BH, T, T, scale=2.0)
+        p, lse = s.copy(), k.xp.empty((BH, T, 1), k.dtype)
+        k.ref.block_softmax(p[None], 0, lse[None])
+        return dict(s=s, p=p, lse=lse, dp=k.rand(BH, T, T), lse_out=k.xp.empty((BH, T, 1), k.dtype))
+
+    def generic_fwd(d):
+        k.ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
+        return d["s"], d["lse_out"]
+
+    def generic_bwd(d):
+        D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
+        k.ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
+        return (d["dp"],)
+
+    return [
+        ("causal softmax fwd", setup,
+         lambda d: (causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         generic_fwd, False),
+        ("causal softmax bwd", setup,
+         lambda d: (causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), generic_bwd, False),
+        ("causal softmax recompute", setup,
+         lambda d: (causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (k.ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
+    ]
+
+
+CAUSAL_SOFTMAX = cuda.fused_piece(
+    "causal_softmax",
+    replaces=("attention_forward_dense", "causal_softmax", "causal_softmax_backward"),
+    kernels=(CAUSAL_SOFTMAX_FWD, CAUSAL_SOFTMAX_BWD, CAUSAL_SOFTMAX_RECOMPUTE),
+    sample=_causal_softmax_sample,
+    cases=_causal_softmax_cases,
+)
+
+
 # =============================================================================================
 # Softmax cross-entropy over (N, V) logits
 
@@ -594,13 +782,13 @@ def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
     return z.nbytes * int(n_valid) // int(V) + targets.nbytes, z.nbytes + losses.nbytes
 
 
-SOFTMAX_XENT_FWD = cuda.register(cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic))
+SOFTMAX_XENT_FWD = cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic)
 
-SOFTMAX_XENT_BWD = cuda.register(cuda.ElementwiseSpec(
+SOFTMAX_XENT_BWD = cuda.ElementwiseSpec(
     "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz", "softmax_xent.cu",
     reference=lambda probs, targets, V, scale: _xent_bwd_flat(probs, targets, int(V), scale),
     scalars=(("V", 5), ("scale", 0.25)),
-))
+)
 
 
 def _xent_bwd_flat(probs, targets, V, scale):
@@ -654,6 +842,70 @@ def _xent_operands(fn, logits, targets):
     return logits.reshape(-1, logits.shape[-1]), t
 
 
+# --- the fused piece softmax_xent: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _softmax_xent_sample(ops, rng):
+    """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits; then over the same
+    logits padded as the tied head pads them (ops.vocab_padding: 1024 columns with the kernel, none
+    without), whose padded columns must get no gradient."""
+    from minitensor.layers.loss import SoftmaxCrossEntropy
+
+    xp = ops.xp
+    logits = _draw(xp, rng, 6, 8, 1000, scale=3.0)
+    targets = xp.asarray(rng.integers(0, 1000, (6, 8)))
+    fn = SoftmaxCrossEntropy(ops=ops)
+    loss = fn.forward(logits.copy(), targets, inplace=True)
+    grad = fn.backward(0.5)
+    padded = xp.zeros((6, 8, ops.vocab_padding(1000)), dtype=logits.dtype)
+    padded[..., :1000] = logits
+    padded_loss = fn.forward(padded, targets, inplace=True, valid=1000)
+    padded_grad = fn.backward(0.5)
+    return (xp.asarray(loss).reshape(1), grad, xp.asarray(padded_loss).reshape(1),
+            xp.ascontiguousarray(padded_grad[..., :1000]), xp.abs(padded_grad[..., 1000:]).sum(axis=-1))
+
+
+def _softmax_xent_cases(k):
+    """Softmax cross-entropy forward and backward against the loss layer. The layer keeps softmax / N
+    (its backward's scale folded in); the fused kernels take and give plain probabilities, so the
+    generic side is compared times N."""
+    from minitensor.layers.loss import SoftmaxCrossEntropy
+
+    N, V = k.N, k.V
+
+    def setup():
+        k.reseed()
+        z = k.rand(N, V, scale=2.0)
+        t = k.xp.asarray(np.random.default_rng(0).integers(0, V, N))
+        scaled = z.copy()
+        loss_fn = SoftmaxCrossEntropy(ops=k.ref)
+        loss_fn.forward(scaled, t, inplace=True)
+        return dict(z=z, t=t, probs=scaled * N, cache=loss_fn._cache, loss_fn=loss_fn)
+
+    def generic_fwd(d):
+        return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"] * N
+
+    def generic_bwd(d):
+        d["loss_fn"]._save(d["cache"])
+        return (d["loss_fn"].backward(1.0),)
+
+    return [
+        ("cross-entropy fwd", setup, lambda d: (softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+         generic_fwd, False),
+        ("cross-entropy bwd", setup, lambda d: (softmax_xent_backward_gpu(d["probs"], d["t"]),),
+         generic_bwd, True),
+    ]
+
+
+SOFTMAX_XENT = cuda.fused_piece(
+    "softmax_xent",
+    replaces=("vocab_padding", "softmax_xent_forward", "softmax_xent_backward"),
+    kernels=(SOFTMAX_XENT_FWD, SOFTMAX_XENT_BWD),
+    sample=_softmax_xent_sample,
+    cases=_softmax_xent_cases,
+)
+
+
 # =============================================================================================
 # The embedding's backward: dW[id] += the rows at that id's positions, summed in position order
 
@@ -673,12 +925,15 @@ def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, ste
 
 
 # The kernel (its form, adamw_update's, explained there): kernels/adamw.cu.
-ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
-    "adamw_step", "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay", "T p, T m, T v", "adamw.cu",
+ADAMW_STEP = cuda.ElementwiseSpec(
+    "adamw_step",
+    "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay",
+    "T p, T m, T v",
+    "adamw.cu",
     reference=_adamw_op_reference,
     scalars=(("beta1", 0.9), ("beta2", 0.95), ("step_size", 1e-3), ("eps_hat", 1e-8), ("decay", 1e-4)),
     domains=(("v_in", np.abs), ("mask", lambda a: (a > 0).astype(a.dtype))),
-))
+)
 
 
 def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
@@ -703,3 +958,60 @@ def adamw_kernel(p, g, m, v, mask, b1, b2, grad_scale, step_size, eps_hat, decay
     cuda.on_cupy(fn, p, "Ops.adamw_step")
     scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
     ADAMW_STEP.kernel()(p, m, v, g, mask, b1, b2, scale, step_size, eps_hat, decay, p, m, v)
+
+
+# --- the fused piece adamw: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _adamw_sample(ops, rng):
+    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    xp = ops.xp
+    params = Params({"w": (7, 33), "b": (33,)}, xp=xp, dtype=np.float32, ops=ops)
+    params.data[...] = xp.asarray(rng.standard_normal(params.data.shape).astype(np.float32))
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    for scale in (1.0, 0.5):
+        for name in params.names():  # through the views: the padding between tensors keeps g = 0
+            view = params.grad(name)
+            view[...] = xp.asarray(rng.standard_normal(view.shape).astype(np.float32))
+        opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
+    return params.data, opt.m, opt.v
+
+
+def _adamw_cases(k):
+    """One AdamW step over the model's parameter layout (decay on 2+-D tensors) against the optimizer."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def setup():
+        k.reseed()
+        params = Params(k.shapes, xp=k.xp, dtype=k.dtype, ops=k.ref)
+        params.data[...] = k.rand(params.size, scale=0.02)
+        params.grads[...] = k.rand(params.size, scale=1e-3)
+        opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                    weight_decay=hyper["weight_decay"])
+        return dict(params=params, opt=opt, mask=params.mask(opt.decays))
+
+    def generic(d):
+        d["opt"].step(grad_scale=0.5)
+        return d["params"].data, d["opt"].m, d["opt"].v
+
+    def fused(d):
+        p, opt = d["params"], d["opt"]
+        adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        return p.data, opt.m, opt.v
+
+    return [("adamw step", setup, fused, generic, True)]
+
+
+ADAMW = cuda.fused_piece(
+    "adamw",
+    replaces=("adamw_step",),
+    kernels=(ADAMW_STEP,),
+    sample=_adamw_sample,
+    cases=_adamw_cases,
+)
