@@ -461,8 +461,9 @@ def _check_bias_gpu(x, b, out, fn, dy=None):
 
 # What these kernels must equal is Ops.layernorm_forward / _backward: the start-up self-check runs
 # the layer both ways on the GPU. The tests run the kernels on the host (kernelcheck.emulate_launch)
-# against the textbook form in tests/formulas.py.
-# The kernels: kernels/layernorm.cu.
+# against the textbook form in tests/formulas.py. The kernels: kernels/layernorm.cu.
+
+
 def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
     """x (and the residual, when added: x is then written back) read once, y and the statistics written."""
     joined = x.nbytes if add_residual else 0
@@ -471,12 +472,14 @@ def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
 
 LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic)
 
+
 def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, accumulate, **_):
     """dy, x and the statistics read, and res when accumulating; dx written."""
     return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0), dx.nbytes
 
 
 LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic)
+
 
 # The parameter sums: blocks of (32, 8) threads, each 32 columns over a chunk of rows.
 LN_PARAM_BLOCK = (32, 8)
@@ -633,6 +636,8 @@ LAYERNORM = cuda.fused_piece(
 # The causal softmax over (..., T, T) attention scores, forward, backward, recomputed
 
 # The kernels: kernels/causal_softmax.cu.
+
+
 def _causal_fraction(n_ctx):
     """The share of a (T, T) matrix on and below the diagonal: what the causal kernels read."""
     return (int(n_ctx) + 1) / (2 * int(n_ctx))
@@ -776,6 +781,8 @@ CAUSAL_SOFTMAX = cuda.fused_piece(
 # Softmax cross-entropy over (N, V) logits
 
 # The kernels: kernels/softmax_xent.cu.
+
+
 def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
     """The logits' first n_valid columns read, every column overwritten by the probabilities (in place),
     the targets read, the losses written."""
