@@ -171,6 +171,19 @@ def test_every_section_of_the_kernel_files_is_a_registered_kernel():
         cuda.cu_code("layernorm.cu", "layernorm_fwdx")
 
 
+def test_the_wheel_packs_every_kernel_file():
+    """pyproject.toml's package data for minitensor.backends covers every file under kernels/."""
+    import ast
+    import fnmatch
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()  # tomllib: Python 3.11 on
+    globs = ast.literal_eval(re.search(r'^"minitensor\.backends" = (\[.*?\])', text, re.M).group(1))
+    files = [p.name for p in cuda.KERNEL_DIR.iterdir()]
+    assert {"layernorm.cu", "rows.cuh"} <= set(files)
+    assert [f for f in files if not any(fnmatch.fnmatch(f"kernels/{f}", g) for g in globs)] == []
+
+
 def test_the_gelu_kernels_constants_are_the_ops_constants():
     """kernels/gelu.cu writes GELU's folded constants as literals: they are the Ops code's, to the digit."""
     from minitensor.backends.ops import GELU_AC, GELU_AC3, GELU_C

@@ -61,7 +61,8 @@ def f64(a):
 
 
 def test_new_kernels_are_registered():
-    assert len(NEW_KERNELS) == 13 and len(ELEMENTWISE) == 7
+    assert {"layernorm_fwd", "causal_softmax_recompute", "adamw_step", "bias_residual_add"} <= set(NEW_KERNELS)
+    assert {"bias_gelu_fwd", "softmax_xent_bwd"} <= set(ELEMENTWISE) and "layernorm_bwd" not in ELEMENTWISE
     for name, spec in NEW_KERNELS.items():
         assert all_kernels()[name] is spec, name
 
@@ -73,7 +74,7 @@ def test_every_fused_piece_is_one_complete_record():
     import inspect
 
     pieces = fused_pieces()
-    assert tuple(pieces) == ("bias_gelu", "layernorm", "causal_softmax", "softmax_xent", "adamw")
+    assert {"bias_gelu", "layernorm", "causal_softmax", "softmax_xent", "adamw"} <= set(pieces)
     owners = {}
     for name, piece in pieces.items():
         assert piece.name == name and piece.replaces and piece.kernels and callable(piece.sample)
