@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from minitensor.backends import cuda
+from minitensor.backends import cublas, cuda
 from minitensor.backends.ops import GELU_AC, GELU_AC3, GELU_C, AttentionCache, Ops
 from minitensor.device import array_module
 
@@ -54,6 +54,7 @@ class CupyOps(Ops):
         if unknown:
             raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.FUSED)}")
         self.in_use = frozenset(fused)
+        self._ones_kept = {}  # dtype -> a device vector of ones (_ones)
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
 
     def __repr__(self):
@@ -73,23 +74,26 @@ class CupyOps(Ops):
         BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)
 
     def linear_weight_grads(self, x, dy, dW, db, write=False):
-        """With write (the first micro-batch after zero_grad), the bias gradient written by its
-        reduction itself (`sum(out=db)`) rather than through a temporary and a copy; without, where
-        db follows dW in the gradient buffer (Params lays a weight and its bias out so), both added
-        in one pass."""
-        if db is None:
+        """dW = x^T dy by cuBLAS with beta 0 after zero_grad (write), beta 1 on later micro-batches
+        (the gradient accumulated in the GEMM's output pass: no temporary, no add); db likewise as
+        the GEMV dy^T ones (minitensor.backends.cublas). Ops' code where cuBLAS cannot take an
+        operand as it is laid out."""
+        beta = 0.0 if write else 1.0
+        if not cublas.gemm(x.T, dy, dW, beta):
             return super().linear_weight_grads(x, dy, dW, db, write)
-        if write:
-            self.xp.matmul(x.T, dy, out=dW)
-            dy.sum(axis=0, out=db)
+        if db is None or cublas.colsum(dy, db, self._ones(dy.shape[0], dy.dtype), beta):
             return
-        joint = _joined(dW, db, (dW.shape[0] + 1, dW.shape[1]))
-        if joint is None:
-            return super().linear_weight_grads(x, dy, dW, db, write)
-        grads = self.xp.empty(joint.shape, dtype=joint.dtype)  # x^T dy and sum(dy) side by side, added in one pass
-        self.xp.matmul(x.T, dy, out=grads[:-1])
-        dy.sum(axis=0, out=grads[-1])
-        joint += grads
+        if write:
+            dy.sum(axis=0, out=db)
+        else:
+            db += self.bias_grad(dy)
+
+    def _ones(self, n, dtype):
+        """A device vector of at least n ones of dtype, kept (copied from the host once: no launch)."""
+        have = self._ones_kept.get(np.dtype(dtype))
+        if have is None or have.shape[0] < n:
+            have = self._ones_kept[np.dtype(dtype)] = self.xp.asarray(np.ones(n, dtype))
+        return have
 
     # --- GELU ---
 

@@ -23,6 +23,9 @@ makes for it, with the bytes that launch reads and writes:
     copy          `copy`, `astype`, `ascontiguousarray` and a reshape that cannot be a view, `a[...] = b`
     fill          `fill`, `zeros`, `ones`, `full`, `a[...] = 0`
     gather        indexing by an integer array; scatter: `ufunc.at` and assigning through one
+    gemm          also cuBLAS's own sgemm/dgemm (2 m n k FLOPs; A and B read, C written, and read when beta is
+                  not 0) and sgemv/dgemv (2 m n; A and x read, y written, and read when beta is not 0),
+                  named "(unaligned)" likewise (cupy_backends/cuda/libs/cublas.py computes them)
     kernel        an ElementwiseKernel (every array argument read or written once) or a RawKernel (the
                   traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`)
     h2d, d2h      copies between host and device (not launches); a read gives ones: values are not tracked
@@ -42,6 +45,7 @@ import numpy as np
 import cupy
 from cupy import _array, _kernels, standin
 from cupy._array import ndarray, unwrap, wrap
+from cupy_backends.cuda.libs import cublas
 
 Op = namedtuple("Op", "kind name flops read written shapes scope")
 
@@ -103,7 +107,8 @@ def _targets():
             (ndarray, "_scalar", _scalar), (ndarray, "__repr__", _repr), (ndarray, "__str__", _repr),
             (ndarray, "__format__", _format), (_array.ufunc, "at", _ufunc_at),
             (_kernels.ElementwiseKernel, "__call__", _elementwise_kernel),
-            (_kernels.RawKernel, "__call__", _raw_kernel)]
+            (_kernels.RawKernel, "__call__", _raw_kernel),
+            *((cublas, name, _cublas_rule(name)) for name in ("sgemm", "dgemm", "sgemv", "dgemv"))]
 
 
 def _install():
@@ -628,3 +633,29 @@ def _raw_kernel(self, grid, block, args, *, shared_mem=0, enable_cooperative_gro
     if _active.verify:
         _original(_kernels.RawKernel, "__call__")(self, grid, block, args, shared_mem=shared_mem,
                                                   enable_cooperative_groups=enable_cooperative_groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuBLAS's own calls
+
+def _cublas_rule(name):
+    """sgemm/dgemm/sgemv/dgemv recorded from their arguments (checked as cuBLAS checks them)."""
+    item = 4 if name[0] == "s" else 8
+
+    def rule(handle, *args):
+        if name.endswith("gemm"):
+            transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc = args
+            a, b = cublas.gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
+            lds, flops, read, out = (lda, ldb, ldc), 2 * m * n * k, item * (a[0] * a[1] + b[0] * b[1]), item * m * n
+        else:
+            trans, m, n, alpha, A, lda, x, incx, beta, y, incy = args
+            nx, ny = cublas.gemv_shapes(trans, m, n, lda, incx, incy)
+            lds, flops, read, out = (lda,), 2 * m * n, item * (m * n + nx), item * ny
+        beta_value = cublas.host_scalar(beta, np.float32 if item == 4 else np.float64)
+        aligned = all(ld * item % 16 == 0 for ld in lds)
+        _active.add("gemm", f"cublas {name}" + ("" if aligned else " (unaligned)"), flops,
+                    read + (out if beta_value != 0 else 0), out)
+        if _active.verify:
+            _original(cublas, name)(handle, *args)
+
+    return rule
