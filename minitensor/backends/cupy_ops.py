@@ -129,7 +129,7 @@ class CupyOps(Ops):
         return layernorm_forward_gpu(x, w, b, eps)
 
     def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
-        if not self.fused("layernorm"):
+        if not self.fused("layernorm") or x.shape[-1] > LN_MAX_C:
             return super().layernorm_backward(dy, x, mean, rstd, w, dw, db, dres)
         # the kernel reads the skip gradient and writes dx beside it: the caller's array is kept
         residual = None if dres is None else self.xp.ascontiguousarray(dres)
@@ -244,21 +244,6 @@ class CupyOps(Ops):
         if not self.fused("adamw"):
             return super().adamw_step(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
         adamw_kernel(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
-
-
-def _joined(first, second, shape):
-    """The view of `shape` over `first` and then `second` where both are contiguous views of one
-    contiguous array and second starts where first ends (Params' gradient buffer: a weight and then
-    its bias), found through CuPy's public base and data.ptr; else None."""
-    base = first.base
-    if (base is None or second.base is None or not base.flags.c_contiguous or second.base.data.ptr != base.data.ptr
-            or not (first.flags.c_contiguous and second.flags.c_contiguous) or first.dtype != second.dtype
-            or second.data.ptr != first.data.ptr + first.nbytes or math.prod(shape) != first.size + second.size):
-        return None
-    start, item = first.data.ptr - base.data.ptr, first.itemsize
-    if start < 0 or start % item or start // item + first.size + second.size > base.size:
-        return None
-    return base.reshape(-1)[start // item:start // item + first.size + second.size].reshape(shape)
 
 
 def _stacked_heads(views):
@@ -476,59 +461,87 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
 }
 """, traffic=_layernorm_fwd_traffic))
 
-# forward was: y = xhat w + b, xhat = (x - mean) rstd. One block per row: dx, written or (with
-# accumulate) written as res + dx, the residual gradient of a pre-norm block, fused. res may be dx
-# itself (each thread reads res[j] before it writes dx[j]).
-def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, accumulate, **_):
-    """dy, x and the statistics read, and res when accumulating; dx written."""
-    return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0), dx.nbytes
+# forward was: y = xhat w + b, xhat = (x - mean) rstd. Block b handles rows [b rpc, (b + 1) rpc) (rpc =
+# rows_per_chunk) one after another: each row's dx, written or (with accumulate) written as res + dx,
+# the residual gradient of a pre-norm block, fused (res may be dx itself: each thread reads res[j]
+# before it writes dx[j]); and, over the block's rows in order, the partial parameter sums
+# part_w[b] = sum dy xhat, part_b[b] = sum dy, each thread holding its columns' sums in registers
+# (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x). The row's dy w
+# and xhat stay in registers between the two passes over it.
+LN_COLS = 8
+LN_MAX_C = LN_COLS * 1024
+# At most LN_CHUNKS blocks of at least LN_CHUNK_ROWS rows: for 8 x 1024 rows, 512 blocks of 16 (4 a
+# streaming multiprocessor on an H200), their partial sums 2 x 512 x C values (3 MB at C = 768,
+# against dy's and x's 50 MB).
+LN_CHUNKS, LN_CHUNK_ROWS = 512, 16
 
 
-LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + r"""
+def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, accumulate, **_):
+    """dy, x and the statistics read once, and res when accumulating; dx and the partial sums written."""
+    read = dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0)
+    return read, dx.nbytes + part_w.nbytes + part_b.nbytes
+
+
+LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + f"#define LN_COLS {LN_COLS}\n" + r"""
 extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
-                                         const T *res, T *dx, const int C, const int accumulate) {
+                                         const T *res, T *dx, T *part_w, T *part_b, const int N, const int C,
+                                         const int rows_per_chunk, const int accumulate) {
   __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const T *dyr = dy + row * C;
-  const T *xr = x + row * C;
-  const T *resr = res + row * C;
-  T *dxr = dx + row * C;
-  const T m = mean[row], r = rstd[row];
-  T sg = 0, sgx = 0;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T g = dyr[j] * w[j];
-    sg += g;
-    sgx += g * ((xr[j] - m) * r);
+  T acc_w[LN_COLS], acc_b[LN_COLS], g[LN_COLS], xhat[LN_COLS];
+  for (int k = 0; k < LN_COLS; ++k) acc_w[k] = acc_b[k] = g[k] = xhat[k] = 0;
+  const int first = blockIdx.x * rows_per_chunk;
+  const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
+  for (int row = first; row < stop; ++row) {  /* the same rows for every thread: the barriers match */
+    const long long base = (long long)row * C;
+    const T m = mean[row], r = rstd[row];
+    T sg = 0, sgx = 0;
+    for (int k = 0; k < LN_COLS; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < C) {
+        const T d = dy[base + j];
+        xhat[k] = (x[base + j] - m) * r;
+        g[k] = d * w[j];
+        sg += g[k];
+        sgx += g[k] * xhat[k];
+        acc_w[k] += d * xhat[k];
+        acc_b[k] += d;
+      }
+    }
+    const T mg = block_sum(sg, buf) / (T)C;
+    const T mgx = block_sum(sgx, buf) / (T)C;
+    for (int k = 0; k < LN_COLS; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < C) {
+        const T v = r * (g[k] - mg - xhat[k] * mgx);
+        dx[base + j] = accumulate ? res[base + j] + v : v;
+      }
+    }
   }
-  const T mg = block_sum(sg, buf) / (T)C;
-  const T mgx = block_sum(sgx, buf) / (T)C;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T v = r * (dyr[j] * w[j] - mg - (xr[j] - m) * r * mgx);
-    dxr[j] = accumulate ? resr[j] + v : v;
+  for (int k = 0; k < LN_COLS; ++k) {
+    const int j = threadIdx.x + k * blockDim.x;
+    if (j < C) {
+      part_w[(long long)blockIdx.x * C + j] = acc_w[k];
+      part_b[(long long)blockIdx.x * C + j] = acc_b[k];
+    }
   }
 }
 """, traffic=_layernorm_bwd_traffic))
 
-# dw = sum over rows of dy xhat, db = sum over rows of dy, as partial sums per chunk of rows:
-# block (32, 8) sums 32 columns over one chunk; the wrapper adds the (chunks, C) partials in a
-# fixed order, so the result is deterministic (no atomics).
+# dw += the sum of part_w's rows, db += part_b's, over the (chunks, C) partial sums of layernorm_bwd:
+# block (32, 8) for 32 columns, thread y adding chunks y, y + 8, ... in order, then thread y = 0 the
+# eight in order, so the sums are the same on every run (no atomics).
 LN_PARAM_BLOCK = (32, 8)
 LAYERNORM_BWD_PARAMS = cuda.register(cuda.RawSpec("layernorm_bwd_params", r"""
-extern "C" __global__ void layernorm_bwd_params(const T *dy, const T *x, const T *mean, const T *rstd,
-                                                T *part_w, T *part_b, const int N, const int C,
-                                                const int rows_per_chunk) {
+extern "C" __global__ void layernorm_bwd_params(const T *part_w, const T *part_b, T *dw, T *db, const int chunks,
+                                                const int C) {
   __shared__ T acc_w[8][32];
   __shared__ T acc_b[8][32];
   const int j = blockIdx.x * 32 + threadIdx.x;
-  const int first = blockIdx.y * rows_per_chunk;
-  const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
   T sw = 0, sb = 0;
   if (j < C) {
-    for (int i = first + threadIdx.y; i < stop; i += 8) {
-      const long long k = (long long)i * C + j;
-      const T g = dy[k];
-      sw += g * ((x[k] - mean[i]) * rstd[i]);
-      sb += g;
+    for (int c = threadIdx.y; c < chunks; c += 8) {
+      sw += part_w[(long long)c * C + j];
+      sb += part_b[(long long)c * C + j];
     }
   }
   acc_w[threadIdx.y][threadIdx.x] = sw;
@@ -539,8 +552,8 @@ extern "C" __global__ void layernorm_bwd_params(const T *dy, const T *x, const T
       sw += acc_w[k][threadIdx.x];
       sb += acc_b[k][threadIdx.x];
     }
-    part_w[(long long)blockIdx.y * C + j] = sw;
-    part_b[(long long)blockIdx.y * C + j] = sb;
+    dw[j] += sw;
+    db[j] += sb;
   }
 }
 """))
@@ -573,21 +586,25 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
 
 def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None):
     """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
-    (..., C), mean and rstd N values); accumulates dw += sum(dy xhat), db += sum(dy) over rows.
+    (..., C), C at most LN_MAX_C, mean and rstd N values); accumulates dw += sum(dy xhat),
+    db += sum(dy) over rows.
 
     Returns a new dx; with `residual` (x's shape, contiguous), a new residual + dx, the residual
     gradient of a pre-norm block, fused (residual is kept); with `add_to` instead, adds dx into
-    add_to in place and returns it."""
+    add_to in place and returns it. Two launches: dx with the parameters' partial sums per chunk of
+    rows (layernorm_bwd), then those summed into dw and db (layernorm_bwd_params)."""
     fn = "layernorm_backward_gpu"
     N, C = cuda.rows(fn, x)
+    if C > LN_MAX_C:
+        raise ValueError(f"{fn}: rows of {C} values; at most {LN_MAX_C} are supported (Ops.layernorm_backward "
+                         f"takes any)")
     cuda.like(fn, "dy", dy, x)
     cuda.vector(fn, "w", w, x)
     for name, a in (("mean", mean), ("rstd", rstd)):
         if a.size != N or a.dtype != x.dtype or not a.flags.c_contiguous:
             raise ValueError(f"{fn}: {name} must hold {N} contiguous {x.dtype} values, got {a.dtype} {a.shape}")
     for name, a in (("dw", dw), ("db", db)):
-        if a.shape != (C,):
-            raise ValueError(f"{fn}: {name} must have shape ({C},), got {a.shape}")
+        cuda.vector(fn, name, a, x)
     if add_to is not None and residual is not None:
         raise ValueError(f"{fn}: give add_to (in place) or residual (kept), not both")
     for name, a in (("add_to", add_to), ("residual", residual)):
@@ -598,27 +615,15 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     res = add_to if add_to is not None else residual
     if not N:
         return dx
-    cuda.launch(LAYERNORM_BWD, x.dtype, (N,), (cuda.threads(C, 128),),
-            (dy, x, w, mean, rstd, dx if res is None else res, dx, np.int32(C), np.int32(res is not None)))
-    _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C)
-    return dx
-
-
-def _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C):
-    """dw += sum(dy xhat), db += sum(dy) over the rows: partial sums per chunk of rows, both into one
-    (2, chunks, C) buffer, added up by one reduction."""
-    rows_per_chunk = max(64, -(-N // 128))  # at most 128 chunks: enough blocks to fill a GPU
+    rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
     chunks = -(-N // rows_per_chunk)
-    parts = array_module(x).empty((2, chunks, C), dtype=x.dtype)
-    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32), chunks), LN_PARAM_BLOCK,
-            (dy, x, mean, rstd, parts[0], parts[1], np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
-    sums = parts.sum(axis=1)
-    joint = _joined(dw, db, (2, C))
-    if joint is not None:  # db follows dw in the gradient buffer: one add
-        joint += sums
-    else:
-        dw += sums[0]
-        db += sums[1]
+    parts = xp.empty((2, chunks, C), dtype=x.dtype)  # the partial sums of dw and db per chunk of rows
+    cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), 1024)),),
+                (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], np.int32(N), np.int32(C),
+                 np.int32(rows_per_chunk), np.int32(res is not None)))
+    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32),), LN_PARAM_BLOCK,
+                (parts[0], parts[1], dw, db, np.int32(chunks), np.int32(C)))
+    return dx
 
 
 # =============================================================================================
