@@ -54,7 +54,6 @@ class CupyOps(Ops):
         if unknown:
             raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.FUSED)}")
         self.in_use = frozenset(fused)
-        self._ones_kept = {}  # dtype -> a device vector of ones (_ones)
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
 
     def __repr__(self):
@@ -81,19 +80,12 @@ class CupyOps(Ops):
         beta = 0.0 if write else 1.0
         if not cublas.gemm(x.T, dy, dW, beta):
             return super().linear_weight_grads(x, dy, dW, db, write)
-        if db is None or cublas.colsum(dy, db, self._ones(dy.shape[0], dy.dtype), beta):
+        if db is None or cublas.colsum(dy, db, _ones(self.xp, dy.shape[0], dy.dtype), beta):
             return
         if write:
             dy.sum(axis=0, out=db)
         else:
             db += self.bias_grad(dy)
-
-    def _ones(self, n, dtype):
-        """A device vector of at least n ones of dtype, kept (copied from the host once: no launch)."""
-        have = self._ones_kept.get(np.dtype(dtype))
-        if have is None or have.shape[0] < n:
-            have = self._ones_kept[np.dtype(dtype)] = self.xp.asarray(np.ones(n, dtype))
-        return have
 
     # --- GELU ---
 
@@ -279,6 +271,17 @@ def _split_heads(xp, qkv4, b, out):
 
 
 _gpu_memory_bytes = {}
+_ones_kept = {}  # (CuPy module, device, dtype) -> a device vector of ones (_ones)
+
+
+def _ones(xp, n, dtype):
+    """A device vector of at least n ones of dtype on the current device, kept (copied from the host
+    once: no launch)."""
+    key = (xp, xp.cuda.Device().id, np.dtype(dtype))
+    have = _ones_kept.get(key)
+    if have is None or have.shape[0] < n:
+        have = _ones_kept[key] = xp.asarray(np.ones(n, dtype))
+    return have
 
 
 def _gpu_memory(xp):

@@ -28,7 +28,9 @@ makes for it, with the bytes that launch reads and writes:
                   named "(unaligned)" likewise (cupy_backends/cuda/libs/cublas.py computes them)
     kernel        an ElementwiseKernel (every array argument read or written once) or a RawKernel (the
                   traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`)
-    h2d, d2h      copies between host and device (not launches); a read gives ones: values are not tracked
+    h2d, d2h      copies between host and device (not launches); a read gives ones: values are not tracked;
+                  `cupy.asarray`/`cupy.array` of host data without blocking is "h2d_async" (CuPy stages it
+                  in pinned memory and copies it on the current stream)
 
 An operation without a rule raises NotImplementedError naming it, so that nothing is left out of a
 record silently. `recording(verify=True)` computes as the stand-in normally does as well and checks
@@ -550,10 +552,12 @@ def _ufunc_at(self, a, indices, b=None):
         _original(_array.ufunc, "at")(self, a, indices, b)
 
 
-def _host_to_device(obj, dtype, order):
+def _host_to_device(obj, dtype, order, blocking):
+    """CuPy 14.2 (_array_default) copies host data through a pinned staging buffer on the current
+    stream: asynchronous ("h2d_async") unless blocking."""
     host = np.asarray(_array._host(obj), dtype=dtype)
     result = np.empty(host.shape, host.dtype, order="F" if order == "F" else "C")
-    _active.add("h2d", "asarray", 0, host.nbytes, result.nbytes, _shapes(result))
+    _active.add("h2d" if blocking else "h2d_async", "asarray", 0, host.nbytes, result.nbytes, _shapes(result))
     return result
 
 
@@ -563,7 +567,7 @@ def _asarray(a, dtype=None, order=None, *, blocking=False):
             return a
         predicted = _copy(_active, "astype", a._a, np.empty_like(a._a, dtype=dtype))
     else:
-        predicted = _host_to_device(a, dtype, order)
+        predicted = _host_to_device(a, dtype, order, blocking)
     return _predicted_or_real(predicted, _original(_array, "asarray"), (a, dtype, order), {"blocking": blocking})
 
 
@@ -577,7 +581,7 @@ def _array_fn(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, bl
         layout = "C" if order == "C" or (order in ("K", "A") and obj.flags.c_contiguous) else "F"
         predicted = _copy(_active, "copy (array)", obj._a, np.empty(obj.shape, dtype, order=layout))
     else:
-        predicted = _host_to_device(obj, dtype, order)
+        predicted = _host_to_device(obj, dtype, order, blocking)
     return _predicted_or_real(predicted, _original(_array, "array"), (obj, dtype, copy, order, subok, ndmin),
                               {"blocking": blocking})
 
