@@ -73,10 +73,12 @@ def test_the_120m_step_is_recorded_at_its_real_size_without_computing(step_120m)
     matrices = 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072) + 8449 * 768
     assert gemm_flops > 6 * matrices * est["tokens"]
     assert grown < 256 << 20  # the activations (many GB at this size) were never written
-    # the head over 8576 = 67 x 128 columns (8449 padded): every GEMM's leading dimensions 16-byte multiples
+    # the head's logits in rows of 8576 = 67 x 128 (8449 padded): every GEMM's leading dimensions 16-byte
+    # multiples; the head's three GEMMs (cuBLAS's own) over the 8449 columns that are the vocabulary
     assert [op for op in rec["ops"] if op[0] == "gemm" and "unaligned" in op[1]] == []
     head_gemms = [op for op in rec["ops"] if op[0] == "gemm" and op[5][-1] == "head"]
-    assert {op[2] for op in head_gemms} == {2 * 8192 * 768 * 8576}
+    assert {(op[1], op[2]) for op in head_gemms} == {("cublas sgemm", 2 * 8192 * 768 * 8449)}
+    assert len(head_gemms) == 3 * rec["micro_batches"]
 
 
 def test_the_120m_step_does_not_regress(step_120m):

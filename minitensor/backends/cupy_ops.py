@@ -87,6 +87,12 @@ class CupyOps(Ops):
         else:
             db += self.bias_grad(dy)
 
+    def gemm(self, a, b, out, accumulate=False):
+        """By cuBLAS with beta 1 to accumulate, taking operands and out with longer rows or transposed
+        as they are laid out (CuPy's matmul would copy them)."""
+        if not cublas.gemm(a, b, out, 1.0 if accumulate else 0.0):
+            super().gemm(a, b, out, accumulate)
+
     # --- GELU ---
 
     def gelu_forward(self, x):
