@@ -340,6 +340,40 @@ def test_the_standin_cublas_gemm_is_numpys_matmul_column_major(ta, tb, beta, dty
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_the_standin_strided_batched_gemm_is_numpys_batched_matmul(ta, tb, beta, dtype):
+    """minitensor.backends.cublas.gemm on (batch, M, K) @ (batch, K, N): one sgemmStridedBatched /
+    dgemmStridedBatched with each operand transposed as stored (the attention core's k^T, v^T, dy^T,
+    q^T), against NumPy's batched matmul, out with beta 0 (NaNs not read) and 1; out's matrices
+    overlapping, or an operand with no single batch stride, are left to the caller."""
+    from minitensor.backends import cublas as mcublas
+
+    rng = np.random.default_rng(5)
+    nb, m, n, k = 3, 4, 5, 6
+    a_st = rng.standard_normal((nb, k, m) if ta else (nb, m, k)).astype(dtype)
+    b_st = rng.standard_normal((nb, n, k) if tb else (nb, k, n)).astype(dtype)
+    a, b = (a_st.transpose(0, 2, 1) if ta else a_st), (b_st.transpose(0, 2, 1) if tb else b_st)
+    c0 = rng.standard_normal((nb, m, n)).astype(dtype)
+    if beta == 0:
+        c0[...] = np.nan
+    want = a @ b + (beta * c0 if beta else 0)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    with standin_cupy() as cupy:
+        A, B, C = (cupy.asarray(v) for v in (a_st, b_st, c0))
+        av, bv = (A.transpose(0, 2, 1) if ta else A), (B.transpose(0, 2, 1) if tb else B)
+        assert mcublas.gemm(av, bv, C, beta)
+        np.testing.assert_allclose(C.get(), want, rtol=tol, atol=tol)
+        assert not mcublas.gemm(av, bv, cupy.broadcast_to(cupy.zeros((m, n), dtype), (nb, m, n)), beta)  # one out
+        spaced = rng.standard_normal((nb, 2, m, k)).astype(dtype)  # matrices 2 m k apart: taken as they are
+        assert mcublas.gemm(cupy.asarray(spaced)[:, 0], bv, C, 0.0)
+        np.testing.assert_allclose(C.get(), spaced[:, 0] @ b, rtol=tol, atol=tol)
+        assert not mcublas.gemm(av, bv, cupy.asarray(np.zeros((m, nb, n), dtype)).transpose(1, 0, 2)[:, :, ::-1],
+                                beta)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_the_standin_cublas_gemv_and_colsum_are_numpys(beta, dtype):
     """colsum(dy, out, ones, beta) = dy.sum(0) + beta out through the stand-in's sgemv/dgemv, dy a
     slice of longer rows and out a strided view; the stand-in's gemv with OP_T against NumPy too."""
@@ -386,8 +420,10 @@ def test_the_recording_counts_cublas_calls_from_their_arguments():
             assert mcublas.gemm(a, b, out, 0.0) and mcublas.gemm(a, b, out, 1.0)
             assert mcublas.gemm(a, b[:, :16], odd[:, :16], 0.0)
             assert mcublas.colsum(out, out[0], ones, 1.0)
+            assert mcublas.gemm(a.reshape(2, 4, 12), b.reshape(2, 12, 8), out.reshape(2, 4, 16)[:, :, :8])
     ops = [(op.kind, op.name, op.flops, op.read, op.written) for op in rec.ops]
     ab, c = 4 * (8 * 12 + 12 * 16), 4 * 8 * 16
     assert ops == [("gemm", "cublas sgemm", 2 * 8 * 16 * 12, ab, c), ("gemm", "cublas sgemm", 2 * 8 * 16 * 12, ab + c, c),
                    ("gemm", "cublas sgemm (unaligned)", 2 * 8 * 16 * 12, ab, c),
-                   ("gemm", "cublas sgemv", 2 * 16 * 8, 4 * (8 * 16 + 8) + 4 * 16, 4 * 16)]
+                   ("gemm", "cublas sgemv", 2 * 16 * 8, 4 * (8 * 16 + 8) + 4 * 16, 4 * 16),
+                   ("gemm", "cublas sgemmStridedBatched", 2 * 2 * 4 * 8 * 12, 4 * 2 * (4 * 12 + 12 * 8), 4 * 2 * 4 * 8)]

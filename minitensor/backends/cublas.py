@@ -1,6 +1,7 @@
 """GEMMs and GEMVs through cuBLAS itself (cupy_backends.cuda.libs.cublas), for what CuPy's matmul cannot do.
 
-    gemm(a, b, out, beta)        out = a @ b + beta out     (2-D CuPy arrays; beta 0: out is not read)
+    gemm(a, b, out, beta)        out = a @ b + beta out     (2-D CuPy arrays, or 3-D: a strided batch;
+                                                            beta 0: out is not read)
     colsum(dy, out, beta)        out = sum over rows of dy + beta out
 
 CuPy 14.2's 2-D matmul computes out = a @ b only (beta 0: an accumulated weight gradient needs a
@@ -11,7 +12,11 @@ of rows with a longer stride is passed as it is stored. cuBLAS is column-major: 
 (M, N) array with row stride ld is, to cuBLAS, the (N, M) column-major matrix with leading
 dimension ld, its transpose; so out = a @ b is asked as out^T = b^T a^T, with b first.
 
-These go through `cublas.sgemm` / `dgemm` and `sgemv` / `dgemv` (CuPy 14.2's signatures:
+CuPy's batched matmul also copies every operand that is not C-contiguous (a transposed k, dy, v, q
+of the attention core); `sgemmStridedBatched` takes the transpose flag instead.
+
+These go through `cublas.sgemm` / `dgemm`, `sgemmStridedBatched` / `dgemmStridedBatched` and
+`sgemv` / `dgemv` (CuPy 14.2's signatures:
 cupy_backends/cuda/libs/cublas.pyx), alpha and beta as host pointers (the handle's default pointer
 mode, which CuPy's own matmul also relies on), on the current stream (cuBLAS's calls in CuPy set the
 handle's stream first). TF32: sgemm follows the handle's math mode, which
@@ -31,10 +36,22 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1  # cublasOperation_t (cublas_api.h)
 
 def layout(a):
     """(transposed, ld) for a 2-D array a laid out for cuBLAS: a = M (transposed False) or M^T
-    (True) for a row-major M whose row stride is ld elements; None where neither holds."""
-    if a.ndim != 2 or a.dtype not in (np.float32, np.float64):
+    (True) for a row-major M whose row stride is ld elements; None where neither holds. For a 3-D
+    array (a batch of matrices), that of each matrix, and (transposed, ld, batch stride) where the
+    matrices lie a fixed number of elements apart (None where not)."""
+    if a.ndim not in (2, 3) or a.dtype not in (np.float32, np.float64):
         return None
-    item, (r, c), (s0, s1) = a.itemsize, a.shape, a.strides
+    found = _layout(a.itemsize, a.shape[-2:], a.strides[-2:])
+    if a.ndim == 2 or found is None:
+        return found
+    step = a.strides[0]
+    if a.shape[0] > 1 and (step <= 0 or step % a.itemsize):
+        return None
+    return (*found, step // a.itemsize if a.shape[0] > 1 else 0)
+
+
+def _layout(item, shape, strides):
+    (r, c), (s0, s1) = shape, strides
     if (c <= 1 or s1 == item) and (r <= 1 or (s0 > 0 and s0 % item == 0 and s0 // item >= c)):
         return False, max(1, c if r <= 1 else s0 // item)  # row-major (r, c), rows ld apart
     if (r <= 1 or s0 == item) and (c <= 1 or (s1 > 0 and s1 % item == 0 and s1 // item >= r)):
@@ -50,10 +67,14 @@ def _scalar(value, dtype):
 def gemm(a, b, out, beta=0.0):
     """out = a @ b + beta out for CuPy arrays a (M, K), b (K, N), out (M, N) of one float dtype,
     out row-major (a unit column stride, any row stride); beta 0: out's old values are not read.
-    Returns False, computing nothing, where cuBLAS cannot take them as they are laid out."""
-    M, K = a.shape
-    N = b.shape[1]
-    if b.shape[0] != K or out.shape != (M, N):
+    With a batch axis first on all three (the same count, each array's matrices a fixed stride
+    apart, out's apart by at least one matrix), one strided batched GEMM. Returns False, computing
+    nothing, where cuBLAS cannot take them as they are laid out."""
+    if not a.ndim == b.ndim == out.ndim or a.shape[:-2] != b.shape[:-2] or a.shape[:-2] != out.shape[:-2]:
+        raise ValueError(f"gemm: shapes {a.shape} @ {b.shape} -> {out.shape}: expected one batch shape")
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    if b.shape[-2] != K or out.shape[-2:] != (M, N):
         raise ValueError(f"gemm: shapes {a.shape} @ {b.shape} -> {out.shape}: expected (M, K) @ (K, N) -> (M, N)")
     la, lb, lc = layout(a), layout(b), layout(out)
     if (la is None or lb is None or lc is None or lc[0] or min(M, N, K) == 0
@@ -63,13 +84,20 @@ def gemm(a, b, out, beta=0.0):
 
     import cupy
 
-    fn = cublas.sgemm if a.dtype == np.float32 else cublas.dgemm
+    handle = cupy.cuda.device.get_cublas_handle()
     one, coef = _scalar(1.0, a.dtype), _scalar(beta, a.dtype)
     # out^T (N, M) = b^T a^T: b's row-major storage is b^T to cuBLAS (no transpose), a transposed
     # view is stored as its row-major transpose (cuBLAS transposes it back)
-    fn(cupy.cuda.device.get_cublas_handle(), CUBLAS_OP_T if lb[0] else CUBLAS_OP_N,
-       CUBLAS_OP_T if la[0] else CUBLAS_OP_N, N, M, K, one.ctypes.data, b.data.ptr, lb[1], a.data.ptr, la[1],
-       coef.ctypes.data, out.data.ptr, lc[1])
+    ops = (CUBLAS_OP_T if lb[0] else CUBLAS_OP_N, CUBLAS_OP_T if la[0] else CUBLAS_OP_N, N, M, K, one.ctypes.data)
+    if a.ndim == 2:
+        fn = cublas.sgemm if a.dtype == np.float32 else cublas.dgemm
+        fn(handle, *ops, b.data.ptr, lb[1], a.data.ptr, la[1], coef.ctypes.data, out.data.ptr, lc[1])
+        return True
+    if out.shape[0] > 1 and lc[2] < (M - 1) * lc[1] + N:  # out's matrices would overlap
+        return False
+    fn = cublas.sgemmStridedBatched if a.dtype == np.float32 else cublas.dgemmStridedBatched
+    fn(handle, *ops, b.data.ptr, lb[1], lb[2], a.data.ptr, la[1], la[2], coef.ctypes.data, out.data.ptr, lc[1],
+       lc[2], a.shape[0])
     return True
 
 

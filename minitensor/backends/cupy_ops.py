@@ -144,9 +144,20 @@ class CupyOps(Ops):
     # The dense core with the fused softmax: the 1/sqrt(hs) scale goes into the softmax kernels
     # (forward: p = softmax(scale s); backward: ds = scale p (dp - rowsum(dp p))), so q is kept
     # unscaled and neither q nor dq takes a pass of its own, and rowsum(dy y) (Ops' D) is not
-    # computed: the backward kernel sums dp p itself. CuPy's batched matmul copies an operand that
-    # is not C-contiguous (SPEC section 5): k^T (forward), dy^T, v^T and q^T (backward) are those
-    # copies; dv and dk come out transposed (dv^T = dy^T p, dk^T = q^T ds), read as stored.
+    # computed: the backward kernel sums dp p itself. CuPy's batched matmul would copy an operand
+    # that is not C-contiguous (SPEC section 5): k^T (forward), dy^T, v^T and q^T (backward) go to
+    # cuBLAS's strided batched GEMM with the transpose flag instead (_bmm); dv and dk come out
+    # transposed (dv^T = dy^T p, dk^T = q^T ds), read as stored.
+
+    def _bmm(self, a, b, out=None):
+        """a @ b for (batch, M, K) @ (batch, K, N), one strided batched cuBLAS GEMM with transposed
+        operands as they are stored, into out or a new C-contiguous array (CuPy's matmul where
+        cuBLAS cannot take them)."""
+        if out is None:
+            out = self.xp.empty((*a.shape[:-1], b.shape[-1]), dtype=np.result_type(a.dtype, b.dtype))
+        if not cublas.gemm(a, b, out):
+            self.xp.matmul(a, b, out=out)
+        return out
 
     def attention_forward_dense(self, qkv4, b, y4):
         if not self.fused("causal_softmax"):
@@ -156,9 +167,9 @@ class CupyOps(Ops):
         heads = xp.empty((3, B * nh, T, hs), dtype=y4.dtype)  # q, k, v, each (BH, T, hs) contiguous
         _split_heads(xp, qkv4, b, heads.reshape(3, B, nh, T, hs))
         q, k, v = heads
-        s = xp.matmul(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
+        s = self._bmm(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
         p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
-        y4[...] = xp.matmul(p, v).reshape(B, nh, T, hs)       # heads back in order
+        y4[...] = self._bmm(p, v).reshape(B, nh, T, hs)       # heads back in order
         return AttentionCache(q, k, v, y4, None, p, T, self._attention_backward_dense_gpu)
 
     def _attention_backward_dense_gpu(self, dy4, cache, grads4):
@@ -168,12 +179,12 @@ class CupyOps(Ops):
         B, nh = dy4.shape[:2]
         dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
         dkvT = xp.empty((2, BH, hs, T), dtype=q.dtype)        # dk^T, dv^T side by side
-        xp.matmul(dy.transpose(0, 2, 1), p, out=dkvT[1])      # forward was y = p v: dv^T = dy^T p
-        dp = xp.matmul(dy, v.transpose(0, 2, 1))
+        self._bmm(dy.transpose(0, 2, 1), p, out=dkvT[1])      # forward was y = p v: dv^T = dy^T p
+        dp = self._bmm(dy, v.transpose(0, 2, 1))
         # forward was p = softmax(scale q k^T): ds = scale p (dp - rowsum(dp p)), dq = ds k, dk^T = q^T ds
         ds = causal_softmax_backward_gpu(dp, p, 1.0 / math.sqrt(hs), out=dp)
-        dq = xp.matmul(ds, k)
-        xp.matmul(q.transpose(0, 2, 1), ds, out=dkvT[0])
+        dq = self._bmm(ds, k)
+        self._bmm(q.transpose(0, 2, 1), ds, out=dkvT[0])
         dkv = dkvT.transpose(0, 1, 3, 2).reshape(2, B, nh, T, hs)
         stacked = _stacked_heads(grads4)
         if stacked is not None:                               # dk and dv in one copy

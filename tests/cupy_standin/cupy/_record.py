@@ -23,8 +23,8 @@ makes for it, with the bytes that launch reads and writes:
     copy          `copy`, `astype`, `ascontiguousarray` and a reshape that cannot be a view, `a[...] = b`
     fill          `fill`, `zeros`, `ones`, `full`, `a[...] = 0`
     gather        indexing by an integer array; scatter: `ufunc.at` and assigning through one
-    gemm          also cuBLAS's own sgemm/dgemm (2 m n k FLOPs; A and B read, C written, and read when beta is
-                  not 0) and sgemv/dgemv (2 m n; A and x read, y written, and read when beta is not 0),
+    gemm          also cuBLAS's own sgemm/dgemm and their strided batched forms (2 m n k FLOPs a matrix; A and
+                  B read, C written, and read when beta is not 0) and sgemv/dgemv (2 m n; A and x read, y written, and read when beta is not 0),
                   named "(unaligned)" likewise (cupy_backends/cuda/libs/cublas.py computes them)
     kernel        an ElementwiseKernel (every array argument read or written once) or a RawKernel (the
                   traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`)
@@ -110,7 +110,8 @@ def _targets():
             (ndarray, "__format__", _format), (_array.ufunc, "at", _ufunc_at),
             (_kernels.ElementwiseKernel, "__call__", _elementwise_kernel),
             (_kernels.RawKernel, "__call__", _raw_kernel),
-            *((cublas, name, _cublas_rule(name)) for name in ("sgemm", "dgemm", "sgemv", "dgemv"))]
+            *((cublas, name, _cublas_rule(name)) for name in ("sgemm", "dgemm", "sgemv", "dgemv", "sgemmStridedBatched",
+                                                              "dgemmStridedBatched"))]
 
 
 def _install():
@@ -647,7 +648,12 @@ def _cublas_rule(name):
     item = 4 if name[0] == "s" else 8
 
     def rule(handle, *args):
-        if name.endswith("gemm"):
+        if name.endswith("Batched"):
+            transa, transb, m, n, k, alpha, A, lda, _, B, ldb, _, beta, C, ldc, _, count = args
+            a, b = cublas.gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
+            lds, flops = (lda, ldb, ldc), 2 * m * n * k * count
+            read, out = count * item * (a[0] * a[1] + b[0] * b[1]), count * item * m * n
+        elif name.endswith("gemm"):
             transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc = args
             a, b = cublas.gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
             lds, flops, read, out = (lda, ldb, ldc), 2 * m * n * k, item * (a[0] * a[1] + b[0] * b[1]), item * m * n

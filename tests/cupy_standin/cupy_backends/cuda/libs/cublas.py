@@ -1,6 +1,7 @@
 """cuBLAS (stand-in): the math mode per handle, and the GEMM and GEMV calls computed on NumPy.
 
-setMathMode / getMathMode: what was set reads back. sgemm / dgemm (C = alpha op(A) op(B) + beta C)
+setMathMode / getMathMode: what was set reads back. sgemm / dgemm (C = alpha op(A) op(B) + beta C),
+their strided batched forms (batchCount such products, matrix i at pointer + i stride elements)
 and sgemv / dgemv (y = alpha op(A) x + beta y) take CuPy 14.2's arguments (cupy_backends/cuda/libs/
 cublas.pyx): device pointers (a stand-in array's `data.ptr`, the address of its NumPy memory),
 alpha and beta as host pointers, matrices column-major with a leading dimension, as cuBLAS reads
@@ -77,6 +78,28 @@ def _gemm(dtype, handle, transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C
     alpha, beta = host_scalar(alpha, dtype), host_scalar(beta, dtype)
     product = alpha * (op_a @ op_b)
     c[...] = product if beta == 0 else product + beta * c
+
+
+def _gemm_strided_batched(dtype, handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta,
+                          C, ldc, strideC, batch):
+    if batch < 0:
+        raise CUBLASError(CUBLAS_STATUS_INVALID_VALUE)
+    item = np.dtype(dtype).itemsize
+    for i in range(batch):
+        _gemm(dtype, handle, transa, transb, m, n, k, alpha, A + i * strideA * item, lda, B + i * strideB * item, ldb,
+              beta, C + i * strideC * item, ldc)
+
+
+def sgemmStridedBatched(handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta,  # noqa: N802
+                        C, ldc, strideC, batchCount):  # noqa: N803
+    _gemm_strided_batched(np.float32, handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta,
+                          C, ldc, strideC, batchCount)
+
+
+def dgemmStridedBatched(handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta,  # noqa: N802
+                        C, ldc, strideC, batchCount):  # noqa: N803
+    _gemm_strided_batched(np.float64, handle, transa, transb, m, n, k, alpha, A, lda, strideA, B, ldb, strideB, beta,
+                          C, ldc, strideC, batchCount)
 
 
 def gemv_shapes(trans, m, n, lda, incx, incy):
