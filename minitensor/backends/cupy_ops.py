@@ -13,6 +13,9 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
     softmax_xent_forward / _backward   'softmax_xent_fwd' / '_bwd'           fused piece softmax_xent
     adamw_step                         'adamw_step'                          fused piece adamw
     scatter_add_rows                   'scatter_add_rows' (always: deterministic where add.at's atomics are not)
+    linear_weight_grads, gemm          cuBLAS's own GEMM and GEMV (minitensor.backends.cublas, always): beta 1
+                                       accumulates a gradient in the GEMM's output pass, transposed operands
+                                       and longer rows taken as stored (the dense core's batched GEMMs too)
     attention_forward                  the dense core within a memory budget (a 64th of the GPU's
                                        memory per layer: 2.2 GB on an H200, where ANDREA-120M at
                                        8 x 1024 needs 384 MiB), else Ops' query blocks
@@ -26,7 +29,8 @@ Every kernel is registered in minitensor.backends.cuda.KERNELS, so that two chec
 (`python -m minitensor.checks --check | --host-check`): NVRTC compiles each one, and g++ runs
 each elementwise operation on the host against its `reference`, which is the Ops code. Only
 CuPy's public API is called here (ElementwiseKernel and RawKernel through minitensor.backends.cuda,
-cupy.cuda for the device), so a NumPy-backed stand-in of CuPy can run this file in CI.
+cupy.cuda for the device, cuBLAS through cupy_backends.cuda.libs.cublas in minitensor.backends.cublas),
+so a NumPy-backed stand-in of CuPy can run this file in CI.
 """
 
 import math
