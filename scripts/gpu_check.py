@@ -340,7 +340,7 @@ def part_kernels(dry):
     start, compared, disagreed = time.perf_counter(), 0, []
     for name, setup, fused, generic, elementwise in (case for cases in KERNEL_CASES for case in cases(k)):
         if not on_gpu and elementwise:
-            log(f"skip {name:<26} (an ElementwiseKernel: needs CuPy)")
+            log(f"skip {name:<26} (an ElementwiseKernel or cuBLAS: needs CuPy)")
             continue
         compared += 1
         if not _compare_kernel(xp, name, setup, fused, generic, k.reps):
@@ -578,7 +578,48 @@ def _adamw_cases(k):
     return [("adamw step", setup, fused, generic, True)]
 
 
-KERNEL_CASES = (_layernorm_cases, _gelu_cases, _softmax_cases, _cross_entropy_cases, _adamw_cases)
+def _cublas_cases(k):
+    """cuBLAS's own calls (minitensor.backends.cublas: the column-major operands, transpose flags and
+    beta the stand-in emulates) against CuPy's matmul and sum at the step's shapes: a weight gradient
+    accumulated (beta 1), a bias gradient (the GEMV dy^T ones), the head's dx from the first V columns
+    of padded rows, the attention scores q k^T strided batched (k^T by the flag)."""
+    from minitensor.backends import cublas, cupy_ops
+
+    hs, Vp = 64, -(-k.V // 128) * 128
+
+    def setup():
+        k.reseed()
+        return dict(x=k.rand(k.N, k.C), dy=k.rand(k.N, k.F), dW=k.rand(k.C, k.F), db=k.rand(k.F),
+                    dl=k.rand(k.N, Vp), W=k.rand(k.V, k.C, scale=0.1), q=k.rand(k.BH, k.T, hs),
+                    kk=k.rand(k.BH, k.T, hs))
+
+    def weight(d):
+        assert cublas.gemm(d["x"].T, d["dy"], d["dW"], 1.0)
+        return (d["dW"],)
+
+    def bias(d):
+        assert cublas.colsum(d["dy"], d["db"], cupy_ops._ones(k.xp, k.N, k.dtype), 1.0)
+        return (d["db"],)
+
+    def head(d):
+        dx = k.xp.empty((k.N, k.C), k.dtype)
+        assert cublas.gemm(d["dl"][:, :k.V], d["W"], dx)
+        return (dx,)
+
+    def scores(d):
+        s = k.xp.empty((k.BH, k.T, k.T), k.dtype)
+        assert cublas.gemm(d["q"], d["kk"].transpose(0, 2, 1), s)
+        return (s,)
+
+    return [
+        ("cublas dW += x^T dy", setup, weight, lambda d: (d["dW"] + d["x"].T @ d["dy"],), True),
+        ("cublas db += dy^T ones", setup, bias, lambda d: (d["db"] + d["dy"].sum(axis=0),), True),
+        ("cublas head dx", setup, head, lambda d: (k.xp.ascontiguousarray(d["dl"][:, :k.V]) @ d["W"],), True),
+        ("cublas batched q k^T", setup, scores, lambda d: (k.xp.matmul(d["q"], d["kk"].transpose(0, 2, 1)),), True),
+    ]
+
+
+KERNEL_CASES = (_layernorm_cases, _gelu_cases, _softmax_cases, _cross_entropy_cases, _adamw_cases, _cublas_cases)
 
 
 def _time(xp, fn, inputs, reps):
