@@ -423,7 +423,8 @@ def test_the_recording_counts_cublas_calls_from_their_arguments():
             assert mcublas.gemm(a.reshape(2, 4, 12), b.reshape(2, 12, 8), out.reshape(2, 4, 16)[:, :, :8])
     ops = [(op.kind, op.name, op.flops, op.read, op.written) for op in rec.ops]
     ab, c = 4 * (8 * 12 + 12 * 16), 4 * 8 * 16
-    assert ops == [("gemm", "cublas sgemm", 2 * 8 * 16 * 12, ab, c), ("gemm", "cublas sgemm", 2 * 8 * 16 * 12, ab + c, c),
+    assert ops == [("gemm", "cublas sgemm", 2 * 8 * 16 * 12, ab, c),
+                   ("gemm", "cublas sgemm", 2 * 8 * 16 * 12, ab + c, c),
                    ("gemm", "cublas sgemm (unaligned)", 2 * 8 * 16 * 12, ab, c),
                    ("gemm", "cublas sgemv", 2 * 16 * 8, 4 * (8 * 16 + 8) + 4 * 16, 4 * 16),
                    ("gemm", "cublas sgemmStridedBatched", 2 * 2 * 4 * 8 * 12, 4 * 2 * (4 * 12 + 12 * 8), 4 * 2 * 4 * 8)]

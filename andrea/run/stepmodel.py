@@ -17,8 +17,9 @@ only time is modelled, per launch:
 
 with the H200 figures of `H200` below (each with its reason), and host<->device copies that the host
 waits for at a latency plus PCIe time; an asynchronous one (`cupy.asarray` of host data: CuPy 14.2
-stages it in pinned memory and copies it on the current stream) at its PCIe time plus a launch's cost. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token) over the
-step time and the dense TF32 peak. The model cannot see: kernels overlapping, cache reuse between
+stages it in pinned memory and copies it on the current stream) at its PCIe time plus a launch's
+cost. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token) over the step time and
+the dense TF32 peak. The model cannot see: kernels overlapping, cache reuse between
 launches, cuBLAS's choice of kernel per shape, clocks under power limits, the host falling behind
 when launches are short (CuPy's Python costs ~5-10 us a call on the host; launches are queued
 asynchronously, so the host hides behind long kernels only). gpu_check prints this estimate beside

@@ -80,9 +80,8 @@ def gemm(a, b, out, beta=0.0):
     if (la is None or lb is None or lc is None or lc[0] or min(M, N, K) == 0
             or not a.dtype == b.dtype == out.dtype):
         return False
-    from cupy_backends.cuda.libs import cublas
-
     import cupy
+    from cupy_backends.cuda.libs import cublas
 
     handle = cupy.cuda.device.get_cublas_handle()
     one, coef = _scalar(1.0, a.dtype), _scalar(beta, a.dtype)
@@ -113,9 +112,8 @@ def colsum(dy, out, ones, beta=0.0):
     if (ld is None or ld[0] or out.strides[0] <= 0 or out.strides[0] % out.itemsize or R == 0 or C == 0
             or not dy.dtype == out.dtype == ones.dtype):
         return False
-    from cupy_backends.cuda.libs import cublas
-
     import cupy
+    from cupy_backends.cuda.libs import cublas
 
     fn = cublas.sgemv if dy.dtype == np.float32 else cublas.dgemv
     one, coef = _scalar(1.0, dy.dtype), _scalar(beta, dy.dtype)

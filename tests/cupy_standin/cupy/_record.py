@@ -24,8 +24,9 @@ makes for it, with the bytes that launch reads and writes:
     fill          `fill`, `zeros`, `ones`, `full`, `a[...] = 0`
     gather        indexing by an integer array; scatter: `ufunc.at` and assigning through one
     gemm          also cuBLAS's own sgemm/dgemm and their strided batched forms (2 m n k FLOPs a matrix; A and
-                  B read, C written, and read when beta is not 0) and sgemv/dgemv (2 m n; A and x read, y written, and read when beta is not 0),
-                  named "(unaligned)" likewise (cupy_backends/cuda/libs/cublas.py computes them)
+                  B read, C written, and read when beta is not 0) and sgemv/dgemv (2 m n; A and x read, y
+                  written, and read when beta is not 0), named "(unaligned)" likewise
+                  (tests/cupy_standin/cupy_backends/cuda/libs/cublas.py computes them)
     kernel        an ElementwiseKernel (every array argument read or written once) or a RawKernel (the
                   traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`)
     h2d, d2h      copies between host and device (not launches); a read gives ones: values are not tracked;
@@ -43,11 +44,11 @@ import math
 from collections import namedtuple
 
 import numpy as np
+from cupy_backends.cuda.libs import cublas
 
 import cupy
 from cupy import _array, _kernels, standin
 from cupy._array import ndarray, unwrap, wrap
-from cupy_backends.cuda.libs import cublas
 
 Op = namedtuple("Op", "kind name flops read written shapes scope")
 
