@@ -279,7 +279,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
 @pytest.mark.parametrize("N, C, chunks, least", [
     (130, 40, None, None),  # the defaults: 16 rows a block, 9 blocks (more than the 8 rows of a column block)
     (37, 300, 4, 1),        # 10 rows a block, the last of 7; 3 columns a thread
-    (5, 1100, 2, 1),        # 160 threads, 7 columns a thread; 3 rows a block, the last of 2
+    (5, 1900, 2, 1),        # 256 threads, 8 columns a thread (the last partly); 3 rows a block, the last of 2
     (1, 3, None, None),     # one row, one block
 ])
 def test_layernorm_backward_over_several_row_chunks(emulated, monkeypatch, N, C, chunks, least):

@@ -492,8 +492,8 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
 # part_w[b] = sum dy xhat, part_b[b] = sum dy, each thread holding its columns' sums in registers
 # (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x). The row's dy w
 # and xhat stay in registers between the two passes over it.
-LN_COLS = 8
-LN_MAX_C = LN_COLS * 1024
+LN_COLS, LN_THREADS = 8, 256
+LN_MAX_C = LN_COLS * LN_THREADS  # 2048: at most 256 threads, so that any register count fits a block
 # At most LN_CHUNKS blocks of at least LN_CHUNK_ROWS rows: for 8 x 1024 rows, 512 blocks of 16 (4 a
 # streaming multiprocessor on an H200), their partial sums 2 x 512 x C values (3 MB at C = 768,
 # against dy's and x's 50 MB).
@@ -642,7 +642,7 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
     chunks = -(-N // rows_per_chunk)
     parts = xp.empty((2, chunks, C), dtype=x.dtype)  # the partial sums of dw and db per chunk of rows
-    cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), 1024)),),
+    cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), LN_THREADS)),),
                 (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], np.int32(N), np.int32(C),
                  np.int32(rows_per_chunk), np.int32(res is not None)))
     cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32),), LN_PARAM_BLOCK,
