@@ -33,10 +33,10 @@ STDLIB_JSON = Path(json.__file__).parent
 
 def every_piece_fused(text):
     """Whether the log says every fused piece passed its self-check (in any order), none refused."""
-    from minitensor.backends.cuda import FUSED
+    from minitensor.backends import fused_pieces
 
     line = next((ln for ln in text.splitlines() if ln.startswith("kernels: fused ")), "")
-    return set(line[len("kernels: fused "):].split(", ")) == set(FUSED) and "generic for" not in text
+    return set(line[len("kernels: fused "):].split(", ")) == set(fused_pieces()) and "generic for" not in text
 
 
 # --- the stand-in itself -----------------------------------------------------------------------
@@ -99,7 +99,7 @@ def run_model(device, dtype, kernels, dense, steps=2):
     """Losses, step-0 gradients and the final weights of `steps` AdamW steps of a small ANDREA."""
     from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
-    from minitensor.backends.cuda import FUSED
+    from minitensor.backends import fused_pieces
     from minitensor.device import to_numpy
     from minitensor.layers.attention import CausalSelfAttention
 
@@ -107,7 +107,7 @@ def run_model(device, dtype, kernels, dense, steps=2):
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
     ops = model.ops
     if device == "gpu":  # the kernels asked for are the ones the backend was built with
-        assert ops.in_use == (frozenset(FUSED) if kernels == "fused" else frozenset()), ops
+        assert ops.in_use == (frozenset(fused_pieces()) if kernels == "fused" else frozenset()), ops
     CausalSelfAttention.dense = dense
     # AdamW divides by sqrt(v) + eps: where a gradient is near 0, a rounding difference in it is
     # magnified up to lr / eps times; float32's eps here keeps that within float32's reach
@@ -150,13 +150,13 @@ def test_the_gpu_path_equals_the_cpu_path_forward_backward_and_adamw(kernels, de
 
 
 def test_the_fused_kernels_pass_their_start_up_self_check_on_the_standin():
-    from minitensor.backends import cuda
+    from minitensor.backends import fused_pieces
     from minitensor.checks.selfcheck import select_kernels
 
     with standin_cupy() as cupy:
         fused, line = select_kernels("auto", cupy)
     assert every_piece_fused(line), line
-    assert sorted(fused) == sorted(cuda.FUSED)
+    assert sorted(fused) == sorted(fused_pieces())
 
 
 @pytest.mark.parametrize("broken, reason", [("sum", "CuPy cannot compile or run a kernel; is NVRTC installed?"),

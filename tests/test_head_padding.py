@@ -15,8 +15,7 @@ from gpu_standin import standin_cupy
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minitensor.backends import get_ops
-from minitensor.backends.cuda import FUSED
+from minitensor.backends import fused_pieces, get_ops
 from minitensor.checks.gradcheck import check_gradients
 from minitensor.layers.embedding import TiedHead
 from minitensor.layers.loss import SoftmaxCrossEntropy
@@ -58,7 +57,7 @@ def test_the_padded_head_equals_the_unpadded_one(N, C, V):
     ref = _step(np, get_ops(np, "numpy"), x, W, t, np.float64, padded=False)
     with standin_cupy() as cupy:
         ops = get_ops(cupy, "fused")
-        assert set(ops.in_use) == set(FUSED) and ops.vocab_padding(8449) == 8576
+        assert set(ops.in_use) == set(fused_pieces()) and ops.vocab_padding(8449) == 8576
         loss, dx, dW, width, head = _step(cupy, ops, x, W, t, np.float64, padded=True)
         loss32, dx32, dW32, *_ = _step(cupy, ops, x, W, t, np.float32, padded=True)
     assert width == -(-V // 128) * 128  # a vocabulary already aligned is used as it is

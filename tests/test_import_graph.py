@@ -81,8 +81,9 @@ def test_no_module_imports_itself_back():
 
 
 LAYERS = sorted(p.stem for p in (ROOT / "minitensor" / "layers").glob("*.py") if p.stem != "__init__")
-NOT_FOR_A_LAYER = ("minitensor.backends.numpy_ops", "minitensor.backends.numba_kernels", "minitensor.backends.numba_jit",
-                   "minitensor.backends.cupy_ops", "minitensor.backends.cuda", "minitensor.checks", "numba", "cupy")
+NOT_FOR_A_LAYER = ("minitensor.backends.numpy_ops", "minitensor.backends.numba_kernels",
+                   "minitensor.backends.numba_jit", "minitensor.backends.cupy_ops", "minitensor.backends.cuda",
+                   "minitensor.checks", "numba", "cupy")
 
 
 def test_importing_a_layer_loads_no_backend_kernels_or_checks():

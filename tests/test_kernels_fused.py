@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor.backends import cuda, cupy_ops
+from minitensor.backends import all_kernels, cuda, cupy_ops, fused_pieces
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import kernelcheck
@@ -29,16 +29,10 @@ from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.optim import AdamW
 from minitensor.params import Params
 
-NEW_KERNELS = {
-    "bias_gelu_fwd": cuda.ElementwiseSpec, "bias_gelu_bwd": cuda.ElementwiseSpec,
-    "bias_gelu_bwd_fwd": cuda.ElementwiseSpec, "bias_residual_add": cuda.ElementwiseSpec,
-    "layernorm_fwd": cuda.RawSpec, "layernorm_bwd": cuda.RawSpec, "layernorm_bwd_params": cuda.RawSpec,
-    "causal_softmax_fwd": cuda.RawSpec, "causal_softmax_bwd": cuda.RawSpec,
-    "causal_softmax_recompute": cuda.ElementwiseSpec,
-    "softmax_xent_fwd": cuda.RawSpec, "softmax_xent_bwd": cuda.ElementwiseSpec,
-    "adamw_step": cuda.ElementwiseSpec,
-}
-ELEMENTWISE = sorted(n for n, kind in NEW_KERNELS.items() if kind is cuda.ElementwiseSpec)
+# The fused pieces' kernels, read from their records, and the Linear epilogue's
+NEW_KERNELS = {**{spec.name: spec for piece in fused_pieces().values() for spec in piece.kernels},
+               cupy_ops.BIAS_RESIDUAL_ADD.name: cupy_ops.BIAS_RESIDUAL_ADD}
+ELEMENTWISE = sorted(n for n, spec in NEW_KERNELS.items() if isinstance(spec, cuda.ElementwiseSpec))
 DTYPES = [np.float32, np.float64]
 
 
@@ -67,8 +61,32 @@ def f64(a):
 
 
 def test_new_kernels_are_registered():
-    for name, kind in NEW_KERNELS.items():
-        assert isinstance(cuda.all_kernels()[name], kind), name
+    assert {"layernorm_fwd", "causal_softmax_recompute", "adamw_step", "bias_residual_add"} <= set(NEW_KERNELS)
+    assert {"bias_gelu_fwd", "softmax_xent_bwd"} <= set(ELEMENTWISE) and "layernorm_bwd" not in ELEMENTWISE
+    for name, spec in NEW_KERNELS.items():
+        assert all_kernels()[name] is spec, name
+
+
+def test_every_fused_piece_is_one_complete_record():
+    """Each record names Ops methods that CupyOps overrides and that run the piece only when it is
+    in use, kernels registered under their names (each in one piece, its source in its .cu file), a
+    sample and, where given, gpu_check's cases."""
+    import inspect
+
+    pieces = fused_pieces()
+    assert {"bias_gelu", "layernorm", "causal_softmax", "softmax_xent", "adamw"} <= set(pieces)
+    owners = {}
+    for name, piece in pieces.items():
+        assert piece.name == name and piece.replaces and piece.kernels and callable(piece.sample)
+        assert piece.cases is None or callable(piece.cases)
+        for method in piece.replaces:
+            assert getattr(cupy_ops.CupyOps, method) is not getattr(Ops, method), (name, method)
+            assert f'self.fused("{name}")' in inspect.getsource(getattr(cupy_ops.CupyOps, method)), (name, method)
+        for spec in piece.kernels:
+            assert cuda.KERNELS[spec.name] is spec and owners.setdefault(spec.name, name) == name, spec.name
+            assert spec.file and f"{cuda.MARK}{spec.name}" in (cuda.KERNEL_DIR / spec.file).read_text()
+    with pytest.raises(ValueError, match="already registered"):
+        cuda.fused_piece("adamw", ("adamw_step",), (cupy_ops.LAYERNORM_FWD,), pieces["adamw"].sample)
 
 
 # --- The formulas against the layer code they stand for (NumPy, float64) -------------------------
@@ -183,7 +201,7 @@ def test_gelu_kernel_references_are_the_generic_code():
 
 @needs_nvrtc
 def test_every_new_kernel_compiles_for_both_dtypes_and_archs():
-    specs = [cuda.all_kernels()[n] for n in NEW_KERNELS]
+    specs = [all_kernels()[n] for n in NEW_KERNELS]
     results = list(kernelcheck.check_kernels(specs))
     assert len(results) == len(NEW_KERNELS) * 2 * 2
     assert [r.line() for r in results if not r.ok] == []
@@ -203,7 +221,7 @@ def test_elementwise_sources_pass_raw_arrays_and_scalars():
 @pytest.mark.parametrize("name", ELEMENTWISE)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_new_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
-    result = kernelcheck.host_check(cuda.all_kernels()[name], dtype)
+    result = kernelcheck.host_check(all_kernels()[name], dtype)
     assert result.ok, result.line()
 
 
@@ -221,10 +239,10 @@ SLIPS = {  # a plausible mistake in each operation, which the host check must ca
 @needs_cxx
 @pytest.mark.parametrize("name", sorted(SLIPS))
 def test_host_check_catches_a_slip_in_each_operation(name):
-    spec = cuda.all_kernels()[name]
+    spec = all_kernels()[name]
     old, new = SLIPS[name]
     assert old in spec.operation
-    slipped = dataclasses.replace(spec, name=name + "_slip", operation=spec.operation.replace(old, new))
+    slipped = dataclasses.replace(spec, name=name + "_slip", inline=spec.operation.replace(old, new))
     assert not kernelcheck.host_check(slipped, "float64").ok
 
 
@@ -538,7 +556,7 @@ def test_gpu_adamw(cupy, n, dtype, t, grad_scale, seed):
 @pytest.mark.parametrize("name", ELEMENTWISE)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_gpu_registered_source_is_what_cupy_compiles(cupy, name, dtype):
-    spec = cuda.all_kernels()[name]
+    spec = all_kernels()[name]
     fresh = cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name)
     scalars = dict(spec.scalars)
     args = []

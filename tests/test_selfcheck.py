@@ -16,11 +16,13 @@ import pytest
 from gpu_standin import standin_cupy
 from markers import needs_cxx
 
-from minitensor.backends import cuda, cupy_ops, get_ops
+from minitensor.backends import cupy_ops, fused_pieces, get_ops
 from minitensor.backends.cupy_ops import CupyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import selfcheck
 from minitensor.layers.layernorm import LayerNorm
+
+FUSED = tuple(fused_pieces())  # the names of the fused pieces, from their records
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def test_a_check_that_raises_is_refused(cupy):
 
 def test_modes_and_numpy(cupy):
     assert selfcheck.select_kernels("fused", cupy) == (
-        cuda.FUSED, f"kernels: fused {', '.join(cuda.FUSED)} (train.kernels=fused, not self-checked)")
+        FUSED, f"kernels: fused {', '.join(FUSED)} (train.kernels=fused, not self-checked)")
     assert selfcheck.select_kernels("generic", cupy) == ((), "kernels: generic (train.kernels=generic)")
     assert selfcheck.select_kernels("auto", np) == ((), "kernels: generic (NumPy)")
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -68,20 +70,20 @@ def test_modes_and_numpy(cupy):
 def test_the_backend_is_built_with_its_kernels_once(cupy):
     """get_ops fixes the fused pieces when the backend is built: one instance per choice."""
     fused = get_ops(cupy, "fused")
-    assert isinstance(fused, CupyOps) and fused.in_use == frozenset(cuda.FUSED)
+    assert isinstance(fused, CupyOps) and fused.in_use == frozenset(FUSED)
     assert get_ops(cupy, "fused") is fused
     generic = get_ops(cupy, "generic")
     assert generic.in_use == frozenset() and generic.kernels_line == "kernels: generic (train.kernels=generic)"
-    assert [generic.fused(name) for name in cuda.FUSED] == [False] * len(cuda.FUSED)
+    assert [generic.fused(name) for name in FUSED] == [False] * len(FUSED)
     # a GPU choice leaves the CPU's alone: its backend names its own kernels
     assert get_ops(np, "auto").kernels_line == get_ops(np).kernels_line != generic.kernels_line
     with pytest.raises(ValueError, match="unknown fused pieces"):
         CupyOps(cupy, fused=("gelu",))
 
 
-def test_every_piece_has_a_check_that_runs_on_the_ops_code():
-    checks = cuda.all_kernels() and cuda.CHECKS
-    assert set(checks) == set(cuda.FUSED)
+def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
+    checks = {name: piece.sample for name, piece in fused_pieces().items()}
+    assert len(checks) >= 5
     for name, check in checks.items():  # on NumPy the generic code: outputs finite and repeatable
         first, again = (check(Ops(np), np.random.default_rng(selfcheck.SEED)) for _ in range(2))
         assert all(np.all(np.isfinite(a)) for a in first), name
@@ -97,9 +99,8 @@ def test_every_piece_has_a_check_that_runs_on_the_ops_code():
 def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeypatch, piece, spec, wrong):
     good = getattr(cupy_ops, spec)
     assert wrong[0] in good.code
-    monkeypatch.setattr(cupy_ops, spec, dataclasses.replace(good, code=good.code.replace(*wrong)))
-    cuda.all_kernels()
-    fused, line = selfcheck.select_kernels("auto", cupy, {piece: cuda.CHECKS[piece]})
+    monkeypatch.setattr(cupy_ops, spec, dataclasses.replace(good, inline=good.code.replace(*wrong)))
+    fused, line = selfcheck.select_kernels("auto", cupy, {piece: fused_pieces()[piece].sample})
     assert line.startswith(f"kernels: fused none; generic for {piece} (failed its self-check: max error")
     assert fused == ()
     if piece == "layernorm":  # and the layer of a backend built with that choice runs the generic code

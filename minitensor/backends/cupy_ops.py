@@ -22,8 +22,13 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
 
 Which fused pieces a CupyOps runs is fixed when it is built (`CupyOps(xp, fused=...)`; through
 `minitensor.backends.get_ops(cupy, kernels)`, where kernels="auto" runs the start-up self-check of
-minitensor.checks.selfcheck once: each piece's check (minitensor/checks/cupy_checks.py) once through the Ops
-code and once through the kernel, keeping those that agree).
+minitensor.checks.selfcheck once: each piece's sample once through the Ops code and once through the
+kernel, keeping those that agree).
+
+Each fused piece is declared once, by a record (`cuda.fused_piece`) at the end of its section below:
+its name, the Ops methods it replaces, its kernels, how to build its sample inputs (`sample`, the
+self-check's) and gpu_check's comparisons at ANDREA-120M shapes (`cases`). The CUDA source of every
+kernel is in minitensor/backends/kernels/, the section `// @kernel NAME` of one .cu file.
 
 Every kernel is registered in minitensor.backends.cuda.KERNELS, so that two checks run without a GPU
 (`python -m minitensor.checks --check | --host-check`): NVRTC compiles each one, and g++ runs
@@ -38,10 +43,14 @@ import math
 import numpy as np
 
 from minitensor.backends import cublas, cuda
-from minitensor.backends.ops import GELU_AC, GELU_AC3, GELU_C, AttentionCache, Ops
+from minitensor.backends.ops import AttentionCache, Ops
 from minitensor.device import array_module
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
+
+
+def _draw(xp, rng, *shape, scale=1.0, shift=0.0):
+    return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
 
 
 class CupyOps(Ops):
@@ -51,12 +60,12 @@ class CupyOps(Ops):
     dense_max_bytes = None
 
     def __init__(self, xp, fused=(), kernels_line=None):
-        """fused: the fused pieces to run (names of minitensor.backends.cuda.FUSED), the others through the
-        Ops code; kernels_line: the log line that says how they were chosen."""
+        """fused: the fused pieces to run (names of their records, minitensor.backends.fused_pieces()),
+        the others through the Ops code; kernels_line: the log line that says how they were chosen."""
         super().__init__(xp)
-        unknown = set(fused) - set(cuda.FUSED)
+        unknown = set(fused) - set(cuda.PIECES)  # every record is in: this module declares them
         if unknown:
-            raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.FUSED)}")
+            raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.PIECES)}")
         self.in_use = frozenset(fused)
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
 
@@ -316,23 +325,14 @@ def _gpu_memory(xp):
 # =============================================================================================
 # GELU (the ElementwiseKernels)
 
-# GELU in the form of Ops.gelu_forward / gelu_backward (sigmoid(2u) = 0.5 (1 + tanh u)):
-#   sig = 1 / (1 + exp(x (-2AC x^2 - 2C))),  y = x sig,  dx = dy sig (1 + (1 - sig) x (2AC3 x^2 + 2C))
-# with AC = 0.044715 sqrt(2/pi), AC3 = 3 AC, C = sqrt(2/pi). exp = inf (x below about -10) gives
-# y = -0 and dx = 0, as it should. The references are the Ops methods themselves.
-_M2AC, _M2C, _2AC3, _2C = -2.0 * GELU_AC, -2.0 * GELU_C, 2.0 * GELU_AC3, 2.0 * GELU_C
-_GELU_FWD_SRC = f"y = {{x}} / ((T)1 + exp({{x}} * ({{x}} * {{x}} * (T){_M2AC!r} + (T){_M2C!r})));"
-_GELU_BWD_SRC = (f"const T x2 = {{x}} * {{x}};\n"
-                 f"const T sig = (T)1 / ((T)1 + exp({{x}} * (x2 * (T){_M2AC!r} + (T){_M2C!r})));\n"
-                 f"{{dx}} = (((T)1 - sig) * ({{x}} * (x2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;")
-
+# The formulas and their constants: kernels/gelu.cu. The references are the Ops methods themselves.
 GELU_FWD = cuda.register(cuda.ElementwiseSpec(
-    "gelu_fwd", "T x", "T y", _GELU_FWD_SRC.format(x="x"),
+    "gelu_fwd", "T x", "T y", "gelu.cu",
     reference=lambda x: _REFERENCE.gelu_forward(x),
 ))
 
 GELU_BWD = cuda.register(cuda.ElementwiseSpec(
-    "gelu_bwd", "T x, T dy", "T dx", _GELU_BWD_SRC.format(x="x", dx="dx"),
+    "gelu_bwd", "T x, T dy", "T dx", "gelu.cu",
     reference=lambda x, dy: _REFERENCE.gelu_backward(x, dy),
 ))
 
@@ -346,39 +346,27 @@ def _column(n, C):
     return np.arange(n) % int(C)
 
 
-# `i` is the flat C-order index over x's shape, so `i % C` is the column even for strided x; the
-# 32-bit cast avoids a 64-bit modulo per element (the wrappers refuse 2**31 elements or more).
 # The references are GELU's Ops code applied to h = x + b, on flat arrays as the kernels see them,
 # gathering the bias by i % C (the host check's flat samples, C = 7, are not whole rows).
-BIAS_GELU_FWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n" + _GELU_FWD_SRC.format(x="h"),
+BIAS_GELU_FWD = cuda.ElementwiseSpec(
+    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y", "gelu.cu",
     reference=lambda x, b, C: _REFERENCE.gelu_forward(x + b[_column(x.size, C)]),
     scalars=(("C", 7),),
-))
+)
 
-BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n" + _GELU_BWD_SRC.format(x="h", dx="dh"),
+BIAS_GELU_BWD = cuda.ElementwiseSpec(
+    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh", "gelu.cu",
     reference=lambda x, b, C, dy: _REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
     scalars=(("C", 7),),
-))
+)
 
 
-# The backward and the recomputed output in one pass (MLP.backward needs both): h read once, the
-# exp shared. y = h / den is the forward kernel's expression, dh the backward kernel's (sig = 1 / den).
-BIAS_GELU_BWD_FWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n"
-    "const T h2 = h * h;\n"
-    f"const T den = (T)1 + exp(h * (h2 * (T){_M2AC!r} + (T){_M2C!r}));\n"
-    "const T sig = (T)1 / den;\n"
-    f"dh = (((T)1 - sig) * (h * (h2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;\n"
-    "y = h / den;",
+BIAS_GELU_BWD_FWD = cuda.ElementwiseSpec(
+    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y", "gelu.cu",
     reference=lambda x, b, C, dy: (_REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
                                    _REFERENCE.gelu_forward(x + b[_column(x.size, C)])),
     scalars=(("C", 7),),
-))
+)
 
 
 def bias_gelu_forward_gpu(x, b, out=None):
@@ -413,10 +401,53 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
     return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
 
 
-# y = (y + b) + r, Ops.add_epilogue's two adds in one pass; y is its own output (in place).
+# --- the fused piece bias_gelu: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _bias_gelu_sample(ops, rng):
+    """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails; the backward
+    also with the output recomputed (as MLP.backward asks)."""
+    xp = ops.xp
+    x, b, dy = _draw(xp, rng, 150, 70, scale=4.0), _draw(xp, rng, 70), _draw(xp, rng, 150, 70)
+    y = ops.bias_gelu_forward(x, b)
+    return y, ops.bias_gelu_backward(x, b, dy), *ops.bias_gelu_backward(x, b, dy, recompute_output=True)
+
+
+def _bias_gelu_cases(k):
+    """The MLP's bias + GELU, forward and backward (the bias gradient summed in), against the Ops."""
+
+    def setup():
+        k.reseed()
+        a, b = k.rand(k.N, k.F, scale=2.0), k.rand(k.F, scale=0.1)
+        return dict(a=a, b=b, h=a + b, dy=k.rand(k.N, k.F), db=k.zeros(k.F), hb=k.xp.empty_like(a))
+
+    def generic_fwd(d):
+        k.xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
+        return (k.ref.gelu_forward(d["hb"]),)
+
+    def generic_bwd(d):
+        dh = k.ref.gelu_backward(d["h"], d["dy"])
+        d["db"] += dh.sum(axis=0)
+        return dh, d["db"]
+
+    return [
+        ("bias + gelu fwd", setup, lambda d: (bias_gelu_forward_gpu(d["a"], d["b"]),), generic_fwd, True),
+        ("bias + gelu bwd", setup, lambda d: (bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+                                              d["db"]), generic_bwd, True),
+    ]
+
+
+BIAS_GELU = cuda.fused_piece(
+    "bias_gelu",
+    replaces=("bias_gelu_forward", "bias_gelu_backward"),
+    kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD),
+    sample=_bias_gelu_sample,
+    cases=_bias_gelu_cases,
+)
+
+
 BIAS_RESIDUAL_ADD = cuda.register(cuda.ElementwiseSpec(
-    "bias_residual_add", "T y_in, raw T b, int32 C, T r", "T y",
-    "y = (y_in + b[(unsigned int)i % (unsigned int)C]) + r;",
+    "bias_residual_add", "T y_in, raw T b, int32 C, T r", "T y", "linear.cu",
     reference=lambda y_in, b, C, r: (y_in + b[_column(y_in.size, C)]) + r,
     scalars=(("C", 7),),
 ))
@@ -443,47 +474,17 @@ def _check_bias_gpu(x, b, out, fn, dy=None):
 
 # What these kernels must equal is Ops.layernorm_forward / _backward: the start-up self-check runs
 # the layer both ways on the GPU. The tests run the kernels on the host (kernelcheck.emulate_launch)
-# against the textbook form in tests/formulas.py.
-#
-# One block per row of x (N, C). With add_residual, x is first updated in place to x + residual
-# (the residual join before a pre-norm LayerNorm, fused); otherwise `residual` is not read. Each
-# thread touches the same columns in every loop, so y may be x itself.
+# against the textbook form in tests/formulas.py. The kernels: kernels/layernorm.cu.
+
+
 def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
     """x (and the residual, when added: x is then written back) read once, y and the statistics written."""
     joined = x.nbytes if add_residual else 0
     return x.nbytes + joined + w.nbytes + b.nbytes, y.nbytes + mean.nbytes + rstd.nbytes + joined
 
 
-LAYERNORM_FWD = cuda.register(cuda.RawSpec("layernorm_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, const T *b, T *y, T *mean,
-                                         T *rstd, const int C, const T eps, const int add_residual) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  T *xr = x + row * C;
-  T *yr = y + row * C;
-  T sum = 0;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    T v = xr[j];
-    if (add_residual) {
-      v += residual[row * C + j];
-      xr[j] = v;
-    }
-    sum += v;
-  }
-  const T m = block_sum(sum, buf) / (T)C;
-  T sq = 0;  /* the centred second pass, as NumPy: no cancellation from E[x^2] - E[x]^2 */
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T d = xr[j] - m;
-    sq += d * d;
-  }
-  const T r = (T)1 / sqrt_of(block_sum(sq, buf) / (T)C + eps);
-  for (int j = threadIdx.x; j < C; j += blockDim.x) yr[j] = (xr[j] - m) * r * w[j] + b[j];
-  if (threadIdx.x == 0) {
-    mean[row] = m;
-    rstd[row] = r;
-  }
-}
-""", traffic=_layernorm_fwd_traffic))
+LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic)
+
 
 # forward was: y = xhat w + b, xhat = (x - mean) rstd. Block b handles rows [b rpc, (b + 1) rpc) (rpc =
 # rows_per_chunk) one after another: each row's dx, written or (with accumulate) written as res + dx,
@@ -506,81 +507,12 @@ def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, accumu
     return read, dx.nbytes + part_w.nbytes + part_b.nbytes
 
 
-LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + f"#define LN_COLS {LN_COLS}\n" + r"""
-extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
-                                         const T *res, T *dx, T *part_w, T *part_b, const int N, const int C,
-                                         const int rows_per_chunk, const int accumulate) {
-  __shared__ T buf[32];
-  T acc_w[LN_COLS], acc_b[LN_COLS], g[LN_COLS], xhat[LN_COLS];
-  for (int k = 0; k < LN_COLS; ++k) acc_w[k] = acc_b[k] = g[k] = xhat[k] = 0;
-  const int first = blockIdx.x * rows_per_chunk;
-  const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
-  for (int row = first; row < stop; ++row) {  /* the same rows for every thread: the barriers match */
-    const long long base = (long long)row * C;
-    const T m = mean[row], r = rstd[row];
-    T sg = 0, sgx = 0;
-    for (int k = 0; k < LN_COLS; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < C) {
-        const T d = dy[base + j];
-        xhat[k] = (x[base + j] - m) * r;
-        g[k] = d * w[j];
-        sg += g[k];
-        sgx += g[k] * xhat[k];
-        acc_w[k] += d * xhat[k];
-        acc_b[k] += d;
-      }
-    }
-    const T mg = block_sum(sg, buf) / (T)C;
-    const T mgx = block_sum(sgx, buf) / (T)C;
-    for (int k = 0; k < LN_COLS; ++k) {
-      const int j = threadIdx.x + k * blockDim.x;
-      if (j < C) {
-        const T v = r * (g[k] - mg - xhat[k] * mgx);
-        dx[base + j] = accumulate ? res[base + j] + v : v;
-      }
-    }
-  }
-  for (int k = 0; k < LN_COLS; ++k) {
-    const int j = threadIdx.x + k * blockDim.x;
-    if (j < C) {
-      part_w[(long long)blockIdx.x * C + j] = acc_w[k];
-      part_b[(long long)blockIdx.x * C + j] = acc_b[k];
-    }
-  }
-}
-""", traffic=_layernorm_bwd_traffic))
+LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic)
 
-# dw += the sum of part_w's rows, db += part_b's, over the (chunks, C) partial sums of layernorm_bwd:
-# block (32, 8) for 32 columns, thread y adding chunks y, y + 8, ... in order, then thread y = 0 the
-# eight in order, so the sums are the same on every run (no atomics).
+
+# The parameter sums' second launch: blocks of (32, 8) threads, each adding 32 columns' partials.
 LN_PARAM_BLOCK = (32, 8)
-LAYERNORM_BWD_PARAMS = cuda.register(cuda.RawSpec("layernorm_bwd_params", r"""
-extern "C" __global__ void layernorm_bwd_params(const T *part_w, const T *part_b, T *dw, T *db, const int chunks,
-                                                const int C) {
-  __shared__ T acc_w[8][32];
-  __shared__ T acc_b[8][32];
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  T sw = 0, sb = 0;
-  if (j < C) {
-    for (int c = threadIdx.y; c < chunks; c += 8) {
-      sw += part_w[(long long)c * C + j];
-      sb += part_b[(long long)c * C + j];
-    }
-  }
-  acc_w[threadIdx.y][threadIdx.x] = sw;
-  acc_b[threadIdx.y][threadIdx.x] = sb;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < C) {
-    for (int k = 1; k < 8; ++k) {
-      sw += acc_w[k][threadIdx.x];
-      sb += acc_b[k][threadIdx.x];
-    }
-    dw[j] += sw;
-    db[j] += sb;
-  }
-}
-"""))
+LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu")
 
 
 def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
@@ -650,11 +582,83 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     return dx
 
 
+# --- the fused piece layernorm: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _layernorm_sample(ops, rng):
+    """LayerNorm forward and backward (with a skip gradient) over 40 rows of 100 columns."""
+    from minitensor.layers.layernorm import LayerNorm
+
+    xp = ops.xp
+    C = 100  # not a multiple of the 32-thread warps
+    dw, db = xp.zeros(C, np.float32), xp.zeros(C, np.float32)
+    ln = LayerNorm(_draw(xp, rng, C, shift=1.0), dw, _draw(xp, rng, C), db, ops=ops)
+    y = ln.forward(_draw(xp, rng, 4, 10, C, scale=3.0, shift=0.5))
+    dx = ln.backward(_draw(xp, rng, 4, 10, C), skip=_draw(xp, rng, 4, 10, C))
+    return y, dx, dw, db
+
+
+def _layernorm_cases(k):
+    """LayerNorm forward and backward, each also with the residual add folded in, against the layer."""
+    from minitensor.layers.layernorm import LayerNorm
+
+    N, C = k.N, k.C
+
+    def setup():
+        k.reseed()
+        x, dy, w, b = k.rand(N, C, shift=0.3), k.rand(N, C), k.rand(C, scale=0.2, shift=1.0), k.rand(C, scale=0.1)
+        layer = LayerNorm(w, k.zeros(C), b, k.zeros(C), ops=k.ref)
+        layer.forward(x)
+        return dict(x=x, dy=dy, w=w, b=b, r=k.rand(N, C), layer=layer, cache=layer._cache, dw=k.zeros(C),
+                    db=k.zeros(C))
+
+    def generic_fwd(d):
+        y = d["layer"].forward(d["x"])
+        return y, d["layer"]._cache.mean, d["layer"]._cache.rstd
+
+    def generic_bwd(d, add_to=None):
+        layer = d["layer"]
+        layer._save(d["cache"])
+        dx = layer.backward(d["dy"])
+        if add_to is not None:
+            dx += add_to
+        return dx, layer.dw, layer.db
+
+    def generic_res(d):
+        d["x"] += d["r"]
+        return d["layer"].forward(d["x"]), d["x"]
+
+    def fused_bwd(d, add_to=None):
+        return (layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                d["dw"], d["db"], add_to=add_to), d["dw"], d["db"])
+
+    return [
+        ("layernorm fwd", setup, lambda d: layernorm_forward_gpu(d["x"], d["w"], d["b"]), generic_fwd,
+         False),
+        ("layernorm bwd", setup, fused_bwd, generic_bwd, False),
+        ("layernorm fwd + residual", setup,
+         lambda d: (layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+         generic_res, False),
+        ("layernorm bwd + residual", setup, lambda d: fused_bwd(d, add_to=d["r"]),
+         lambda d: generic_bwd(d, add_to=d["r"]), False),
+    ]
+
+
+LAYERNORM = cuda.fused_piece(
+    "layernorm",
+    replaces=("layernorm_forward", "layernorm_backward"),
+    kernels=(LAYERNORM_FWD, LAYERNORM_BWD, LAYERNORM_BWD_PARAMS),
+    sample=_layernorm_sample,
+    cases=_layernorm_cases,
+)
+
+
 # =============================================================================================
 # The causal softmax over (..., T, T) attention scores, forward, backward, recomputed
 
-# One block per row; row r of a matrix attends to columns 0..r only (r = the row's index mod T).
-# The masked columns are never read and are written as exact zeros; p may be s itself.
+# The kernels: kernels/causal_softmax.cu.
+
+
 def _causal_fraction(n_ctx):
     """The share of a (T, T) matrix on and below the diagonal: what the causal kernels read."""
     return (int(n_ctx) + 1) / (2 * int(n_ctx))
@@ -670,53 +674,17 @@ def _causal_softmax_bwd_traffic(dp, p, ds, n_ctx, **_):
     return (dp.nbytes + p.nbytes) * _causal_fraction(n_ctx), ds.nbytes
 
 
-CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, T *lse, const int n_ctx, const T scale,
-                                              const int write_lse) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const int last = row % n_ctx;
-  const T *sr = s + row * n_ctx;
-  T *pr = p + row * n_ctx;
-  T top = lowest_of(scale);
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) {
-    const T z = scale * sr[j];
-    top = z > top ? z : top;
-  }
-  top = block_max(top, buf);  /* finite: every row keeps its diagonal entry */
-  T total = 0;
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) total += exp_of(scale * sr[j] - top);
-  total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) pr[j] = j <= last ? exp_of(scale * sr[j] - top) / total : (T)0;
-  if (write_lse && threadIdx.x == 0) lse[row] = top + log_of(total);
-}
-""", traffic=_causal_softmax_fwd_traffic))
+CAUSAL_SOFTMAX_FWD = cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu",
+                                                 traffic=_causal_softmax_fwd_traffic)
 
-# forward was: p = softmax(z) by rows, z = scale s + mask. ds may be dp itself.
-CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void causal_softmax_bwd(const T *dp, const T *p, T *ds, const int n_ctx, const T scale) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const int last = row % n_ctx;
-  const T *dpr = dp + row * n_ctx;
-  const T *pr = p + row * n_ctx;
-  T *dsr = ds + row * n_ctx;
-  T dot = 0;
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) dot += dpr[j] * pr[j];
-  dot = block_sum(dot, buf);
-  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) dsr[j] = j <= last ? scale * (pr[j] * (dpr[j] - dot)) : (T)0;
-}
-""", traffic=_causal_softmax_bwd_traffic))
+CAUSAL_SOFTMAX_BWD = cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu",
+                                                 traffic=_causal_softmax_bwd_traffic)
 
-# Elementwise: flat index i is row i / n_ctx (over all matrices), column i % n_ctx.
-CAUSAL_SOFTMAX_RECOMPUTE = cuda.register(cuda.ElementwiseSpec(
-    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p",
-    "const unsigned int row = (unsigned int)i / (unsigned int)n_ctx;\n"
-    "const unsigned int col = (unsigned int)i - row * (unsigned int)n_ctx;\n"
-    "p = col <= row % (unsigned int)n_ctx ? exp(scale * s - lse[row]) : (T)0;",
+CAUSAL_SOFTMAX_RECOMPUTE = cuda.ElementwiseSpec(
+    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p", "causal_softmax.cu",
     reference=lambda s, lse, n_ctx, scale: _recompute_flat(s, lse, int(n_ctx), scale),
     scalars=(("n_ctx", 6), ("scale", 0.35)),
-))
+)
 
 
 def _recompute_flat(s, lse, n_ctx, scale):
@@ -767,47 +735,88 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
     return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))
 
 
+# --- the fused piece causal_softmax: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _causal_softmax_sample(ops, rng):
+    """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
+    from minitensor.layers.attention import CausalSelfAttention
+    from minitensor.layers.linear import Linear
+
+    xp = ops.xp
+    B, T, C, nh = 2, 40, 48, 4
+    grads = [xp.zeros(shape, np.float32) for shape in ((C, 3 * C), (3 * C,), (C, C), (C,))]
+    attn = CausalSelfAttention(Linear(_draw(xp, rng, C, 3 * C, scale=0.3), grads[0], _draw(xp, rng, 3 * C), grads[1],
+                                      ops=ops),
+                               Linear(_draw(xp, rng, C, C, scale=0.3), grads[2], _draw(xp, rng, C), grads[3], ops=ops),
+                               nh, ops=ops)
+    attn.dense = True
+    out = attn.forward(_draw(xp, rng, B, T, C))
+    return (out, attn.backward(_draw(xp, rng, B, T, C)), *grads)
+
+
+def _causal_softmax_cases(k):
+    """The attention's causal softmax: forward, backward, and the probabilities recomputed from the
+    saved log-sum-exp, against the Ops' block softmax."""
+
+    BH, T = k.BH, k.T
+
+    def setup():
+        k.reseed()
+        s = k.rand(BH, T, T, scale=2.0)
+        p, lse = s.copy(), k.xp.empty((BH, T, 1), k.dtype)
+        k.ref.block_softmax(p[None], 0, lse[None])
+        return dict(s=s, p=p, lse=lse, dp=k.rand(BH, T, T), lse_out=k.xp.empty((BH, T, 1), k.dtype))
+
+    def generic_fwd(d):
+        k.ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
+        return d["s"], d["lse_out"]
+
+    def generic_bwd(d):
+        D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
+        k.ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
+        return (d["dp"],)
+
+    return [
+        ("causal softmax fwd", setup,
+         lambda d: (causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         generic_fwd, False),
+        ("causal softmax bwd", setup,
+         lambda d: (causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), generic_bwd, False),
+        ("causal softmax recompute", setup,
+         lambda d: (causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (k.ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
+    ]
+
+
+CAUSAL_SOFTMAX = cuda.fused_piece(
+    "causal_softmax",
+    replaces=("attention_forward_dense", "causal_softmax", "causal_softmax_backward"),
+    kernels=(CAUSAL_SOFTMAX_FWD, CAUSAL_SOFTMAX_BWD, CAUSAL_SOFTMAX_RECOMPUTE),
+    sample=_causal_softmax_sample,
+    cases=_causal_softmax_cases,
+)
+
+
 # =============================================================================================
 # Softmax cross-entropy over (N, V) logits
 
-# One block per row of V logits, of which the first n_valid are the vocabulary's (the rest: the tied
-# head's padding, given probability 0). The probabilities overwrite the logits; z[target] is read
-# by thread 0 before any write (the writes come after two barriers). A target outside [0, n_valid)
-# makes the row's loss NaN rather than reading out of bounds: the check costs no host synchronisation.
+# The kernels: kernels/softmax_xent.cu.
+
+
 def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
     """The logits' first n_valid columns read, every column overwritten by the probabilities (in place),
     the targets read, the losses written."""
     return z.nbytes * int(n_valid) // int(V) + targets.nbytes, z.nbytes + losses.nbytes
 
 
-SOFTMAX_XENT_FWD = cuda.register(cuda.RawSpec("softmax_xent_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V,
-                                            const int n_valid) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  T *zr = z + row * V;
-  const long long t = targets[row];
-  const bool valid = t >= 0 && t < n_valid;
-  const T picked = threadIdx.x == 0 && valid ? zr[t] : (T)0;
-  T top = lowest_of(picked);
-  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
-  top = block_max(top, buf);
-  T total = 0;
-  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) total += exp_of(zr[j] - top);
-  total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = j < n_valid ? exp_of(zr[j] - top) / total : (T)0;
-  if (threadIdx.x == 0) losses[row] = valid ? log_of(total) + top - picked : nan_of(top);
-}
-""", traffic=_softmax_xent_fwd_traffic))
+SOFTMAX_XENT_FWD = cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic)
 
-SOFTMAX_XENT_BWD = cuda.register(cuda.ElementwiseSpec(
-    "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz",
-    "const unsigned int row = (unsigned int)i / (unsigned int)V;\n"
-    "const long long col = (long long)((unsigned int)i - row * (unsigned int)V);\n"
-    "dz = (probs - (col == targets[row] ? (T)1 : (T)0)) * scale;",
+SOFTMAX_XENT_BWD = cuda.ElementwiseSpec(
+    "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz", "softmax_xent.cu",
     reference=lambda probs, targets, V, scale: _xent_bwd_flat(probs, targets, int(V), scale),
     scalars=(("V", 5), ("scale", 0.25)),
-))
+)
 
 
 def _xent_bwd_flat(probs, targets, V, scale):
@@ -861,24 +870,75 @@ def _xent_operands(fn, logits, targets):
     return logits.reshape(-1, logits.shape[-1]), t
 
 
+# --- the fused piece softmax_xent: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _softmax_xent_sample(ops, rng):
+    """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits; then over the same
+    logits padded as the tied head pads them (ops.vocab_padding: 1024 columns with the kernel, none
+    without), whose padded columns must get no gradient."""
+    from minitensor.layers.loss import SoftmaxCrossEntropy
+
+    xp = ops.xp
+    logits = _draw(xp, rng, 6, 8, 1000, scale=3.0)
+    targets = xp.asarray(rng.integers(0, 1000, (6, 8)))
+    fn = SoftmaxCrossEntropy(ops=ops)
+    loss = fn.forward(logits.copy(), targets, inplace=True)
+    grad = fn.backward(0.5)
+    padded = xp.zeros((6, 8, ops.vocab_padding(1000)), dtype=logits.dtype)
+    padded[..., :1000] = logits
+    padded_loss = fn.forward(padded, targets, inplace=True, valid=1000)
+    padded_grad = fn.backward(0.5)
+    return (xp.asarray(loss).reshape(1), grad, xp.asarray(padded_loss).reshape(1),
+            xp.ascontiguousarray(padded_grad[..., :1000]), xp.abs(padded_grad[..., 1000:]).sum(axis=-1))
+
+
+def _softmax_xent_cases(k):
+    """Softmax cross-entropy forward and backward against the loss layer. The layer keeps softmax / N
+    (its backward's scale folded in); the fused kernels take and give plain probabilities, so the
+    generic side is compared times N."""
+    from minitensor.layers.loss import SoftmaxCrossEntropy
+
+    N, V = k.N, k.V
+
+    def setup():
+        k.reseed()
+        z = k.rand(N, V, scale=2.0)
+        t = k.xp.asarray(np.random.default_rng(0).integers(0, V, N))
+        scaled = z.copy()
+        loss_fn = SoftmaxCrossEntropy(ops=k.ref)
+        loss_fn.forward(scaled, t, inplace=True)
+        return dict(z=z, t=t, probs=scaled * N, cache=loss_fn._cache, loss_fn=loss_fn)
+
+    def generic_fwd(d):
+        return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"] * N
+
+    def generic_bwd(d):
+        d["loss_fn"]._save(d["cache"])
+        return (d["loss_fn"].backward(1.0),)
+
+    return [
+        ("cross-entropy fwd", setup, lambda d: (softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+         generic_fwd, False),
+        ("cross-entropy bwd", setup, lambda d: (softmax_xent_backward_gpu(d["probs"], d["t"]),),
+         generic_bwd, True),
+    ]
+
+
+SOFTMAX_XENT = cuda.fused_piece(
+    "softmax_xent",
+    replaces=("vocab_padding", "softmax_xent_forward", "softmax_xent_backward"),
+    kernels=(SOFTMAX_XENT_FWD, SOFTMAX_XENT_BWD),
+    sample=_softmax_xent_sample,
+    cases=_softmax_xent_cases,
+)
+
+
 # =============================================================================================
 # The embedding's backward: dW[id] += the rows at that id's positions, summed in position order
 
-# Block (k, j) handles position k of the sorted order and columns j*blockDim..: only the first
-# position of each id's run works, adding that run's rows one after another (no atomics, so the
-# same sums in the same order on every run). Blocks of the other positions return at once.
-SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", r"""
-extern "C" __global__ void scatter_add_rows(T *dW, const T *rows, const long long *order,
-                                            const long long *sorted_ids, const long long n, const int C) {
-  const long long first = blockIdx.x;
-  const long long c = (long long)blockIdx.y * blockDim.x + threadIdx.x;
-  if (c >= C || (first > 0 && sorted_ids[first - 1] == sorted_ids[first])) return;
-  const long long id = sorted_ids[first];
-  T acc = dW[id * C + c];
-  for (long long k = first; k < n && sorted_ids[k] == id; ++k) acc += rows[order[k] * C + c];
-  dW[id * C + c] = acc;
-}
-"""))
+# The kernel: kernels/embedding.cu.
+SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", "embedding.cu"))
 
 
 # =============================================================================================
@@ -892,24 +952,16 @@ def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, ste
     return p, m, v
 
 
-# adamw_update's form: m_hat / (sqrt(v_hat) + eps) = (m sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)),
-# so the bias corrections are two host scalars (step_size, eps_hat). grad_scale is a one-element
-# device array (the clipping scale, computed on the device: reading it would stall the step).
-# Each output is computed from the inputs before any is written, so p, m, v may be passed as
-# their own outputs (in place).
-ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
+# The kernel (its form, adamw_update's, explained there): kernels/adamw.cu.
+ADAMW_STEP = cuda.ElementwiseSpec(
     "adamw_step",
     "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay",
     "T p, T m, T v",
-    "const T gs = g * grad_scale[0];\n"
-    "const T m1 = beta1 * m_in + ((T)1 - beta1) * gs;\n"
-    "const T v1 = beta2 * v_in + ((T)1 - beta2) * gs * gs;\n"
-    "const T p1 = p_in * ((T)1 - decay * mask) - step_size * (m1 / (sqrt(v1) + eps_hat));\n"
-    "m = m1;\nv = v1;\np = p1;",
+    "adamw.cu",
     reference=_adamw_op_reference,
     scalars=(("beta1", 0.9), ("beta2", 0.95), ("step_size", 1e-3), ("eps_hat", 1e-8), ("decay", 1e-4)),
     domains=(("v_in", np.abs), ("mask", lambda a: (a > 0).astype(a.dtype))),
-))
+)
 
 
 def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
@@ -934,3 +986,60 @@ def adamw_kernel(p, g, m, v, mask, b1, b2, grad_scale, step_size, eps_hat, decay
     cuda.on_cupy(fn, p, "Ops.adamw_step")
     scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
     ADAMW_STEP.kernel()(p, m, v, g, mask, b1, b2, scale, step_size, eps_hat, decay, p, m, v)
+
+
+# --- the fused piece adamw: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _adamw_sample(ops, rng):
+    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    xp = ops.xp
+    params = Params({"w": (7, 33), "b": (33,)}, xp=xp, dtype=np.float32, ops=ops)
+    params.data[...] = xp.asarray(rng.standard_normal(params.data.shape).astype(np.float32))
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    for scale in (1.0, 0.5):
+        for name in params.names():  # through the views: the padding between tensors keeps g = 0
+            view = params.grad(name)
+            view[...] = xp.asarray(rng.standard_normal(view.shape).astype(np.float32))
+        opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
+    return params.data, opt.m, opt.v
+
+
+def _adamw_cases(k):
+    """One AdamW step over the model's parameter layout (decay on 2+-D tensors) against the optimizer."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def setup():
+        k.reseed()
+        params = Params(k.shapes, xp=k.xp, dtype=k.dtype, ops=k.ref)
+        params.data[...] = k.rand(params.size, scale=0.02)
+        params.grads[...] = k.rand(params.size, scale=1e-3)
+        opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                    weight_decay=hyper["weight_decay"])
+        return dict(params=params, opt=opt, mask=params.mask(opt.decays))
+
+    def generic(d):
+        d["opt"].step(grad_scale=0.5)
+        return d["params"].data, d["opt"].m, d["opt"].v
+
+    def fused(d):
+        p, opt = d["params"], d["opt"]
+        adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        return p.data, opt.m, opt.v
+
+    return [("adamw step", setup, fused, generic, True)]
+
+
+ADAMW = cuda.fused_piece(
+    "adamw",
+    replaces=("adamw_step",),
+    kernels=(ADAMW_STEP,),
+    sample=_adamw_sample,
+    cases=_adamw_cases,
+)

@@ -10,7 +10,7 @@ tests put it in place of `minitensor.backends.cuda.launch` to compare the row ke
 without a GPU.
 
 The compile check uses CuPy private APIs, so CuPy's minor version is pinned by the
-`kernel-check` extra. The registry it checks is `minitensor.backends.cuda.all_kernels()` (the GPU
+`kernel-check` extra. The registry it checks is `minitensor.backends.all_kernels()` (the GPU
 backend imported); CuPy is imported only when a compile check runs.
 """
 
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from minitensor.backends import cuda
+from minitensor.backends import all_kernels, cuda
 
 # ---------------------------------------------------------------------------------------------
 # The compile check: NVRTC, as CuPy calls it, for an arch given rather than queried from a GPU
@@ -63,7 +63,7 @@ def compile_source(source, name, options=(), arch="sm_90"):
 def check_kernels(specs=None, dtypes=cuda.DTYPES, archs=cuda.ARCHS):
     """Compiles every spec x dtype x arch; yields a CheckResult for each as it finishes."""
     tc = cuda.toolchain()
-    for spec in cuda.all_kernels().values() if specs is None else specs:
+    for spec in all_kernels().values() if specs is None else specs:
         for dtype in dtypes:
             for arch in archs:
                 start = time.perf_counter()
@@ -295,7 +295,7 @@ def emulate_launch(spec, dtype, grid, block, args):
     if np.prod(dims[3:]) > 1024 or dims[3] % 32:
         raise ValueError(f"{spec.name}: a block of {dims[3:]} threads: at most 1024, x a multiple of 32")
     # one program per dtype serves every registered RawKernel (each g++ build takes seconds)
-    registered = tuple(s for s in cuda.all_kernels().values() if isinstance(s, cuda.RawSpec))
+    registered = tuple(s for s in all_kernels().values() if isinstance(s, cuda.RawSpec))
     specs = registered if spec in registered else (spec,)
     blob, owned, slots = [np.array([specs.index(spec), *dims], np.uint32).tobytes()], [], {}
     for k, ((_, _, pointer), a) in enumerate(zip(cuda.raw_params(spec), args)):
@@ -385,10 +385,10 @@ def run(host, archs):
     """Prints a line per check: the host check of each elementwise kernel if `host`, then the
     compile check of every kernel for `archs` unless it is None. Returns the exit status: 0 when
     all passed, 1 when one failed, 2 when the compile check cannot run here."""
-    width = max(map(len, cuda.all_kernels()), default=0)
+    width = max(map(len, all_kernels()), default=0)
     failed = 0
     if host:
-        for spec in (s for s in cuda.all_kernels().values() if isinstance(s, cuda.ElementwiseSpec)):
+        for spec in (s for s in all_kernels().values() if isinstance(s, cuda.ElementwiseSpec)):
             for dtype in cuda.DTYPES:
                 result = host_check(spec, dtype)
                 failed += not result.ok

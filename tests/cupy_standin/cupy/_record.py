@@ -632,7 +632,7 @@ def _raw_kernel(self, grid, block, args, *, shared_mem=0, enable_cooperative_gro
     from minitensor.backends import cuda
 
     host = [a._a if isinstance(a, ndarray) else a for a in args]
-    spec = cuda.KERNELS.get(self.name) or cuda.RawSpec(self.name, self.body, self.options)
+    spec = cuda.KERNELS.get(self.name) or cuda.RawSpec(self.name, options=self.options, inline=self.body)
     read, written = spec.bytes_moved(host)
     _active.add("kernel", self.name, 0, read, written, _shapes(*host))
     self.compile()
