@@ -338,10 +338,10 @@ def part_kernels(dry):
     log(f"float32; rows N {k.N}, C {k.C}, mlp {k.F}, scores {k.BH} x {k.T} x {k.T}, vocab {k.V}; times are the mean "
         f"of {k.reps} calls after one, with the device synchronised around them; tolerance 1e-5 (norm-wise)")
     start, compared, disagreed = time.perf_counter(), 0, []
-    cases = [case for piece in fused_pieces().values() for case in _piece_cases(piece, k)]
+    cases = [case for piece in fused_pieces().values() for case in _piece_cases(piece, k)] + _cublas_cases(k)
     for name, setup, fused, generic, needs_cupy in cases:
         if not on_gpu and needs_cupy:
-            log(f"skip {name:<26} (needs CuPy: an ElementwiseKernel, or a whole piece)")
+            log(f"skip {name:<26} (needs CuPy: an ElementwiseKernel, cuBLAS, or a whole piece)")
             continue
         compared += 1
         if not _compare_kernel(xp, name, setup, fused, generic, k.reps):
@@ -419,6 +419,47 @@ def _piece_cases(piece, k):
         return lambda _: piece.sample(CupyOps(k.xp, fused=names), np.random.default_rng(0))
 
     return [(piece.name, lambda: None, run((piece.name,)), run(()), True)]
+
+
+def _cublas_cases(k):
+    """cuBLAS's own calls (minitensor.backends.cublas: the column-major operands, transpose flags and
+    beta the stand-in emulates) against CuPy's matmul and sum at the step's shapes: a weight gradient
+    accumulated (beta 1), a bias gradient (the GEMV dy^T ones), the head's dx from the first V columns
+    of padded rows, the attention scores q k^T strided batched (k^T by the flag)."""
+    from minitensor.backends import cublas, cupy_ops
+
+    hs, Vp = 64, -(-k.V // 128) * 128
+
+    def setup():
+        k.reseed()
+        return dict(x=k.rand(k.N, k.C), dy=k.rand(k.N, k.F), dW=k.rand(k.C, k.F), db=k.rand(k.F),
+                    dl=k.rand(k.N, Vp), W=k.rand(k.V, k.C, scale=0.1), q=k.rand(k.BH, k.T, hs),
+                    kk=k.rand(k.BH, k.T, hs))
+
+    def weight(d):
+        assert cublas.gemm(d["x"].T, d["dy"], d["dW"], 1.0)
+        return (d["dW"],)
+
+    def bias(d):
+        assert cublas.colsum(d["dy"], d["db"], cupy_ops._ones(k.xp, k.N, k.dtype), 1.0)
+        return (d["db"],)
+
+    def head(d):
+        dx = k.xp.empty((k.N, k.C), k.dtype)
+        assert cublas.gemm(d["dl"][:, :k.V], d["W"], dx)
+        return (dx,)
+
+    def scores(d):
+        s = k.xp.empty((k.BH, k.T, k.T), k.dtype)
+        assert cublas.gemm(d["q"], d["kk"].transpose(0, 2, 1), s)
+        return (s,)
+
+    return [
+        ("cublas dW += x^T dy", setup, weight, lambda d: (d["dW"] + d["x"].T @ d["dy"],), True),
+        ("cublas db += dy^T ones", setup, bias, lambda d: (d["db"] + d["dy"].sum(axis=0),), True),
+        ("cublas head dx", setup, head, lambda d: (k.xp.ascontiguousarray(d["dl"][:, :k.V]) @ d["W"],), True),
+        ("cublas batched q k^T", setup, scores, lambda d: (k.xp.matmul(d["q"], d["kk"].transpose(0, 2, 1)),), True),
+    ]
 
 
 def _time(xp, fn, inputs, reps):

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # check. Its module-level kernel specs and their host references (the
 # `_reference`s, `_column`, `_recompute_flat`, `_xent_bwd_flat`, `_adamw_op_reference`) run without a
 # GPU too (`python -m minitensor.checks --check | --host-check`) and are not counted.
-CUPY_OPS = ["CupyOps", "_gpu_memory",
+CUPY_OPS = ["CupyOps", "_gpu_memory", "_ones",
             "bias_gelu_forward_gpu", "bias_gelu_backward_gpu", "_check_bias_gpu",
             "layernorm_forward_gpu", "layernorm_backward_gpu",
             "causal_softmax_forward_gpu", "causal_softmax_backward_gpu", "causal_softmax_recompute_gpu",
@@ -51,6 +51,7 @@ CUPY_OPS = ["CupyOps", "_gpu_memory",
 
 GPU_ONLY = {
     "minitensor/backends/cupy_ops.py": [("def", name) for name in CUPY_OPS],
+    "minitensor/backends/cublas.py": [("def", name) for name in ("layout", "_layout", "_scalar", "gemm", "colsum")],
     "minitensor/backends/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch")],
     "minitensor/device.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),
                               ("unless", r"^xp is np$")],

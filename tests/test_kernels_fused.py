@@ -294,17 +294,48 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     assert_close(joined.reshape(-1, C), r2 + dx_ref, scale=scale)
 
 
-def test_layernorm_param_gradients_over_several_row_chunks(emulated):
+@pytest.mark.parametrize("N, C, chunks, least", [
+    (130, 40, None, None),  # the defaults: 16 rows a block, 9 blocks (more than the 8 rows of a column block)
+    (37, 300, 4, 1),        # 10 rows a block, the last of 7; 3 columns a thread
+    (5, 1900, 2, 1),        # 256 threads, 8 columns a thread (the last partly); 3 rows a block, the last of 2
+    (1, 3, None, None),     # one row, one block
+])
+def test_layernorm_backward_over_several_row_chunks(emulated, monkeypatch, N, C, chunks, least):
+    """layernorm_bwd's rows split into chunks (the partial parameter sums of each, in registers),
+    layernorm_bwd_params adding them up: dx, dw and db against the formulas, the gradients accumulated."""
+    if chunks:
+        monkeypatch.setattr(cupy_ops, "LN_CHUNKS", chunks)
+        monkeypatch.setattr(cupy_ops, "LN_CHUNK_ROWS", least)
     rng = np.random.default_rng(6)
-    N, C = 130, 40  # 64 rows a chunk: three chunks, two column blocks, partial ones of each
     x, dy = normal(rng, (N, C), np.float64), normal(rng, (N, C), np.float64)
     w, b = normal(rng, C, np.float64), normal(rng, C, np.float64)
     _, mean, rstd = F.layernorm_forward(x, w, b)
-    dw, db = np.zeros(C), np.zeros(C)
-    cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
-    _, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
-    assert_close(dw, dw_ref)
-    assert_close(db, db_ref)
+    dw, db = np.full(C, 0.25), np.full(C, -0.75)
+    dx = cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    dx_ref, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
+    assert_close(dx, dx_ref, scale=float(np.max(np.abs(dy * w * rstd))))
+    assert_close(dw, 0.25 + dw_ref)
+    assert_close(db, -0.75 + db_ref)
+
+
+def test_layernorm_backward_kernel_refuses_rows_longer_than_its_registers_and_cupyops_falls_back():
+    """Rows of more than LN_MAX_C values: layernorm_backward_gpu refuses them before any launch, and
+    CupyOps.layernorm_backward computes them by Ops' code."""
+    from gpu_standin import standin_cupy
+
+    rng = np.random.default_rng(8)
+    C = cupy_ops.LN_MAX_C + 1
+    x, dy = rng.standard_normal((2, C)), rng.standard_normal((2, C))
+    w = rng.standard_normal(C)
+    _, mean, rstd = F.layernorm_forward(x, w, np.zeros(C))
+    with pytest.raises(ValueError, match=f"at most {cupy_ops.LN_MAX_C}"):
+        cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, np.zeros(C), np.zeros(C))
+    want = Ops(np).layernorm_backward(dy, x, mean, rstd, w, np.zeros(C), np.zeros(C))
+    with standin_cupy() as cupy:
+        ops = cupy_ops.CupyOps(cupy, fused=("layernorm",))
+        args = [cupy.asarray(a) for a in (dy, x, mean, rstd, w)]
+        got = ops.layernorm_backward(*args, cupy.zeros(C), cupy.zeros(C)).get()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -608,10 +639,11 @@ def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
 
 @needs_cxx
 @pytest.mark.parametrize("adjacent", [True, False])
-def test_weight_and_bias_gradients_that_follow_each_other_are_added_in_one_pass(adjacent):
-    """CupyOps.linear_weight_grads and the LayerNorm parameter sums on the CuPy stand-in, float64,
-    written (just zeroed) then accumulated, against Ops': with db right after dW in one buffer (as
-    Params lays them out: one add for both) and apart (an add each)."""
+def test_weight_and_bias_gradients_written_then_accumulated_equal_ops(adjacent):
+    """CupyOps.linear_weight_grads (cuBLAS with beta 0, then 1) and the LayerNorm parameter sums
+    (layernorm_bwd's partials, added by layernorm_bwd_params) on the CuPy stand-in, float64, written
+    (just zeroed) then accumulated, against Ops': with db right after dW in one buffer (as Params
+    lays them out) and apart."""
     from gpu_standin import standin_cupy
 
     rng = np.random.default_rng(10)
@@ -625,9 +657,6 @@ def test_weight_and_bias_gradients_that_follow_each_other_are_added_in_one_pass(
         dW, db = g[:n_in * n_out].reshape(n_in, n_out), g[n_in * n_out + gap:]
         lg = xp.zeros(2 * n_out + gap)
         dw, dbl = lg[:n_out], lg[n_out + gap:]
-        if xp is not np:
-            assert (cupy_ops._joined(dW, db, (n_in + 1, n_out)) is None) != adjacent
-            assert (cupy_ops._joined(dw, dbl, (2, n_out)) is None) != adjacent
         for write in (True, False):
             ops.linear_weight_grads(xp.asarray(x), xp.asarray(dy), dW, db, write=write)
         ln = LayerNorm(xp.asarray(rng_w), dw, xp.asarray(rng_b), dbl, ops=ops)

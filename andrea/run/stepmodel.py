@@ -15,9 +15,11 @@ only time is modelled, per launch:
 
     time = max(GEMM FLOPs / GEMM rate, bytes / memory bandwidth) + launch cost
 
-with the H200 figures of `H200` below (each with its reason), and host<->device copies at a latency
-plus PCIe time. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token) over the
-step time and the dense TF32 peak. The model cannot see: kernels overlapping, cache reuse between
+with the H200 figures of `H200` below (each with its reason), and host<->device copies that the host
+waits for at a latency plus PCIe time; an asynchronous one (`cupy.asarray` of host data: CuPy 14.2
+stages it in pinned memory and copies it on the current stream) at its PCIe time plus a launch's
+cost. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token) over the step time and
+the dense TF32 peak. The model cannot see: kernels overlapping, cache reuse between
 launches, cuBLAS's choice of kernel per shape, clocks under power limits, the host falling behind
 when launches are short (CuPy's Python costs ~5-10 us a call on the host; launches are queued
 asynchronously, so the host hides behind long kernels only). gpu_check prints this estimate beside
@@ -79,12 +81,13 @@ class Hardware:
 #   behind longer kernels; back to back, each kernel also pays its ramp-up and tail (~1-2 us, SMs
 #   idle while the last blocks finish). CuPy adds its Python dispatch on the host. 3-5 us is the usual
 #   range; the middle is taken.
-# - host<->device: ~10 us per copy (a synchronising cudaMemcpy from pageable memory) plus ~20 GB/s.
+# - host<->device: ~10 us per copy that the host waits for (a read back; `ndarray.set` from pageable
+#   memory) plus ~20 GB/s.
 H200 = Hardware("H200", tf32_peak=495e12, gemm_efficiency=0.70, unaligned=0.5, bandwidth=4.0e12, launch_s=4e-6,
                 copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9)
 
 LAUNCHES = ("gemm", "kernel", "elementwise", "reduction", "copy", "fill", "gather", "scatter", "sort")
-TRANSFERS = ("h2d", "d2h")
+TRANSFERS = ("h2d", "d2h", "h2d_async")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +128,7 @@ def _label_layers(rec, model, opt):
         _scoped(rec, model.ops, name, "attention core")
     for name in ("global_norm", "clip_scale"):
         _scoped(rec, model.ops, name, "grad norm and clip")
-    _scoped(rec, model, "_ids", "token ids to the device")
+    _scoped(rec, model, "_to_device", "token ids to the device")
     _scoped(rec, model, "zero_grad", "zero_grad")
     _scoped(rec, opt, "step", "adamw")
     counter = {"n": -1}
@@ -166,8 +169,9 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     B, T = batch or t.batch_size, seq or cfg.context_length
     accum = micro_batches or max(1, t.tokens_per_step // (B * T))
     device.get_backend("gpu")  # the GPU probe computes: before recording
-    saved_memory = dict(cupy_ops._gpu_memory_bytes)
+    saved_memory, saved_ones = dict(cupy_ops._gpu_memory_bytes), dict(cupy_ops._ones_kept)
     cupy_ops._gpu_memory_bytes.clear()  # the dense core's budget: the H200's memory, not the stand-in's
+    cupy_ops._ones_kept.clear()  # made in every record (its copy counted), its values never kept (not computed)
     try:
         with _record.recording(total_bytes=H200.memory, verify=verify) as rec:
             model = (ANDREA if verify else Unseeded)(cfg, device="gpu", dtype="float32", kernels=kernels)
@@ -182,8 +186,9 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
             Trainer.train_step(trainer, t.lr)
             ops = rec.ops[start:]
     finally:
-        cupy_ops._gpu_memory_bytes.clear()
-        cupy_ops._gpu_memory_bytes.update(saved_memory)
+        for cache, saved in ((cupy_ops._gpu_memory_bytes, saved_memory), (cupy_ops._ones_kept, saved_ones)):
+            cache.clear()
+            cache.update(saved)
     n_params = model.num_parameters()
     return {"config": config, "batch": B, "seq": T, "micro_batches": accum, "kernels": kernels,
             "n_layer": cfg.n_layer, "parameters": n_params, "flops_per_token": flops_per_token(cfg, T, n_params),
@@ -222,6 +227,8 @@ def op_seconds(kind, name, flops, read, written, hw=H200):
     if kind == "gemm":
         rate = hw.tf32_peak * hw.gemm_efficiency * (hw.unaligned if "unaligned" in name else 1.0)
         return max(flops / rate, moved), 0.0, hw.launch_s
+    if kind == "h2d_async":  # queued on the stream, the host not waiting: its PCIe time and its submission
+        return 0.0, read / hw.pcie, hw.launch_s
     if kind in TRANSFERS:
         return 0.0, hw.copy_latency_s + read / hw.pcie, 0.0
     return 0.0, moved, hw.launch_s

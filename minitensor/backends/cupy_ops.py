@@ -13,6 +13,9 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
     softmax_xent_forward / _backward   'softmax_xent_fwd' / '_bwd'           fused piece softmax_xent
     adamw_step                         'adamw_step'                          fused piece adamw
     scatter_add_rows                   'scatter_add_rows' (always: deterministic where add.at's atomics are not)
+    linear_weight_grads, gemm          cuBLAS's own GEMM and GEMV (minitensor.backends.cublas, always): beta 1
+                                       accumulates a gradient in the GEMM's output pass, transposed operands
+                                       and longer rows taken as stored (the dense core's batched GEMMs too)
     attention_forward                  the dense core within a memory budget (a 64th of the GPU's
                                        memory per layer: 2.2 GB on an H200, where ANDREA-120M at
                                        8 x 1024 needs 384 MiB), else Ops' query blocks
@@ -31,14 +34,15 @@ Every kernel is registered in minitensor.backends.cuda.KERNELS, so that two chec
 (`python -m minitensor.checks --check | --host-check`): NVRTC compiles each one, and g++ runs
 each elementwise operation on the host against its `reference`, which is the Ops code. Only
 CuPy's public API is called here (ElementwiseKernel and RawKernel through minitensor.backends.cuda,
-cupy.cuda for the device), so a NumPy-backed stand-in of CuPy can run this file in CI.
+cupy.cuda for the device, cuBLAS through cupy_backends.cuda.libs.cublas in minitensor.backends.cublas),
+so a NumPy-backed stand-in of CuPy can run this file in CI.
 """
 
 import math
 
 import numpy as np
 
-from minitensor.backends import cuda
+from minitensor.backends import cublas, cuda
 from minitensor.backends.ops import AttentionCache, Ops
 from minitensor.device import array_module
 
@@ -82,23 +86,25 @@ class CupyOps(Ops):
         BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)
 
     def linear_weight_grads(self, x, dy, dW, db, write=False):
-        """With write (the first micro-batch after zero_grad), the bias gradient written by its
-        reduction itself (`sum(out=db)`) rather than through a temporary and a copy; without, where
-        db follows dW in the gradient buffer (Params lays a weight and its bias out so), both added
-        in one pass."""
-        if db is None:
+        """dW = x^T dy by cuBLAS with beta 0 after zero_grad (write), beta 1 on later micro-batches
+        (the gradient accumulated in the GEMM's output pass: no temporary, no add); db likewise as
+        the GEMV dy^T ones (minitensor.backends.cublas). Ops' code where cuBLAS cannot take an
+        operand as it is laid out."""
+        beta = 0.0 if write else 1.0
+        if not cublas.gemm(x.T, dy, dW, beta):
             return super().linear_weight_grads(x, dy, dW, db, write)
-        if write:
-            self.xp.matmul(x.T, dy, out=dW)
-            dy.sum(axis=0, out=db)
+        if db is None or cublas.colsum(dy, db, _ones(self.xp, dy.shape[0], dy.dtype), beta):
             return
-        joint = _joined(dW, db, (dW.shape[0] + 1, dW.shape[1]))
-        if joint is None:
-            return super().linear_weight_grads(x, dy, dW, db, write)
-        grads = self.xp.empty(joint.shape, dtype=joint.dtype)  # x^T dy and sum(dy) side by side, added in one pass
-        self.xp.matmul(x.T, dy, out=grads[:-1])
-        dy.sum(axis=0, out=grads[-1])
-        joint += grads
+        if write:
+            dy.sum(axis=0, out=db)
+        else:
+            db += self.bias_grad(dy)
+
+    def gemm(self, a, b, out, accumulate=False):
+        """By cuBLAS with beta 1 to accumulate, taking operands and out with longer rows or transposed
+        as they are laid out (CuPy's matmul would copy them)."""
+        if not cublas.gemm(a, b, out, 1.0 if accumulate else 0.0):
+            super().gemm(a, b, out, accumulate)
 
     # --- GELU ---
 
@@ -134,7 +140,7 @@ class CupyOps(Ops):
         return layernorm_forward_gpu(x, w, b, eps)
 
     def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
-        if not self.fused("layernorm"):
+        if not self.fused("layernorm") or x.shape[-1] > LN_MAX_C:
             return super().layernorm_backward(dy, x, mean, rstd, w, dw, db, dres)
         # the kernel reads the skip gradient and writes dx beside it: the caller's array is kept
         residual = None if dres is None else self.xp.ascontiguousarray(dres)
@@ -151,9 +157,20 @@ class CupyOps(Ops):
     # The dense core with the fused softmax: the 1/sqrt(hs) scale goes into the softmax kernels
     # (forward: p = softmax(scale s); backward: ds = scale p (dp - rowsum(dp p))), so q is kept
     # unscaled and neither q nor dq takes a pass of its own, and rowsum(dy y) (Ops' D) is not
-    # computed: the backward kernel sums dp p itself. CuPy's batched matmul copies an operand that
-    # is not C-contiguous (SPEC section 5): k^T (forward), dy^T, v^T and q^T (backward) are those
-    # copies; dv and dk come out transposed (dv^T = dy^T p, dk^T = q^T ds), read as stored.
+    # computed: the backward kernel sums dp p itself. CuPy's batched matmul would copy an operand
+    # that is not C-contiguous (SPEC section 5): k^T (forward), dy^T, v^T and q^T (backward) go to
+    # cuBLAS's strided batched GEMM with the transpose flag instead (_bmm); dv and dk come out
+    # transposed (dv^T = dy^T p, dk^T = q^T ds), read as stored.
+
+    def _bmm(self, a, b, out=None):
+        """a @ b for (batch, M, K) @ (batch, K, N), one strided batched cuBLAS GEMM with transposed
+        operands as they are stored, into out or a new C-contiguous array (CuPy's matmul where
+        cuBLAS cannot take them)."""
+        if out is None:
+            out = self.xp.empty((*a.shape[:-1], b.shape[-1]), dtype=np.result_type(a.dtype, b.dtype))
+        if not cublas.gemm(a, b, out):
+            self.xp.matmul(a, b, out=out)
+        return out
 
     def attention_forward_dense(self, qkv4, b, y4):
         if not self.fused("causal_softmax"):
@@ -163,9 +180,9 @@ class CupyOps(Ops):
         heads = xp.empty((3, B * nh, T, hs), dtype=y4.dtype)  # q, k, v, each (BH, T, hs) contiguous
         _split_heads(xp, qkv4, b, heads.reshape(3, B, nh, T, hs))
         q, k, v = heads
-        s = xp.matmul(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
+        s = self._bmm(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
         p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
-        y4[...] = xp.matmul(p, v).reshape(B, nh, T, hs)       # heads back in order
+        y4[...] = self._bmm(p, v).reshape(B, nh, T, hs)       # heads back in order
         return AttentionCache(q, k, v, y4, None, p, T, self._attention_backward_dense_gpu)
 
     def _attention_backward_dense_gpu(self, dy4, cache, grads4):
@@ -175,12 +192,12 @@ class CupyOps(Ops):
         B, nh = dy4.shape[:2]
         dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
         dkvT = xp.empty((2, BH, hs, T), dtype=q.dtype)        # dk^T, dv^T side by side
-        xp.matmul(dy.transpose(0, 2, 1), p, out=dkvT[1])      # forward was y = p v: dv^T = dy^T p
-        dp = xp.matmul(dy, v.transpose(0, 2, 1))
+        self._bmm(dy.transpose(0, 2, 1), p, out=dkvT[1])      # forward was y = p v: dv^T = dy^T p
+        dp = self._bmm(dy, v.transpose(0, 2, 1))
         # forward was p = softmax(scale q k^T): ds = scale p (dp - rowsum(dp p)), dq = ds k, dk^T = q^T ds
         ds = causal_softmax_backward_gpu(dp, p, 1.0 / math.sqrt(hs), out=dp)
-        dq = xp.matmul(ds, k)
-        xp.matmul(q.transpose(0, 2, 1), ds, out=dkvT[0])
+        dq = self._bmm(ds, k)
+        self._bmm(q.transpose(0, 2, 1), ds, out=dkvT[0])
         dkv = dkvT.transpose(0, 1, 3, 2).reshape(2, B, nh, T, hs)
         stacked = _stacked_heads(grads4)
         if stacked is not None:                               # dk and dv in one copy
@@ -251,21 +268,6 @@ class CupyOps(Ops):
         adamw_kernel(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
 
 
-def _joined(first, second, shape):
-    """The view of `shape` over `first` and then `second` where both are contiguous views of one
-    contiguous array and second starts where first ends (Params' gradient buffer: a weight and then
-    its bias), found through CuPy's public base and data.ptr; else None."""
-    base = first.base
-    if (base is None or second.base is None or not base.flags.c_contiguous or second.base.data.ptr != base.data.ptr
-            or not (first.flags.c_contiguous and second.flags.c_contiguous) or first.dtype != second.dtype
-            or second.data.ptr != first.data.ptr + first.nbytes or math.prod(shape) != first.size + second.size):
-        return None
-    start, item = first.data.ptr - base.data.ptr, first.itemsize
-    if start < 0 or start % item or start // item + first.size + second.size > base.size:
-        return None
-    return base.reshape(-1)[start // item:start // item + first.size + second.size].reshape(shape)
-
-
 def _stacked_heads(views):
     """The (3, B, nh, T, hs) view of the (B*T, 3C) array that the three (B, nh, T, hs) views were cut
     from (CausalSelfAttention._heads: q, k, v side by side in each row), found through CuPy's public
@@ -299,6 +301,17 @@ def _split_heads(xp, qkv4, b, out):
 
 
 _gpu_memory_bytes = {}
+_ones_kept = {}  # (CuPy module, device, dtype) -> a device vector of ones (_ones)
+
+
+def _ones(xp, n, dtype):
+    """A device vector of at least n ones of dtype on the current device, kept (copied from the host
+    once: no launch)."""
+    key = (xp, xp.cuda.Device().id, np.dtype(dtype))
+    have = _ones_kept.get(key)
+    if have is None or have.shape[0] < n:
+        have = _ones_kept[key] = xp.asarray(np.ones(n, dtype))
+    return have
 
 
 def _gpu_memory(xp):
@@ -473,15 +486,31 @@ def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
 LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic)
 
 
-def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, accumulate, **_):
-    """dy, x and the statistics read, and res when accumulating; dx written."""
-    return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0), dx.nbytes
+# forward was: y = xhat w + b, xhat = (x - mean) rstd. Block b handles rows [b rpc, (b + 1) rpc) (rpc =
+# rows_per_chunk) one after another: each row's dx, written or (with accumulate) written as res + dx,
+# the residual gradient of a pre-norm block, fused (res may be dx itself: each thread reads res[j]
+# before it writes dx[j]); and, over the block's rows in order, the partial parameter sums
+# part_w[b] = sum dy xhat, part_b[b] = sum dy, each thread holding its columns' sums in registers
+# (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x). The row's dy w
+# and xhat stay in registers between the two passes over it.
+LN_COLS, LN_THREADS = 8, 256
+LN_MAX_C = LN_COLS * LN_THREADS  # 2048: at most 256 threads, so that any register count fits a block
+# At most LN_CHUNKS blocks of at least LN_CHUNK_ROWS rows: for 8 x 1024 rows, 512 blocks of 16 (4 a
+# streaming multiprocessor on an H200), their partial sums 2 x 512 x C values (3 MB at C = 768,
+# against dy's and x's 50 MB).
+LN_CHUNKS, LN_CHUNK_ROWS = 512, 16
+
+
+def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, accumulate, **_):
+    """dy, x and the statistics read once, and res when accumulating; dx and the partial sums written."""
+    read = dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0)
+    return read, dx.nbytes + part_w.nbytes + part_b.nbytes
 
 
 LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic)
 
 
-# The parameter sums: blocks of (32, 8) threads, each 32 columns over a chunk of rows.
+# The parameter sums' second launch: blocks of (32, 8) threads, each adding 32 columns' partials.
 LN_PARAM_BLOCK = (32, 8)
 LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu")
 
@@ -513,21 +542,25 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
 
 def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None):
     """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
-    (..., C), mean and rstd N values); accumulates dw += sum(dy xhat), db += sum(dy) over rows.
+    (..., C), C at most LN_MAX_C, mean and rstd N values); accumulates dw += sum(dy xhat),
+    db += sum(dy) over rows.
 
     Returns a new dx; with `residual` (x's shape, contiguous), a new residual + dx, the residual
     gradient of a pre-norm block, fused (residual is kept); with `add_to` instead, adds dx into
-    add_to in place and returns it."""
+    add_to in place and returns it. Two launches: dx with the parameters' partial sums per chunk of
+    rows (layernorm_bwd), then those summed into dw and db (layernorm_bwd_params)."""
     fn = "layernorm_backward_gpu"
     N, C = cuda.rows(fn, x)
+    if C > LN_MAX_C:
+        raise ValueError(f"{fn}: rows of {C} values; at most {LN_MAX_C} are supported (Ops.layernorm_backward "
+                         f"takes any)")
     cuda.like(fn, "dy", dy, x)
     cuda.vector(fn, "w", w, x)
     for name, a in (("mean", mean), ("rstd", rstd)):
         if a.size != N or a.dtype != x.dtype or not a.flags.c_contiguous:
             raise ValueError(f"{fn}: {name} must hold {N} contiguous {x.dtype} values, got {a.dtype} {a.shape}")
     for name, a in (("dw", dw), ("db", db)):
-        if a.shape != (C,):
-            raise ValueError(f"{fn}: {name} must have shape ({C},), got {a.shape}")
+        cuda.vector(fn, name, a, x)
     if add_to is not None and residual is not None:
         raise ValueError(f"{fn}: give add_to (in place) or residual (kept), not both")
     for name, a in (("add_to", add_to), ("residual", residual)):
@@ -538,27 +571,15 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     res = add_to if add_to is not None else residual
     if not N:
         return dx
-    cuda.launch(LAYERNORM_BWD, x.dtype, (N,), (cuda.threads(C, 128),),
-            (dy, x, w, mean, rstd, dx if res is None else res, dx, np.int32(C), np.int32(res is not None)))
-    _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C)
-    return dx
-
-
-def _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C):
-    """dw += sum(dy xhat), db += sum(dy) over the rows: partial sums per chunk of rows, both into one
-    (2, chunks, C) buffer, added up by one reduction."""
-    rows_per_chunk = max(64, -(-N // 128))  # at most 128 chunks: enough blocks to fill a GPU
+    rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
     chunks = -(-N // rows_per_chunk)
-    parts = array_module(x).empty((2, chunks, C), dtype=x.dtype)
-    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32), chunks), LN_PARAM_BLOCK,
-            (dy, x, mean, rstd, parts[0], parts[1], np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
-    sums = parts.sum(axis=1)
-    joint = _joined(dw, db, (2, C))
-    if joint is not None:  # db follows dw in the gradient buffer: one add
-        joint += sums
-    else:
-        dw += sums[0]
-        db += sums[1]
+    parts = xp.empty((2, chunks, C), dtype=x.dtype)  # the partial sums of dw and db per chunk of rows
+    cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), LN_THREADS)),),
+                (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], np.int32(N), np.int32(C),
+                 np.int32(rows_per_chunk), np.int32(res is not None)))
+    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32),), LN_PARAM_BLOCK,
+                (parts[0], parts[1], dw, db, np.int32(chunks), np.int32(C)))
+    return dx
 
 
 # --- the fused piece layernorm: its record, the self-check's sample, gpu_check's cases ---

@@ -102,6 +102,13 @@ class Ops:
             else:
                 db += self.bias_grad(dy)
 
+    def gemm(self, a, b, out, accumulate=False):
+        """out = a @ b, or out += a @ b with accumulate, for 2-D a (M, K), b (K, N), out (M, N)."""
+        if accumulate:
+            out += a @ b
+        else:
+            self.xp.matmul(a, b, out=out)
+
     def bias_grad(self, dy):
         """sum over the rows of dy (N, C) -> (C,)."""
         return dy.sum(axis=0)
