@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from andrea.cli import ArgumentParser, run_cli
-from andrea.data.dataset import atomic_writer
+from andrea.files import atomic_writer
 from andrea.errors import UserError
 from andrea.run.figure import label_depth_axis, new_figure, require_matplotlib
 from andrea.run.gradflow import check_flow, embedding_ratio

@@ -18,7 +18,7 @@ import numpy as np
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import make_config
 from andrea.errors import UserError
-from andrea.interop.hf import load_tokenizer
+from andrea.data.tokenizer import load_tokenizer
 from andrea.model.transformer import ANDREA
 from andrea.run import preflight
 from andrea.run.checkpoint import latest_checkpoint, load_checkpoint

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
-from andrea.data.dataset import atomic_writer
+from andrea.files import atomic_writer
 from andrea.errors import UserError
 from andrea.eval import load_any
 from andrea.run import preflight

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from andrea.data import stream
-from andrea.data.dataset import resolve_inputs
+from andrea.data.inputs import resolve_inputs
 from andrea.data.tokenizer import Tokenizer
 from andrea.prepare import byte_count, default_workers
 

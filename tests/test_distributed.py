@@ -250,7 +250,7 @@ def test_the_data_fingerprint_tells_other_data_under_the_same_tokenizer(tmp_path
     import shutil
 
     from andrea.data import dataset
-    from andrea.interop.hf import load_tokenizer
+    from andrea.data.tokenizer import load_tokenizer
     from andrea.train import data_fingerprint
 
     def fingerprint(d):

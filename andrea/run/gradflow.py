@@ -24,7 +24,7 @@ import contextlib
 import io
 from pathlib import Path
 
-from andrea.data.dataset import atomic_writer
+from andrea.files import atomic_writer
 from andrea.errors import UserError
 from andrea.run.figure import label_depth_axis, new_figure
 

@@ -21,7 +21,7 @@
   below), against what the machine has
   (`MemAvailable` and the cgroup limit on Linux, free GPU memory on a GPU, which `auto` counts
   as when a GPU works): an error when the estimate does not fit, a warning above 80%;
-- the data, as the run's preparation checks it (andrea.prepare.check_preparation, reading only):
+- the data, as the run's preparation checks it (andrea.data.preparation.check_preparation, reading only):
   the inputs (one matching nothing, or other than those the directory was prepared from), the
   directory's state, shards and tokenizer, the corpus and its two splits; when it is prepared, the
   tokenizer's size against model.vocab_size and a window of seq_len + 1 tokens in both splits
@@ -40,8 +40,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from andrea.data.dataset import MAX_VOCAB
-from andrea.data.tokenizer import Tokenizer
+from andrea.data.manifest import split_counts
+from andrea.data.tokenfile import MAX_VOCAB
+from andrea.data.tokenizer import Tokenizer, load_tokenizer
 from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
 from andrea.run import distributed as dist
@@ -215,8 +216,6 @@ def check_split(name: str, n_tokens: int, cfg, where) -> None:
 
 def prepared_counts(data_dir: Path):
     """(train tokens, val tokens) of an already prepared data directory (from its manifest), or None."""
-    from andrea.data.dataset import split_counts
-
     return split_counts(data_dir)
 
 
@@ -318,7 +317,7 @@ def check_init_from(directory, cfg) -> None:
 
 
 def data_request(cfg, tokenizer=None) -> dict:
-    """The arguments of the run's preparation (andrea.prepare.prepare and check_preparation alike)."""
+    """The arguments of the run's preparation (andrea.data.preparation's prepare and check_preparation alike)."""
     return {"inputs": cfg.data.inputs or None, "data_dir": cfg.data.resolved_dir(), "vocab_size": cfg.model.vocab_size,
             "val_fraction": cfg.data.val_fraction, "allow_smaller_vocab": cfg.data.allow_smaller_vocab,
             "tokenizer": tokenizer}
@@ -327,7 +326,7 @@ def data_request(cfg, tokenizer=None) -> dict:
 def check_preparation(cfg, tokenizer=None) -> str:
     """The run's preparation checked as `prepare` checks it before writing, reading only; then, for a
     prepared directory, the model's vocabulary and both splits. The plan's data line."""
-    from andrea.prepare import check_preparation as check_request
+    from andrea.data.preparation import check_preparation as check_request
 
     request = data_request(cfg, tokenizer)
     try:
@@ -339,8 +338,6 @@ def check_preparation(cfg, tokenizer=None) -> str:
         source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
         return (f"{data_dir} not prepared yet: the run prepares it from {source} first ({len(plan.corpus.files):,} "
                 f"files, {plan.sizes.sum() / 1e6:.1f} MB)")
-    from andrea.interop.hf import load_tokenizer
-
     fit_vocabulary(copy.deepcopy(cfg), load_tokenizer(Path(data_dir) / "tokenizer.json"), data_dir)
     return _prepared_line(cfg, data_dir)
 

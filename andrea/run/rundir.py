@@ -36,7 +36,7 @@ import os
 import shutil
 from pathlib import Path
 
-from andrea.data.dataset import atomic_writer
+from andrea.files import atomic_writer
 from andrea.data.lock import flock
 from andrea.errors import UserError
 from andrea.run import checkpoint as ckpt

@@ -22,13 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.data.dataset import atomic_writer
+from andrea.files import atomic_writer
 from andrea.errors import UserError
 from andrea.run import checkpoint as ckpt
 
 EXIT_SAVE_FAILED = 4
 PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
-_STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.data.dataset.atomic_writer's scratch: .<name>.<pid>.tmp
+_STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.files.atomic_writer's scratch: .<name>.<pid>.tmp
 
 
 def warn(msg: str) -> None:
