@@ -26,8 +26,8 @@ from pathlib import Path
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import build_config
-from andrea.files import atomic_writer
 from andrea.errors import UserError
+from andrea.files import atomic_writer
 from andrea.run.figure import new_figure
 from andrea.run.preflight import check_output_file
 from andrea.run.runlog import read_metrics

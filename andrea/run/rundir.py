@@ -36,9 +36,9 @@ import os
 import shutil
 from pathlib import Path
 
-from andrea.files import atomic_writer
 from andrea.data.lock import flock
 from andrea.errors import UserError
+from andrea.files import atomic_writer
 from andrea.run import checkpoint as ckpt
 
 WRITERS = "command writes into it"  # what must not run beside a directory that cannot be locked

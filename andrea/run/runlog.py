@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.files import atomic_writer
 from andrea.errors import UserError
+from andrea.files import atomic_writer
 from andrea.run import checkpoint as ckpt
 
 EXIT_SAVE_FAILED = 4
@@ -191,7 +191,7 @@ def summary(out_dir, steps_done: int, step: int, seconds: float, rate, loss, val
     """The end-of-run line: steps, time, throughput, the last step's loss, the last validation loss
     beside the data's unigram baseline (a loss below it learned more than token frequencies),
     where the checkpoint is. `rate` is (tokens/s, seconds, steps) of the training steps the rate
-    comes from (andrea.train.Throughput.run_rate: after the first, without evaluation or saving);
+    comes from (andrea.run.throughput.Throughput.run_rate: after the first, without evaluation or saving);
     `loss` the last step's training loss, `val` (step, loss, bits per byte) of the last evaluation, or None;
     `baseline` the validation tokens' unigram entropy (meta.json's unigram_val_nats), or None."""
     tokens_per_s, train_s, timed = rate
