@@ -293,12 +293,15 @@ def test_resume_continues_exactly(tokens):
     expected = [run.next_batch() for _ in range(3)]
     resumed = BatchLoader(tokens, 4, 16, seed=999)
     resumed.load_state_dict(state)
-    assert resumed.batches == 3
+    assert resumed.windows == 3 * 4
     for (x, y), (rx, ry) in zip(expected, (resumed.next_batch() for _ in range(3))):
         np.testing.assert_array_equal(x, rx)
         np.testing.assert_array_equal(y, ry)
     with pytest.raises(UserError, match="cannot resume|not one"):
         resumed.load_state_dict({"batches": 1})
+    older = {k: v for k, v in state.items() if k != "windows"} | {"batches": 3}  # before the data-parallel split
+    with pytest.raises(UserError, match="not one this version can resume from .*the andrea version that wrote it"):
+        resumed.load_state_dict(older)
 
 
 def test_eval_batches_are_fixed_full_and_disjoint(tokens):

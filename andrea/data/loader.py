@@ -59,11 +59,6 @@ class BatchLoader:
         self._queue: list[np.ndarray] = []  # this rank's micro-batches of the current step
         self._rng = np.random.Generator(np.random.PCG64(seed))
 
-    @property
-    def batches(self) -> int:
-        """Micro-batches this rank has taken."""
-        return self.windows // (self.batch_size * self.world) - len(self._queue)
-
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """Return (x, y), both int64 of shape (B, T)."""
         if not self._queue:
@@ -99,12 +94,12 @@ class BatchLoader:
                 "has_uint32": int(d["has_uint32"]),
                 "uinteger": int(d["uinteger"]),
             }
-            # checkpoints from before the data-parallel split counted one process's batches
-            windows = int(d["windows"]) if "windows" in d else int(d["batches"]) * self.batch_size
+            windows = int(d["windows"])
             self._rng.bit_generator.state = state
             self.windows, self._queue = windows, []
         except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"the saved data-loader state is not one this version can resume from: {e}") from e
+            raise UserError(f"the saved data-loader state is not one this version can resume from ({e}): resume "
+                            "the run with the andrea version that wrote it") from e
 
 
 def iter_eval_batches(

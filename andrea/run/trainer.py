@@ -103,7 +103,7 @@ class Trainer:
     def validate_checkpoint(self, tensors, meta):
         """Refuses a checkpoint this run cannot continue from exactly (raises CheckpointError)."""
         saved_model = meta.get("config", {}).get("model")
-        try:  # as this andrea builds it: the keys of older runs filled in, the derived values derived again
+        try:  # as this andrea builds it: the derived values derived again
             saved_model = saved_model_config(saved_model) if isinstance(saved_model, dict) else None
         except UserError as e:
             raise ckpt.CheckpointError(f"its model config is not one this andrea reads: {e}") from None
