@@ -275,7 +275,8 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
     """transformers' GPT-2 and GPT2Tokenizer, saved by transformers -> andrea.train --init-from -> export ->
     transformers again."""
     torch, transformers = require("torch"), require("transformers")
-    from andrea.data import dataset as data
+    from andrea.data.loader import BatchLoader
+    from andrea.data.manifest import open_split
     from andrea.train import main as train_main  # noqa: F401 (the entry point under test, via run_train)
 
     gpt2 = tmp_path / "gpt2"
@@ -299,9 +300,9 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
 
     # step 1's loss is transformers' loss of the imported weights on the first batch
     tok = load_tokenizer(tmp_path / "data")
-    assert tok.fingerprint() == load_tokenizer(gpt2).fingerprint() == hf.load_tokenizer(out).fingerprint()
-    tokens = data.open_split(tmp_path / "data", "train", vocab, tok.fingerprint())
-    x, y = data.BatchLoader(tokens, 4, 16, seed=0).next_batch()
+    assert tok.fingerprint() == load_tokenizer(gpt2).fingerprint() == load_tokenizer(out).fingerprint()
+    tokens = open_split(tmp_path / "data", "train", vocab, tok.fingerprint())
+    x, y = BatchLoader(tokens, 4, 16, seed=0).next_batch()
     logp = torch.log_softmax(torch.tensor(hf_logits(torch, reference, x), dtype=torch.float64), -1).numpy()
     expected = -np.take_along_axis(logp, y[..., None], -1).mean()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -326,7 +327,7 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
 
 
 def test_prepare_with_a_given_tokenizer_refuses_to_mix_tokenizers(tmp_path):
-    from andrea.prepare import prepare
+    from andrea.data.preparation import prepare
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()

@@ -17,7 +17,9 @@ from procs import run_in_own_session
 
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.train import build_run_config, kernels_line, parse_args
+from andrea.run.launch import build_run_config
+from andrea.run.trainer import kernels_line
+from andrea.train import parse_args
 from minitensor.backends import numba_jit
 
 ROOT = Path(__file__).resolve().parents[1]
