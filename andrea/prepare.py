@@ -166,11 +166,8 @@ def fixed_mmap_threshold() -> dict:
     """The prepare command's malloc setting: glibc's mmap threshold held at 128 KiB. Left dynamic,
     glibc raises it to the size of the largest buffer freed so far, so every later block's buffers
     (its bytes, its text, its ids: each the size of a block, which grows with the corpus up to 1 MiB,
-    see stream.block_size) come from the threads' arenas, which keep what is freed. Measured on this
-    project's 2-core VM under load, encoding 5 MB files with 2 workers and a given tokenizer: peak RSS
-    121.6 / 133.2 / 155.6 MiB at 40 / 160 / 640 MB of corpus with the threshold dynamic, 122.8 / 125.2 /
-    131.5 held (what remains is the blocks in flight); training the tokenizer on a 20 MB sample as well:
-    165.1 / 173.7 MiB at 40 / 160 MB dynamic, 152.5 / 156.0 held.
+    see stream.block_size) come from the threads' arenas, which keep what is freed, and the peak
+    memory grows with the corpus (BENCHMARKS.md, "Peak memory against the corpus size").
     Not when the user set the threshold (MALLOC_MMAP_THRESHOLD_, GLIBC_TUNABLES) or off glibc;
     `train` keeps its own setting (minitensor/memory.py). Returns what it set."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):

@@ -44,9 +44,9 @@ from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer, load_tokenizer
 from andrea.errors import UserError
 from andrea.files import write_json
 
-# Validation takes the blocks whose path hashes below this share. For the stdlib 1% is 17 files, half
-# of whose tokens are one file (test_doctest.py), whose loss stands well above the training
-# windows'; 5% (74 files, none over 12% of the tokens) comes much closer (BENCHMARKS.md, "The default run").
+# Validation takes the blocks whose path hashes below this share. For the stdlib, 1% of the files is
+# dominated by one file of doctests, whose loss stands well above the training windows'; 5% comes
+# much closer (BENCHMARKS.md, "The default run").
 VAL_FRACTION = 0.01
 STDLIB_VAL_FRACTION = 0.05
 SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from andrea import files
 from andrea.data.manifest import split_counts
 from andrea.data.tokenfile import MAX_VOCAB
 from andrea.data.tokenizer import Tokenizer, load_tokenizer
@@ -187,17 +187,13 @@ def check_memory(estimate: MemoryEstimate, device: str, warn=None) -> str:
         raise UserError(f"this run needs {need} but only {gib(free)} is available ({source}): "
                         "lower train.batch_size (--set train.batch_size=...), model.n_layer or model.d_model")
     if estimate.total > WARN_FRACTION * free:
-        (warn or _warn)(f"this run needs {need}, {100 * estimate.total / free:.0f}% of the {gib(free)} "
+        (warn or files.warn)(f"this run needs {need}, {100 * estimate.total / free:.0f}% of the {gib(free)} "
                         f"available ({source}): other programs may push it out of memory")
     return f"{need} of {gib(free)} available ({source})"
 
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
-def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -286,7 +282,7 @@ def check(cfg, out_dir, processes=1, init_from=None, warn=None, tokenizer=None, 
     if t.warmup_steps > t.max_steps:
         # refusing would break quick runs (`--max-steps 10` on a config warming up for 50): say what happens
         peak = t.lr * t.max_steps / t.warmup_steps
-        (warn or _warn)(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
+        (warn or files.warn)(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
                         f"learning rate rises to {peak:.2e} at the last step and never reaches train.lr "
                         f"({t.lr:g}); --set train.warmup_steps={t.max_steps // 10} gives warmup then decay")
     if t.sample_tokens > 0 and not t.sample_prompt:

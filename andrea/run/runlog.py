@@ -23,16 +23,12 @@ import time
 from pathlib import Path
 
 from andrea.errors import UserError
-from andrea.files import atomic_writer
+from andrea.files import atomic_writer, warn
 from andrea.run import checkpoint as ckpt
 
 EXIT_SAVE_FAILED = 4
 PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
 _STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.files.atomic_writer's scratch: .<name>.<pid>.tmp
-
-
-def warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- metrics
