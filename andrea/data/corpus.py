@@ -105,10 +105,6 @@ class Corpus:
     description: str
     left_out: tuple[Path, ...] = ()  # generated tables of the default corpus, not trained on
 
-    def __post_init__(self):
-        if not isinstance(self.files, FileList):  # a list of paths under root
-            object.__setattr__(self, "files", FileList(self.root, self.files))
-
 
 def load_corpus(inputs: list[str] | None, progress: Callable[[int], None] | None = None) -> Corpus:
     if not inputs:
