@@ -227,9 +227,12 @@ class Trainer:
 
         def measure_again(beaten, peak):
             fresh = measure(fresh=True)
-            self.world.log(f"note: the steps since the last line ran at {beaten / 1e12:.3g} TFLOP/s, above the peak of "
-                f"{peak / 1e12:.3g} measured so far (a busy machine measures it low); measured again: "
-                f"{fresh / 1e12:.3g} TFLOP/s. MFU is now against the highest of the measurements and the rates run")
+            # world, not self: the meter is the Trainer's, and a closure over the Trainer would make a
+            # cycle that keeps the token files mapped until the garbage collector runs
+            world.log(f"note: the steps since the last line ran at {beaten / 1e12:.3g} TFLOP/s, above the peak of "
+                      f"{peak / 1e12:.3g} measured so far (a busy machine measures it low); measured again: "
+                      f"{fresh / 1e12:.3g} TFLOP/s. MFU is now against the highest of the measurements and the "
+                      "rates run")
             return fresh
 
         if not world.is_main:  # its MFU is never logged
