@@ -4,7 +4,7 @@
     python -m andrea.bench --device gpu --model h200   # the same table
     estimate_step_seconds()          # seconds of one bench step (1 micro-batch + AdamW), for gpu_check
 
-Recorded, not guessed: the training step (andrea.train.Trainer.train_step: zero_grad, forward and
+Recorded, not guessed: the training step (andrea.run.trainer.Trainer.train_step: zero_grad, forward and
 backward over the micro-batches, the gradient norm, the clipping scale, the one host read, AdamW)
 runs with the GPU backend (`kernels='fused'`) on the CuPy stand-in in its recording mode
 (tests/cupy_standin/cupy/_record.py): arrays of the real size that are never computed nor touched,
@@ -156,7 +156,7 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
 
     from andrea.config import load_config
     from andrea.model.optim import AdamW
-    from andrea.train import Trainer
+    from andrea.run.trainer import Trainer
     from minitensor import device
     from minitensor.backends import cupy_ops
 
