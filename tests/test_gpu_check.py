@@ -104,8 +104,8 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     assert "tests/test_softmax.py::test_exp_rows_is_the_softmax_before_its_division[cupy-float32" in tests
     assert "slowest 15 durations" in tests and any(re.match(r"\d+ passed, \d+ deselected in", f) for f in figures)
     assert "self-check in" in phases["2-kernels.txt"] and "skip" not in phases["2-kernels.txt"]
-    assert phases["2-kernels.txt"].count("ok   ") == 17  # the self-check, 12 kernels, 4 cuBLAS calls
-    assert "16 of 16 fused kernels within 1e-5" in "\n".join(figures)
+    assert phases["2-kernels.txt"].count("ok   ") == 18  # the self-check, 13 kernels, 4 cuBLAS calls
+    assert "17 of 17 fused kernels within 1e-5" in "\n".join(figures)
     assert "ok   CuPy float32, dense core, kernels auto (kernels: fused " in phases["3-gradients.txt"]
     train = phases["4-train.txt"]
     assert "on gpu (float32)" in train and "kernels: fused " in train and "generic for" not in train

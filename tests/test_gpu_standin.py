@@ -149,6 +149,29 @@ def test_the_gpu_path_equals_the_cpu_path_forward_backward_and_adamw(kernels, de
         assert normwise(got[2][name], want[2][name]) <= 100 * tol, f"{name} after AdamW"
 
 
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-11), ("float32", 3e-3)])
+def test_the_gpu_path_with_the_flash_core_equals_the_cpu_path(dtype, tol):
+    """Every fused piece and the attention core as training chooses it (the flash kernels: heads of 16):
+    float64 as tight as the other GPU paths, float32 within TF32's reach (its products' operands keep
+    11 bits); the float32 weights after AdamW are not compared, its division by sqrt(v) magnifies
+    TF32's rounding of near-zero gradients."""
+    from minitensor.device import set_tf32
+
+    want = run_model("cpu", dtype, "generic", None)
+    with standin_cupy() as cupy:
+        set_tf32(cupy, True)  # as train.tf32 does: the flash kernels' float32 products on tensor cores
+        try:
+            got = run_model("gpu", dtype, "fused", None)
+        finally:
+            set_tf32(cupy, False)
+        assert {"flash_attention_fwd", "flash_attention_bwd_dkv"} <= {name for _, name, _ in cupy.standin.kernels}
+    assert np.allclose(got[0], want[0], rtol=tol, atol=0), (got[0], want[0])
+    for name in want[1]:
+        assert normwise(got[1][name], want[1][name]) <= tol, f"gradient of {name}"
+        if dtype == "float64":
+            assert normwise(got[2][name], want[2][name]) <= 100 * tol, f"{name} after AdamW"
+
+
 def test_the_fused_kernels_pass_their_start_up_self_check_on_the_standin():
     from minitensor.backends import fused_pieces
     from minitensor.checks.selfcheck import select_kernels

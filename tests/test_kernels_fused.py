@@ -383,6 +383,98 @@ def test_cross_entropy_marks_a_bad_target_with_nan(emulated, dtype):
 # --- Argument checks ----------------------------------------------------------------------------
 
 
+def attention_reference(q, k, v, dy):
+    """(y, lse, dq, dk, dv) of the causal attention of unscaled q, k, v (BH, T, hs) through Ops' dense
+    core in float64 (one head per batch row), lse from the formulas."""
+    q, k, v, dy = (f64(a) for a in (q, k, v, dy))
+    BH, T, hs = q.shape
+    ops = Ops(np)
+    y4 = np.empty((BH, 1, T, hs))
+    cache = ops.attention_forward([a[:, None] for a in (q, k, v)], None, y4, dense=True)
+    grads = [np.empty((BH, 1, T, hs)) for _ in range(3)]
+    ops.attention_backward(dy[:, None], cache, grads)
+    _, lse = F.causal_softmax(q @ k.transpose(0, 2, 1), 1.0 / np.sqrt(hs))
+    return (y4[:, 0], lse[..., 0], *(g[:, 0] for g in grads))
+
+
+# TF32 operands (11 significant bits) put the float32 kernels' outputs within ~1e-3 of float64's
+FLASH_F32_RTOL = 2e-3
+
+
+@pytest.mark.parametrize("dtype, tf32", [(np.float64, False), (np.float32, True), (np.float32, False)])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 37, 16), (2, 64, 64), (1, 70, 48)])
+def test_flash_attention_kernels_emulated(emulated, dtype, tf32, shape):
+    """Forward (y, lse) and the three gradients of the flash kernels against Ops' dense core: T = 1,
+    T not a multiple of the tiles (37, 70), a multiple of every tile (64), head sizes 16, 48, 64,
+    several heads; float32 on TF32 tensor cores (TF32's tolerance) and by FMAs (float32's)."""
+    rng = np.random.default_rng(11)
+    q, k, v, dy = (normal(rng, shape, dtype) for _ in range(4))
+    scale = 1.0 / np.sqrt(shape[-1])
+    y, lse = cupy_ops.flash_attention_forward_gpu(q, k, v, scale, tf32=tf32)
+    grads = cupy_ops.flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, tf32=tf32)
+    rtol = FLASH_F32_RTOL if tf32 else None
+    for name, got, want in zip(("y", "lse", "dq", "dk", "dv"), (y, lse, *grads), attention_reference(q, k, v, dy)):
+        assert got.dtype == dtype, name
+        assert_close(got, want, rtol=rtol, scale=1.0)
+
+
+def test_flash_attention_float32_rounds_its_products_to_tf32(emulated):
+    """The float32 kernels' error is TF32's, not float32's: the emulation rounds the operands as
+    cvt.rna.tf32 does (a kernel that skipped it would be float32-exact and this would fail)."""
+    rng = np.random.default_rng(12)
+    q, k, v = (normal(rng, (1, 32, 16), np.float32) for _ in range(3))
+    y, _ = cupy_ops.flash_attention_forward_gpu(q, k, v, 0.25)
+    err = float(np.max(np.abs(y - attention_reference(q, k, v, q)[0])))
+    assert 1e-5 < err < 2e-3
+
+
+def test_the_emulated_mma_follows_the_ptx_fragment_layout(emulated):
+    """The emulation's mma.m16n8k8 (minitensor.checks.kernelcheck) against tf32(A) tf32(B) + C, each lane
+    loading its fragments from memory in the PTX ISA's layout: a wrong element in the layout or the
+    exchange would land in the wrong place of D."""
+    spec = cuda.RawSpec("mma_layout", inline=r"""
+extern "C" __global__ void mma_layout(const T *a, const T *b, T *c) {
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const unsigned fa[4] = {to_tf32(a[g * 8 + t]), to_tf32(a[(g + 8) * 8 + t]), to_tf32(a[g * 8 + t + 4]),
+                          to_tf32(a[(g + 8) * 8 + t + 4])};
+  const unsigned fb[2] = {to_tf32(b[t * 8 + g]), to_tf32(b[(t + 4) * 8 + g])};
+  float d[4] = {c[g * 8 + 2 * t], c[g * 8 + 2 * t + 1], c[(g + 8) * 8 + 2 * t], c[(g + 8) * 8 + 2 * t + 1]};
+  mma_tf32(d, fa, fb);
+  __syncthreads();
+  c[g * 8 + 2 * t] = d[0];
+  c[g * 8 + 2 * t + 1] = d[1];
+  c[(g + 8) * 8 + 2 * t] = d[2];
+  c[(g + 8) * 8 + 2 * t + 1] = d[3];
+}
+""")
+    rng = np.random.default_rng(13)
+    a, b, c = (normal(rng, shape, np.float32) for shape in ((16, 8), (8, 8), (16, 8)))
+    got = c.copy()
+    kernelcheck.emulate_launch(spec, np.float32, (1,), (32,), (a, b, got))
+
+    def tf32(x):  # round to nearest, ties away from zero, to 10 mantissa bits
+        bits = x.astype(np.float32).view(np.uint32)
+        return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+    want = tf32(a) @ tf32(b) + f64(c)
+    assert_close(got, want)
+    assert not np.allclose(tf32(a), a, rtol=1e-6, atol=0)  # the rounding is visible at this size
+
+
+def test_flash_attention_wrappers_refuse_what_the_kernels_do_not_take():
+    q = np.zeros((2, 8, 16), np.float32)
+    for bad, match in (((2, 8, 24), "head size 24"), ((2, 8, 80), "head size 80")):
+        x = np.zeros(bad, np.float32)
+        with pytest.raises(ValueError, match=match):
+            cupy_ops.flash_attention_forward_gpu(x, x, x, 1.0)
+    with pytest.raises(ValueError, match="k must be"):
+        cupy_ops.flash_attention_forward_gpu(q, q.astype(np.float64), q, 1.0)
+    with pytest.raises(ValueError, match="y must be"):
+        cupy_ops.flash_attention_forward_gpu(q, q, q, 1.0, y=np.zeros((2, 8, 16), np.float32), n_head=3)
+    assert cupy_ops.flash_fits(64, np.float32) and cupy_ops.flash_fits(16, np.float64)
+    assert not cupy_ops.flash_fits(64, np.float16) and not cupy_ops.flash_fits(8, np.float32)
+
+
 def test_launch_checks_the_c_types_of_its_arguments():
     x = np.zeros((2, 4), np.float32)
     w = np.ones(4, np.float32)
@@ -518,6 +610,22 @@ def test_gpu_causal_softmax(cupy, BH, T, dtype, scale, seed):
 
 
 @pytest.mark.gpu
+@settings(deadline=None, max_examples=8)
+@given(BH=st.integers(1, 3), T=st.integers(1, 130), hs=st.sampled_from([16, 32, 48, 64]), dtype=dtypes,
+       seed=S.seeds)
+def test_gpu_flash_attention(cupy, BH, T, hs, dtype, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v, dy = (normal(rng, (BH, T, hs), dtype) for _ in range(4))
+    scale = 1.0 / np.sqrt(hs)
+    qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
+    y, lse = cupy_ops.flash_attention_forward_gpu(qg, kg, vg, scale)
+    grads = cupy_ops.flash_attention_backward_gpu(qg, kg, vg, y, cupy.asarray(dy), lse, scale)
+    rtol = None if dtype == np.float64 else FLASH_F32_RTOL
+    for got, want in zip((y, lse, *grads), attention_reference(q, k, v, dy)):
+        assert_close(cupy.asnumpy(got), want, rtol=rtol, scale=1.0)
+
+
+@pytest.mark.gpu
 @gpu_settings
 @given(N=st.integers(1, 40), V=st.integers(2, 9000), dtype=dtypes, dloss=st.sampled_from([1.0, 0.5]),
        seed=S.seeds)
@@ -635,6 +743,69 @@ def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
         got = run(cupy_ops.CupyOps(cupy, fused=("causal_softmax",)), cupy)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+@needs_cxx
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_flash_core_equals_ops(separate, dtype):
+    """CupyOps' flash core on the CuPy stand-in against Ops' core, through the layer's views: y and dy
+    read and written in the (B, T, C) arrays, dq, dk, dv merged in one copy; and with separate arrays
+    (copies instead). Two heads of 16, T = 35 (two float32 tiles, three float64 ones, the last partial);
+    the flash kernels are what ran."""
+    import types
+
+    from gpu_standin import standin_cupy
+
+    from minitensor.layers.attention import CausalSelfAttention
+
+    B, T, nh, hs = 2, 35, 2, 16
+    C = nh * hs
+    rng = np.random.default_rng(14)
+    qkv, b, dy = (normal(rng, shape, dtype) for shape in ((B * T, 3 * C), (3 * C,), (B * T, C)))
+    layer = types.SimpleNamespace(n_head=nh)
+
+    def run(ops, xp):
+        views = CausalSelfAttention._heads(layer, xp.asarray(qkv), B, T)
+        dqkv = xp.zeros((B * T, 3 * C), dtype)
+        grads = CausalSelfAttention._heads(layer, dqkv, B, T)
+        y = xp.empty((B, T, C), dtype)
+        y4 = CausalSelfAttention._heads(layer, y, B, T, 1)[0]
+        dy4 = CausalSelfAttention._heads(layer, xp.asarray(dy), B, T, 1)[0]
+        if separate:
+            views, grads = [v.copy() for v in views], [xp.zeros(g.shape, dtype) for g in grads]
+            y4, dy4 = xp.empty(y4.shape, dtype), dy4.copy()
+        cache = ops.attention_forward(views, xp.asarray(b), y4)
+        ops.attention_backward(dy4, cache, grads)
+        return [np.asarray(getattr(xp, "asnumpy", np.asarray)(a)) for a in (y4, *grads)]
+
+    want = run(Ops(np), np)
+    with standin_cupy() as cupy:
+        ops = cupy_ops.CupyOps(cupy, fused=("flash_attention",))
+        ops.flash_tf32 = dtype == np.float32  # the tensor-core path where it applies
+        got = run(ops, cupy)
+        launched = [name for _, name, _ in cupy.standin.kernels]
+    assert {"flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkv"} <= set(launched)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, rtol=None if dtype == np.float64 else FLASH_F32_RTOL, scale=1.0)
+
+
+def test_the_flash_cores_tensor_cores_follow_the_cublas_math_mode():
+    """train.tf32 (minitensor.device.set_tf32) reaches the flash kernels as it reaches the batched
+    GEMMs, through the cuBLAS handle's math mode; flash_tf32 overrides it (the self-check runs both)."""
+    from gpu_standin import standin_cupy
+
+    from minitensor.device import set_tf32
+
+    with standin_cupy() as cupy:
+        ops = cupy_ops.CupyOps(cupy, fused=("flash_attention",))
+        set_tf32(cupy, True)
+        on = ops._tf32()
+        set_tf32(cupy, False)
+        off = ops._tf32()
+        ops.flash_tf32 = True
+        forced = ops._tf32()
+    assert (on, off, forced) == (True, False, True)
 
 
 @needs_cxx

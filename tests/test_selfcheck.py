@@ -95,6 +95,8 @@ def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
     ("layernorm", "LAYERNORM_FWD", ("* w[j] + b[j]", "* w[j] - b[j]")),
     ("layernorm", "LAYERNORM_BWD", ("- mg -", "+ mg -")),
     ("causal_softmax", "CAUSAL_SOFTMAX_BWD", ("(dpr[j] - dot)", "(dpr[j] + dot)")),
+    ("flash_attention", "FLASH_BWD_DKV", ("(ps[e] - delta_s[r])", "(ps[e] + delta_s[r])")),
+    ("flash_attention", "FLASH_FWD", ("acc[u][2] *= a1", "acc[u][2] *= a0")),
 ])
 def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeypatch, piece, spec, wrong):
     good = getattr(cupy_ops, spec)
@@ -111,6 +113,32 @@ def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeyp
         y = layer.forward(cupy.asarray(x))
         want, _, _ = F.layernorm_forward(x, w, b)
         np.testing.assert_allclose(cupy.asnumpy(y), want, rtol=1e-12, atol=1e-12)
+
+
+@needs_cxx
+def test_a_model_step_with_the_flash_core_equals_the_generic_one(cupy):
+    """ANDREA (2 blocks, heads of 16) forward and backward with every fused piece, the attention core
+    chosen as in training (the flash kernels), against the generic code in float64."""
+    from andrea import ANDREA, ModelConfig
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 13, (2, 21))
+    results, launched = [], {}
+    for kernels in ("generic", "fused"):
+        cupy.standin.reset()
+        m = ANDREA(ModelConfig(vocab_size=13, context_length=20, d_model=32, n_layer=2, n_head=2), device="gpu",
+                   dtype="float64", seed=4, kernels=kernels)
+        loss = float(m.loss(x[:, :-1], x[:, 1:]))
+        m.zero_grad()
+        m.backward(0.5)
+        results.append((loss, cupy.asnumpy(m.params.grads)))
+        launched[kernels] = {name for _, name, _ in cupy.standin.kernels}
+    flash = {"flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkv"}
+    assert flash <= launched["fused"] and not flash & launched["generic"]
+    assert not {"causal_softmax_fwd", "causal_softmax_bwd"} & launched["fused"]  # no (T, T) scores
+    (loss_g, grads_g), (loss_f, grads_f) = results
+    assert loss_f == pytest.approx(loss_g, rel=1e-12)
+    np.testing.assert_allclose(grads_f, grads_g, rtol=1e-10, atol=1e-13)
 
 
 @needs_cxx

@@ -9,11 +9,13 @@ backward over the micro-batches, the gradient norm, the clipping scale, the one 
 runs with the GPU backend (`kernels='fused'`) on the CuPy stand-in in its recording mode
 (tests/cupy_standin/cupy/_record.py): arrays of the real size that are never computed nor touched,
 each CuPy launch recorded with its shapes, its GEMM FLOPs and the bytes it reads and writes (the
-project's RawKernels declare theirs: minitensor.backends.cuda.RawSpec.traffic). The launch count, the paths
-taken (the dense attention core on an H200's memory) and every shape are those of the real step;
-only time is modelled, per launch:
+project's RawKernels declare theirs: minitensor.backends.cuda.RawSpec.traffic, and the flash
+attention kernels their tensor-core FLOPs, RawSpec.flops). The launch count, the paths taken (the
+flash attention core for ANDREA's heads of 64) and every shape are those of the real step; only time
+is modelled, per launch:
 
     time = max(GEMM FLOPs / GEMM rate, bytes / memory bandwidth) + launch cost
+    (a kernel's declared FLOPs at the rate for a hand-written tensor-core kernel, H200.mma_kernel)
 
 with the H200 figures of `H200` below (each with its reason), and host<->device copies that the host
 waits for at a latency plus PCIe time; an asynchronous one (`cupy.asarray` of host data: CuPy 14.2
@@ -58,6 +60,7 @@ class Hardware:
     copy_latency_s: float     # a host<->device copy's fixed cost
     pcie: float               # bytes/s of a copy between host and device
     memory: int               # bytes of device memory (the dense attention core's budget reads it)
+    mma_kernel: float         # FLOP/s of the inner products of a hand-written tensor-core kernel (the flash core)
 
 
 # H200 SXM (GH100: the H100 SXM's 132 SMs and clocks, 141 GB of HBM3e at 4.8 TB/s):
@@ -83,8 +86,18 @@ class Hardware:
 #   range; the middle is taken.
 # - host<->device: ~10 us per copy that the host waits for (a read back; `ndarray.set` from pageable
 #   memory) plus ~20 GB/s.
+# - 99 TFLOP/s (20% of the TF32 peak) for the inner products of the flash attention kernels
+#   (minitensor/backends/kernels/attention.cu, TF32 mma.sync): FlashAttention-2, CUTLASS mma.sync kernels
+#   tuned for years, reaches ~35% of the H100's dense FP16 peak in the forward and less in the backward
+#   (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608, figures 5-8: ~330-370 of 989 TFLOP/s at
+#   head size 64-128). Ours is a first hand-written kernel: fragments loaded from shared memory element
+#   by element (no ldmatrix), no cp.async prefetch of the next tile, 32-row tiles with two barriers per
+#   tile, head size 64 (FA2's own figures drop there); a little over half of FA2's share is taken, a
+#   guess to be replaced by the first GPU run's measurement. Traffic (RawSpec.traffic) counts every
+#   tile a block loads as a device-memory read, though on a GPU most repeats are L2 hits: conservative
+#   on that side too.
 H200 = Hardware("H200", tf32_peak=495e12, gemm_efficiency=0.70, unaligned=0.5, bandwidth=4.0e12, launch_s=4e-6,
-                copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9)
+                copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9, mma_kernel=0.20 * 495e12)
 
 LAUNCHES = ("gemm", "kernel", "elementwise", "reduction", "copy", "fill", "gather", "scatter", "sort")
 TRANSFERS = ("h2d", "d2h", "h2d_async")
@@ -231,6 +244,9 @@ def op_seconds(kind, name, flops, read, written, hw=H200):
         return 0.0, read / hw.pcie, hw.launch_s
     if kind in TRANSFERS:
         return 0.0, hw.copy_latency_s + read / hw.pcie, 0.0
+    if flops:  # a kernel that declares its inner products (cuda.RawSpec.flops): on the side that bounds it
+        compute = flops / hw.mma_kernel
+        return (compute, 0.0, hw.launch_s) if compute > moved else (0.0, moved, hw.launch_s)
     return 0.0, moved, hw.launch_s
 
 
@@ -252,8 +268,8 @@ def estimate(rec, hw=H200):
     last = f"micro-batch {rec['micro_batches'] - 1}"
     for kind, name, flops, read, written, scope in rec["ops"]:
         gemm_s, mem_s, launch_s = op_seconds(kind, name, flops, read, written, hw)
-        v = np.array([kind in LAUNCHES, flops if kind == "gemm" else 0, read + written, gemm_s, mem_s, launch_s,
-                      gemm_s + mem_s + launch_s])
+        v = np.array([kind in LAUNCHES, flops if kind in ("gemm", "kernel") else 0, read + written, gemm_s, mem_s,
+                      launch_s, gemm_s + mem_s + launch_s])
         mb = next((s for s in scope if s.startswith("micro-batch")), None)
         which = "step" if mb is None else "first" if mb == "micro-batch 0" else "later" if mb == last else "middle"
         rows[(which, *part_of(scope))] += v

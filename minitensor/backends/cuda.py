@@ -97,13 +97,16 @@ class RawSpec:
     `traffic(**args) -> (bytes read, bytes written)`: what one launch with these arguments (named
     as the kernel's parameters) moves to and from device memory, for the step model
     (andrea/run/stepmodel.py); None: every `const` pointer read once, every other pointer written
-    once (`bytes_moved`)."""
+    once (`bytes_moved`). `flops(**args)`: the floating-point operations of the inner products of one
+    launch, declared by a kernel whose float32 products run on tensor cores (the step model charges
+    them at its rate for a hand-written mma kernel); None: 0."""
 
     name: str
     file: str = ""  # the .cu file under minitensor/backends/kernels/ holding the kernel
     options: tuple = ()
     traffic: Callable = dataclasses.field(default=None, compare=False)
     inline: str = ""  # the code itself, for a kernel that has no file (a test's)
+    flops: Callable = dataclasses.field(default=None, compare=False)
 
     @property
     def code(self):
@@ -125,6 +128,12 @@ class RawSpec:
         read = sum(a.nbytes for (name, _, ptr), a in zip(params, args) if ptr and name in const)
         written = sum(a.nbytes for (name, _, ptr), a in zip(params, args) if ptr and name not in const)
         return read, written
+
+    def flops_of(self, args):
+        """The floating-point operations of a launch with args (0 where the spec declares none)."""
+        if self.flops is None:
+            return 0
+        return self.flops(**{name: a for (name, _, _), a in zip(raw_params(self), args)})
 
     def source(self, dtype):
         return f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
@@ -212,6 +221,8 @@ class FusedPiece:
               gpu_check's comparisons of each kernel's wrapper with the Ops code at ANDREA-120M
               shapes (k: the sizes and inputs of scripts/gpu_check.py's _KernelInputs); without
               them gpu_check compares `sample` off and on
+    rtol      the self-check's tolerance where it is not its own (minitensor.checks.selfcheck.RTOL):
+              a piece whose float32 products run on TF32 tensor cores
     """
 
     name: str
@@ -219,17 +230,18 @@ class FusedPiece:
     kernels: tuple
     sample: Callable = dataclasses.field(compare=False)
     cases: Callable = dataclasses.field(default=None, compare=False)
+    rtol: float = None
 
 
 # name -> FusedPiece, in the order they are declared
 PIECES = {}
 
 
-def fused_piece(name, replaces, kernels, sample, cases=None):
+def fused_piece(name, replaces, kernels, sample, cases=None, rtol=None):
     """Registers a fused piece and its kernels; returns the piece."""
     if name in PIECES and PIECES[name].kernels != tuple(kernels):
         raise ValueError(f"a fused piece named {name!r} is already registered")
-    piece = FusedPiece(name, tuple(replaces), tuple(register(k) for k in kernels), sample, cases)
+    piece = FusedPiece(name, tuple(replaces), tuple(register(k) for k in kernels), sample, cases, rtol)
     return PIECES.setdefault(name, piece)
 
 

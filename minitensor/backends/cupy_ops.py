@@ -16,9 +16,11 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
     linear_weight_grads, gemm          cuBLAS's own GEMM and GEMV (minitensor.backends.cublas, always): beta 1
                                        accumulates a gradient in the GEMM's output pass, transposed operands
                                        and longer rows taken as stored (the dense core's batched GEMMs too)
-    attention_forward                  the dense core within a memory budget (a 64th of the GPU's
-                                       memory per layer: 2.2 GB on an H200, where ANDREA-120M at
-                                       8 x 1024 needs 384 MiB), else Ops' query blocks
+    attention_forward                  'flash_attention_fwd', '_bwd_dq', '_bwd_dkv' (head sizes a multiple
+                                       of 16 up to 64, float32 on TF32 tensor cores) fused piece
+                                       flash_attention; else the dense core within a memory budget (a
+                                       64th of the GPU's memory per layer: 2.2 GB on an H200, where
+                                       ANDREA-120M at 8 x 1024 needs 384 MiB), else Ops' query blocks
 
 Which fused pieces a CupyOps runs is fixed when it is built (`CupyOps(xp, fused=...)`; through
 `minitensor.backends.get_ops(cupy, kernels)`, where kernels="auto" runs the start-up self-check of
@@ -44,7 +46,7 @@ import numpy as np
 
 from minitensor.backends import cublas, cuda
 from minitensor.backends.ops import AttentionCache, Ops
-from minitensor.device import array_module
+from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH, array_module
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
 
@@ -58,6 +60,9 @@ class CupyOps(Ops):
     # the dense attention core when all heads' probabilities fit this many bytes (None: a 64th of
     # the GPU's memory)
     dense_max_bytes = None
+    # the flash kernels' float32 products on TF32 tensor cores: None as the cuBLAS math mode says
+    # (train.tf32), True or False whatever it says (the self-check checks both)
+    flash_tf32 = None
 
     def __init__(self, xp, fused=(), kernels_line=None):
         """fused: the fused pieces to run (names of their records, minitensor.backends.fused_pieces()),
@@ -149,6 +154,10 @@ class CupyOps(Ops):
     # --- attention ---
 
     def attention_forward(self, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
+        """fused flash_attention (unless dense or blocks are asked for): the flash kernels where they take
+        the head size and dtype; else the dense core within a memory budget, else Ops' query blocks."""
+        if dense is None and self.fused("flash_attention") and flash_fits(qkv4[0].shape[-1], y4.dtype):
+            return self.attention_forward_flash(qkv4, b, y4)
         if dense is None:
             B, nh, T, _ = qkv4[0].shape
             dense = B * nh * T * T * y4.itemsize <= (self.dense_max_bytes or _gpu_memory(self.xp) // 64)
@@ -206,6 +215,49 @@ class CupyOps(Ops):
             return
         for g, d in zip(grads4, (dq.reshape(B, nh, T, hs), dkv[0], dkv[1])):
             g[...] = d
+
+    # The flash core (minitensor/backends/kernels/attention.cu): no (T, T) array at all. q is kept
+    # unscaled (the kernels take the scale), y and dy are read and written where they lie in the
+    # layer's (B, T, C) arrays, rowsum(dy y) is computed by the backward's first kernel.
+
+    def attention_forward_flash(self, qkv4, b, y4):
+        xp = self.xp
+        B, nh, T, hs = qkv4[0].shape
+        heads = xp.empty((3, B * nh, T, hs), dtype=y4.dtype)  # q, k, v, each (BH, T, hs) contiguous
+        _split_heads(xp, qkv4, b, heads.reshape(3, B, nh, T, hs))
+        q, k, v = heads
+        rows, n_head, in_place = _head_rows(xp, y4, write=True)
+        _, lse = flash_attention_forward_gpu(q, k, v, 1.0 / math.sqrt(hs), rows, n_head=n_head, tf32=self._tf32())
+        if not in_place:                                      # y4 is not the heads of a (B, T, C) array
+            y4[...] = rows.reshape(B, nh, T, hs)
+        return AttentionCache(q, k, v, y4, lse, None, T, self._attention_backward_flash)
+
+    def _tf32(self):
+        """Whether the flash kernels' float32 products run on TF32 tensor cores: flash_tf32 where set,
+        else as the batched GEMMs do, by the cuBLAS handle's math mode (minitensor.device.set_tf32)."""
+        if self.flash_tf32 is not None:
+            return self.flash_tf32
+        from cupy_backends.cuda.libs import cublas
+
+        mode = cublas.getMathMode(self.xp.cuda.device.get_cublas_handle())
+        return mode & 0xF == CUBLAS_TF32_TENSOR_OP_MATH  # the flags above the low bits aside
+
+    def _attention_backward_flash(self, dy4, cache, grads4):
+        xp = self.xp
+        q, k, v, y4, lse = cache[:5]
+        BH, T, hs = q.shape
+        B, nh = dy4.shape[:2]
+        y, n_y, _ = _head_rows(xp, y4)
+        dy, n_dy, _ = _head_rows(xp, dy4)
+        if n_y != n_dy:                                       # one n_head for both: both as (BH, T, hs)
+            (y, n_y), (dy, n_dy) = ((xp.ascontiguousarray(a).reshape(BH, T, hs), 1) for a in (y4, dy4))
+        grads = flash_attention_backward_gpu(q, k, v, y, dy, lse, 1.0 / math.sqrt(hs), n_head=n_y, tf32=self._tf32())
+        stacked = _stacked_heads(grads4)
+        if stacked is not None:                               # dq, dk and dv in one copy
+            stacked[...] = grads.reshape(3, B, nh, T, hs)
+            return
+        for g, d in zip(grads4, grads):
+            g[...] = d.reshape(B, nh, T, hs)
 
     def causal_softmax(self, s):
         if not self.fused("causal_softmax"):
@@ -298,6 +350,19 @@ def _split_heads(xp, qkv4, b, out):
             dst[...] = src
         else:
             xp.add(src, add, out=dst)
+
+
+def _head_rows(xp, a4, write=False):
+    """(rows, n_head, in place) for the flash kernels from a (B, nh, T, hs) array: the (B, T, nh, hs)
+    array it is a view of, read (and written) in place, where it is one (the heads of a (B, T, C)
+    array); else a contiguous (B*nh, T, hs) copy (write: an empty one) with n_head 1."""
+    rows = a4.transpose(0, 2, 1, 3)
+    if rows.flags.c_contiguous:
+        return rows, a4.shape[1], True
+    B, nh, T, hs = a4.shape
+    if write:
+        return xp.empty((B * nh, T, hs), dtype=a4.dtype), 1, False
+    return xp.ascontiguousarray(a4).reshape(B * nh, T, hs), 1, False
 
 
 _gpu_memory_bytes = {}
@@ -795,6 +860,202 @@ CAUSAL_SOFTMAX = cuda.fused_piece(
     kernels=(CAUSAL_SOFTMAX_FWD, CAUSAL_SOFTMAX_BWD, CAUSAL_SOFTMAX_RECOMPUTE),
     sample=_causal_softmax_sample,
     cases=_causal_softmax_cases,
+)
+
+
+# =============================================================================================
+# Causal attention without T x T in memory: FlashAttention-2 (minitensor/backends/kernels/attention.cu)
+
+# Keys per key tile (and query rows per tile of the backward), query rows per tile of the forward, by
+# dtype (attention.cu's ROWS and FWD_ROWS); a head size a multiple of 16, at most 64.
+FLASH_TILE = {np.dtype(np.float32): 32, np.dtype(np.float64): 16}
+FLASH_FWD_TILE = {np.dtype(np.float32): 64, np.dtype(np.float64): 16}
+FLASH_HS_MAX = 64
+
+
+def flash_fits(hs, dtype):
+    """Whether the flash kernels take heads of size hs in dtype."""
+    return np.dtype(dtype) in FLASH_TILE and hs % 16 == 0 and 16 <= hs <= FLASH_HS_MAX
+
+
+def _flash_pairs(n_ctx, query_rows, key_rows):
+    """(query tile, key tile) pairs a head's launch visits: each query tile, the key tiles up to its
+    last row (the diagonal tiles' masked parts computed too)."""
+    T = int(n_ctx)
+    return sum(-(-min(T, i0 + query_rows) // key_rows) for i0 in range(0, T, query_rows))
+
+
+def _flash_work(q, n_ctx, hs, forward):
+    """(BH, pairs per head, query rows per tile, keys per tile) of a launch."""
+    keys = FLASH_TILE[q.dtype]
+    rows = FLASH_FWD_TILE[q.dtype] if forward else keys
+    return q.size // (int(n_ctx) * int(hs)), _flash_pairs(n_ctx, rows, keys), rows, keys
+
+
+def _flash_flops(products, forward=False):
+    """FLOPs of `products` (query rows, keys, hs) products per pair."""
+    def flops(q, n_ctx, hs, **_):
+        bh, pairs, rows, keys = _flash_work(q, n_ctx, hs, forward)
+        return products * 2 * bh * pairs * rows * keys * int(hs)
+    return flops
+
+
+# Traffic counts every tile a block loads as a device-memory read: on a GPU most repeats of a head's
+# tiles are L2 hits, which the step model does not see (an upper bound).
+def _flash_fwd_traffic(q, k, v, y, lse, n_ctx, hs, **_):
+    """q read once, a k and a v tile per pair; y and lse written."""
+    bh, pairs, _, keys = _flash_work(q, n_ctx, hs, True)
+    return q.nbytes + 2 * bh * pairs * keys * int(hs) * q.itemsize, y.nbytes + lse.nbytes
+
+
+def _flash_bwd_dq_traffic(q, k, v, y, dy, lse, delta, dq, n_ctx, hs, **_):
+    """q, dy, y and lse read once, a k and a v tile per pair; delta and dq written."""
+    bh, pairs, _, keys = _flash_work(q, n_ctx, hs, False)
+    return (q.nbytes + dy.nbytes + y.nbytes + lse.nbytes + 2 * bh * pairs * keys * int(hs) * q.itemsize,
+            delta.nbytes + dq.nbytes)
+
+
+def _flash_bwd_dkv_traffic(q, k, v, dy, lse, delta, dk, dv, n_ctx, hs, **_):
+    """k and v read once, a q and a dy tile per pair (and their rows' lse and delta); dk and dv written."""
+    bh, pairs, rows, _ = _flash_work(q, n_ctx, hs, False)
+    return k.nbytes + v.nbytes + 2 * bh * pairs * rows * (int(hs) + 1) * q.itemsize, dk.nbytes + dv.nbytes
+
+
+# The kernels: kernels/attention.cu (their shared code in kernels/flash.cuh).
+FLASH_FWD = cuda.RawSpec("flash_attention_fwd", "attention.cu", traffic=_flash_fwd_traffic,
+                         flops=_flash_flops(2, forward=True))
+FLASH_BWD_DQ = cuda.RawSpec("flash_attention_bwd_dq", "attention.cu", traffic=_flash_bwd_dq_traffic,
+                            flops=_flash_flops(3))
+FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu", traffic=_flash_bwd_dkv_traffic,
+                             flops=_flash_flops(4))
+
+
+def _flash_operands(fn, q, k, v):
+    """(BH, T, hs) of contiguous q, k, v that the kernels take."""
+    if getattr(q, "dtype", None) not in FLASH_TILE or q.ndim != 3 or not q.flags.c_contiguous:
+        raise ValueError(f"{fn}: q must be a contiguous float32 or float64 array (BH, T, hs)")
+    cuda.like(fn, "k", k, q)
+    cuda.like(fn, "v", v, q)
+    BH, T, hs = q.shape
+    if not flash_fits(hs, q.dtype):
+        raise ValueError(f"{fn}: head size {hs}: the kernels take multiples of 16 up to {FLASH_HS_MAX}")
+    return BH, T, hs
+
+
+def _flash_rows(fn, name, a, q, n_head):
+    """a holds q's BH heads' (T, hs) rows as (B, T, n_head, hs), contiguous."""
+    BH = q.shape[0]
+    if a.dtype != q.dtype or a.size != q.size or not a.flags.c_contiguous or n_head < 1 or BH % n_head:
+        raise ValueError(f"{fn}: {name} must be a contiguous array of {BH} heads' (T, hs) rows as "
+                         f"(B, T, {n_head}, hs), got {a.dtype} {a.shape}")
+
+
+def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32=True):
+    """y = softmax(scale q k^T + causal mask) v for q, k, v (BH, T, hs) (CuPy, contiguous), without the
+    (T, T) scores in memory; returns (y, lse). y: (BH, T, hs), or with n_head, the heads' rows of a
+    (B, T, n_head, hs) array (e.g. the layer's (B, T, C) output); lse (BH, T): each row's log-sum-exp.
+    tf32: float32 products on TF32 tensor cores (else, as float64's, by FMAs)."""
+    fn = "flash_attention_forward_gpu"
+    BH, T, hs = _flash_operands(fn, q, k, v)
+    xp = array_module(q)
+    y = xp.empty_like(q) if y is None else y
+    lse = xp.empty((BH, T), dtype=q.dtype) if lse is None else lse
+    _flash_rows(fn, "y", y, q, n_head)
+    cuda.row_values(fn, "lse", lse, q, BH * T)
+    if q.size:
+        rows = FLASH_FWD_TILE[q.dtype]
+        cuda.launch(FLASH_FWD, q.dtype, (-(-T // rows), BH), (4 * rows,),
+                    (q, k, v, y, lse, np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale),
+                     np.int32(bool(tf32))))
+    return y, lse
+
+
+def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None, tf32=True):
+    """(dq, dk, dv) of flash_attention_forward_gpu's y = attention(q, k, v) from dy (laid out as y, with
+    the same n_head) and the forward's y and lse; into out ((3, BH, T, hs), contiguous) or a new array.
+    Deterministic: delta = rowsum(dy y) and dq per query tile, then dk and dv per key tile."""
+    fn = "flash_attention_backward_gpu"
+    BH, T, hs = _flash_operands(fn, q, k, v)
+    for name, a in (("y", y), ("dy", dy)):
+        _flash_rows(fn, name, a, q, n_head)
+    cuda.row_values(fn, "lse", lse, q, BH * T)
+    xp = array_module(q)
+    grads = xp.empty((3, BH, T, hs), dtype=q.dtype) if out is None else out
+    if grads.shape != (3, BH, T, hs) or grads.dtype != q.dtype or not grads.flags.c_contiguous:
+        raise ValueError(f"{fn}: out must be a contiguous {q.dtype} array of shape {(3, BH, T, hs)}")
+    if q.size:
+        delta = xp.empty((BH, T), dtype=q.dtype)
+        grid, block = (-(-T // FLASH_TILE[q.dtype]), BH), (4 * FLASH_TILE[q.dtype],)
+        common = (np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale), np.int32(bool(tf32)))
+        cuda.launch(FLASH_BWD_DQ, q.dtype, grid, block, (q, k, v, y, dy, lse, delta, grads[0], *common))
+        cuda.launch(FLASH_BWD_DKV, q.dtype, grid, block, (q, k, v, dy, lse, delta, grads[1], grads[2], *common))
+    return grads
+
+
+# TF32 rounds each product's operands to 11 significant bits (relative error up to 2**-11, ~5e-4): the
+# attention's outputs and gradients land within ~1e-3 of float32's; 5e-3 still refuses a wrong mask, tile
+# or fragment layout, whose errors are of the outputs' own size.
+FLASH_RTOL = 5e-3
+
+
+def _flash_attention_sample(ops, rng):
+    """A 4-head attention layer (head size 16), forward and backward, over 2 x 72 positions: three
+    query tiles, the last one partial, a full one over two key tiles (its running max and sum
+    rescaled); the core as the backend chooses it (flash with the piece, else the Ops code), its
+    float32 products once on TF32 tensor cores and once by FMAs, whatever train.tf32 will say."""
+    from minitensor.layers.attention import CausalSelfAttention
+    from minitensor.layers.linear import Linear
+
+    xp = ops.xp
+    B, T, C, nh = 2, 72, 64, 4
+    weights = [_draw(xp, rng, C, 3 * C, scale=0.3), _draw(xp, rng, 3 * C), _draw(xp, rng, C, C, scale=0.3),
+               _draw(xp, rng, C)]
+    x, dy = _draw(xp, rng, B, T, C), _draw(xp, rng, B, T, C)
+    outputs = []
+    try:
+        for tf32 in (True, False):
+            ops.flash_tf32 = tf32
+            grads = [xp.zeros(w.shape, np.float32) for w in weights]
+            attn = CausalSelfAttention(Linear(weights[0], grads[0], weights[1], grads[1], ops=ops),
+                                       Linear(weights[2], grads[2], weights[3], grads[3], ops=ops), nh, ops=ops)
+            outputs += [attn.forward(x), attn.backward(dy), *grads]
+    finally:
+        ops.flash_tf32 = None
+    return tuple(outputs)
+
+
+def _flash_attention_cases(k):
+    """The flash attention core forward and backward against Ops' dense core, at the model's heads (64
+    wide; 16 in a dry run). Its float32 products by FMAs here: TF32's would not meet 1e-5 (the start-up
+    self-check compares the tensor-core path, at TF32's tolerance)."""
+    BH, T, hs = k.BH, k.T, 16 if k.T < 64 else 64
+    scale = 1.0 / np.sqrt(hs)
+
+    def setup():
+        k.reseed()
+        return dict(q=k.rand(BH, T, hs), k=k.rand(BH, T, hs), v=k.rand(BH, T, hs), dy=k.rand(BH, T, hs))
+
+    def fused(d):
+        y, lse = flash_attention_forward_gpu(d["q"], d["k"], d["v"], scale, tf32=False)
+        return (y, *flash_attention_backward_gpu(d["q"], d["k"], d["v"], y, d["dy"], lse, scale, tf32=False))
+
+    def generic(d):
+        y4 = k.xp.empty((BH, 1, T, hs), k.dtype)
+        cache = k.ref.attention_forward([d[n][:, None] for n in "qkv"], None, y4, dense=True)
+        grads = [k.xp.empty((BH, 1, T, hs), k.dtype) for _ in range(3)]
+        k.ref.attention_backward(d["dy"][:, None], cache, grads)
+        return (y4[:, 0], *(g[:, 0] for g in grads))
+
+    return [("flash attention fwd + bwd", setup, fused, generic, False)]
+
+
+FLASH_ATTENTION = cuda.fused_piece(
+    "flash_attention",
+    replaces=("attention_forward",),
+    kernels=(FLASH_FWD, FLASH_BWD_DQ, FLASH_BWD_DKV),
+    sample=_flash_attention_sample,
+    cases=_flash_attention_cases,
+    rtol=FLASH_RTOL,
 )
 
 

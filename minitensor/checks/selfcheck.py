@@ -8,7 +8,8 @@ a GPU) runs each fused piece's sample (its record's, minitensor.backends.fused_p
 declared in minitensor/backends/cupy_ops.py: the piece forward and backward on small random float32
 inputs, a few milliseconds) through a CupyOps without the piece (the Ops code) and one with it (the fused
 kernel), and keeps only the pieces whose outputs agree to float32 precision: max |fused -
-generic| <= RTOL * max(1, max |generic|) over every output. A piece that disagrees, or whose
+generic| <= RTOL * max(1, max |generic|) over every output (TF32 precision for a piece whose products
+run on tensor cores: its record's rtol). A piece that disagrees, or whose
 kernel fails to build or run, is reported in the line and the Ops code takes its place. `fused`
 uses every piece unchecked, `generic` none; on NumPy there is nothing to choose.
 """
@@ -40,7 +41,9 @@ def compare(check, name, xp):
         if not np.isfinite(err):
             return False, "non-finite output"
         worst = max(worst, err / max(1.0, float(np.max(np.abs(g))) if g.size else 1.0))
-    return worst <= RTOL, f"max error {worst:.1e}"
+    piece = fused_pieces().get(name)
+    rtol = piece.rtol if piece is not None and piece.rtol is not None else RTOL
+    return worst <= rtol, f"max error {worst:.1e}"
 
 
 def choose(checks, xp):

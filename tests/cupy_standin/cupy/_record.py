@@ -28,7 +28,8 @@ makes for it, with the bytes that launch reads and writes:
                   written, and read when beta is not 0), named "(unaligned)" likewise
                   (tests/cupy_standin/cupy_backends/cuda/libs/cublas.py computes them)
     kernel        an ElementwiseKernel (every array argument read or written once) or a RawKernel (the
-                  traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`)
+                  traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`, and the
+                  FLOPs of its inner products where it declares them, `RawSpec.flops_of`)
     h2d, d2h      copies between host and device (not launches); a read gives ones: values are not tracked;
                   `cupy.asarray`/`cupy.array` of host data without blocking is "h2d_async" (CuPy stages it
                   in pinned memory and copies it on the current stream)
@@ -634,7 +635,7 @@ def _raw_kernel(self, grid, block, args, *, shared_mem=0, enable_cooperative_gro
     host = [a._a if isinstance(a, ndarray) else a for a in args]
     spec = cuda.KERNELS.get(self.name) or cuda.RawSpec(self.name, options=self.options, inline=self.body)
     read, written = spec.bytes_moved(host)
-    _active.add("kernel", self.name, 0, read, written, _shapes(*host))
+    _active.add("kernel", self.name, spec.flops_of(host), read, written, _shapes(*host))
     self.compile()
     if _active.verify:
         _original(_kernels.RawKernel, "__call__")(self, grid, block, args, shared_mem=shared_mem,
