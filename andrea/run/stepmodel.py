@@ -46,7 +46,7 @@ from andrea.errors import UserError
 from andrea.model.transformer import ANDREA, flops_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
-STANDIN = ROOT / "tests" / "cupy_standin"
+STANDIN = ROOT / "tests" / "support" / "cupy_standin"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from minitensor import device
 from minitensor.backends import cuda
 
 STANDIN = Path(__file__).resolve().parent / "cupy_standin"
-ROOT = STANDIN.parents[1]
+ROOT = STANDIN.parents[2]
 _PACKAGES = ("cupy", "cupyx", "cupy_backends")
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from gpu_standin import reports, standin_cupy, standin_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 PHASES = [["0", "device"], ["1", "tests"], ["2", "kernels"], ["3", "gradients"], ["4", "train"], ["5", "nccl"],
           ["6", "sanitize"], ["7", "bench"]]
@@ -98,10 +98,10 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     from minitensor.backends import all_kernels
 
     compiled = tests.index(f"compiled {2 * len(all_kernels())} kernels (every kernel x float32, float64)")
-    assert compiled < tests.index("tests collected") and "tests/test_model.py::" in tests
+    assert compiled < tests.index("tests collected") and "tests/model/test_model.py::" in tests
     assert "FAIL warm-up" not in tests and any("CuPy's own kernels warmed by 8 tiny training steps" in f
                                                for f in figures), figures
-    assert "tests/test_softmax.py::test_exp_rows_is_the_softmax_before_its_division[cupy-float32" in tests
+    assert "tests/engine/test_softmax.py::test_exp_rows_is_the_softmax_before_its_division[cupy-float32" in tests
     assert "slowest 15 durations" in tests and any(re.match(r"\d+ passed, \d+ deselected in", f) for f in figures)
     assert "self-check in" in phases["2-kernels.txt"] and "skip" not in phases["2-kernels.txt"]
     assert phases["2-kernels.txt"].count("ok   ") == 18  # the self-check, 13 kernels, 4 cuBLAS calls

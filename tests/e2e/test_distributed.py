@@ -29,7 +29,7 @@ from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
 from minitensor import device
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STDLIB_JSON = Path(json.__file__).parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 # the measured 1-vs-2-process differences are float32 summation order: ~1e-7 on losses and ~1e-6
@@ -63,7 +63,7 @@ def run(args, n=2, faults=(), timeout=180, env=None):
         cmd = [sys.executable, "-m", "andrea.train", *args]
     else:
         cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py",
-               str(ROOT / "tests" / "mpi_driver.py"), *faults, "--", *args]
+               str(ROOT / "tests" / "support" / "mpi_driver.py"), *faults, "--", *args]
     return run_in_own_session(cmd, environ, ROOT, timeout)
 
 

@@ -8,7 +8,7 @@ understand either. The graph is read from the source (ast), so nothing is import
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("andrea", "minitensor")
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from optional import require
-from test_train import ROOT, run_main, small_config
+from runs import ROOT, run_main, small_config
 
 from andrea import bench
 from andrea.plot import Curves, draw
@@ -53,7 +53,7 @@ def test_a_run_of_one_logged_step_is_a_visible_point():
 
 
 def test_pytest_q_says_which_backends_ran(tmp_path):
-    one_test = "tests/test_cli.py::test_shipped_configs_load_and_match_the_spec"
+    one_test = "tests/app/test_cli.py::test_shipped_configs_load_and_match_the_spec"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", one_test],
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -31,7 +31,7 @@ from andrea.run.checkpoint import (
     save_checkpoint,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _tensors(step):

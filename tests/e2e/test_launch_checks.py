@@ -22,7 +22,7 @@ from andrea.run.trainer import kernels_line
 from andrea.train import parse_args
 from minitensor.backends import numba_jit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 

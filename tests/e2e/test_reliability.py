@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_train import STDLIB_JSON, run_main, small_config
+from runs import STDLIB_JSON, run_main, small_config
 
 from andrea import bench, sample, train
 from andrea import params as params_cli
@@ -27,7 +27,7 @@ from andrea.data.manifest import split_counts
 from andrea.run import checkpoint as ckpt
 from andrea.run import preflight, runlog
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(main, argv):

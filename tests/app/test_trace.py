@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 from optional import require
-from test_train import run_main, small_config
+from runs import run_main, small_config
 
 from andrea import trace
 from andrea.cli import run_cli

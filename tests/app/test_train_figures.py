@@ -11,7 +11,7 @@ import json
 import re
 import time
 
-from test_train import run_main, small_config
+from runs import run_main, small_config
 
 from andrea import train
 

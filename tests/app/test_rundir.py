@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train import run_main, small_config
+from runs import run_main, small_config
 
 from andrea import export
 from andrea.cli import run_cli
 from andrea.errors import UserError
 from andrea.run import rundir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("andrea", "minitensor", "scripts")
 MAX_LINES = 60
 MAX_COMPLEXITY = 20

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import pytest
 from optional import require
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 DOCS = ["README.md", "docs/data.md", "docs/training.md", "docs/distributed.md", "docs/gpu.md",
         "docs/huggingface.md", "docs/architecture.md", "docs/derivations.md", "docs/experiments.md",
@@ -62,10 +62,10 @@ RULES = [
     (r"python -m andrea\.train --config 120m --dry-run", []),
     (r"python -m andrea\.train --set \S+ --out out/[\w-]+", TWO_STEPS),
     (r"python -m andrea\.experiment \S+( --seeds \S+)?",
-     Elsewhere("tests/test_experiment.py", "def test_each_experiment_runs_and_reports")),
+     Elsewhere("tests/e2e/test_experiment.py", "def test_each_experiment_runs_and_reports")),
     (r"python -m andrea\.experiment residual", ["--steps", "2", "--seeds", "0"]),
     (r"python -m andrea\.experiment residual --scale .*",
-     Elsewhere("tests/test_experiment.py", "def test_each_experiment_runs_and_reports")),
+     Elsewhere("tests/e2e/test_experiment.py", "def test_each_experiment_runs_and_reports")),
     (r"python -m andrea\.train .*--device gpu.*", ["--dry-run"]),  # exit 2 without a GPU: checked below
     (r"python -m andrea\.(sample|plot|export|params) .*", []),
     (r"python -m andrea\.trace --checkpoint RUN_OR_HF_DIR .*", "a synopsis: its words in capitals name the arguments"),
@@ -83,7 +83,7 @@ RULES = [
     (r"python -m minitensor\.checks --check", []),
     (r"bash scripts/gpu_check\.sh", NEEDS_GPU),
     (r"bash scripts/gpu_check\.sh --dry-run",
-     Elsewhere("tests/test_gpu_check.py", 'subprocess.run(["bash", str(SCRIPT), "--dry-run"]')),
+     Elsewhere("tests/gpu/test_gpu_check.py", 'subprocess.run(["bash", str(SCRIPT), "--dry-run"]')),
     (r"python -m andrea\.run\.distributed --nccl-self-test", NEEDS_GPU),
     (r"python -c .*from_pretrained\('gpt2'\).*", LOCAL_GPT2),
     (r"python -c .*pipeline\('text-generation', model='andrea-tiny-hf'\).*", []),
@@ -126,7 +126,7 @@ def doc_commands():
 def rule_for(words):
     line = " ".join(words)
     matches = [what for pattern, what in RULES if re.fullmatch(pattern, line, re.S)]
-    assert matches, f"no rule in tests/test_readme.py for the documented command: {line}"
+    assert matches, f"no rule in tests/e2e/test_readme.py for the documented command: {line}"
     return matches[-1]  # the most specific: later rules narrow earlier ones
 
 
@@ -222,7 +222,7 @@ def make_local_gpt2(cwd):
     """What the README's download makes (`gpt2/`: config, safetensors weights, GPT-2's tokenizer
     files), small and random, offline."""
     transformers = require("transformers")
-    from test_hf import foreign_tokenizer
+    from hf_files import foreign_tokenizer
 
     directory = cwd / "gpt2"
     directory.mkdir()

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-SOURCES = [p for d in ("andrea", "minitensor") for p in (Path(__file__).resolve().parents[1] / d).rglob("*.py")]
+SOURCES = [p for d in ("andrea", "minitensor") for p in (Path(__file__).resolve().parents[2] / d).rglob("*.py")]
 
 
 def test_sources_were_found():

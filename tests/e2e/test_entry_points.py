@@ -28,7 +28,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from optional import require
-from test_train import STDLIB_JSON, run_main, small_config
+from runs import STDLIB_JSON, run_main, small_config
 
 from andrea import eval as evaluation
 from andrea import export, params, plot, prepare, sample, trace, train

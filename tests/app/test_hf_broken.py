@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import safetensors.numpy
-from test_train import STDLIB_JSON, run_main
+from runs import STDLIB_JSON, run_main
 
 from andrea.config import ModelConfig
 from andrea.data.tokenizer import Tokenizer, load_tokenizer

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runs import small_config
 from test_prepare_scale import lines, make_corpus, snapshot
-from test_train import small_config
 
 from andrea import prepare, train
 from andrea.cli import run_cli
@@ -384,7 +384,7 @@ def test_the_dry_run_checks_init_from_weights_as_loading_does(tmp_path, capsys, 
 
 # ----------------------------------------------------------------------------- class 6: Ctrl-C from outside
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STDLIB = Path(json.__file__).parent.parent
 SIGINT_CORPUS = [str(STDLIB / name) for name in ("email", "unittest")]  # 1.3 MB of Python
 

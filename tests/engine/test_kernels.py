@@ -142,7 +142,7 @@ def test_import_needs_no_cupy():
     code = ("import sys, minitensor.checks, minitensor.backends.cupy_ops, andrea.model.transformer; "
             "minitensor.backends.all_kernels(); "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_importing_the_gpu_backend_reads_no_cuda_source():

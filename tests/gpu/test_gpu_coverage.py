@@ -5,7 +5,7 @@ they say."""
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("gpu_coverage", ROOT / "scripts" / "gpu_coverage.py")
 gpu_coverage = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_coverage)
