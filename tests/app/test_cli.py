@@ -51,7 +51,7 @@ def saved_and_read_back(cfg):
     return make_config(json.loads(json.dumps(cfg.to_dict())))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(seed=st.integers(0, 2**63 - 1))
 def test_an_integer_override_is_read_exactly(seed):
     # issue 30, class 8: 9007199254740993 went through a float and was saved as ...992

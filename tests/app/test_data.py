@@ -261,7 +261,7 @@ def test_batches_are_shifted_windows_of_the_data(tokens):
         assert any((tokens[o + 1 : o + 17] == row_y).all() for o in starts)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(n=st.integers(2, 60), B=st.integers(1, 5), T=st.integers(1, 12), seed=st.integers(0, 2**32))
 def test_windows_stay_inside_the_data(n, B, T, seed):
     tokens = np.arange(n, dtype=np.uint16)

@@ -190,7 +190,7 @@ def exported_tokenizer(tmp_path_factory, tok):
     return transformers.AutoTokenizer.from_pretrained(out)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(text=st.text(max_size=40))
 def test_exported_tokenizer_gives_andreas_ids_for_any_text(exported_tokenizer, tok, text):
     hf_tok = exported_tokenizer

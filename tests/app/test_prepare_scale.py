@@ -444,7 +444,7 @@ PIECE_TEXT = st.lists(st.sampled_from(list("ab1 9\n\t\r'.(_-é中😀\u00a0") + 
                       max_size=200).map("".join)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(PIECE_TEXT, st.integers(1, 40))
 def test_trainer_pieces_give_the_words_of_the_whole_text(text, limit):
     from andrea.data.tokenizer import _hf_pre_tokenizer

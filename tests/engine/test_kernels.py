@@ -12,7 +12,7 @@ import formulas as F
 import numpy as np
 import pytest
 import strategies as S
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
@@ -49,7 +49,6 @@ CPU_OPS = {"ops": Ops(np), "numpy": NumpyOps(numba=False), "numba": NumpyOps(num
 backends = st.sampled_from(sorted(CPU_OPS))
 
 
-@settings(deadline=None)
 @given(shape=shapes, seed=S.seeds, dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.1, 1.0, 4.0]),
        backend=backends, chunk=chunks)
 def test_gelu_forward_matches_formula(shape, seed, dtype, scale, backend, chunk):
@@ -60,7 +59,6 @@ def test_gelu_forward_matches_formula(shape, seed, dtype, scale, backend, chunk)
     assert_close(y, F.gelu(x.astype(np.float64)), x)
 
 
-@settings(deadline=None)
 @given(shape=shapes, seed=S.seeds, dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.1, 1.0, 4.0]),
        backend=backends, chunk=chunks, recompute=st.booleans())
 def test_gelu_backward_matches_formula(shape, seed, dtype, scale, backend, chunk, recompute):
@@ -75,7 +73,6 @@ def test_gelu_backward_matches_formula(shape, seed, dtype, scale, backend, chunk
         assert_close(y, F.gelu(x64), x64)
 
 
-@settings(deadline=None)
 @given(shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=9), seed=S.seeds,
        dtype=st.sampled_from(DTYPES), backend=backends, chunk=chunks)
 def test_bias_gelu_forward_and_backward(shape, seed, dtype, backend, chunk):

@@ -21,7 +21,7 @@ from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.params import Params
 
-examples = settings(max_examples=15, deadline=None)
+examples = settings(max_examples=15)
 
 
 def test_embedding_sums_gradients_of_repeated_ids(xp):
@@ -197,7 +197,7 @@ def test_backward_without_forward_raises(xp):
         GELU().backward(xp.ones(3))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6)
 @given(seed=S.seeds, d=S.attention_dims(), V=S.vocab)
 def test_small_stack_end_to_end(xp, seed, d, V):
     """embedding + position + one pre-norm block + final norm + tied head + loss, every parameter.

@@ -28,7 +28,7 @@ def upstream(case, xp, dtype, seed):
 
 
 names = pytest.mark.parametrize("name", sorted(CASES))
-examples = settings(max_examples=12, deadline=None)
+examples = settings(max_examples=12)
 
 
 @names

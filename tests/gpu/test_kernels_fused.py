@@ -92,7 +92,7 @@ def test_every_fused_piece_is_one_complete_record():
 # --- The formulas against the layer code they stand for (NumPy, float64) -------------------------
 
 
-@settings(deadline=None, max_examples=20)
+@settings(max_examples=20)
 @given(N=st.integers(1, 6), C=st.integers(1, 40), seed=S.seeds, mode=st.sampled_from(["ops", "numpy", "numba"]))
 def test_layernorm_formulas_equal_the_layer(N, C, seed, mode):
     """The Ops code (what the kernels' self-check compares them with on a GPU, through CuPy) and
@@ -113,7 +113,7 @@ def test_layernorm_formulas_equal_the_layer(N, C, seed, mode):
     assert_close(db, db_ref)
 
 
-@settings(deadline=None, max_examples=20)
+@settings(max_examples=20)
 @given(BH=st.integers(1, 3), T=st.integers(1, 9), seed=S.seeds)
 def test_causal_softmax_formulas_equal_the_attention_code(BH, T, seed):
     ops = Ops(np)
@@ -133,7 +133,7 @@ def test_causal_softmax_formulas_equal_the_attention_code(BH, T, seed):
     assert_close(F.causal_softmax_backward(dp, p, 0.3), 0.3 * F.causal_softmax_backward(dp, p))
 
 
-@settings(deadline=None, max_examples=20)
+@settings(max_examples=20)
 @given(B=st.integers(1, 3), T=st.integers(1, 4), V=st.integers(2, 11), seed=S.seeds)
 def test_cross_entropy_formulas_equal_the_loss_layer(B, T, V, seed):
     rng = np.random.default_rng(seed)
@@ -146,7 +146,7 @@ def test_cross_entropy_formulas_equal_the_loss_layer(B, T, V, seed):
     assert_close(layer.backward(0.7), F.softmax_xent_backward(probs, targets, 0.7))
 
 
-@settings(deadline=None, max_examples=10)
+@settings(max_examples=10)
 @given(seed=S.seeds, steps=st.integers(1, 3), grad_scale=st.sampled_from([1.0, 0.3]))
 def test_adamw_formula_equals_the_optimizer(seed, steps, grad_scale):
     rng = np.random.default_rng(seed)
@@ -540,7 +540,7 @@ def test_emulation_refuses_partly_overlapping_buffers():
 # --- On a GPU: every wrapper against its formula -------------------------------------------------
 
 
-gpu_settings = settings(deadline=None, max_examples=15)
+gpu_settings = settings(max_examples=15)
 dtypes = st.sampled_from(DTYPES)
 
 

@@ -76,7 +76,7 @@ def assert_float32_follows_float64(cfg, backend, idx, targets):
     np.testing.assert_allclose(grads["float32"][1], grads["float64"][1], rtol=1e-3, atol=1e-6)
 
 
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=2)
 @given(seed=S.seeds, B=S.batch, T=S.time)
 def test_whole_model_gradients_match_finite_differences(model_backend, seed, B, T):
     m = ANDREA(ModelConfig(**TINY), **model_backend.args, dtype="float64", seed=seed)

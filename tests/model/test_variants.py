@@ -52,7 +52,7 @@ def perturbed_model(backend, variant, seed, B, T, dtype="float64"):
 
 
 @variants
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=2)
 @given(seed=S.seeds, B=S.batch, T=S.time)
 def test_variant_gradients_match_finite_differences(model_backend, variant, seed, B, T):
     if VARIANTS[variant].get("activation") == "relu":
