@@ -1,9 +1,9 @@
 """Shared fixtures: the backends every engine test runs on, and CuPy for the kernel tests.
 
 NumPy is always there. The GPU-marked parameters run on CuPy: the real one when a GPU works (a
-tiny kernel and a tiny matmul ran), otherwise the CuPy stand-in (tests/cupy_standin, ids
+tiny kernel and a tiny matmul ran), otherwise the CuPy stand-in (tests/support/cupy_standin, ids
 `cupy-standin...`, marked `gpu` and `standin`), which each such test enters for its setup, call
-and teardown (tests/gpu_standin.py), so the rest of the suite still sees no GPU. `pytest -m gpu`
+and teardown (tests/support/gpu_standin.py), so the rest of the suite still sees no GPU. `pytest -m gpu`
 selects the same tests either way. The `cupy` fixture is for tests that run only on CuPy (the
 CUDA kernels). `model_backend` runs a whole-model test on every backend, and on CuPy twice: with
 the generic kernels and with every fused one in use (`ANDREA(cfg, **model_backend.args)`).

@@ -1,7 +1,7 @@
 """Data-parallel training: 2 MPI processes train the model 1 process does, resume exactly, fail together.
 
 The runs launch `mpiexec -n 2` (the one beside this Python, from the mpi extra) with one BLAS and
-one minitensor thread per rank; tests/mpi_driver.py injects the faults. The NCCL reducer is
+one minitensor thread per rank; tests/support/mpi_driver.py injects the faults. The NCCL reducer is
 checked here with a fake NCCL on threads (id exchange, pointers, sum); the real library runs in
 scripts/gpu_check.sh at one rank.
 """

@@ -86,7 +86,7 @@ def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
 
 
 def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(tmp_path):
-    """The same dry run with the CuPy stand-in (tests/gpu_standin.py) as its GPU: every phase takes
+    """The same dry run with the CuPy stand-in (tests/support/gpu_standin.py) as its GPU: every phase takes
     its CuPy branch at toy sizes. Phase 1 compiles every kernel and warms CuPy's before the GPU tests
     (all collected, a few run as the real check runs them all); the bench's training step reads from
     the device once, as training's does."""

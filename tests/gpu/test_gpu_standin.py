@@ -1,4 +1,4 @@
-"""The GPU code paths, run on every change without a GPU: the CuPy stand-in (tests/gpu_standin.py).
+"""The GPU code paths, run on every change without a GPU: the CuPy stand-in (tests/support/gpu_standin.py).
 
 The stand-in's arrays are NumPy's behind CuPy's wall (no implicit host conversion, no NumPy
 operands, every read back to the host counted); ElementwiseKernels run their operation as C++,

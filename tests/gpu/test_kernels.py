@@ -1,6 +1,6 @@
-"""GELU on every backend against its textbook formula (tests/formulas.py), and the kernels and kernelcheck modules
-and finite differences, the NVRTC compile check (and that it can fail), the host C++ check of each
-elementwise operation, and, on a GPU, the CuPy kernels against NumPy."""
+"""GELU on every backend against its textbook formula (tests/support/formulas.py), and the kernels and
+kernelcheck modules and finite differences, the NVRTC compile check (and that it can fail), the host C++
+check of each elementwise operation, and, on a GPU, the CuPy kernels against NumPy."""
 
 import dataclasses
 import subprocess

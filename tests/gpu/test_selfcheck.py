@@ -1,6 +1,6 @@
 """The start-up self-check of the fused kernels (minitensor/checks/selfcheck.py) and the backend it builds.
 
-The checks run on the CuPy stand-in (tests/gpu_standin.py): RawKernels through the launch
+The checks run on the CuPy stand-in (tests/support/gpu_standin.py): RawKernels through the launch
 emulation, ElementwiseKernels as C++ on the host. A kernel made to disagree (a sign flipped in
 its CUDA code) is refused, reported, and the Ops code takes its place; a whole model step with
 every fused piece launches each fused kernel and equals the generic step. That every piece

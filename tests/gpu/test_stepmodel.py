@@ -1,5 +1,5 @@
 """The step model (andrea/run/stepmodel.py): one ANDREA-120M training step on a GPU, every launch
-recorded on the CuPy stand-in's recording mode (tests/cupy_standin/cupy/_record.py), and its time
+recorded on the CuPy stand-in's recording mode (tests/support/cupy_standin/cupy/_record.py), and its time
 on an H200 estimated.
 
 - the recording mode's rules against NumPy: at a small size, each recorded operation's predicted

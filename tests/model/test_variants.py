@@ -26,7 +26,7 @@ VARIANTS = {
     "mlp-ratio-2": dict(mlp_ratio=2),
 }
 variants = pytest.mark.parametrize("variant", sorted(VARIANTS))
-# finite differences move a pre-activation by far less than this (see tests/layer_cases.py)
+# finite differences move a pre-activation by far less than this (see tests/support/layer_cases.py)
 KINK_MARGIN = 5e-3
 
 

@@ -1,4 +1,4 @@
-"""The CuPy stand-in (tests/cupy_standin), for the tests that run the GPU code paths without a GPU.
+"""The CuPy stand-in (tests/support/cupy_standin), for the tests that run the GPU code paths without a GPU.
 
     with standin_cupy() as cupy: ...        # in this process: `import cupy` is the stand-in, and
                                             # minitensor's GPU probe finds a usable "GPU"

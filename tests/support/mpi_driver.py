@@ -1,6 +1,6 @@
-"""`python -m andrea.train` under mpiexec with one injected fault, for tests/test_distributed.py.
+"""`python -m andrea.train` under mpiexec with one injected fault, for tests/e2e/test_distributed.py.
 
-    mpiexec -n 2 python -m mpi4py tests/mpi_driver.py [FAULT ...] -- TRAIN ARGS
+    mpiexec -n 2 python -m mpi4py tests/support/mpi_driver.py [FAULT ...] -- TRAIN ARGS
 
 Faults (each names the rank and the optimizer step it hits):
   --hashes DIR           every rank writes DIR/rank<r>.json: sha256 of its weights after each step

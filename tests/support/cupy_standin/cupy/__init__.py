@@ -1,6 +1,6 @@
 """A NumPy-backed stand-in for CuPy 14.2, so that CPU-only CI runs andrea's GPU code paths.
 
-Only the tests that ask for it see it (tests/gpu_standin.py puts this folder first on sys.path, or
+Only the tests that ask for it see it (tests/support/gpu_standin.py puts this folder first on sys.path, or
 on PYTHONPATH for a command); the rest of the suite sees the real CuPy, or none, and no GPU.
 
 - `ndarray` (cupy/_array.py): NumPy data that refuses implicit conversion to NumPy and NumPy
@@ -16,7 +16,7 @@ on PYTHONPATH for a command); the rest of the suite sees the real CuPy, or none,
   cuBLAS's GEMM, strided batched GEMM and GEMV computed column-major from their pointers
   (minitensor.backends.cublas calls them).
 
-What it cannot show is listed in tests/gpu_standin.py.
+What it cannot show is listed in tests/support/gpu_standin.py.
 """
 
 import numpy as _np

@@ -37,7 +37,7 @@ makes for it, with the bytes that launch reads and writes:
 An operation without a rule raises NotImplementedError naming it, so that nothing is left out of a
 record silently. `recording(verify=True)` computes as the stand-in normally does as well and checks
 that each prediction (shape, dtype, contiguity) is what NumPy computed: the rules are tested that way
-at a small size (tests/test_stepmodel.py).
+at a small size (tests/gpu/test_stepmodel.py).
 """
 
 import contextlib
@@ -189,7 +189,7 @@ def _rule(fn):
     elif getattr(fn, "__name__", None) in FUNCTIONS:
         return FUNCTIONS[fn.__name__], fn.__name__, None
     raise NotImplementedError(f"the stand-in's recording mode has no rule for {getattr(fn, '__name__', fn)!r}: "
-                              f"add one in tests/cupy_standin/cupy/_record.py")
+                              f"add one in tests/support/cupy_standin/cupy/_record.py")
 
 
 def _ufunc_rule(rec, name, u, _, args, kwargs):
