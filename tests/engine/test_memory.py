@@ -56,7 +56,7 @@ def test_the_entry_points_set_the_blas_timeout_before_numpy_loads():
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for name in ("train", "bench", "sample"):
         body = ast.parse((root / "andrea" / f"{name}.py").read_text()).body
         first = [node for node in body[1:] if not isinstance(node, ast.Expr)][:2]  # after the docstring

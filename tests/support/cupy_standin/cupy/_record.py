@@ -26,7 +26,7 @@ makes for it, with the bytes that launch reads and writes:
     gemm          also cuBLAS's own sgemm/dgemm and their strided batched forms (2 m n k FLOPs a matrix; A and
                   B read, C written, and read when beta is not 0) and sgemv/dgemv (2 m n; A and x read, y
                   written, and read when beta is not 0), named "(unaligned)" likewise
-                  (tests/cupy_standin/cupy_backends/cuda/libs/cublas.py computes them)
+                  (tests/support/cupy_standin/cupy_backends/cuda/libs/cublas.py computes them)
     kernel        an ElementwiseKernel (every array argument read or written once) or a RawKernel (the
                   traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`, and the
                   FLOPs of its inner products where it declares them, `RawSpec.flops_of`)
