@@ -39,7 +39,7 @@
 #     PYTHONPATH=. bash scripts/gpu_check.sh              (from the repository root)
 #     bash scripts/gpu_check.sh --dry-run                 (the same phases at toy sizes: on NumPy, or on
 #                                                          the GPU if one works, e.g. the CuPy stand-in
-#                                                          of tests/cupy_standin; its GPU tests are
+#                                                          of tests/support/cupy_standin; its GPU tests are
 #                                                          collected and a few run; 6 times the limits)
 #
 # Each phase's output goes to $OUT/gpu_check/<n>-<name>.txt (OUT defaults to the current directory)
@@ -111,7 +111,7 @@ gpu_tests() {
         local status=$?
         [ "$status" -eq 5 ] || [ "$status" -eq 0 ] || return 1
         [ "$DEVICE" = gpu ] || return 0  # with no GPU (not even the stand-in) they would only skip
-        select=(tests/test_optim.py tests/test_softmax.py)  # ... and 3 run, as the real check runs all
+        select=(tests/engine/test_optim.py tests/engine/test_softmax.py)  # ... and 3 run, as the real check runs all
     fi
     ANDREA_TEST_PROFILE=gpu run_pytest -m gpu -v -rfE -p no:cacheprovider --durations=15 "${select[@]}"
 }

@@ -21,7 +21,7 @@ named below, per file, by rules that survive edits better than line numbers:
 
 Not counted, though GPU-only: the CuPy half of a conditional expression on one line (`a if xp is
 np else b`: coverage.py counts lines, and the line runs on the CPU too). Edit GPU_ONLY as the
-engine changes: tests/test_gpu_coverage.py fails when a rule names code that no longer exists.
+engine changes: tests/gpu/test_gpu_coverage.py fails when a rule names code that no longer exists.
 """
 
 import argparse

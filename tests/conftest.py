@@ -1,18 +1,21 @@
 """Shared fixtures: the backends every engine test runs on, and CuPy for the kernel tests.
 
 NumPy is always there. The GPU-marked parameters run on CuPy: the real one when a GPU works (a
-tiny kernel and a tiny matmul ran), otherwise the CuPy stand-in (tests/cupy_standin, ids
+tiny kernel and a tiny matmul ran), otherwise the CuPy stand-in (tests/support/cupy_standin, ids
 `cupy-standin...`, marked `gpu` and `standin`), which each such test enters for its setup, call
-and teardown (tests/gpu_standin.py), so the rest of the suite still sees no GPU. `pytest -m gpu`
+and teardown (tests/support/gpu_standin.py), so the rest of the suite still sees no GPU. `pytest -m gpu`
 selects the same tests either way. The `cupy` fixture is for tests that run only on CuPy (the
 CUDA kernels). `model_backend` runs a whole-model test on every backend, and on CuPy twice: with
 the generic kernels and with every fused one in use (`ANDREA(cfg, **model_backend.args)`).
 
-With ANDREA_TEST_PROFILE=gpu (scripts/gpu_check.sh), every hypothesis test runs at most
-GPU_EXAMPLES examples without a deadline: the lent GPU's minutes go to more kinds of checks
-rather than more draws of each (the CPU suite keeps its counts). The stand-in's parameters always
-run that profile (the NumPy parameters of the same tests keep their counts): they check that the
-CuPy code paths run and agree with NumPy, not more draws of the same maths.
+The hypothesis profiles, registered here once and chosen by ANDREA_TEST_PROFILE or pytest's
+--hypothesis-profile: `ci` (the default) runs each test's own count, the max_examples of its
+@settings (hypothesis' 100 where it sets none); `dev` (the fast tier a newcomer runs first) and `gpu`
+(scripts/gpu_check.sh: the lent GPU's minutes go to more kinds of checks rather than more draws of
+each) cap every test at a few examples. No profile has a deadline: a loaded machine is not a
+failure. The stand-in's parameters always run the gpu profile's count (the NumPy parameters of the
+same tests keep theirs): they check that the CuPy code paths run and agree with NumPy, not more
+draws of the same maths.
 """
 
 import json
@@ -28,7 +31,10 @@ from hypothesis import settings
 from andrea.data.preparation import prepare
 from minitensor import device
 
-GPU_EXAMPLES = 3
+PROFILES = {"ci": None, "dev": 2, "gpu": 3}  # the most examples a test draws (None: its own count)
+for _name, _cap in PROFILES.items():
+    settings.register_profile(_name, deadline=None, **({} if _cap is None else {"max_examples": _cap}))
+settings.load_profile(os.environ.get("ANDREA_TEST_PROFILE", "ci"))
 
 
 def _gpu():
@@ -57,7 +63,7 @@ def backends_line():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (tests/cupy_standin), no GPU here")
+    config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (tests/support/cupy_standin), no GPU here")
     config.addinivalue_line("markers", "real_gpu(reason): a GPU-marked test the stand-in cannot run (skipped there)")
 
 
@@ -109,12 +115,12 @@ def model_backend(request):
     return request.param
 
 
-def _few_examples(test):
-    """The GPU profile's settings for a hypothesis test (None for another test)."""
+def _few_examples(test, cap):
+    """A hypothesis test's settings with at most `cap` examples (None for another test, or no cap)."""
     current = getattr(test, "_hypothesis_internal_use_settings", None)
-    if current is None:
+    if current is None or cap is None:
         return None
-    return settings(current, max_examples=min(current.max_examples, GPU_EXAMPLES), deadline=None)
+    return settings(current, max_examples=min(current.max_examples, cap))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -123,11 +129,10 @@ def pytest_collection_modifyitems(config, items):
         # the stand-in's params, or the stand-in first on PYTHONPATH (which the probe takes for a GPU)
         if real and (item.get_closest_marker("standin") or getattr(GPU_CUPY, "STANDIN", False)):
             item.add_marker(pytest.mark.skip(reason=f"needs a real GPU: {real.args[0]}"))
-    if os.environ.get("ANDREA_TEST_PROFILE") != "gpu":
-        return
+    profile = config.getoption("hypothesis_profile", None) or os.environ.get("ANDREA_TEST_PROFILE", "ci")
     for item in items:
         test = getattr(item, "obj", None)
-        few = _few_examples(test)
+        few = _few_examples(test, PROFILES.get(profile))
         if few is not None:  # read by hypothesis when the test runs
             test._hypothesis_internal_use_settings = few
 
@@ -140,7 +145,7 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     test = getattr(item, "obj", None)
-    few = _few_examples(test)
+    few = _few_examples(test, PROFILES["gpu"])
     kept = few and test._hypothesis_internal_use_settings
     with standin_cupy():
         if few:

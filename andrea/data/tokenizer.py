@@ -11,7 +11,7 @@ split, no prefix space). Its trainer numbers the 256 byte symbols in Unicode ord
 translated into the layout above. Encoding runs in `tiktoken`, given the same regex and each token's
 byte string ranked by its id. Ids follow merge order, so "apply the earliest-learned merge first"
 (`tokenizers`) and "form the lowest-id token first" (tiktoken) pick the same merge at each step
-for merges learned this way; tests/test_tokenizer.py checks the ids are equal on the stdlib and on
+for merges learned this way; tests/app/test_tokenizer.py checks the ids are equal on the stdlib and on
 drawn text. tiktoken is faster (BENCHMARKS.md, "Data preparation") and releases the GIL, so threads encode in
 parallel. The `tokenizers` encoder stays as `encode_reference`, the definition the fast
 one is tested against. EOT is never registered with either encoder: a literal "<|endoftext|>" in a

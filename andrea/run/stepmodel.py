@@ -7,7 +7,7 @@
 Recorded, not guessed: the training step (andrea.run.trainer.Trainer.train_step: zero_grad, forward and
 backward over the micro-batches, the gradient norm, the clipping scale, the one host read, AdamW)
 runs with the GPU backend (`kernels='fused'`) on the CuPy stand-in in its recording mode
-(tests/cupy_standin/cupy/_record.py): arrays of the real size that are never computed nor touched,
+(tests/support/cupy_standin/cupy/_record.py): arrays of the real size that are never computed nor touched,
 each CuPy launch recorded with its shapes, its GEMM FLOPs and the bytes it reads and writes (the
 project's RawKernels declare theirs: minitensor.backends.cuda.RawSpec.traffic, and the flash
 attention kernels their tensor-core FLOPs, RawSpec.flops). The launch count, the paths taken (the
@@ -46,7 +46,7 @@ from andrea.errors import UserError
 from andrea.model.transformer import ANDREA, flops_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
-STANDIN = ROOT / "tests" / "cupy_standin"
+STANDIN = ROOT / "tests" / "support" / "cupy_standin"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +174,7 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     from minitensor.backends import cupy_ops
 
     if not getattr(cupy, "STANDIN", False):
-        raise UserError("the step model records on the CuPy stand-in (tests/cupy_standin), not on a real CuPy")
+        raise UserError("the step model records on the CuPy stand-in (tests/support/cupy_standin), not on a real CuPy")
     from cupy import _record
 
     full = load_config(config, overrides)

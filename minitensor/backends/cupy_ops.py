@@ -539,7 +539,7 @@ def _check_bias_gpu(x, b, out, fn, dy=None):
 
 # What these kernels must equal is Ops.layernorm_forward / _backward: the start-up self-check runs
 # the layer both ways on the GPU. The tests run the kernels on the host (kernelcheck.emulate_launch)
-# against the textbook form in tests/formulas.py. The kernels: kernels/layernorm.cu.
+# against the textbook form in tests/support/formulas.py. The kernels: kernels/layernorm.cu.
 
 
 def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):

@@ -159,7 +159,7 @@ class _Kernel:
 # rounded ln 2); all of it stays in float32 lanes. x is clamped to [-87.33, 88.37], where n + 127
 # stays in 1..254 (2^n a normal float): exp = 0 below (libm would give subnormals down to
 # -103.9) and inf above (libm: above 88.72); within 2 float32 ulp of the exact value in between
-# (tests/test_cpu_kernels.py). Softmax arguments are <= 0 and GELU's exp(-2u) only overflows
+# (tests/engine/test_cpu_kernels.py). Softmax arguments are <= 0 and GELU's exp(-2u) only overflows
 # where y = x / inf = -0 anyway.
 
 _INV_LN2 = 1.0 / math.log(2.0)

@@ -18,7 +18,7 @@ Why each piece is faster here:
   block of scores a GEMM writes is still in cache when the softmax and the next GEMM read it;
   with SciPy's BLAS reachable from numba, a head's whole core is one compiled call.
 
-Each override is checked against the Ops method it replaces (tests/test_cpu_kernels.py). Kernels
+Each override is checked against the Ops method it replaces (tests/engine/test_cpu_kernels.py). Kernels
 run in the arrays' dtype: a Python constant would promote a float32 loop to float64, so every
 constant is written t(c) with t = x.dtype.type. Every reduction stays within one row or one
 fixed block of rows on one thread: results are bit-reproducible at a fixed thread count.

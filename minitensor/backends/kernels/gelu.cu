@@ -2,7 +2,7 @@
 //   sig = 1 / (1 + exp(x (-2AC x^2 - 2C))),  y = x sig,  dx = dy sig (1 + (1 - sig) x (2AC3 x^2 + 2C))
 // with AC = 0.044715 sqrt(2/pi), AC3 = 3 AC, C = sqrt(2/pi), written out as the literals
 // -2AC = -0.07135481627260025, -2C = -1.5957691216057308, 2AC3 = 0.21406444881780073, 2C = 1.5957691216057308
-// (tests/test_kernels.py checks them against minitensor.backends.ops' constants). exp = inf (x below
+// (tests/gpu/test_kernels.py checks them against minitensor.backends.ops' constants). exp = inf (x below
 // about -10) gives y = -0 and dx = 0, as it should.
 //
 // ElementwiseKernel operations (their parameters: the specs in minitensor/backends/cupy_ops.py).

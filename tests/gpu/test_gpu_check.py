@@ -1,0 +1,232 @@
+"""scripts/gpu_check.sh --dry-run: the whole one-shot GPU check runs end to end at toy sizes (on NumPy,
+and on the CuPy stand-in as its GPU: the GPU-marked tests collected and a few run, the Python phases,
+training with --stop-at-step, --resume and sampling, the sanitizer's step, the benchmark beside
+PyTorch's), so a change that breaks a phase fails here, on any machine, not first on a lent GPU; each
+phase's verdict, time and figures are in $OUT as it ends, within its limit; a phase that runs past
+its limit is stopped with SIGINT, so pytest's summary and the test it was in survive; the budget in
+the script's header is the one it runs with. With or without numba (the `fast` extra): without it
+the CPU dry run trains on NumPy alone, and the test checks that it says so."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpu_standin import reports, standin_cupy, standin_env
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+PHASES = [["0", "device"], ["1", "tests"], ["2", "kernels"], ["3", "gradients"], ["4", "train"], ["5", "nccl"],
+          ["6", "sanitize"], ["7", "bench"]]
+VERDICT = re.compile(r"^(ok  |FAIL) phase (\d+) (\w+) (\d+) s of (\d+) s")
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+try:  # the `fast` extra: CI installs it, and the dry run on the CPU then trains with numba's kernels
+    import numba  # noqa: F401
+
+    CPU_KERNELS = "kernels: numba-compiled CPU kernels"
+except ImportError:  # without it the same run trains on NumPy alone, and says so
+    CPU_KERNELS = "kernels: NumPy (pip install"
+
+
+def _summary(tmp_path):
+    """(verdict lines, figure lines) of summary.txt; each verdict line is within its limit."""
+    lines = (tmp_path / "gpu_check" / "summary.txt").read_text().splitlines()
+    verdicts = [line for line in lines if VERDICT.match(line)]
+    for line in verdicts:
+        seconds, limit = map(int, VERDICT.match(line).groups()[3:])
+        assert seconds <= limit, line
+    return verdicts, [line.strip() for line in lines if line not in verdicts]
+
+
+def _dry_run(tmp_path, env, timeout):
+    run = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    # verdicts open their line; the sampled text, from a model trained on andrea/'s source, may hold "FAIL"
+    failed = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert not failed and "SOME PHASES FAILED" not in out, failed or out[-4000:]
+    verdicts, figures = _summary(tmp_path)
+    assert [line.split()[2:4] for line in verdicts] == PHASES, verdicts
+    assert all(line.startswith("ok") for line in verdicts), verdicts
+    phases = {p.name: p.read_text() for p in (tmp_path / "gpu_check").glob("*-*.txt")}
+    assert (tmp_path / "gpu_check_results.txt").read_text().count("== phase") == len(PHASES)
+    return out, figures, phases
+
+
+def _bench_figures(figures, phases):
+    assert any(f.startswith("andrea ") and "tokens/s" in f for f in figures), figures
+    if HAS_TORCH:  # PyTorch's GPT-2 of the same shape beside it, eager and with SDPA: the ratio
+        for variant in ("eager", "sdpa"):
+            assert any(f"{variant} on cpu" in f and "andrea / PyTorch" in f for f in figures), figures
+    else:
+        assert "skip PyTorch side by side" in phases["7-bench.txt"]
+
+
+def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path), "PYTHON": sys.executable}
+    _, figures, phases = _dry_run(tmp_path, env, timeout=600)
+    assert "ok   cross-entropy fwd" in phases["2-kernels.txt"]
+    assert "ok   NumPy float32, blocked core" in phases["3-gradients.txt"]
+    train = phases["4-train.txt"]
+    assert "stopped at step 3" in train and "resumed from" in train and "step      6/6" in train
+    assert CPU_KERNELS in train and "tf32: not applicable" in train
+    assert any(f.startswith("done: step 3 (3 this run)") for f in figures), figures
+    assert any(f.startswith("done: step 6 (3 this run)") for f in figures), figures
+    assert any("compute-sanitizer skipped (dry run" in f for f in figures), figures
+    assert any(f.startswith("NumPy 1-layer step x 2") for f in figures), figures
+    assert any(re.match(r"\d+ of \d+ fused kernels within 1e-5", f) for f in figures), figures
+    _bench_figures(figures, phases)
+
+
+def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(tmp_path):
+    """The same dry run with the CuPy stand-in (tests/support/gpu_standin.py) as its GPU: every phase takes
+    its CuPy branch at toy sizes. Phase 1 compiles every kernel and warms CuPy's before the GPU tests
+    (all collected, a few run as the real check runs them all); the bench's training step reads from
+    the device once, as training's does."""
+    env = {**standin_env(tmp_path / "reads"), "OUT": str(tmp_path), "PYTHON": sys.executable}
+    out, figures, phases = _dry_run(tmp_path, env, timeout=900)
+    assert "(dry run at toy sizes, device gpu)" in out and "CuPy stand-in" in out
+
+    tests = phases["1-tests.txt"]
+    from minitensor.backends import all_kernels
+
+    compiled = tests.index(f"compiled {2 * len(all_kernels())} kernels (every kernel x float32, float64)")
+    assert compiled < tests.index("tests collected") and "tests/model/test_model.py::" in tests
+    assert "FAIL warm-up" not in tests and any("CuPy's own kernels warmed by 8 tiny training steps" in f
+                                               for f in figures), figures
+    assert "tests/engine/test_softmax.py::test_exp_rows_is_the_softmax_before_its_division[cupy-float32" in tests
+    assert "slowest 15 durations" in tests and any(re.match(r"\d+ passed, \d+ deselected in", f) for f in figures)
+    assert "self-check in" in phases["2-kernels.txt"] and "skip" not in phases["2-kernels.txt"]
+    assert phases["2-kernels.txt"].count("ok   ") == 18  # the self-check, 13 kernels, 4 cuBLAS calls
+    assert "17 of 17 fused kernels within 1e-5" in "\n".join(figures)
+    assert "ok   CuPy float32, dense core, kernels auto (kernels: fused " in phases["3-gradients.txt"]
+    train = phases["4-train.txt"]
+    assert "on gpu (float32)" in train and "kernels: fused " in train and "generic for" not in train
+    assert "stopped at step 3" in train and "resumed from" in train and "step      6/6" in train
+    assert "NCCL self-test: ok" in phases["5-nccl.txt"] and any(f.startswith("NCCL self-test: ok") for f in figures)
+    assert any(f.startswith("CuPy 1-layer step x 2, dense and blocked core (kernels: fused") for f in figures)
+    _bench_figures(figures, phases)
+
+    bench = [r for r in reports(tmp_path / "reads")
+             if any(f.endswith(":part_bench") for read in r["reads"] for f in read[2])]
+    assert len(bench) == 1
+    in_step = [read for read in bench[0]["reads"]
+               if any(f.split(":")[0].endswith("gpu_check.py") and f.endswith(":step") for f in read[2])]
+    assert len(in_step) == 4, [read[2][-1] for read in in_step]  # 4 steps: 1 warm-up, 2 timed, 1 split
+
+
+SLOW_TESTS = """
+import time
+
+def test_quick():
+    pass
+
+def test_sleeps_past_the_limit():
+    time.sleep(120)
+"""
+
+
+def test_a_phase_past_its_limit_is_interrupted_and_leaves_pytests_summary(tmp_path):
+    """The phase's timeout sends SIGINT: pytest stops in the running test, prints its summary and
+    --durations, and the summary names the test that was running; SIGKILL would leave none of it."""
+    (tmp_path / "test_slow.py").write_text(SLOW_TESTS)
+    results = tmp_path / "results"
+    results.mkdir()
+    script = (f'source "{SCRIPT}"; DRY=""; FAILED=0; PY="{sys.executable}"; RESULTS_DIR="{results}"; '
+              'export -f run_pytest; export PY; '
+              f'phase 9 slow 12 run_pytest -v -p no:cacheprovider --durations=5 "{tmp_path}/test_slow.py"; '
+              'echo "FAILED=$FAILED"')
+    start = time.monotonic()
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert time.monotonic() - start < 60, run.stdout[-2000:]  # stopped at the limit, not after the sleep
+    assert "FAILED=1" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    phase = (results / "9-slow.txt").read_text()
+    assert "test_slow.py::test_quick PASSED" in phase
+    assert "test_slow.py::test_sleeps_past_the_limit" in phase and "KeyboardInterrupt" in phase, phase
+    assert "slowest 5 durations" in phase and re.search(r"=+ 1 passed in [0-9.]+s =+", phase), phase
+    summary = (results / "summary.txt").read_text()
+    assert re.match(r"FAIL phase 9 slow \d+ s of 12 s \(exit status 124: timed out\)", summary), summary
+    assert "last test started: " in summary and "test_sleeps_past_the_limit" in summary, summary
+    assert "1 passed in" in summary, summary
+
+
+def test_the_budget_in_the_header_is_the_one_the_script_runs_with():
+    """Each phase's limit at least twice its estimate on an H200, the limits summing to at most ~5
+    minutes, and the header's figures the ones main() passes to `phase`."""
+    text = SCRIPT.read_text()
+    budget = dict((name, (int(est), int(limit)))
+                  for name, est, limit in re.findall(r"(\w+) (\d+) -> (\d+)", text.split("phase()")[0]))
+    runs = {name: int(limit) for name, limit in re.findall(r"^\s+phase \d+ (\w+) (\d+) ", text, re.M)}
+    assert set(runs) == {name for _, name in PHASES} and budget.keys() == runs.keys(), (budget, runs)
+    assert all(budget[name][1] == runs[name] for name in runs), (budget, runs)
+    assert all(limit >= 2 * est for est, limit in budget.values()), budget
+    assert sum(runs.values()) <= 300, runs
+    stated = re.search(r"(\d+) s estimated, (\d+) s of limits", text)
+    assert stated and int(stated[1]) == sum(e for e, _ in budget.values()) and int(stated[2]) == sum(runs.values())
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_step_models_estimate_is_printed_beside_the_measured_step(monkeypatch, capsys):
+    gpu_check = _gpu_check_module()
+    monkeypatch.setenv("GPU_CHECK_TEED", "1")
+    monkeypatch.setitem(sys.modules, "andrea.run.stepmodel", None)  # absent: nothing said
+    gpu_check._log_step_model({"step_ms_median": 50.0}, dry=False)
+    assert capsys.readouterr().out == ""
+    fake = types.SimpleNamespace(estimate_step_seconds=lambda: 0.04)
+    monkeypatch.setitem(sys.modules, "andrea.run.stepmodel", fake)
+    gpu_check._log_step_model({"step_ms_median": 50.0}, dry=False)
+    assert capsys.readouterr().out == ("figure: step model 40.0 ms estimated (ANDREA-120M, 8 x 1024, H200), "
+                                       "50.0 ms measured: measured / estimated 1.25\n")
+
+
+def test_kernels_are_compared_on_the_device_two_scalars_read_back(tmp_path):
+    """Phase 2 compares ~800 M elements at ANDREA-120M's shapes: on the device, only the two maxima
+    come back (the stand-in counts every read)."""
+    gpu_check = _gpu_check_module()
+    with standin_cupy() as cupy:
+        rng = np.random.default_rng(0)
+        want = rng.standard_normal((64, 50), dtype=np.float32)
+        got = want + np.float32(1e-3) * rng.standard_normal((64, 50), dtype=np.float32)
+        cupy.standin.reset()
+        err = gpu_check.normwise(cupy.asarray(got), cupy.asarray(want))
+        reads = list(cupy.standin.reads)
+    expected = np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want.astype(np.float64)))
+    assert err == pytest.approx(expected, rel=1e-12)
+    assert len(reads) == 2 and all(r.nbytes == 8 for r in reads), reads
+
+
+def test_a_fused_piece_without_cases_is_compared_through_its_sample():
+    """Phase 2 runs each fused piece's record: its `cases`, or, where it has none, its self-check's
+    sample through CupyOps with the piece on (its kernels launched) and off (none of them)."""
+    import dataclasses
+
+    from minitensor.backends import fused_pieces
+
+    gpu_check = _gpu_check_module()
+    piece = dataclasses.replace(fused_pieces()["layernorm"], cases=None)
+    with standin_cupy() as cupy:
+        k = gpu_check._KernelInputs(cupy, dry=True)
+        [(name, setup, fused, generic, needs_cupy)] = gpu_check._piece_cases(piece, k)
+        assert name == "layernorm" and needs_cupy
+        launched = []
+        for run in (fused, generic):
+            cupy.standin.reset()
+            outputs = run(setup())
+            launched.append({kernel for _, kernel, _ in cupy.standin.kernels})
+        errors = [gpu_check.normwise(f, g) for f, g in zip(fused(setup()), generic(setup()), strict=True)]
+    assert {"layernorm_fwd", "layernorm_bwd"} <= launched[0] and not launched[1] & {s.name for s in piece.kernels}
+    assert len(outputs) == 4 and max(errors) <= 1e-5, errors
+    assert len(gpu_check._piece_cases(fused_pieces()["layernorm"], k)) == 4  # the record's own cases

@@ -1,0 +1,72 @@
+"""`python -m andrea.train` under mpiexec with one injected fault, for tests/e2e/test_distributed.py.
+
+    mpiexec -n 2 python -m mpi4py tests/support/mpi_driver.py [FAULT ...] -- TRAIN ARGS
+
+Faults (each names the rank and the optimizer step it hits):
+  --hashes DIR           every rank writes DIR/rank<r>.json: sha256 of its weights after each step
+  --nan RANK STEP        that rank's gradient gets a NaN before the all-reduce of that step
+  --raise RANK STEP      that rank raises RuntimeError("injected failure") in that step
+  --signal RANK STEP     that rank sends itself SIGTERM during that step
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from andrea import train
+from andrea.cli import run_cli
+
+
+def install(opts):
+    original = train.Trainer.train_step
+    hashes = []
+
+    def train_step(self, lr):
+        step, rank = self.step + 1, self.world.rank
+        if opts.raise_ and opts.raise_ == [rank, step]:
+            raise RuntimeError("injected failure")
+        if opts.signal and opts.signal == [rank, step]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if opts.nan and opts.nan == [rank, step]:
+            reducer = self.reducer
+
+            class Poisoned:  # the NaN enters after this rank's backward, before the sum
+                name = reducer.name
+
+                def sum_(self, buf):
+                    buf[0] = float("nan")
+                    reducer.sum_(buf)
+
+            self.reducer = Poisoned()
+            try:
+                result = original(self, lr)
+            finally:
+                self.reducer = reducer
+        else:
+            result = original(self, lr)
+        if opts.hashes:
+            hashes.append(hashlib.sha256(self.model.params.data.tobytes()).hexdigest())
+            Path(opts.hashes, f"rank{rank}.json").write_text(json.dumps(hashes))
+        return result
+
+    train.Trainer.train_step = train_step
+
+
+def main():
+    argv = sys.argv[1:]
+    split = argv.index("--")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hashes")
+    ap.add_argument("--nan", nargs=2, type=int)
+    ap.add_argument("--raise", dest="raise_", nargs=2, type=int)
+    ap.add_argument("--signal", nargs=2, type=int)
+    install(ap.parse_args(argv[:split]))
+    run_cli(train.main, argv[split + 1:])
+
+
+if __name__ == "__main__":
+    main()
