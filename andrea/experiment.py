@@ -233,7 +233,7 @@ def judge_swiglu(rows):
     n = {a: next((r["params"] for r in rows if r["arm"] == a), 0) for a in ("gelu-4x", "swiglu-8_3x")}
     seeds = len({r["seed"] for r in rows})
     why = (f"mean final validation loss GELU 4x {gelu:.3f}, SwiGLU 8/3 {swiglu:.3f} over {seeds} seed(s), spread "
-           f"{noise:.3f}; parameters {n['gelu-4x']:,} and {n['swiglu-8/3']:,}")
+           f"{noise:.3f}; parameters {n['gelu-4x']:,} and {n['swiglu-8_3x']:,}")
     if not n["gelu-4x"] or abs(n["swiglu-8_3x"] - n["gelu-4x"]) > 0.01 * n["gelu-4x"]:
         return "leaves open", why + " (not matched)"
     if swiglu - gelu > noise:
@@ -242,28 +242,29 @@ def judge_swiglu(rows):
                               "; the difference is within the spread: comparable")
 
 
+def _no_norm_at(rows, lr, noise):
+    """At one learning rate: (none unstable where pre-norm is not, none ends worse, the table's words)."""
+    pre, none = [r for r in rows if r["arm"] == f"pre-lr{lr}"], [r for r in rows if r["arm"] == f"none-lr{lr}"]
+    bad = [r for r in none if r["diverged"] or r["first_nonfinite"] is not None]
+    unstable = bool(bad) and not any(r["diverged"] for r in pre)
+    lp, ln = _mean(rows, f"pre-lr{lr}", "val_loss"), _mean(rows, f"none-lr{lr}", "val_loss")
+    worse = not ln <= lp + noise  # nan (every run non-finite) counts as worse
+    steps = ", ".join(f"step {r['first_nonfinite']}" for r in none if r["first_nonfinite"] is not None)
+    return unstable, worse, f"lr {lr}: pre-norm {lp:.3f}, none {ln:.3f}" + (f" (non-finite from {steps})" if steps else "")
+
+
 def judge_no_norm(rows):
     """Supports: at some learning rate the model without LayerNorm goes non-finite or diverges while
     pre-norm at that rate does not, or it ends worse than pre-norm at every rate by more than the
     seed spread. Contradicts: at every rate it ends no worse than pre-norm (within the spread) and
     never goes non-finite. Anything else leaves it open."""
-    rates = sorted({a.split("-lr")[1] for a in (r["arm"] for r in rows)}, key=float)
+    rates = sorted({r["arm"].split("-lr")[1] for r in rows}, key=float)
     noise = max((_spread(rows, r["arm"], "val_loss") for r in rows), default=0.0)
-    unstable, worse, parts = [], [], []
-    for lr in rates:
-        pre, none = [r for r in rows if r["arm"] == f"pre-lr{lr}"], [r for r in rows if r["arm"] == f"none-lr{lr}"]
-        bad = [r for r in none if r["diverged"] or r["first_nonfinite"] is not None]
-        if bad and not any(r["diverged"] for r in pre):
-            unstable.append(lr)
-        lp, ln = _mean(rows, f"pre-lr{lr}", "val_loss"), _mean(rows, f"none-lr{lr}", "val_loss")
-        if not ln <= lp + noise:  # nan (every run non-finite) counts as worse
-            worse.append(lr)
-        steps = ", ".join(f"step {r['first_nonfinite']}" for r in none if r["first_nonfinite"] is not None)
-        parts.append(f"lr {lr}: pre-norm {lp:.3f}, none {ln:.3f}" + (f" (non-finite from {steps})" if steps else ""))
+    unstable, worse, parts = zip(*[_no_norm_at(rows, lr, noise) for lr in rates]) if rates else ((), (), ())
     why = "final validation loss " + "; ".join(parts) + f"; seed spread {noise:.3f}"
-    if unstable or (rates and len(worse) == len(rates)):
+    if any(unstable) or (rates and all(worse)):
         return "supports", why
-    if not worse and not any(r["first_nonfinite"] is not None for r in rows):
+    if not any(worse) and not any(r["first_nonfinite"] is not None for r in rows):
         return "contradicts", why
     return "leaves open", why
 
