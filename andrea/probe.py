@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from andrea.errors import UserError
-from minitensor.backend import to_numpy
+from minitensor.device import to_numpy
 
 PROMPT = "def __init__(self"
 TOP = 3
