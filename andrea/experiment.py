@@ -199,6 +199,26 @@ USABLE = 0.1      # |dL/dx| at the embeddings over the top's: at least this is "
 VANISHED = 1e-3   # at most this: the signal is lost
 
 
+LEARNED = 1.0    # nats under the unigram baseline a run must end at for a loss-reading rule to decide
+
+
+def unlearned(rows):
+    """The runs that did not diverge yet end less than LEARNED nats under their unigram baseline
+    (issue 28: a verdict counts only from models that learned). Added after the first composition
+    run, whose 50-step model (6.936 nats, baseline 6.683) still attended uniformly: its bands were
+    noise, which the rules read as verdicts."""
+    return [r["run"] for r in rows if r.get("unigram_baseline") is not None and not r["diverged"]
+            and not r["val_loss"] <= r["unigram_baseline"] - LEARNED]
+
+
+def _not_learned(rows, why):
+    """("leaves open", why and the runs that did not learn), or None when every run learned."""
+    runs = unlearned(rows)
+    if not runs:
+        return None
+    return "leaves open", why + f" (not decided: {', '.join(runs)} did not end {LEARNED} nats under the unigram baseline)"
+
+
 def probe_counts(run_dir):
     """The run's parameter count and the first step its non-finite guard skipped (None: none did)."""
     from andrea.config import make_config
@@ -227,7 +247,8 @@ def probe_composition(run_dir):
 def judge_swiglu(rows):
     """Supports: at parameter counts within 1% of each other, SwiGLU at 8/3 ends no worse than GELU
     at 4x by more than the larger seed spread (comparable or better capacity). Contradicts: it ends
-    worse by more than that spread. Anything else (counts not matched) leaves it open."""
+    worse by more than that spread. Anything else (counts not matched, or a run that did not learn:
+    unlearned) leaves it open."""
     gelu, swiglu = _mean(rows, "gelu-4x", "val_loss"), _mean(rows, "swiglu-8_3x", "val_loss")
     noise = max(_spread(rows, "gelu-4x", "val_loss"), _spread(rows, "swiglu-8_3x", "val_loss"))
     n = {a: next((r["params"] for r in rows if r["arm"] == a), 0) for a in ("gelu-4x", "swiglu-8_3x")}
@@ -236,6 +257,8 @@ def judge_swiglu(rows):
            f"{noise:.3f}; parameters {n['gelu-4x']:,} and {n['swiglu-8_3x']:,}")
     if not n["gelu-4x"] or abs(n["swiglu-8_3x"] - n["gelu-4x"]) > 0.01 * n["gelu-4x"]:
         return "leaves open", why + " (not matched)"
+    if unlearned(rows):
+        return _not_learned(rows, why)
     if swiglu - gelu > noise:
         return "contradicts", why
     return "supports", why + ("; SwiGLU lower by more than the spread" if gelu - swiglu > noise else
@@ -327,7 +350,8 @@ def judge_composition_bands(rows):
     p_{i,i-1} share) sits in the first third of the blocks with a share of at least 0.5;
     middle (relations): supports if the longest mean attention distance (over a block's heads) is
     in the middle third; late (content): supports if the last third's blocks lower the logit
-    lens's loss more than either other third. Contradicts when the band found is another."""
+    lens's loss more than either other third. Contradicts when the band found is another. A run
+    that did not learn (unlearned) leaves all three open."""
     votes = [_composition_votes(r) for r in rows]
     out = []
     for k, (what, proxy) in enumerate([("early: syntax and position", "strongest previous-token head"),
@@ -336,7 +360,9 @@ def judge_composition_bands(rows):
         found = {v[k] for v in votes}
         where = ", ".join(f"{BAND_NAMES[v[k]]}" + (f" (share {v[3]:.2f})" if k == 0 else "") for v in votes)
         why = f"{proxy}: in the {where} third, per seed"
-        if len(found) > 1:
+        if unlearned(rows):
+            out.append((f"band {what}", *_not_learned(rows, why)))
+        elif len(found) > 1:
             out.append((f"band {what}", "leaves open", why + " (the seeds disagree)"))
         elif found == {k} and (k or min(v[3] for v in votes) >= 0.5):
             out.append((f"band {what}", "supports", why))
@@ -350,11 +376,13 @@ def judge_composition_bands(rows):
 def judge_composition(rows):
     """Claim 'each block refines, the stream accumulates': supports if the logit lens's loss falls at
     every block (each block's output predicts better than its input) in every seed; contradicts if
-    it rises at some block in every seed; else open."""
+    it rises at some block in every seed; else, or when a run did not learn (unlearned), open."""
     falls = [all(b < a for a, b in zip(r["lens_loss"], r["lens_loss"][1:])) for r in rows]
     rises = [any(b > a for a, b in zip(r["lens_loss"], r["lens_loss"][1:])) for r in rows]
     why = "logit lens loss by depth (embeddings, then after each block): " + "; ".join(
         f"seed {r['seed']}: " + " > ".join(f"{v:.2f}" for v in r["lens_loss"]) for r in rows)
+    if unlearned(rows):
+        return _not_learned(rows, why)
     if all(falls):
         return "supports", why
     if all(rises):

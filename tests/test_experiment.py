@@ -329,6 +329,15 @@ def test_the_band_rules_read_the_third_each_measure_falls_in():
     assert verdicts["band late: content"] == "leaves open" and verdicts["band early: syntax and position"] == "supports"
     assert experiment.judge_composition([row])[0] == "supports"
     assert experiment.judge_composition([dict(row, lens_loss=[8.0, 8.2, 7, 6, 5, 4, 3])])[0] == "contradicts"
+    # a model that did not end LEARNED nats under the unigram baseline decides nothing
+    learned = dict(row, val_loss=5.5, unigram_baseline=6.683, diverged=False)
+    not_yet = dict(learned, val_loss=6.0)
+    assert experiment.judge_composition([learned])[0] == "supports"
+    verdict, why = experiment.judge_composition([not_yet])
+    assert verdict == "leaves open" and "pre-norm-seed0 did not end 1.0 nats under the unigram baseline" in why
+    assert {v for _, v, _ in experiment.judge_composition_bands([not_yet])} == {"leaves open"}
+    assert experiment.judge_swiglu([_row("gelu-4x", 6.0, params=1000, unigram_baseline=6.683),
+                                    _row("swiglu-8_3x", 5.0, params=1000, unigram_baseline=6.683)])[0] == "leaves open"
 
 
 def test_a_run_without_layernorm_with_swiglu_resumes_samples_and_traces(tmp_path, data_dir, capsys):
