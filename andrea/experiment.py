@@ -197,6 +197,7 @@ THINNER = ["model.context_length=32", "model.d_model=32", "model.n_head=2",
 DEPTHS = (12, 48, 96, 192)
 USABLE = 0.1      # |dL/dx| at the embeddings over the top's: at least this is "usable"
 VANISHED = 1e-3   # at most this: the signal is lost
+FLOOR = 1e-12     # where the depth figure draws a ratio of 0 (float32's gradient underflowed)
 
 
 LEARNED = 1.0    # nats under the unigram baseline a run must end at for a loss-reading rule to decide
@@ -426,7 +427,8 @@ def draw_depth(name, rows):
     depths = sorted({r["n_layer"] for r in rows})
     for c, residual in enumerate((True, False)):
         for key, ls in (("ratio_init", "--"), ("ratio_final", "-")):
-            ratio_ax.plot(depths, [_depth_ratio(rows, residual, n, key) for n in depths], color=f"C{c}", ls=ls,
+            ratios = [max(_depth_ratio(rows, residual, n, key), FLOOR) for n in depths]  # nan stays nan
+            ratio_ax.plot(range(len(depths)), ratios, color=f"C{c}", ls=ls,
                           marker="o", label=f"{'with' if residual else 'without'} residuals, "
                                             f"{'step 1' if key == 'ratio_init' else 'last step'}")
         deepest = next((r for r in rows if r["n_layer"] == depths[-1] and r["arm"].startswith(
@@ -434,9 +436,9 @@ def draw_depth(name, rows):
         if deepest and deepest["grad_final"]:
             depth_ax.plot(deepest["grad_init"], color=f"C{c}", ls="--", lw=1)
             depth_ax.plot(deepest["grad_final"], color=f"C{c}", lw=2, label=deepest["arm"])
-    ratio_ax.set(xscale="log", yscale="log", xlabel="blocks", ylabel="|dL/dx| embeddings / top",
+    ratio_ax.set(yscale="log", xlabel="blocks", ylabel=f"|dL/dx| embeddings / top (0 drawn at {FLOOR:g})",
                  title=f"{name}: the gradient reaching the embeddings")
-    ratio_ax.set_xticks(depths, [str(n) for n in depths])
+    ratio_ax.set_xticks(range(len(depths)), [str(n) for n in depths])
     label_depth_axis(depth_ax, f"{depths[-1]} blocks: step 1 (dashed), last step")
     for ax in (ratio_ax, depth_ax):
         ax.grid(alpha=0.3)
