@@ -671,13 +671,20 @@ def arm_state(run_dir: Path, sets: list) -> str:
 
 
 def finished(run_dir: Path) -> bool:
-    """Whether run_dir holds a run that trained to its train.max_steps."""
+    """Whether run_dir holds a run that trained to its train.max_steps, or that the non-finite guard
+    stopped (its last train.max_bad_steps records skipped steps): trained again, it would stop again."""
     from andrea.run.runlog import read_metrics
 
     try:
-        max_steps = json.loads((run_dir / "config.json").read_text())["train"]["max_steps"]
-        return max(read_metrics(run_dir / "metrics.jsonl"), default=0) == max_steps
-    except (OSError, ValueError, KeyError, UserError):
+        train_cfg = json.loads((run_dir / "config.json").read_text())["train"]
+        if max(read_metrics(run_dir / "metrics.jsonl"), default=0) == train_cfg["max_steps"]:
+            return True
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").split("\n")
+        records = [json.loads(x) for x in lines if x.strip()]
+        skipped = {r["step"] for r in records if r.get("skipped")}
+        last = max((r["step"] for r in records), default=0)
+        return last >= train_cfg["max_bad_steps"] and all(last - k in skipped for k in range(train_cfg["max_bad_steps"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError):
         return False
 
 

@@ -286,6 +286,19 @@ def test_the_no_norm_probe_names_the_first_skipped_step(tmp_path, data_dir):
         for step in (7, 8):
             f.write(json.dumps({"step": step, "loss": "nan", "grad_norm": "inf", "skipped": True}) + "\n")
     assert experiment.probe_counts(run_dir)["first_nonfinite"] == 7
+    # a run the guard stopped (max_bad_steps skipped steps last) is finished: reported as diverged, not left out
+    config = json.loads((run_dir / "config.json").read_text())
+    config["train"]["max_steps"] = 20
+    (run_dir / "config.json").write_text(json.dumps(config))
+    assert not experiment.finished(run_dir)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        for step in (9, 10, 11):  # each skipped step, as at a log step, followed by its logged record
+            f.write(json.dumps({"step": step, "loss": "nan", "grad_norm": "inf", "skipped": True}) + "\n")
+            f.write(json.dumps({"step": step, "loss": "nan", "lr": 1e-3, "grad_norm": "inf"}) + "\n")
+    assert experiment.finished(run_dir)
+    assert run(experiment.main, argv + ["--report-only"]) == 0
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["run"] == "none-lr3e-3-seed0" and row["first_nonfinite"] == 7
 
 
 def _row(arm, val, seed=0, **extra):
