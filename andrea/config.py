@@ -22,6 +22,7 @@ from andrea.errors import UserError
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
+# the values model.norm and model.activation take (ModelConfig checks them)
 NORMS = ("pre", "post", "none")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 
