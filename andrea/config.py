@@ -22,6 +22,11 @@ from andrea.errors import UserError
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
+# the values model.norm and model.activation take (ModelConfig checks them)
+NORMS = ("pre", "post", "none")
+ACTIVATIONS = ("gelu", "relu", "swiglu")
+
+
 class DerivedRatio(float):
     """A ratio ModelConfig derived (mlp_dim / d_model), not one it was given: dataclasses.replace hands
     it back as the mlp_ratio argument, where it counts as not given, so the width stays mlp_dim."""
@@ -37,10 +42,12 @@ class ModelConfig:
     mlp_dim: int | None = None      # mlp_ratio * d_model when not given
     ln_eps: float = 1e-5
     # the design document's variants (docs/experiments.md); the defaults are ANDREA, GPT-2's block
-    norm: str = "pre"               # pre: x + f(LN(x)); post: LN(x + f(x)), the 2017 arrangement
+    norm: str = "pre"               # pre: x + f(LN(x)); post: LN(x + f(x)), the 2017 arrangement;
+                                    # none: x + f(x), no LayerNorm anywhere (the final one too)
     residual: bool = True           # false: x = f(LN(x)) (pre) or LN(f(x)) (post), no skip
-    activation: str = "gelu"        # gelu (GPT-2's tanh approximation) or relu
-    # the MLP's hidden width over d_model (4 unless this or mlp_dim is given): an argument, not a
+    activation: str = "gelu"        # gelu (GPT-2's tanh approximation), relu, or swiglu (a gated MLP)
+    # the MLP's hidden width over d_model (4 unless this or mlp_dim is given; 8/3 for swiglu, rounded
+    # to a whole width, the same parameter count as GELU's 4): an argument, not a
     # field, so a config is saved with the mlp_dim it gives (asdict leaves it out); self.mlp_ratio is
     # then mlp_dim / d_model, marked as derived (DerivedRatio)
     mlp_ratio: InitVar[float | None] = None
@@ -54,8 +61,9 @@ class ModelConfig:
         _require(self.d_model % self.n_head == 0,
                  f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         _require(self.ln_eps > 0, f"model.ln_eps must be positive, got {self.ln_eps}")
-        _require(self.norm in ("pre", "post"), f"model.norm must be pre or post, got {self.norm!r}")
-        _require(self.activation in ("gelu", "relu"), f"model.activation must be gelu or relu, got {self.activation!r}")
+        _require(self.norm in NORMS, f"model.norm must be {_one_of(NORMS)}, got {self.norm!r}")
+        _require(self.activation in ACTIVATIONS,
+                 f"model.activation must be {_one_of(ACTIVATIONS)}, got {self.activation!r}")
 
     def _hidden_width(self, ratio):
         """mlp_dim: as given; else mlp_ratio x d_model (4 x when neither is given), a whole number.
@@ -65,6 +73,8 @@ class ModelConfig:
         if ratio is not None:
             _require(ratio > 0, f"model.mlp_ratio must be positive, got {ratio}")
             _require(math.isfinite(ratio * self.d_model), f"model.mlp_ratio ({ratio}) is too large")
+        if self.mlp_dim is None and ratio is None and self.activation == "swiglu":
+            return round(8 * self.d_model / 3)               # 3 C F = 8 C^2, GELU's 2 C (4 C)
         if self.mlp_dim is None:
             from_ratio = (4 if ratio is None else ratio) * self.d_model
             _require(from_ratio == int(from_ratio),
@@ -189,6 +199,11 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def _one_of(values):
+    """"a, b or c"."""
+    return ", ".join(values[:-1]) + " or " + values[-1]
 
 
 def _require(ok, message):

@@ -4,6 +4,10 @@
     python -m andrea.experiment norm          # pre-norm and post-norm, each with and without LR warmup
     python -m andrea.experiment activation    # GELU and ReLU at the same parameter count, three seeds
     python -m andrea.experiment mlp-ratio     # the MLP's expansion 1, 2, 4 and 8
+    python -m andrea.experiment swiglu        # SwiGLU at 8/3 the width against GELU at 4x, same parameters
+    python -m andrea.experiment no-norm       # no LayerNorm anywhere against pre-norm, at three learning rates
+    python -m andrea.experiment depth         # |dL/dx| through 12, 48, 96, 192 thin blocks, with and without skips
+    python -m andrea.experiment composition   # the logit lens and each head's attention distance, by depth
     python -m andrea.experiment residual --scale 4 --seeds 0,1   # 4x the steps, two seeds
 
 Each experiment trains its arms (the matched variants) with andrea.train on the default corpus,
@@ -59,6 +63,10 @@ class Experiment:
     steps: int                     # the default budget, in optimizer steps
     seeds: list = field(default_factory=lambda: [0])
     judge: object = None           # results -> (verdict, why)
+    probe: object = None           # a finished run's directory -> more numbers for its row
+    figure: object = None          # (name, rows) -> PNG bytes, instead of draw's
+    details: object = None         # rows -> more of the report (markdown)
+    more: object = None            # rows -> [(what, verdict, why)], verdicts besides the claim's
 
 
 def _mean(rows, arm, key):
@@ -177,6 +185,321 @@ EXPERIMENTS = {
         arms={f"ratio-{r}": [f"model.mlp_ratio={r}"] for r in (1, 2, 4, 8)},
         steps=150, judge=judge_mlp_ratio),
 }
+# ----------------------------------------------------------------------------- the remaining claims
+#
+# Each entry below adds to a row, besides summarise's numbers, what its probe reads from the finished
+# run (Experiment.probe), and may draw its own figure (Experiment.figure) and add a table
+# (Experiment.details) and further verdicts (Experiment.more); the rules are fixed before the runs.
+
+# thin enough that 192 blocks train in seconds a step on 2 loaded cores
+THINNER = ["model.context_length=32", "model.d_model=32", "model.n_head=2",
+           "train.batch_size=4", "train.seq_len=32", "train.eval_batches=4"]
+DEPTHS = (12, 48, 96, 192)
+USABLE = 0.1      # |dL/dx| at the embeddings over the top's: at least this is "usable"
+VANISHED = 1e-3   # at most this: the signal is lost
+FLOOR = 1e-12     # where the depth figure draws a ratio of 0 (float32's gradient underflowed)
+
+
+LEARNED = 1.0    # nats under the unigram baseline a run must end at for a loss-reading rule to decide
+
+
+def unlearned(rows):
+    """The runs that did not diverge yet end less than LEARNED nats under their unigram baseline
+    (issue 28: a verdict counts only from models that learned). Added after the first composition
+    run, whose 50-step model (6.936 nats, baseline 6.683) still attended uniformly: its bands were
+    noise, which the rules read as verdicts."""
+    return [r["run"] for r in rows if r.get("unigram_baseline") is not None and not r["diverged"]
+            and not r["val_loss"] <= r["unigram_baseline"] - LEARNED]
+
+
+def _not_learned(rows, why):
+    """("leaves open", why and the runs that did not learn), or None when every run learned."""
+    runs = unlearned(rows)
+    if not runs:
+        return None
+    return "leaves open", why + f" (not decided: {', '.join(runs)} did not end {LEARNED} nats under the unigram baseline)"
+
+
+def probe_counts(run_dir):
+    """The run's parameter count and the first step its non-finite guard skipped (None: none did)."""
+    from andrea.config import make_config
+    from andrea.model.transformer import parameter_breakdown
+    from andrea.run.runlog import read_metrics, read_saved_config
+
+    cfg = make_config(read_saved_config(run_dir))
+    first_bad = None  # read_metrics leaves the skipped steps out: their records are read here
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            r = json.loads(line)
+            if isinstance(r, dict) and r.get("skipped") and first_bad is None:
+                first_bad = r.get("step")
+    flows = _logged(read_metrics(run_dir / "metrics.jsonl"), "grad_flow", dict)
+    stream = max((v for _, f in flows[-1:] for v in f["stream_rms"] if v is not None), default=math.nan)
+    return {"params": parameter_breakdown(cfg.model)["total"], "n_layer": cfg.model.n_layer,
+            "first_nonfinite": first_bad, "stream_rms_last": stream}
+
+
+def probe_composition(run_dir):
+    from andrea.probe import probe_run
+
+    return probe_counts(run_dir) | probe_run(run_dir)
+
+
+def judge_swiglu(rows):
+    """Supports: at parameter counts within 1% of each other, SwiGLU at 8/3 ends no worse than GELU
+    at 4x by more than the larger seed spread (comparable or better capacity). Contradicts: it ends
+    worse by more than that spread. Anything else (counts not matched, or a run that did not learn:
+    unlearned) leaves it open."""
+    gelu, swiglu = _mean(rows, "gelu-4x", "val_loss"), _mean(rows, "swiglu-8_3x", "val_loss")
+    noise = max(_spread(rows, "gelu-4x", "val_loss"), _spread(rows, "swiglu-8_3x", "val_loss"))
+    n = {a: next((r["params"] for r in rows if r["arm"] == a), 0) for a in ("gelu-4x", "swiglu-8_3x")}
+    seeds = len({r["seed"] for r in rows})
+    why = (f"mean final validation loss GELU 4x {gelu:.3f}, SwiGLU 8/3 {swiglu:.3f} over {seeds} seed(s), spread "
+           f"{noise:.3f}; parameters {n['gelu-4x']:,} and {n['swiglu-8_3x']:,}")
+    if not n["gelu-4x"] or abs(n["swiglu-8_3x"] - n["gelu-4x"]) > 0.01 * n["gelu-4x"]:
+        return "leaves open", why + " (not matched)"
+    if unlearned(rows):
+        return _not_learned(rows, why)
+    if swiglu - gelu > noise:
+        return "contradicts", why
+    return "supports", why + ("; SwiGLU lower by more than the spread" if gelu - swiglu > noise else
+                              "; the difference is within the spread: comparable")
+
+
+def _no_norm_at(rows, lr, noise):
+    """At one learning rate: (none unstable where pre-norm is not, none ends worse, the table's words)."""
+    pre, none = [r for r in rows if r["arm"] == f"pre-lr{lr}"], [r for r in rows if r["arm"] == f"none-lr{lr}"]
+    bad = [r for r in none if r["diverged"] or r["first_nonfinite"] is not None]
+    unstable = bool(bad) and not any(r["diverged"] for r in pre)
+    lp, ln = _mean(rows, f"pre-lr{lr}", "val_loss"), _mean(rows, f"none-lr{lr}", "val_loss")
+    worse = not ln <= lp + noise  # nan (every run non-finite) counts as worse
+    steps = ", ".join(f"step {r['first_nonfinite']}" for r in none if r["first_nonfinite"] is not None)
+    return unstable, worse, f"lr {lr}: pre-norm {lp:.3f}, none {ln:.3f}" + (f" (non-finite from {steps})" if steps else "")
+
+
+def judge_no_norm(rows):
+    """Supports: at some learning rate the model without LayerNorm goes non-finite or diverges while
+    pre-norm at that rate does not, or it ends worse than pre-norm at every rate by more than the
+    seed spread. Contradicts: at every rate it ends no worse than pre-norm (within the spread) and
+    never goes non-finite. Anything else leaves it open."""
+    rates = sorted({r["arm"].split("-lr")[1] for r in rows}, key=float)
+    noise = max((_spread(rows, r["arm"], "val_loss") for r in rows), default=0.0)
+    unstable, worse, parts = zip(*[_no_norm_at(rows, lr, noise) for lr in rates]) if rates else ((), (), ())
+    why = "final validation loss " + "; ".join(parts) + f"; seed spread {noise:.3f}"
+    if any(unstable) or (rates and all(worse)):
+        return "supports", why
+    if not any(worse) and not any(r["first_nonfinite"] is not None for r in rows):
+        return "contradicts", why
+    return "leaves open", why
+
+
+def _depth_ratio(rows, residual, n, key):
+    """The mean of key over the runs of n blocks with (or without) residuals."""
+    values = [r[key] for r in rows if r["n_layer"] == n and r["arm"].startswith("residual") == residual
+              and math.isfinite(r[key])]
+    return statistics.fmean(values) if values else math.nan
+
+
+def judge_depth(rows):
+    """Supports: with residuals the embeddings get at least USABLE of the top's gradient norm at
+    every depth, at step 1 and at the end, while without them it falls to VANISHED or below at some
+    depth. Contradicts: with residuals it falls to VANISHED or below at some depth. Else open."""
+    keys = ("ratio_init", "ratio_final")
+    depths = sorted({r["n_layer"] for r in rows})
+    res = [_depth_ratio(rows, True, n, k) for n in depths for k in keys]
+    nores = [_depth_ratio(rows, False, n, k) for n in depths for k in keys]
+    why = "; ".join(f"{n} blocks: with residuals {_fmt(_depth_ratio(rows, True, n, keys[0]))} at step 1, "
+                    f"{_fmt(_depth_ratio(rows, True, n, keys[1]))} at the end; without "
+                    f"{_fmt(_depth_ratio(rows, False, n, keys[0]))} and {_fmt(_depth_ratio(rows, False, n, keys[1]))}"
+                    for n in depths) + " (|dL/dx| at the embeddings over the top's)"
+    if any(v <= VANISHED for v in res):
+        return "contradicts", why
+    if res and all(v >= USABLE for v in res) and any(v <= VANISHED for v in nores):
+        return "supports", why
+    return "leaves open", why
+
+
+def _bands(n):
+    """The blocks of the early, middle and late thirds (the first ones a block larger when 3 does not
+    divide n)."""
+    sizes = [n // 3 + (k < n % 3) for k in range(3)]
+    return [list(range(sum(sizes[:k]), sum(sizes[:k + 1]))) for k in range(3)]
+
+
+def _band_of(i, n):
+    return next(k for k, b in enumerate(_bands(n)) if i in b)
+
+
+def _composition_votes(r):
+    """One run's (early, middle, late) readings: the band holding the strongest previous-token head,
+    the band of the longest mean attention distance, the band whose blocks lower the lens loss most."""
+    n = r["n_layer"]
+    prev = [max(h) for h in r["previous"]]
+    dist = [statistics.fmean(h) for h in r["distance"]]
+    gains = [r["lens_loss"][i] - r["lens_loss"][i + 1] for i in range(n)]
+    band_gain = [sum(gains[i] for i in b) for b in _bands(n)]
+    return (_band_of(prev.index(max(prev)), n), _band_of(dist.index(max(dist)), n),
+            band_gain.index(max(band_gain)), max(prev))
+
+
+BAND_NAMES = ("early", "middle", "late")
+
+
+def judge_composition_bands(rows):
+    """Three rules, each over every seed (a verdict only when the seeds agree):
+    early (syntax and position): supports if the strongest previous-token head (the largest
+    p_{i,i-1} share) sits in the first third of the blocks with a share of at least 0.5;
+    middle (relations): supports if the longest mean attention distance (over a block's heads) is
+    in the middle third; late (content): supports if the last third's blocks lower the logit
+    lens's loss more than either other third. Contradicts when the band found is another. A run
+    that did not learn (unlearned) leaves all three open."""
+    votes = [_composition_votes(r) for r in rows]
+    out = []
+    for k, (what, proxy) in enumerate([("early: syntax and position", "strongest previous-token head"),
+                                       ("middle: relations", "longest mean attention distance"),
+                                       ("late: content", "largest drop of the logit lens's loss")]):
+        found = {v[k] for v in votes}
+        where = ", ".join(f"{BAND_NAMES[v[k]]}" + (f" (share {v[3]:.2f})" if k == 0 else "") for v in votes)
+        why = f"{proxy}: in the {where} third, per seed"
+        if unlearned(rows):
+            out.append((f"band {what}", *_not_learned(rows, why)))
+        elif len(found) > 1:
+            out.append((f"band {what}", "leaves open", why + " (the seeds disagree)"))
+        elif found == {k} and (k or min(v[3] for v in votes) >= 0.5):
+            out.append((f"band {what}", "supports", why))
+        elif found == {k}:
+            out.append((f"band {what}", "leaves open", why + ", under 0.5"))
+        else:
+            out.append((f"band {what}", "contradicts", why))
+    return out
+
+
+def judge_composition(rows):
+    """Claim 'each block refines, the stream accumulates': supports if the logit lens's loss falls at
+    every block (each block's output predicts better than its input) in every seed; contradicts if
+    it rises at some block in every seed; else, or when a run did not learn (unlearned), open."""
+    falls = [all(b < a for a, b in zip(r["lens_loss"], r["lens_loss"][1:])) for r in rows]
+    rises = [any(b > a for a, b in zip(r["lens_loss"], r["lens_loss"][1:])) for r in rows]
+    why = "logit lens loss by depth (embeddings, then after each block): " + "; ".join(
+        f"seed {r['seed']}: " + " > ".join(f"{v:.2f}" for v in r["lens_loss"]) for r in rows)
+    if unlearned(rows):
+        return _not_learned(rows, why)
+    if all(falls):
+        return "supports", why
+    if all(rises):
+        return "contradicts", why
+    return "leaves open", why
+
+
+def details_composition(rows):
+    """Per seed: the logit lens by depth, and per block the heads' attention distance and previous-token share."""
+    from andrea.probe import PROMPT
+
+    text = []
+    for r in rows:
+        text.append(f"\n{r['run']}: logit lens and attention by depth (lens top 3: at the last token of {PROMPT!r})\n")
+        text.append("| depth | lens loss | lens top 3 | mean attention distance per head | previous-token share "
+                    "per head |\n|---|---|---|---|---|\n")
+        text.append(f"| embeddings | {r['lens_loss'][0]:.3f} | | | |\n")
+        for i in range(r["n_layer"]):
+            text.append(f"| block {i} | {r['lens_loss'][i + 1]:.3f} | {r['lens_top'][i].replace('|', '/')} | "
+                        f"{' '.join(f'{d:.1f}' for d in r['distance'][i])} | "
+                        f"{' '.join(f'{p:.2f}' for p in r['previous'][i])} |\n")
+    return "".join(text)
+
+
+def details_counts(rows):
+    return "\n| run | parameters | first non-finite step | largest stream RMS, last log |\n|---|---|---|---|\n" + "".join(
+        f"| {r['run']} | {r['params']:,} | {_fmt(r['first_nonfinite'])} | {_fmt(r['stream_rms_last'])} |\n"
+        for r in rows)
+
+
+def _png(fig):
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def draw_depth(name, rows):
+    """Left: |dL/dx| at the embeddings over the top's against depth; right: the 192-block profiles."""
+    fig = new_figure("andrea.experiment", figsize=(11, 4.2), dpi=90)
+    ratio_ax, depth_ax = fig.subplots(1, 2)
+    depths = sorted({r["n_layer"] for r in rows})
+    for c, residual in enumerate((True, False)):
+        for key, ls in (("ratio_init", "--"), ("ratio_final", "-")):
+            ratios = [max(_depth_ratio(rows, residual, n, key), FLOOR) for n in depths]  # nan stays nan
+            ratio_ax.plot(range(len(depths)), ratios, color=f"C{c}", ls=ls,
+                          marker="o", label=f"{'with' if residual else 'without'} residuals, "
+                                            f"{'step 1' if key == 'ratio_init' else 'last step'}")
+        deepest = next((r for r in rows if r["n_layer"] == depths[-1] and r["arm"].startswith(
+            "residual" if residual else "no-residual")), None)
+        if deepest and deepest["grad_final"]:
+            depth_ax.plot(deepest["grad_init"], color=f"C{c}", ls="--", lw=1)
+            depth_ax.plot(deepest["grad_final"], color=f"C{c}", lw=2, label=deepest["arm"])
+    ratio_ax.set(yscale="log", xlabel="blocks", ylabel=f"|dL/dx| embeddings / top (0 drawn at {FLOOR:g})",
+                 title=f"{name}: the gradient reaching the embeddings")
+    ratio_ax.set_xticks(range(len(depths)), [str(n) for n in depths])
+    label_depth_axis(depth_ax, f"{depths[-1]} blocks: step 1 (dashed), last step")
+    for ax in (ratio_ax, depth_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return _png(fig)
+
+
+def draw_composition(name, rows):
+    """The logit lens's loss by depth, and per block the heads' attention distance and previous-token share."""
+    fig = new_figure("andrea.experiment", figsize=(13, 4.2), dpi=90)
+    lens_ax, dist_ax, prev_ax = fig.subplots(1, 3)
+    for c, r in enumerate(rows):
+        lens_ax.plot(range(len(r["lens_loss"])), r["lens_loss"], marker="o", color=f"C{c}", label=r["run"])
+        for i, (d, p) in enumerate(zip(r["distance"], r["previous"])):
+            dist_ax.scatter([i] * len(d), d, color=f"C{c}", s=12, label=r["run"] if i == 0 else None)
+            prev_ax.scatter([i] * len(p), p, color=f"C{c}", s=12, label=r["run"] if i == 0 else None)
+    lens_ax.set(xlabel="blocks applied (0 = embeddings)", ylabel="logit lens loss (nats/token)", title=f"{name}: logit lens")
+    dist_ax.set(xlabel="block", ylabel="mean attention distance (tokens)", title="each head's mean attention distance")
+    prev_ax.set(xlabel="block", ylabel="attention on the previous token", title="each head's previous-token share",
+                ylim=(0, 1))
+    for ax in (lens_ax, dist_ax, prev_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return _png(fig)
+
+
+EXPERIMENTS.update({
+    "swiglu": Experiment(
+        claim="SwiGLU at 8/3 the model width gives comparable capacity to GELU at 4x at lower cost.",
+        original="SwiGLU com 8/3 da largura [...] com capacidade comparável a um custo menor.",
+        base=THIN + ["model.n_layer=4"],
+        arms={"gelu-4x": [], "swiglu-8_3x": ["model.activation=swiglu"]},
+        steps=150, seeds=[0, 1, 2], judge=judge_swiglu, probe=probe_counts, details=details_counts),
+    "no-norm": Experiment(
+        claim="LayerNorm keeps activations in a numerically stable range; without it, small instabilities "
+              "accumulate into NaN gradients.",
+        original="A LayerNorm mantém as ativações em uma faixa numericamente estável; sem ela, pequenas "
+                 "instabilidades se acumulam em gradientes NaN.",
+        base=THIN + ["model.n_layer=12"],
+        arms={f"{norm}-lr{lr}": [f"model.norm={norm}", f"train.lr={lr}"]
+              for lr in ("3e-3", "1e-2", "3e-2") for norm in ("pre", "none")},
+        steps=150, judge=judge_no_norm, probe=probe_counts, details=details_counts),
+    "depth": Experiment(
+        claim="With residuals the gradient magnitude stays usable through hundreds of layers.",
+        original="Com resíduos, a magnitude do gradiente permanece utilizável através de centenas de camadas.",
+        base=THINNER,
+        arms={f"{kind}-{n}": [f"model.n_layer={n}"] + ([] if kind == "residual" else ["model.residual=false"])
+              for n in DEPTHS for kind in ("residual", "no-residual")},
+        steps=30, judge=judge_depth, probe=probe_counts, figure=draw_depth),
+    "composition": Experiment(
+        claim="Each block learns a refinement and the residual stream accumulates them; the layers specialise: "
+              "early ones syntax and position, middle ones relations, late ones content.",
+        original="Cada bloco aprende um refinamento, e o fluxo residual os acumula [...] camadas iniciais: sintaxe "
+                 "e posição; intermediárias: relações; finais: conteúdo.",
+        base=THIN + ["model.n_layer=6"],
+        arms={"pre-norm": []},
+        steps=300, judge=judge_composition, probe=probe_composition, figure=draw_composition,
+        details=details_composition, more=judge_composition_bands),
+})
+
+
 EXIT_INTERRUPTED = 130
 COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu"]
 
@@ -309,12 +632,15 @@ def report(name, exp, rows, target, command):
     verdicts = [("claim", *exp.judge(rows))]
     if name == "residual":
         verdicts.append(("claim 3 (near identity at initialisation)", *judge_identity(rows)))
+    verdicts += exp.more(rows) if exp.more else []
     lines = [f"# {name}\n", f"> {exp.claim}\n>\n> ({exp.original})\n",
              f"Command: `{command}`\n", table(rows, target)]
     baselines = sorted({r["unigram_baseline"] for r in rows if r.get("unigram_baseline") is not None})
     if baselines:  # the arms share their data, so one number (or one per data directory, if --set says so)
         lines.append(f"Unigram baseline of the validation tokens: {', '.join(f'{b:.3f}' for b in baselines)} "
                      "nats/token; a final validation loss below it learned more than the tokens' frequencies.\n")
+    if exp.details:
+        lines.append(exp.details(rows))
     for what, verdict, why in verdicts:
         lines.append(f"\n**{what}: {verdict}**: {why}.\n")
     return "\n".join(lines), verdicts
@@ -345,13 +671,20 @@ def arm_state(run_dir: Path, sets: list) -> str:
 
 
 def finished(run_dir: Path) -> bool:
-    """Whether run_dir holds a run that trained to its train.max_steps."""
+    """Whether run_dir holds a run that trained to its train.max_steps, or that the non-finite guard
+    stopped (its last train.max_bad_steps records skipped steps): trained again, it would stop again."""
     from andrea.run.runlog import read_metrics
 
     try:
-        max_steps = json.loads((run_dir / "config.json").read_text())["train"]["max_steps"]
-        return max(read_metrics(run_dir / "metrics.jsonl"), default=0) == max_steps
-    except (OSError, ValueError, KeyError, UserError):
+        train_cfg = json.loads((run_dir / "config.json").read_text())["train"]
+        if max(read_metrics(run_dir / "metrics.jsonl"), default=0) == train_cfg["max_steps"]:
+            return True
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").split("\n")
+        records = [json.loads(x) for x in lines if x.strip()]
+        skipped = {r["step"] for r in records if r.get("skipped")}
+        last = max((r["step"] for r in records), default=0)
+        return last >= train_cfg["max_bad_steps"] and all(last - k in skipped for k in range(train_cfg["max_bad_steps"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError):
         return False
 
 
@@ -381,11 +714,13 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
             rows.append(summarise(run_dir, arm, seed, _train_to_the_end(name, run_dir, sets, out / "logs", n_steps)))
     if not rows:
         raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
+    for r in rows if exp.probe else ():
+        r.update(exp.probe(out / r["run"]))
     target = default_target(rows)
     steps_to(rows, target)
     text, verdicts = report(name, exp, rows, target, command)
     _save(out, name, text, {"experiment": name, "steps": n_steps, "target": target, "rows": rows,
-                            "verdicts": verdicts}, draw(name, rows))
+                            "verdicts": verdicts}, (exp.figure or draw)(name, rows))
     return text
 
 

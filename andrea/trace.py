@@ -21,7 +21,8 @@ from the end) it prints, per block:
 and last the model's own next-token distribution (its generation path, forward_kv), which the
 logit lens of the last block equals. --out DIR also draws DIR/trace.png: each head's attention
 row for the token, and the logit lens as a table of top-1 tokens by depth and position (the
-`plot` extra). Post-norm variants are traced too; there the LayerNorms follow the adds.
+`plot` extra). Post-norm variants are traced too; there the LayerNorms follow the adds; a model
+without LayerNorms (model.norm=none) shows "none" for their statistics.
 """
 
 from __future__ import annotations
@@ -103,16 +104,23 @@ def top(tokenizer, probs, k: int) -> str:
     return " | ".join(f"{piece(tokenizer, i)} {probs[i]:.3f}" for i in best)
 
 
+def ln_stats(stats) -> str:
+    """A LayerNorm's mean and rstd, or "none" for a model without LayerNorms (model.norm=none)."""
+    if np.isnan(stats).all():
+        return "none (model.norm=none: no LayerNorm)"
+    return f"mean {stats[0]:+.4f} | rstd {stats[1]:.4f}"
+
+
 def block_lines(i: int, b: BlockTrace, ids, tokenizer, k: int) -> list[str]:
     lines = [f"block {i}",
              f"  residual |x|   in {b.norms[0]:.4f} | after attention {b.norms[1]:.4f} | after MLP {b.norms[2]:.4f}",
-             f"  ln_1           mean {b.ln_1[0]:+.4f} | rstd {b.ln_1[1]:.4f}",
+             f"  ln_1           {ln_stats(b.ln_1)}",
              f"  attention      |delta| {b.attn_delta:.4f}"]
     for h, row in enumerate(b.attention):
         best = np.argsort(-row, kind="stable")[:ATTENTION_TOP]
         lines.append(f"    head {h:<2}      " + " | ".join(
             f"@{p} {piece(tokenizer, ids[p])} {row[p]:.3f}" for p in best))
-    lines += [f"  ln_2           mean {b.ln_2[0]:+.4f} | rstd {b.ln_2[1]:.4f}",
+    lines += [f"  ln_2           {ln_stats(b.ln_2)}",
               f"  MLP            |delta| {b.mlp_delta:.4f}",
               f"  logit lens     {top(tokenizer, b.lens, k)}"]
     return lines

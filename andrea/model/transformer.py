@@ -15,9 +15,14 @@ docs/experiments.md) change the Block and its MLP only, never a primitive layer:
     norm=post:        x = ln_1(x + attn(x));  x = ln_2(x + mlp(x))    (the 2017 arrangement)
     residual=false:   the "x +" above dropped, in either arrangement
     activation=relu:  mlp(x) = c_proj(ReLU(c_fc(x)))
+    norm=none:        x = x + attn(x);  x = x + mlp(x);  logits = x @ wte.T    (no LayerNorm anywhere)
+    activation=swiglu: mlp(x) = c_proj(SwiGLU(c_fc(x))), c_fc (C, 2F) the gate and value halves,
+                      F = 8/3 C by default (minitensor.layers.swiglu)
 
-They keep GPT-2's parameter names and count (post-norm keeps ln_f too), so a variant's checkpoint
-has the same layout; the Hugging Face export refuses them (transformers' GPT-2 computes pre-norm).
+They keep GPT-2's parameter names (post-norm keeps ln_f too), and, but for norm=none (which has no
+LayerNorm parameters) and swiglu (whose c_fc is twice as wide), its count, so a variant's
+checkpoint has the same layout; the Hugging Face export refuses them (transformers' GPT-2
+computes pre-norm GELU).
 With `record_flow(True)` the model measures, for the next forward and backward, how the residual
 stream and its gradient change through the blocks (GradFlow; train.log_grad_flow).
 
@@ -48,6 +53,7 @@ from minitensor.params import Params
 def param_shapes(cfg):
     """{GPT-2 name: shape} in the order of the flat buffer."""
     C, V, F = cfg.d_model, cfg.vocab_size, cfg.mlp_dim
+    F_in = 2 * F if cfg.activation == "swiglu" else F     # SwiGLU's gate and value halves
     shapes = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (cfg.context_length, C)}
     for i in range(cfg.n_layer):
         h = f"transformer.h.{i}."
@@ -56,20 +62,23 @@ def param_shapes(cfg):
             h + "attn.c_attn.weight": (C, 3 * C), h + "attn.c_attn.bias": (3 * C,),
             h + "attn.c_proj.weight": (C, C), h + "attn.c_proj.bias": (C,),
             h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
-            h + "mlp.c_fc.weight": (C, F), h + "mlp.c_fc.bias": (F,),
+            h + "mlp.c_fc.weight": (C, F_in), h + "mlp.c_fc.bias": (F_in,),
             h + "mlp.c_proj.weight": (F, C), h + "mlp.c_proj.bias": (C,),
         })
     shapes["transformer.ln_f.weight"] = (C,)
     shapes["transformer.ln_f.bias"] = (C,)
+    if cfg.norm == "none":
+        return {name: shape for name, shape in shapes.items() if ".ln_" not in name}
     return shapes
 
 
 def parameter_breakdown(cfg):
     """The exact count by part; the tied matrix is counted once."""
     C, F = cfg.d_model, cfg.mlp_dim
-    ln = 2 * C
+    F_in = 2 * F if cfg.activation == "swiglu" else F
+    ln = 0 if cfg.norm == "none" else 2 * C
     attn = C * 3 * C + 3 * C + C * C + C
-    mlp = C * F + F + F * C + C
+    mlp = C * F_in + F_in + F * C + C
     block = 2 * ln + attn + mlp
     blocks = f"{cfg.n_layer} {'block' if cfg.n_layer == 1 else 'blocks'}"
     parts = {
@@ -101,8 +110,27 @@ def _linear(p, name, ops):
 
 
 def _layernorm(p, name, eps, ops):
+    if name + ".weight" not in p.shapes:                 # model.norm=none
+        return NoNorm(ops)
     return LayerNorm(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"), eps,
                      ops=ops)
+
+
+class NoNorm(Layer):
+    """Where a LayerNorm would be with model.norm=none: the identity, no parameters.
+
+    forward:   y = x                     backward:  dx = dy (+ the skip's gradient, as LayerNorm's)
+    infer_stats gives NaN for the mean and rstd it does not compute (andrea.trace says "none")."""
+
+    def forward(self, x):
+        return x
+
+    def backward(self, dy, skip=None):
+        return dy if skip is None else dy + skip
+
+    def infer_stats(self, x):
+        nan = self.ops.xp.full((*x.shape[:-1], 1), math.nan, dtype=x.dtype)
+        return x, nan, nan
 
 
 class MLPCache(NamedTuple):
@@ -112,8 +140,9 @@ class MLPCache(NamedTuple):
 
 
 class MLP(Layer):
-    """c_proj(act(c_fc(x))) (+ residual), act GELU (GPT-2) or ReLU, in three passes over the
-    (N, 4C) activation instead of five:
+    """c_proj(act(c_fc(x))) (+ residual), act GELU (GPT-2), ReLU or SwiGLU (whose c_fc is twice as
+    wide: h (N, 2F) -> g (N, F), minitensor.layers.swiglu), in three passes over the (N, 4C) activation
+    instead of five:
 
     forward:   h = x W_fc  (c_fc's bias is added in the activation's pass),  g = act(h + b_fc),
                out = g W_proj + b_proj + residual  (one epilogue)
@@ -126,7 +155,8 @@ class MLP(Layer):
         super().__init__(ops)
         self.c_fc, self.c_proj = c_fc, c_proj
         pieces = {"gelu": (ops.bias_gelu_forward, ops.bias_gelu_backward),
-                  "relu": (ops.bias_relu_forward, ops.bias_relu_backward)}
+                  "relu": (ops.bias_relu_forward, ops.bias_relu_backward),
+                  "swiglu": (ops.bias_swiglu_forward, ops.bias_swiglu_backward)}
         if activation not in pieces:
             raise ValueError(f"activation must be one of {sorted(pieces)}, got {activation!r}")
         self.act_forward, self.act_backward = pieces[activation]
@@ -156,6 +186,7 @@ class Block:
 
     pre-norm (ANDREA, GPT-2):  x1 = x + attn(ln_1(x)),   x2 = x1 + mlp(ln_2(x1))
     post-norm (2017):          x1 = ln_1(x + attn(x)),   x2 = ln_2(x1 + mlp(x1))
+    norm=none:                 pre-norm's, ln_1 and ln_2 the identity (NoNorm)
     without residuals the "x +" and "x1 +" are dropped.
     """
 
@@ -171,7 +202,7 @@ class Block:
 
     def forward(self, x):
         skip = self.residual
-        if self.norm == "pre":
+        if self.norm != "post":
             # the residual adds run in the epilogue of each branch's last product
             s1 = x1 = self.attn.forward(self.ln_1.forward(x), residual=x if skip else None)
             s2 = x2 = self.mlp.forward(self.ln_2.forward(x1), residual=x1 if skip else None)
@@ -189,7 +220,7 @@ class Block:
         """forward for inference at positions pos.., with this block's key/value cache kv: the same
         layers through their cache-free `infer`."""
         skip = self.residual
-        if self.norm == "pre":
+        if self.norm != "post":
             x1 = self.attn.forward_kv(self.ln_1.infer(x), kv, pos, residual=x if skip else None)
             return self.mlp.infer(self.ln_2.infer(x1), residual=x1 if skip else None)
         x1 = self.ln_1.infer(self.attn.forward_kv(x, kv, pos, residual=x if skip else None))
@@ -203,7 +234,7 @@ class Block:
         added here after each sublayer instead of in its epilogue: the same float adds, so x2 is
         infer's to the bit."""
         skip, t = self.residual, {"x": x}
-        if self.norm == "pre":
+        if self.norm != "post":
             h, *t["ln_1"] = self.ln_1.infer_stats(x)
             t["attn"] = self.attn.forward_kv(h, kv, pos, record=t)
             t["x1"] = x + t["attn"] if skip else t["attn"]
@@ -219,7 +250,7 @@ class Block:
 
     def backward(self, dx2):
         skip = self.residual
-        if self.norm == "pre":
+        if self.norm != "post":
             # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
             # added in the pass of the LayerNorm backward it goes around
             dx1 = self.ln_2.backward(self.mlp.backward(dx2), skip=dx2 if skip else None)

@@ -226,6 +226,51 @@ class Ops:
         """The gradient at h = x + b (x already holds h); with recompute_output, also ReLU(h)."""
         return self.relu_backward(x, dy, recompute_output)
 
+    # --- SwiGLU: y = SiLU(a) * b over the halves h = [a | b] of the last axis (Shazeer 2020) ---
+    #
+    #   SiLU(a) = a sig(a),  sig(a) = 1 / (1 + exp(-a)),  dSiLU/da = sig(a) (1 + a (1 - sig(a)))
+    #   so, with y = SiLU(a) b:  da = dy b sig(a) (1 + a (1 - sig(a))),  db = dy SiLU(a)
+    # The design document's alternative MLP (model.activation=swiglu, minitensor.layers.swiglu); no backend
+    # overrides it: it runs here, against xp, on the CPU and the GPU alike. For a below about -88
+    # (float32) exp(-a) overflows to inf: sig = 0, so y = -0 and da = 0, as they should.
+
+    @staticmethod
+    def swiglu_halves(h):
+        """The views a, b of h (..., 2F): its first and second F columns."""
+        if h.shape[-1] % 2:
+            raise ValueError(f"SwiGLU needs an even last axis (gate and value halves), got {h.shape}")
+        F = h.shape[-1] // 2
+        return h[..., :F], h[..., F:]
+
+    def swiglu_forward(self, h):
+        """y (..., F) = SiLU(a) * b for h = [a | b] (..., 2F)."""
+        a, b = self.swiglu_halves(h)
+        with np.errstate(over="ignore"):
+            sig = 1.0 / (1.0 + self.xp.exp(-a))
+        return a * sig * b
+
+    def swiglu_backward(self, h, dy, recompute_output=False):
+        """dh (..., 2F) = [da | db] from dy (..., F); with recompute_output, (dh, SwiGLU(h))."""
+        xp = self.xp
+        a, b = self.swiglu_halves(h)
+        with np.errstate(over="ignore"):
+            sig = 1.0 / (1.0 + xp.exp(-a))
+        silu = a * sig
+        dh = xp.empty_like(h)
+        da, db = self.swiglu_halves(dh)
+        xp.multiply(dy, silu, out=db)                        # forward was: y = silu * b
+        xp.multiply(dy * b, sig * (1.0 + a * (1.0 - sig)), out=da)
+        return (dh, silu * b) if recompute_output else dh
+
+    def bias_swiglu_forward(self, x, b):
+        """SwiGLU(x + b), x (N, 2F) updated to x + b in place, as bias_gelu_forward."""
+        x += b
+        return self.swiglu_forward(x)
+
+    def bias_swiglu_backward(self, x, b, dy, recompute_output=False):
+        """The gradient at h = x + b (x already holds h); with recompute_output, also SwiGLU(h)."""
+        return self.swiglu_backward(x, dy, recompute_output)
+
     # --- causal self-attention core: y = softmax(q k^T / sqrt(hs) + mask) v, per head ---
     #
     # The core runs over blocks of query rows: rows i0..i1 see keys 0..i1 only, so the scores

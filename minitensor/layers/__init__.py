@@ -4,6 +4,7 @@
     linear.py     y = x W + b
     layernorm.py  y = (x - mean) rstd w + b, by rows
     gelu.py       GPT-2's tanh GELU          relu.py   max(x, 0)
+    swiglu.py     SiLU(a) * b over the two halves [a | b], the gated MLP's activation
     attention.py  causal multi-head self-attention
     embedding.py  token and position embeddings, and the tied output head
     loss.py       softmax cross-entropy
@@ -20,6 +21,7 @@ from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.layers.relu import ReLU
+from minitensor.layers.swiglu import SwiGLU
 
 __all__ = ["CausalSelfAttention", "Embedding", "GELU", "Layer", "LayerNorm", "Linear", "PositionEmbedding", "ReLU",
-           "SoftmaxCrossEntropy", "TiedHead"]
+           "SoftmaxCrossEntropy", "SwiGLU", "TiedHead"]

@@ -151,7 +151,8 @@ def test_attention_rows_are_distributions_over_the_past_and_the_lens_ends_at_the
 
 
 @pytest.mark.parametrize("variant", [{}, {"norm": "post"}, {"residual": False}, {"norm": "post", "residual": False},
-                                     {"activation": "relu"}])
+                                     {"activation": "relu"}, {"activation": "swiglu"}, {"norm": "none"},
+                                     {"norm": "none", "residual": False}])
 def test_a_blocks_trace_is_its_infer_to_the_bit(variant):
     """The hooks (LayerNorm.infer_stats, forward_kv's record) change nothing: Block.trace's x2 is
     Block.infer's, and its deltas and stream add up as the block's formula says."""

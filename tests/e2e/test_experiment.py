@@ -2,6 +2,7 @@
 and verdict), the gradient-flow log and its plot, and a variant's run resumed and sampled."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,149 @@ def test_arms_then_report_only_rebuild_the_report_from_finished_runs(tmp_path, d
     assert run(experiment.main, argv + ["--report-only"]) == 0
     assert "no-residual-seed0 has no finished run: left out" in capsys.readouterr().err
     assert [r["run"] for r in json.loads((out / "results.json").read_text())["rows"]] == ["residual-seed0"]
+
+
+# ----------------------------------------------------------------------------- the remaining claims (issue 28)
+
+NO_DEPTH = [o for o in SMALL if not o.startswith("model.n_layer=")]
+
+
+def test_the_depth_arms_have_the_depth_and_skips_they_name(tmp_path, data_dir):
+    require("matplotlib")
+    out = tmp_path / "depth"
+    argv = ["depth", "--out", str(out), "--steps", "2", "--arms", "residual-12,no-residual-12"]
+    for o in NO_DEPTH + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv) == 0
+    for arm, skip in (("residual-12", True), ("no-residual-12", False)):
+        saved = json.loads((out / f"{arm}-seed0" / "config.json").read_text())["model"]
+        assert (saved["n_layer"], saved["residual"]) == (12, skip)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["n_layer"] for r in rows] == [12, 12] and all(len(r["grad_init"]) == 13 for r in rows)
+    assert all(r["ratio_init"] > 0 for r in rows)
+    assert "12 blocks: with residuals" in (out / "results.md").read_text()
+
+
+def test_the_composition_probe_reads_every_block_and_head(tmp_path, data_dir):
+    require("matplotlib")
+    out = tmp_path / "composition"
+    argv = ["composition", "--out", str(out), "--steps", "3"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv) == 0
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert len(row["lens_loss"]) == 3 and all(math.isfinite(v) and v > 0 for v in row["lens_loss"])
+    assert len(row["distance"]) == len(row["previous"]) == len(row["lens_top"]) == 2
+    for distance, previous in zip(row["distance"], row["previous"]):
+        assert len(distance) == len(previous) == 2                                     # n_head 2
+        assert all(0 <= d <= 15 for d in distance) and all(0 <= p <= 1 for p in previous)
+    table = (out / "results.md").read_text()
+    assert "| block 1 |" in table and "| embeddings |" in table
+    for band in ("early: syntax and position", "middle: relations", "late: content"):
+        assert f"**band {band}: " in table
+
+
+def test_the_no_norm_probe_names_the_first_skipped_step(tmp_path, data_dir):
+    require("matplotlib")
+    out = tmp_path / "no-norm"
+    argv = ["no-norm", "--out", str(out), "--steps", "2", "--arms", "none-lr3e-3"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv) == 0
+    run_dir = out / "none-lr3e-3-seed0"
+    assert json.loads((run_dir / "config.json").read_text())["model"]["norm"] == "none"
+    counts = experiment.probe_counts(run_dir)
+    assert counts["first_nonfinite"] is None and counts["params"] > 0 and counts["stream_rms_last"] > 0
+    with open(run_dir / "metrics.jsonl", "a") as f:  # what NonFiniteGuard writes for a skipped step
+        for step in (7, 8):
+            f.write(json.dumps({"step": step, "loss": "nan", "grad_norm": "inf", "skipped": True}) + "\n")
+    assert experiment.probe_counts(run_dir)["first_nonfinite"] == 7
+    # a run the guard stopped (max_bad_steps skipped steps last) is finished: reported as diverged, not left out
+    config = json.loads((run_dir / "config.json").read_text())
+    config["train"]["max_steps"] = 20
+    (run_dir / "config.json").write_text(json.dumps(config))
+    assert not experiment.finished(run_dir)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        for step in (9, 10, 11):  # each skipped step, as at a log step, followed by its logged record
+            f.write(json.dumps({"step": step, "loss": "nan", "grad_norm": "inf", "skipped": True}) + "\n")
+            f.write(json.dumps({"step": step, "loss": "nan", "lr": 1e-3, "grad_norm": "inf"}) + "\n")
+    assert experiment.finished(run_dir)
+    assert run(experiment.main, argv + ["--report-only"]) == 0
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["run"] == "none-lr3e-3-seed0" and row["first_nonfinite"] == 7
+
+
+def _row(arm, val, seed=0, **extra):
+    return {"arm": arm, "run": f"{arm}-seed{seed}", "seed": seed, "val_loss": val, "diverged": False,
+            "first_nonfinite": None, **extra}
+
+
+def test_the_new_rules_read_what_they_say():
+    s = experiment.judge_swiglu
+    assert s([_row("gelu-4x", 5.0, params=1000), _row("swiglu-8_3x", 5.01, params=1004)])[0] == "contradicts"
+    assert s([_row("gelu-4x", 5.0, params=1000), _row("gelu-4x", 5.1, 1, params=1000),
+              _row("swiglu-8_3x", 5.05, params=1004)])[0] == "supports"                  # within the spread
+    assert s([_row("gelu-4x", 5.0, params=1000), _row("swiglu-8_3x", 4.0, params=1100)])[0] == "leaves open"
+    n = experiment.judge_no_norm
+    steady = [_row("pre-lr3e-3", 5.0), _row("none-lr3e-3", 5.0), _row("pre-lr1e-2", 5.0), _row("none-lr1e-2", 4.9)]
+    assert n(steady)[0] == "contradicts"
+    blown = steady[:3] + [_row("none-lr1e-2", 5.0, first_nonfinite=40) | {"diverged": True}]
+    verdict, why = n(blown)
+    assert verdict == "supports" and "non-finite from step 40" in why
+    d = experiment.judge_depth
+
+    def depth_rows(res, nores):
+        return [{"arm": f"{k}-{n}", "n_layer": n, "ratio_init": v, "ratio_final": v}
+                for n in (12, 192) for k, v in (("residual", res), ("no-residual", nores))]
+
+    assert d(depth_rows(0.5, 1e-5))[0] == "supports"
+    assert d(depth_rows(1e-4, 1e-5))[0] == "contradicts"
+    assert d(depth_rows(0.5, 0.2))[0] == "leaves open"
+
+
+def test_the_band_rules_read_the_third_each_measure_falls_in():
+    row = {"seed": 0, "run": "pre-norm-seed0", "n_layer": 6,
+           "previous": [[0.9, 0.1], [0.2, 0.1], [0.1, 0.1], [0.1, 0.0], [0.0, 0.1], [0.1, 0.1]],
+           "distance": [[1, 1], [2, 2], [9, 7], [3, 3], [2, 2], [2, 2]],
+           "lens_loss": [8.0, 7.9, 7.8, 7.7, 7.6, 6.0, 5.0]}
+    verdicts = {what: v for what, v, _ in experiment.judge_composition_bands([row])}
+    assert verdicts == {"band early: syntax and position": "supports", "band middle: relations": "supports",
+                        "band late: content": "supports"}
+    late_first = dict(row, lens_loss=[8.0, 5.0, 4.9, 4.8, 4.7, 4.6, 4.5], distance=row["distance"][::-1])
+    verdicts = {what: v for what, v, _ in experiment.judge_composition_bands([row, late_first | {"seed": 1}])}
+    assert verdicts["band late: content"] == "leaves open" and verdicts["band early: syntax and position"] == "supports"
+    assert experiment.judge_composition([row])[0] == "supports"
+    assert experiment.judge_composition([dict(row, lens_loss=[8.0, 8.2, 7, 6, 5, 4, 3])])[0] == "contradicts"
+    # a model that did not end LEARNED nats under the unigram baseline decides nothing
+    learned = dict(row, val_loss=5.5, unigram_baseline=6.683, diverged=False)
+    not_yet = dict(learned, val_loss=6.0)
+    assert experiment.judge_composition([learned])[0] == "supports"
+    verdict, why = experiment.judge_composition([not_yet])
+    assert verdict == "leaves open" and "pre-norm-seed0 did not end 1.0 nats under the unigram baseline" in why
+    assert {v for _, v, _ in experiment.judge_composition_bands([not_yet])} == {"leaves open"}
+    assert experiment.judge_swiglu([_row("gelu-4x", 6.0, params=1000, unigram_baseline=6.683),
+                                    _row("swiglu-8_3x", 5.0, params=1000, unigram_baseline=6.683)])[0] == "leaves open"
+
+
+def test_a_run_without_layernorm_with_swiglu_resumes_samples_and_traces(tmp_path, data_dir, capsys):
+    from andrea import trace
+
+    out = tmp_path / "bare"
+    sets = []
+    for o in SMALL + corpus(data_dir) + ["model.norm=none", "model.activation=swiglu", "train.max_steps=4",
+                                        "train.sample_tokens=0", "train.device=cpu", "train.checkpoint_interval=2"]:
+        sets += ["--set", o]
+    assert run(train.main, ["--out", str(out), "--stop-at-step", "2"] + sets) == 0
+    assert run(train.main, ["--out", str(out), "--resume"]) == 0
+    saved = json.loads((out / "config.json").read_text())["model"]
+    assert (saved["norm"], saved["activation"], saved["mlp_dim"]) == ("none", "swiglu", round(8 * 16 / 3))
+    model, _, _ = sample.load_model(out)
+    assert (model.cfg.norm, model.cfg.activation) == ("none", "swiglu")
+    assert not [n for n, _ in model.named_parameters() if ".ln_" in n]
+    assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "def "]) == 0
+    capsys.readouterr()
+    assert run(trace.main, ["--checkpoint", str(out), "--prompt", "def f(x):"]) == 0
+    printed = capsys.readouterr().out
+    assert "ln_1           none (model.norm=none" in printed and "block 1" in printed
+    assert run(train.main, ["--out", str(tmp_path / "bad")] + sets[:-2] + ["--set", "model.norm=off"]) == 2
+    assert "model.norm must be pre, post or none, got 'off'" in capsys.readouterr().err

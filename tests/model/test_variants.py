@@ -24,6 +24,11 @@ VARIANTS = {
     "relu": dict(activation="relu"),
     "post-norm-relu": dict(norm="post", activation="relu"),
     "mlp-ratio-2": dict(mlp_ratio=2),
+    "swiglu": dict(activation="swiglu"),
+    "post-norm-swiglu": dict(norm="post", activation="swiglu"),
+    "no-norm": dict(norm="none"),
+    "no-norm-no-residual": dict(norm="none", residual=False),
+    "no-norm-swiglu": dict(norm="none", activation="swiglu"),
 }
 variants = pytest.mark.parametrize("variant", sorted(VARIANTS))
 # finite differences move a pre-activation by far less than this (see tests/support/layer_cases.py)
@@ -89,7 +94,9 @@ def test_variants_change_the_computation_but_not_the_parameters():
     for variant, extra in VARIANTS.items():
         m = ANDREA(ModelConfig(**TINY, **extra), dtype="float64", seed=1)
         assert not np.allclose(m.logits(idx), base.logits(idx)), variant
-        if "mlp_ratio" not in extra:
+        # not GPT-2's parameters: a wider MLP, SwiGLU's c_fc twice as wide, no LayerNorms
+        reshaped = "mlp_ratio" in extra or extra.get("activation") == "swiglu" or extra.get("norm") == "none"
+        if not reshaped:
             assert m.num_parameters() == base.num_parameters()
             assert [n for n, _ in m.named_parameters()] == [n for n, _ in base.named_parameters()]
     wide = ModelConfig(**TINY, mlp_ratio=2)
@@ -112,8 +119,9 @@ def test_a_post_norm_block_normalises_its_output():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.norm=middle", "model.norm must be pre or post"),
-    ("model.activation=tanh", "model.activation must be gelu or relu"),
+    ("model.norm=middle", "model.norm must be pre, post or none, got 'middle'"),
+    ("model.activation=tanh", "model.activation must be gelu, relu or swiglu, got 'tanh'"),
+    ("model.activation=SwiGLU", "model.activation must be gelu, relu or swiglu"),
     ("model.residual=maybe", "model.residual must be true or false"),
     ("model.mlp_ratio=0", "model.mlp_ratio must be positive"),
     ("model.mlp_ratio=0.3", "must be a whole number"),
@@ -131,7 +139,9 @@ def test_mlp_ratio_and_mlp_dim_must_agree():
 
 
 @pytest.mark.parametrize("extra, named", [(dict(norm="post"), "norm=post"), (dict(residual=False), "residual=false"),
-                                          (dict(activation="relu"), "activation=relu")])
+                                          (dict(activation="relu"), "activation=relu"),
+                                          (dict(activation="swiglu"), "activation=swiglu"),
+                                          (dict(norm="none"), "norm=none")])
 def test_hf_export_refuses_variants_by_name(tmp_path, extra, named):
     m = ANDREA(ModelConfig(**TINY, **extra))
     with pytest.raises(UserError, match=named):
@@ -144,3 +154,38 @@ def test_hf_export_keeps_a_wider_mlp(tmp_path):
     m.save_pretrained(tmp_path / "hf")
     back = ANDREA.from_pretrained(tmp_path / "hf")
     assert back.cfg.mlp_dim == 12
+
+
+def test_swiglu_at_8_3_matches_gelu_at_4x_in_parameters():
+    """SwiGLU's default width is 8/3 d_model, rounded: its MLP's 3 C F weights against GELU's 8 C^2."""
+    for d_model in (6, 64, 128, 768):
+        gelu = ModelConfig(**{**TINY, "d_model": d_model, "n_head": 2})
+        swiglu = ModelConfig(**{**TINY, "d_model": d_model, "n_head": 2, "activation": "swiglu"})
+        assert swiglu.mlp_dim == round(8 * d_model / 3)
+        n_gelu, n_swiglu = (parameter_breakdown(c)["total"] for c in (gelu, swiglu))
+        assert abs(n_swiglu - n_gelu) <= 3 * d_model * TINY["n_layer"], (d_model, n_gelu, n_swiglu)
+        assert n_swiglu == ANDREA(swiglu).num_parameters()
+    assert ModelConfig(**TINY, activation="swiglu", mlp_dim=5).mlp_dim == 5          # a width given is kept
+    assert ANDREA(ModelConfig(**TINY, activation="swiglu", mlp_dim=5)).params.shapes[
+        "transformer.h.0.mlp.c_fc.weight"] == (6, 10)                                 # gate and value halves
+
+
+def test_no_norm_has_no_layernorm_anywhere():
+    cfg = ModelConfig(**TINY, norm="none")
+    m = ANDREA(cfg, dtype="float64", seed=1)
+    assert not [n for n, _ in m.named_parameters() if ".ln_" in n]
+    assert parameter_breakdown(cfg)["total"] == m.num_parameters()
+    assert m.num_parameters() == ANDREA(ModelConfig(**TINY)).num_parameters() - (2 * 2 + 1) * 2 * 6
+    x = np.random.default_rng(0).standard_normal((2, 8, 6)) * 5
+    block = m.blocks[0]
+    y = block.forward(x)  # x + attn(x) + mlp(...): the stream's scale is kept, not normalised
+    np.testing.assert_allclose(y, x + block.attn.infer(x) + block.mlp.infer(x + block.attn.infer(x)),
+                               rtol=1e-12, atol=1e-12)
+    assert float(np.abs(y.std(axis=-1) - 1).max()) > 1
+
+
+def test_odd_widths_are_refused_by_swiglu():
+    from minitensor.layers.swiglu import SwiGLU
+
+    with pytest.raises(ValueError, match="even last axis"):
+        SwiGLU().forward(np.ones((2, 5)))

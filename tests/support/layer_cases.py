@@ -22,6 +22,7 @@ from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.layers.relu import ReLU
+from minitensor.layers.swiglu import SwiGLU
 from minitensor.params import Params
 
 
@@ -72,7 +73,17 @@ def relu_scalar(x):
     return x if x > 0 else 0.0
 
 
+def swiglu_reference(h):
+    """SiLU(a) * b for h = [a | b] over the last axis, each entry by math.exp."""
+    F = h.shape[-1] // 2
+    silu = np.vectorize(lambda a: a / (1 + math.exp(-a)))
+    return silu(h[..., :F]) * h[..., F:]
+
+
 SCALAR = {"gelu": gelu_scalar, "relu": relu_scalar}
+# the activation over a whole (..., n) array: elementwise, or SwiGLU's halves (..., 2F) -> (..., F)
+REFERENCE = {name: np.vectorize(f) for name, f in SCALAR.items()} | {"swiglu": swiglu_reference}
+WIDTH = {"gelu": 1, "relu": 1, "swiglu": 2}   # c_fc's width over the activation's output
 
 # ReLU's kink at 0: finite differences step parameters and inputs by up to 2e-4 (gradcheck's
 # fourth-order stencil), which moves a pre-activation of these cases by well under KINK_MARGIN;
@@ -162,6 +173,21 @@ def relu_case(xp, dtype, seed, dims):
 
     return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
                 reference, shape)
+
+
+def swiglu_case(xp, dtype, seed, dims):
+    """h (B, T, 2C) -> (B, T, C); the gate's values spread to +-6, where SiLU bends most."""
+    rng = np.random.default_rng(seed)
+    shape = (dims["B"], dims["T"], 2 * dims["C"])
+    layer = SwiGLU(ops=_ops(xp, dims))
+    p = Params({}, xp=xp, dtype=dtype)
+    h = xp.asarray(rng.standard_normal(shape) * 2.5, dtype=dtype)
+
+    def reference():
+        return swiglu_reference(_np(h))
+
+    return Case(layer, p, {"h": h}, lambda: layer.forward(h), lambda dy: {"h": layer.backward(dy)},
+                reference, shape[:2] + (dims["C"],))
 
 
 def attention_case(xp, dtype, seed, dims):
@@ -297,10 +323,11 @@ def bias_act_case(activation):
         ops = _ops(xp, dims)
         act_forward = getattr(ops, f"bias_{activation}_forward")
         act_backward = getattr(ops, f"bias_{activation}_backward")
-        w, b, h = off_kinks(lambda rng: (rng.standard_normal((n_in, n_out)), rng.standard_normal(n_out),
+        wide = WIDTH[activation] * n_out                    # c_fc's output: n_out, or SwiGLU's 2 n_out
+        w, b, h = off_kinks(lambda rng: (rng.standard_normal((n_in, wide)), rng.standard_normal(wide),
                                          rng.standard_normal((B * T, n_in))),
                             lambda v: v[2] @ v[0] + v[1], activation, seed)
-        p = Params({"w": (n_in, n_out), "b": (n_out,)}, xp=xp, dtype=dtype)
+        p = Params({"w": (n_in, wide), "b": (wide,)}, xp=xp, dtype=dtype)
         p["w"][...], p["b"][...] = xp.asarray(w), xp.asarray(b)
         h = xp.asarray(h, dtype=dtype)
         kept = {}
@@ -313,13 +340,13 @@ def bias_act_case(activation):
         def backward(dy):
             if "x" not in kept:  # what a layer's cache says: the pair is forward then backward, once
                 raise RuntimeError(f"bias_{activation}_backward without a forward")
-            dx = act_backward(kept.pop("x"), p["b"], dy.reshape(B * T, n_out))
+            dx = act_backward(kept.pop("x"), p["b"], dy.reshape(B * T, n_out))     # (B * T, wide)
             p.grad("w")[...] += h.T @ dx
             p.grad("b")[...] += dx.sum(axis=0)
             return {"h": dx @ p["w"].T}
 
         def reference():
-            return np.vectorize(SCALAR[activation])(_np(h) @ _np(p["w"]) + _np(p["b"])).reshape(B, T, n_out)
+            return REFERENCE[activation](_np(h) @ _np(p["w"]) + _np(p["b"])).reshape(B, T, n_out)
 
         return Case(None, p, {"h": h}, forward, backward, reference, (B, T, n_out))
 
@@ -333,7 +360,8 @@ def mlp_case_for(activation):
     def build(xp, dtype, seed, dims):
         B, T, n_in, hidden = dims["B"], dims["T"], dims["n_in"], dims["n_out"]
         ops = _ops(xp, dims)
-        shapes = {"fc.w": (n_in, hidden), "fc.b": (hidden,), "proj.w": (hidden, n_in), "proj.b": (n_in,)}
+        wide = WIDTH[activation] * hidden
+        shapes = {"fc.w": (n_in, wide), "fc.b": (wide,), "proj.w": (hidden, n_in), "proj.b": (n_in,)}
         values, x = off_kinks(lambda rng: ({n: rng.standard_normal(s) for n, s in shapes.items()},
                                            rng.standard_normal((B, T, n_in))),
                               lambda v: v[1] @ v[0]["fc.w"] + v[0]["fc.b"], activation, seed)
@@ -347,7 +375,7 @@ def mlp_case_for(activation):
 
         def reference():
             h = _np(x) @ _np(p["fc.w"]) + _np(p["fc.b"])
-            return np.vectorize(SCALAR[activation])(h) @ _np(p["proj.w"]) + _np(p["proj.b"])
+            return REFERENCE[activation](h) @ _np(p["proj.w"]) + _np(p["proj.b"])
 
         return Case(mlp, p, {"x": x}, lambda: mlp.forward(x), lambda dy: {"x": mlp.backward(dy)}, reference,
                     (B, T, n_in))
@@ -374,6 +402,10 @@ CASES = {
     "bias+relu": bias_act_case("relu"),
     "mlp-relu": mlp_case_for("relu"),
     "mlp-relu+residual": with_residual(mlp_case_for("relu")),
+    "swiglu": swiglu_case,
+    "bias+swiglu": bias_act_case("swiglu"),
+    "mlp-swiglu": mlp_case_for("swiglu"),
+    "mlp-swiglu+residual": with_residual(mlp_case_for("swiglu")),
     "layernorm+residual": layernorm_skip_case,
     "attention+residual": with_residual(attention_case),
     "embedding": embedding_case,
