@@ -50,7 +50,85 @@ def test_each_experiment_runs_and_reports(tmp_path, data_dir, name):
     baseline = json.loads((data_dir / "meta.json").read_text())["unigram_val_nats"]
     assert f"Unigram baseline of the validation tokens: {baseline:.3f} nats/token" in table  # issue 30, class 14
     assert {r["unigram_baseline"] for r in results["rows"]} == {baseline}
+    assert "| arm | seeds | mean final val loss | spread over seeds (max - min) |" in table
+    assert "Runs that did not diverge and ended less than 1.0 nats under it" in table  # 3 steps learn nothing
+    for r in results["rows"]:  # each run's time and the machine's load, from its log
+        assert r["seconds"] > 0 and len(r["load"]) == 1 and r["load"][0] >= 0
+    assert f"Time: the {len(arms)} runs trained in" in table and "1-minute load average" in table
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_experiment_runs_three_seeds_by_default_on_a_model_that_learns():
+    for name, exp in experiment.EXPERIMENTS.items():
+        assert len(exp.seeds) >= 3, name
+        assert set(experiment.LEARNS) <= set(exp.base), name  # the default model's width, context and batch
+        assert exp.steps >= 200, name  # 410k tokens: the first budget (150 steps of THIN, 77k) learned too little
+
+
+def rows_of(losses, **more):
+    """Result rows as summarise makes them: {arm: [final val loss of seed 0, seed 1, ...]}."""
+    return [dict({"arm": arm, "run": f"{arm}-seed{seed}", "seed": seed, "val_loss": loss, "diverged": False,
+                  "ratio_final": more.get(arm, 1.0), "delta_init_max": 0.1}) for arm, values in losses.items()
+            for seed, loss in enumerate(values)]
+
+
+def test_a_difference_within_the_seeds_spread_leaves_the_claim_open():
+    # the old rules decided on the means alone: GELU 5.40 against ReLU 5.45 "supported" the claim with one seed
+    # or with seeds that spread by 0.2
+    judge = experiment.judge_activation
+    assert judge(rows_of({"gelu": [5.40, 5.41, 5.39], "relu": [5.45, 5.46, 5.44]}))[0] == "supports"
+    verdict, why = judge(rows_of({"gelu": [5.40, 5.30, 5.50], "relu": [5.45, 5.35, 5.55]}))
+    assert verdict == "leaves open" and "the difference 0.050 is within the seeds' spread 0.200" in why
+    assert judge(rows_of({"gelu": [5.50, 5.51, 5.49], "relu": [5.40, 5.41, 5.39]}))[0] == "contradicts"
+    verdict, why = judge(rows_of({"gelu": [5.40], "relu": [5.45]}))
+    assert verdict == "leaves open" and "one seed: the spread over seeds is not measured" in why
+    mlp = experiment.judge_mlp_ratio
+    assert mlp(rows_of({"ratio-1": [5.8, 5.81], "ratio-2": [5.6, 5.61], "ratio-4": [5.4, 5.41],
+                        "ratio-8": [5.35, 5.36]}))[0] == "supports"
+    assert mlp(rows_of({"ratio-1": [5.8, 5.9], "ratio-2": [5.6, 5.7], "ratio-4": [5.55, 5.65],
+                        "ratio-8": [5.5, 5.6]}))[0] == "leaves open"  # the gain 2 to 4 is within the spread 0.1
+    norm = {"pre-warmup": [5.3, 5.31], "pre-no-warmup": [5.3, 5.31], "post-warmup": [5.5, 5.51]}
+    assert experiment.judge_norm(rows_of(dict(norm, **{"post-no-warmup": [5.7, 5.71]})))[0] == "supports"
+    assert experiment.judge_norm(rows_of(dict(norm, **{"post-no-warmup": [5.505, 5.515]})))[0] == "leaves open"
+    assert experiment.judge_norm(rows_of(dict(norm, **{"post-no-warmup": [5.3, 5.31]})))[0] == "contradicts"
+    assert experiment.judge_pre_over_post(rows_of(norm))[0] == "supports"
+
+
+def test_the_residual_rule_reads_the_last_step():
+    # the old rule read the gradient ratio at step 1, where the LayerNorms keep it alive without skips
+    losses = {"residual": [5.3, 5.32, 5.31], "no-residual": [6.5, 6.6, 6.55]}
+    verdict, why = experiment.judge_residual(rows_of(losses, residual=50.0, **{"no-residual": 1e-12}))
+    assert verdict == "supports" and "at the last step the embeddings receive 1e-12" in why
+    assert experiment.judge_residual(rows_of(losses, residual=50.0, **{"no-residual": 10.0}))[0] == "leaves open"
+    assert experiment.judge_residual(rows_of(losses, residual=1.0, **{"no-residual": 2.0}))[0] == "contradicts"
+    close = {"residual": [5.3, 5.5, 5.4], "no-residual": [5.35, 5.55, 5.45]}
+    assert experiment.judge_residual(rows_of(close, residual=50.0, **{"no-residual": 1e-12}))[0] == "leaves open"
+
+
+def test_report_only_writes_its_section_of_a_doc(tmp_path, data_dir, capsys):
+    require("matplotlib")
+    out, doc = tmp_path / "residual", tmp_path / "doc.md"
+    begin, end = experiment._markers("residual")
+    before, after = "# Claims\n\nThe prose, kept.\n", "\n## Next\n\nAlso kept.\n"
+    doc.write_text(f"{before}{begin}\nthe old table\n{end}\n{after}")
+    argv = ["residual", "--out", str(out), "--steps", "2", "--seeds", "0,1"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv) == 0
+    assert run(experiment.main, argv + ["--report-only", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith(f"{before}{begin}\nCommand: `python -m andrea.experiment residual --out") and \
+        text.endswith(f"![residual](experiments/residual.png)\n{end}\n{after}")
+    assert "the old table" not in text and "| residual | 0, 1 |" in text and "**claim: " in text
+    assert (tmp_path / "experiments" / "residual.png").read_bytes()[:4] == b"\x89PNG"
+    results = (out / "results.md").read_text()
+    assert results[results.index("| run |"):results.index("\n![")] in text  # the table and verdicts of results.md
+    capsys.readouterr()
+    doc.write_text("no markers\n")  # said before anything is trained
+    assert run(experiment.main, ["norm", "--out", str(tmp_path / "norm"), "--doc", str(doc)]) == 2
+    assert capsys.readouterr().err == f"error: --doc {doc} has no section for norm: put the lines " \
+        f"{experiment._markers('norm')[0]} and {experiment._markers('norm')[1]} where it goes\n"
+    assert not (tmp_path / "norm").exists() and doc.read_text() == "no markers\n"
 
 
 def test_the_arms_differ_only_in_their_variant(tmp_path, data_dir):

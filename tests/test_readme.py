@@ -66,6 +66,8 @@ RULES = [
     (r"python -m andrea\.experiment residual", ["--steps", "2", "--seeds", "0"]),
     (r"python -m andrea\.experiment residual --scale .*",
      Elsewhere("tests/test_experiment.py", "def test_each_experiment_runs_and_reports")),
+    (r"python -m andrea\.experiment \S+ --report-only --doc docs/experiments\.md",  # it would rewrite this page
+     Elsewhere("tests/test_experiment.py", "def test_report_only_writes_its_section_of_a_doc")),
     (r"python -m andrea\.train .*--device gpu.*", ["--dry-run"]),  # exit 2 without a GPU: checked below
     (r"python -m andrea\.(sample|plot|export|params) .*", []),
     (r"python -m andrea\.trace --checkpoint RUN_OR_HF_DIR .*", "a synopsis: its words in capitals name the arguments"),
