@@ -1,30 +1,34 @@
 """The design document's claims as experiments: `python -m andrea.experiment NAME`.
 
-    python -m andrea.experiment residual      # 12 thin layers with and without residual connections
+    python -m andrea.experiment residual      # 12 layers with and without residual connections
     python -m andrea.experiment norm          # pre-norm and post-norm, each with and without LR warmup
-    python -m andrea.experiment activation    # GELU and ReLU at the same parameter count, three seeds
+    python -m andrea.experiment activation    # GELU and ReLU at the same parameter count
     python -m andrea.experiment mlp-ratio     # the MLP's expansion 1, 2, 4 and 8
-    python -m andrea.experiment residual --scale 4 --seeds 0,1   # 4x the steps, two seeds
+    python -m andrea.experiment residual --scale 4 --seeds 0,1,2,3,4   # 4x the steps, five seeds
 
-Each experiment trains its arms (the matched variants) with andrea.train on the default corpus,
-all with the same seed, hence the same initial draws and the same batches in the same order, and
-the same token budget; the runs log their gradient flow (train.log_grad_flow). It then writes, in
---out (default runs/experiments/NAME):
+Each experiment trains its arms (the matched variants) with andrea.train on the default corpus, on
+the default model's shape (LEARNS) for a budget at which every arm that trains ends more than
+LEARNED nats under the corpus's unigram baseline; each seed gives every arm the same initial draws
+and the same batches in the same order, and every arm the same token budget; three seeds by
+default, and each verdict sets the effect against the seeds' spread. The runs log their gradient
+flow (train.log_grad_flow). It then writes, in --out (default runs/experiments/NAME):
 
     <arm>-seed<k>/    each training run (metrics.jsonl, config.json, a checkpoint, loss.png)
-    logs/             each run's console output
+    logs/             each run's console output, with the machine's load at its end
     NAME.png          loss against steps, and the gradient norm against depth at step 1 and at the end
-    results.md        the table (final validation loss, |dL/dx| at the embeddings over the top of the
-                      stack, steps to a loss, diverged or not) and the verdict on the claim
+    results.md        the tables (per run: final validation loss, its distance under the unigram
+                      baseline, |dL/dx| at the embeddings over the top of the stack, steps to a loss,
+                      diverged or not, time; per arm: the mean over seeds and their spread) and the verdicts
     results.json      the same numbers
 
-The verdict rules are written next to each experiment below, fixed before the runs. Ctrl-C stops
-the experiment after the current arm's step (that arm keeps a checkpoint); the same command again
-keeps the arms that finished, resumes that one from its checkpoint and trains the rest (an arm
-directory holding a run of another config, e.g. another --steps, is trained again); `--report-only`
-writes the table, figure and verdict from the arms that finished. Everything after the
-experiment's name is optional; `--set section.key=value` changes every arm (applied
-last), e.g. a data directory or a smaller model for a quick look.
+The verdict rules are written next to each experiment below, fixed before the runs (a rule rewritten
+says why beside it). Ctrl-C stops the experiment after the current arm's step (that arm keeps a
+checkpoint); the same command again keeps the arms that finished, resumes that one from its
+checkpoint and trains the rest (an arm directory holding a run of another config, e.g. another
+--steps, is trained again); `--report-only` writes the tables, figure and verdicts from the arms
+that finished, and `--doc docs/experiments.md` also writes them into that page's section for the
+experiment. Everything after the experiment's name is optional; `--set section.key=value` changes
+every arm (applied last), e.g. a data directory or a smaller model for a quick look.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from andrea.errors import UserError
 from andrea.run.figure import label_depth_axis, new_figure, require_matplotlib
 from andrea.run.gradflow import check_flow, embedding_ratio
 from andrea.run.preflight import check_directory
+from minitensor.parallel import num_threads
 
 # the default model's shape (andrea-tiny: d_model 128, 4 heads, context 128, batches of 16 x 128 tokens),
 # spelled out so that the experiments keep their budget if the default changes: at 200 steps (410k
@@ -259,6 +264,7 @@ EXPERIMENTS = {
 }
 EXIT_INTERRUPTED = 130
 LOAD_LINE = "experiment: 1-minute load average at the end of this session:"
+THREADS_LINE = "threads (ANDREA_NUM_THREADS; the numba kernels are bit-reproducible at a fixed count):"
 COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu"]
 
 
@@ -328,14 +334,16 @@ def _saved(run_dir):
 
 def _timing(log_path):
     """{"seconds": the run's time from its log (the "done: ... in S s" line of each session, summed:
-    a resumed run has two), "load": the 1-minute load averages logged at each session's end}."""
+    a resumed run has two), "load": the 1-minute load averages logged at each session's end,
+    "threads": the thread counts it ran with}."""
     try:
         text = Path(log_path).read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return {"seconds": None, "load": []}
+        return {"seconds": None, "load": [], "threads": []}
     seconds = [float(m) for m in re.findall(r"^done: step \d+ \(\d+ this run\) in ([0-9.]+) s", text, re.M)]
-    load = [float(m) for m in re.findall(rf"^{LOAD_LINE} ([0-9.]+)", text, re.M)]
-    return {"seconds": sum(seconds) if seconds else None, "load": load}
+    load = [float(m) for m in re.findall(rf"^{re.escape(LOAD_LINE)} ([0-9.]+)", text, re.M)]
+    threads = sorted({int(m) for m in re.findall(rf"; {re.escape(THREADS_LINE)} (\d+)$", text, re.M)})
+    return {"seconds": sum(seconds) if seconds else None, "load": load, "threads": threads}
 
 
 def _logged(records, key, kind):
@@ -419,9 +427,13 @@ def time_line(rows):
     if not seconds:
         return "Time: not logged (the runs have no log in logs/).\n"
     total = sum(seconds)
-    text = f"Time: the {len(seconds)} runs trained in {int(total // 60)} min {total % 60:.0f} s in all (each run's own log)"
+    text = (f"Time: the {len(seconds)} runs' wall times add up to {int(total // 60)} min {total % 60:.0f} s (each "
+            "from its own log)")
     if len(seconds) < len(rows):
         text += f"; {len(rows) - len(seconds)} runs have no time logged"
+    threads = sorted({n for r in rows for n in r.get("threads", [])})
+    if threads:
+        text += f"; {' or '.join(map(str, threads))} thread{'s' if threads != [1] else ''} per run (ANDREA_NUM_THREADS)"
     if loads:
         text += (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f} at the runs' ends (other work shared "
                  "the machine's cores: a time measured under load)")
@@ -603,7 +615,7 @@ def _train_to_the_end(name, run_dir, sets, logs, n_steps):
     log = logs / f"{run_dir.name}.log"
     code = train_arm(run_dir, sets, log, resume=state == "interrupted")
     with open(log, "a", encoding="utf-8") as f:  # what else ran beside it: its time is measured under that load
-        f.write(f"{LOAD_LINE} {os.getloadavg()[0]:.2f}\n")
+        f.write(f"{LOAD_LINE} {os.getloadavg()[0]:.2f}; {THREADS_LINE} {num_threads()}\n")
     if code == 2:
         raise UserError(f"{run_dir.name} did not start: {_last_line(log)}")
     if code == EXIT_INTERRUPTED:
