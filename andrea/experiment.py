@@ -436,8 +436,9 @@ def time_line(rows):
     if threads:
         text += f"; {' or '.join(map(str, threads))} thread{'s' if threads != [1] else ''} per run (ANDREA_NUM_THREADS)"
     if loads:
-        text += (f"; 1-minute load average {min(loads):.1f} to {max(loads):.1f} at the runs' ends (other work shared "
-                 "the machine's cores: a time measured under load)")
+        span = f"{min(loads):.1f}" if f"{min(loads):.1f}" == f"{max(loads):.1f}" else f"{min(loads):.1f} to {max(loads):.1f}"
+        text += (f"; 1-minute load average {span} at the runs' ends (other work shared the machine's cores: a time "
+                 "measured under load)")
     return text + ".\n"
 
 
@@ -446,7 +447,7 @@ def budget_line(rows):
     steps = sorted({r["losses"][-1][0] for r in rows if r["losses"]})
     seeds = sorted({r["seed"] for r in rows})
     return (f"Budget: {', '.join(map(str, steps))} steps, {', '.join(f'{t:,}' for t in tokens)} training tokens per "
-            f"run; seeds {', '.join(map(str, seeds))}.\n")
+            f"run; seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}.\n")
 
 
 def draw(name, rows):
