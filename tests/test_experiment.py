@@ -59,8 +59,9 @@ def test_each_experiment_runs_and_reports(tmp_path, data_dir, name):
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_every_experiment_runs_three_seeds_by_default_on_a_model_that_learns():
-    for name, exp in experiment.EXPERIMENTS.items():
+def test_the_four_first_experiments_run_three_seeds_by_default_on_a_model_that_learns():
+    for name in ("residual", "norm", "activation", "mlp-ratio"):  # issue 28's re-budget
+        exp = experiment.EXPERIMENTS[name]
         assert len(exp.seeds) >= 3, name
         assert set(experiment.LEARNS) <= set(exp.base), name  # the default model's width, context and batch
         assert exp.steps >= 200, name  # 410k tokens: the first budget (150 steps of THIN, 77k) learned too little
