@@ -12,6 +12,7 @@ from andrea import experiment, plot, sample, train
 from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.run import gradflow
+from minitensor.parallel import num_threads
 
 STDLIB_JSON = Path(json.__file__).parent
 SMALL = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.context_length=16", "train.seq_len=16",
@@ -51,12 +52,92 @@ def test_each_experiment_runs_and_reports(tmp_path, data_dir, name):
     baseline = json.loads((data_dir / "meta.json").read_text())["unigram_val_nats"]
     assert f"Unigram baseline of the validation tokens: {baseline:.3f} nats/token" in table  # issue 30, class 14
     assert {r["unigram_baseline"] for r in results["rows"]} == {baseline}
+    assert "| arm | seeds | mean final val loss | spread over seeds (max - min) |" in table
+    assert "Runs that did not diverge and ended less than 1.0 nats under it" in table  # 3 steps learn nothing
+    for r in results["rows"]:  # each run's time and the machine's load, from its log
+        assert r["seconds"] is not None and r["seconds"] >= 0  # 0.0 s: 3 steps of a tiny model, as the log rounds
+        assert len(r["load"]) == 1 and r["load"][0] >= 0 and r["threads"] == [num_threads()]
+    assert f"Time: the {len(arms)} runs' wall times add up to" in table and "1-minute load average" in table
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_four_first_experiments_run_three_seeds_by_default_on_a_model_that_learns():
+    for name in ("residual", "norm", "activation", "mlp-ratio"):  # issue 28's re-budget
+        exp = experiment.EXPERIMENTS[name]
+        assert len(exp.seeds) >= 3, name
+        assert set(experiment.LEARNS) <= set(exp.base), name  # the default model's width, context and batch
+        assert exp.steps >= 200, name  # 410k tokens: the first budget (150 steps of THIN, 77k) learned too little
+
+
+def rows_of(losses, **more):
+    """Result rows as summarise makes them: {arm: [final val loss of seed 0, seed 1, ...]}."""
+    return [dict({"arm": arm, "run": f"{arm}-seed{seed}", "seed": seed, "val_loss": loss, "diverged": False,
+                  "ratio_final": more.get(arm, 1.0), "delta_init_max": 0.1}) for arm, values in losses.items()
+            for seed, loss in enumerate(values)]
+
+
+def test_a_difference_within_the_seeds_spread_leaves_the_claim_open():
+    # the old rules decided with one seed (GELU 5.40 against ReLU 5.45 "supported" the claim: a spread of 0), and
+    # the MLP-ratio rule on the means alone, whatever the seeds' spread
+    judge = experiment.judge_activation
+    assert judge(rows_of({"gelu": [5.40, 5.41, 5.39], "relu": [5.45, 5.46, 5.44]}))[0] == "supports"
+    verdict, why = judge(rows_of({"gelu": [5.40, 5.30, 5.50], "relu": [5.45, 5.35, 5.55]}))
+    assert verdict == "leaves open" and "the difference 0.050 is within the seeds' spread 0.200" in why
+    assert judge(rows_of({"gelu": [5.50, 5.51, 5.49], "relu": [5.40, 5.41, 5.39]}))[0] == "contradicts"
+    verdict, why = judge(rows_of({"gelu": [5.40], "relu": [5.45]}))
+    assert verdict == "leaves open" and "one seed: the spread over seeds is not measured" in why
+    mlp = experiment.judge_mlp_ratio
+    assert mlp(rows_of({"ratio-1": [5.8, 5.81], "ratio-2": [5.6, 5.61], "ratio-4": [5.4, 5.41],
+                        "ratio-8": [5.35, 5.36]}))[0] == "supports"
+    assert mlp(rows_of({"ratio-1": [5.8, 5.9], "ratio-2": [5.6, 5.7], "ratio-4": [5.55, 5.65],
+                        "ratio-8": [5.5, 5.6]}))[0] == "leaves open"  # the gain 2 to 4 is within the spread 0.1
+    norm = {"pre-warmup": [5.3, 5.31], "pre-no-warmup": [5.3, 5.31], "post-warmup": [5.5, 5.51]}
+    assert experiment.judge_norm(rows_of(dict(norm, **{"post-no-warmup": [5.7, 5.71]})))[0] == "supports"
+    assert experiment.judge_norm(rows_of(dict(norm, **{"post-no-warmup": [5.505, 5.515]})))[0] == "leaves open"
+    assert experiment.judge_norm(rows_of(dict(norm, **{"post-no-warmup": [5.3, 5.31]})))[0] == "contradicts"
+    assert experiment.judge_pre_over_post(rows_of(norm))[0] == "supports"
+
+
+def test_the_residual_rule_reads_the_last_step():
+    # the old rule read the gradient ratio at step 1, where the LayerNorms keep it alive without skips
+    losses = {"residual": [5.3, 5.32, 5.31], "no-residual": [6.5, 6.6, 6.55]}
+    verdict, why = experiment.judge_residual(rows_of(losses, residual=50.0, **{"no-residual": 1e-12}))
+    assert verdict == "supports" and "at the last step the embeddings receive 1e-12" in why
+    assert experiment.judge_residual(rows_of(losses, residual=50.0, **{"no-residual": 10.0}))[0] == "leaves open"
+    assert experiment.judge_residual(rows_of(losses, residual=1.0, **{"no-residual": 2.0}))[0] == "contradicts"
+    close = {"residual": [5.3, 5.5, 5.4], "no-residual": [5.35, 5.55, 5.45]}
+    assert experiment.judge_residual(rows_of(close, residual=50.0, **{"no-residual": 1e-12}))[0] == "leaves open"
+
+
+def test_report_only_writes_its_section_of_a_doc(tmp_path, data_dir, capsys):
+    require("matplotlib")
+    out, doc = tmp_path / "residual", tmp_path / "doc.md"
+    begin, end = experiment._markers("residual")
+    before, after = "# Claims\n\nThe prose, kept.\n", "\n## Next\n\nAlso kept.\n"
+    doc.write_text(f"{before}{begin}\nthe old table\n{end}\n{after}")
+    argv = ["residual", "--out", str(out), "--steps", "2", "--seeds", "0,1"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv) == 0
+    assert run(experiment.main, argv + ["--report-only", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith(f"{before}{begin}\nCommand: `python -m andrea.experiment residual --out") and \
+        text.endswith(f"![residual](experiments/residual.png)\n{end}\n{after}")
+    assert "the old table" not in text and "| residual | 0, 1 |" in text and "**claim: " in text
+    assert (tmp_path / "experiments" / "residual.png").read_bytes()[:4] == b"\x89PNG"
+    results = (out / "results.md").read_text()
+    assert results[results.index("| run |"):results.index("\n![")] in text  # the table and verdicts of results.md
+    capsys.readouterr()
+    doc.write_text("no markers\n")  # said before anything is trained
+    assert run(experiment.main, ["norm", "--out", str(tmp_path / "norm"), "--doc", str(doc)]) == 2
+    assert capsys.readouterr().err == f"error: --doc {doc} has no section for norm: put the lines " \
+        f"{experiment._markers('norm')[0]} and {experiment._markers('norm')[1]} where it goes\n"
+    assert not (tmp_path / "norm").exists() and doc.read_text() == "no markers\n"
 
 
 def test_the_arms_differ_only_in_their_variant(tmp_path, data_dir):
     out = tmp_path / "norm"
-    argv = ["norm", "--out", str(out), "--steps", "2"]
+    argv = ["norm", "--out", str(out), "--steps", "2", "--seeds", "0"]
     for o in SMALL + corpus(data_dir):
         argv += ["--set", o]
     require("matplotlib")
@@ -208,7 +289,7 @@ def test_plot_grad_flow_of_a_record_missing_a_key_names_the_key(tmp_path, key, c
 def test_arms_then_report_only_rebuild_the_report_from_finished_runs(tmp_path, data_dir, capsys):
     require("matplotlib")
     out = tmp_path / "residual"
-    argv = ["residual", "--out", str(out), "--steps", "2"]
+    argv = ["residual", "--out", str(out), "--steps", "2", "--seeds", "0"]
     for o in SMALL + corpus(data_dir):
         argv += ["--set", o]
     assert run(experiment.main, argv + ["--arms", "no-residual"]) == 0
@@ -239,7 +320,7 @@ NO_DEPTH = [o for o in SMALL if not o.startswith("model.n_layer=")]
 def test_the_depth_arms_have_the_depth_and_skips_they_name(tmp_path, data_dir):
     require("matplotlib")
     out = tmp_path / "depth"
-    argv = ["depth", "--out", str(out), "--steps", "2", "--arms", "residual-12,no-residual-12"]
+    argv = ["depth", "--out", str(out), "--steps", "2", "--seeds", "0", "--arms", "residual-12,no-residual-12"]
     for o in NO_DEPTH + corpus(data_dir):
         argv += ["--set", o]
     assert run(experiment.main, argv) == 0
@@ -255,7 +336,7 @@ def test_the_depth_arms_have_the_depth_and_skips_they_name(tmp_path, data_dir):
 def test_the_composition_probe_reads_every_block_and_head(tmp_path, data_dir):
     require("matplotlib")
     out = tmp_path / "composition"
-    argv = ["composition", "--out", str(out), "--steps", "3"]
+    argv = ["composition", "--out", str(out), "--steps", "3", "--seeds", "0"]
     for o in SMALL + corpus(data_dir):
         argv += ["--set", o]
     assert run(experiment.main, argv) == 0
@@ -274,7 +355,7 @@ def test_the_composition_probe_reads_every_block_and_head(tmp_path, data_dir):
 def test_the_no_norm_probe_names_the_first_skipped_step(tmp_path, data_dir):
     require("matplotlib")
     out = tmp_path / "no-norm"
-    argv = ["no-norm", "--out", str(out), "--steps", "2", "--arms", "none-lr3e-3"]
+    argv = ["no-norm", "--out", str(out), "--steps", "2", "--seeds", "0", "--arms", "none-lr3e-3"]
     for o in SMALL + corpus(data_dir):
         argv += ["--set", o]
     assert run(experiment.main, argv) == 0
@@ -308,14 +389,23 @@ def _row(arm, val, seed=0, **extra):
 
 def test_the_new_rules_read_what_they_say():
     s = experiment.judge_swiglu
-    assert s([_row("gelu-4x", 5.0, params=1000), _row("swiglu-8_3x", 5.01, params=1004)])[0] == "contradicts"
-    assert s([_row("gelu-4x", 5.0, params=1000), _row("gelu-4x", 5.1, 1, params=1000),
-              _row("swiglu-8_3x", 5.05, params=1004)])[0] == "supports"                  # within the spread
-    assert s([_row("gelu-4x", 5.0, params=1000), _row("swiglu-8_3x", 4.0, params=1100)])[0] == "leaves open"
+
+    def seeds(arm, *losses, **extra):  # one row per seed
+        return [_row(arm, v, k, **extra) for k, v in enumerate(losses)]
+
+    gelu = seeds("gelu-4x", 5.0, 5.01, params=1000)
+    assert s(gelu + seeds("swiglu-8_3x", 5.1, 5.11, params=1004))[0] == "contradicts"  # worse by more than 0.01
+    assert s(seeds("gelu-4x", 5.0, 5.1, params=1000) + seeds("swiglu-8_3x", 5.05, 5.06, params=1004))[0] == \
+        "supports"                                                                    # within the spread
+    assert s(gelu + seeds("swiglu-8_3x", 4.0, 4.01, params=1100))[0] == "leaves open"  # not matched
+    one_seed = [_row("gelu-4x", 5.0, params=1000), _row("swiglu-8_3x", 5.5, params=1004)]
+    assert s(one_seed)[0] == "leaves open"                                             # no spread measured
     n = experiment.judge_no_norm
-    steady = [_row("pre-lr3e-3", 5.0), _row("none-lr3e-3", 5.0), _row("pre-lr1e-2", 5.0), _row("none-lr1e-2", 4.9)]
+    steady = (seeds("pre-lr3e-3", 5.0, 5.01) + seeds("none-lr3e-3", 5.0, 5.01) + seeds("pre-lr1e-2", 5.0, 5.01)
+              + seeds("none-lr1e-2", 4.9, 4.91))
     assert n(steady)[0] == "contradicts"
-    blown = steady[:3] + [_row("none-lr1e-2", 5.0, first_nonfinite=40) | {"diverged": True}]
+    assert n([r for r in steady if r["seed"] == 0])[0] == "leaves open"                # one seed: no spread
+    blown = steady[:7] + [_row("none-lr1e-2", 5.0, 1, first_nonfinite=40) | {"diverged": True}]
     verdict, why = n(blown)
     assert verdict == "supports" and "non-finite from step 40" in why
     d = experiment.judge_depth
@@ -334,11 +424,11 @@ def test_the_band_rules_read_the_third_each_measure_falls_in():
            "previous": [[0.9, 0.1], [0.2, 0.1], [0.1, 0.1], [0.1, 0.0], [0.0, 0.1], [0.1, 0.1]],
            "distance": [[1, 1], [2, 2], [9, 7], [3, 3], [2, 2], [2, 2]],
            "lens_loss": [8.0, 7.9, 7.8, 7.7, 7.6, 6.0, 5.0]}
-    verdicts = {what: v for what, v, _ in experiment.judge_composition_bands([row])}
+    verdicts = {what: v for what, v, _ in _bands([row])}
     assert verdicts == {"band early: syntax and position": "supports", "band middle: relations": "supports",
                         "band late: content": "supports"}
     late_first = dict(row, lens_loss=[8.0, 5.0, 4.9, 4.8, 4.7, 4.6, 4.5], distance=row["distance"][::-1])
-    verdicts = {what: v for what, v, _ in experiment.judge_composition_bands([row, late_first | {"seed": 1}])}
+    verdicts = {what: v for what, v, _ in _bands([row, late_first | {"seed": 1}])}
     assert verdicts["band late: content"] == "leaves open" and verdicts["band early: syntax and position"] == "supports"
     assert experiment.judge_composition([row])[0] == "supports"
     assert experiment.judge_composition([dict(row, lens_loss=[8.0, 8.2, 7, 6, 5, 4, 3])])[0] == "contradicts"
@@ -348,7 +438,7 @@ def test_the_band_rules_read_the_third_each_measure_falls_in():
     assert experiment.judge_composition([learned])[0] == "supports"
     verdict, why = experiment.judge_composition([not_yet])
     assert verdict == "leaves open" and "pre-norm-seed0 did not end 1.0 nats under the unigram baseline" in why
-    assert {v for _, v, _ in experiment.judge_composition_bands([not_yet])} == {"leaves open"}
+    assert {v for _, v, _ in _bands([not_yet])} == {"leaves open"}
     assert experiment.judge_swiglu([_row("gelu-4x", 6.0, params=1000, unigram_baseline=6.683),
                                     _row("swiglu-8_3x", 5.0, params=1000, unigram_baseline=6.683)])[0] == "leaves open"
 
@@ -375,3 +465,8 @@ def test_a_run_without_layernorm_with_swiglu_resumes_samples_and_traces(tmp_path
     assert "ln_1           none (model.norm=none" in printed and "block 1" in printed
     assert run(train.main, ["--out", str(tmp_path / "bad")] + sets[:-2] + ["--set", "model.norm=off"]) == 2
     assert "model.norm must be pre, post or none, got 'off'" in capsys.readouterr().err
+
+
+def _bands(rows):
+    """The composition experiment's band verdicts, (what, verdict, why) each, as its report reads them."""
+    return [(what, *judge(rows)) for what, judge in experiment.EXPERIMENTS["composition"].more]

@@ -66,6 +66,10 @@ RULES = [
     (r"python -m andrea\.experiment residual", ["--steps", "2", "--seeds", "0"]),
     (r"python -m andrea\.experiment residual --scale .*",
      Elsewhere("tests/e2e/test_experiment.py", "def test_each_experiment_runs_and_reports")),
+    (r"python -m andrea\.experiment \S+ --report-only --doc docs/experiments\.md",  # it would rewrite this page
+     Elsewhere("tests/e2e/test_experiment.py", "def test_report_only_writes_its_section_of_a_doc")),
+    (r"ANDREA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python -m andrea\.experiment \S+ --arms \S+ --seeds \S+",
+     Elsewhere("tests/e2e/test_experiment.py", "def test_arms_then_report_only_rebuild_the_report_from_finished_runs")),
     (r"python -m andrea\.train .*--device gpu.*", ["--dry-run"]),  # exit 2 without a GPU: checked below
     (r"python -m andrea\.(sample|plot|export|params) .*", []),
     (r"python -m andrea\.trace --checkpoint RUN_OR_HF_DIR .*", "a synopsis: its words in capitals name the arguments"),
