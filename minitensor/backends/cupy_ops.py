@@ -30,17 +30,28 @@ cupy.cuda for the device), so a NumPy-backed stand-in of CuPy can run this file 
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from minitensor.backends import cuda
-from minitensor.backends.ops import GELU_AC, GELU_AC3, GELU_C, AttentionCache, Ops
+from minitensor.backends.blocked import BlockedAttention
+from minitensor.backends.ops import GELU_C, Ops
+from minitensor.backends.tricks import GELU_AC, GELU_AC3, FreshGrads, adamw_scalars, adamw_update
 from minitensor.device import array_module
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
 
 
-class CupyOps(Ops):
+class FusedAttentionCache(NamedTuple):
+    """What the fused dense core keeps: q (unscaled), k, v (B*n_head, T, hs); p (B*n_head, T, T)."""
+    q: object
+    k: object
+    v: object
+    p: object
+
+
+class CupyOps(BlockedAttention, Ops):
     name = "cupy"
     # the dense attention core when all heads' probabilities fit this many bytes (None: a 64th of
     # the GPU's memory)
@@ -54,6 +65,7 @@ class CupyOps(Ops):
         if unknown:
             raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.FUSED)}")
         self.in_use = frozenset(fused)
+        self._fresh = FreshGrads()        # the gradient views a GEMM may write (linear_weight_grads)
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
 
     def __repr__(self):
@@ -62,6 +74,10 @@ class CupyOps(Ops):
     def fused(self, name):
         """Whether the fused piece `name` runs (chosen when this backend was built)."""
         return name in self.in_use
+
+    def fill_zero(self, a):
+        super().fill_zero(a)
+        self._fresh.zeroed(a)
 
     # --- Linear ---
 
@@ -72,20 +88,19 @@ class CupyOps(Ops):
             return super().add_epilogue(y, b, r)
         BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)
 
-    def linear_weight_grads(self, x, dy, dW, db, write=False):
-        """With write (the first micro-batch after zero_grad), the bias gradient written by its
-        reduction itself (`sum(out=db)`) rather than through a temporary and a copy; without, where
-        db follows dW in the gradient buffer (Params lays a weight and its bias out so), both added
-        in one pass."""
-        if db is None:
-            return super().linear_weight_grads(x, dy, dW, db, write)
-        if write:
+    def linear_weight_grads(self, x, dy, dW, db):
+        """The first time after fill_zero (the first micro-batch after zero_grad, FreshGrads), dW
+        written by its GEMM and db by its reduction itself (`sum(out=db)`) rather than through
+        temporaries; else, where db follows dW in the gradient buffer (Params lays a weight and its
+        bias out so), both added in one pass."""
+        if self._fresh.take(dW):
             self.xp.matmul(x.T, dy, out=dW)
-            dy.sum(axis=0, out=db)
+            if db is not None:
+                dy.sum(axis=0, out=db)
             return
-        joint = _joined(dW, db, (dW.shape[0] + 1, dW.shape[1]))
+        joint = None if db is None else _joined(dW, db, (dW.shape[0] + 1, dW.shape[1]))
         if joint is None:
-            return super().linear_weight_grads(x, dy, dW, db, write)
+            return super().linear_weight_grads(x, dy, dW, db)
         grads = self.xp.empty(joint.shape, dtype=joint.dtype)  # x^T dy and sum(dy) side by side, added in one pass
         self.xp.matmul(x.T, dy, out=grads[:-1])
         dy.sum(axis=0, out=grads[-1])
@@ -157,11 +172,13 @@ class CupyOps(Ops):
         s = xp.matmul(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
         p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
         y4[...] = xp.matmul(p, v).reshape(B, nh, T, hs)       # heads back in order
-        return AttentionCache(q, k, v, y4, None, p, T, self._attention_backward_dense_gpu)
+        return FusedAttentionCache(q, k, v, p)
 
-    def _attention_backward_dense_gpu(self, dy4, cache, grads4):
+    def attention_backward(self, dy4, saved, grads4):
+        if not isinstance(saved, FusedAttentionCache):
+            return super().attention_backward(dy4, saved, grads4)
         xp = self.xp
-        q, k, v, _, _, p = cache[:6]                          # q unscaled (attention_forward_dense above)
+        q, k, v, p = saved                                    # q unscaled (attention_forward_dense above)
         BH, T, hs = q.shape
         B, nh = dy4.shape[:2]
         dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
@@ -180,16 +197,6 @@ class CupyOps(Ops):
             return
         for g, d in zip(grads4, (dq.reshape(B, nh, T, hs), dkv[0], dkv[1])):
             g[...] = d
-
-    def causal_softmax(self, s):
-        if not self.fused("causal_softmax"):
-            return super().causal_softmax(s)
-        return causal_softmax_forward_gpu(s, out=s)
-
-    def causal_softmax_backward(self, dp, p, D):
-        if not self.fused("causal_softmax"):
-            return super().causal_softmax_backward(dp, p, D)
-        return causal_softmax_backward_gpu(dp, p, out=dp)  # computes rowsum(dp p) itself
 
     # --- softmax cross-entropy ---
 
@@ -236,10 +243,10 @@ class CupyOps(Ops):
 
     # --- AdamW ---
 
-    def adamw_step(self, p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay):
+    def adamw_step(self, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0):
         if not self.fused("adamw"):
-            return super().adamw_step(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
-        adamw_kernel(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
+            return super().adamw_step(p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale)
+        adamw_kernel(p, g, m, v, decayed, b1, b2, grad_scale, *adamw_scalars(lr, b1, b2, eps, t), lr * weight_decay)
 
 
 def _joined(first, second, shape):
@@ -303,7 +310,7 @@ def _gpu_memory(xp):
 # =============================================================================================
 # GELU (the ElementwiseKernels)
 
-# GELU in the form of Ops.gelu_forward / gelu_backward (sigmoid(2u) = 0.5 (1 + tanh u)):
+# GELU in the sigmoid form (sigmoid(2u) = 0.5 (1 + tanh u), the tanh of Ops.gelu_forward / gelu_backward):
 #   sig = 1 / (1 + exp(x (-2AC x^2 - 2C))),  y = x sig,  dx = dy sig (1 + (1 - sig) x (2AC3 x^2 + 2C))
 # with AC = 0.044715 sqrt(2/pi), AC3 = 3 AC, C = sqrt(2/pi). exp = inf (x below about -10) gives
 # y = -0 and dx = 0, as it should. The references are the Ops methods themselves.
@@ -852,10 +859,10 @@ extern "C" __global__ void scatter_add_rows(T *dW, const T *rows, const long lon
 # AdamW over the whole flat buffer, one elementwise pass
 
 def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, decay):
-    """ADAMW_STEP's operation through Ops.adamw_update, on copies of p, m, v; returns the new (p, m, v)."""
+    """ADAMW_STEP's operation through tricks.adamw_update (Ops.adamw_step folded), on copies of p, m, v."""
     p, m, v = p_in.copy(), m_in.copy(), v_in.copy()
     scale = np.asarray(grad_scale).reshape(-1)[0]  # the kernel reads grad_scale[0]
-    _REFERENCE.adamw_update(p, g, m, v, np.empty_like(p), beta1, beta2, scale, step_size, eps_hat, 1.0 - decay * mask)
+    adamw_update(np, p, g, m, v, np.empty_like(p), beta1, beta2, scale, step_size, eps_hat, 1.0 - decay * mask)
     return p, m, v
 
 
@@ -886,8 +893,7 @@ def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, 
     one-element device array."""
     if t < 1:
         raise ValueError(f"adamw_step_gpu: t counts steps from 1, got {t}")
-    c1, c2 = 1.0 - beta1**t, 1.0 - beta2**t
-    adamw_kernel(p, g, m, v, mask, beta1, beta2, grad_scale, lr * math.sqrt(c2) / c1, eps * math.sqrt(c2),
+    adamw_kernel(p, g, m, v, mask, beta1, beta2, grad_scale, *adamw_scalars(lr, beta1, beta2, eps, t),
                  lr * weight_decay)
     return p
 

@@ -75,12 +75,9 @@ class TiedHeadCache(NamedTuple):
 class TiedHead(Layer):
     """logits = x @ W.T, with W the token embedding's matrix and dW its gradient."""
 
-    def __init__(self, W, dW, ops=None, zeroed=None):
-        """zeroed as Linear's: the model's backward reaches the head before the token embedding
-        adds its rows, so after zero_grad the head's GEMM writes dW."""
+    def __init__(self, W, dW, ops=None):
         super().__init__(ops)
         self.W, self.dW = W, dW
-        self.zeroed = zeroed or (lambda dW: False)
         self._padded_W = None                                # (Vp, C): W, then zero rows (padded=True)
 
     def forward(self, x, padded=False):
@@ -108,13 +105,7 @@ class TiedHead(Layer):
         dl2 = dlogits.reshape(-1, W.shape[0])                # (N, V) or (N, Vp)
         # forward was: logits = x @ W.T
         if Wp is not None:                                   # the padded rows' gradient is dropped here
-            dWp = dl2.T @ x2                                 # (Vp, C)
-            if self.zeroed(self.dW):
-                self.dW[...] = dWp[:self.W.shape[0]]
-            else:
-                self.dW += dWp[:self.W.shape[0]]
-        elif self.zeroed(self.dW):
-            self.ops.xp.matmul(dl2.T, x2, out=self.dW)       # (V, C)
-        else:
-            self.dW += dl2.T @ x2
+            self.dW += (dl2.T @ x2)[:self.W.shape[0]]        # (Vp, C) -> (V, C)
+        else:                                                # dW += dlogits^T x, a Linear's weight gradient
+            self.ops.linear_weight_grads(dl2, x2, self.dW, None)
         return (dl2 @ W).reshape(x_shape)
