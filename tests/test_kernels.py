@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from unittest import mock
 
-import formulas as F
 import numpy as np
 import pytest
+import reference as F
 import strategies as S
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from minitensor.backends import numba_jit
+from minitensor.backends.blocked import BlockedAttention, heads_of
 from minitensor.backends.numba_kernels import (
     adamw_cpu,
     attention_backward_cpu,
@@ -44,7 +45,6 @@ from minitensor.backends.numba_kernels import (
     scatter_add_rows_cpu,
     softmax_rows_cpu,
 )
-from minitensor.backends.blocked import BlockedAttention, heads_of
 from minitensor.backends.ops import Ops
 from minitensor.backends.softmax import exp_rows
 from minitensor.backends.tricks import GELU_AC, GELU_AC3, GELU_C, FreshGrads, adamw_scalars, adamw_update

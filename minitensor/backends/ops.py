@@ -151,6 +151,11 @@ class Ops:
         total, _ = exp_rows(z)                               # z <- exp(z - max(z)), by rows
         return z / total
 
+    def causal_softmax_backward(self, p, dp):
+        """ds from p = causal_softmax(s) and dp: the softmax's Jacobian diag(p) - p p^T contracted with
+        dp by rows, ds = p (dp - rowsum(dp p)); the masked entries have p = 0 and get no gradient."""
+        return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+
     def attention_forward(self, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
         """The causal attention of the heads qkv4 (three (B, nh, T, hs) views of c_attn's output
         without its bias b (3C,) or None) into y4 ((B, nh, T, hs), a view of the (B, T, C) output);
@@ -172,9 +177,8 @@ class Ops:
         # forward was: y = p v
         dv = p.swapaxes(-1, -2) @ dy4
         dp = dy4 @ v.swapaxes(-1, -2)
-        # forward was: p = softmax(s) by rows, whose Jacobian diag(p) - p p^T contracted with dp is
-        # ds = p (dp - rowsum(dp p)); the masked entries have p = 0 and get no gradient
-        ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+        # forward was: p = causal_softmax(s)
+        ds = self.causal_softmax_backward(p, dp)
         # forward was: s = q k^T / sqrt(hs)
         dqkv4[0][...] = (ds @ k) * scale
         dqkv4[1][...] = (ds.swapaxes(-1, -2) @ q) * scale
