@@ -376,7 +376,7 @@ class _KernelInputs:
     def __init__(self, xp, dry):
         from andrea.config import load_config
         from andrea.model.transformer import param_shapes
-        from minitensor.backends.ops import Ops
+        from minitensor.backends.blocked import BlockedOps
 
         if dry:
             self.N, self.C, self.F, self.BH, self.T, self.V = 6, 40, 64, 2, 20, 50
@@ -385,7 +385,7 @@ class _KernelInputs:
             self.N, self.C, self.F, self.BH, self.T, self.V = 8 * 1024, 768, 3072, 8 * 12, 1024, 8449
             self.shapes, self.reps = param_shapes(load_config("120m").model), 10
         self.xp, self.dtype = xp, np.float32
-        self.ref = Ops(xp)  # the generic side: the maths every kernel replaces
+        self.ref = BlockedOps(xp)  # the generic side: the maths every kernel replaces (Ops, and its blocked core)
         self._drawn, self._k = {}, 0
 
     def reseed(self):
@@ -483,7 +483,7 @@ def _gelu_cases(k):
 
 def _softmax_cases(k):
     """The attention's causal softmax: forward, backward, and the probabilities recomputed from the
-    saved log-sum-exp, against the Ops' block softmax."""
+    saved log-sum-exp, against the blocked core's block softmax (minitensor.backends.blocked)."""
     from minitensor.backends import cupy_ops
 
     BH, T = k.BH, k.T
@@ -517,9 +517,8 @@ def _softmax_cases(k):
 
 
 def _cross_entropy_cases(k):
-    """Softmax cross-entropy forward and backward against the loss layer. The layer keeps softmax / N
-    (its backward's scale folded in); the fused kernels take and give plain probabilities, so the
-    generic side is compared times N."""
+    """Softmax cross-entropy forward and backward against the loss layer on Ops, which keeps the
+    probabilities as the fused kernels take and give them."""
     from minitensor.backends import cupy_ops
     from minitensor.layers.loss import SoftmaxCrossEntropy
 
@@ -529,13 +528,13 @@ def _cross_entropy_cases(k):
         k.reseed()
         z = k.rand(N, V, scale=2.0)
         t = k.xp.asarray(np.random.default_rng(0).integers(0, V, N))
-        scaled = z.copy()
         loss_fn = SoftmaxCrossEntropy(ops=k.ref)
-        loss_fn.forward(scaled, t, inplace=True)
-        return dict(z=z, t=t, probs=scaled * N, cache=loss_fn._cache, loss_fn=loss_fn)
+        loss_fn.forward(z.copy(), t)
+        return dict(z=z, t=t, probs=loss_fn._cache.saved.copy(), cache=loss_fn._cache, loss_fn=loss_fn)
 
     def generic_fwd(d):
-        return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"] * N
+        loss = d["loss_fn"].forward(d["z"], d["t"])
+        return loss, d["loss_fn"]._cache.saved
 
     def generic_bwd(d):
         d["loss_fn"]._save(d["cache"])

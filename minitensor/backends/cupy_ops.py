@@ -15,7 +15,8 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
     scatter_add_rows                   'scatter_add_rows' (always: deterministic where add.at's atomics are not)
     attention_forward                  the dense core within a memory budget (a 64th of the GPU's
                                        memory per layer: 2.2 GB on an H200, where ANDREA-120M at
-                                       8 x 1024 needs 384 MiB), else Ops' query blocks
+                                       8 x 1024 needs 384 MiB), else the query blocks of
+                                       minitensor.backends.blocked
 
 Which fused pieces a CupyOps runs is fixed when it is built (`CupyOps(xp, fused=...)`; through
 `minitensor.backends.get_ops(cupy, kernels)`, where kernels="auto" runs the start-up self-check of

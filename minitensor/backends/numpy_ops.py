@@ -1,10 +1,12 @@
 """The CPU backend: NumPy work split over threads, and numba kernels for the hot pieces.
 
-`NumpyOps` overrides pieces of `minitensor.backends.ops.Ops` and falls back to it (`super()`) for what a
-kernel does not take (a dtype, a layout). Two levels, chosen once when a model is built:
+`NumpyOps` overrides pieces of `minitensor.backends.ops.Ops` (the textbook) with the same maths in
+forms that run fast here, and takes the attention core over query blocks from
+minitensor.backends.blocked. Two levels, chosen once when a model is built:
 
-    NumpyOps(numba=False)   ANDREA_CPU_KERNELS=numpy, or numba not installed: the Ops maths,
-                            its rows, heads and chunks spread over minitensor's threads
+    NumpyOps(numba=False)   ANDREA_CPU_KERNELS=numpy, or numba not installed: the maths in NumPy,
+                            in place where it can be, its rows, heads and chunks spread over
+                            minitensor's threads; GELU in its sigmoid form (one exp, no tanh)
     NumpyOps(numba=True)    the default with numba: compiled kernels (below) for LayerNorm,
                             GELU, the attention core, the cross-entropy, the embedding's
                             scatter-add and AdamW
