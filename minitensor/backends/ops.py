@@ -163,7 +163,10 @@ class Ops:
         backend with a blocked core (minitensor.backends.blocked); here the core is always dense."""
         B, nh, T, hs = qkv4[0].shape
         C = nh * hs
-        q, k, v = (src if b is None else src + b[i * C:(i + 1) * C].reshape(nh, 1, hs) for i, src in enumerate(qkv4))
+        q, k, v = (src.copy() for src in qkv4)               # (B, nh, T, hs) each, contiguous
+        if b is not None:                                    # c_attn's bias, head by head
+            for i, h in enumerate((q, k, v)):
+                h += b[i * C:(i + 1) * C].reshape(nh, 1, hs)
         s = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T) scores
         p = self.causal_softmax(s)
         y4[...] = p @ v
