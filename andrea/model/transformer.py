@@ -107,7 +107,7 @@ def _layernorm(p, name, eps, ops):
 
 class MLPCache(NamedTuple):
     x: object          # (N, C), c_fc's input
-    h: object          # (N, 4C), c_fc's output as the activation's bias pass left it
+    h: object          # (N, 4C), c_fc's output as the activation's bias pass left it (a backend may add b in place)
     shape: tuple
 
 
