@@ -17,32 +17,12 @@ As a library:
     loss = model.forward(idx, targets); model.zero_grad(); model.backward()
     AdamW(model, lr=3e-3).step()
 
-These three names are imported on first use, so `python -m andrea.train` (and bench, sample) runs
-this file before anything loads NumPy. That is where an entry point's one setting that must
-precede NumPy is made: OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS reads it once, when NumPy loads it),
-so BLAS threads sleep right after each GEMM instead of spinning on the cores minitensor's own
-threads need (measured: BENCHMARKS.md, "Process tuning"). Only when the process's main module is one of
-the entry points, and a value already in the environment wins. Importing andrea as a library
-sets nothing.
+These three names are imported on first use, so importing andrea loads nothing else. Importing it
+sets nothing in the process either: the entry points (train, bench, sample) set what must precede
+NumPy, OPENBLAS_THREAD_TIMEOUT=4, as their first statement.
 """
 
-import os
-import sys
-
-ENTRY_POINTS = ("andrea.train", "andrea.bench", "andrea.sample")
 __all__ = ["ANDREA", "AdamW", "ModelConfig"]
-
-
-
-def entry_point(orig_argv=None):
-    """The module run by `python -m MODULE`, from the interpreter's own command line (this file runs
-    before that module's __spec__ is in place); None for any other start."""
-    argv = list(sys.orig_argv if orig_argv is None else orig_argv)
-    return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
-
-
-if entry_point() in ENTRY_POINTS:
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def __getattr__(name):

@@ -19,10 +19,14 @@ optimizer step in data-parallel training) is timed too: between 2 MPI processes 
 (`mpiexec` from the mpi extra), with NCCL on a GPU (`--device gpu`, one rank: NCCL's local pass).
 """
 
-import argparse
+import os
+
+if __name__ == "__main__":  # before NumPy loads OpenBLAS: its threads sleep after each GEMM (BENCHMARKS.md)
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import argparse  # after the setting above, on purpose
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time

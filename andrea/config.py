@@ -22,10 +22,6 @@ from andrea.errors import UserError
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-# the values of the variant keys in runs saved before they existed (such a run was ANDREA's block)
-VARIANT_DEFAULTS = {"norm": "pre", "residual": True, "activation": "gelu"}
-
-
 class DerivedRatio(float):
     """A ratio ModelConfig derived (mlp_dim / d_model), not one it was given: dataclasses.replace hands
     it back as the mlp_ratio argument, where it counts as not given, so the width stays mlp_dim."""
@@ -370,9 +366,9 @@ def make_config(raw, overrides=(), name=None, source="the config"):
 
 def saved_model_config(values: dict) -> dict:
     """The model section of a saved run (its config.json, a checkpoint's meta) as this andrea builds
-    it, for comparing with a run's own: keys from before they existed take VARIANT_DEFAULTS, and the
-    derived values (mlp_dim, mlp_ratio) are derived again, as for the run's config."""
-    return make_config({"model": {**VARIANT_DEFAULTS, **values}}).to_dict()["model"]
+    it, for comparing with a run's own: the derived values (mlp_dim, mlp_ratio) are derived again, as
+    for the run's config."""
+    return make_config({"model": values}).to_dict()["model"]
 
 
 def build_config(values, name="custom"):

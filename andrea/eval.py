@@ -32,8 +32,10 @@ import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import make_config
-from andrea.data.dataset import open_split, read_data_meta, resolve_inputs
+from andrea.data.inputs import resolve_inputs
+from andrea.data.manifest import open_split, read_data_meta
 from andrea.data.stream import decode
+from andrea.data.tokenizer import load_tokenizer
 from andrea.errors import UserError
 from andrea.interop import hf
 from andrea.model.transformer import ANDREA
@@ -63,7 +65,7 @@ def load_any(path, device="cpu") -> Loaded:
         if not (path / "tokenizer.json").is_file():
             raise UserError(f"{path} has no tokenizer.json: save the model's tokenizer beside its weights "
                             "(tokenizer.save_pretrained) so that text can be encoded as it was in training")
-        tokenizer = hf.load_tokenizer(path)
+        tokenizer = load_tokenizer(path)
         if tokenizer.vocab_size > model.cfg.vocab_size:
             raise UserError(f"{path / 'tokenizer.json'} has {tokenizer.vocab_size} ids, more than the model's "
                             f"{model.cfg.vocab_size}: it is not this model's tokenizer")
@@ -83,7 +85,7 @@ def data_tokens(data_dir, split: str, tokenizer) -> tuple[np.ndarray, str]:
     if meta is None:
         raise UserError(f"{data_dir} holds no complete prepared data (meta.json): give a directory written by "
                         "python -m andrea.prepare, or the text itself with --input")
-    own = hf.load_tokenizer(data_dir / "tokenizer.json")
+    own = load_tokenizer(data_dir / "tokenizer.json")
     shards = open_split(data_dir, split, own.vocab_size, own.fingerprint())
     ids = shards.windows(np.array([0]), len(shards))[0] if len(shards) else np.zeros(0, np.int64)
     what = f"the {split} split of {data_dir}"

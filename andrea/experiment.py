@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from andrea.cli import ArgumentParser, run_cli
-from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.files import atomic_writer
 from andrea.run.figure import label_depth_axis, new_figure, require_matplotlib
 from andrea.run.gradflow import check_flow, embedding_ratio
 from andrea.run.preflight import check_directory
@@ -229,10 +229,10 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
 
 
 def _baseline(run_dir):
-    """The unigram baseline of the run's validation tokens (andrea.train.unigram_baseline), or None."""
+    """The unigram baseline of the run's validation tokens (andrea.run.rundata.unigram_baseline), or None."""
     from andrea.config import make_config
+    from andrea.run.rundata import unigram_baseline
     from andrea.run.runlog import read_saved_config
-    from andrea.train import unigram_baseline
 
     try:
         return unigram_baseline(make_config(read_saved_config(run_dir)))
@@ -326,8 +326,8 @@ def arm_state(run_dir: Path, sets: list) -> str:
     missing, never checkpointed, or a run of another config, e.g. another --steps, which is retrained)."""
     from andrea.config import make_config
     from andrea.run import checkpoint as ckpt
+    from andrea.run.launch import config_differences
     from andrea.run.runlog import read_saved_config
-    from andrea.train import config_differences
 
     if not (run_dir / "config.json").is_file():
         return "new"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import build_config
-from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.files import atomic_writer
 from andrea.run.figure import new_figure
 from andrea.run.preflight import check_output_file
 from andrea.run.runlog import read_metrics
@@ -84,7 +84,7 @@ def _unigram_baseline(run_dir: Path, data_dir: Path) -> float | None:
 
 
 def _tokenizer_fingerprint(path: Path) -> str:
-    from andrea.interop.hf import load_tokenizer  # tokenizers is a dependency, but plotting alone need not load it
+    from andrea.data.tokenizer import load_tokenizer  # tokenizers is a dependency, but plotting alone need not load it
 
     return load_tokenizer(path).fingerprint()
 

@@ -9,7 +9,12 @@ length, the cache is rebuilt from the last half of the context (positions are ab
 cached keys cannot simply slide), which keeps the amortised cost near one position per token.
 """
 
-import math
+import os
+
+if __name__ == "__main__":  # before NumPy loads OpenBLAS: its threads sleep after each GEMM (BENCHMARKS.md)
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import math  # after the setting above, on purpose
 import sys
 from pathlib import Path
 
@@ -17,8 +22,8 @@ import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import make_config
+from andrea.data.tokenizer import load_tokenizer
 from andrea.errors import UserError
-from andrea.interop.hf import load_tokenizer
 from andrea.model.transformer import ANDREA
 from andrea.run import preflight
 from andrea.run.checkpoint import latest_checkpoint, load_checkpoint

@@ -34,9 +34,9 @@ from typing import NamedTuple
 import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
-from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
 from andrea.eval import load_any
+from andrea.files import atomic_writer
 from andrea.run import preflight
 from andrea.run.figure import new_figure, require_matplotlib
 from minitensor.backends.softmax import exp_rows

@@ -25,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from andrea.data import stream
-from andrea.data.dataset import resolve_inputs
+from andrea.data.inputs import resolve_inputs
+from andrea.data.preparation import default_workers
 from andrea.data.tokenizer import Tokenizer
-from andrea.prepare import byte_count, default_workers
+from andrea.prepare import byte_count
 
 PHASES = [("training a ", "tokenizer reading"), ("tokenizer: computing", "tokenizer merges"),
           ("encoding", "encoding")]

@@ -20,8 +20,8 @@ gpu_check.sh copies into its summary.
                tests then use: gpu_check.sh runs it before the GPU tests
     kernels    the start-up self-check (minitensor.checks.selfcheck: which fused pieces agree with the
                generic path), then each fused kernel against the generic xp code of its layer at
-               ANDREA-120M shapes (float32): max error (computed on the device: ~800 M
-               elements are compared) and time of each
+               ANDREA-120M shapes (float32; the cases of each fused piece's record, cupy_ops.py):
+               max error (computed on the device: ~800 M elements are compared) and time of each
     gradients  a small ANDREA (4 layers, d 128; the dry run: 1 layer, T = 64, 2 steps) at T = 256 trained 3
                steps on CuPy in float32,
                once as training runs (dense attention core, self-checked fused kernels) and once
@@ -103,7 +103,7 @@ def gpu_here(dry):
 
 
 def part_compile(dry):
-    from minitensor.backends import cuda
+    from minitensor.backends import all_kernels, cuda
 
     if not gpu_here(dry):
         log("dry run on NumPy: no CUDA kernels to compile (the NVRTC compile check is "
@@ -112,7 +112,7 @@ def part_compile(dry):
     import cupy
 
     start, failed, count = time.perf_counter(), False, 0
-    for spec in cuda.all_kernels().values():
+    for spec in all_kernels().values():
         for dtype in cuda.DTYPES:
             t0 = time.perf_counter()
             try:
@@ -283,7 +283,7 @@ def part_sanitize(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from minitensor.backends import cuda
+    from minitensor.backends import fused_pieces
     from minitensor.layers.attention import CausalSelfAttention
 
     on_gpu, pool = gpu_here(dry), "no CuPy"
@@ -307,7 +307,7 @@ def part_sanitize(dry):
         cupy.cuda.runtime.deviceSynchronize()  # a kernel's fault is reported here at the latest
     finite = all(np.isfinite(v) for v in sum(losses, []))
     log(f"figure: {'CuPy' if on_gpu else 'NumPy'} 1-layer step x 2, dense and blocked core ({line}; "
-        f"{len(cuda.FUSED)} fused pieces; {pool}): losses {', '.join(f'{v:.4f}' for v in sum(losses, []))} "
+        f"{len(fused_pieces())} fused pieces; {pool}): losses {', '.join(f'{v:.4f}' for v in sum(losses, []))} "
         f"in {time.perf_counter() - start:.1f} s")
     return not finite
 
@@ -316,7 +316,7 @@ def part_sanitize(dry):
 
 
 def part_kernels(dry):
-    from minitensor.backends import cuda
+    from minitensor.backends import cuda, fused_pieces
     from minitensor.checks import kernelcheck
     from minitensor.checks.selfcheck import select_kernels
 
@@ -338,9 +338,10 @@ def part_kernels(dry):
     log(f"float32; rows N {k.N}, C {k.C}, mlp {k.F}, scores {k.BH} x {k.T} x {k.T}, vocab {k.V}; times are the mean "
         f"of {k.reps} calls after one, with the device synchronised around them; tolerance 1e-5 (norm-wise)")
     start, compared, disagreed = time.perf_counter(), 0, []
-    for name, setup, fused, generic, elementwise in (case for cases in KERNEL_CASES for case in cases(k)):
-        if not on_gpu and elementwise:
-            log(f"skip {name:<26} (an ElementwiseKernel: needs CuPy)")
+    cases = [case for piece in fused_pieces().values() for case in _piece_cases(piece, k)] + _cublas_cases(k)
+    for name, setup, fused, generic, needs_cupy in cases:
+        if not on_gpu and needs_cupy:
+            log(f"skip {name:<26} (needs CuPy: an ElementwiseKernel, cuBLAS, or a whole piece)")
             continue
         compared += 1
         if not _compare_kernel(xp, name, setup, fused, generic, k.reps):
@@ -405,179 +406,60 @@ class _KernelInputs:
         return self.xp.zeros(shape, self.dtype)
 
 
-# Each function below gives its kernels' cases: (name, setup, fused, generic, uses an ElementwiseKernel
-# (skipped on NumPy)); setup() makes the inputs, fused(d) and generic(d) return the outputs compared.
+def _piece_cases(piece, k):
+    """One fused piece's comparisons, from its record (minitensor.backends.fused_pieces()):
+    [(name, setup, fused, generic, needs CuPy (skipped on NumPy)), ...], setup() making the inputs,
+    fused(d) and generic(d) returning the outputs compared. The record's `cases`, or, for a piece
+    without them, its self-check's sample run with the piece on and off."""
+    if piece.cases is not None:
+        return piece.cases(k)
+    from minitensor.backends.cupy_ops import CupyOps
+
+    def run(names):
+        return lambda _: piece.sample(CupyOps(k.xp, fused=names), np.random.default_rng(0))
+
+    return [(piece.name, lambda: None, run((piece.name,)), run(()), True)]
 
 
-def _layernorm_cases(k):
-    """LayerNorm forward and backward, each also with the residual add folded in, against the layer."""
-    from minitensor.backends import cupy_ops
-    from minitensor.layers.layernorm import LayerNorm
+def _cublas_cases(k):
+    """cuBLAS's own calls (minitensor.backends.cublas: the column-major operands, transpose flags and
+    beta the stand-in emulates) against CuPy's matmul and sum at the step's shapes: a weight gradient
+    accumulated (beta 1), a bias gradient (the GEMV dy^T ones), the head's dx from the first V columns
+    of padded rows, the attention scores q k^T strided batched (k^T by the flag)."""
+    from minitensor.backends import cublas, cupy_ops
 
-    N, C = k.N, k.C
+    hs, Vp = 64, -(-k.V // 128) * 128
 
     def setup():
         k.reseed()
-        x, dy, w, b = k.rand(N, C, shift=0.3), k.rand(N, C), k.rand(C, scale=0.2, shift=1.0), k.rand(C, scale=0.1)
-        layer = LayerNorm(w, k.zeros(C), b, k.zeros(C), ops=k.ref)
-        layer.forward(x)
-        return dict(x=x, dy=dy, w=w, b=b, r=k.rand(N, C), layer=layer, cache=layer._cache, dw=k.zeros(C),
-                    db=k.zeros(C))
+        return dict(x=k.rand(k.N, k.C), dy=k.rand(k.N, k.F), dW=k.rand(k.C, k.F), db=k.rand(k.F),
+                    dl=k.rand(k.N, Vp), W=k.rand(k.V, k.C, scale=0.1), q=k.rand(k.BH, k.T, hs),
+                    kk=k.rand(k.BH, k.T, hs))
 
-    def generic_fwd(d):
-        y = d["layer"].forward(d["x"])
-        return y, d["layer"]._cache.mean, d["layer"]._cache.rstd
+    def weight(d):
+        assert cublas.gemm(d["x"].T, d["dy"], d["dW"], 1.0)
+        return (d["dW"],)
 
-    def generic_bwd(d, add_to=None):
-        layer = d["layer"]
-        layer._save(d["cache"])
-        dx = layer.backward(d["dy"])
-        if add_to is not None:
-            dx += add_to
-        return dx, layer.dw, layer.db
+    def bias(d):
+        assert cublas.colsum(d["dy"], d["db"], cupy_ops._ones(k.xp, k.N, k.dtype), 1.0)
+        return (d["db"],)
 
-    def generic_res(d):
-        d["x"] += d["r"]
-        return d["layer"].forward(d["x"]), d["x"]
+    def head(d):
+        dx = k.xp.empty((k.N, k.C), k.dtype)
+        assert cublas.gemm(d["dl"][:, :k.V], d["W"], dx)
+        return (dx,)
 
-    def fused_bwd(d, add_to=None):
-        return (cupy_ops.layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
-                                                d["dw"], d["db"], add_to=add_to), d["dw"], d["db"])
+    def scores(d):
+        s = k.xp.empty((k.BH, k.T, k.T), k.dtype)
+        assert cublas.gemm(d["q"], d["kk"].transpose(0, 2, 1), s)
+        return (s,)
 
     return [
-        ("layernorm fwd", setup, lambda d: cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"]), generic_fwd,
-         False),
-        ("layernorm bwd", setup, fused_bwd, generic_bwd, False),
-        ("layernorm fwd + residual", setup,
-         lambda d: (cupy_ops.layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
-         generic_res, False),
-        ("layernorm bwd + residual", setup, lambda d: fused_bwd(d, add_to=d["r"]),
-         lambda d: generic_bwd(d, add_to=d["r"]), False),
+        ("cublas dW += x^T dy", setup, weight, lambda d: (d["dW"] + d["x"].T @ d["dy"],), True),
+        ("cublas db += dy^T ones", setup, bias, lambda d: (d["db"] + d["dy"].sum(axis=0),), True),
+        ("cublas head dx", setup, head, lambda d: (k.xp.ascontiguousarray(d["dl"][:, :k.V]) @ d["W"],), True),
+        ("cublas batched q k^T", setup, scores, lambda d: (k.xp.matmul(d["q"], d["kk"].transpose(0, 2, 1)),), True),
     ]
-
-
-def _gelu_cases(k):
-    """The MLP's bias + GELU, forward and backward (the bias gradient summed in), against the Ops."""
-    from minitensor.backends import cupy_ops
-
-    def setup():
-        k.reseed()
-        a, b = k.rand(k.N, k.F, scale=2.0), k.rand(k.F, scale=0.1)
-        return dict(a=a, b=b, h=a + b, dy=k.rand(k.N, k.F), db=k.zeros(k.F), hb=k.xp.empty_like(a))
-
-    def generic_fwd(d):
-        k.xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
-        return (k.ref.gelu_forward(d["hb"]),)
-
-    def generic_bwd(d):
-        dh = k.ref.gelu_backward(d["h"], d["dy"])
-        d["db"] += dh.sum(axis=0)
-        return dh, d["db"]
-
-    return [
-        ("bias + gelu fwd", setup, lambda d: (cupy_ops.bias_gelu_forward_gpu(d["a"], d["b"]),), generic_fwd, True),
-        ("bias + gelu bwd", setup, lambda d: (cupy_ops.bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
-                                              d["db"]), generic_bwd, True),
-    ]
-
-
-def _softmax_cases(k):
-    """The attention's causal softmax: forward, backward, and the probabilities recomputed from the
-    saved log-sum-exp, against the blocked core's block softmax (minitensor.backends.blocked)."""
-    from minitensor.backends import cupy_ops
-
-    BH, T = k.BH, k.T
-
-    def setup():
-        k.reseed()
-        s = k.rand(BH, T, T, scale=2.0)
-        p, lse = s.copy(), k.xp.empty((BH, T, 1), k.dtype)
-        k.ref.block_softmax(p[None], 0, lse[None])
-        return dict(s=s, p=p, lse=lse, dp=k.rand(BH, T, T), lse_out=k.xp.empty((BH, T, 1), k.dtype))
-
-    def generic_fwd(d):
-        k.ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
-        return d["s"], d["lse_out"]
-
-    def generic_bwd(d):
-        D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
-        k.ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
-        return (d["dp"],)
-
-    return [
-        ("causal softmax fwd", setup,
-         lambda d: (cupy_ops.causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
-         generic_fwd, False),
-        ("causal softmax bwd", setup,
-         lambda d: (cupy_ops.causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), generic_bwd, False),
-        ("causal softmax recompute", setup,
-         lambda d: (cupy_ops.causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
-         lambda d: (k.ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
-    ]
-
-
-def _cross_entropy_cases(k):
-    """Softmax cross-entropy forward and backward against the loss layer on Ops, which keeps the
-    probabilities as the fused kernels take and give them."""
-    from minitensor.backends import cupy_ops
-    from minitensor.layers.loss import SoftmaxCrossEntropy
-
-    N, V = k.N, k.V
-
-    def setup():
-        k.reseed()
-        z = k.rand(N, V, scale=2.0)
-        t = k.xp.asarray(np.random.default_rng(0).integers(0, V, N))
-        loss_fn = SoftmaxCrossEntropy(ops=k.ref)
-        loss_fn.forward(z.copy(), t)
-        return dict(z=z, t=t, probs=loss_fn._cache.saved.copy(), cache=loss_fn._cache, loss_fn=loss_fn)
-
-    def generic_fwd(d):
-        loss = d["loss_fn"].forward(d["z"], d["t"])
-        return loss, d["loss_fn"]._cache.saved
-
-    def generic_bwd(d):
-        d["loss_fn"]._save(d["cache"])
-        return (d["loss_fn"].backward(1.0),)
-
-    return [
-        ("cross-entropy fwd", setup, lambda d: (cupy_ops.softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
-         generic_fwd, False),
-        ("cross-entropy bwd", setup, lambda d: (cupy_ops.softmax_xent_backward_gpu(d["probs"], d["t"]),),
-         generic_bwd, True),
-    ]
-
-
-def _adamw_cases(k):
-    """One AdamW step over the model's parameter layout (decay on 2+-D tensors) against the optimizer."""
-    from minitensor.backends import cupy_ops
-    from minitensor.optim import AdamW
-    from minitensor.params import Params
-
-    hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-
-    def setup():
-        k.reseed()
-        params = Params(k.shapes, xp=k.xp, dtype=k.dtype, ops=k.ref)
-        params.data[...] = k.rand(params.size, scale=0.02)
-        params.grads[...] = k.rand(params.size, scale=1e-3)
-        opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
-                    weight_decay=hyper["weight_decay"])
-        return dict(params=params, opt=opt, mask=params.mask(opt.decays))
-
-    def generic(d):
-        d["opt"].step(grad_scale=0.5)
-        return d["params"].data, d["opt"].m, d["opt"].v
-
-    def fused(d):
-        p, opt = d["params"], d["opt"]
-        cupy_ops.adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
-        return p.data, opt.m, opt.v
-
-    return [("adamw step", setup, fused, generic, True)]
-
-
-KERNEL_CASES = (_layernorm_cases, _gelu_cases, _softmax_cases, _cross_entropy_cases, _adamw_cases)
 
 
 def _time(xp, fn, inputs, reps):

@@ -39,19 +39,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # check. Its module-level kernel specs and their host references (the
 # `_reference`s, `_column`, `_recompute_flat`, `_xent_bwd_flat`, `_adamw_op_reference`) run without a
 # GPU too (`python -m minitensor.checks --check | --host-check`) and are not counted.
-CUPY_OPS = ["CupyOps", "_gpu_memory",
+CUPY_OPS = ["CupyOps", "_gpu_memory", "_ones",
             "bias_gelu_forward_gpu", "bias_gelu_backward_gpu", "_check_bias_gpu",
             "layernorm_forward_gpu", "layernorm_backward_gpu",
             "causal_softmax_forward_gpu", "causal_softmax_backward_gpu", "causal_softmax_recompute_gpu",
             "softmax_xent_forward_gpu", "softmax_xent_backward_gpu", "_xent_operands",
-            "adamw_step_gpu", "adamw_kernel"]
-# The self-checks of the fused pieces (minitensor/checks/cupy_checks.py): run only to build a CupyOps.
-CUPY_CHECKS = ["_draw", "_check_bias_gelu", "_check_layernorm", "_check_causal_softmax", "_check_softmax_xent",
-               "_check_adamw"]
+            "adamw_step_gpu", "adamw_kernel",
+            # the fused pieces' samples, which the self-check runs only to build a CupyOps
+            "_draw", "_bias_gelu_sample", "_layernorm_sample", "_causal_softmax_sample", "_softmax_xent_sample",
+            "_adamw_sample"]
 
 GPU_ONLY = {
     "minitensor/backends/cupy_ops.py": [("def", name) for name in CUPY_OPS],
-    "minitensor/checks/cupy_checks.py": [("def", name) for name in CUPY_CHECKS],
+    "minitensor/backends/cublas.py": [("def", name) for name in ("layout", "_layout", "_scalar", "gemm", "colsum")],
     "minitensor/backends/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch")],
     "minitensor/device.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),
                               ("unless", r"^xp is np$")],

@@ -25,7 +25,7 @@ import pytest
 from gpu_standin import standin_cupy, standin_module
 from hypothesis import settings
 
-from andrea.prepare import prepare
+from andrea.data.preparation import prepare
 from minitensor import device
 
 GPU_EXAMPLES = 3

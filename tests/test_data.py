@@ -10,13 +10,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from andrea import prepare as prepare_module
 from andrea.cli import run_cli
-from andrea.data import dataset as data
-from andrea.data.dataset import BatchLoader, iter_eval_batches, read_tokens, write_tokens
+from andrea.data.corpus import FileList
+from andrea.data.inputs import SKIPPED_DIRS, _binary_suffix, iter_input_names, resolve_inputs, stdlib_corpus_files
+from andrea.data.loader import BatchLoader, iter_eval_batches
+from andrea.data.manifest import DATA_FORMAT, META_VERSION, TokenShards, open_split, split_counts
+from andrea.data.preparation import prepare
+from andrea.data.shards import unigram_entropy
+from andrea.data.tokenfile import (
+    _HEADER,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    TokenFileHeader,
+    open_tokens,
+    read_token_header,
+    token_writer,
+)
 from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
-from andrea.prepare import default_data_dir, main, prepare
+from andrea.prepare import default_data_dir, main
 
 FP = "ab" * 32
 
@@ -25,7 +38,7 @@ FP = "ab" * 32
 
 
 def test_stdlib_corpus_files():
-    files = data.stdlib_corpus_files()
+    files = stdlib_corpus_files()
     assert len(files) > 500 and files == sorted(files)
     assert all(p.suffix == ".py" for p in files)
     assert not any("site-packages" in p.parts for p in files)
@@ -50,20 +63,20 @@ def make_tree(root):
 
 def test_resolve_directory_recurses_and_skips_non_text(tmp_path):
     root = make_tree(tmp_path)
-    found = data.resolve_inputs([str(root)])
+    found = resolve_inputs([str(root)])
     assert [p.relative_to(root).as_posix() for p in found] == ["a.txt", "sub/b.md", "sub/deep/c.py"]
 
 
 def test_resolve_globs_files_sorted_and_deduplicated(tmp_path):
     root = make_tree(tmp_path)
     specs = [root / "sub/**/*.py", root / "a.txt", root / "sub", root / "*.txt"]
-    found = data.resolve_inputs([str(s) for s in specs])
+    found = resolve_inputs([str(s) for s in specs])
     assert [p.relative_to(root).as_posix() for p in found] == ["a.txt", "sub/b.md", "sub/deep/c.py"]
-    assert data.resolve_inputs([str(root / "img.png")]) == [root / "img.png"]  # named: taken as is
-    star = data.resolve_inputs([str(root / "*")])  # globbed: filtered like a directory
+    assert resolve_inputs([str(root / "img.png")]) == [root / "img.png"]  # named: taken as is
+    star = resolve_inputs([str(root / "*")])  # globbed: filtered like a directory
     assert [p.relative_to(root).as_posix() for p in star] == ["a.txt", "sub/b.md", "sub/deep/c.py"]
     with pytest.raises(UserError, match="matches no file"):
-        data.resolve_inputs([str(root / "**/*.pyc")])
+        resolve_inputs([str(root / "**/*.pyc")])
 
 
 def test_resolve_refuses_specs_matching_nothing(tmp_path):
@@ -71,16 +84,16 @@ def test_resolve_refuses_specs_matching_nothing(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     for spec in (str(tmp_path / "missing.txt"), str(tmp_path / "*.rst"), str(tmp_path / "empty_dir")):
         with pytest.raises(UserError, match="matches no file"):
-            data.resolve_inputs([str(tmp_path / "a.txt"), spec])
+            resolve_inputs([str(tmp_path / "a.txt"), spec])
 
 
 def walked_by_os_walk(top):
     """What a directory input takes, listed the plain way: os.walk, filtered, then sorted as Paths."""
     found = []
     for dirpath, dirnames, filenames in os.walk(top):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in data.SKIPPED_DIRS]
-        found += [os.path.join(dirpath, n) for n in filenames if not n.startswith(".") and n not in data.SKIPPED_DIRS
-                  and not data._binary_suffix(n) and os.path.isfile(os.path.join(dirpath, n))]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in SKIPPED_DIRS]
+        found += [os.path.join(dirpath, n) for n in filenames if not n.startswith(".") and n not in SKIPPED_DIRS
+                  and not _binary_suffix(n) and os.path.isfile(os.path.join(dirpath, n))]
     return [str(p) for p in sorted(map(Path, found))]
 
 
@@ -93,17 +106,17 @@ def test_the_walk_gives_the_order_of_sorting_every_path_at_once(tmp_path):
     (tmp_path / "linked").symlink_to(tmp_path / "a", target_is_directory=True)  # not followed, as os.walk
     (tmp_path / "link.txt").symlink_to(tmp_path / "a.b")  # a link to a file is taken
     (tmp_path / "broken.txt").symlink_to(tmp_path / "missing")
-    names = list(data.iter_input_names([str(tmp_path)]))
+    names = list(iter_input_names([str(tmp_path)]))
     assert names == walked_by_os_walk(tmp_path)
     assert [os.path.relpath(n, tmp_path) for n in names][:5] == ["B", "a/x", "a/y/z.txt", "a-b", "a.b"]
-    assert data.resolve_input_names([str(tmp_path / "a"), str(tmp_path / "a.b"), str(tmp_path)]) == names
+    assert list(iter_input_names([str(tmp_path / "a"), str(tmp_path / "a.b"), str(tmp_path)])) == names
 
 
 def test_the_listing_streams_one_directory_at_a_time(tmp_path):
     for d in ("d1", "d2"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "x.txt").write_text("x")
-    names = data.iter_input_names([str(tmp_path)])
+    names = iter_input_names([str(tmp_path)])
     assert next(names) == str(tmp_path / "d1" / "x.txt")
     (tmp_path / "d2" / "y.txt").write_text("y")  # d2 is listed only now that the walk reaches it
     assert list(names) == [str(tmp_path / "d2" / n) for n in ("x.txt", "y.txt")]
@@ -111,46 +124,22 @@ def test_the_listing_streams_one_directory_at_a_time(tmp_path):
 
 def test_a_file_list_under_the_common_root_equals_one_given_the_root(tmp_path):
     make_tree(tmp_path)
-    names = data.resolve_input_names([str(tmp_path / "sub")])
-    files = prepare_module.FileList.under_common_root(iter(names))
+    names = list(iter_input_names([str(tmp_path / "sub")]))
+    files = FileList.under_common_root(iter(names))
     root = Path(os.path.commonpath([os.path.dirname(n) for n in names]))
     assert files.root == root == tmp_path / "sub"
     assert [files.relative(i) for i in range(len(files))] == ["b.md", "deep/c.py"]
-    assert files[:] == prepare_module.FileList(root, names)[:] == [Path(n) for n in names]
-    one = prepare_module.FileList.under_common_root([str(tmp_path / "sub" / "deep" / "c.py")])
+    assert files[:] == FileList(root, names)[:] == [Path(n) for n in names]
+    one = FileList.under_common_root([str(tmp_path / "sub" / "deep" / "c.py")])
     assert (one.root, one.relative(0)) == (tmp_path / "sub" / "deep", "c.py")
-    assert prepare_module.FileList.under_common_root(["/top.txt"]).relative(0) == "top.txt"
-
-
-def test_read_documents_replaces_bad_utf8_and_refuses_unreadable(tmp_path):
-    (tmp_path / "good.txt").write_text("olá\n", encoding="utf-8")
-    (tmp_path / "latin1.txt").write_bytes("olá\n".encode("latin-1"))
-    good, bad = data.read_documents([tmp_path / "good.txt", tmp_path / "latin1.txt"])
-    assert (good.text, good.valid_utf8, good.n_bytes) == ("olá\n", True, 5)
-    assert (bad.text, bad.valid_utf8, bad.n_bytes) == ("ol\ufffd\n", False, 4)
-    with pytest.raises(UserError, match="cannot read .*nope.txt"):
-        list(data.read_documents([tmp_path / "nope.txt"]))
-
-
-def test_split_is_deterministic_about_one_percent_and_never_one_sided(tmp_path):
-    paths = [tmp_path / f"d{i // 100}" / f"f{i}.py" for i in range(2000)]
-    train, val = data.split_validation(paths, tmp_path, 0.01)
-    assert 5 <= len(val) <= 45 and len(train) + len(val) == 2000
-    assert set(train).isdisjoint(val)
-    moved = [tmp_path / "elsewhere" / p.relative_to(tmp_path) for p in paths]
-    _, val_moved = data.split_validation(moved, tmp_path / "elsewhere", 0.01)
-    assert [p.relative_to(tmp_path / "elsewhere") for p in val_moved] == [p.relative_to(tmp_path) for p in val]
-    train2, val2 = data.split_validation(paths[:2], tmp_path, 0.01)
-    assert len(train2) == len(val2) == 1
-    train3, val3 = data.split_validation(paths[:3], tmp_path, 0.99)
-    assert len(train3) == 1 and len(val3) == 2
+    assert FileList.under_common_root(["/top.txt"]).relative(0) == "top.txt"
 
 
 def test_unigram_entropy():
     V = 8
-    assert data.unigram_entropy(np.zeros(V), np.ones(V)) == pytest.approx(math.log(V))
+    assert unigram_entropy(np.zeros(V), np.ones(V)) == pytest.approx(math.log(V))
     train = np.array([3, 1, 0, 0])  # p = (4, 2, 1, 1) / 8
-    assert data.unigram_entropy(train, np.array([1, 1, 0, 0])) == pytest.approx((math.log(2) + math.log(4)) / 2)
+    assert unigram_entropy(train, np.array([1, 1, 0, 0])) == pytest.approx((math.log(2) + math.log(4)) / 2)
 
 
 # ----------------------------------------------------------------------------- token files
@@ -159,20 +148,26 @@ def test_unigram_entropy():
 def test_token_file_round_trip(tmp_path):
     tokens = np.array([0, 1, 299, 42, 7], dtype=np.int64)
     write_tokens(tmp_path / "t.bin", tokens, 300, FP)
-    got = read_tokens(tmp_path / "t.bin", vocab_size=300, fingerprint=FP)
+    got = open_tokens(tmp_path / "t.bin", vocab_size=300, fingerprint=FP)
     assert got.dtype == np.uint16 and not got.flags.writeable
     np.testing.assert_array_equal(got, tokens)
-    assert (tmp_path / "t.bin").stat().st_size == data.HEADER_SIZE + 2 * len(tokens)
-    assert data.read_token_header(tmp_path / "t.bin") == data.TokenFileHeader(1, 300, 5, FP)
+    assert (tmp_path / "t.bin").stat().st_size == HEADER_SIZE + 2 * len(tokens)
+    assert read_token_header(tmp_path / "t.bin") == TokenFileHeader(1, 300, 5, FP)
 
 
 def test_token_writer_streams_and_empty_files_read_back(tmp_path):
-    with data.token_writer(tmp_path / "t.bin", 65536, FP) as sink:
+    with token_writer(tmp_path / "t.bin", 65536, FP) as sink:
         for chunk in ([1, 2], np.array([], np.int64), np.array([65535], np.uint16)):
             sink.write(chunk)
-    np.testing.assert_array_equal(read_tokens(tmp_path / "t.bin"), [1, 2, 65535])
+    np.testing.assert_array_equal(open_tokens(tmp_path / "t.bin"), [1, 2, 65535])
     write_tokens(tmp_path / "e.bin", np.zeros(0, np.int64), 10, FP)
-    assert len(read_tokens(tmp_path / "e.bin", vocab_size=10)) == 0
+    assert len(open_tokens(tmp_path / "e.bin", vocab_size=10)) == 0
+
+
+def write_tokens(path, tokens, vocab_size, fingerprint):
+    """A token file as the encoder writes one: through token_writer."""
+    with token_writer(path, vocab_size, fingerprint) as sink:
+        sink.write(tokens)
 
 
 def patched(path, offset, new_bytes):
@@ -191,47 +186,50 @@ def token_file(tmp_path):
 def test_refuses_wrong_magic(token_file, tmp_path):
     patched(token_file, 0, b"NOTANDRE")
     with pytest.raises(UserError, match="not an andrea token file"):
-        read_tokens(token_file)
+        open_tokens(token_file)
     (tmp_path / "short.bin").write_bytes(b"abc")
     with pytest.raises(UserError, match="not an andrea token file"):
-        read_tokens(tmp_path / "short.bin")
+        open_tokens(tmp_path / "short.bin")
 
 
 def test_refuses_unknown_version(token_file):
     patched(token_file, 8, (7).to_bytes(4, "little"))
     with pytest.raises(UserError, match="version 7"):
-        read_tokens(token_file)
+        open_tokens(token_file)
 
 
 def test_refuses_other_vocab(token_file):
     expected = "made with a tokenizer of 300 ids, this model has 8449: re-run python -m andrea.prepare"
     with pytest.raises(UserError, match=expected):
-        read_tokens(token_file, vocab_size=8449)
+        open_tokens(token_file, vocab_size=8449)
 
 
 def test_refuses_other_fingerprint(token_file):
     with pytest.raises(UserError, match="different tokenizer"):
-        read_tokens(token_file, vocab_size=300, fingerprint="cd" * 32)
+        open_tokens(token_file, vocab_size=300, fingerprint="cd" * 32)
 
 
 def test_refuses_truncated(token_file):
     token_file.write_bytes(token_file.read_bytes()[:-1])
     with pytest.raises(UserError, match="truncated"):
-        read_tokens(token_file)
+        open_tokens(token_file)
     token_file.write_bytes(token_file.read_bytes()[:50])
     with pytest.raises(UserError, match="truncated"):
-        read_tokens(token_file)
+        open_tokens(token_file)
 
 
 def test_refuses_out_of_range_ids(token_file):
-    patched(token_file, data.HEADER_SIZE + 2 * 10, (300).to_bytes(2, "little"))
-    with pytest.raises(UserError, match="token id 300 .* 300 ids"):
-        read_tokens(token_file, vocab_size=300)
+    """The header is all that opening reads; each batch's ids are checked as they are gathered."""
+    patched(token_file, HEADER_SIZE + 2 * 10, (300).to_bytes(2, "little"))
+    split = TokenShards([open_tokens(token_file, vocab_size=300)], 300, ["train.bin"])
+    assert split.windows([0], 10).max() < 300
+    with pytest.raises(UserError, match=r"holds an id outside 0\.\.299 \(one of train.bin"):
+        split.windows([5], 10)
 
 
 def test_refuses_missing(tmp_path):
     with pytest.raises(UserError, match="nope.bin does not exist"):
-        read_tokens(tmp_path / "nope.bin")
+        open_tokens(tmp_path / "nope.bin")
 
 
 def test_failed_write_leaves_no_file_and_keeps_the_old_one(token_file):
@@ -239,7 +237,7 @@ def test_failed_write_leaves_no_file_and_keeps_the_old_one(token_file):
     with pytest.raises(ValueError, match="outside"):
         write_tokens(token_file, np.array([1, 2, 300]), 300, FP)
     assert token_file.read_bytes() == before
-    with pytest.raises(RuntimeError), data.token_writer(token_file.with_name("new.bin"), 300, FP) as sink:
+    with pytest.raises(RuntimeError), token_writer(token_file.with_name("new.bin"), 300, FP) as sink:
         sink.write([1, 2, 3])
         raise RuntimeError("interrupted")
     assert sorted(p.name for p in token_file.parent.iterdir()) == ["train.bin"]
@@ -293,12 +291,15 @@ def test_resume_continues_exactly(tokens):
     expected = [run.next_batch() for _ in range(3)]
     resumed = BatchLoader(tokens, 4, 16, seed=999)
     resumed.load_state_dict(state)
-    assert resumed.batches == 3
+    assert resumed.windows == 3 * 4
     for (x, y), (rx, ry) in zip(expected, (resumed.next_batch() for _ in range(3))):
         np.testing.assert_array_equal(x, rx)
         np.testing.assert_array_equal(y, ry)
     with pytest.raises(UserError, match="cannot resume|not one"):
         resumed.load_state_dict({"batches": 1})
+    older = {k: v for k, v in state.items() if k != "windows"} | {"batches": 3}  # before the data-parallel split
+    with pytest.raises(UserError, match="not one this version can resume from .*the andrea version that wrote it"):
+        resumed.load_state_dict(older)
 
 
 def test_eval_batches_are_fixed_full_and_disjoint(tokens):
@@ -356,7 +357,7 @@ def split_documents(tok, tokens):
 def split_ids(data_dir, split):
     """Every id of a split of a prepared directory, its shards joined."""
     tok = Tokenizer.load(data_dir / "tokenizer.json")
-    shards = data.open_split(data_dir, split, tok.vocab_size, tok.fingerprint()).shards
+    shards = open_split(data_dir, split, tok.vocab_size, tok.fingerprint()).shards
     return np.concatenate([np.asarray(a) for a in shards]) if shards else np.zeros(0, np.uint16)
 
 
@@ -461,7 +462,7 @@ def test_cli_interrupt_exits_130(capsys):
 
 
 def test_default_data_dir():
-    assert default_data_dir(None) == default_data_dir([]) == data.Path("data/stdlib")
+    assert default_data_dir(None) == default_data_dir([]) == Path("data/stdlib")
     assert default_data_dir(["texts/shakespeare.txt"]).as_posix() == "data/shakespeare"
     assert default_data_dir(["~/books/**/*.txt"]).as_posix() == "data/books"
     assert default_data_dir(["corpus/"]).as_posix() == "data/corpus"
@@ -475,10 +476,10 @@ def test_default_data_dir():
 def forged_shard(path, count, vocab_size, fingerprint, writes):
     """A sparse token file whose header promises `count` tokens; `writes` puts ids at positions."""
     with open(path, "wb") as f:
-        f.write(data._HEADER.pack(data.MAGIC, data.FORMAT_VERSION, vocab_size, count, fingerprint.encode()))
-        f.truncate(data.HEADER_SIZE + 2 * count)
+        f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, vocab_size, count, fingerprint.encode()))
+        f.truncate(HEADER_SIZE + 2 * count)
         for position, ids in writes.items():
-            f.seek(data.HEADER_SIZE + 2 * position)
+            f.seek(HEADER_SIZE + 2 * position)
             f.write(np.asarray(ids, dtype="<u2").tobytes())
 
 
@@ -491,18 +492,18 @@ def test_a_split_past_2_32_tokens_reads_by_64_bit_offsets(tmp_path):
     forged_shard(tmp_path / "val-00000.bin", 100, V, fp, {0: list(range(100))})
     shards = {"train": [{"file": f"train-0000{i}.bin", "tokens": n, "max_id": 9} for i in range(2)],
               "val": [{"file": "val-00000.bin", "tokens": 100, "max_id": 99}]}
-    meta = {"format": data.DATA_FORMAT, "meta_version": data.SHARDED_META_VERSION, "train_tokens": 2 * n,
+    meta = {"format": DATA_FORMAT, "meta_version": META_VERSION, "train_tokens": 2 * n,
             "val_tokens": 100, "shards": shards}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    train = data.open_split(tmp_path, "train", V, fp)
-    assert len(train) == 2 * n > 2**33 and data.split_counts(tmp_path) == (2 * n, 100)
+    train = open_split(tmp_path, "train", V, fp)
+    assert len(train) == 2 * n > 2**33 and split_counts(tmp_path) == (2 * n, 100)
     rows = train.windows([n - 3, 2 * n - 5, 2**32 + 1], 5)
     assert rows[0].tolist() == [1, 2, 3, 4, 5] and rows[1].tolist() == [0, 6, 7, 8, 9]
     assert rows[2].tolist() == [0] * 5
-    loader = data.BatchLoader(train, batch_size=64, seq_len=8, seed=0)
+    loader = BatchLoader(train, batch_size=64, seq_len=8, seed=0)
     x, y = loader.next_batch()
     starts = np.random.Generator(np.random.PCG64(0)).integers(0, 2 * n - 8, size=64)
     assert (starts > 2**32).sum() > 32  # the loader draws from the whole range...
     assert np.array_equal(np.concatenate([x, y[:, -1:]], axis=1), train.windows(starts, 9))  # ...and reads there
-    last = list(data.iter_eval_batches(train, 4, 3, max_batches=2))[-1][1]
+    last = list(iter_eval_batches(train, 4, 3, max_batches=2))[-1][1]
     assert last[-1].tolist() == [7, 8, 9]  # evaluation windows reach the last token

@@ -24,8 +24,9 @@ from test_train import small_config
 from andrea import prepare, train
 from andrea.cli import run_cli
 from andrea.config import load_config
-from andrea.data import dataset as data
-from andrea.data import shards
+from andrea.data import preparation, shards
+from andrea.data.inputs import resolve_inputs
+from andrea.data.tokenfile import HEADER_SIZE, TokenSink, open_tokens, read_token_header
 from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 
@@ -53,7 +54,7 @@ def one_line(err):
 def prepared(tmp_path, tok_path, name="d", n_files=6, **kwargs):
     corpus = tmp_path / "c" if (tmp_path / "c").exists() else make_corpus(tmp_path / "c", n_files, 20_000)
     out = tmp_path / name
-    meta = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, **kwargs)
+    meta = preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, **kwargs)
     return corpus, out, meta
 
 
@@ -69,7 +70,7 @@ def test_a_kill_between_the_state_and_the_manifest_is_finished_by_prepare_and_tr
     """All shards written and recorded in prepare-state.json, killed before meta.json: the next
     prepare (or train, which prepares) writes the manifest, equal to an uninterrupted run's."""
     corpus, whole, expected = prepared(tmp_path, tok_path, "whole", shard_tokens=20_000)
-    write = prepare.write_json
+    write = preparation.write_json
 
     def killed_before_the_manifest(path, obj):
         if path.name == "meta.json":
@@ -78,14 +79,14 @@ def test_a_kill_between_the_state_and_the_manifest_is_finished_by_prepare_and_tr
 
     for entry in ("prepare", "train"):
         out = tmp_path / entry
-        monkeypatch.setattr(prepare, "write_json", killed_before_the_manifest)
+        monkeypatch.setattr(preparation, "write_json", killed_before_the_manifest)
         with pytest.raises(KeyboardInterrupt):
-            prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000)
-        monkeypatch.setattr(prepare, "write_json", write)
+            preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000)
+        monkeypatch.setattr(preparation, "write_json", write)
         state = json.loads((out / shards.STATE_FILE).read_text())
         assert state["next_block"] == state["settings"]["blocks"] and not (out / "meta.json").exists()
         if entry == "prepare":
-            meta = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000)
+            meta = preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000)
         else:  # train's own preparation: its default shard size is another setting, so it starts again
             train.prepare_data(train_config(corpus, out))
             meta = json.loads((out / "meta.json").read_text())
@@ -111,13 +112,13 @@ def test_a_kill_between_the_manifest_and_removing_the_state_leaves_a_complete_di
             tok, train_ids, _ = train.prepare_data(train_config(corpus, out))
             assert len(train_ids) == expected["train_tokens"]
             continue
-        meta = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000,
-                               force=entry.endswith("--force"))
+        meta = preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, shard_tokens=20_000,
+                                   force=entry.endswith("--force"))
         assert meta["skipped"] == (entry == "prepare") and meta["shards"] == expected["shards"]
         if not meta["skipped"]:
             assert not (out / shards.STATE_FILE).exists()
         for e in meta["shards"]["train"] + meta["shards"]["val"]:
-            assert data.read_tokens(out / e["file"]).size == e["tokens"]
+            assert open_tokens(out / e["file"]).size == e["tokens"]
 
 
 # ----------------------------------------------------------------------------- class 2: one writer at a time
@@ -133,7 +134,7 @@ def test_a_second_preparation_waits_for_the_first_then_finds_it_complete(tmp_pat
     result = {}
     with lock.writing(other):
         waiting = threading.Thread(target=lambda: result.update(
-            meta=prepare.prepare([str(corpus)], other, progress=True, tokenizer=tok_path)))
+            meta=preparation.prepare([str(corpus)], other, progress=True, tokenizer=tok_path)))
         waiting.start()
         time.sleep(1.0)
         assert waiting.is_alive() and list(other.iterdir()) == []  # it waits, having written nothing
@@ -165,7 +166,7 @@ def test_two_preparations_with_different_tokenizers_leave_one_consistent_directo
 
     def run(name, tok):
         try:
-            results[name] = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok, workers=1)
+            results[name] = preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok, workers=1)
         except UserError as e:
             results[name] = e
 
@@ -180,7 +181,7 @@ def test_two_preparations_with_different_tokenizers_leave_one_consistent_directo
     meta = json.loads((out / "meta.json").read_text())
     assert meta["tokenizer_fingerprint"] == tok.fingerprint()
     for entry in meta["shards"]["train"] + meta["shards"]["val"]:
-        assert data.read_token_header(out / entry["file"]).fingerprint == tok.fingerprint()
+        assert read_token_header(out / entry["file"]).fingerprint == tok.fingerprint()
 
 
 # ----------------------------------------------------------------------------- class 3: damage is said
@@ -195,7 +196,7 @@ def test_a_truncated_shard_is_an_error_naming_it_never_a_silent_re_make(tmp_path
         train.prepare_data(train_config(corpus, out))
     shutil.move(corpus, tmp_path / "gone")  # the corpus gone: still the shard is named, not the corpus
     with pytest.raises(UserError, match="train-00000.bin is truncated or corrupt"):
-        prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
+        preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
     code, err = cli(train.main, ["--config", "tiny", "--set", f"data.inputs={corpus}", "--set",
                                  f"data.data_dir={out}", "--set", "data.allow_smaller_vocab=true", "--dry-run",
                                  "--out", str(tmp_path / "run")], capsys)
@@ -212,7 +213,7 @@ def test_verify_reads_every_shard_against_its_checksum(tmp_path, tok_path, capsy
     assert len(meta["shards"]["train"]) > 1
     shard = out / meta["shards"]["train"][-1]["file"]
     raw = bytearray(shard.read_bytes())
-    raw[data.HEADER_SIZE + 10] ^= 1  # an id still in range: trains in silence, but is found here
+    raw[HEADER_SIZE + 10] ^= 1  # an id still in range: trains in silence, but is found here
     shard.write_bytes(bytes(raw))
     code, err = cli(prepare.main, ["--verify", "--data-dir", str(out)], capsys)
     assert code == 2 and f"{shard}: its ids' checksum" in one_line(err)
@@ -227,14 +228,14 @@ def test_a_corpus_whose_validation_split_would_be_empty_is_refused_with_advice_t
     one_line_file = tmp_path / "one.txt"
     one_line_file.write_text("alpha beta gamma " * 50 + "\n")
     with pytest.raises(UserError, match="several lines"):
-        prepare.prepare([str(one_line_file)], tmp_path / "d1", progress=False, tokenizer=tok_path)
+        preparation.prepare([str(one_line_file)], tmp_path / "d1", progress=False, tokenizer=tok_path)
     assert not (tmp_path / "d1").exists()
     few = tmp_path / "few.txt"
     few.write_text("a short first line\n" + "delta epsilon zeta " * 200 + "\n")
     with pytest.raises(UserError, match=r"use --val-fraction (\S+) or more") as info:
-        prepare.prepare([str(few)], tmp_path / "d2", progress=False, tokenizer=tok_path)
+        preparation.prepare([str(few)], tmp_path / "d2", progress=False, tokenizer=tok_path)
     advised = float(str(info.value).split("--val-fraction ")[-1].split()[0])
-    meta = prepare.prepare([str(few)], tmp_path / "d2", progress=False, tokenizer=tok_path, val_fraction=advised)
+    meta = preparation.prepare([str(few)], tmp_path / "d2", progress=False, tokenizer=tok_path, val_fraction=advised)
     assert meta["val_tokens"] > 0 and meta["train_tokens"] > 0
 
 
@@ -263,7 +264,7 @@ def test_a_complete_directory_on_a_read_only_mount_trains(tmp_path, tok_path, ca
         corpus, out, _ = prepared(tmp_path, tok_path, "ro/d")
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
         assert not os.access(out, os.W_OK)
-        assert prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
+        assert preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
         cfg = small_config(tmp_path, out, max_steps=2, eval_interval=2, checkpoint_interval=2)
         code, err = cli(train.main, ["--config", str(cfg), "--out", str(tmp_path / "run"),
                                      "--set", f"data.inputs={corpus}"], capsys)
@@ -299,8 +300,8 @@ def test_a_failed_write_names_the_file_it_was_writing(tmp_path, tok_path, monkey
         def write(self, raw):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    init = data.TokenSink.__init__
-    monkeypatch.setattr(data.TokenSink, "__init__", lambda self, f, *args: init(self, Full(f), *args))
+    init = TokenSink.__init__
+    monkeypatch.setattr(TokenSink, "__init__", lambda self, f, *args: init(self, Full(f), *args))
     corpus = make_corpus(tmp_path / "c", 3, 20_000)
     code, err = cli(prepare.main, ["--input", str(corpus), "--data-dir", str(tmp_path / "d"), "--quiet",
                                    "--tokenizer", str(tok_path)], capsys)
@@ -315,14 +316,14 @@ def test_a_recursive_glob_follows_no_symbolic_link(tmp_path):
     (root / "self").symlink_to(".")
     (root / "d0" / "up").symlink_to("..")
     (root / "d1" / "file-link.txt").symlink_to(root / "d2" / "f002.txt")  # a link to a file is taken
-    walked = data.resolve_inputs([str(root)])
+    walked = resolve_inputs([str(root)])
     t0 = time.perf_counter()
-    globbed = data.resolve_inputs([f"{root}/**/*.txt"])
+    globbed = resolve_inputs([f"{root}/**/*.txt"])
     assert time.perf_counter() - t0 < 5
     assert globbed == walked and len(globbed) == 21
-    assert data.resolve_inputs([f"{root}/*"]) == walked  # a wildcard matches no link to a directory
-    assert data.resolve_inputs([f"{root}/**"]) == walked
-    named = data.resolve_inputs([f"{root}/self/d0/*.txt"])  # a link named in full is followed
+    assert resolve_inputs([f"{root}/*"]) == walked  # a wildcard matches no link to a directory
+    assert resolve_inputs([f"{root}/**"]) == walked
+    named = resolve_inputs([f"{root}/self/d0/*.txt"])  # a link named in full is followed
     assert named == [root / "self" / "d0" / p.name for p in walked if p.parent.name == "d0"]
 
 

@@ -22,9 +22,9 @@ import yaml
 from optional import require
 from procs import run_in_own_session
 
-from andrea.data.dataset import BatchLoader, iter_eval_batches
+from andrea.data.loader import BatchLoader, iter_eval_batches
+from andrea.data.preparation import prepare
 from andrea.errors import UserError
-from andrea.prepare import prepare
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
 from minitensor import device
@@ -249,13 +249,13 @@ def test_the_data_fingerprint_tells_other_data_under_the_same_tokenizer(tmp_path
     import http
     import shutil
 
-    from andrea.data import dataset
-    from andrea.interop.hf import load_tokenizer
-    from andrea.train import data_fingerprint
+    from andrea.data.manifest import open_split
+    from andrea.data.tokenizer import load_tokenizer
+    from andrea.run.rundata import data_fingerprint
 
     def fingerprint(d):
         fp, vocab = load_tokenizer(d / "tokenizer.json").fingerprint(), json.loads((d / "meta.json").read_text())
-        splits = [dataset.open_split(d, s, vocab["vocab_size"], fp) for s in ("train", "val")]
+        splits = [open_split(d, s, vocab["vocab_size"], fp) for s in ("train", "val")]
         return data_fingerprint(d, *splits)
 
     copy = tmp_path / "copy"

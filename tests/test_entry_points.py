@@ -34,7 +34,7 @@ from andrea import eval as evaluation
 from andrea import export, params, plot, prepare, sample, trace, train
 from andrea.cli import run_cli
 from andrea.config import SECTIONS, section_keys
-from andrea.prepare import prepare as prepare_data
+from andrea.data.preparation import prepare as prepare_data
 from andrea.run import rundir
 
 CASES = {"train": 140, "sample": 60, "prepare": 50, "params": 60, "export": 40, "plot": 40, "trace": 40, "eval": 40}

@@ -19,8 +19,9 @@ from test_trace import tiny_run
 from andrea import eval as evaluation
 from andrea.cli import run_cli
 from andrea.config import ModelConfig
-from andrea.data import dataset
-from andrea.interop import hf
+from andrea.data.loader import iter_eval_batches
+from andrea.data.manifest import open_split
+from andrea.data.tokenizer import load_tokenizer
 from andrea.model.transformer import ANDREA
 
 LINE = re.compile(r"loss (\S+) nats/token \| (\S+) bits/byte \| ([\d,]+) tokens predicted \(([\d,]+) bytes of text\) "
@@ -47,8 +48,8 @@ def figures(out):
 
 
 def val_ids(data_dir):
-    tok = hf.load_tokenizer(data_dir / "tokenizer.json")
-    shards = dataset.open_split(data_dir, "val", tok.vocab_size, tok.fingerprint())
+    tok = load_tokenizer(data_dir / "tokenizer.json")
+    shards = open_split(data_dir, "val", tok.vocab_size, tok.fingerprint())
     return tok, shards.windows(np.array([0]), len(shards))[0]
 
 
@@ -106,7 +107,7 @@ def test_another_tokenizer_reads_the_same_text_and_bytes(run, data_dir, tmp_path
     assert code == 0, err
     assert "re-encoded" in err and "Hugging Face GPT-2" in err
     loss, bpb, targets, text_bytes, _, T = figures(out)
-    theirs = hf.load_tokenizer(tmp_path)
+    theirs = load_tokenizer(tmp_path)
     _, ids = val_ids(data_dir)
     meta = json.loads((data_dir / "meta.json").read_text())
     text = (Path(meta["root"]) / meta["val_file_names"][0]).read_text()
@@ -122,7 +123,7 @@ def test_training_logs_bits_per_byte_of_the_targets_it_evaluated(run, data_dir):
     assert evals and all("val_bpb" in r for r in evals)
     tok, ids = val_ids(data_dir)
     n, nbytes = 0, 0
-    for _, y in dataset.iter_eval_batches(ids, 4, 32, 2):  # the run's batch, seq_len and eval_batches
+    for _, y in iter_eval_batches(ids, 4, 32, 2):  # the run's batch, seq_len and eval_batches
         n += y.size
         nbytes += sum(len(b"".join(tok.token_bytes(int(i)) for i in row if i != tok.eot_id)) for row in y)
     last = evals[-1]

@@ -95,17 +95,17 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     assert "(dry run at toy sizes, device gpu)" in out and "CuPy stand-in" in out
 
     tests = phases["1-tests.txt"]
-    from minitensor.backends import cuda
+    from minitensor.backends import all_kernels
 
-    compiled = tests.index(f"compiled {2 * len(cuda.all_kernels())} kernels (every kernel x float32, float64)")
+    compiled = tests.index(f"compiled {2 * len(all_kernels())} kernels (every kernel x float32, float64)")
     assert compiled < tests.index("tests collected") and "tests/test_model.py::" in tests
     assert "FAIL warm-up" not in tests and any("CuPy's own kernels warmed by 8 tiny training steps" in f
                                                for f in figures), figures
     assert "tests/test_softmax.py::test_exp_rows_is_the_softmax_before_its_division[cupy-float32" in tests
     assert "slowest 15 durations" in tests and any(re.match(r"\d+ passed, \d+ deselected in", f) for f in figures)
     assert "self-check in" in phases["2-kernels.txt"] and "skip" not in phases["2-kernels.txt"]
-    assert phases["2-kernels.txt"].count("ok   ") == 13  # the self-check, 12 kernels
-    assert "12 of 12 fused kernels within 1e-5" in "\n".join(figures)
+    assert phases["2-kernels.txt"].count("ok   ") == 18  # the self-check, 13 kernels, 4 cuBLAS calls
+    assert "17 of 17 fused kernels within 1e-5" in "\n".join(figures)
     assert "ok   CuPy float32, dense core, kernels auto (kernels: fused " in phases["3-gradients.txt"]
     train = phases["4-train.txt"]
     assert "on gpu (float32)" in train and "kernels: fused " in train and "generic for" not in train
@@ -206,3 +206,27 @@ def test_kernels_are_compared_on_the_device_two_scalars_read_back(tmp_path):
     expected = np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want.astype(np.float64)))
     assert err == pytest.approx(expected, rel=1e-12)
     assert len(reads) == 2 and all(r.nbytes == 8 for r in reads), reads
+
+
+def test_a_fused_piece_without_cases_is_compared_through_its_sample():
+    """Phase 2 runs each fused piece's record: its `cases`, or, where it has none, its self-check's
+    sample through CupyOps with the piece on (its kernels launched) and off (none of them)."""
+    import dataclasses
+
+    from minitensor.backends import fused_pieces
+
+    gpu_check = _gpu_check_module()
+    piece = dataclasses.replace(fused_pieces()["layernorm"], cases=None)
+    with standin_cupy() as cupy:
+        k = gpu_check._KernelInputs(cupy, dry=True)
+        [(name, setup, fused, generic, needs_cupy)] = gpu_check._piece_cases(piece, k)
+        assert name == "layernorm" and needs_cupy
+        launched = []
+        for run in (fused, generic):
+            cupy.standin.reset()
+            outputs = run(setup())
+            launched.append({kernel for _, kernel, _ in cupy.standin.kernels})
+        errors = [gpu_check.normwise(f, g) for f, g in zip(fused(setup()), generic(setup()), strict=True)]
+    assert {"layernorm_fwd", "layernorm_bwd"} <= launched[0] and not launched[1] & {s.name for s in piece.kernels}
+    assert len(outputs) == 4 and max(errors) <= 1e-5, errors
+    assert len(gpu_check._piece_cases(fused_pieces()["layernorm"], k)) == 4  # the record's own cases

@@ -33,10 +33,10 @@ STDLIB_JSON = Path(json.__file__).parent
 
 def every_piece_fused(text):
     """Whether the log says every fused piece passed its self-check (in any order), none refused."""
-    from minitensor.backends.cuda import FUSED
+    from minitensor.backends import fused_pieces
 
     line = next((ln for ln in text.splitlines() if ln.startswith("kernels: fused ")), "")
-    return set(line[len("kernels: fused "):].split(", ")) == set(FUSED) and "generic for" not in text
+    return set(line[len("kernels: fused "):].split(", ")) == set(fused_pieces()) and "generic for" not in text
 
 
 # --- the stand-in itself -----------------------------------------------------------------------
@@ -99,7 +99,7 @@ def run_model(device, dtype, kernels, dense, steps=2):
     """Losses, step-0 gradients and the final weights of `steps` AdamW steps of a small ANDREA."""
     from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
-    from minitensor.backends.cuda import FUSED
+    from minitensor.backends import fused_pieces
     from minitensor.device import to_numpy
     from minitensor.layers.attention import CausalSelfAttention
 
@@ -107,7 +107,7 @@ def run_model(device, dtype, kernels, dense, steps=2):
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
     ops = model.ops
     if device == "gpu":  # the kernels asked for are the ones the backend was built with
-        assert ops.in_use == (frozenset(FUSED) if kernels == "fused" else frozenset()), ops
+        assert ops.in_use == (frozenset(fused_pieces()) if kernels == "fused" else frozenset()), ops
     CausalSelfAttention.dense = dense
     # AdamW divides by sqrt(v) + eps: where a gradient is near 0, a rounding difference in it is
     # magnified up to lr / eps times; float32's eps here keeps that within float32's reach
@@ -149,14 +149,37 @@ def test_the_gpu_path_equals_the_cpu_path_forward_backward_and_adamw(kernels, de
         assert normwise(got[2][name], want[2][name]) <= 100 * tol, f"{name} after AdamW"
 
 
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-11), ("float32", 3e-3)])
+def test_the_gpu_path_with_the_flash_core_equals_the_cpu_path(dtype, tol):
+    """Every fused piece and the attention core as training chooses it (the flash kernels: heads of 16):
+    float64 as tight as the other GPU paths, float32 within TF32's reach (its products' operands keep
+    11 bits); the float32 weights after AdamW are not compared, its division by sqrt(v) magnifies
+    TF32's rounding of near-zero gradients."""
+    from minitensor.device import set_tf32
+
+    want = run_model("cpu", dtype, "generic", None)
+    with standin_cupy() as cupy:
+        set_tf32(cupy, True)  # as train.tf32 does: the flash kernels' float32 products on tensor cores
+        try:
+            got = run_model("gpu", dtype, "fused", None)
+        finally:
+            set_tf32(cupy, False)
+        assert {"flash_attention_fwd", "flash_attention_bwd_dkv"} <= {name for _, name, _ in cupy.standin.kernels}
+    assert np.allclose(got[0], want[0], rtol=tol, atol=0), (got[0], want[0])
+    for name in want[1]:
+        assert normwise(got[1][name], want[1][name]) <= tol, f"gradient of {name}"
+        if dtype == "float64":
+            assert normwise(got[2][name], want[2][name]) <= 100 * tol, f"{name} after AdamW"
+
+
 def test_the_fused_kernels_pass_their_start_up_self_check_on_the_standin():
-    from minitensor.backends import cuda
+    from minitensor.backends import fused_pieces
     from minitensor.checks.selfcheck import select_kernels
 
     with standin_cupy() as cupy:
         fused, line = select_kernels("auto", cupy)
     assert every_piece_fused(line), line
-    assert sorted(fused) == sorted(cuda.FUSED)
+    assert sorted(fused) == sorted(fused_pieces())
 
 
 @pytest.mark.parametrize("broken, reason", [("sum", "CuPy cannot compile or run a kernel; is NVRTC installed?"),
@@ -283,3 +306,148 @@ def test_a_training_step_reads_from_the_gpu_once(tmp_path, data_dir):
     extra = len(counted[5]) - len(counted[2])
     sites = sorted({read[2][-1] for read in counted[5]})
     assert extra == 3, f"{extra} reads in 3 steps; reads at {sites}"
+
+
+# --- cuBLAS's own GEMM and GEMV calls (minitensor.backends.cublas) -----------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_the_standin_cublas_gemm_is_numpys_matmul_column_major(ta, tb, beta, dtype):
+    """The stand-in's sgemm/dgemm read the column-major matrices behind the pointers as cuBLAS does:
+    C = op(A) op(B) + beta C for every transpose pair, with leading dimensions longer than the rows
+    (C's padding left as it was), and with beta 0 C's old values (NaN here) not read; and
+    minitensor.backends.cublas.gemm, which asks cuBLAS for out = a @ b as out^T = b^T a^T, gives
+    NumPy's a @ b + beta out for a, b as transposed views and out a slice of longer rows."""
+    from minitensor.backends import cublas as mcublas
+
+    rng = np.random.default_rng(3)
+    m, n, k, pad = 5, 3, 4, 2
+    a_st = rng.standard_normal((k, m + pad) if ta else (m, k + pad)).astype(dtype)  # row-major storage
+    b_st = rng.standard_normal((n, k + pad) if tb else (k, n + pad)).astype(dtype)
+    a = a_st[:, :m].T if ta else a_st[:, :k]                                       # (m, k) views
+    b = b_st[:, :k].T if tb else b_st[:, :n]                                       # (k, n)
+    c0 = rng.standard_normal((m, n + pad)).astype(dtype)
+    if beta == 0:
+        c0[:, :n] = np.nan
+    want = c0.copy()
+    want[:, :n] = a @ b + (beta * c0[:, :n] if beta else 0)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    with standin_cupy() as cupy:
+        from cupy_backends.cuda.libs import cublas
+
+        # the stand-in itself, column-major: C^T (n, m), ld n + pad = op(B)^T op(A)^T with B's and A's
+        # row-major storage read as their column-major transposes
+        A, B, C = (cupy.asarray(v) for v in (a_st, b_st, c0))
+        one, coef = np.array(1, dtype), np.array(beta, dtype)
+        fn = cublas.sgemm if dtype == np.float32 else cublas.dgemm
+        fn(1, cublas.CUBLAS_OP_T if tb else cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T if ta else cublas.CUBLAS_OP_N,
+           n, m, k, one.ctypes.data, B.data.ptr, b_st.shape[1], A.data.ptr, a_st.shape[1], coef.ctypes.data,
+           C.data.ptr, c0.shape[1])
+        np.testing.assert_allclose(C.get(), want, rtol=tol, atol=tol)
+        with pytest.raises(cublas.CUBLASError, match="INVALID_VALUE"):  # ldc shorter than C^T's rows
+            fn(1, 0, 0, n, m, k, one.ctypes.data, B.data.ptr, n, A.data.ptr, k, coef.ctypes.data, C.data.ptr, n - 1)
+        # through minitensor's wrapper, on views
+        A, B, C = (cupy.asarray(v) for v in (a_st, b_st, c0))
+        av = A[:, :m].T if ta else A[:, :k]
+        bv = B[:, :k].T if tb else B[:, :n]
+        assert mcublas.gemm(av, bv, C[:, :n], beta)
+        np.testing.assert_allclose(C.get(), want, rtol=tol, atol=tol)
+        # what cuBLAS cannot take in place is left to the caller: an out laid out column by column,
+        # an operand with no unit stride
+        assert not mcublas.gemm(av, bv, cupy.asarray(np.zeros((n, m), dtype)).T, beta)
+        assert not mcublas.gemm(cupy.asarray(np.zeros((m, 2 * k), dtype))[:, ::2], bv, C[:, :n], beta)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+def test_the_standin_strided_batched_gemm_is_numpys_batched_matmul(ta, tb, beta, dtype):
+    """minitensor.backends.cublas.gemm on (batch, M, K) @ (batch, K, N): one sgemmStridedBatched /
+    dgemmStridedBatched with each operand transposed as stored (the attention core's k^T, v^T, dy^T,
+    q^T), against NumPy's batched matmul, out with beta 0 (NaNs not read) and 1; out's matrices
+    overlapping, or an operand with no single batch stride, are left to the caller."""
+    from minitensor.backends import cublas as mcublas
+
+    rng = np.random.default_rng(5)
+    nb, m, n, k = 3, 4, 5, 6
+    a_st = rng.standard_normal((nb, k, m) if ta else (nb, m, k)).astype(dtype)
+    b_st = rng.standard_normal((nb, n, k) if tb else (nb, k, n)).astype(dtype)
+    a, b = (a_st.transpose(0, 2, 1) if ta else a_st), (b_st.transpose(0, 2, 1) if tb else b_st)
+    c0 = rng.standard_normal((nb, m, n)).astype(dtype)
+    if beta == 0:
+        c0[...] = np.nan
+    want = a @ b + (beta * c0 if beta else 0)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    with standin_cupy() as cupy:
+        A, B, C = (cupy.asarray(v) for v in (a_st, b_st, c0))
+        av, bv = (A.transpose(0, 2, 1) if ta else A), (B.transpose(0, 2, 1) if tb else B)
+        assert mcublas.gemm(av, bv, C, beta)
+        np.testing.assert_allclose(C.get(), want, rtol=tol, atol=tol)
+        assert not mcublas.gemm(av, bv, cupy.broadcast_to(cupy.zeros((m, n), dtype), (nb, m, n)), beta)  # one out
+        spaced = rng.standard_normal((nb, 2, m, k)).astype(dtype)  # matrices 2 m k apart: taken as they are
+        assert mcublas.gemm(cupy.asarray(spaced)[:, 0], bv, C, 0.0)
+        np.testing.assert_allclose(C.get(), spaced[:, 0] @ b, rtol=tol, atol=tol)
+        assert not mcublas.gemm(av, bv, cupy.asarray(np.zeros((m, nb, n), dtype)).transpose(1, 0, 2)[:, :, ::-1],
+                                beta)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_the_standin_cublas_gemv_and_colsum_are_numpys(beta, dtype):
+    """colsum(dy, out, ones, beta) = dy.sum(0) + beta out through the stand-in's sgemv/dgemv, dy a
+    slice of longer rows and out a strided view; the stand-in's gemv with OP_T against NumPy too."""
+    from minitensor.backends import cublas as mcublas
+
+    rng = np.random.default_rng(4)
+    R, C = 6, 5
+    dy_st = rng.standard_normal((R, C + 3)).astype(dtype)
+    out0 = rng.standard_normal(2 * C).astype(dtype)
+    if beta == 0:
+        out0[::2] = np.nan
+    want = out0.copy()
+    want[::2] = dy_st[:, :C].sum(axis=0) + (beta * out0[::2] if beta else 0)
+    x = rng.standard_normal(C).astype(dtype)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    with standin_cupy() as cupy:
+        from cupy_backends.cuda.libs import cublas
+
+        dy, out = cupy.asarray(dy_st), cupy.asarray(out0)
+        assert mcublas.colsum(dy[:, :C], out[::2], cupy.asarray(np.ones(R + 2, dtype)), beta)
+        np.testing.assert_allclose(out.get(), want, rtol=tol, atol=tol)
+        # OP_T: y (R,) = A^T x for A the column-major (C, R) matrix behind dy's storage, i.e. dy[:, :C] x
+        y, xd = cupy.asarray(np.zeros(R, dtype)), cupy.asarray(x)
+        one, zero = np.array(1, dtype), np.array(0, dtype)
+        (cublas.sgemv if dtype == np.float32 else cublas.dgemv)(
+            1, cublas.CUBLAS_OP_T, C, R, one.ctypes.data, dy.data.ptr, C + 3, xd.data.ptr, 1, zero.ctypes.data,
+            y.data.ptr, 1)
+        np.testing.assert_allclose(y.get(), dy_st[:, :C] @ x, rtol=tol, atol=tol)
+
+
+def test_the_recording_counts_cublas_calls_from_their_arguments():
+    """While recording, sgemm/dgemm are one GEMM launch each of 2 m n k FLOPs, A and B read, C written
+    (and read with beta 1), "(unaligned)" by a leading dimension not a multiple of 16 bytes; sgemv a
+    GEMM launch of 2 m n FLOPs; nothing is computed (the memory is never written)."""
+    from minitensor.backends import cublas as mcublas
+
+    with standin_cupy() as cupy:
+        from cupy import _record
+
+        a, b = cupy.empty((8, 12), np.float32), cupy.empty((12, 16), np.float32)
+        out, odd = cupy.empty((8, 16), np.float32), cupy.empty((8, 17), np.float32)
+        ones = cupy.empty(8, np.float32)
+        with _record.recording() as rec:
+            assert mcublas.gemm(a, b, out, 0.0) and mcublas.gemm(a, b, out, 1.0)
+            assert mcublas.gemm(a, b[:, :16], odd[:, :16], 0.0)
+            assert mcublas.colsum(out, out[0], ones, 1.0)
+            assert mcublas.gemm(a.reshape(2, 4, 12), b.reshape(2, 12, 8), out.reshape(2, 4, 16)[:, :, :8])
+    ops = [(op.kind, op.name, op.flops, op.read, op.written) for op in rec.ops]
+    ab, c = 4 * (8 * 12 + 12 * 16), 4 * 8 * 16
+    assert ops == [("gemm", "cublas sgemm", 2 * 8 * 16 * 12, ab, c),
+                   ("gemm", "cublas sgemm", 2 * 8 * 16 * 12, ab + c, c),
+                   ("gemm", "cublas sgemm (unaligned)", 2 * 8 * 16 * 12, ab, c),
+                   ("gemm", "cublas sgemv", 2 * 16 * 8, 4 * (8 * 16 + 8) + 4 * 16, 4 * 16),
+                   ("gemm", "cublas sgemmStridedBatched", 2 * 2 * 4 * 8 * 12, 4 * 2 * (4 * 12 + 12 * 8), 4 * 2 * 4 * 8)]

@@ -2,11 +2,11 @@
 
 With the fused cross-entropy, CupyOps pads the head's vocabulary to a multiple of 128
 (ops.vocab_padding: 8449 -> 8576, so every leading dimension of its three GEMMs is a multiple of
-16 bytes): TiedHead.forward(x, padded=True) computes over a copy of W with zero rows after its V,
-SoftmaxCrossEntropy.forward(valid=V) gives the padded columns probability 0, and backward drops the
-padded rows' gradient before dW. Checked here: the loss and every gradient equal the unpadded CPU
-ones (float64, and float32 against float64), the backward against finite differences, the padded
-rows never reaching the parameters, and the CPU never padding.
+16 bytes): TiedHead.forward(x, padded=True) writes the first V columns of (N, Vp) logits,
+SoftmaxCrossEntropy.forward(valid=V) gives the padded columns probability 0, and backward reads the
+first V columns of dlogits only. Checked here: the loss and every gradient equal the unpadded CPU
+ones (float64, and float32 against float64) with NaNs in the padded columns (never read), the
+backward against finite differences, and the CPU never padding.
 """
 
 import numpy as np
@@ -15,8 +15,7 @@ from gpu_standin import standin_cupy
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from minitensor.backends import get_ops
-from minitensor.backends.cuda import FUSED
+from minitensor.backends import fused_pieces, get_ops
 from minitensor.checks.gradcheck import check_gradients
 from minitensor.layers.embedding import TiedHead
 from minitensor.layers.loss import SoftmaxCrossEntropy
@@ -33,8 +32,11 @@ def _step(xp, ops, x, W, t, dtype, padded):
     dW = xp.zeros_like(W_dev)
     head, loss_fn = TiedHead(W_dev, dW, ops=ops), SoftmaxCrossEntropy(check=False, ops=ops)
     logits = head.forward(xp.asarray(x.astype(dtype)), padded=padded)
+    logits[..., W.shape[0]:] = np.nan  # the padding, if any: never read
     loss = loss_fn.forward(logits, xp.asarray(t), inplace=True, valid=W.shape[0] if padded else None)
-    dx = head.backward(loss_fn.backward(0.75))
+    dlogits = loss_fn.backward(0.75)
+    dlogits[..., W.shape[0]:] = np.nan  # the padding's gradient, if any: never read either
+    dx = head.backward(dlogits)
     host = (lambda a: a.get()) if xp is not np else np.asarray
     return float(loss), host(dx), host(dW), logits.shape[-1], head
 
@@ -43,7 +45,7 @@ def test_the_cpu_never_pads():
     ops = get_ops(np, "numpy")
     assert ops.vocab_padding(8449) == 8449
     *_, width, head = _step(np, ops, *_inputs(3, 4, 37), np.float64, padded=True)
-    assert width == 37 and head._padded_W is None
+    assert width == 37
 
 
 @settings(max_examples=6, deadline=None)
@@ -55,17 +57,14 @@ def test_the_padded_head_equals_the_unpadded_one(N, C, V):
     ref = _step(np, get_ops(np, "numpy"), x, W, t, np.float64, padded=False)
     with standin_cupy() as cupy:
         ops = get_ops(cupy, "fused")
-        assert set(ops.in_use) == set(FUSED) and ops.vocab_padding(8449) == 8576
+        assert set(ops.in_use) == set(fused_pieces()) and ops.vocab_padding(8449) == 8576
         loss, dx, dW, width, head = _step(cupy, ops, x, W, t, np.float64, padded=True)
         loss32, dx32, dW32, *_ = _step(cupy, ops, x, W, t, np.float32, padded=True)
-        padded_W = head._padded_W
-        pad_rows = np.zeros(0) if padded_W is None else padded_W.get()[V:]
-    assert (padded_W is None) == (V % 128 == 0)  # a vocabulary already aligned is used as it is
-    assert width == -(-V // 128) * 128
+    assert width == -(-V // 128) * 128  # a vocabulary already aligned is used as it is
     assert loss == pytest.approx(ref[0], rel=1e-12)
     np.testing.assert_allclose(dx, ref[1], rtol=1e-10, atol=1e-14)
     np.testing.assert_allclose(dW, ref[2], rtol=1e-10, atol=1e-14)
-    assert dW.shape == (V, C) and not pad_rows.any()  # the padded rows stay zero, their gradient dropped
+    assert dW.shape == (V, C)
     assert loss32 == pytest.approx(loss, rel=1e-5)
     np.testing.assert_allclose(dx32, dx, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(dW32, dW, rtol=1e-4, atol=1e-6)

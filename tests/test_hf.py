@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from optional import require
 
 from andrea.config import ModelConfig, build_config
-from andrea.data.tokenizer import Tokenizer
+from andrea.data.tokenizer import Tokenizer, load_tokenizer
 from andrea.errors import UserError
 from andrea.export import main as export_main
 from andrea.interop import hf
@@ -176,7 +176,7 @@ def test_export_loads_in_transformers_with_equal_logits_and_ids(tmp_path, tok):
     # and back: andrea reads its own export bit for bit, tokenizer included
     again = ANDREA.from_pretrained(out)
     assert all(np.array_equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert all(hf.load_tokenizer(out).encode(t) == tok.encode(t) for t in TEXTS)
+    assert all(load_tokenizer(out).encode(t) == tok.encode(t) for t in TEXTS)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def foreign_tokenizer(directory, texts, vocab_size=400, transformers=None):
 def test_a_foreign_tokenizer_encodes_and_decodes_as_andrea_does(tmp_path, tok):
     texts = [p.read_text() for p in sorted(STDLIB_JSON.glob("*.py"))]
     vocab = foreign_tokenizer(tmp_path, texts)
-    t = hf.load_tokenizer(tmp_path)
+    t = load_tokenizer(tmp_path)
     assert t.eot_id == 0 and t.vocab_size == vocab
     for text in TEXTS:
         ids = t.encode(text)
@@ -238,7 +238,7 @@ def test_a_foreign_tokenizer_encodes_and_decodes_as_andrea_does(tmp_path, tok):
         assert "".join(t.token_bytes(i).decode("latin-1") for i in ids).encode("latin-1") == text.encode()
     assert t.decode([0]) == "<|endoftext|>"
     t.save(tmp_path / "copy.json")
-    assert hf.load_tokenizer(tmp_path / "copy.json").fingerprint() == t.fingerprint()
+    assert load_tokenizer(tmp_path / "copy.json").fingerprint() == t.fingerprint()
 
 
 def test_tokenizers_beyond_uint16_and_not_byte_level_are_refused(tmp_path):
@@ -252,11 +252,11 @@ def test_tokenizers_beyond_uint16_and_not_byte_level_are_refused(tmp_path):
     big.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     big.save(str(tmp_path / "big.json"))
     with pytest.raises(UserError, match="uint16"):
-        hf.load_tokenizer(tmp_path / "big.json")
+        load_tokenizer(tmp_path / "big.json")
     word_level = HFTokenizer(models.WordLevel(vocab={"a": 0, "<unk>": 1}, unk_token="<unk>"))
     word_level.save(str(tmp_path / "wl.json"))
     with pytest.raises(UserError, match="not a byte-level BPE"):
-        hf.load_tokenizer(tmp_path / "wl.json")
+        load_tokenizer(tmp_path / "wl.json")
 
 
 # ----------------------------------------------------------------------------- fine-tuning
@@ -275,7 +275,8 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
     """transformers' GPT-2 and GPT2Tokenizer, saved by transformers -> andrea.train --init-from -> export ->
     transformers again."""
     torch, transformers = require("torch"), require("transformers")
-    from andrea.data import dataset as data
+    from andrea.data.loader import BatchLoader
+    from andrea.data.manifest import open_split
     from andrea.train import main as train_main  # noqa: F401 (the entry point under test, via run_train)
 
     gpt2 = tmp_path / "gpt2"
@@ -298,10 +299,10 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
     assert f"initialised from {gpt2}" in printed.out
 
     # step 1's loss is transformers' loss of the imported weights on the first batch
-    tok = hf.load_tokenizer(tmp_path / "data")
-    assert tok.fingerprint() == hf.load_tokenizer(gpt2).fingerprint() == hf.load_tokenizer(out).fingerprint()
-    tokens = data.open_split(tmp_path / "data", "train", vocab, tok.fingerprint())
-    x, y = data.BatchLoader(tokens, 4, 16, seed=0).next_batch()
+    tok = load_tokenizer(tmp_path / "data")
+    assert tok.fingerprint() == load_tokenizer(gpt2).fingerprint() == load_tokenizer(out).fingerprint()
+    tokens = open_split(tmp_path / "data", "train", vocab, tok.fingerprint())
+    x, y = BatchLoader(tokens, 4, 16, seed=0).next_batch()
     logp = torch.log_softmax(torch.tensor(hf_logits(torch, reference, x), dtype=torch.float64), -1).numpy()
     expected = -np.take_along_axis(logp, y[..., None], -1).mean()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -326,13 +327,13 @@ def test_fine_tune_from_transformers_gpt2_then_export(tmp_path, capsys):
 
 
 def test_prepare_with_a_given_tokenizer_refuses_to_mix_tokenizers(tmp_path):
-    from andrea.prepare import prepare
+    from andrea.data.preparation import prepare
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     foreign_tokenizer(gpt2, [p.read_text() for p in sorted(STDLIB_JSON.glob("*.py"))])
     stats = prepare([str(STDLIB_JSON)], tmp_path / "d", progress=False, tokenizer=gpt2)
-    assert stats["tokenizer"] == f"given: {gpt2}" and stats["vocab_size"] == hf.load_tokenizer(gpt2).vocab_size
+    assert stats["tokenizer"] == f"given: {gpt2}" and stats["vocab_size"] == load_tokenizer(gpt2).vocab_size
     assert prepare([str(STDLIB_JSON)], tmp_path / "d", progress=False, tokenizer=gpt2)["skipped"]
     prepare([str(STDLIB_JSON)], tmp_path / "d2", progress=False, allow_smaller_vocab=True)  # andrea's own
     with pytest.raises(UserError, match="already holds another tokenizer"):

@@ -17,7 +17,7 @@ import safetensors.numpy
 from test_train import STDLIB_JSON, run_main
 
 from andrea.config import ModelConfig
-from andrea.data.tokenizer import Tokenizer
+from andrea.data.tokenizer import Tokenizer, load_tokenizer
 from andrea.errors import UserError
 from andrea.interop import hf
 from andrea.model.transformer import ANDREA
@@ -157,7 +157,7 @@ def test_a_tokenizer_with_an_empty_vocabulary_is_refused(tmp_path):
         t.add_special_tokens([AddedToken(s, special=True) for s in special])
         t.save(str(tmp_path / name))
         with pytest.raises(UserError, match="lacks 256 of the 256 byte-level symbols"):
-            hf.load_tokenizer(tmp_path / name)
+            load_tokenizer(tmp_path / name)
 
 
 @pytest.mark.parametrize("damage", ["config", "weights", "nan"])

@@ -81,8 +81,9 @@ def test_no_module_imports_itself_back():
 
 
 LAYERS = sorted(p.stem for p in (ROOT / "minitensor" / "layers").glob("*.py") if p.stem != "__init__")
-NOT_FOR_A_LAYER = ("minitensor.backends.numpy_ops", "minitensor.backends.numba_kernels", "minitensor.backends.numba_jit",
-                   "minitensor.backends.cupy_ops", "minitensor.backends.cuda", "minitensor.checks", "numba", "cupy")
+NOT_FOR_A_LAYER = ("minitensor.backends.numpy_ops", "minitensor.backends.numba_kernels",
+                   "minitensor.backends.numba_jit", "minitensor.backends.cupy_ops", "minitensor.backends.cuda",
+                   "minitensor.checks", "numba", "cupy")
 
 
 def test_importing_a_layer_loads_no_backend_kernels_or_checks():
@@ -98,3 +99,16 @@ def test_importing_a_layer_loads_no_backend_kernels_or_checks():
              f"print(sorted(m for m in sys.modules if m.startswith({NOT_FOR_A_LAYER!r})))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert len(LAYERS) >= 8 and out.strip() == "[]", f"importing the layers loaded {out.strip()}"
+
+
+def test_the_commands_train_and_prepare_do_not_import_the_hugging_face_module():
+    """andrea's own tokenizer loads from andrea.data.tokenizer: the commands that train and prepare
+    reach the Hugging Face format (andrea.interop.hf) only through the run's modules that need it
+    (--init-from's weights and config), never directly."""
+    graph = import_graph()
+    for command in ("andrea.train", "andrea.prepare"):
+        assert "andrea.interop.hf" not in graph[command], command
+    # the data side never reaches into interop at all
+    for module, imports in graph.items():
+        if module.startswith("andrea.data."):
+            assert not {m for m in imports if m.startswith("andrea.interop")}, module

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor.backends import cuda, cupy_ops, numpy_ops
+from minitensor.backends import all_kernels, cuda, cupy_ops, numpy_ops
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import kernelcheck
@@ -140,9 +140,63 @@ def test_gelu_is_the_tanh_form_not_erf():
 
 def test_import_needs_no_cupy():
     code = ("import sys, minitensor.checks, minitensor.backends.cupy_ops, andrea.model.transformer; "
-            "minitensor.backends.cuda.all_kernels(); "
+            "minitensor.backends.all_kernels(); "
             "assert 'cupy' not in sys.modules, 'cupy imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_importing_the_gpu_backend_reads_no_cuda_source():
+    """The .cu files are read at a kernel's first use (its code, its build), not at import."""
+    code = ("from minitensor.backends import cuda, cupy_ops; "
+            "assert cuda._cu_file.cache_info().currsize == 0 and cuda._header.cache_info().currsize == 0; "
+            "assert 'block_sum' in cupy_ops.LAYERNORM_FWD.code; "
+            "assert cuda._cu_file.cache_info().currsize == 1 and cuda._header.cache_info().currsize == 1")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_every_section_of_the_kernel_files_is_a_registered_kernel():
+    """A kernel is found by its name: `// @kernel NAME` in one .cu file under kernels/, and each
+    such section is a registered kernel (none left behind, none read from two files)."""
+    sections = {}
+    for path in sorted(cuda.KERNEL_DIR.glob("*.cu")):
+        for line in path.read_text().splitlines():
+            if line.startswith(cuda.MARK):
+                name = line[len(cuda.MARK):].split()[0]
+                assert name not in sections, (name, path.name, sections.get(name))
+                sections[name] = path.name
+    kernels = all_kernels()
+    assert set(sections) == set(kernels)
+    assert all(spec.file == sections[name] for name, spec in kernels.items())
+    with pytest.raises(KeyError, match=r"layernorm.cu has no section '// @kernel layernorm_fwdx' \(it has: "):
+        cuda.cu_code("layernorm.cu", "layernorm_fwdx")
+
+
+def test_the_wheel_packs_every_kernel_file():
+    """pyproject.toml's package data for minitensor.backends covers every file under kernels/."""
+    import ast
+    import fnmatch
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()  # tomllib: Python 3.11 on
+    globs = ast.literal_eval(re.search(r'^"minitensor\.backends" = (\[.*?\])', text, re.M).group(1))
+    files = [p.name for p in cuda.KERNEL_DIR.iterdir()]
+    assert {"layernorm.cu", "rows.cuh"} <= set(files)
+    assert [f for f in files if not any(fnmatch.fnmatch(f"kernels/{f}", g) for g in globs)] == []
+
+
+def test_the_gelu_kernels_constants_are_the_ops_constants():
+    """kernels/gelu.cu writes GELU's folded constants as literals: they are the Ops code's, to the digit."""
+    from minitensor.backends.ops import GELU_C
+    from minitensor.backends.tricks import GELU_AC, GELU_AC3
+
+    m2ac, m2c, ac3, c2 = (repr(v) for v in (-2.0 * GELU_AC, -2.0 * GELU_C, 2.0 * GELU_AC3, 2.0 * GELU_C))
+    assert cupy_ops.GELU_FWD.operation == f"y = x / ((T)1 + exp(x * (x * x * (T){m2ac} + (T){m2c})));"
+    den = f"exp(h * (h2 * (T){m2ac} + (T){m2c}))"
+    assert f"const T den = (T)1 + {den};" in cupy_ops.BIAS_GELU_BWD_FWD.operation
+    for spec in (cupy_ops.GELU_BWD, cupy_ops.BIAS_GELU_BWD, cupy_ops.BIAS_GELU_BWD_FWD):
+        assert f"(T){ac3} + (T){c2})) + (T)1) * sig * dy;" in spec.operation, spec.name
+    text = (cuda.KERNEL_DIR / "gelu.cu").read_text()
+    assert text.count("(T)") and all(c in text for c in (m2ac, m2c, ac3, c2))
 
 
 # --- The NVRTC compile check ---------------------------------------------------------------------
@@ -151,7 +205,7 @@ def test_import_needs_no_cupy():
 @needs_nvrtc
 def test_every_kernel_compiles_with_nvrtc():
     results = list(kernelcheck.check_kernels())
-    assert len(results) == len(cuda.all_kernels()) * len(cuda.DTYPES) * len(cuda.ARCHS)
+    assert len(results) == len(all_kernels()) * len(cuda.DTYPES) * len(cuda.ARCHS)
     assert [r.line() for r in results if not r.ok] == []
 
 
@@ -159,20 +213,20 @@ def test_every_kernel_compiles_with_nvrtc():
 def test_check_fails_on_what_nvrtc_rejects(monkeypatch, capsys):
     # nvcc accepts INFINITY; NVRTC, which CuPy uses, does not (seen with CuPy 14.2): the check
     # must compile with NVRTC itself.
-    broken = cuda.ElementwiseSpec("broken", "T x", "T y", "y = x < 0 ? -INFINITY : x",
+    broken = cuda.ElementwiseSpec("broken", "T x", "T y", inline="y = x < 0 ? -INFINITY : x",
                                      reference=lambda x: x)
     monkeypatch.setattr(cuda, "KERNELS", {"broken": broken})
     assert kernels_main(["--check", "--arch", "sm_90"]) == 1
     out = capsys.readouterr().out
     assert "FAIL broken float32 sm_90" in out and "INFINITY" in out
-    syntax = cuda.RawSpec("syntax", 'extern "C" __global__ void syntax(T *y) { y[0] = ; }')
+    syntax = cuda.RawSpec("syntax", inline='extern "C" __global__ void syntax(T *y) { y[0] = ; }')
     [result] = kernelcheck.check_kernels([syntax], dtypes=["float64"], archs=["sm_80"])
     assert not result.ok and "error" in result.error
 
 
 @needs_nvrtc
 def test_raw_kernels_register_with_their_source():
-    raw = cuda.RawSpec("scale", 'extern "C" __global__ void scale(T *y, T a, int n) {\n'
+    raw = cuda.RawSpec("scale", inline='extern "C" __global__ void scale(T *y, T a, int n) {\n'
                                    "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
                                    "  if (i < n) y[i] *= a;\n}\n")
     assert raw.source("float32").startswith("typedef float T;")
@@ -201,20 +255,20 @@ def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
 
 
 @needs_cxx
-@pytest.mark.parametrize("name", sorted(n for n, s in cuda.all_kernels().items()
+@pytest.mark.parametrize("name", sorted(n for n, s in all_kernels().items()
                                         if isinstance(s, cuda.ElementwiseSpec)))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_elementwise_operation_equals_its_formula_as_cpp(name, dtype):
-    result = kernelcheck.host_check(cuda.all_kernels()[name], dtype)
+    result = kernelcheck.host_check(all_kernels()[name], dtype)
     assert result.ok, result.line()
 
 
 @needs_cxx
 def test_host_check_catches_a_wrong_formula():
-    right = cuda.ElementwiseSpec("scale", "T x, T a", "T y", "y = a * x", reference=lambda x, a: a * x,
+    right = cuda.ElementwiseSpec("scale", "T x, T a", "T y", inline="y = a * x", reference=lambda x, a: a * x,
                                     scalars=(("a", 0.5),))
     assert kernelcheck.host_check(right, "float32").ok
-    slip = dataclasses.replace(right, operation="y = a * x * ((T)1 + (T)1e-9 * x)")
+    slip = dataclasses.replace(right, inline="y = a * x * ((T)1 + (T)1e-9 * x)")
     assert not kernelcheck.host_check(slip, "float64").ok
 
 

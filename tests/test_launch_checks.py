@@ -17,7 +17,9 @@ from procs import run_in_own_session
 
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.train import build_run_config, kernels_line, parse_args
+from andrea.run.launch import build_run_config
+from andrea.run.trainer import kernels_line
+from andrea.train import parse_args
 from minitensor.backends import numba_jit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +152,7 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_to_overwrite(t
     # what a Ctrl-C after the start-up and before the first checkpoint leaves
     (out / "config.json").write_text(json.dumps(load_config(small_config(tmp_path)).to_dict()))
     (out / "metrics.jsonl").write_text("")
+    (out / ".andrea").write_text(json.dumps({"kind": "run", "written_by": "andrea.train", "pid": 1}))  # the claim
     code, _, err = train("--out", str(out), "--resume")
     assert code == 2 and "stopped before its first checkpoint; start it afresh with --overwrite" in error_line(err)
     code, _, err = train("--config", small_config(tmp_path), "--out", str(out))

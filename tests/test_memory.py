@@ -50,17 +50,29 @@ def test_importing_the_library_tunes_nothing():
     assert out.stdout.split() == ["False", "None", "None"]
 
 
-def test_the_entry_points_are_recognised_from_the_command_line():
-    import andrea
+def test_the_entry_points_set_the_blas_timeout_before_numpy_loads():
+    """train, bench and sample set OPENBLAS_THREAD_TIMEOUT=4 when run as __main__, a value already in
+    the environment winning, in the first statement after `import os`: before anything loads NumPy."""
+    import ast
+    from pathlib import Path
 
-    assert andrea.entry_point(["python", "-m", "andrea.train", "--out", "x"]) == "andrea.train"
-    assert andrea.entry_point(["python", "-c", "import andrea"]) is None
-    assert andrea.entry_point(["python", "script.py", "-m"]) is None
-    # as `python -m andrea.train` starts: andrea/__init__.py runs before anything loads NumPy
-    code = ("import sys; sys.orig_argv = ['python', '-m', 'andrea.train']; import andrea, os; "
-            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'), 'numpy' in sys.modules)")
+    root = Path(__file__).resolve().parents[1]
+    for name in ("train", "bench", "sample"):
+        body = ast.parse((root / "andrea" / f"{name}.py").read_text()).body
+        first = [node for node in body[1:] if not isinstance(node, ast.Expr)][:2]  # after the docstring
+        assert isinstance(first[0], ast.Import) and [a.name for a in first[0].names] == ["os"], name
+        assert isinstance(first[1], ast.If) and "OPENBLAS_THREAD_TIMEOUT" in ast.unparse(first[1]), name
+    code = ("import os, runpy, sys\n"
+            "for name in ('train', 'bench', 'sample'):\n"
+            "    sys.argv = [name, '--help']\n"
+            "    try:\n"
+            "        runpy.run_module('andrea.' + name, run_name='__main__')\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "    print('TIMEOUT', os.environ.pop('OPENBLAS_THREAD_TIMEOUT', None))\n"
+            "    os.environ.update(KEEP)\n")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     for want, extra in (("4", {}), ("7", {"OPENBLAS_THREAD_TIMEOUT": "7"})):  # the environment wins
-        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
-                             check=True)
-        assert out.stdout.split() == [want, "False"]
+        out = subprocess.run([sys.executable, "-c", f"KEEP = {extra!r}\n" + code], env={**env, **extra},
+                             capture_output=True, text=True, check=True)
+        assert [line.split()[1] for line in out.stdout.splitlines() if line.startswith("TIMEOUT ")] == [want] * 3

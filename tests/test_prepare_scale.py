@@ -21,8 +21,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from andrea import prepare
-from andrea.data import dataset as data
-from andrea.data import shards, stream
+from andrea.data import preparation, progress, shards, stream
+from andrea.data.bpe_training import trainer_pieces
+from andrea.data.corpus import FileList
+from andrea.data.manifest import open_split, split_counts
+from andrea.data.tokenfile import HEADER_SIZE, open_tokens, token_writer
 from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
 
@@ -79,7 +82,7 @@ def make_corpus(root, n_files, n_bytes, seed=1):
 
 def all_ids(data_dir, split):
     tok = Tokenizer.load(data_dir / "tokenizer.json")
-    shards = data.open_split(data_dir, split, tok.vocab_size, tok.fingerprint()).shards
+    shards = open_split(data_dir, split, tok.vocab_size, tok.fingerprint()).shards
     return np.concatenate([np.asarray(a) for a in shards])
 
 
@@ -109,7 +112,7 @@ def test_blocks_cover_every_file_exactly_and_never_split_a_character(tmp_path):
 def test_validation_honours_the_fraction_with_few_large_files(tmp_path, tok_path):
     """Four 1 MB files at 1%: whole files would put 25% of the corpus in validation."""
     corpus = make_corpus(tmp_path / "c", 4, 1_000_000)
-    stats = prepare.prepare([str(corpus)], tmp_path / "d", val_fraction=0.01, progress=False, tokenizer=tok_path)
+    stats = preparation.prepare([str(corpus)], tmp_path / "d", val_fraction=0.01, progress=False, tokenizer=tok_path)
     share = stats["val_bytes"] / stats["bytes"]
     assert 0.003 < share < 0.03, share
     assert 0.003 < stats["val_tokens"] / (stats["train_tokens"] + stats["val_tokens"]) < 0.03
@@ -131,14 +134,14 @@ def test_the_split_is_a_stable_function_of_paths_and_sizes(tmp_path):
 
 def test_output_is_the_same_for_any_number_of_threads_and_shard_size(tmp_path, tok_path):
     corpus = make_corpus(tmp_path / "c", 24, 30_000)
-    one = prepare.prepare([str(corpus)], tmp_path / "one", progress=False, tokenizer=tok_path, workers=1)
-    many = prepare.prepare([str(corpus)], tmp_path / "many", progress=False, tokenizer=tok_path, workers=3,
-                           shard_tokens=20_000)
+    one = preparation.prepare([str(corpus)], tmp_path / "one", progress=False, tokenizer=tok_path, workers=1)
+    many = preparation.prepare([str(corpus)], tmp_path / "many", progress=False, tokenizer=tok_path, workers=3,
+                               shard_tokens=20_000)
     assert len(one["shards"]["train"]) == 1 and len(many["shards"]["train"]) > 3
     for split in ("train", "val"):
         assert np.array_equal(all_ids(tmp_path / "one", split), all_ids(tmp_path / "many", split))
     for entry in many["shards"]["train"]:
-        ids = data.read_tokens(tmp_path / "many" / entry["file"])
+        ids = open_tokens(tmp_path / "many" / entry["file"])
         assert entry["tokens"] == len(ids) and entry["max_id"] == int(ids.max())
     assert sum(e["tokens"] for e in many["shards"]["train"]) == many["train_tokens"] == one["train_tokens"]
     assert many["unigram_val_nats"] == one["unigram_val_nats"]
@@ -146,8 +149,8 @@ def test_output_is_the_same_for_any_number_of_threads_and_shard_size(tmp_path, t
 
 def test_an_interrupted_prepare_resumes_from_its_last_finished_shard(tmp_path, tok_path, monkeypatch):
     corpus = make_corpus(tmp_path / "c", 24, 30_000)
-    whole = prepare.prepare([str(corpus)], tmp_path / "whole", progress=False, tokenizer=tok_path, workers=2,
-                            shard_tokens=20_000)
+    whole = preparation.prepare([str(corpus)], tmp_path / "whole", progress=False, tokenizer=tok_path, workers=2,
+                                shard_tokens=20_000)
     out = tmp_path / "out"
     take, calls = shards.Encoder._take, []
 
@@ -159,7 +162,7 @@ def test_an_interrupted_prepare_resumes_from_its_last_finished_shard(tmp_path, t
 
     monkeypatch.setattr(shards.Encoder, "_take", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, workers=2, shard_tokens=20_000)
+        preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, workers=2, shard_tokens=20_000)
     monkeypatch.setattr(shards.Encoder, "_take", take)
     state = json.loads((out / shards.STATE_FILE).read_text())
     assert not (out / "meta.json").exists() and 0 < state["next_block"] < 15
@@ -167,7 +170,8 @@ def test_an_interrupted_prepare_resumes_from_its_last_finished_shard(tmp_path, t
 
     work, encoded = shards.Encoder._work, []
     monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: encoded.append(j) or work(self, j))
-    resumed = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, workers=2, shard_tokens=20_000)
+    resumed = preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path, workers=2,
+                                  shard_tokens=20_000)
     assert min(encoded) == state["next_block"]  # the finished shards were not encoded again
     assert resumed["shards"] == whole["shards"] and not (out / shards.STATE_FILE).exists()
     for split in ("train", "val"):
@@ -183,20 +187,20 @@ def test_ctrl_c_while_encoding_stops_within_a_second(tmp_path, tok_path, monkeyp
     ctrl_c_after(0.5)
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare([str(corpus)], tmp_path / "d", progress=False, tokenizer=tok_path, workers=2)
+        preparation.prepare([str(corpus)], tmp_path / "d", progress=False, tokenizer=tok_path, workers=2)
     assert time.perf_counter() - t0 < 1.5
     assert not [p for p in (tmp_path / "d").iterdir() if p.name.endswith(".tmp") or p.name == "meta.json"]
 
 
 def test_progress_comes_every_few_seconds_in_a_log(tmp_path, tok_path, monkeypatch, capsys):
     corpus = make_corpus(tmp_path / "c", 12, 5_000)
-    monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.05)
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.05)
     work = shards.Encoder._work
     monkeypatch.setattr(shards.Encoder, "_work", lambda self, j: time.sleep(0.03) or work(self, j))
-    prepare.prepare([str(corpus)], tmp_path / "d", progress=True, tokenizer=tok_path, workers=1)
+    preparation.prepare([str(corpus)], tmp_path / "d", progress=True, tokenizer=tok_path, workers=1)
     assert capsys.readouterr().err.count("encoding ") >= 3
-    monkeypatch.setattr(prepare, "PROGRESS_SECONDS", 0.0)  # listing says how far it got, too
-    prepare.prepare([str(corpus)], tmp_path / "d2", progress=True, tokenizer=tok_path, workers=1)
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)  # listing says how far it got, too
+    preparation.prepare([str(corpus)], tmp_path / "d2", progress=True, tokenizer=tok_path, workers=1)
     assert "listing the corpus: 12 files so far" in capsys.readouterr().err
 
 
@@ -206,33 +210,33 @@ def test_progress_comes_every_few_seconds_in_a_log(tmp_path, tok_path, monkeypat
 def test_a_prepared_directory_needs_no_corpus(tmp_path, tok_path):
     corpus = make_corpus(tmp_path / "c", 6, 20_000)
     out = tmp_path / "d"
-    first = prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
+    first = preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
     before = snapshot(out)
     os.utime(next(corpus.rglob("*.txt")))  # touched: nothing happens
-    assert prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
+    assert preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
     shutil.move(corpus, tmp_path / "moved")  # gone: nothing happens either
-    again = prepare.prepare([str(corpus)], out, vocab_size=first["vocab_size"], progress=False)
+    again = preparation.prepare([str(corpus)], out, vocab_size=first["vocab_size"], progress=False)
     assert again["skipped"] and again["train_tokens"] == first["train_tokens"] and snapshot(out) == before
-    assert data.split_counts(out) == (first["train_tokens"], first["val_tokens"])
+    assert split_counts(out) == (first["train_tokens"], first["val_tokens"])
 
 
 def test_opening_a_split_reads_headers_not_ids(tmp_path, tok_path, monkeypatch):
     corpus = make_corpus(tmp_path / "c", 6, 20_000)
     out = tmp_path / "d"
-    prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
+    preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
     tok = Tokenizer.load(tok_path)
     shard = out / "train-00000.bin"
     raw = bytearray(shard.read_bytes())
-    raw[data.HEADER_SIZE : data.HEADER_SIZE + 2] = (65535).to_bytes(2, "little")  # corrupt one id
+    raw[HEADER_SIZE : HEADER_SIZE + 2] = (65535).to_bytes(2, "little")  # corrupt one id
     shard.write_bytes(bytes(raw))
-    tokens = data.open_split(out, "train", tok.vocab_size, tok.fingerprint())  # no scan: opens
+    tokens = open_split(out, "train", tok.vocab_size, tok.fingerprint())  # no scan: opens
     with pytest.raises(UserError, match="outside"):
         tokens.windows([0], 8)  # ...and the batch holding the bad id is refused
     meta = json.loads((out / "meta.json").read_text())
     meta["shards"]["train"][0]["tokens"] += 1
     (out / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match="meta.json says"):
-        data.open_split(out, "train", tok.vocab_size, tok.fingerprint())
+        open_split(out, "train", tok.vocab_size, tok.fingerprint())
 
 
 # ----------------------------------------------------------------------------- issue 20: nothing destroyed
@@ -242,18 +246,18 @@ def test_a_refused_prepare_deletes_nothing(tmp_path, tok_path):
     """Another vocabulary size, another given tokenizer, another corpus: refused, every file as it was."""
     corpus = make_corpus(tmp_path / "c", 6, 20_000)
     out = tmp_path / "d"
-    prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
+    preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
     before = snapshot(out)
     other = tmp_path / "other.json"
     Tokenizer.train([lines(np.random.default_rng(5), 100_000)], vocab_size=400, allow_smaller=True).save(other)
     with pytest.raises(UserError, match="ids but 700 were asked"):
-        prepare.prepare([str(corpus)], out, vocab_size=700, val_fraction=0.2, progress=False)
+        preparation.prepare([str(corpus)], out, vocab_size=700, val_fraction=0.2, progress=False)
     with pytest.raises(UserError, match="another tokenizer"):
-        prepare.prepare([str(corpus)], out, progress=False, tokenizer=other)
+        preparation.prepare([str(corpus)], out, progress=False, tokenizer=other)
     with pytest.raises(UserError, match="another corpus"):
-        prepare.prepare([str(corpus / "d0")], out, progress=False)
+        preparation.prepare([str(corpus / "d0")], out, progress=False)
     assert snapshot(out) == before
-    assert prepare.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
+    assert preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
 
 
 def test_a_directory_andrea_did_not_make_is_left_alone(tmp_path, tok_path):
@@ -265,7 +269,7 @@ def test_a_directory_andrea_did_not_make_is_left_alone(tmp_path, tok_path):
         (d / "tokenizer.json").write_bytes(tok_path.read_bytes())
         before = snapshot(d)
         with pytest.raises(UserError, match="choose another --data-dir"):
-            prepare.prepare([str(corpus)], d, progress=False, tokenizer=tok_path)
+            preparation.prepare([str(corpus)], d, progress=False, tokenizer=tok_path)
         assert snapshot(d) == before
 
 
@@ -282,8 +286,8 @@ def test_one_large_document_reaches_the_trainer_in_bounded_pieces(tmp_path, monk
         return train(cls, (seen.append(len(t.encode())) or t for t in texts), *args, **kwargs)
 
     monkeypatch.setattr(Tokenizer, "train", classmethod(recording))
-    prepare.prepare([str(tmp_path / "one.txt")], tmp_path / "d", progress=False, allow_smaller_vocab=True,
-                    vocab_size=600)
+    preparation.prepare([str(tmp_path / "one.txt")], tmp_path / "d", progress=False, allow_smaller_vocab=True,
+                        vocab_size=600)
     assert len(seen) > 5 and max(seen) <= 2 * stream.MAX_BLOCK and sum(seen) > 0.9 * len(text.encode())
 
 
@@ -296,8 +300,8 @@ def test_the_tokenizer_sample_is_bounded_and_spread(tmp_path, monkeypatch):
         return train(cls, (seen.append(len(t.encode())) or t for t in texts), *args, **kwargs)
 
     monkeypatch.setattr(Tokenizer, "train", classmethod(recording))
-    prepare.prepare([str(corpus)], tmp_path / "d", progress=False, allow_smaller_vocab=True, vocab_size=600,
-                    tokenizer_sample=200_000)
+    preparation.prepare([str(corpus)], tmp_path / "d", progress=False, allow_smaller_vocab=True, vocab_size=600,
+                        tokenizer_sample=200_000)
     assert 200_000 <= sum(seen) < 200_000 + 2 * 64 * 1024 and len(seen) < 20
 
 
@@ -308,7 +312,7 @@ def test_ctrl_c_while_the_tokenizer_reads_stops_within_a_second(tmp_path, monkey
     ctrl_c_after(0.5)
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare([str(corpus)], tmp_path / "d", progress=False, allow_smaller_vocab=True)
+        preparation.prepare([str(corpus)], tmp_path / "d", progress=False, allow_smaller_vocab=True)
     assert time.perf_counter() - t0 < 1.5
     assert not (tmp_path / "d" / "tokenizer.json").exists()
 
@@ -319,7 +323,7 @@ def test_a_corpus_of_binary_files_is_refused(tmp_path):
         (tmp_path / "c" / f"blob{i}.dat").parent.mkdir(exist_ok=True)
         (tmp_path / "c" / f"blob{i}.dat").write_bytes(rng.integers(0, 256, 400_000, dtype=np.uint8).tobytes())
     with pytest.raises(UserError, match="does not look like text"):
-        prepare.prepare([str(tmp_path / "c")], tmp_path / "d", progress=False, allow_smaller_vocab=True)
+        preparation.prepare([str(tmp_path / "c")], tmp_path / "d", progress=False, allow_smaller_vocab=True)
     assert not (tmp_path / "d" / "tokenizer.json").exists()
 
 
@@ -373,28 +377,35 @@ def test_sizes_and_workers_on_the_command_line(tmp_path, capsys):
         assert info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
 
 
-def test_a_single_file_data_directory_from_before_the_shards_keeps_loading(tmp_path, tok_path):
-    """meta_version 1 (train.bin, val.bin, meta.json as main wrote them): skipped by prepare without
-    its corpus, opened as one shard per split, and re-encoded into shards only with --force."""
+def test_a_data_directory_of_the_older_single_file_layout_is_refused_in_one_line(tmp_path, tok_path, capsys):
+    """meta_version 1 (one train.bin, one val.bin): prepare, a run's data check and opening a split
+    each refuse it with one line saying to prepare it again, and nothing in it is touched."""
+    from andrea.cli import run_cli
+
     corpus = make_corpus(tmp_path / "c", 3, 20_000)
     tok = Tokenizer.load(tok_path)
     out = tmp_path / "old"
     out.mkdir()
     tok.save(out / "tokenizer.json")
-    train_ids, val_ids = np.arange(500) % tok.eot_id, np.arange(60) % tok.eot_id
-    data.write_tokens(out / "train.bin", train_ids, tok.vocab_size, tok.fingerprint())
-    data.write_tokens(out / "val.bin", val_ids, tok.vocab_size, tok.fingerprint())
+    for split, n in (("train", 500), ("val", 60)):
+        with token_writer(out / f"{split}.bin", tok.vocab_size, tok.fingerprint()) as sink:
+            sink.write(np.arange(n) % tok.eot_id)
     meta = {"meta_version": 1, "inputs": [str(corpus)], "requested_vocab_size": tok.vocab_size, "val_fraction": 0.01,
-            "signature": "of a corpus since changed", "train_tokens": 500, "val_tokens": 60,
-            "vocab_size": tok.vocab_size, "tokenizer_fingerprint": tok.fingerprint()}
+            "train_tokens": 500, "val_tokens": 60, "vocab_size": tok.vocab_size,
+            "tokenizer_fingerprint": tok.fingerprint()}
     (out / "meta.json").write_text(json.dumps(meta))
-    shutil.move(corpus, tmp_path / "moved")
-    assert prepare.prepare([str(corpus)], out, vocab_size=tok.vocab_size, progress=False)["skipped"]
-    train = data.open_split(out, "train", tok.vocab_size, tok.fingerprint())
-    assert len(train) == 500 and train.windows([10], 5).tolist() == [list(range(10, 15))]
-    shutil.move(tmp_path / "moved", corpus)
-    forced = prepare.prepare([str(corpus)], out, vocab_size=tok.vocab_size, progress=False, force=True)
-    assert forced["tokenizer"] == "loaded" and not (out / "train.bin").exists() and (out / "train-00000.bin").exists()
+    before = snapshot(out)
+    wanted = (f"error: {out} holds data of an older layout (one train.bin and val.bin, meta_version 1): delete it "
+              "and prepare it again (python -m andrea.prepare), or use the andrea version that wrote it\n")
+    for argv in (["--input", str(corpus), "--data-dir", str(out)], ["--verify", "--data-dir", str(out)]):
+        with pytest.raises(SystemExit) as info:
+            run_cli(prepare.main, argv)
+        assert info.value.code == 2 and capsys.readouterr().err == wanted
+    with pytest.raises(UserError, match="older layout"):
+        split_counts(out)
+    with pytest.raises(UserError, match="older layout"):
+        open_split(out, "train", tok.vocab_size, tok.fingerprint())
+    assert snapshot(out) == before
 
 
 # ----------------------------------------------------------------------------- memory
@@ -408,7 +419,7 @@ def test_trainer_pieces_cut_only_where_the_pretokenizer_splits_anyway():
 
     rng = np.random.default_rng(3)
     text = lines(rng, 60_000) + "x  \n  y\n\nz \n" * 500 + "é" * 3000 + "\n" + lines(rng, 20_000)
-    pieces = list(prepare.trainer_pieces(text, limit=500))
+    pieces = list(trainer_pieces(text, limit=500))
     assert "".join(pieces) == text and len(pieces) > 50
     assert all(len(p) <= 500 + 200 for p in pieces[:-1] if "é" * 3000 not in p)
     pre = _hf_pre_tokenizer()  # the trainer's own
@@ -417,12 +428,12 @@ def test_trainer_pieces_cut_only_where_the_pretokenizer_splits_anyway():
         return [w for w, _ in pre.pre_tokenize_str(t)]
 
     assert [w for p in pieces for w in words(p)] == words(text)
-    assert list(prepare.trainer_pieces("")) == [] and list(prepare.trainer_pieces("short")) == ["short"]
+    assert list(trainer_pieces("")) == [] and list(trainer_pieces("short")) == ["short"]
 
     # indented text has no line starting with a non-space character: it is cut between kinds of
     # character ("x(", "1a", ".b"), never inside a word, a number, a run of spaces or after an apostrophe
     code = "".join(f"    def f{i}(x_{i}, y='it's'):\n        return {{'k{i}': [x_{i}, y.e9]}}  \n" for i in range(400))
-    cut = list(prepare.trainer_pieces(code, limit=300))
+    cut = list(trainer_pieces(code, limit=300))
     assert "".join(cut) == code and len(cut) > 50 and max(map(len, cut[:-1])) <= 330
     assert [w for p in cut for w in words(p)] == words(code)
 
@@ -439,7 +450,7 @@ def test_trainer_pieces_give_the_words_of_the_whole_text(text, limit):
     from andrea.data.tokenizer import _hf_pre_tokenizer
 
     pre = _hf_pre_tokenizer()  # the trainer's own
-    pieces = list(prepare.trainer_pieces(text, limit=limit))
+    pieces = list(trainer_pieces(text, limit=limit))
     assert "".join(pieces) == text and all(pieces)
     assert [w for p in pieces for w, _ in pre.pre_tokenize_str(p)] == [w for w, _ in pre.pre_tokenize_str(text)]
 
@@ -448,13 +459,13 @@ def test_a_tokenizer_trained_on_pieces_equals_one_trained_on_whole_blocks():
     rng = np.random.default_rng(4)
     texts = [lines(rng, 200_000) for _ in range(4)]
     whole = Tokenizer.train(texts, 350)
-    cut = Tokenizer.train((p for t in texts for p in prepare.trainer_pieces(t, limit=2_000)), 350)
+    cut = Tokenizer.train((p for t in texts for p in trainer_pieces(t, limit=2_000)), 350)
     assert cut.fingerprint() == whole.fingerprint()
 
 
 def test_the_plan_is_compact_and_reads_as_blocks(tmp_path):
     corpus = make_corpus(tmp_path / "c", 12, 5_000)
-    files = prepare.FileList(corpus, sorted(corpus.rglob("*.txt")))
+    files = FileList(corpus, sorted(corpus.rglob("*.txt")))
     assert [files[i] for i in range(len(files))] == sorted(corpus.rglob("*.txt")) and files[-1] == files[11]
     sizes = np.array([p.stat().st_size for p in files])
     blocks = stream.plan_blocks(files, sizes, corpus, 0.2)

@@ -80,7 +80,7 @@ RULES = [
     (r"python -m andrea\.bench --components", ["--repeats", "1"]),
     (r"python -m andrea\.run\.stepmodel", []),
     (r"python -m andrea\.bench .*--device gpu", NEEDS_GPU),
-    (r"python -m minitensor\.kernels --check", []),
+    (r"python -m minitensor\.checks --check", []),
     (r"bash scripts/gpu_check\.sh", NEEDS_GPU),
     (r"bash scripts/gpu_check\.sh --dry-run",
      Elsewhere("tests/test_gpu_check.py", 'subprocess.run(["bash", str(SCRIPT), "--dry-run"]')),

@@ -22,7 +22,8 @@ from andrea import bench, sample, train
 from andrea import params as params_cli
 from andrea import prepare as prepare_cli
 from andrea.cli import run_cli
-from andrea.data.dataset import split_counts
+from andrea.config import load_config
+from andrea.data.manifest import split_counts
 from andrea.run import checkpoint as ckpt
 from andrea.run import preflight, runlog
 
@@ -83,7 +84,7 @@ def test_a_model_that_cannot_fit_is_refused_from_its_shapes(tmp_path, data_dir, 
 
 
 def test_memory_close_to_the_limit_warns(monkeypatch):
-    cfg = train.load_config("tiny")
+    cfg = load_config("tiny")
     est = preflight.estimate_memory(cfg)
     warnings = []
     monkeypatch.setattr(preflight, "available_memory", lambda device: (int(est.total / 0.9), "test"))
@@ -105,7 +106,7 @@ def test_auto_device_checks_the_memory_of_the_device_it_will_run_on(monkeypatch)
 
 
 def test_memory_estimate_matches_the_measured_120m_figures():
-    est = preflight.estimate_memory(train.load_config("120m", ["train.batch_size=1"]))
+    est = preflight.estimate_memory(load_config("120m", ["train.batch_size=1"]))
     assert abs(est.state_bytes / 2**30 - 1.38) < 0.01  # BENCHMARKS.md: four buffers of 92.3M floats
     # 471.8 MiB of activations measured (12 C per layer and token, the logits and head inputs)
     assert 465 < est.activation_bytes / 2**20 < 485

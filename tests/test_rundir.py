@@ -4,8 +4,8 @@ A directory andrea.train or andrea.export writes carries a marker of its kind an
 written (andrea.run.rundir). Checked here: export refuses a user's own config.json, the run it exports
 and a file, before reading the checkpoint; train refuses a Hugging Face model directory and a data
 directory, with --overwrite too, and deletes only its own files with it; two runs into one --out
-cannot both run; a lock left by a killed process locks nothing; runs from before the marker still
-resume.
+cannot both run; a lock left by a killed process locks nothing; a run from before the marker is
+refused in one line.
 """
 
 import hashlib
@@ -187,14 +187,19 @@ def test_overwrite_deletes_only_what_train_wrote(data_dir, tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "my notes" and (out / "ckpt-notes").is_dir()
 
 
-def test_a_run_from_before_the_marker_is_still_a_run(data_dir, tmp_path, capsys):
+def test_a_run_from_before_the_marker_is_refused_in_one_line(data_dir, tmp_path, capsys):
+    from andrea import train
+
     cfg = str(small_config(tmp_path, data_dir, max_steps=4))
     out = tmp_path / "run"
     assert run_main(["--config", cfg, "--out", str(out), "--stop-at-step", "2"]) == 0
     (out / rundir.MARKER).unlink()
-    assert rundir.kind_of(out) == "run"
-    assert run_main(["--out", str(out), "--resume"]) == 0
-    assert json.loads((out / rundir.MARKER).read_text())["kind"] == "run"
+    before = snapshot(out)
+    assert rundir.kind_of(out) is None
+    code, line = cli(train.main, ["--out", str(out), "--resume"], capsys)
+    assert code == 2 and line == (f"error: --out {out} holds a run of an older layout (no .andrea marker): resume "
+                                  "it with the andrea version that wrote it, or choose another --out")
+    assert snapshot(out) == before
 
 
 def test_a_second_run_into_a_claimed_out_is_refused(data_dir, tmp_path, capsys):

@@ -16,11 +16,13 @@ import reference as F
 from gpu_standin import standin_cupy
 from markers import needs_cxx
 
-from minitensor.backends import cuda, cupy_ops, get_ops
+from minitensor.backends import cupy_ops, fused_pieces, get_ops
 from minitensor.backends.cupy_ops import CupyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import selfcheck
 from minitensor.layers.layernorm import LayerNorm
+
+FUSED = tuple(fused_pieces())  # the names of the fused pieces, from their records
 
 
 @pytest.fixture
@@ -58,7 +60,7 @@ def test_a_check_that_raises_is_refused(cupy):
 
 def test_modes_and_numpy(cupy):
     assert selfcheck.select_kernels("fused", cupy) == (
-        cuda.FUSED, f"kernels: fused {', '.join(cuda.FUSED)} (train.kernels=fused, not self-checked)")
+        FUSED, f"kernels: fused {', '.join(FUSED)} (train.kernels=fused, not self-checked)")
     assert selfcheck.select_kernels("generic", cupy) == ((), "kernels: generic (train.kernels=generic)")
     assert selfcheck.select_kernels("auto", np) == ((), "kernels: generic (NumPy)")
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -68,20 +70,20 @@ def test_modes_and_numpy(cupy):
 def test_the_backend_is_built_with_its_kernels_once(cupy):
     """get_ops fixes the fused pieces when the backend is built: one instance per choice."""
     fused = get_ops(cupy, "fused")
-    assert isinstance(fused, CupyOps) and fused.in_use == frozenset(cuda.FUSED)
+    assert isinstance(fused, CupyOps) and fused.in_use == frozenset(FUSED)
     assert get_ops(cupy, "fused") is fused
     generic = get_ops(cupy, "generic")
     assert generic.in_use == frozenset() and generic.kernels_line == "kernels: generic (train.kernels=generic)"
-    assert [generic.fused(name) for name in cuda.FUSED] == [False] * len(cuda.FUSED)
+    assert [generic.fused(name) for name in FUSED] == [False] * len(FUSED)
     # a GPU choice leaves the CPU's alone: its backend names its own kernels
     assert get_ops(np, "auto").kernels_line == get_ops(np).kernels_line != generic.kernels_line
     with pytest.raises(ValueError, match="unknown fused pieces"):
         CupyOps(cupy, fused=("gelu",))
 
 
-def test_every_piece_has_a_check_that_runs_on_the_ops_code():
-    checks = cuda.all_kernels() and cuda.CHECKS
-    assert set(checks) == set(cuda.FUSED)
+def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
+    checks = {name: piece.sample for name, piece in fused_pieces().items()}
+    assert len(checks) >= 5
     for name, check in checks.items():  # on NumPy the generic code: outputs finite and repeatable
         first, again = (check(Ops(np), np.random.default_rng(selfcheck.SEED)) for _ in range(2))
         assert all(np.all(np.isfinite(a)) for a in first), name
@@ -93,13 +95,14 @@ def test_every_piece_has_a_check_that_runs_on_the_ops_code():
     ("layernorm", "LAYERNORM_FWD", ("* w[j] + b[j]", "* w[j] - b[j]")),
     ("layernorm", "LAYERNORM_BWD", ("- mg -", "+ mg -")),
     ("causal_softmax", "CAUSAL_SOFTMAX_BWD", ("(dpr[j] - dot)", "(dpr[j] + dot)")),
+    ("flash_attention", "FLASH_BWD_DKV", ("(ps[e] - delta_s[r])", "(ps[e] + delta_s[r])")),
+    ("flash_attention", "FLASH_FWD", ("acc[u][2] *= a1", "acc[u][2] *= a0")),
 ])
 def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeypatch, piece, spec, wrong):
     good = getattr(cupy_ops, spec)
     assert wrong[0] in good.code
-    monkeypatch.setattr(cupy_ops, spec, dataclasses.replace(good, code=good.code.replace(*wrong)))
-    cuda.all_kernels()
-    fused, line = selfcheck.select_kernels("auto", cupy, {piece: cuda.CHECKS[piece]})
+    monkeypatch.setattr(cupy_ops, spec, dataclasses.replace(good, inline=good.code.replace(*wrong)))
+    fused, line = selfcheck.select_kernels("auto", cupy, {piece: fused_pieces()[piece].sample})
     assert line.startswith(f"kernels: fused none; generic for {piece} (failed its self-check: max error")
     assert fused == ()
     if piece == "layernorm":  # and the layer of a backend built with that choice runs the generic code
@@ -110,6 +113,32 @@ def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeyp
         y = layer.forward(cupy.asarray(x))
         want, _, _ = F.layernorm_forward(x, w, b)
         np.testing.assert_allclose(cupy.asnumpy(y), want, rtol=1e-12, atol=1e-12)
+
+
+@needs_cxx
+def test_a_model_step_with_the_flash_core_equals_the_generic_one(cupy):
+    """ANDREA (2 blocks, heads of 16) forward and backward with every fused piece, the attention core
+    chosen as in training (the flash kernels), against the generic code in float64."""
+    from andrea import ANDREA, ModelConfig
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 13, (2, 21))
+    results, launched = [], {}
+    for kernels in ("generic", "fused"):
+        cupy.standin.reset()
+        m = ANDREA(ModelConfig(vocab_size=13, context_length=20, d_model=32, n_layer=2, n_head=2), device="gpu",
+                   dtype="float64", seed=4, kernels=kernels)
+        loss = float(m.loss(x[:, :-1], x[:, 1:]))
+        m.zero_grad()
+        m.backward(0.5)
+        results.append((loss, cupy.asnumpy(m.params.grads)))
+        launched[kernels] = {name for _, name, _ in cupy.standin.kernels}
+    flash = {"flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkv"}
+    assert flash <= launched["fused"] and not flash & launched["generic"]
+    assert not {"causal_softmax_fwd", "causal_softmax_bwd"} & launched["fused"]  # no (T, T) scores
+    (loss_g, grads_g), (loss_f, grads_f) = results
+    assert loss_f == pytest.approx(loss_g, rel=1e-12)
+    np.testing.assert_allclose(grads_f, grads_g, rtol=1e-10, atol=1e-13)
 
 
 @needs_cxx

@@ -19,12 +19,14 @@ from gpu_standin import ROOT, standin_cupy
 
 from andrea.run import perf, stepmodel
 
-# Measured 2026-12-01, ANDREA-120M, 8 x 1024, kernels fused, 8 micro-batches per optimizer step:
-# 34.6 ms per micro-batch (37.3 ms, 68/72 launches and 29.6% at the step model's arrival; 38.2 ms and
-# 28.9% before the head was padded; the changes between are in git log). A change that lowers the
-# launches or raises the MFU should lower or raise these with it (and say so in BENCHMARKS.md).
-LAUNCHES_PER_BLOCK = {"first": 47, "later": 51}   # the first micro-batch after zero_grad, and the others
-MFU = 0.319                                       # 31.9% of the H200's dense TF32 peak
+# Measured 2026-12-02, ANDREA-120M, 8 x 1024, kernels fused, 8 micro-batches per optimizer step:
+# 27.4 ms per micro-batch with the flash attention core (32.9 ms, 39/39 launches and 33.5% with the dense
+# core after cuBLAS's own GEMMs and the two-launch LayerNorm backward; 34.6 ms and 47/51 launches before
+# those; 37.3 ms, 68/72 launches and 29.6% at the step model's arrival; the changes between are in git
+# log). A change that lowers the launches or raises the MFU should lower or raise these with it (and say
+# so in BENCHMARKS.md).
+LAUNCHES_PER_BLOCK = {"first": 31, "later": 31}   # the first micro-batch after zero_grad, and the others
+MFU = 0.401                                       # 40.1% of the H200's dense TF32 peak
 MFU_MARGIN = 0.005
 
 SMALL = ("model.d_model=32", "model.n_head=2", "model.n_layer=2", "model.context_length=16", "model.mlp_dim=64")
@@ -62,7 +64,7 @@ def test_the_recording_mode_predicts_what_numpy_computes(kernels):
     assert launches(checked) == launches(recorded)
     kinds = {op[0] for op in recorded["ops"]}
     assert {"gemm", "kernel" if kernels == "fused" else "gather", "reduction", "elementwise", "copy", "fill",
-            "h2d", "d2h"} <= kinds
+            "h2d_async", "d2h"} <= kinds
 
 
 def test_the_120m_step_is_recorded_at_its_real_size_without_computing(step_120m):
@@ -73,10 +75,12 @@ def test_the_120m_step_is_recorded_at_its_real_size_without_computing(step_120m)
     matrices = 12 * (768 * 2304 + 768 * 768 + 2 * 768 * 3072) + 8449 * 768
     assert gemm_flops > 6 * matrices * est["tokens"]
     assert grown < 256 << 20  # the activations (many GB at this size) were never written
-    # the head over 8576 = 67 x 128 columns (8449 padded): every GEMM's leading dimensions 16-byte multiples
+    # the head's logits in rows of 8576 = 67 x 128 (8449 padded): every GEMM's leading dimensions 16-byte
+    # multiples; the head's three GEMMs (cuBLAS's own) over the 8449 columns that are the vocabulary
     assert [op for op in rec["ops"] if op[0] == "gemm" and "unaligned" in op[1]] == []
     head_gemms = [op for op in rec["ops"] if op[0] == "gemm" and op[5][-1] == "head"]
-    assert {op[2] for op in head_gemms} == {2 * 8192 * 768 * 8576}
+    assert {(op[1], op[2]) for op in head_gemms} == {("cublas sgemm", 2 * 8192 * 768 * 8449)}
+    assert len(head_gemms) == 3 * rec["micro_batches"]
 
 
 def test_the_120m_step_does_not_regress(step_120m):
@@ -107,18 +111,24 @@ def test_an_extra_launch_per_block_is_a_regression(monkeypatch):
 
 
 def test_each_op_costs_its_bound_side_and_a_launch():
+    """A launch: max(GEMM, memory) and its launch cost; an asynchronous copy to the device its PCIe time
+    and a submission; a copy the host waits for its latency and PCIe time."""
     hw = stepmodel.H200
     gemm = 2 * 8192 * 768 * 3072
     rec = {"batch": 8, "seq": 1024, "micro_batches": 1, "n_layer": 0, "flops_per_token": 1,
            "ops": [["gemm", "matmul", gemm, 10**6, 10**6, ["head"]],
                    ["gemm", "matmul (batched)", 10**9, 4 * 10**8, 4 * 10**8, ["attention core"]],
                    ["kernel", "layernorm_fwd", 0, 10**8, 10**8, ["ln_f"]],
-                   ["h2d", "asarray", 0, 65536, 65536, ["token ids to the device"]]]}
+                   ["kernel", "flash_attention_fwd", 10**11, 10**6, 10**6, ["attention core"]],  # compute-bound
+                   ["kernel", "flash_attention_bwd_dq", 10**6, 10**9, 10**9, ["attention core"]],  # memory-bound
+                   ["h2d_async", "asarray", 0, 131072, 131072, ["token ids to the device"]],
+                   ["d2h", "bool", 0, 1, 0, []]]}
     est = stepmodel.estimate(rec)
     expected = (gemm / (hw.tf32_peak * hw.gemm_efficiency) + 8e8 / hw.bandwidth + 2e8 / hw.bandwidth
-                + 3 * hw.launch_s + hw.copy_latency_s + 65536 / hw.pcie)
+                + 1e11 / hw.mma_kernel + 2e9 / hw.bandwidth + 2 * hw.launch_s
+                + 3 * hw.launch_s + (131072 / hw.pcie + hw.launch_s) + (hw.copy_latency_s + 1 / hw.pcie))
     assert est["step_s"] == pytest.approx(expected)
-    assert est["launches"] == 3
+    assert est["launches"] == 5
     assert est["mfu"] == pytest.approx(8192 / (expected * hw.tf32_peak))
 
 
@@ -143,3 +153,32 @@ def test_estimate_step_seconds_records_in_a_process_of_its_own():
     with standin_cupy():
         here = stepmodel.estimate(stepmodel.record("tiny", batch=2, seq=16, micro_batches=1))["step_s"]
     assert seconds == pytest.approx(here)
+
+
+def test_a_recording_leaves_no_uncomputed_array_in_the_backends_caches():
+    """The ones vector of the bias gradients' GEMV is kept per process: one made while recording
+    (never computed: its memory holds whatever it held) must not be what a later computed step sums
+    with. The record starts without it (its copy counted in every record) and leaves the cache as it was."""
+    import numpy as np
+
+    from minitensor.backends import cupy_ops, get_ops
+
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((7, 5)), rng.standard_normal((7, 3))
+    with standin_cupy() as cupy:
+        ops = get_ops(cupy, "fused")
+        grads = cupy.empty(18)                               # dW (5, 3), then db (3,): written after fill_zero
+        dW, db = grads[:15].reshape(5, 3), grads[15:]
+        ops.fill_zero(grads)
+        ops.linear_weight_grads(cupy.asarray(x), cupy.asarray(dy), dW, db)
+        before = dict(cupy_ops._ones_kept)
+        rec = stepmodel.record("tiny", batch=2, seq=16, micro_batches=1, overrides=SMALL)
+        assert cupy_ops._ones_kept.keys() == before.keys() and all(
+            cupy_ops._ones_kept[key] is kept for key, kept in before.items())
+        assert (cupy, 0, np.dtype(np.float64)) in before
+        ops.fill_zero(grads)
+        ops.linear_weight_grads(cupy.asarray(x), cupy.asarray(dy), dW, db)
+        np.testing.assert_allclose(db.get(), dy.sum(axis=0), rtol=1e-12)
+        np.testing.assert_allclose(dW.get(), x.T @ dy, rtol=1e-12)
+    assert [op[:2] for op in rec["ops"] if op[0] == "h2d_async" and op[5][-1] != "token ids to the device"] == [
+        ["h2d_async", "asarray"]]  # the ones, made once in the record

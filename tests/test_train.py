@@ -16,7 +16,10 @@ import pytest
 import yaml
 
 from andrea import train
+from andrea.model.transformer import ANDREA
 from andrea.run import checkpoint as ckpt
+from andrea.run import trainer
+from andrea.run.stopping import EXIT_NONFINITE
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB_JSON = Path(json.__file__).parent
@@ -124,7 +127,7 @@ def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path, data_dir, capsys
 def test_a_non_finite_step_is_skipped_and_counted(tmp_path, data_dir, monkeypatch, capsys):
     cfg = small_config(tmp_path, data_dir, max_steps=4)
     calls = {"n": 0}
-    real_loss = train.ANDREA.loss
+    real_loss = ANDREA.loss
     seen = {}
 
     def loss_with_a_nan(self, idx, targets):
@@ -137,7 +140,7 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path, data_dir, monkeypatc
             seen["after"] = self.params.data.copy()  # step 4's forward sees the weights step 3 left
         return value
 
-    monkeypatch.setattr(train.ANDREA, "loss", loss_with_a_nan)
+    monkeypatch.setattr(ANDREA, "loss", loss_with_a_nan)
     assert run_main(["--config", str(cfg), "--out", str(tmp_path / "run"), "--set", "train.eval_interval=100"]) == 0
     np.testing.assert_array_equal(seen["before"], seen["after"])  # no update from the NaN step
     assert "step 3: non-finite loss nan" in capsys.readouterr().err
@@ -147,7 +150,7 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path, data_dir, monkeypatc
 
 def test_persistent_nan_stops_training_naming_the_last_good_checkpoint(tmp_path, data_dir, monkeypatch, capsys):
     cfg = small_config(tmp_path, data_dir, max_steps=20, max_bad_steps=3)
-    real_loss = train.ANDREA.loss
+    real_loss = ANDREA.loss
     state = {"n": 0}
 
     def nan_after_step_4(self, idx, targets):
@@ -155,10 +158,10 @@ def test_persistent_nan_stops_training_naming_the_last_good_checkpoint(tmp_path,
         value = real_loss(self, idx, targets)
         return value * float("nan") if state["n"] > 4 and idx.shape[0] == 4 else value
 
-    monkeypatch.setattr(train.ANDREA, "loss", nan_after_step_4)
-    monkeypatch.setattr(train.data, "iter_eval_batches", lambda *a, **k: iter([]))
+    monkeypatch.setattr(ANDREA, "loss", nan_after_step_4)
+    monkeypatch.setattr(trainer, "iter_eval_batches", lambda *a, **k: iter([]))
     code = run_main(["--config", str(cfg), "--out", str(tmp_path / "run"), "--set", "train.eval_interval=100"])
-    assert code == train.EXIT_NONFINITE
+    assert code == EXIT_NONFINITE
     err = capsys.readouterr().err
     assert "training stopped at step 7 after 3 non-finite steps" in err and "ckpt-00000004" in err
 
@@ -303,12 +306,12 @@ def test_mfu_stays_honest_when_the_peak_was_measured_low_and_the_summary_gives_t
         tmp_path, data_dir, monkeypatch, capsys):
     # issue 30, class 14: the peak, measured once at start on a busy machine, came out low and MFU
     # read 105-110%; and neither the summary nor anything else said the unigram baseline
-    measured = train.matmul_peak_flops
+    measured = trainer.matmul_peak_flops
 
     def busy_at_start(xp, fresh=False, **kwargs):
         return measured(xp, fresh=fresh, **kwargs) if fresh else 1e6  # 1 MFLOP/s: far below any step
 
-    monkeypatch.setattr(train, "matmul_peak_flops", busy_at_start)
+    monkeypatch.setattr(trainer, "matmul_peak_flops", busy_at_start)
     out = tmp_path / "run"
     assert run_main(["--config", str(small_config(tmp_path, data_dir, max_steps=3)), "--out", str(out)]) == 0
     printed = capsys.readouterr().out

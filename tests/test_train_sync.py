@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from andrea import train
-from andrea.prepare import prepare
+from andrea.data.preparation import prepare
+from andrea.model.transformer import ANDREA
 
 STDLIB_JSON = Path(json.__file__).parent
 
@@ -63,8 +64,8 @@ def trainer(tmp_path, monkeypatch):
     tokenizer, tokens, val_tokens = train.prepare_data(cfg)
     t = train.Trainer(cfg, out, tokens, val_tokens, tokenizer)
     assert t.accum == 3  # three micro-batches per optimizer step
-    real_loss, real_norm = train.ANDREA.loss, t.model.ops.global_norm
-    monkeypatch.setattr(train.ANDREA, "loss", lambda self, x, y: on_device(real_loss(self, x, y)))
+    real_loss, real_norm = ANDREA.loss, t.model.ops.global_norm
+    monkeypatch.setattr(ANDREA, "loss", lambda self, x, y: on_device(real_loss(self, x, y)))
     monkeypatch.setattr(t.model.ops, "global_norm", lambda grads: on_device(real_norm(grads)))
     return t
 
@@ -89,8 +90,8 @@ def test_a_step_reads_the_host_once_and_clips_with_a_device_scale(trainer, monke
 
 
 def test_a_non_finite_step_is_still_one_read_and_no_update(trainer, monkeypatch):
-    real_loss = train.ANDREA.loss
-    monkeypatch.setattr(train.ANDREA, "loss", lambda self, x, y: real_loss(self, x, y) * np.float32("nan"))
+    real_loss = ANDREA.loss
+    monkeypatch.setattr(ANDREA, "loss", lambda self, x, y: real_loss(self, x, y) * np.float32("nan"))
     monkeypatch.setattr(Device, "reads", 0)
     before = trainer.model.params.data.copy()
     _, _, applied = trainer.train_step(1e-3)

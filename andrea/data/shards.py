@@ -13,20 +13,27 @@ uninterrupted one. Each shard goes through `token_writer`, so it appears complet
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import numpy as np
 
 from andrea.data import stream
-from andrea.data.dataset import DATA_FORMAT, atomic_writer, shard_name, token_writer, unigram_entropy
+from andrea.data.manifest import DATA_FORMAT, shard_name
+from andrea.data.tokenfile import token_writer
+from andrea.files import write_json
 
 STATE_FILE = "prepare-state.json"
 
 
-def write_json(path: Path, obj: dict) -> None:
-    with atomic_writer(path) as f:
-        f.write((json.dumps(obj, indent=2) + "\n").encode("utf-8", errors="surrogateescape"))
+def unigram_entropy(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
+    """Cross-entropy in nats/token of the val tokens under the train unigram distribution.
+
+    Both arguments are (V,) id counts. Add-one smoothing over all V ids keeps ids unseen in
+    train finite. This is the loss of a model that ignores context: the first bar to beat.
+    """
+    V = len(train_counts)
+    log_p = np.log((np.asarray(train_counts, dtype=np.float64) + 1.0) / (np.sum(train_counts) + V))  # (V,)
+    return float(-(np.asarray(val_counts, dtype=np.float64) @ log_p) / max(np.sum(val_counts), 1))
 
 
 def new_state(settings: dict, V: int) -> dict:

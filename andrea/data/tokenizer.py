@@ -22,6 +22,10 @@ so it never fails.
 The saved form is our own JSON: the merges as pairs of ids. Everything else (the byte string of
 each id, the HF vocabulary) follows from them, and the fingerprint is a hash of them.
 
+`load_tokenizer` reads either kind of tokenizer.json: andrea's, or a Hugging Face byte-level BPE
+(GPT-2's kind, `PretrainedTokenizer`, as --init-from and prepare --tokenizer give), behind the same
+interface; decoding is the same table lookup for both.
+
 Reference: Sennrich et al. 2016 (BPE for subwords); Radford et al. 2019 (GPT-2, byte-level BPE).
 """
 
@@ -38,8 +42,9 @@ import tiktoken
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
-from andrea.data.dataset import MAX_VOCAB, atomic_writer
+from andrea.data.tokenfile import MAX_VOCAB
 from andrea.errors import UserError
+from andrea.files import atomic_writer, read_json
 
 FORMAT = "andrea-bpe"
 FORMAT_VERSION = 1
@@ -334,3 +339,109 @@ def _merges_from_hf(model: dict) -> list[tuple[int, int]]:
         merges.append((token_id[a], token_id[b]))
         token_id.setdefault(a + b, len(token_id))
     return merges
+
+
+# ----------------------------------------------------------------------------- loading either kind
+
+
+class PretrainedTokenizer(IdDecoding):
+    """andrea's tokenizer interface over a HF tokenizer.json of a byte-level BPE (GPT-2's kind).
+
+    Encoding never yields the end-of-text id, as andrea's own tokenizer: special tokens in text
+    are encoded as text. Decoding is a table lookup of each id's bytes, then UTF-8 with U+FFFD.
+    """
+
+    def __init__(self, text: str, source, eot_text: str | None = None):
+        try:
+            obj = json.loads(text)
+            hf = HFTokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises plain Exception on a malformed file
+            raise UserError(f"{source} is not a readable tokenizer.json ({str(e).splitlines()[0]})") from None
+        if (obj.get("model") or {}).get("type") != "BPE" or "ByteLevel" not in json.dumps(obj.get("pre_tokenizer")):
+            raise UserError(f"{source} is not a byte-level BPE tokenizer (GPT-2's kind), which is what andrea reads")
+        hf.encode_special_tokens = True
+        self._hf, self._json = hf, hf.to_str()
+        vocab = hf.get_vocab(with_added_tokens=True)
+        lacking = [s for s in BYTE_SYMBOLS if s not in vocab]
+        if lacking:  # a byte without an id would be dropped from the text without a word
+            raise UserError(f"{source}: its vocabulary lacks {len(lacking)} of the 256 byte-level symbols (e.g. "
+                            f"{lacking[0]!r}), so some text could not be encoded: give a complete byte-level BPE")
+        self.vocab_size = max(vocab.values()) + 1
+        if self.vocab_size > MAX_VOCAB:
+            raise UserError(f"{source} has {self.vocab_size} ids, but token files store ids as uint16: "
+                            f"andrea needs a tokenizer of at most {MAX_VOCAB} ids")
+        added = {t["id"]: t for t in obj.get("added_tokens", [])}
+        self.eot_text = eot_text or _end_of_text(added.values(), source)
+        self.eot_id = vocab.get(self.eot_text)
+        if self.eot_id is None or self.eot_id not in added:
+            raise UserError(f"{source}: the end-of-text token {self.eot_text!r} is not one of its added tokens")
+        self._token_bytes = [b""] * self.vocab_size
+        for piece, i in vocab.items():
+            self._token_bytes[i] = added[i]["content"].encode("utf-8") if i in added else _piece_bytes(piece, source)
+        self._fingerprint = hashlib.sha256(self._json.encode("utf-8")).hexdigest()
+
+    def to_json(self) -> str:
+        return self._json
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def save(self, path) -> None:
+        with atomic_writer(path) as f:
+            f.write(self._json.encode("utf-8"))
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        try:
+            return [e.ids for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
+        except TypeError:
+            raise UserError("text to encode must be str that UTF-8 can represent (no lone surrogates)") from None
+
+    def __repr__(self) -> str:
+        return f"PretrainedTokenizer(vocab_size={self.vocab_size}, eot={self.eot_text!r})"
+
+
+def _end_of_text(added_tokens, source) -> str:
+    """<|endoftext|> when the tokenizer has it, else its only special token."""
+    special = [t["content"] for t in added_tokens if t.get("special")]
+    if Tokenizer.EOT_TEXT in special:
+        return Tokenizer.EOT_TEXT
+    if len(special) == 1:
+        return special[0]
+    raise UserError(f"{source}: cannot tell its end-of-text token among the special tokens {special[:5]}; "
+                    "put a tokenizer_config.json with eos_token beside it")
+
+
+def _piece_bytes(piece: str, source) -> bytes:
+    try:
+        return bytes(_SYMBOL_TO_BYTE[c] for c in piece)
+    except KeyError:
+        raise UserError(f"{source}: token {piece!r} is not byte-level BPE text (GPT-2's byte alphabet)") from None
+
+
+def load_tokenizer(path):
+    """andrea's Tokenizer from its own tokenizer.json, or a PretrainedTokenizer from a HF one.
+
+    `path` is the JSON file or a directory holding tokenizer.json (with tokenizer_config.json's
+    eos_token naming the end-of-text token, when there is one).
+    """
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise UserError(f"tokenizer file {file} does not exist")
+    try:
+        text = file.read_text(encoding="utf-8")
+        obj = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"cannot read tokenizer file {file}: {e}") from None
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        return Tokenizer.load(file)
+    if not isinstance(obj, dict) or "model" not in obj:
+        raise UserError(f"{file} is neither an andrea tokenizer nor a Hugging Face tokenizer.json")
+    eos = None
+    if (file.parent / "tokenizer_config.json").is_file():
+        eos = read_json(file.parent / "tokenizer_config.json").get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+    return PretrainedTokenizer(text, file, eos)

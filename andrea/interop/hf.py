@@ -3,7 +3,7 @@
     model.save_pretrained("export/", tokenizer=tok)   # config.json, model.safetensors, tokenizer files
     model = ANDREA.from_pretrained("export/")         # or a GPT-2 saved by transformers (safetensors)
     state = read_state("export/", param_shapes(cfg))  # the checked weights alone, {GPT-2 name: array}
-    tok = load_tokenizer("export/")                   # andrea's tokenizer.json or a HF one
+    tok = load_tokenizer("export/")                   # andrea.data.tokenizer: andrea's tokenizer.json or a HF one
 
 andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv1D (in, out) layout
 (andrea.model.transformer.param_shapes), so the weights are copied name for name. What this module adds:
@@ -21,8 +21,8 @@ andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv
   the ByteLevel pre-tokenizer and decoder (GPT-2's own arrangement) and <|endoftext|> as a special
   token at andrea's EOT id. andrea reads a literal "<|endoftext|>" in text as ordinary text; the
   exported tokenizer_config.json asks transformers for the same (`split_special_tokens`). A HF
-  tokenizer read here (`PretrainedTokenizer`) must be a byte-level BPE, so each id has a fixed
-  byte string and decoding never fails, as with andrea's own.
+  tokenizer read by andrea (andrea.data.tokenizer.PretrainedTokenizer) must be a byte-level BPE, so
+  each id has a fixed byte string and decoding never fails, as with andrea's own.
 
 The model calls into this module (ANDREA.from_pretrained, save_pretrained) and never the other way:
 what is model-specific (the parameter shapes to expect) comes in as an argument.
@@ -33,7 +33,6 @@ little-endian header length, a JSON header of dtype, shape and data offsets, the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict
@@ -45,18 +44,17 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from andrea.config import ModelConfig
-from andrea.data.dataset import MAX_VOCAB, atomic_writer
-from andrea.data.tokenizer import BYTE_SYMBOLS, FORMAT, IdDecoding, Tokenizer
+from andrea.data.tokenizer import BYTE_SYMBOLS, Tokenizer
 from andrea.errors import UserError
+from andrea.files import atomic_writer, read_json
 from minitensor.device import to_numpy
 
-EOT_TEXT = "<|endoftext|>"
+EOT_TEXT = Tokenizer.EOT_TEXT
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 # both names are the tanh approximation of GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
 # which andrea computes (minitensor.backends.ops)
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-_SYMBOL_TO_BYTE = {s: b for b, s in enumerate(BYTE_SYMBOLS)}
 _SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
@@ -168,7 +166,7 @@ def _unsupported(hf: dict) -> list[str]:
 
 def read_model_config(directory) -> ModelConfig:
     directory = _directory(directory)
-    return model_config_from_hf(_read_json(directory / "config.json"), directory / "config.json")
+    return model_config_from_hf(read_json(directory / "config.json"), directory / "config.json")
 
 
 # ----------------------------------------------------------------------------- weights
@@ -231,7 +229,7 @@ def _weight_files(directory: Path) -> list[Path]:
     if (directory / WEIGHTS).is_file():
         return [directory / WEIGHTS]
     if (directory / WEIGHTS_INDEX).is_file():
-        index = _read_json(directory / WEIGHTS_INDEX)
+        index = read_json(directory / WEIGHTS_INDEX)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise UserError(f"{directory / WEIGHTS_INDEX} has no weight_map of tensor names to file names")
@@ -399,109 +397,6 @@ def _hf_tokenizer(tok: Tokenizer) -> HFTokenizer:
     return hf
 
 
-class PretrainedTokenizer(IdDecoding):
-    """andrea's tokenizer interface over a HF tokenizer.json of a byte-level BPE (GPT-2's kind).
-
-    Encoding never yields the end-of-text id, as andrea's own tokenizer: special tokens in text
-    are encoded as text. Decoding is a table lookup of each id's bytes, then UTF-8 with U+FFFD.
-    """
-
-    def __init__(self, text: str, source, eot_text: str | None = None):
-        try:
-            obj = json.loads(text)
-            hf = HFTokenizer.from_str(text)
-        except Exception as e:  # tokenizers raises plain Exception on a malformed file
-            raise UserError(f"{source} is not a readable tokenizer.json ({str(e).splitlines()[0]})") from None
-        if (obj.get("model") or {}).get("type") != "BPE" or "ByteLevel" not in json.dumps(obj.get("pre_tokenizer")):
-            raise UserError(f"{source} is not a byte-level BPE tokenizer (GPT-2's kind), which is what andrea reads")
-        hf.encode_special_tokens = True
-        self._hf, self._json = hf, hf.to_str()
-        vocab = hf.get_vocab(with_added_tokens=True)
-        lacking = [s for s in BYTE_SYMBOLS if s not in vocab]
-        if lacking:  # a byte without an id would be dropped from the text without a word
-            raise UserError(f"{source}: its vocabulary lacks {len(lacking)} of the 256 byte-level symbols (e.g. "
-                            f"{lacking[0]!r}), so some text could not be encoded: give a complete byte-level BPE")
-        self.vocab_size = max(vocab.values()) + 1
-        if self.vocab_size > MAX_VOCAB:
-            raise UserError(f"{source} has {self.vocab_size} ids, but token files store ids as uint16: "
-                            f"andrea needs a tokenizer of at most {MAX_VOCAB} ids")
-        added = {t["id"]: t for t in obj.get("added_tokens", [])}
-        self.eot_text = eot_text or _end_of_text(added.values(), source)
-        self.eot_id = vocab.get(self.eot_text)
-        if self.eot_id is None or self.eot_id not in added:
-            raise UserError(f"{source}: the end-of-text token {self.eot_text!r} is not one of its added tokens")
-        self._token_bytes = [b""] * self.vocab_size
-        for piece, i in vocab.items():
-            self._token_bytes[i] = added[i]["content"].encode("utf-8") if i in added else _piece_bytes(piece, source)
-        self._fingerprint = hashlib.sha256(self._json.encode("utf-8")).hexdigest()
-
-    def to_json(self) -> str:
-        return self._json
-
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    def save(self, path) -> None:
-        with atomic_writer(path) as f:
-            f.write(self._json.encode("utf-8"))
-
-    def encode(self, text: str) -> list[int]:
-        return self.encode_batch([text])[0]
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        try:
-            return [e.ids for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
-        except TypeError:
-            raise UserError("text to encode must be str that UTF-8 can represent (no lone surrogates)") from None
-
-    def __repr__(self) -> str:
-        return f"PretrainedTokenizer(vocab_size={self.vocab_size}, eot={self.eot_text!r})"
-
-
-def _end_of_text(added_tokens, source) -> str:
-    """<|endoftext|> when the tokenizer has it, else its only special token."""
-    special = [t["content"] for t in added_tokens if t.get("special")]
-    if EOT_TEXT in special:
-        return EOT_TEXT
-    if len(special) == 1:
-        return special[0]
-    raise UserError(f"{source}: cannot tell its end-of-text token among the special tokens {special[:5]}; "
-                    "put a tokenizer_config.json with eos_token beside it")
-
-
-def _piece_bytes(piece: str, source) -> bytes:
-    try:
-        return bytes(_SYMBOL_TO_BYTE[c] for c in piece)
-    except KeyError:
-        raise UserError(f"{source}: token {piece!r} is not byte-level BPE text (GPT-2's byte alphabet)") from None
-
-
-def load_tokenizer(path):
-    """andrea's Tokenizer from its own tokenizer.json, or a PretrainedTokenizer from a HF one.
-
-    `path` is the JSON file or a directory holding tokenizer.json (with tokenizer_config.json's
-    eos_token naming the end-of-text token, when there is one).
-    """
-    path = Path(path)
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise UserError(f"tokenizer file {file} does not exist")
-    try:
-        text = file.read_text(encoding="utf-8")
-        obj = json.loads(text)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(f"cannot read tokenizer file {file}: {e}") from None
-    if isinstance(obj, dict) and obj.get("format") == FORMAT:
-        return Tokenizer.load(file)
-    if not isinstance(obj, dict) or "model" not in obj:
-        raise UserError(f"{file} is neither an andrea tokenizer nor a Hugging Face tokenizer.json")
-    eos = None
-    if (file.parent / "tokenizer_config.json").is_file():
-        eos = _read_json(file.parent / "tokenizer_config.json").get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-    return PretrainedTokenizer(text, file, eos)
-
-
 # ----------------------------------------------------------------------------- files
 
 
@@ -510,18 +405,6 @@ def _directory(path) -> Path:
     if not path.is_dir():
         raise UserError(f"{path} is not a directory: give a directory written by save_pretrained")
     return path
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
-    if not isinstance(obj, dict):
-        raise UserError(f"{path} must hold a JSON object")
-    return obj
 
 
 def _json_bytes(obj) -> bytes:

@@ -7,5 +7,4 @@ class AdamW(_FlatAdamW):
     """AdamW(model, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1); decay on 2+-D tensors only."""
 
     def __init__(self, model, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
-        params = getattr(model, "params", model)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(model.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

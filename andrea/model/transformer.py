@@ -330,6 +330,19 @@ class ANDREA:
 
     def _ids(self, a, what):
         """Validates ids (B, T) or (T,) on the host and moves them to the model's device as int64."""
+        return self._to_device(self._host_ids(a, what))[0]
+
+    def _to_device(self, *ids):
+        """Host ids of one shape on the model's device as int64, all in one copy (views of one array).
+        On CuPy that copy is asynchronous: cupy.asarray stages host data in pinned memory and copies
+        it on the current stream (CuPy 14.2's _array_default), so the host does not wait for it."""
+        if len(ids) == 1:
+            return (self.xp.asarray(ids[0], dtype=np.int64),)
+        both = self.xp.asarray(np.stack(ids), dtype=np.int64)
+        return tuple(both[i] for i in range(len(ids)))
+
+    def _host_ids(self, a, what):
+        """ids (B, T) or (T,) validated on the host, as a (B, T) integer array."""
         a = np.asarray(to_numpy(a))
         if a.ndim == 1:
             a = a[None, :]
@@ -342,7 +355,7 @@ class ANDREA:
         if a.size and (int(a.min()) < 0 or int(a.max()) >= self.cfg.vocab_size):
             bad = int(a.min()) if int(a.min()) < 0 else int(a.max())
             raise UserError(f"{what} contains id {bad}, outside [0, {self.cfg.vocab_size})")
-        return self.xp.asarray(a, dtype=np.int64)
+        return a
 
     # --- training ---
 
@@ -357,10 +370,10 @@ class ANDREA:
 
     def loss(self, idx, targets):
         """The mean cross-entropy as a 0-d device array (no host synchronisation); keeps what backward needs."""
-        idx = self._ids(idx, "idx")
-        targets = self._ids(targets, "targets")
+        idx, targets = self._host_ids(idx, "idx"), self._host_ids(targets, "targets")
         if targets.shape != idx.shape:
             raise UserError(f"targets of shape {targets.shape} do not match idx of shape {idx.shape}")
+        idx, targets = self._to_device(idx, targets)                 # one copy for both
         logits = self.head.forward(self._trunk(idx), padded=True)  # over the backend's padded vocabulary
         return self.loss_fn.forward(logits, targets, inplace=True, valid=self.cfg.vocab_size)
 

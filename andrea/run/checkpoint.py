@@ -25,7 +25,6 @@ import os
 import re
 import secrets
 import shutil
-import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from andrea import files
 from andrea.errors import UserError
 
 FORMAT_VERSION = 1
@@ -59,10 +59,6 @@ Validate = Callable[[dict, dict], None]
 
 class CheckpointError(UserError):
     """A checkpoint cannot be saved or loaded; the one-line message names the file and the problem."""
-
-
-def _print_warning(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------- saving
@@ -359,7 +355,7 @@ def _checkpoint_dirs(out_dir) -> list[Path]:
 
 
 def latest_checkpoint(out_dir, validate: Validate | None = None,
-                      warn: Callable[[str], None] = _print_warning) -> tuple[Path, dict, dict]:
+                      warn: Callable[[str], None] = files.warn) -> tuple[Path, dict, dict]:
     """(path, tensors, meta) of the newest checkpoint that loads and passes `validate(tensors, meta)`.
 
     `validate` raises UserError (or CheckpointError) when a checkpoint does not fit the run, e.g. other

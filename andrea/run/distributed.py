@@ -75,6 +75,16 @@ class _World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def log(self, msg: str) -> None:
+        """A line of the run's output: rank 0 prints it, the other ranks say nothing."""
+        if self.is_main:
+            print(msg, flush=True)
+
+    def note(self, msg: str) -> None:
+        """A note or warning on stderr, from rank 0 alone."""
+        if self.is_main:
+            print(msg, file=sys.stderr, flush=True)
+
     def max_int(self, value: int) -> int:
         """The largest of one non-negative int per rank (a signal number, say), on every rank."""
         flags = np.zeros(64)

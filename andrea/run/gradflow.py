@@ -24,8 +24,8 @@ import contextlib
 import io
 from pathlib import Path
 
-from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.files import atomic_writer
 from andrea.run.figure import label_depth_axis, new_figure
 
 

@@ -7,7 +7,7 @@ matmuls through NumPy's BLAS; on a GPU loops of 8192^3 products through cuBLAS t
 events, in the GEMM mode of the run (TF32 or not). The MFU lines name the peak they divide by.
 A measurement taken while other work loads the machine comes out low, and MFU against it above
 100% (as it did on a shared VM): training measures the peak again (`fresh`) when
-its steps beat it, and divides by the highest measurement or rate achieved (andrea.train.Throughput).
+its steps beat it, and divides by the highest measurement or rate achieved (andrea.run.throughput.Throughput).
 """
 
 import resource

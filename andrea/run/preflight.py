@@ -21,7 +21,7 @@
   below), against what the machine has
   (`MemAvailable` and the cgroup limit on Linux, free GPU memory on a GPU, which `auto` counts
   as when a GPU works): an error when the estimate does not fit, a warning above 80%;
-- the data, as the run's preparation checks it (andrea.prepare.check_preparation, reading only):
+- the data, as the run's preparation checks it (andrea.data.preparation.check_preparation, reading only):
   the inputs (one matching nothing, or other than those the directory was prepared from), the
   directory's state, shards and tokenizer, the corpus and its two splits; when it is prepared, the
   tokenizer's size against model.vocab_size and a window of seq_len + 1 tokens in both splits
@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from andrea.data.dataset import MAX_VOCAB
-from andrea.data.tokenizer import Tokenizer
+from andrea import files
+from andrea.data.manifest import split_counts
+from andrea.data.tokenfile import MAX_VOCAB
+from andrea.data.tokenizer import Tokenizer, load_tokenizer
 from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
 from andrea.run import distributed as dist
@@ -186,17 +187,13 @@ def check_memory(estimate: MemoryEstimate, device: str, warn=None) -> str:
         raise UserError(f"this run needs {need} but only {gib(free)} is available ({source}): "
                         "lower train.batch_size (--set train.batch_size=...), model.n_layer or model.d_model")
     if estimate.total > WARN_FRACTION * free:
-        (warn or _warn)(f"this run needs {need}, {100 * estimate.total / free:.0f}% of the {gib(free)} "
+        (warn or files.warn)(f"this run needs {need}, {100 * estimate.total / free:.0f}% of the {gib(free)} "
                         f"available ({source}): other programs may push it out of memory")
     return f"{need} of {gib(free)} available ({source})"
 
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
-
-
-def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -215,8 +212,6 @@ def check_split(name: str, n_tokens: int, cfg, where) -> None:
 
 def prepared_counts(data_dir: Path):
     """(train tokens, val tokens) of an already prepared data directory (from its manifest), or None."""
-    from andrea.data.dataset import split_counts
-
     return split_counts(data_dir)
 
 
@@ -287,7 +282,7 @@ def check(cfg, out_dir, processes=1, init_from=None, warn=None, tokenizer=None, 
     if t.warmup_steps > t.max_steps:
         # refusing would break quick runs (`--max-steps 10` on a config warming up for 50): say what happens
         peak = t.lr * t.max_steps / t.warmup_steps
-        (warn or _warn)(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
+        (warn or files.warn)(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
                         f"learning rate rises to {peak:.2e} at the last step and never reaches train.lr "
                         f"({t.lr:g}); --set train.warmup_steps={t.max_steps // 10} gives warmup then decay")
     if t.sample_tokens > 0 and not t.sample_prompt:
@@ -318,7 +313,7 @@ def check_init_from(directory, cfg) -> None:
 
 
 def data_request(cfg, tokenizer=None) -> dict:
-    """The arguments of the run's preparation (andrea.prepare.prepare and check_preparation alike)."""
+    """The arguments of the run's preparation (andrea.data.preparation's prepare and check_preparation alike)."""
     return {"inputs": cfg.data.inputs or None, "data_dir": cfg.data.resolved_dir(), "vocab_size": cfg.model.vocab_size,
             "val_fraction": cfg.data.val_fraction, "allow_smaller_vocab": cfg.data.allow_smaller_vocab,
             "tokenizer": tokenizer}
@@ -327,7 +322,7 @@ def data_request(cfg, tokenizer=None) -> dict:
 def check_preparation(cfg, tokenizer=None) -> str:
     """The run's preparation checked as `prepare` checks it before writing, reading only; then, for a
     prepared directory, the model's vocabulary and both splits. The plan's data line."""
-    from andrea.prepare import check_preparation as check_request
+    from andrea.data.preparation import check_preparation as check_request
 
     request = data_request(cfg, tokenizer)
     try:
@@ -339,8 +334,6 @@ def check_preparation(cfg, tokenizer=None) -> str:
         source = " ".join(cfg.data.inputs) if cfg.data.inputs else "the Python standard library"
         return (f"{data_dir} not prepared yet: the run prepares it from {source} first ({len(plan.corpus.files):,} "
                 f"files, {plan.sizes.sum() / 1e6:.1f} MB)")
-    from andrea.interop.hf import load_tokenizer
-
     fit_vocabulary(copy.deepcopy(cfg), load_tokenizer(Path(data_dir) / "tokenizer.json"), data_dir)
     return _prepared_line(cfg, data_dir)
 

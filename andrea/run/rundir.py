@@ -17,8 +17,8 @@ directory is claimed. Before writing, a command asks what the directory is:
   config.json, the run being exported, the export of another run...) is refused, `--overwrite`
   or not, naming the files that are in the way.
 
-Runs written before the marker existed are recognised by their config.json (an object with
-andrea's "model", "train" and "data" sections) and marked when next claimed.
+A run of an older layout, written before the marker existed (an andrea config.json, no marker), is
+refused with a line saying to resume it with the andrea version that wrote it.
 
 While a command writes, it holds an exclusive lock (flock) on the directory itself, so a second
 command claiming the same directory (two andrea.train into one --out) is refused at once instead of
@@ -36,9 +36,9 @@ import os
 import shutil
 from pathlib import Path
 
-from andrea.data.dataset import atomic_writer
 from andrea.data.lock import flock
 from andrea.errors import UserError
+from andrea.files import atomic_writer
 from andrea.run import checkpoint as ckpt
 
 WRITERS = "command writes into it"  # what must not run beside a directory that cannot be locked
@@ -62,17 +62,23 @@ def _marker(directory: Path) -> dict | None:
 
 
 def kind_of(directory) -> str | None:
-    """"run" or "export" for a directory andrea wrote (its marker, or a run's config.json from before
-    markers), another kind a marker names, or None: missing, empty, or another program's."""
-    directory = Path(directory)
-    marker = _marker(directory)
-    if marker is not None and isinstance(marker.get("kind"), str):
-        return marker["kind"]
+    """"run" or "export" for a directory andrea wrote (its marker), another kind a marker names, or
+    None: missing, empty, or another program's."""
+    marker = _marker(Path(directory))
+    return marker["kind"] if marker is not None and isinstance(marker.get("kind"), str) else None
+
+
+def _refuse_an_older_run(directory: Path) -> None:
+    """A run written before the marker existed: an andrea config.json (its three sections), no marker."""
+    if _marker(directory) is not None:
+        return
     try:
         config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    return "run" if isinstance(config, dict) and config.keys() >= _ANDREA_CONFIG_SECTIONS else None
+        return
+    if isinstance(config, dict) and config.keys() >= _ANDREA_CONFIG_SECTIONS:
+        raise UserError(f"--out {directory} holds a run of an older layout (no {MARKER} marker): resume it with "
+                        "the andrea version that wrote it, or choose another --out")
 
 
 def _written_by(kind: str, directory: Path) -> list[str]:
@@ -92,6 +98,7 @@ def check(directory, kind: str, resume: bool = False, overwrite: bool = False, s
     if not directory.is_dir():
         return
     _refuse_if_in_use(directory, kind)  # say so first, whatever it holds
+    _refuse_an_older_run(directory)
     _refuse_what_is_not_ours(directory, kind, resume, overwrite, source)
 
 

@@ -22,17 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-from andrea.data.dataset import atomic_writer
 from andrea.errors import UserError
+from andrea.files import atomic_writer, warn
 from andrea.run import checkpoint as ckpt
 
 EXIT_SAVE_FAILED = 4
 PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
-_STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.data.dataset.atomic_writer's scratch: .<name>.<pid>.tmp
-
-
-def warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
+_STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.files.atomic_writer's scratch: .<name>.<pid>.tmp
 
 
 # ----------------------------------------------------------------------------------------------- metrics
@@ -191,7 +187,7 @@ def summary(out_dir, steps_done: int, step: int, seconds: float, rate, loss, val
     """The end-of-run line: steps, time, throughput, the last step's loss, the last validation loss
     beside the data's unigram baseline (a loss below it learned more than token frequencies),
     where the checkpoint is. `rate` is (tokens/s, seconds, steps) of the training steps the rate
-    comes from (andrea.train.Throughput.run_rate: after the first, without evaluation or saving);
+    comes from (andrea.run.throughput.Throughput.run_rate: after the first, without evaluation or saving);
     `loss` the last step's training loss, `val` (step, loss, bits per byte) of the last evaluation, or None;
     `baseline` the validation tokens' unigram entropy (meta.json's unigram_val_nats), or None."""
     tokens_per_s, train_s, timed = rate

@@ -4,20 +4,24 @@
     python -m andrea.bench --device gpu --model h200   # the same table
     estimate_step_seconds()          # seconds of one bench step (1 micro-batch + AdamW), for gpu_check
 
-Recorded, not guessed: the training step (andrea.train.Trainer.train_step: zero_grad, forward and
+Recorded, not guessed: the training step (andrea.run.trainer.Trainer.train_step: zero_grad, forward and
 backward over the micro-batches, the gradient norm, the clipping scale, the one host read, AdamW)
 runs with the GPU backend (`kernels='fused'`) on the CuPy stand-in in its recording mode
 (tests/cupy_standin/cupy/_record.py): arrays of the real size that are never computed nor touched,
 each CuPy launch recorded with its shapes, its GEMM FLOPs and the bytes it reads and writes (the
-project's RawKernels declare theirs: minitensor.backends.cuda.RawSpec.traffic). The launch count, the paths
-taken (the dense attention core on an H200's memory) and every shape are those of the real step;
-only time is modelled, per launch:
+project's RawKernels declare theirs: minitensor.backends.cuda.RawSpec.traffic, and the flash
+attention kernels their tensor-core FLOPs, RawSpec.flops). The launch count, the paths taken (the
+flash attention core for ANDREA's heads of 64) and every shape are those of the real step; only time
+is modelled, per launch:
 
     time = max(GEMM FLOPs / GEMM rate, bytes / memory bandwidth) + launch cost
+    (a kernel's declared FLOPs at the rate for a hand-written tensor-core kernel, H200.mma_kernel)
 
-with the H200 figures of `H200` below (each with its reason), and host<->device copies at a latency
-plus PCIe time. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token) over the
-step time and the dense TF32 peak. The model cannot see: kernels overlapping, cache reuse between
+with the H200 figures of `H200` below (each with its reason), and host<->device copies that the host
+waits for at a latency plus PCIe time; an asynchronous one (`cupy.asarray` of host data: CuPy 14.2
+stages it in pinned memory and copies it on the current stream) at its PCIe time plus a launch's
+cost. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token) over the step time and
+the dense TF32 peak. The model cannot see: kernels overlapping, cache reuse between
 launches, cuBLAS's choice of kernel per shape, clocks under power limits, the host falling behind
 when launches are short (CuPy's Python costs ~5-10 us a call on the host; launches are queued
 asynchronously, so the host hides behind long kernels only). gpu_check prints this estimate beside
@@ -56,6 +60,7 @@ class Hardware:
     copy_latency_s: float     # a host<->device copy's fixed cost
     pcie: float               # bytes/s of a copy between host and device
     memory: int               # bytes of device memory (the dense attention core's budget reads it)
+    mma_kernel: float         # FLOP/s of the inner products of a hand-written tensor-core kernel (the flash core)
 
 
 # H200 SXM (GH100: the H100 SXM's 132 SMs and clocks, 141 GB of HBM3e at 4.8 TB/s):
@@ -79,12 +84,23 @@ class Hardware:
 #   behind longer kernels; back to back, each kernel also pays its ramp-up and tail (~1-2 us, SMs
 #   idle while the last blocks finish). CuPy adds its Python dispatch on the host. 3-5 us is the usual
 #   range; the middle is taken.
-# - host<->device: ~10 us per copy (a synchronising cudaMemcpy from pageable memory) plus ~20 GB/s.
+# - host<->device: ~10 us per copy that the host waits for (a read back; `ndarray.set` from pageable
+#   memory) plus ~20 GB/s.
+# - 99 TFLOP/s (20% of the TF32 peak) for the inner products of the flash attention kernels
+#   (minitensor/backends/kernels/attention.cu, TF32 mma.sync): FlashAttention-2, CUTLASS mma.sync kernels
+#   tuned for years, reaches ~35% of the H100's dense FP16 peak in the forward and less in the backward
+#   (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608, figures 5-8: ~330-370 of 989 TFLOP/s at
+#   head size 64-128). Ours is a first hand-written kernel: fragments loaded from shared memory element
+#   by element (no ldmatrix), no cp.async prefetch of the next tile, 32-row tiles with two barriers per
+#   tile, head size 64 (FA2's own figures drop there); a little over half of FA2's share is taken, a
+#   guess to be replaced by the first GPU run's measurement. Traffic (RawSpec.traffic) counts every
+#   tile a block loads as a device-memory read, though on a GPU most repeats are L2 hits: conservative
+#   on that side too.
 H200 = Hardware("H200", tf32_peak=495e12, gemm_efficiency=0.70, unaligned=0.5, bandwidth=4.0e12, launch_s=4e-6,
-                copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9)
+                copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9, mma_kernel=0.20 * 495e12)
 
 LAUNCHES = ("gemm", "kernel", "elementwise", "reduction", "copy", "fill", "gather", "scatter", "sort")
-TRANSFERS = ("h2d", "d2h")
+TRANSFERS = ("h2d", "d2h", "h2d_async")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +141,7 @@ def _label_layers(rec, model, opt):
         _scoped(rec, model.ops, name, "attention core")
     for name in ("global_norm", "clip_scale"):
         _scoped(rec, model.ops, name, "grad norm and clip")
-    _scoped(rec, model, "_ids", "token ids to the device")
+    _scoped(rec, model, "_to_device", "token ids to the device")
     _scoped(rec, model, "zero_grad", "zero_grad")
     _scoped(rec, opt, "step", "adamw")
     counter = {"n": -1}
@@ -153,7 +169,7 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
 
     from andrea.config import load_config
     from andrea.model.optim import AdamW
-    from andrea.train import Trainer
+    from andrea.run.trainer import Trainer
     from minitensor import device
     from minitensor.backends import cupy_ops
 
@@ -166,8 +182,9 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     B, T = batch or t.batch_size, seq or cfg.context_length
     accum = micro_batches or max(1, t.tokens_per_step // (B * T))
     device.get_backend("gpu")  # the GPU probe computes: before recording
-    saved_memory = dict(cupy_ops._gpu_memory_bytes)
+    saved_memory, saved_ones = dict(cupy_ops._gpu_memory_bytes), dict(cupy_ops._ones_kept)
     cupy_ops._gpu_memory_bytes.clear()  # the dense core's budget: the H200's memory, not the stand-in's
+    cupy_ops._ones_kept.clear()  # made in every record (its copy counted), its values never kept (not computed)
     try:
         with _record.recording(total_bytes=H200.memory, verify=verify) as rec:
             model = (ANDREA if verify else Unseeded)(cfg, device="gpu", dtype="float32", kernels=kernels)
@@ -182,8 +199,9 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
             Trainer.train_step(trainer, t.lr)
             ops = rec.ops[start:]
     finally:
-        cupy_ops._gpu_memory_bytes.clear()
-        cupy_ops._gpu_memory_bytes.update(saved_memory)
+        for cache, saved in ((cupy_ops._gpu_memory_bytes, saved_memory), (cupy_ops._ones_kept, saved_ones)):
+            cache.clear()
+            cache.update(saved)
     n_params = model.num_parameters()
     return {"config": config, "batch": B, "seq": T, "micro_batches": accum, "kernels": kernels,
             "n_layer": cfg.n_layer, "parameters": n_params, "flops_per_token": flops_per_token(cfg, T, n_params),
@@ -222,8 +240,13 @@ def op_seconds(kind, name, flops, read, written, hw=H200):
     if kind == "gemm":
         rate = hw.tf32_peak * hw.gemm_efficiency * (hw.unaligned if "unaligned" in name else 1.0)
         return max(flops / rate, moved), 0.0, hw.launch_s
+    if kind == "h2d_async":  # queued on the stream, the host not waiting: its PCIe time and its submission
+        return 0.0, read / hw.pcie, hw.launch_s
     if kind in TRANSFERS:
         return 0.0, hw.copy_latency_s + read / hw.pcie, 0.0
+    if flops:  # a kernel that declares its inner products (cuda.RawSpec.flops): on the side that bounds it
+        compute = flops / hw.mma_kernel
+        return (compute, 0.0, hw.launch_s) if compute > moved else (0.0, moved, hw.launch_s)
     return 0.0, moved, hw.launch_s
 
 
@@ -245,8 +268,8 @@ def estimate(rec, hw=H200):
     last = f"micro-batch {rec['micro_batches'] - 1}"
     for kind, name, flops, read, written, scope in rec["ops"]:
         gemm_s, mem_s, launch_s = op_seconds(kind, name, flops, read, written, hw)
-        v = np.array([kind in LAUNCHES, flops if kind == "gemm" else 0, read + written, gemm_s, mem_s, launch_s,
-                      gemm_s + mem_s + launch_s])
+        v = np.array([kind in LAUNCHES, flops if kind in ("gemm", "kernel") else 0, read + written, gemm_s, mem_s,
+                      launch_s, gemm_s + mem_s + launch_s])
         mb = next((s for s in scope if s.startswith("micro-batch")), None)
         which = "step" if mb is None else "first" if mb == "micro-batch 0" else "later" if mb == last else "middle"
         rows[(which, *part_of(scope))] += v

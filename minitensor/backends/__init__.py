@@ -8,7 +8,10 @@
     numpy_ops.py      NumpyOps: the CPU, work over threads; numba_kernels.py its compiled kernels,
                       numba_jit.py how they compile (or not, without numba)
     cupy_ops.py       CupyOps: the GPU, CUDA kernels chosen by the start-up self-check
-                      (minitensor.checks.selfcheck); cuda.py their registry and launches
+                      (minitensor.checks.selfcheck); cuda.py their registry and launches,
+                      kernels/ their CUDA sources (.cu)
+    all_kernels()     every CUDA kernel (name -> spec) and fused_pieces() every fused piece's record
+                      (name -> cuda.FusedPiece), read from cupy_ops.py, which declares them
 
 The model builds its backend here from the device's array module (minitensor.device) and its
 kernels setting, and hands it to every layer; a layer built without one takes its arrays'. The
@@ -46,3 +49,18 @@ def get_ops(xp=np, kernels=None):
         fused, line = selfcheck.select_kernels(key[2], xp)
         _ops[key] = CupyOps(xp, fused, line)
     return _ops[key]
+
+
+def all_kernels():
+    """minitensor.backends.cuda.KERNELS (name -> spec) with every kernel in it: cupy_ops declares them."""
+    from minitensor.backends import cuda, cupy_ops  # noqa: F401  (importing cupy_ops registers them)
+
+    return cuda.KERNELS
+
+
+def fused_pieces():
+    """minitensor.backends.cuda.PIECES (name -> FusedPiece) with every fused piece in it, in the order
+    cupy_ops declares them; their names are what CupyOps(fused=...) and train.kernels choose from."""
+    from minitensor.backends import cuda, cupy_ops  # noqa: F401  (importing cupy_ops registers them)
+
+    return cuda.PIECES

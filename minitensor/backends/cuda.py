@@ -7,13 +7,18 @@ share:
 - the registry `KERNELS` (name -> spec). A spec holds what CuPy needs to build the kernel (built
   lazily, once) and can produce the exact source NVRTC compiles for a dtype, which makes two
   checks possible without a GPU (`python -m minitensor.checks --check | --host-check`, see
-  minitensor/checks/kernelcheck.py); `all_kernels()` imports the layer modules so every kernel is in it.
+  minitensor/checks/kernelcheck.py). cupy_ops.py fills it; `minitensor.backends.all_kernels()`
+  imports that module and returns it full.
 - `launch`, which runs a RawKernel after checking each argument against its C type (CuPy would
   pass a Python int as 64 bits and a Python float as a double, silently), and the argument
   checks of the wrappers.
-- the names of the fused pieces (FUSED), each the Ops piece it replaces, and their self-checks
-  (CHECKS). The Ops code is the reference; a CupyOps runs the fused pieces it was built with
-  (minitensor.backends.get_ops, minitensor.checks.selfcheck).
+- the fused pieces' records `PIECES` (name -> FusedPiece: the Ops methods it replaces, its kernels,
+  how to build its sample inputs), declared in minitensor/backends/cupy_ops.py beside their
+  wrappers, from which the start-up self-check (minitensor.checks.selfcheck), the tests and
+  gpu_check's kernel phase all run (`minitensor.backends.fused_pieces()` returns them all). The
+  Ops code is the reference; a CupyOps runs the fused pieces it was built with (get_ops).
+- the CUDA sources' loader: each kernel is the section `// @kernel NAME` of a .cu file under
+  minitensor/backends/kernels/, read at its first use (`cu_code`).
 
 The exact elementwise sources come from CuPy private APIs, so CuPy's minor version is
 pinned by the `kernel-check` extra. Importing this module costs nothing: CuPy is imported only
@@ -23,7 +28,7 @@ by the functions that need it.
 import argparse
 import dataclasses
 import functools
-import importlib
+import pathlib
 import re
 from collections.abc import Callable
 
@@ -35,42 +40,6 @@ INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU 
 DTYPES = ("float32", "float64")
 ARCHS = ("sm_80", "sm_90")
 
-# The modules that register kernels and their self-checks, imported by all_kernels().
-KERNEL_MODULES = ("minitensor.backends.cupy_ops", "minitensor.checks.cupy_checks")
-
-# The fused pieces the layers can use on CuPy, each the name of what it replaces:
-#   layernorm       LayerNorm forward and backward          (layernorm_fwd, _bwd, _bwd_params)
-#   bias_gelu       GELU(x + b) forward and backward          (bias_gelu_fwd, _bwd)
-#   causal_softmax  the attention probabilities and their gradient (causal_softmax_fwd, _bwd)
-#   softmax_xent    cross-entropy forward and backward        (softmax_xent_fwd, _bwd)
-#   adamw           the AdamW update, one pass                (adamw_step)
-FUSED = ("layernorm", "bias_gelu", "causal_softmax", "softmax_xent", "adamw")
-
-# name -> check(ops, rng): runs the layer piece `name` (forward and backward) through the backend
-# ops on small random inputs drawn from the NumPy Generator rng, moved to ops.xp, and returns its
-# outputs; the self-check runs it with and without the fused kernel and compares
-# (minitensor/backends/cupy_ops.py registers them).
-CHECKS = {}
-
-
-def self_check(name):
-    """Decorator: registers a layer's check of its fused piece `name` (one of FUSED)."""
-    if name not in FUSED:
-        raise ValueError(f"unknown fused piece {name!r}: one of {', '.join(FUSED)}")
-
-    def add(fn):
-        CHECKS[name] = fn
-        return fn
-
-    return add
-
-
-def all_kernels():
-    """KERNELS, after importing every module that registers kernels (and their CHECKS)."""
-    for name in KERNEL_MODULES:
-        importlib.import_module(name)
-    return KERNELS
-
 
 # ---------------------------------------------------------------------------------------------
 # The registry
@@ -80,6 +49,9 @@ def all_kernels():
 class ElementwiseSpec:
     """A `cupy.ElementwiseKernel`, described without CuPy.
 
+    Its operation is the section `// @kernel <name>` of kernels/<file> (read at the first use); a
+    spec made in a test may give it `inline` instead. A `#include "x.cuh"` at the section's top
+    becomes its preamble.
     `reference(**inputs)` is the NumPy form the kernel must equal (one output array, or a tuple
     for several): the layer's generic code (GELU's, AdamW's update) on flat arrays as the kernel
     sees them, or, where a flat index stands for a row and a column, a few lines that gather by it
@@ -91,13 +63,21 @@ class ElementwiseSpec:
     name: str
     in_params: str
     out_params: str
-    operation: str
-    reference: Callable = dataclasses.field(compare=False)
-    preamble: str = ""
+    file: str = ""  # the .cu file under minitensor/backends/kernels/ holding the operation
+    reference: Callable = dataclasses.field(default=None, compare=False)
     options: tuple = ()
     scalars: tuple = ()  # ((name, sample value), ...)
     # ((name, fn), ...): fn maps the host check's samples of an input into its domain (v >= 0, ...)
     domains: tuple = dataclasses.field(default=(), compare=False)
+    inline: str = ""  # the operation itself, for a kernel that has no file (a test's)
+
+    @property
+    def operation(self):
+        return self.inline or cu_code(self.file, self.name)[1]
+
+    @property
+    def preamble(self):
+        return "" if self.inline else cu_code(self.file, self.name)[0]
 
     def kernel(self, dtype=None):
         """The CuPy kernel; one object serves every dtype."""
@@ -112,15 +92,28 @@ class ElementwiseSpec:
 class RawSpec:
     """A `cupy.RawKernel` whose code is written against the type name `T` (one build per dtype).
 
+    Its code is the section `// @kernel <name>` of kernels/<file> (read at the first use), the
+    headers it `#include`s pasted in; a spec made in a test may give it `inline` instead.
     `traffic(**args) -> (bytes read, bytes written)`: what one launch with these arguments (named
     as the kernel's parameters) moves to and from device memory, for the step model
     (andrea/run/stepmodel.py); None: every `const` pointer read once, every other pointer written
-    once (`bytes_moved`)."""
+    once (`bytes_moved`). `flops(**args)`: the floating-point operations of the inner products of one
+    launch, declared by a kernel whose float32 products run on tensor cores (the step model charges
+    them at its rate for a hand-written mma kernel); None: 0."""
 
     name: str
-    code: str
+    file: str = ""  # the .cu file under minitensor/backends/kernels/ holding the kernel
     options: tuple = ()
     traffic: Callable = dataclasses.field(default=None, compare=False)
+    inline: str = ""  # the code itself, for a kernel that has no file (a test's)
+    flops: Callable = dataclasses.field(default=None, compare=False)
+
+    @property
+    def code(self):
+        if self.inline:
+            return self.inline
+        headers, body = cu_code(self.file, self.name)
+        return f"{headers}\n{body}\n"
 
     def kernel(self, dtype):
         return _raw_kernel(self, np.dtype(dtype))
@@ -136,8 +129,65 @@ class RawSpec:
         written = sum(a.nbytes for (name, _, ptr), a in zip(params, args) if ptr and name not in const)
         return read, written
 
+    def flops_of(self, args):
+        """The floating-point operations of a launch with args (0 where the spec declares none)."""
+        if self.flops is None:
+            return 0
+        return self.flops(**{name: a for (name, _, _), a in zip(raw_params(self), args)})
+
     def source(self, dtype):
         return f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA sources: .cu files under kernels/, read at the first use
+
+KERNEL_DIR = pathlib.Path(__file__).with_name("kernels")
+MARK = "// @kernel "
+
+
+def cu_code(file, name):
+    """(headers, body) of the section `// @kernel <name>` of kernels/<file>: the section runs to the
+    next such line; its opening // comment lines are the reader's; each `#include "x.cuh"` after
+    them is that header's text (its opening comment dropped) for the headers, "\n" around each;
+    the rest, blank lines trimmed, is the body (a RawKernel's code, an ElementwiseKernel's operation)."""
+    sections = _cu_file(file)
+    if name not in sections:
+        raise KeyError(f"{KERNEL_DIR / file} has no section '{MARK}{name}' (it has: {', '.join(sections)})")
+    return sections[name]
+
+
+@functools.cache
+def _cu_file(file):
+    if not file:
+        raise ValueError("a kernel spec needs its .cu file (or inline code)")
+    sections, lines = {}, None
+    for line in (KERNEL_DIR / file).read_text().splitlines():
+        if line.startswith(MARK):
+            lines = sections.setdefault(line[len(MARK):].split()[0], [])
+            if lines:
+                raise ValueError(f"{KERNEL_DIR / file}: two sections named {line[len(MARK):].split()[0]!r}")
+        elif lines is not None:
+            lines.append(line)
+    return {name: _section(lines) for name, lines in sections.items()}
+
+
+def _section(lines):
+    lines = list(lines)
+    while lines and lines[0].startswith("//"):
+        lines.pop(0)
+    headers = ""
+    while lines and lines[0].startswith('#include "'):
+        headers += f"\n{_header(lines.pop(0).split(chr(34))[1])}\n"
+    return headers, "\n".join(lines).strip("\n")
+
+
+@functools.cache
+def _header(file):
+    lines = (KERNEL_DIR / file).read_text().splitlines()
+    while lines and lines[0].startswith("//"):
+        lines.pop(0)
+    return "\n".join(lines).strip("\n")
 
 
 # name -> spec, for every CUDA kernel in the project. A spec has `name`, `options` (passed to
@@ -154,6 +204,45 @@ def register(spec):
         raise ValueError(f"a kernel named {spec.name!r} is already registered")
     return KERNELS.setdefault(spec.name, spec)
 
+
+@dataclasses.dataclass(frozen=True)
+class FusedPiece:
+    """One fused piece of CupyOps, declared once (minitensor/backends/cupy_ops.py, beside its
+    wrappers); the start-up self-check, the tests and gpu_check's kernel phase all read it.
+
+    name      what CupyOps(fused=...), the kernels line and train.kernels call it
+    replaces  the Ops methods CupyOps overrides with it (each runs `super()` when the piece is off)
+    kernels   its kernel specs, registered in KERNELS with the piece
+    sample    sample(ops, rng) -> outputs: the piece's layer forward and backward through the backend
+              `ops` on small random float32 inputs drawn from the NumPy Generator rng (moved to
+              ops.xp); the self-check runs it with the piece off and on and compares
+              (minitensor.checks.selfcheck)
+    cases     None, or cases(k) -> [(name, setup, fused, generic, uses an ElementwiseKernel), ...]:
+              gpu_check's comparisons of each kernel's wrapper with the Ops code at ANDREA-120M
+              shapes (k: the sizes and inputs of scripts/gpu_check.py's _KernelInputs); without
+              them gpu_check compares `sample` off and on
+    rtol      the self-check's tolerance where it is not its own (minitensor.checks.selfcheck.RTOL):
+              a piece whose float32 products run on TF32 tensor cores
+    """
+
+    name: str
+    replaces: tuple
+    kernels: tuple
+    sample: Callable = dataclasses.field(compare=False)
+    cases: Callable = dataclasses.field(default=None, compare=False)
+    rtol: float = None
+
+
+# name -> FusedPiece, in the order they are declared
+PIECES = {}
+
+
+def fused_piece(name, replaces, kernels, sample, cases=None, rtol=None):
+    """Registers a fused piece and its kernels; returns the piece."""
+    if name in PIECES and PIECES[name].kernels != tuple(kernels):
+        raise ValueError(f"a fused piece named {name!r} is already registered")
+    piece = FusedPiece(name, tuple(replaces), tuple(register(k) for k in kernels), sample, cases, rtol)
+    return PIECES.setdefault(name, piece)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,52 +313,6 @@ def _elementwise_source(spec, dtype):
     header = "".join(f"#include <{h}>\n" for h in tc.core._cupy_header_list)
     return header + code
 
-
-
-# Shared by the row kernels: overloads that keep float maths in float, and block-wide reductions.
-# The reductions need a 1-D block of a multiple of 32 threads (at most 1024), all calling them
-# (they use __syncthreads and full-warp shuffles); every thread gets the result; `buf` is 32 Ts of
-# shared memory, reusable by the next call. NVRTC has no INFINITY or NAN: the bit patterns instead.
-ROW_COMMON = r"""
-__device__ __forceinline__ float exp_of(float v) { return expf(v); }
-__device__ __forceinline__ double exp_of(double v) { return exp(v); }
-__device__ __forceinline__ float log_of(float v) { return logf(v); }
-__device__ __forceinline__ double log_of(double v) { return log(v); }
-__device__ __forceinline__ float sqrt_of(float v) { return sqrtf(v); }
-__device__ __forceinline__ double sqrt_of(double v) { return sqrt(v); }
-__device__ __forceinline__ float lowest_of(float) { return -3.40282347e+38f; }
-__device__ __forceinline__ double lowest_of(double) { return -1.7976931348623157e+308; }
-__device__ __forceinline__ float nan_of(float) { return __int_as_float(0x7fc00000); }
-__device__ __forceinline__ double nan_of(double) { return __longlong_as_double(0x7ff8000000000000LL); }
-
-__device__ T block_sum(T v, T *buf) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();  /* buf may still be read by the previous call */
-  if (lane == 0) buf[warp] = v;
-  __syncthreads();
-  v = lane < n_warps ? buf[lane] : (T)0;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ T block_max(T v, T *buf) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  for (int o = 16; o > 0; o >>= 1) {
-    const T u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = u > v ? u : v;
-  }
-  __syncthreads();
-  if (lane == 0) buf[warp] = v;
-  __syncthreads();
-  v = lane < n_warps ? buf[lane] : lowest_of(v);
-  for (int o = 16; o > 0; o >>= 1) {
-    const T u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = u > v ? u : v;
-  }
-  return v;
-}
-"""
 
 
 # ---------------------------------------------------------------------------------------------

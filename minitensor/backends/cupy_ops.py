@@ -9,25 +9,37 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
     bias_gelu_forward / _backward      'bias_gelu_fwd' / '_bwd' ('_bwd_fwd' with the output recomputed),
                                        fused piece bias_gelu
     layernorm_forward / _backward      'layernorm_fwd', '_bwd', '_bwd_params' fused piece layernorm
-    causal_softmax / _backward         'causal_softmax_fwd' / '_bwd'         fused piece causal_softmax
+    attention_forward_dense            'causal_softmax_fwd' / '_bwd' (the dense core's softmax, backward through
+                                       attention_backward by its cache type) fused piece causal_softmax
     softmax_xent_forward / _backward   'softmax_xent_fwd' / '_bwd'           fused piece softmax_xent
     adamw_step                         'adamw_step'                          fused piece adamw
     scatter_add_rows                   'scatter_add_rows' (always: deterministic where add.at's atomics are not)
-    attention_forward                  the dense core within a memory budget (a 64th of the GPU's
-                                       memory per layer: 2.2 GB on an H200, where ANDREA-120M at
-                                       8 x 1024 needs 384 MiB), else the query blocks of
-                                       minitensor.backends.blocked
+    linear_weight_grads, gemm          cuBLAS's own GEMM and GEMV (minitensor.backends.cublas, always): beta 1
+                                       accumulates a gradient in the GEMM's output pass, transposed operands
+                                       and longer rows taken as stored (the dense core's batched GEMMs too)
+    attention_forward                  'flash_attention_fwd', '_bwd_dq', '_bwd_dkv' (head sizes a multiple
+                                       of 16 up to 64, float32 on TF32 tensor cores) fused piece
+                                       flash_attention; else the dense core within a memory budget (a
+                                       64th of the GPU's memory per layer: 2.2 GB on an H200, where
+                                       ANDREA-120M at 8 x 1024 needs 384 MiB), else the query
+                                       blocks of minitensor.backends.blocked
 
 Which fused pieces a CupyOps runs is fixed when it is built (`CupyOps(xp, fused=...)`; through
 `minitensor.backends.get_ops(cupy, kernels)`, where kernels="auto" runs the start-up self-check of
-minitensor.checks.selfcheck once: each piece's check (minitensor/checks/cupy_checks.py) once through the Ops
-code and once through the kernel, keeping those that agree).
+minitensor.checks.selfcheck once: each piece's sample once through the Ops code and once through the
+kernel, keeping those that agree).
+
+Each fused piece is declared once, by a record (`cuda.fused_piece`) at the end of its section below:
+its name, the Ops methods it replaces, its kernels, how to build its sample inputs (`sample`, the
+self-check's) and gpu_check's comparisons at ANDREA-120M shapes (`cases`). The CUDA source of every
+kernel is in minitensor/backends/kernels/, the section `// @kernel NAME` of one .cu file.
 
 Every kernel is registered in minitensor.backends.cuda.KERNELS, so that two checks run without a GPU
 (`python -m minitensor.checks --check | --host-check`): NVRTC compiles each one, and g++ runs
 each elementwise operation on the host against its `reference`, which is the Ops code. Only
 CuPy's public API is called here (ElementwiseKernel and RawKernel through minitensor.backends.cuda,
-cupy.cuda for the device), so a NumPy-backed stand-in of CuPy can run this file in CI.
+cupy.cuda for the device, cuBLAS through cupy_backends.cuda.libs.cublas in minitensor.backends.cublas),
+so a NumPy-backed stand-in of CuPy can run this file in CI.
 """
 
 import math
@@ -35,11 +47,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from minitensor.backends import cuda
+from minitensor.backends import cublas, cuda
 from minitensor.backends.blocked import BlockedAttention
-from minitensor.backends.ops import GELU_C, Ops
-from minitensor.backends.tricks import GELU_AC, GELU_AC3, FreshGrads, adamw_scalars, adamw_update
-from minitensor.device import array_module
+from minitensor.backends.ops import Ops
+from minitensor.backends.tricks import FreshGrads, adamw_scalars, adamw_update
+from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH, array_module
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
 
@@ -52,19 +64,36 @@ class FusedAttentionCache(NamedTuple):
     p: object
 
 
+class FlashAttentionCache(NamedTuple):
+    """What the flash core keeps: q (unscaled), k, v (B*n_head, T, hs); y4, the output as a
+    (B, n_head, T, hs) view; lse, each query row's log-sum-exp."""
+    q: object
+    k: object
+    v: object
+    y4: object
+    lse: object
+
+
+def _draw(xp, rng, *shape, scale=1.0, shift=0.0):
+    return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
+
+
 class CupyOps(BlockedAttention, Ops):
     name = "cupy"
     # the dense attention core when all heads' probabilities fit this many bytes (None: a 64th of
     # the GPU's memory)
     dense_max_bytes = None
+    # the flash kernels' float32 products on TF32 tensor cores: None as the cuBLAS math mode says
+    # (train.tf32), True or False whatever it says (the self-check checks both)
+    flash_tf32 = None
 
     def __init__(self, xp, fused=(), kernels_line=None):
-        """fused: the fused pieces to run (names of minitensor.backends.cuda.FUSED), the others through the
-        Ops code; kernels_line: the log line that says how they were chosen."""
+        """fused: the fused pieces to run (names of their records, minitensor.backends.fused_pieces()),
+        the others through the Ops code; kernels_line: the log line that says how they were chosen."""
         super().__init__(xp)
-        unknown = set(fused) - set(cuda.FUSED)
+        unknown = set(fused) - set(cuda.PIECES)  # every record is in: this module declares them
         if unknown:
-            raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.FUSED)}")
+            raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.PIECES)}")
         self.in_use = frozenset(fused)
         self._fresh = FreshGrads()        # the gradient views a GEMM may write (linear_weight_grads)
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
@@ -90,22 +119,26 @@ class CupyOps(BlockedAttention, Ops):
         BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)
 
     def linear_weight_grads(self, x, dy, dW, db):
-        """The first time after fill_zero (the first micro-batch after zero_grad, FreshGrads), dW
-        written by its GEMM and db by its reduction itself (`sum(out=db)`) rather than through
-        temporaries; else, where db follows dW in the gradient buffer (Params lays a weight and its
-        bias out so), both added in one pass."""
-        if self._fresh.take(dW):
-            self.xp.matmul(x.T, dy, out=dW)
-            if db is not None:
-                dy.sum(axis=0, out=db)
-            return
-        joint = None if db is None else _joined(dW, db, (dW.shape[0] + 1, dW.shape[1]))
-        if joint is None:
+        """dW = x^T dy by cuBLAS with beta 0 the first time after fill_zero (the first micro-batch after
+        zero_grad, FreshGrads), beta 1 on later micro-batches (the gradient accumulated in the GEMM's
+        output pass: no temporary, no add); db likewise as the GEMV dy^T ones
+        (minitensor.backends.cublas). Ops' code where cuBLAS cannot take an operand as it is laid out."""
+        write = self._fresh.take(dW)
+        beta = 0.0 if write else 1.0
+        if not cublas.gemm(x.T, dy, dW, beta):                # Ops adds (to zeros, when write)
             return super().linear_weight_grads(x, dy, dW, db)
-        grads = self.xp.empty(joint.shape, dtype=joint.dtype)  # x^T dy and sum(dy) side by side, added in one pass
-        self.xp.matmul(x.T, dy, out=grads[:-1])
-        dy.sum(axis=0, out=grads[-1])
-        joint += grads
+        if db is None or cublas.colsum(dy, db, _ones(self.xp, dy.shape[0], dy.dtype), beta):
+            return
+        if write:
+            dy.sum(axis=0, out=db)
+        else:
+            db += dy.sum(axis=0)
+
+    def gemm(self, a, b, out, accumulate=False):
+        """By cuBLAS with beta 1 to accumulate, taking operands and out with longer rows or transposed
+        as they are laid out (CuPy's matmul would copy them)."""
+        if not cublas.gemm(a, b, out, 1.0 if accumulate else 0.0):
+            super().gemm(a, b, out, accumulate)
 
     # --- GELU ---
 
@@ -141,7 +174,7 @@ class CupyOps(BlockedAttention, Ops):
         return layernorm_forward_gpu(x, w, b, eps)
 
     def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
-        if not self.fused("layernorm"):
+        if not self.fused("layernorm") or x.shape[-1] > LN_MAX_C:
             return super().layernorm_backward(dy, x, mean, rstd, w, dw, db, dres)
         # the kernel reads the skip gradient and writes dx beside it: the caller's array is kept
         residual = None if dres is None else self.xp.ascontiguousarray(dres)
@@ -150,6 +183,10 @@ class CupyOps(BlockedAttention, Ops):
     # --- attention ---
 
     def attention_forward(self, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
+        """fused flash_attention (unless dense or blocks are asked for): the flash kernels where they take
+        the head size and dtype; else the dense core within a memory budget, else Ops' query blocks."""
+        if dense is None and self.fused("flash_attention") and flash_fits(qkv4[0].shape[-1], y4.dtype):
+            return self.attention_forward_flash(qkv4, b, y4)
         if dense is None:
             B, nh, T, _ = qkv4[0].shape
             dense = B * nh * T * T * y4.itemsize <= (self.dense_max_bytes or _gpu_memory(self.xp) // 64)
@@ -158,9 +195,20 @@ class CupyOps(BlockedAttention, Ops):
     # The dense core with the fused softmax: the 1/sqrt(hs) scale goes into the softmax kernels
     # (forward: p = softmax(scale s); backward: ds = scale p (dp - rowsum(dp p))), so q is kept
     # unscaled and neither q nor dq takes a pass of its own, and rowsum(dy y) (Ops' D) is not
-    # computed: the backward kernel sums dp p itself. CuPy's batched matmul copies an operand that
-    # is not C-contiguous (SPEC section 5): k^T (forward), dy^T, v^T and q^T (backward) are those
-    # copies; dv and dk come out transposed (dv^T = dy^T p, dk^T = q^T ds), read as stored.
+    # computed: the backward kernel sums dp p itself. CuPy's batched matmul would copy an operand
+    # that is not C-contiguous (SPEC section 5): k^T (forward), dy^T, v^T and q^T (backward) go to
+    # cuBLAS's strided batched GEMM with the transpose flag instead (_bmm); dv and dk come out
+    # transposed (dv^T = dy^T p, dk^T = q^T ds), read as stored.
+
+    def _bmm(self, a, b, out=None):
+        """a @ b for (batch, M, K) @ (batch, K, N), one strided batched cuBLAS GEMM with transposed
+        operands as they are stored, into out or a new C-contiguous array (CuPy's matmul where
+        cuBLAS cannot take them)."""
+        if out is None:
+            out = self.xp.empty((*a.shape[:-1], b.shape[-1]), dtype=np.result_type(a.dtype, b.dtype))
+        if not cublas.gemm(a, b, out):
+            self.xp.matmul(a, b, out=out)
+        return out
 
     def attention_forward_dense(self, qkv4, b, y4):
         if not self.fused("causal_softmax"):
@@ -170,12 +218,14 @@ class CupyOps(BlockedAttention, Ops):
         heads = xp.empty((3, B * nh, T, hs), dtype=y4.dtype)  # q, k, v, each (BH, T, hs) contiguous
         _split_heads(xp, qkv4, b, heads.reshape(3, B, nh, T, hs))
         q, k, v = heads
-        s = xp.matmul(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
+        s = self._bmm(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
         p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
-        y4[...] = xp.matmul(p, v).reshape(B, nh, T, hs)       # heads back in order
+        y4[...] = self._bmm(p, v).reshape(B, nh, T, hs)       # heads back in order
         return FusedAttentionCache(q, k, v, p)
 
     def attention_backward(self, dy4, saved, grads4):
+        if isinstance(saved, FlashAttentionCache):
+            return self._attention_backward_flash(dy4, saved, grads4)
         if not isinstance(saved, FusedAttentionCache):
             return super().attention_backward(dy4, saved, grads4)
         xp = self.xp
@@ -184,12 +234,12 @@ class CupyOps(BlockedAttention, Ops):
         B, nh = dy4.shape[:2]
         dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
         dkvT = xp.empty((2, BH, hs, T), dtype=q.dtype)        # dk^T, dv^T side by side
-        xp.matmul(dy.transpose(0, 2, 1), p, out=dkvT[1])      # forward was y = p v: dv^T = dy^T p
-        dp = xp.matmul(dy, v.transpose(0, 2, 1))
+        self._bmm(dy.transpose(0, 2, 1), p, out=dkvT[1])      # forward was y = p v: dv^T = dy^T p
+        dp = self._bmm(dy, v.transpose(0, 2, 1))
         # forward was p = softmax(scale q k^T): ds = scale p (dp - rowsum(dp p)), dq = ds k, dk^T = q^T ds
         ds = causal_softmax_backward_gpu(dp, p, 1.0 / math.sqrt(hs), out=dp)
-        dq = xp.matmul(ds, k)
-        xp.matmul(q.transpose(0, 2, 1), ds, out=dkvT[0])
+        dq = self._bmm(ds, k)
+        self._bmm(q.transpose(0, 2, 1), ds, out=dkvT[0])
         dkv = dkvT.transpose(0, 1, 3, 2).reshape(2, B, nh, T, hs)
         stacked = _stacked_heads(grads4)
         if stacked is not None:                               # dk and dv in one copy
@@ -198,6 +248,49 @@ class CupyOps(BlockedAttention, Ops):
             return
         for g, d in zip(grads4, (dq.reshape(B, nh, T, hs), dkv[0], dkv[1])):
             g[...] = d
+
+    # The flash core (minitensor/backends/kernels/attention.cu): no (T, T) array at all. q is kept
+    # unscaled (the kernels take the scale), y and dy are read and written where they lie in the
+    # layer's (B, T, C) arrays, rowsum(dy y) is computed by the backward's first kernel.
+
+    def attention_forward_flash(self, qkv4, b, y4):
+        xp = self.xp
+        B, nh, T, hs = qkv4[0].shape
+        heads = xp.empty((3, B * nh, T, hs), dtype=y4.dtype)  # q, k, v, each (BH, T, hs) contiguous
+        _split_heads(xp, qkv4, b, heads.reshape(3, B, nh, T, hs))
+        q, k, v = heads
+        rows, n_head, in_place = _head_rows(xp, y4, write=True)
+        _, lse = flash_attention_forward_gpu(q, k, v, 1.0 / math.sqrt(hs), rows, n_head=n_head, tf32=self._tf32())
+        if not in_place:                                      # y4 is not the heads of a (B, T, C) array
+            y4[...] = rows.reshape(B, nh, T, hs)
+        return FlashAttentionCache(q, k, v, y4, lse)
+
+    def _tf32(self):
+        """Whether the flash kernels' float32 products run on TF32 tensor cores: flash_tf32 where set,
+        else as the batched GEMMs do, by the cuBLAS handle's math mode (minitensor.device.set_tf32)."""
+        if self.flash_tf32 is not None:
+            return self.flash_tf32
+        from cupy_backends.cuda.libs import cublas
+
+        mode = cublas.getMathMode(self.xp.cuda.device.get_cublas_handle())
+        return mode & 0xF == CUBLAS_TF32_TENSOR_OP_MATH  # the flags above the low bits aside
+
+    def _attention_backward_flash(self, dy4, saved, grads4):
+        xp = self.xp
+        q, k, v, y4, lse = saved
+        BH, T, hs = q.shape
+        B, nh = dy4.shape[:2]
+        y, n_y, _ = _head_rows(xp, y4)
+        dy, n_dy, _ = _head_rows(xp, dy4)
+        if n_y != n_dy:                                       # one n_head for both: both as (BH, T, hs)
+            (y, n_y), (dy, n_dy) = ((xp.ascontiguousarray(a).reshape(BH, T, hs), 1) for a in (y4, dy4))
+        grads = flash_attention_backward_gpu(q, k, v, y, dy, lse, 1.0 / math.sqrt(hs), n_head=n_y, tf32=self._tf32())
+        stacked = _stacked_heads(grads4)
+        if stacked is not None:                               # dq, dk and dv in one copy
+            stacked[...] = grads.reshape(3, B, nh, T, hs)
+            return
+        for g, d in zip(grads4, grads):
+            g[...] = d.reshape(B, nh, T, hs)
 
     # --- softmax cross-entropy ---
 
@@ -250,21 +343,6 @@ class CupyOps(BlockedAttention, Ops):
         adamw_kernel(p, g, m, v, decayed, b1, b2, grad_scale, *adamw_scalars(lr, b1, b2, eps, t), lr * weight_decay)
 
 
-def _joined(first, second, shape):
-    """The view of `shape` over `first` and then `second` where both are contiguous views of one
-    contiguous array and second starts where first ends (Params' gradient buffer: a weight and then
-    its bias), found through CuPy's public base and data.ptr; else None."""
-    base = first.base
-    if (base is None or second.base is None or not base.flags.c_contiguous or second.base.data.ptr != base.data.ptr
-            or not (first.flags.c_contiguous and second.flags.c_contiguous) or first.dtype != second.dtype
-            or second.data.ptr != first.data.ptr + first.nbytes or math.prod(shape) != first.size + second.size):
-        return None
-    start, item = first.data.ptr - base.data.ptr, first.itemsize
-    if start < 0 or start % item or start // item + first.size + second.size > base.size:
-        return None
-    return base.reshape(-1)[start // item:start // item + first.size + second.size].reshape(shape)
-
-
 def _stacked_heads(views):
     """The (3, B, nh, T, hs) view of the (B*T, 3C) array that the three (B, nh, T, hs) views were cut
     from (CausalSelfAttention._heads: q, k, v side by side in each row), found through CuPy's public
@@ -297,7 +375,31 @@ def _split_heads(xp, qkv4, b, out):
             xp.add(src, add, out=dst)
 
 
+def _head_rows(xp, a4, write=False):
+    """(rows, n_head, in place) for the flash kernels from a (B, nh, T, hs) array: the (B, T, nh, hs)
+    array it is a view of, read (and written) in place, where it is one (the heads of a (B, T, C)
+    array); else a contiguous (B*nh, T, hs) copy (write: an empty one) with n_head 1."""
+    rows = a4.transpose(0, 2, 1, 3)
+    if rows.flags.c_contiguous:
+        return rows, a4.shape[1], True
+    B, nh, T, hs = a4.shape
+    if write:
+        return xp.empty((B * nh, T, hs), dtype=a4.dtype), 1, False
+    return xp.ascontiguousarray(a4).reshape(B * nh, T, hs), 1, False
+
+
 _gpu_memory_bytes = {}
+_ones_kept = {}  # (CuPy module, device, dtype) -> a device vector of ones (_ones)
+
+
+def _ones(xp, n, dtype):
+    """A device vector of at least n ones of dtype on the current device, kept (copied from the host
+    once: no launch)."""
+    key = (xp, xp.cuda.Device().id, np.dtype(dtype))
+    have = _ones_kept.get(key)
+    if have is None or have.shape[0] < n:
+        have = _ones_kept[key] = xp.asarray(np.ones(n, dtype))
+    return have
 
 
 def _gpu_memory(xp):
@@ -311,23 +413,14 @@ def _gpu_memory(xp):
 # =============================================================================================
 # GELU (the ElementwiseKernels)
 
-# GELU in the sigmoid form (sigmoid(2u) = 0.5 (1 + tanh u), the tanh of Ops.gelu_forward / gelu_backward):
-#   sig = 1 / (1 + exp(x (-2AC x^2 - 2C))),  y = x sig,  dx = dy sig (1 + (1 - sig) x (2AC3 x^2 + 2C))
-# with AC = 0.044715 sqrt(2/pi), AC3 = 3 AC, C = sqrt(2/pi). exp = inf (x below about -10) gives
-# y = -0 and dx = 0, as it should. The references are the Ops methods themselves.
-_M2AC, _M2C, _2AC3, _2C = -2.0 * GELU_AC, -2.0 * GELU_C, 2.0 * GELU_AC3, 2.0 * GELU_C
-_GELU_FWD_SRC = f"y = {{x}} / ((T)1 + exp({{x}} * ({{x}} * {{x}} * (T){_M2AC!r} + (T){_M2C!r})));"
-_GELU_BWD_SRC = (f"const T x2 = {{x}} * {{x}};\n"
-                 f"const T sig = (T)1 / ((T)1 + exp({{x}} * (x2 * (T){_M2AC!r} + (T){_M2C!r})));\n"
-                 f"{{dx}} = (((T)1 - sig) * ({{x}} * (x2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;")
-
+# The formulas and their constants: kernels/gelu.cu. The references are the Ops methods themselves.
 GELU_FWD = cuda.register(cuda.ElementwiseSpec(
-    "gelu_fwd", "T x", "T y", _GELU_FWD_SRC.format(x="x"),
+    "gelu_fwd", "T x", "T y", "gelu.cu",
     reference=lambda x: _REFERENCE.gelu_forward(x),
 ))
 
 GELU_BWD = cuda.register(cuda.ElementwiseSpec(
-    "gelu_bwd", "T x, T dy", "T dx", _GELU_BWD_SRC.format(x="x", dx="dx"),
+    "gelu_bwd", "T x, T dy", "T dx", "gelu.cu",
     reference=lambda x, dy: _REFERENCE.gelu_backward(x, dy),
 ))
 
@@ -341,39 +434,27 @@ def _column(n, C):
     return np.arange(n) % int(C)
 
 
-# `i` is the flat C-order index over x's shape, so `i % C` is the column even for strided x; the
-# 32-bit cast avoids a 64-bit modulo per element (the wrappers refuse 2**31 elements or more).
 # The references are GELU's Ops code applied to h = x + b, on flat arrays as the kernels see them,
 # gathering the bias by i % C (the host check's flat samples, C = 7, are not whole rows).
-BIAS_GELU_FWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n" + _GELU_FWD_SRC.format(x="h"),
+BIAS_GELU_FWD = cuda.ElementwiseSpec(
+    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y", "gelu.cu",
     reference=lambda x, b, C: _REFERENCE.gelu_forward(x + b[_column(x.size, C)]),
     scalars=(("C", 7),),
-))
+)
 
-BIAS_GELU_BWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n" + _GELU_BWD_SRC.format(x="h", dx="dh"),
+BIAS_GELU_BWD = cuda.ElementwiseSpec(
+    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh", "gelu.cu",
     reference=lambda x, b, C, dy: _REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
     scalars=(("C", 7),),
-))
+)
 
 
-# The backward and the recomputed output in one pass (MLP.backward needs both): h read once, the
-# exp shared. y = h / den is the forward kernel's expression, dh the backward kernel's (sig = 1 / den).
-BIAS_GELU_BWD_FWD = cuda.register(cuda.ElementwiseSpec(
-    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y",
-    "const T h = x + b[(unsigned int)i % (unsigned int)C];\n"
-    "const T h2 = h * h;\n"
-    f"const T den = (T)1 + exp(h * (h2 * (T){_M2AC!r} + (T){_M2C!r}));\n"
-    "const T sig = (T)1 / den;\n"
-    f"dh = (((T)1 - sig) * (h * (h2 * (T){_2AC3!r} + (T){_2C!r})) + (T)1) * sig * dy;\n"
-    "y = h / den;",
+BIAS_GELU_BWD_FWD = cuda.ElementwiseSpec(
+    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y", "gelu.cu",
     reference=lambda x, b, C, dy: (_REFERENCE.gelu_backward(x + b[_column(x.size, C)], dy),
                                    _REFERENCE.gelu_forward(x + b[_column(x.size, C)])),
     scalars=(("C", 7),),
-))
+)
 
 
 def bias_gelu_forward_gpu(x, b, out=None):
@@ -408,10 +489,53 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
     return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
 
 
-# y = (y + b) + r, Ops.add_epilogue's two adds in one pass; y is its own output (in place).
+# --- the fused piece bias_gelu: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _bias_gelu_sample(ops, rng):
+    """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails; the backward
+    also with the output recomputed (as MLP.backward asks)."""
+    xp = ops.xp
+    x, b, dy = _draw(xp, rng, 150, 70, scale=4.0), _draw(xp, rng, 70), _draw(xp, rng, 150, 70)
+    y = ops.bias_gelu_forward(x, b)
+    return y, ops.bias_gelu_backward(x, b, dy), *ops.bias_gelu_backward(x, b, dy, recompute_output=True)
+
+
+def _bias_gelu_cases(k):
+    """The MLP's bias + GELU, forward and backward (the bias gradient summed in), against the Ops."""
+
+    def setup():
+        k.reseed()
+        a, b = k.rand(k.N, k.F, scale=2.0), k.rand(k.F, scale=0.1)
+        return dict(a=a, b=b, h=a + b, dy=k.rand(k.N, k.F), db=k.zeros(k.F), hb=k.xp.empty_like(a))
+
+    def generic_fwd(d):
+        k.xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
+        return (k.ref.gelu_forward(d["hb"]),)
+
+    def generic_bwd(d):
+        dh = k.ref.gelu_backward(d["h"], d["dy"])
+        d["db"] += dh.sum(axis=0)
+        return dh, d["db"]
+
+    return [
+        ("bias + gelu fwd", setup, lambda d: (bias_gelu_forward_gpu(d["a"], d["b"]),), generic_fwd, True),
+        ("bias + gelu bwd", setup, lambda d: (bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+                                              d["db"]), generic_bwd, True),
+    ]
+
+
+BIAS_GELU = cuda.fused_piece(
+    "bias_gelu",
+    replaces=("bias_gelu_forward", "bias_gelu_backward"),
+    kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD),
+    sample=_bias_gelu_sample,
+    cases=_bias_gelu_cases,
+)
+
+
 BIAS_RESIDUAL_ADD = cuda.register(cuda.ElementwiseSpec(
-    "bias_residual_add", "T y_in, raw T b, int32 C, T r", "T y",
-    "y = (y_in + b[(unsigned int)i % (unsigned int)C]) + r;",
+    "bias_residual_add", "T y_in, raw T b, int32 C, T r", "T y", "linear.cu",
     reference=lambda y_in, b, C, r: (y_in + b[_column(y_in.size, C)]) + r,
     scalars=(("C", 7),),
 ))
@@ -438,116 +562,45 @@ def _check_bias_gpu(x, b, out, fn, dy=None):
 
 # What these kernels must equal is Ops.layernorm_forward / _backward: the start-up self-check runs
 # the layer both ways on the GPU. The tests run the kernels on the host (kernelcheck.emulate_launch)
-# against the textbook form in tests/formulas.py.
-#
-# One block per row of x (N, C). With add_residual, x is first updated in place to x + residual
-# (the residual join before a pre-norm LayerNorm, fused); otherwise `residual` is not read. Each
-# thread touches the same columns in every loop, so y may be x itself.
+# against the textbook form in tests/formulas.py. The kernels: kernels/layernorm.cu.
+
+
 def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
     """x (and the residual, when added: x is then written back) read once, y and the statistics written."""
     joined = x.nbytes if add_residual else 0
     return x.nbytes + joined + w.nbytes + b.nbytes, y.nbytes + mean.nbytes + rstd.nbytes + joined
 
 
-LAYERNORM_FWD = cuda.register(cuda.RawSpec("layernorm_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, const T *b, T *y, T *mean,
-                                         T *rstd, const int C, const T eps, const int add_residual) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  T *xr = x + row * C;
-  T *yr = y + row * C;
-  T sum = 0;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    T v = xr[j];
-    if (add_residual) {
-      v += residual[row * C + j];
-      xr[j] = v;
-    }
-    sum += v;
-  }
-  const T m = block_sum(sum, buf) / (T)C;
-  T sq = 0;  /* the centred second pass, as NumPy: no cancellation from E[x^2] - E[x]^2 */
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T d = xr[j] - m;
-    sq += d * d;
-  }
-  const T r = (T)1 / sqrt_of(block_sum(sq, buf) / (T)C + eps);
-  for (int j = threadIdx.x; j < C; j += blockDim.x) yr[j] = (xr[j] - m) * r * w[j] + b[j];
-  if (threadIdx.x == 0) {
-    mean[row] = m;
-    rstd[row] = r;
-  }
-}
-""", traffic=_layernorm_fwd_traffic))
-
-# forward was: y = xhat w + b, xhat = (x - mean) rstd. One block per row: dx, written or (with
-# accumulate) written as res + dx, the residual gradient of a pre-norm block, fused. res may be dx
-# itself (each thread reads res[j] before it writes dx[j]).
-def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, accumulate, **_):
-    """dy, x and the statistics read, and res when accumulating; dx written."""
-    return dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0), dx.nbytes
+LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic)
 
 
-LAYERNORM_BWD = cuda.register(cuda.RawSpec("layernorm_bwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
-                                         const T *res, T *dx, const int C, const int accumulate) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const T *dyr = dy + row * C;
-  const T *xr = x + row * C;
-  const T *resr = res + row * C;
-  T *dxr = dx + row * C;
-  const T m = mean[row], r = rstd[row];
-  T sg = 0, sgx = 0;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T g = dyr[j] * w[j];
-    sg += g;
-    sgx += g * ((xr[j] - m) * r);
-  }
-  const T mg = block_sum(sg, buf) / (T)C;
-  const T mgx = block_sum(sgx, buf) / (T)C;
-  for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T v = r * (dyr[j] * w[j] - mg - (xr[j] - m) * r * mgx);
-    dxr[j] = accumulate ? resr[j] + v : v;
-  }
-}
-""", traffic=_layernorm_bwd_traffic))
+# forward was: y = xhat w + b, xhat = (x - mean) rstd. Block b handles rows [b rpc, (b + 1) rpc) (rpc =
+# rows_per_chunk) one after another: each row's dx, written or (with accumulate) written as res + dx,
+# the residual gradient of a pre-norm block, fused (res may be dx itself: each thread reads res[j]
+# before it writes dx[j]); and, over the block's rows in order, the partial parameter sums
+# part_w[b] = sum dy xhat, part_b[b] = sum dy, each thread holding its columns' sums in registers
+# (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x). The row's dy w
+# and xhat stay in registers between the two passes over it.
+LN_COLS, LN_THREADS = 8, 256
+LN_MAX_C = LN_COLS * LN_THREADS  # 2048: at most 256 threads, so that any register count fits a block
+# At most LN_CHUNKS blocks of at least LN_CHUNK_ROWS rows: for 8 x 1024 rows, 512 blocks of 16 (4 a
+# streaming multiprocessor on an H200), their partial sums 2 x 512 x C values (3 MB at C = 768,
+# against dy's and x's 50 MB).
+LN_CHUNKS, LN_CHUNK_ROWS = 512, 16
 
-# dw = sum over rows of dy xhat, db = sum over rows of dy, as partial sums per chunk of rows:
-# block (32, 8) sums 32 columns over one chunk; the wrapper adds the (chunks, C) partials in a
-# fixed order, so the result is deterministic (no atomics).
+
+def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, accumulate, **_):
+    """dy, x and the statistics read once, and res when accumulating; dx and the partial sums written."""
+    read = dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0)
+    return read, dx.nbytes + part_w.nbytes + part_b.nbytes
+
+
+LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic)
+
+
+# The parameter sums' second launch: blocks of (32, 8) threads, each adding 32 columns' partials.
 LN_PARAM_BLOCK = (32, 8)
-LAYERNORM_BWD_PARAMS = cuda.register(cuda.RawSpec("layernorm_bwd_params", r"""
-extern "C" __global__ void layernorm_bwd_params(const T *dy, const T *x, const T *mean, const T *rstd,
-                                                T *part_w, T *part_b, const int N, const int C,
-                                                const int rows_per_chunk) {
-  __shared__ T acc_w[8][32];
-  __shared__ T acc_b[8][32];
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  const int first = blockIdx.y * rows_per_chunk;
-  const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
-  T sw = 0, sb = 0;
-  if (j < C) {
-    for (int i = first + threadIdx.y; i < stop; i += 8) {
-      const long long k = (long long)i * C + j;
-      const T g = dy[k];
-      sw += g * ((x[k] - mean[i]) * rstd[i]);
-      sb += g;
-    }
-  }
-  acc_w[threadIdx.y][threadIdx.x] = sw;
-  acc_b[threadIdx.y][threadIdx.x] = sb;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < C) {
-    for (int k = 1; k < 8; ++k) {
-      sw += acc_w[k][threadIdx.x];
-      sb += acc_b[k][threadIdx.x];
-    }
-    part_w[(long long)blockIdx.y * C + j] = sw;
-    part_b[(long long)blockIdx.y * C + j] = sb;
-  }
-}
-"""))
+LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu")
 
 
 def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
@@ -577,21 +630,25 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
 
 def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None):
     """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
-    (..., C), mean and rstd N values); accumulates dw += sum(dy xhat), db += sum(dy) over rows.
+    (..., C), C at most LN_MAX_C, mean and rstd N values); accumulates dw += sum(dy xhat),
+    db += sum(dy) over rows.
 
     Returns a new dx; with `residual` (x's shape, contiguous), a new residual + dx, the residual
     gradient of a pre-norm block, fused (residual is kept); with `add_to` instead, adds dx into
-    add_to in place and returns it."""
+    add_to in place and returns it. Two launches: dx with the parameters' partial sums per chunk of
+    rows (layernorm_bwd), then those summed into dw and db (layernorm_bwd_params)."""
     fn = "layernorm_backward_gpu"
     N, C = cuda.rows(fn, x)
+    if C > LN_MAX_C:
+        raise ValueError(f"{fn}: rows of {C} values; at most {LN_MAX_C} are supported (Ops.layernorm_backward "
+                         f"takes any)")
     cuda.like(fn, "dy", dy, x)
     cuda.vector(fn, "w", w, x)
     for name, a in (("mean", mean), ("rstd", rstd)):
         if a.size != N or a.dtype != x.dtype or not a.flags.c_contiguous:
             raise ValueError(f"{fn}: {name} must hold {N} contiguous {x.dtype} values, got {a.dtype} {a.shape}")
     for name, a in (("dw", dw), ("db", db)):
-        if a.shape != (C,):
-            raise ValueError(f"{fn}: {name} must have shape ({C},), got {a.shape}")
+        cuda.vector(fn, name, a, x)
     if add_to is not None and residual is not None:
         raise ValueError(f"{fn}: give add_to (in place) or residual (kept), not both")
     for name, a in (("add_to", add_to), ("residual", residual)):
@@ -602,34 +659,94 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     res = add_to if add_to is not None else residual
     if not N:
         return dx
-    cuda.launch(LAYERNORM_BWD, x.dtype, (N,), (cuda.threads(C, 128),),
-            (dy, x, w, mean, rstd, dx if res is None else res, dx, np.int32(C), np.int32(res is not None)))
-    _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C)
+    rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
+    chunks = -(-N // rows_per_chunk)
+    parts = xp.empty((2, chunks, C), dtype=x.dtype)  # the partial sums of dw and db per chunk of rows
+    cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), LN_THREADS)),),
+                (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], np.int32(N), np.int32(C),
+                 np.int32(rows_per_chunk), np.int32(res is not None)))
+    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32),), LN_PARAM_BLOCK,
+                (parts[0], parts[1], dw, db, np.int32(chunks), np.int32(C)))
     return dx
 
 
-def _layernorm_param_grads(dy, x, mean, rstd, dw, db, N, C):
-    """dw += sum(dy xhat), db += sum(dy) over the rows: partial sums per chunk of rows, both into one
-    (2, chunks, C) buffer, added up by one reduction."""
-    rows_per_chunk = max(64, -(-N // 128))  # at most 128 chunks: enough blocks to fill a GPU
-    chunks = -(-N // rows_per_chunk)
-    parts = array_module(x).empty((2, chunks, C), dtype=x.dtype)
-    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32), chunks), LN_PARAM_BLOCK,
-            (dy, x, mean, rstd, parts[0], parts[1], np.int32(N), np.int32(C), np.int32(rows_per_chunk)))
-    sums = parts.sum(axis=1)
-    joint = _joined(dw, db, (2, C))
-    if joint is not None:  # db follows dw in the gradient buffer: one add
-        joint += sums
-    else:
-        dw += sums[0]
-        db += sums[1]
+# --- the fused piece layernorm: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _layernorm_sample(ops, rng):
+    """LayerNorm forward and backward (with a skip gradient) over 40 rows of 100 columns."""
+    from minitensor.layers.layernorm import LayerNorm
+
+    xp = ops.xp
+    C = 100  # not a multiple of the 32-thread warps
+    dw, db = xp.zeros(C, np.float32), xp.zeros(C, np.float32)
+    ln = LayerNorm(_draw(xp, rng, C, shift=1.0), dw, _draw(xp, rng, C), db, ops=ops)
+    y = ln.forward(_draw(xp, rng, 4, 10, C, scale=3.0, shift=0.5))
+    dx = ln.backward(_draw(xp, rng, 4, 10, C), skip=_draw(xp, rng, 4, 10, C))
+    return y, dx, dw, db
+
+
+def _layernorm_cases(k):
+    """LayerNorm forward and backward, each also with the residual add folded in, against the layer."""
+    from minitensor.layers.layernorm import LayerNorm
+
+    N, C = k.N, k.C
+
+    def setup():
+        k.reseed()
+        x, dy, w, b = k.rand(N, C, shift=0.3), k.rand(N, C), k.rand(C, scale=0.2, shift=1.0), k.rand(C, scale=0.1)
+        layer = LayerNorm(w, k.zeros(C), b, k.zeros(C), ops=k.ref)
+        layer.forward(x)
+        return dict(x=x, dy=dy, w=w, b=b, r=k.rand(N, C), layer=layer, cache=layer._cache, dw=k.zeros(C),
+                    db=k.zeros(C))
+
+    def generic_fwd(d):
+        y = d["layer"].forward(d["x"])
+        return y, d["layer"]._cache.mean, d["layer"]._cache.rstd
+
+    def generic_bwd(d, add_to=None):
+        layer = d["layer"]
+        layer._save(d["cache"])
+        dx = layer.backward(d["dy"])
+        if add_to is not None:
+            dx += add_to
+        return dx, layer.dw, layer.db
+
+    def generic_res(d):
+        d["x"] += d["r"]
+        return d["layer"].forward(d["x"]), d["x"]
+
+    def fused_bwd(d, add_to=None):
+        return (layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                d["dw"], d["db"], add_to=add_to), d["dw"], d["db"])
+
+    return [
+        ("layernorm fwd", setup, lambda d: layernorm_forward_gpu(d["x"], d["w"], d["b"]), generic_fwd,
+         False),
+        ("layernorm bwd", setup, fused_bwd, generic_bwd, False),
+        ("layernorm fwd + residual", setup,
+         lambda d: (layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+         generic_res, False),
+        ("layernorm bwd + residual", setup, lambda d: fused_bwd(d, add_to=d["r"]),
+         lambda d: generic_bwd(d, add_to=d["r"]), False),
+    ]
+
+
+LAYERNORM = cuda.fused_piece(
+    "layernorm",
+    replaces=("layernorm_forward", "layernorm_backward"),
+    kernels=(LAYERNORM_FWD, LAYERNORM_BWD, LAYERNORM_BWD_PARAMS),
+    sample=_layernorm_sample,
+    cases=_layernorm_cases,
+)
 
 
 # =============================================================================================
 # The causal softmax over (..., T, T) attention scores, forward, backward, recomputed
 
-# One block per row; row r of a matrix attends to columns 0..r only (r = the row's index mod T).
-# The masked columns are never read and are written as exact zeros; p may be s itself.
+# The kernels: kernels/causal_softmax.cu.
+
+
 def _causal_fraction(n_ctx):
     """The share of a (T, T) matrix on and below the diagonal: what the causal kernels read."""
     return (int(n_ctx) + 1) / (2 * int(n_ctx))
@@ -645,53 +762,17 @@ def _causal_softmax_bwd_traffic(dp, p, ds, n_ctx, **_):
     return (dp.nbytes + p.nbytes) * _causal_fraction(n_ctx), ds.nbytes
 
 
-CAUSAL_SOFTMAX_FWD = cuda.register(cuda.RawSpec("causal_softmax_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, T *lse, const int n_ctx, const T scale,
-                                              const int write_lse) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const int last = row % n_ctx;
-  const T *sr = s + row * n_ctx;
-  T *pr = p + row * n_ctx;
-  T top = lowest_of(scale);
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) {
-    const T z = scale * sr[j];
-    top = z > top ? z : top;
-  }
-  top = block_max(top, buf);  /* finite: every row keeps its diagonal entry */
-  T total = 0;
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) total += exp_of(scale * sr[j] - top);
-  total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) pr[j] = j <= last ? exp_of(scale * sr[j] - top) / total : (T)0;
-  if (write_lse && threadIdx.x == 0) lse[row] = top + log_of(total);
-}
-""", traffic=_causal_softmax_fwd_traffic))
+CAUSAL_SOFTMAX_FWD = cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu",
+                                                 traffic=_causal_softmax_fwd_traffic)
 
-# forward was: p = softmax(z) by rows, z = scale s + mask. ds may be dp itself.
-CAUSAL_SOFTMAX_BWD = cuda.register(cuda.RawSpec("causal_softmax_bwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void causal_softmax_bwd(const T *dp, const T *p, T *ds, const int n_ctx, const T scale) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  const int last = row % n_ctx;
-  const T *dpr = dp + row * n_ctx;
-  const T *pr = p + row * n_ctx;
-  T *dsr = ds + row * n_ctx;
-  T dot = 0;
-  for (int j = threadIdx.x; j <= last; j += blockDim.x) dot += dpr[j] * pr[j];
-  dot = block_sum(dot, buf);
-  for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) dsr[j] = j <= last ? scale * (pr[j] * (dpr[j] - dot)) : (T)0;
-}
-""", traffic=_causal_softmax_bwd_traffic))
+CAUSAL_SOFTMAX_BWD = cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu",
+                                                 traffic=_causal_softmax_bwd_traffic)
 
-# Elementwise: flat index i is row i / n_ctx (over all matrices), column i % n_ctx.
-CAUSAL_SOFTMAX_RECOMPUTE = cuda.register(cuda.ElementwiseSpec(
-    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p",
-    "const unsigned int row = (unsigned int)i / (unsigned int)n_ctx;\n"
-    "const unsigned int col = (unsigned int)i - row * (unsigned int)n_ctx;\n"
-    "p = col <= row % (unsigned int)n_ctx ? exp(scale * s - lse[row]) : (T)0;",
+CAUSAL_SOFTMAX_RECOMPUTE = cuda.ElementwiseSpec(
+    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p", "causal_softmax.cu",
     reference=lambda s, lse, n_ctx, scale: _recompute_flat(s, lse, int(n_ctx), scale),
     scalars=(("n_ctx", 6), ("scale", 0.35)),
-))
+)
 
 
 def _recompute_flat(s, lse, n_ctx, scale):
@@ -742,47 +823,284 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
     return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))
 
 
+# --- the fused piece causal_softmax: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _causal_softmax_sample(ops, rng):
+    """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
+    from minitensor.layers.attention import CausalSelfAttention
+    from minitensor.layers.linear import Linear
+
+    xp = ops.xp
+    B, T, C, nh = 2, 40, 48, 4
+    grads = [xp.zeros(shape, np.float32) for shape in ((C, 3 * C), (3 * C,), (C, C), (C,))]
+    attn = CausalSelfAttention(Linear(_draw(xp, rng, C, 3 * C, scale=0.3), grads[0], _draw(xp, rng, 3 * C), grads[1],
+                                      ops=ops),
+                               Linear(_draw(xp, rng, C, C, scale=0.3), grads[2], _draw(xp, rng, C), grads[3], ops=ops),
+                               nh, ops=ops)
+    attn.dense = True
+    out = attn.forward(_draw(xp, rng, B, T, C))
+    return (out, attn.backward(_draw(xp, rng, B, T, C)), *grads)
+
+
+def _causal_softmax_cases(k):
+    """The attention's causal softmax: forward, backward, and the probabilities recomputed from the
+    saved log-sum-exp, against the Ops' block softmax."""
+
+    BH, T = k.BH, k.T
+
+    def setup():
+        k.reseed()
+        s = k.rand(BH, T, T, scale=2.0)
+        p, lse = s.copy(), k.xp.empty((BH, T, 1), k.dtype)
+        k.ref.block_softmax(p[None], 0, lse[None])
+        return dict(s=s, p=p, lse=lse, dp=k.rand(BH, T, T), lse_out=k.xp.empty((BH, T, 1), k.dtype))
+
+    def generic_fwd(d):
+        k.ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
+        return d["s"], d["lse_out"]
+
+    def generic_bwd(d):
+        D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
+        k.ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
+        return (d["dp"],)
+
+    return [
+        ("causal softmax fwd", setup,
+         lambda d: (causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         generic_fwd, False),
+        ("causal softmax bwd", setup,
+         lambda d: (causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), generic_bwd, False),
+        ("causal softmax recompute", setup,
+         lambda d: (causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (k.ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
+    ]
+
+
+CAUSAL_SOFTMAX = cuda.fused_piece(
+    "causal_softmax",
+    replaces=("attention_forward_dense",),
+    kernels=(CAUSAL_SOFTMAX_FWD, CAUSAL_SOFTMAX_BWD, CAUSAL_SOFTMAX_RECOMPUTE),
+    sample=_causal_softmax_sample,
+    cases=_causal_softmax_cases,
+)
+
+
+# =============================================================================================
+# Causal attention without T x T in memory: FlashAttention-2 (minitensor/backends/kernels/attention.cu)
+
+# Keys per key tile (and query rows per tile of the backward), query rows per tile of the forward, by
+# dtype (attention.cu's ROWS and FWD_ROWS); a head size a multiple of 16, at most 64.
+FLASH_TILE = {np.dtype(np.float32): 32, np.dtype(np.float64): 16}
+FLASH_FWD_TILE = {np.dtype(np.float32): 64, np.dtype(np.float64): 16}
+FLASH_HS_MAX = 64
+
+
+def flash_fits(hs, dtype):
+    """Whether the flash kernels take heads of size hs in dtype."""
+    return np.dtype(dtype) in FLASH_TILE and hs % 16 == 0 and 16 <= hs <= FLASH_HS_MAX
+
+
+def _flash_pairs(n_ctx, query_rows, key_rows):
+    """(query tile, key tile) pairs a head's launch visits: each query tile, the key tiles up to its
+    last row (the diagonal tiles' masked parts computed too)."""
+    T = int(n_ctx)
+    return sum(-(-min(T, i0 + query_rows) // key_rows) for i0 in range(0, T, query_rows))
+
+
+def _flash_work(q, n_ctx, hs, forward):
+    """(BH, pairs per head, query rows per tile, keys per tile) of a launch."""
+    keys = FLASH_TILE[q.dtype]
+    rows = FLASH_FWD_TILE[q.dtype] if forward else keys
+    return q.size // (int(n_ctx) * int(hs)), _flash_pairs(n_ctx, rows, keys), rows, keys
+
+
+def _flash_flops(products, forward=False):
+    """FLOPs of `products` (query rows, keys, hs) products per pair."""
+    def flops(q, n_ctx, hs, **_):
+        bh, pairs, rows, keys = _flash_work(q, n_ctx, hs, forward)
+        return products * 2 * bh * pairs * rows * keys * int(hs)
+    return flops
+
+
+# Traffic counts every tile a block loads as a device-memory read: on a GPU most repeats of a head's
+# tiles are L2 hits, which the step model does not see (an upper bound).
+def _flash_fwd_traffic(q, k, v, y, lse, n_ctx, hs, **_):
+    """q read once, a k and a v tile per pair; y and lse written."""
+    bh, pairs, _, keys = _flash_work(q, n_ctx, hs, True)
+    return q.nbytes + 2 * bh * pairs * keys * int(hs) * q.itemsize, y.nbytes + lse.nbytes
+
+
+def _flash_bwd_dq_traffic(q, k, v, y, dy, lse, delta, dq, n_ctx, hs, **_):
+    """q, dy, y and lse read once, a k and a v tile per pair; delta and dq written."""
+    bh, pairs, _, keys = _flash_work(q, n_ctx, hs, False)
+    return (q.nbytes + dy.nbytes + y.nbytes + lse.nbytes + 2 * bh * pairs * keys * int(hs) * q.itemsize,
+            delta.nbytes + dq.nbytes)
+
+
+def _flash_bwd_dkv_traffic(q, k, v, dy, lse, delta, dk, dv, n_ctx, hs, **_):
+    """k and v read once, a q and a dy tile per pair (and their rows' lse and delta); dk and dv written."""
+    bh, pairs, rows, _ = _flash_work(q, n_ctx, hs, False)
+    return k.nbytes + v.nbytes + 2 * bh * pairs * rows * (int(hs) + 1) * q.itemsize, dk.nbytes + dv.nbytes
+
+
+# The kernels: kernels/attention.cu (their shared code in kernels/flash.cuh).
+FLASH_FWD = cuda.RawSpec("flash_attention_fwd", "attention.cu", traffic=_flash_fwd_traffic,
+                         flops=_flash_flops(2, forward=True))
+FLASH_BWD_DQ = cuda.RawSpec("flash_attention_bwd_dq", "attention.cu", traffic=_flash_bwd_dq_traffic,
+                            flops=_flash_flops(3))
+FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu", traffic=_flash_bwd_dkv_traffic,
+                             flops=_flash_flops(4))
+
+
+def _flash_operands(fn, q, k, v):
+    """(BH, T, hs) of contiguous q, k, v that the kernels take."""
+    if getattr(q, "dtype", None) not in FLASH_TILE or q.ndim != 3 or not q.flags.c_contiguous:
+        raise ValueError(f"{fn}: q must be a contiguous float32 or float64 array (BH, T, hs)")
+    cuda.like(fn, "k", k, q)
+    cuda.like(fn, "v", v, q)
+    BH, T, hs = q.shape
+    if not flash_fits(hs, q.dtype):
+        raise ValueError(f"{fn}: head size {hs}: the kernels take multiples of 16 up to {FLASH_HS_MAX}")
+    return BH, T, hs
+
+
+def _flash_rows(fn, name, a, q, n_head):
+    """a holds q's BH heads' (T, hs) rows as (B, T, n_head, hs), contiguous."""
+    BH = q.shape[0]
+    if a.dtype != q.dtype or a.size != q.size or not a.flags.c_contiguous or n_head < 1 or BH % n_head:
+        raise ValueError(f"{fn}: {name} must be a contiguous array of {BH} heads' (T, hs) rows as "
+                         f"(B, T, {n_head}, hs), got {a.dtype} {a.shape}")
+
+
+def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32=True):
+    """y = softmax(scale q k^T + causal mask) v for q, k, v (BH, T, hs) (CuPy, contiguous), without the
+    (T, T) scores in memory; returns (y, lse). y: (BH, T, hs), or with n_head, the heads' rows of a
+    (B, T, n_head, hs) array (e.g. the layer's (B, T, C) output); lse (BH, T): each row's log-sum-exp.
+    tf32: float32 products on TF32 tensor cores (else, as float64's, by FMAs)."""
+    fn = "flash_attention_forward_gpu"
+    BH, T, hs = _flash_operands(fn, q, k, v)
+    xp = array_module(q)
+    y = xp.empty_like(q) if y is None else y
+    lse = xp.empty((BH, T), dtype=q.dtype) if lse is None else lse
+    _flash_rows(fn, "y", y, q, n_head)
+    cuda.row_values(fn, "lse", lse, q, BH * T)
+    if q.size:
+        rows = FLASH_FWD_TILE[q.dtype]
+        cuda.launch(FLASH_FWD, q.dtype, (-(-T // rows), BH), (4 * rows,),
+                    (q, k, v, y, lse, np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale),
+                     np.int32(bool(tf32))))
+    return y, lse
+
+
+def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None, tf32=True):
+    """(dq, dk, dv) of flash_attention_forward_gpu's y = attention(q, k, v) from dy (laid out as y, with
+    the same n_head) and the forward's y and lse; into out ((3, BH, T, hs), contiguous) or a new array.
+    Deterministic: delta = rowsum(dy y) and dq per query tile, then dk and dv per key tile."""
+    fn = "flash_attention_backward_gpu"
+    BH, T, hs = _flash_operands(fn, q, k, v)
+    for name, a in (("y", y), ("dy", dy)):
+        _flash_rows(fn, name, a, q, n_head)
+    cuda.row_values(fn, "lse", lse, q, BH * T)
+    xp = array_module(q)
+    grads = xp.empty((3, BH, T, hs), dtype=q.dtype) if out is None else out
+    if grads.shape != (3, BH, T, hs) or grads.dtype != q.dtype or not grads.flags.c_contiguous:
+        raise ValueError(f"{fn}: out must be a contiguous {q.dtype} array of shape {(3, BH, T, hs)}")
+    if q.size:
+        delta = xp.empty((BH, T), dtype=q.dtype)
+        grid, block = (-(-T // FLASH_TILE[q.dtype]), BH), (4 * FLASH_TILE[q.dtype],)
+        common = (np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale), np.int32(bool(tf32)))
+        cuda.launch(FLASH_BWD_DQ, q.dtype, grid, block, (q, k, v, y, dy, lse, delta, grads[0], *common))
+        cuda.launch(FLASH_BWD_DKV, q.dtype, grid, block, (q, k, v, dy, lse, delta, grads[1], grads[2], *common))
+    return grads
+
+
+# TF32 rounds each product's operands to 11 significant bits (relative error up to 2**-11, ~5e-4): the
+# attention's outputs and gradients land within ~1e-3 of float32's; 5e-3 still refuses a wrong mask, tile
+# or fragment layout, whose errors are of the outputs' own size.
+FLASH_RTOL = 5e-3
+
+
+def _flash_attention_sample(ops, rng):
+    """A 4-head attention layer (head size 16), forward and backward, over 2 x 72 positions: three
+    query tiles, the last one partial, a full one over two key tiles (its running max and sum
+    rescaled); the core as the backend chooses it (flash with the piece, else the Ops code), its
+    float32 products once on TF32 tensor cores and once by FMAs, whatever train.tf32 will say."""
+    from minitensor.layers.attention import CausalSelfAttention
+    from minitensor.layers.linear import Linear
+
+    xp = ops.xp
+    B, T, C, nh = 2, 72, 64, 4
+    weights = [_draw(xp, rng, C, 3 * C, scale=0.3), _draw(xp, rng, 3 * C), _draw(xp, rng, C, C, scale=0.3),
+               _draw(xp, rng, C)]
+    x, dy = _draw(xp, rng, B, T, C), _draw(xp, rng, B, T, C)
+    outputs = []
+    try:
+        for tf32 in (True, False):
+            ops.flash_tf32 = tf32
+            grads = [xp.zeros(w.shape, np.float32) for w in weights]
+            attn = CausalSelfAttention(Linear(weights[0], grads[0], weights[1], grads[1], ops=ops),
+                                       Linear(weights[2], grads[2], weights[3], grads[3], ops=ops), nh, ops=ops)
+            outputs += [attn.forward(x), attn.backward(dy), *grads]
+    finally:
+        ops.flash_tf32 = None
+    return tuple(outputs)
+
+
+def _flash_attention_cases(k):
+    """The flash attention core forward and backward against Ops' dense core, at the model's heads (64
+    wide; 16 in a dry run). Its float32 products by FMAs here: TF32's would not meet 1e-5 (the start-up
+    self-check compares the tensor-core path, at TF32's tolerance)."""
+    BH, T, hs = k.BH, k.T, 16 if k.T < 64 else 64
+    scale = 1.0 / np.sqrt(hs)
+
+    def setup():
+        k.reseed()
+        return dict(q=k.rand(BH, T, hs), k=k.rand(BH, T, hs), v=k.rand(BH, T, hs), dy=k.rand(BH, T, hs))
+
+    def fused(d):
+        y, lse = flash_attention_forward_gpu(d["q"], d["k"], d["v"], scale, tf32=False)
+        return (y, *flash_attention_backward_gpu(d["q"], d["k"], d["v"], y, d["dy"], lse, scale, tf32=False))
+
+    def generic(d):
+        y4 = k.xp.empty((BH, 1, T, hs), k.dtype)
+        cache = k.ref.attention_forward([d[n][:, None] for n in "qkv"], None, y4, dense=True)
+        grads = [k.xp.empty((BH, 1, T, hs), k.dtype) for _ in range(3)]
+        k.ref.attention_backward(d["dy"][:, None], cache, grads)
+        return (y4[:, 0], *(g[:, 0] for g in grads))
+
+    return [("flash attention fwd + bwd", setup, fused, generic, False)]
+
+
+FLASH_ATTENTION = cuda.fused_piece(
+    "flash_attention",
+    replaces=("attention_forward",),
+    kernels=(FLASH_FWD, FLASH_BWD_DQ, FLASH_BWD_DKV),
+    sample=_flash_attention_sample,
+    cases=_flash_attention_cases,
+    rtol=FLASH_RTOL,
+)
+
+
 # =============================================================================================
 # Softmax cross-entropy over (N, V) logits
 
-# One block per row of V logits, of which the first n_valid are the vocabulary's (the rest: the tied
-# head's padding, given probability 0). The probabilities overwrite the logits; z[target] is read
-# by thread 0 before any write (the writes come after two barriers). A target outside [0, n_valid)
-# makes the row's loss NaN rather than reading out of bounds: the check costs no host synchronisation.
+# The kernels: kernels/softmax_xent.cu.
+
+
 def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
     """The logits' first n_valid columns read, every column overwritten by the probabilities (in place),
     the targets read, the losses written."""
     return z.nbytes * int(n_valid) // int(V) + targets.nbytes, z.nbytes + losses.nbytes
 
 
-SOFTMAX_XENT_FWD = cuda.register(cuda.RawSpec("softmax_xent_fwd", cuda.ROW_COMMON + r"""
-extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V,
-                                            const int n_valid) {
-  __shared__ T buf[32];
-  const long long row = blockIdx.x;
-  T *zr = z + row * V;
-  const long long t = targets[row];
-  const bool valid = t >= 0 && t < n_valid;
-  const T picked = threadIdx.x == 0 && valid ? zr[t] : (T)0;
-  T top = lowest_of(picked);
-  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
-  top = block_max(top, buf);
-  T total = 0;
-  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) total += exp_of(zr[j] - top);
-  total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = j < n_valid ? exp_of(zr[j] - top) / total : (T)0;
-  if (threadIdx.x == 0) losses[row] = valid ? log_of(total) + top - picked : nan_of(top);
-}
-""", traffic=_softmax_xent_fwd_traffic))
+SOFTMAX_XENT_FWD = cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic)
 
-SOFTMAX_XENT_BWD = cuda.register(cuda.ElementwiseSpec(
-    "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz",
-    "const unsigned int row = (unsigned int)i / (unsigned int)V;\n"
-    "const long long col = (long long)((unsigned int)i - row * (unsigned int)V);\n"
-    "dz = (probs - (col == targets[row] ? (T)1 : (T)0)) * scale;",
+SOFTMAX_XENT_BWD = cuda.ElementwiseSpec(
+    "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz", "softmax_xent.cu",
     reference=lambda probs, targets, V, scale: _xent_bwd_flat(probs, targets, int(V), scale),
     scalars=(("V", 5), ("scale", 0.25)),
-))
+)
 
 
 def _xent_bwd_flat(probs, targets, V, scale):
@@ -836,24 +1154,75 @@ def _xent_operands(fn, logits, targets):
     return logits.reshape(-1, logits.shape[-1]), t
 
 
+# --- the fused piece softmax_xent: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _softmax_xent_sample(ops, rng):
+    """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits; then over the same
+    logits padded as the tied head pads them (ops.vocab_padding: 1024 columns with the kernel, none
+    without), whose padded columns must get no gradient."""
+    from minitensor.layers.loss import SoftmaxCrossEntropy
+
+    xp = ops.xp
+    logits = _draw(xp, rng, 6, 8, 1000, scale=3.0)
+    targets = xp.asarray(rng.integers(0, 1000, (6, 8)))
+    fn = SoftmaxCrossEntropy(ops=ops)
+    loss = fn.forward(logits.copy(), targets, inplace=True)
+    grad = fn.backward(0.5)
+    padded = xp.zeros((6, 8, ops.vocab_padding(1000)), dtype=logits.dtype)
+    padded[..., :1000] = logits
+    padded_loss = fn.forward(padded, targets, inplace=True, valid=1000)
+    padded_grad = fn.backward(0.5)
+    return (xp.asarray(loss).reshape(1), grad, xp.asarray(padded_loss).reshape(1),
+            xp.ascontiguousarray(padded_grad[..., :1000]), xp.abs(padded_grad[..., 1000:]).sum(axis=-1))
+
+
+def _softmax_xent_cases(k):
+    """Softmax cross-entropy forward and backward against the loss layer. The layer keeps softmax / N
+    (its backward's scale folded in); the fused kernels take and give plain probabilities, so the
+    generic side is compared times N."""
+    from minitensor.layers.loss import SoftmaxCrossEntropy
+
+    N, V = k.N, k.V
+
+    def setup():
+        k.reseed()
+        z = k.rand(N, V, scale=2.0)
+        t = k.xp.asarray(np.random.default_rng(0).integers(0, V, N))
+        scaled = z.copy()
+        loss_fn = SoftmaxCrossEntropy(ops=k.ref)
+        loss_fn.forward(scaled, t, inplace=True)
+        return dict(z=z, t=t, probs=scaled * N, cache=loss_fn._cache, loss_fn=loss_fn)
+
+    def generic_fwd(d):
+        return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"] * N
+
+    def generic_bwd(d):
+        d["loss_fn"]._save(d["cache"])
+        return (d["loss_fn"].backward(1.0),)
+
+    return [
+        ("cross-entropy fwd", setup, lambda d: (softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+         generic_fwd, False),
+        ("cross-entropy bwd", setup, lambda d: (softmax_xent_backward_gpu(d["probs"], d["t"]),),
+         generic_bwd, True),
+    ]
+
+
+SOFTMAX_XENT = cuda.fused_piece(
+    "softmax_xent",
+    replaces=("vocab_padding", "softmax_xent_forward", "softmax_xent_backward"),
+    kernels=(SOFTMAX_XENT_FWD, SOFTMAX_XENT_BWD),
+    sample=_softmax_xent_sample,
+    cases=_softmax_xent_cases,
+)
+
+
 # =============================================================================================
 # The embedding's backward: dW[id] += the rows at that id's positions, summed in position order
 
-# Block (k, j) handles position k of the sorted order and columns j*blockDim..: only the first
-# position of each id's run works, adding that run's rows one after another (no atomics, so the
-# same sums in the same order on every run). Blocks of the other positions return at once.
-SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", r"""
-extern "C" __global__ void scatter_add_rows(T *dW, const T *rows, const long long *order,
-                                            const long long *sorted_ids, const long long n, const int C) {
-  const long long first = blockIdx.x;
-  const long long c = (long long)blockIdx.y * blockDim.x + threadIdx.x;
-  if (c >= C || (first > 0 && sorted_ids[first - 1] == sorted_ids[first])) return;
-  const long long id = sorted_ids[first];
-  T acc = dW[id * C + c];
-  for (long long k = first; k < n && sorted_ids[k] == id; ++k) acc += rows[order[k] * C + c];
-  dW[id * C + c] = acc;
-}
-"""))
+# The kernel: kernels/embedding.cu.
+SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", "embedding.cu"))
 
 
 # =============================================================================================
@@ -867,24 +1236,16 @@ def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, ste
     return p, m, v
 
 
-# adamw_update's form: m_hat / (sqrt(v_hat) + eps) = (m sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)),
-# so the bias corrections are two host scalars (step_size, eps_hat). grad_scale is a one-element
-# device array (the clipping scale, computed on the device: reading it would stall the step).
-# Each output is computed from the inputs before any is written, so p, m, v may be passed as
-# their own outputs (in place).
-ADAMW_STEP = cuda.register(cuda.ElementwiseSpec(
+# The kernel (its form, adamw_update's, explained there): kernels/adamw.cu.
+ADAMW_STEP = cuda.ElementwiseSpec(
     "adamw_step",
     "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay",
     "T p, T m, T v",
-    "const T gs = g * grad_scale[0];\n"
-    "const T m1 = beta1 * m_in + ((T)1 - beta1) * gs;\n"
-    "const T v1 = beta2 * v_in + ((T)1 - beta2) * gs * gs;\n"
-    "const T p1 = p_in * ((T)1 - decay * mask) - step_size * (m1 / (sqrt(v1) + eps_hat));\n"
-    "m = m1;\nv = v1;\np = p1;",
+    "adamw.cu",
     reference=_adamw_op_reference,
     scalars=(("beta1", 0.9), ("beta2", 0.95), ("step_size", 1e-3), ("eps_hat", 1e-8), ("decay", 1e-4)),
     domains=(("v_in", np.abs), ("mask", lambda a: (a > 0).astype(a.dtype))),
-))
+)
 
 
 def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
@@ -908,3 +1269,60 @@ def adamw_kernel(p, g, m, v, mask, b1, b2, grad_scale, step_size, eps_hat, decay
     cuda.on_cupy(fn, p, "Ops.adamw_step")
     scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
     ADAMW_STEP.kernel()(p, m, v, g, mask, b1, b2, scale, step_size, eps_hat, decay, p, m, v)
+
+
+# --- the fused piece adamw: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _adamw_sample(ops, rng):
+    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    xp = ops.xp
+    params = Params({"w": (7, 33), "b": (33,)}, xp=xp, dtype=np.float32, ops=ops)
+    params.data[...] = xp.asarray(rng.standard_normal(params.data.shape).astype(np.float32))
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    for scale in (1.0, 0.5):
+        for name in params.names():  # through the views: the padding between tensors keeps g = 0
+            view = params.grad(name)
+            view[...] = xp.asarray(rng.standard_normal(view.shape).astype(np.float32))
+        opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
+    return params.data, opt.m, opt.v
+
+
+def _adamw_cases(k):
+    """One AdamW step over the model's parameter layout (decay on 2+-D tensors) against the optimizer."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def setup():
+        k.reseed()
+        params = Params(k.shapes, xp=k.xp, dtype=k.dtype, ops=k.ref)
+        params.data[...] = k.rand(params.size, scale=0.02)
+        params.grads[...] = k.rand(params.size, scale=1e-3)
+        opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                    weight_decay=hyper["weight_decay"])
+        return dict(params=params, opt=opt, mask=params.mask(opt.decays))
+
+    def generic(d):
+        d["opt"].step(grad_scale=0.5)
+        return d["params"].data, d["opt"].m, d["opt"].v
+
+    def fused(d):
+        p, opt = d["params"], d["opt"]
+        adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        return p.data, opt.m, opt.v
+
+    return [("adamw step", setup, fused, generic, True)]
+
+
+ADAMW = cuda.fused_piece(
+    "adamw",
+    replaces=("adamw_step",),
+    kernels=(ADAMW_STEP,),
+    sample=_adamw_sample,
+    cases=_adamw_cases,
+)

@@ -72,6 +72,13 @@ class Ops:
         if db is not None:
             db += dy.sum(axis=0)
 
+    def gemm(self, a, b, out, accumulate=False):
+        """out = a @ b, or out += a @ b with accumulate, for 2-D a (M, K), b (K, N), out (M, N)."""
+        if accumulate:
+            out += a @ b
+        else:
+            self.xp.matmul(a, b, out=out)
+
     # --- LayerNorm over rows: y = w * (x - mean) * rstd + b, rstd = 1 / sqrt(var + eps) ---
 
     def layernorm_forward(self, x, w, b, eps):

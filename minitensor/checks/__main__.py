@@ -6,12 +6,12 @@
                                                and compares it with its reference, the Ops code
 
 The kernels themselves live with the GPU backend, minitensor/backends/cupy_ops.py; the registry is
-`minitensor.backends.cuda.KERNELS`.
+`minitensor.backends.cuda.KERNELS` (minitensor.backends.all_kernels()).
 """
 import argparse
 import sys
 
-from minitensor.backends import cuda
+from minitensor.backends import all_kernels, cuda
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,7 +31,7 @@ def main(argv=None):
     from minitensor.checks import kernelcheck  # here: the library never needs it
 
     if not (args.check or args.host_check):
-        print("kernels:", ", ".join(cuda.all_kernels()))
+        print("kernels:", ", ".join(all_kernels()))
         parser.print_usage()
         return 0
     return kernelcheck.run(host=args.host_check, archs=args.arch if args.check else None)

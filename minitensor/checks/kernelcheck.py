@@ -10,7 +10,7 @@ tests put it in place of `minitensor.backends.cuda.launch` to compare the row ke
 without a GPU.
 
 The compile check uses CuPy private APIs, so CuPy's minor version is pinned by the
-`kernel-check` extra. The registry it checks is `minitensor.backends.cuda.all_kernels()` (the GPU
+`kernel-check` extra. The registry it checks is `minitensor.backends.all_kernels()` (the GPU
 backend imported); CuPy is imported only when a compile check runs.
 """
 
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from minitensor.backends import cuda
+from minitensor.backends import all_kernels, cuda
 
 # ---------------------------------------------------------------------------------------------
 # The compile check: NVRTC, as CuPy calls it, for an arch given rather than queried from a GPU
@@ -63,7 +63,7 @@ def compile_source(source, name, options=(), arch="sm_90"):
 def check_kernels(specs=None, dtypes=cuda.DTYPES, archs=cuda.ARCHS):
     """Compiles every spec x dtype x arch; yields a CheckResult for each as it finishes."""
     tc = cuda.toolchain()
-    for spec in cuda.all_kernels().values() if specs is None else specs:
+    for spec in all_kernels().values() if specs is None else specs:
         for dtype in dtypes:
             for arch in archs:
                 start = time.perf_counter()
@@ -232,6 +232,49 @@ template <class U> static U __shfl_xor_sync(unsigned, U v, int lane_mask) {
   __syncthreads();
   return other;
 }
+/* __syncwarp as a barrier of the whole block: faithful where every warp calls it alike */
+static void __syncwarp(unsigned = 0xffffffffu) { __syncthreads(); }
+/* PTX cvt.rna.tf32.f32: to TF32 (10 mantissa bits), to nearest, ties away from zero */
+static unsigned to_tf32(float v) {
+  unsigned u;
+  memcpy(&u, &v, sizeof u);
+  if ((u & 0x7f800000u) != 0x7f800000u) u += 0x1000u;
+  return u & 0xffffe000u;
+}
+/* PTX mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, d = a b + c over the calling warp, each lane
+   holding its fragments in the layout of the PTX ISA ("Matrix Fragments for mma.m16n8k8", .tf32):
+   lane = 4 g + t has a = A(g, t), A(g + 8, t), A(g, t + 4), A(g + 8, t + 4); b = B(t, g), B(t + 4, g);
+   c = C(g, 2t), C(g, 2t + 1), C(g + 8, 2t), C(g + 8, 2t + 1). The lanes exchange their fragments
+   through the block's barrier, so every warp of the block must issue it alike (as the shuffles);
+   the sums are float in k order (the hardware's order and internal precision are its own). */
+static unsigned mma_a[1024][4], mma_b[1024][2];
+static float mma_c[1024][4];
+static void mma_tf32(float *c, const unsigned *a, const unsigned *b) {
+  const unsigned me = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+  const unsigned base = me & ~31u, g = (me & 31u) >> 2, t = me & 3u;
+  for (int i = 0; i < 4; ++i) mma_a[me][i] = a[i], mma_c[me][i] = c[i];
+  mma_b[me][0] = b[0], mma_b[me][1] = b[1];
+  __syncthreads();
+  float A[16][8], B[8][8], C[16][8];
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    const unsigned lg = lane >> 2, lt = lane & 3, o = base + lane;
+    const unsigned ai[4][2] = {{lg, lt}, {lg + 8, lt}, {lg, lt + 4}, {lg + 8, lt + 4}};
+    for (int i = 0; i < 4; ++i) memcpy(&A[ai[i][0]][ai[i][1]], &mma_a[o][i], 4);
+    memcpy(&B[lt][lg], &mma_b[o][0], 4);
+    memcpy(&B[lt + 4][lg], &mma_b[o][1], 4);
+    C[lg][2 * lt] = mma_c[o][0], C[lg][2 * lt + 1] = mma_c[o][1];
+    C[lg + 8][2 * lt] = mma_c[o][2], C[lg + 8][2 * lt + 1] = mma_c[o][3];
+  }
+  const unsigned rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    float acc = C[rows[i]][cols[i]];
+    for (int k = 0; k < 8; ++k) acc += A[rows[i]][k] * B[k][cols[i]];
+    d[i] = acc;
+  }
+  __syncthreads();  /* every lane has read the slots before the next mma writes them */
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
 static float __int_as_float(int v) { float f; memcpy(&f, &v, sizeof f); return f; }
 static double __longlong_as_double(long long v) { double f; memcpy(&f, &v, sizeof f); return f; }
 static void fiber_main() {
@@ -295,7 +338,7 @@ def emulate_launch(spec, dtype, grid, block, args):
     if np.prod(dims[3:]) > 1024 or dims[3] % 32:
         raise ValueError(f"{spec.name}: a block of {dims[3:]} threads: at most 1024, x a multiple of 32")
     # one program per dtype serves every registered RawKernel (each g++ build takes seconds)
-    registered = tuple(s for s in cuda.all_kernels().values() if isinstance(s, cuda.RawSpec))
+    registered = tuple(s for s in all_kernels().values() if isinstance(s, cuda.RawSpec))
     specs = registered if spec in registered else (spec,)
     blob, owned, slots = [np.array([specs.index(spec), *dims], np.uint32).tobytes()], [], {}
     for k, ((_, _, pointer), a) in enumerate(zip(cuda.raw_params(spec), args)):
@@ -323,8 +366,12 @@ def _emulator(specs, dtype_name):
     """The compiled emulation program of the kernels `specs` for one dtype: it reads the kernel's
     index, the launch dimensions and the arguments from stdin, and writes the arrays back."""
     parts = [_EMU_PRELUDE, f"typedef {cuda.C_TYPES[dtype_name]} T;"]
-    for index, spec in enumerate(specs):  # a namespace each: the kernels share helper names
-        parts += [f"namespace k{index} {{", spec.code, "}", _emulator_runner(index, spec)]
+    codes = {}  # a namespace per source: the kernels share helper names; one file may hold several kernels
+    for index, spec in enumerate(specs):
+        if spec.code not in codes:
+            codes[spec.code] = len(codes)
+            parts += [f"namespace k{codes[spec.code]} {{", spec.code, "}"]
+        parts.append(_emulator_runner(index, spec, codes[spec.code]))
     cases = "\n".join(f"case {i}: return run{i}(d);" for i in range(len(specs)))
     parts += ["int main() {", "unsigned d[7];", "if (fread(d, sizeof d[0], 7, stdin) != 7) return 1;",
               f"switch (d[0]) {{\n{cases}\n}}", "return 1;", "}", ""]
@@ -343,8 +390,9 @@ def _emulator(specs, dtype_name):
     return exe
 
 
-def _emulator_runner(index, spec):
-    """C++ `int run<index>(d)`: reads spec's arguments, launches it, writes its arrays back."""
+def _emulator_runner(index, spec, space):
+    """C++ `int run<index>(d)`: reads spec's arguments, launches it (from namespace k<space>), writes its
+    arrays back."""
     params = cuda.raw_params(spec)
     n = len(params)
     read, call, write = [], [], []
@@ -366,7 +414,7 @@ def _emulator_runner(index, spec):
         f"static int run{index}(const unsigned *d) {{", f"void *buf[{n}] = {{0}};",
         f"long long count[{n}] = {{0}}, alias = -1;", f"int own[{n}] = {{0}};", *read,
         "launch(dim3{d[1], d[2], d[3]}, dim3{d[4], d[5], d[6]}, [&] {",
-        f"  k{index}::{spec.name}({', '.join(call)});", "});",
+        f"  k{space}::{spec.name}({', '.join(call)});", "});",
         *write, "return 0;", "}"])
 
 
@@ -385,10 +433,10 @@ def run(host, archs):
     """Prints a line per check: the host check of each elementwise kernel if `host`, then the
     compile check of every kernel for `archs` unless it is None. Returns the exit status: 0 when
     all passed, 1 when one failed, 2 when the compile check cannot run here."""
-    width = max(map(len, cuda.all_kernels()), default=0)
+    width = max(map(len, all_kernels()), default=0)
     failed = 0
     if host:
-        for spec in (s for s in cuda.all_kernels().values() if isinstance(s, cuda.ElementwiseSpec)):
+        for spec in (s for s in all_kernels().values() if isinstance(s, cuda.ElementwiseSpec)):
             for dtype in cuda.DTYPES:
                 result = host_check(spec, dtype)
                 failed += not result.ok

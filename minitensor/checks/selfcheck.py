@@ -4,18 +4,19 @@
 
 `minitensor.backends.get_ops(cupy, kernels)` calls it once per choice, when the model's backend is
 built, and hands the pieces to `CupyOps`; nothing reads the choice later. `auto` (the default on
-a GPU) runs each fused piece's check (minitensor.backends.cuda.CHECKS, registered in
-minitensor/backends/cupy_ops.py: the piece forward and backward on small random float32 inputs, a few
-milliseconds) through a CupyOps without the piece (the Ops code) and one with it (the fused
+a GPU) runs each fused piece's sample (its record's, minitensor.backends.fused_pieces(),
+declared in minitensor/backends/cupy_ops.py: the piece forward and backward on small random float32
+inputs, a few milliseconds) through a CupyOps without the piece (the Ops code) and one with it (the fused
 kernel), and keeps only the pieces whose outputs agree to float32 precision: max |fused -
-generic| <= RTOL * max(1, max |generic|) over every output. A piece that disagrees, or whose
+generic| <= RTOL * max(1, max |generic|) over every output (TF32 precision for a piece whose products
+run on tensor cores: its record's rtol). A piece that disagrees, or whose
 kernel fails to build or run, is reported in the line and the Ops code takes its place. `fused`
 uses every piece unchecked, `generic` none; on NumPy there is nothing to choose.
 """
 
 import numpy as np
 
-from minitensor.backends import cuda
+from minitensor.backends import fused_pieces
 from minitensor.device import to_numpy
 
 MODES = ("auto", "fused", "generic")
@@ -40,7 +41,9 @@ def compare(check, name, xp):
         if not np.isfinite(err):
             return False, "non-finite output"
         worst = max(worst, err / max(1.0, float(np.max(np.abs(g))) if g.size else 1.0))
-    return worst <= RTOL, f"max error {worst:.1e}"
+    piece = fused_pieces().get(name)
+    rtol = piece.rtol if piece is not None and piece.rtol is not None else RTOL
+    return worst <= rtol, f"max error {worst:.1e}"
 
 
 def choose(checks, xp):
@@ -59,7 +62,8 @@ def choose(checks, xp):
 
 
 def select_kernels(mode, xp, checks=None):
-    """(the fused pieces to use, the line that says which and why) for arrays of xp."""
+    """(the fused pieces to use, the line that says which and why) for arrays of xp; checks (name ->
+    sample(ops, rng), every piece's by default) is what `auto` runs."""
     if mode not in MODES:
         raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
     if xp is np:
@@ -67,10 +71,10 @@ def select_kernels(mode, xp, checks=None):
     if mode == "generic":
         return (), "kernels: generic (train.kernels=generic)"
     if mode == "fused":
-        return tuple(cuda.FUSED), f"kernels: fused {', '.join(cuda.FUSED)} (train.kernels=fused, not self-checked)"
+        names = tuple(fused_pieces())
+        return names, f"kernels: fused {', '.join(names)} (train.kernels=fused, not self-checked)"
     if checks is None:
-        cuda.all_kernels()
-        checks = cuda.CHECKS
+        checks = {name: piece.sample for name, piece in fused_pieces().items()}
     chosen, refused = choose(checks, xp)
     line = f"kernels: fused {', '.join(chosen) or 'none'}"
     if refused:

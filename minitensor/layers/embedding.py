@@ -10,10 +10,11 @@ contributions add into dW.
     TiedHead:           logits = x W^T                dx = dlogits W,  dW += dlogits^T x
 
 A GPU backend computes the head over a vocabulary padded to a multiple of 128 (ops.vocab_padding,
-8449 -> 8576: aligned GEMMs) when asked (`forward(x, padded=True)`, the training loss): a copy of W
-with zero rows after its V, so the padded logits are zero, the loss gives them probability 0 and
-no gradient, and the padded rows' gradient is dropped before it reaches dW. The parameters, their
-count and everything saved stay V rows.
+8449 -> 8576: aligned GEMMs) when asked (`forward(x, padded=True)`, the training loss): the logits
+are (N, Vp) rows, 16-byte multiples long, of which the GEMM writes the first V columns and leaves
+the padding unwritten (the loss, told valid=V, never reads it, gives it probability 0 and no
+gradient); backward reads the first V columns of dlogits only (ops.gemm takes the longer rows as
+they are). The parameters, their count and everything saved stay V rows.
 """
 
 from typing import NamedTuple
@@ -69,7 +70,7 @@ class PositionEmbedding(Layer):
 class TiedHeadCache(NamedTuple):
     x: object          # (N, C), the input as rows
     shape: tuple
-    padded: object     # the (Vp, C) padded copy of W the logits were computed with, or None
+    width: int         # the logits' columns: V, or Vp after forward(padded=True)
 
 
 class TiedHead(Layer):
@@ -78,34 +79,32 @@ class TiedHead(Layer):
     def __init__(self, W, dW, ops=None):
         super().__init__(ops)
         self.W, self.dW = W, dW
-        self._padded_W = None                                # (Vp, C): W, then zero rows (padded=True)
 
     def forward(self, x, padded=False):
         """logits (..., V); with padded, (..., Vp) over ops.vocab_padding(V) columns (V on the CPU), the
-        columns past V zero, for a loss that masks them (SoftmaxCrossEntropy.forward(valid=V))."""
+        columns past V not written, for a loss that never reads them (SoftmaxCrossEntropy.forward(valid=V))."""
         self._take_ops(x)
         x2 = x.reshape(-1, self.W.shape[1])                  # (N, C)
         V = self.W.shape[0]
         Vp = self.ops.vocab_padding(V) if padded else V
-        W = self.W if Vp == V else self._padded(Vp)
-        self._save(TiedHeadCache(x2, x.shape, None if Vp == V else W))
-        return (x2 @ W.T).reshape(*x.shape[:-1], Vp)
-
-    def _padded(self, Vp):
-        """W's current values in the first V rows of the (Vp, C) padded copy; the rows after stay zero."""
-        if self._padded_W is None or self._padded_W.shape[0] != Vp:
-            self._padded_W = self.ops.xp.zeros((Vp, self.W.shape[1]), dtype=self.W.dtype)
-        self._padded_W[:self.W.shape[0]] = self.W
-        return self._padded_W
+        self._save(TiedHeadCache(x2, x.shape, Vp))
+        if Vp == V:
+            logits = x2 @ self.W.T
+        else:
+            logits = self.ops.xp.empty((x2.shape[0], Vp), dtype=x2.dtype)
+            self.ops.gemm(x2, self.W.T, logits[:, :V])      # rows Vp long, their first V columns
+        return logits.reshape(*x.shape[:-1], Vp)
 
     def backward(self, dlogits):
         """dx from dlogits (..., V), or (..., Vp) after forward(padded=True)."""
-        x2, x_shape, Wp = self._pop()
-        W = self.W if Wp is None else Wp
-        dl2 = dlogits.reshape(-1, W.shape[0])                # (N, V) or (N, Vp)
+        x2, x_shape, Vp = self._pop()
+        V = self.W.shape[0]
+        dl2 = dlogits.reshape(-1, Vp)                        # (N, V) or (N, Vp)
+        dl = dl2 if Vp == V else dl2[:, :V]                  # the padded columns (no gradient) not read
         # forward was: logits = x @ W.T
-        if Wp is not None:                                   # the padded rows' gradient is dropped here
-            self.dW += (dl2.T @ x2)[:self.W.shape[0]]        # (Vp, C) -> (V, C)
-        else:                                                # dW += dlogits^T x, a Linear's weight gradient
-            self.ops.linear_weight_grads(dl2, x2, self.dW, None)
-        return (dl2 @ W).reshape(x_shape)
+        self.ops.linear_weight_grads(dl, x2, self.dW, None)  # dW += dlogits^T x, a Linear's weight gradient
+        if Vp == V:
+            return (dl2 @ self.W).reshape(x_shape)
+        dx = self.ops.xp.empty(x2.shape, dtype=x2.dtype)
+        self.ops.gemm(dl, self.W, dx)
+        return dx.reshape(x_shape)

@@ -12,7 +12,9 @@ on PYTHONPATH for a command); the rest of the suite sees the real CuPy, or none,
   minitensor's launch emulation (cupy/_kernels.py).
 - `cupy.cuda`: one device (runtime, Device, Stream, Event, memGetInfo), the cuBLAS handle, and
   NCCL at one rank; `cupy._core._routines_linalg` and `cupy_backends.cuda.libs.cublas`: the GEMM
-  compute type and cuBLAS math mode that `minitensor.device.set_tf32` sets and reads back.
+  compute type and cuBLAS math mode that `minitensor.device.set_tf32` sets and reads back, and
+  cuBLAS's GEMM, strided batched GEMM and GEMV computed column-major from their pointers
+  (minitensor.backends.cublas calls them).
 
 What it cannot show is listed in tests/gpu_standin.py.
 """

@@ -211,7 +211,7 @@ class RawKernel:
                 raise _unsupported(a)
             host.append(a._a if isinstance(a, ndarray) else a)
         self.compile()
-        spec = cuda.RawSpec(self.name, self.body, self.options)
+        spec = cuda.RawSpec(self.name, options=self.options, inline=self.body)
         cuda.check_launch_args(spec, self.dtype, host)
         dims = np.array([*grid, 1, 1][:3] + [*block, 1, 1][:3], np.uint32)
         if prod(dims[3:]) > 1024 or dims[3] % 32:

@@ -23,9 +23,16 @@ makes for it, with the bytes that launch reads and writes:
     copy          `copy`, `astype`, `ascontiguousarray` and a reshape that cannot be a view, `a[...] = b`
     fill          `fill`, `zeros`, `ones`, `full`, `a[...] = 0`
     gather        indexing by an integer array; scatter: `ufunc.at` and assigning through one
+    gemm          also cuBLAS's own sgemm/dgemm and their strided batched forms (2 m n k FLOPs a matrix; A and
+                  B read, C written, and read when beta is not 0) and sgemv/dgemv (2 m n; A and x read, y
+                  written, and read when beta is not 0), named "(unaligned)" likewise
+                  (tests/cupy_standin/cupy_backends/cuda/libs/cublas.py computes them)
     kernel        an ElementwiseKernel (every array argument read or written once) or a RawKernel (the
-                  traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`)
-    h2d, d2h      copies between host and device (not launches); a read gives ones: values are not tracked
+                  traffic its minitensor.backends.cuda spec declares, `RawSpec.bytes_moved`, and the
+                  FLOPs of its inner products where it declares them, `RawSpec.flops_of`)
+    h2d, d2h      copies between host and device (not launches); a read gives ones: values are not tracked;
+                  `cupy.asarray`/`cupy.array` of host data without blocking is "h2d_async" (CuPy stages it
+                  in pinned memory and copies it on the current stream)
 
 An operation without a rule raises NotImplementedError naming it, so that nothing is left out of a
 record silently. `recording(verify=True)` computes as the stand-in normally does as well and checks
@@ -38,6 +45,7 @@ import math
 from collections import namedtuple
 
 import numpy as np
+from cupy_backends.cuda.libs import cublas
 
 import cupy
 from cupy import _array, _kernels, standin
@@ -103,7 +111,9 @@ def _targets():
             (ndarray, "_scalar", _scalar), (ndarray, "__repr__", _repr), (ndarray, "__str__", _repr),
             (ndarray, "__format__", _format), (_array.ufunc, "at", _ufunc_at),
             (_kernels.ElementwiseKernel, "__call__", _elementwise_kernel),
-            (_kernels.RawKernel, "__call__", _raw_kernel)]
+            (_kernels.RawKernel, "__call__", _raw_kernel),
+            *((cublas, name, _cublas_rule(name)) for name in ("sgemm", "dgemm", "sgemv", "dgemv", "sgemmStridedBatched",
+                                                              "dgemmStridedBatched"))]
 
 
 def _install():
@@ -545,10 +555,12 @@ def _ufunc_at(self, a, indices, b=None):
         _original(_array.ufunc, "at")(self, a, indices, b)
 
 
-def _host_to_device(obj, dtype, order):
+def _host_to_device(obj, dtype, order, blocking):
+    """CuPy 14.2 (_array_default) copies host data through a pinned staging buffer on the current
+    stream: asynchronous ("h2d_async") unless blocking."""
     host = np.asarray(_array._host(obj), dtype=dtype)
     result = np.empty(host.shape, host.dtype, order="F" if order == "F" else "C")
-    _active.add("h2d", "asarray", 0, host.nbytes, result.nbytes, _shapes(result))
+    _active.add("h2d" if blocking else "h2d_async", "asarray", 0, host.nbytes, result.nbytes, _shapes(result))
     return result
 
 
@@ -558,7 +570,7 @@ def _asarray(a, dtype=None, order=None, *, blocking=False):
             return a
         predicted = _copy(_active, "astype", a._a, np.empty_like(a._a, dtype=dtype))
     else:
-        predicted = _host_to_device(a, dtype, order)
+        predicted = _host_to_device(a, dtype, order, blocking)
     return _predicted_or_real(predicted, _original(_array, "asarray"), (a, dtype, order), {"blocking": blocking})
 
 
@@ -572,7 +584,7 @@ def _array_fn(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, *, bl
         layout = "C" if order == "C" or (order in ("K", "A") and obj.flags.c_contiguous) else "F"
         predicted = _copy(_active, "copy (array)", obj._a, np.empty(obj.shape, dtype, order=layout))
     else:
-        predicted = _host_to_device(obj, dtype, order)
+        predicted = _host_to_device(obj, dtype, order, blocking)
     return _predicted_or_real(predicted, _original(_array, "array"), (obj, dtype, copy, order, subok, ndmin),
                               {"blocking": blocking})
 
@@ -621,10 +633,41 @@ def _raw_kernel(self, grid, block, args, *, shared_mem=0, enable_cooperative_gro
     from minitensor.backends import cuda
 
     host = [a._a if isinstance(a, ndarray) else a for a in args]
-    spec = cuda.KERNELS.get(self.name) or cuda.RawSpec(self.name, self.body, self.options)
+    spec = cuda.KERNELS.get(self.name) or cuda.RawSpec(self.name, options=self.options, inline=self.body)
     read, written = spec.bytes_moved(host)
-    _active.add("kernel", self.name, 0, read, written, _shapes(*host))
+    _active.add("kernel", self.name, spec.flops_of(host), read, written, _shapes(*host))
     self.compile()
     if _active.verify:
         _original(_kernels.RawKernel, "__call__")(self, grid, block, args, shared_mem=shared_mem,
                                                   enable_cooperative_groups=enable_cooperative_groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuBLAS's own calls
+
+def _cublas_rule(name):
+    """sgemm/dgemm/sgemv/dgemv recorded from their arguments (checked as cuBLAS checks them)."""
+    item = 4 if name[0] == "s" else 8
+
+    def rule(handle, *args):
+        if name.endswith("Batched"):
+            transa, transb, m, n, k, alpha, A, lda, _, B, ldb, _, beta, C, ldc, _, count = args
+            a, b = cublas.gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
+            lds, flops = (lda, ldb, ldc), 2 * m * n * k * count
+            read, out = count * item * (a[0] * a[1] + b[0] * b[1]), count * item * m * n
+        elif name.endswith("gemm"):
+            transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc = args
+            a, b = cublas.gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
+            lds, flops, read, out = (lda, ldb, ldc), 2 * m * n * k, item * (a[0] * a[1] + b[0] * b[1]), item * m * n
+        else:
+            trans, m, n, alpha, A, lda, x, incx, beta, y, incy = args
+            nx, ny = cublas.gemv_shapes(trans, m, n, lda, incx, incy)
+            lds, flops, read, out = (lda,), 2 * m * n, item * (m * n + nx), item * ny
+        beta_value = cublas.host_scalar(beta, np.float32 if item == 4 else np.float64)
+        aligned = all(ld * item % 16 == 0 for ld in lds)
+        _active.add("gemm", f"cublas {name}" + ("" if aligned else " (unaligned)"), flops,
+                    read + (out if beta_value != 0 else 0), out)
+        if _active.verify:
+            _original(cublas, name)(handle, *args)
+
+    return rule

@@ -1,0 +1,123 @@
+"""GEMMs and GEMVs through cuBLAS itself (cupy_backends.cuda.libs.cublas), for what CuPy's matmul cannot do.
+
+    gemm(a, b, out, beta)        out = a @ b + beta out     (2-D CuPy arrays, or 3-D: a strided batch;
+                                                            beta 0: out is not read)
+    colsum(dy, out, beta)        out = sum over rows of dy + beta out
+
+CuPy 14.2's 2-D matmul computes out = a @ b only (beta 0: an accumulated weight gradient needs a
+GEMM into a temporary and an add), and writes an `out` that is not C-contiguous through a
+temporary and a copy. cuBLAS's own calls take beta, the operands' transpose flags and leading
+dimensions: a gradient is accumulated in the GEMM's output pass, and a transposed view or a slice
+of rows with a longer stride is passed as it is stored. cuBLAS is column-major: a row-major
+(M, N) array with row stride ld is, to cuBLAS, the (N, M) column-major matrix with leading
+dimension ld, its transpose; so out = a @ b is asked as out^T = b^T a^T, with b first.
+
+CuPy's batched matmul also copies every operand that is not C-contiguous (a transposed k, dy, v, q
+of the attention core); `sgemmStridedBatched` takes the transpose flag instead.
+
+These go through `cublas.sgemm` / `dgemm`, `sgemmStridedBatched` / `dgemmStridedBatched` and
+`sgemv` / `dgemv` (CuPy 14.2's signatures:
+cupy_backends/cuda/libs/cublas.pyx), alpha and beta as host pointers (the handle's default pointer
+mode, which CuPy's own matmul also relies on), on the current stream (cuBLAS's calls in CuPy set the
+handle's stream first). TF32: sgemm follows the handle's math mode, which
+minitensor.device.set_tf32 sets (CUBLAS_TF32_TENSOR_OP_MATH), as it does for CuPy's batched matmul.
+cuBLAS's GEMM and GEMV give the same bits on every run on one GPU (no atomics unless
+cublasSetAtomicsMode allows them, which nothing here does).
+
+`gemm` and `colsum` return False, computing nothing, where an operand is not laid out so that
+cuBLAS can read it in place (no unit stride along either axis); the caller then falls back to
+CuPy's own operations.
+"""
+
+import numpy as np
+
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1  # cublasOperation_t (cublas_api.h)
+
+
+def layout(a):
+    """(transposed, ld) for a 2-D array a laid out for cuBLAS: a = M (transposed False) or M^T
+    (True) for a row-major M whose row stride is ld elements; None where neither holds. For a 3-D
+    array (a batch of matrices), that of each matrix, and (transposed, ld, batch stride) where the
+    matrices lie a fixed number of elements apart (None where not)."""
+    if a.ndim not in (2, 3) or a.dtype not in (np.float32, np.float64):
+        return None
+    found = _layout(a.itemsize, a.shape[-2:], a.strides[-2:])
+    if a.ndim == 2 or found is None:
+        return found
+    step = a.strides[0]
+    if a.shape[0] > 1 and (step <= 0 or step % a.itemsize):
+        return None
+    return (*found, step // a.itemsize if a.shape[0] > 1 else 0)
+
+
+def _layout(item, shape, strides):
+    (r, c), (s0, s1) = shape, strides
+    if (c <= 1 or s1 == item) and (r <= 1 or (s0 > 0 and s0 % item == 0 and s0 // item >= c)):
+        return False, max(1, c if r <= 1 else s0 // item)  # row-major (r, c), rows ld apart
+    if (r <= 1 or s0 == item) and (c <= 1 or (s1 > 0 and s1 % item == 0 and s1 // item >= r)):
+        return True, max(1, r if c <= 1 else s1 // item)   # the transpose of a row-major (c, r)
+    return None
+
+
+def _scalar(value, dtype):
+    """A host copy of value for cuBLAS's alpha or beta (kept alive by the caller until the call returns)."""
+    return np.array(value, dtype=dtype)
+
+
+def gemm(a, b, out, beta=0.0):
+    """out = a @ b + beta out for CuPy arrays a (M, K), b (K, N), out (M, N) of one float dtype,
+    out row-major (a unit column stride, any row stride); beta 0: out's old values are not read.
+    With a batch axis first on all three (the same count, each array's matrices a fixed stride
+    apart, out's apart by at least one matrix), one strided batched GEMM. Returns False, computing
+    nothing, where cuBLAS cannot take them as they are laid out."""
+    if not a.ndim == b.ndim == out.ndim or a.shape[:-2] != b.shape[:-2] or a.shape[:-2] != out.shape[:-2]:
+        raise ValueError(f"gemm: shapes {a.shape} @ {b.shape} -> {out.shape}: expected one batch shape")
+    M, K = a.shape[-2:]
+    N = b.shape[-1]
+    if b.shape[-2] != K or out.shape[-2:] != (M, N):
+        raise ValueError(f"gemm: shapes {a.shape} @ {b.shape} -> {out.shape}: expected (M, K) @ (K, N) -> (M, N)")
+    la, lb, lc = layout(a), layout(b), layout(out)
+    if (la is None or lb is None or lc is None or lc[0] or min(M, N, K) == 0
+            or not a.dtype == b.dtype == out.dtype):
+        return False
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    handle = cupy.cuda.device.get_cublas_handle()
+    one, coef = _scalar(1.0, a.dtype), _scalar(beta, a.dtype)
+    # out^T (N, M) = b^T a^T: b's row-major storage is b^T to cuBLAS (no transpose), a transposed
+    # view is stored as its row-major transpose (cuBLAS transposes it back)
+    ops = (CUBLAS_OP_T if lb[0] else CUBLAS_OP_N, CUBLAS_OP_T if la[0] else CUBLAS_OP_N, N, M, K, one.ctypes.data)
+    if a.ndim == 2:
+        fn = cublas.sgemm if a.dtype == np.float32 else cublas.dgemm
+        fn(handle, *ops, b.data.ptr, lb[1], a.data.ptr, la[1], coef.ctypes.data, out.data.ptr, lc[1])
+        return True
+    if out.shape[0] > 1 and lc[2] < (M - 1) * lc[1] + N:  # out's matrices would overlap
+        return False
+    fn = cublas.sgemmStridedBatched if a.dtype == np.float32 else cublas.dgemmStridedBatched
+    fn(handle, *ops, b.data.ptr, lb[1], lb[2], a.data.ptr, la[1], la[2], coef.ctypes.data, out.data.ptr, lc[1],
+       lc[2], a.shape[0])
+    return True
+
+
+def colsum(dy, out, ones, beta=0.0):
+    """out = the sum over the rows of dy (R, C) + beta out, out (C,), as the GEMV dy^T ones; ones:
+    a contiguous device vector of at least R ones of dy's dtype. Returns False, computing nothing,
+    where cuBLAS cannot read dy or out in place."""
+    R, C = dy.shape
+    ld = layout(dy)
+    if out.shape != (C,) or ones.shape[0] < R:
+        raise ValueError(f"colsum: dy {dy.shape}, out {out.shape}, ones {ones.shape}: expected (R, C), (C,) "
+                         f"and at least R ones")
+    if (ld is None or ld[0] or out.strides[0] <= 0 or out.strides[0] % out.itemsize or R == 0 or C == 0
+            or not dy.dtype == out.dtype == ones.dtype):
+        return False
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    fn = cublas.sgemv if dy.dtype == np.float32 else cublas.dgemv
+    one, coef = _scalar(1.0, dy.dtype), _scalar(beta, dy.dtype)
+    # dy's storage is the column-major (C, R) matrix dy^T: out = dy^T ones, no transpose
+    fn(cupy.cuda.device.get_cublas_handle(), CUBLAS_OP_N, C, R, one.ctypes.data, dy.data.ptr, ld[1],
+       ones.data.ptr, 1, coef.ctypes.data, out.data.ptr, out.strides[0] // out.itemsize)
+    return True
