@@ -6,8 +6,8 @@
 
 Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as PyTorch's AdamW
 does, and only to the tensors `decays` selects (by default those of 2+ dimensions: matmul
-weights and embeddings). The update is `Ops.adamw_step` of the parameters' backend
-(minitensor.backends.ops), which folds the bias corrections into two scalars, step_size and eps_hat.
+weights and embeddings), given to the backend as a 0/1 mask over the buffer. The update is
+`Ops.adamw_step` of the parameters' backend (minitensor.backends.ops), this formula as written.
 Gradient clipping is the backend's too (`ops.global_norm`, `ops.clip_scale`): on a GPU the norm
 stays on the device and the step takes the scale as a 0-d array, so nothing is read back.
 """
@@ -27,7 +27,7 @@ class AdamW:
         self.m = params.xp.zeros_like(params.data)
         self.v = params.xp.zeros_like(params.data)
         self.decays = decays or (lambda name, shape: len(shape) >= 2)
-        self._decay_layout = self.ops.adamw_decay_layout(params, self.decays)  # the backend's form
+        self.decayed = params.mask(self.decays)              # 1 over the decayed tensors, 0 elsewhere
         self.t = 0
 
     def step(self, lr=None, grad_scale=1.0):
@@ -35,16 +35,10 @@ class AdamW:
 
         grad_scale may be a 0-d array on the parameters' device (the clipping scale computed
         there), so a GPU step needs no host read."""
-        lr = self.lr if lr is None else lr
         self.t += 1
         b1, b2 = self.betas
-        c1 = 1.0 - b1 ** self.t
-        c2 = 1.0 - b2 ** self.t
-        # m/c1 / (sqrt(v/c2) + eps) == (m * s) / (sqrt(v) + eps * sqrt(c2)) with s = sqrt(c2) / c1
-        step_size = lr * math.sqrt(c2) / c1
-        eps_hat = self.eps * math.sqrt(c2)
-        self.ops.adamw_step(self.params.data, self.params.grads, self.m, self.v, self._decay_layout,
-                            b1, b2, grad_scale, step_size, eps_hat, lr * self.weight_decay)
+        self.ops.adamw_step(self.params.data, self.params.grads, self.m, self.v, self.decayed,
+                            self.lr if lr is None else lr, b1, b2, self.eps, self.weight_decay, self.t, grad_scale)
 
     def state_dict(self):
         return {"m": self.m, "v": self.v, "t": self.t}

@@ -4,7 +4,6 @@
     p["fc.weight"]        # (3, 4) view into p.data
     p.grad("fc.weight")   # (3, 4) view into p.grads, same offsets
     p.zero_grad()         # one fill
-    p.take_zeroed(dW)     # True once after zero_grad: dW's next gradient may be written, not added
 
 Layers hold these views and update them in place; nothing may rebind them, because the flat
 buffers are the truth that AdamW, gradient clipping and checkpoints work on (as in llm.c).
@@ -38,7 +37,6 @@ class Params:
         self.grads = xp.zeros(offset, dtype=self.dtype)
         self._views = {n: self._view(self.data, n) for n in self.shapes}
         self._grad_views = {n: self._view(self.grads, n) for n in self.shapes}
-        self._zeroed = set()  # ids of the gradient views zeroed and not written since
 
     def _view(self, flat, name):
         start = self.offsets[name]
@@ -68,17 +66,6 @@ class Params:
 
     def zero_grad(self):
         self.ops.fill_zero(self.grads)
-        self._zeroed = {id(view) for view in self._grad_views.values()}
-
-    def take_zeroed(self, grad_view):
-        """True if grad_view (one of grad(name)) holds zeros from zero_grad and nothing since: its
-        first contribution may then be written by the GEMM itself instead of into a temporary
-        added to it (BENCHMARKS.md, "The CPU kernels"). Later calls say False, so that further
-        micro-batches and a second user of a shared view (the tied embedding) accumulate."""
-        if id(grad_view) in self._zeroed:
-            self._zeroed.discard(id(grad_view))
-            return True
-        return False
 
     def num_elements(self):
         """Parameters actually held (the padding between tensors is not counted)."""

@@ -377,7 +377,7 @@ class _KernelInputs:
     def __init__(self, xp, dry):
         from andrea.config import load_config
         from andrea.model.transformer import param_shapes
-        from minitensor.backends.ops import Ops
+        from minitensor.backends.blocked import BlockedOps
 
         if dry:
             self.N, self.C, self.F, self.BH, self.T, self.V = 6, 40, 64, 2, 20, 50
@@ -386,7 +386,7 @@ class _KernelInputs:
             self.N, self.C, self.F, self.BH, self.T, self.V = 8 * 1024, 768, 3072, 8 * 12, 1024, 8449
             self.shapes, self.reps = param_shapes(load_config("120m").model), 10
         self.xp, self.dtype = xp, np.float32
-        self.ref = Ops(xp)  # the generic side: the maths every kernel replaces
+        self.ref = BlockedOps(xp)  # the generic side: the maths every kernel replaces (Ops, and its blocked core)
         self._drawn, self._k = {}, 0
 
     def reseed(self):

@@ -106,7 +106,7 @@ def flops_per_token(cfg, T, n_params):
 
 def _linear(p, name, ops):
     return Linear(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"),
-                  ops=ops, zeroed=p.take_zeroed)
+                  ops=ops)
 
 
 def _layernorm(p, name, eps, ops):
@@ -135,7 +135,7 @@ class NoNorm(Layer):
 
 class MLPCache(NamedTuple):
     x: object          # (N, C), c_fc's input
-    h: object          # (N, 4C), c_fc's output as the activation's bias pass left it
+    h: object          # (N, 4C), c_fc's output as the activation's bias pass left it (a backend may add b in place)
     shape: tuple
 
 
@@ -332,8 +332,7 @@ class ANDREA:
         self.wpe = PositionEmbedding(p["transformer.wpe.weight"], p.grad("transformer.wpe.weight"), ops=ops)
         self.blocks = [Block(p, f"transformer.h.{i}.", cfg, ops) for i in range(cfg.n_layer)]
         self.ln_f = _layernorm(p, "transformer.ln_f", cfg.ln_eps, ops)
-        self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), ops=ops,
-                             zeroed=p.take_zeroed)
+        self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), ops=ops)
         self.loss_fn = SoftmaxCrossEntropy(check=False, ops=ops)
         self.flow = None
         self.init_weights(seed)

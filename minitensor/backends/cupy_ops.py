@@ -9,7 +9,8 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
     bias_gelu_forward / _backward      'bias_gelu_fwd' / '_bwd' ('_bwd_fwd' with the output recomputed),
                                        fused piece bias_gelu
     layernorm_forward / _backward      'layernorm_fwd', '_bwd', '_bwd_params' fused piece layernorm
-    causal_softmax / _backward         'causal_softmax_fwd' / '_bwd'         fused piece causal_softmax
+    attention_forward_dense            'causal_softmax_fwd' / '_bwd' (the dense core's softmax, backward through
+                                       attention_backward by its cache type) fused piece causal_softmax
     softmax_xent_forward / _backward   'softmax_xent_fwd' / '_bwd'           fused piece softmax_xent
     adamw_step                         'adamw_step'                          fused piece adamw
     scatter_add_rows                   'scatter_add_rows' (always: deterministic where add.at's atomics are not)
@@ -20,7 +21,8 @@ method it replaces, and falls back to `super()` where a kernel does not apply:
                                        of 16 up to 64, float32 on TF32 tensor cores) fused piece
                                        flash_attention; else the dense core within a memory budget (a
                                        64th of the GPU's memory per layer: 2.2 GB on an H200, where
-                                       ANDREA-120M at 8 x 1024 needs 384 MiB), else Ops' query blocks
+                                       ANDREA-120M at 8 x 1024 needs 384 MiB), else the query
+                                       blocks of minitensor.backends.blocked
 
 Which fused pieces a CupyOps runs is fixed when it is built (`CupyOps(xp, fused=...)`; through
 `minitensor.backends.get_ops(cupy, kernels)`, where kernels="auto" runs the start-up self-check of
@@ -41,21 +43,42 @@ so a NumPy-backed stand-in of CuPy can run this file in CI.
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from minitensor.backends import cublas, cuda
-from minitensor.backends.ops import AttentionCache, Ops
+from minitensor.backends.blocked import BlockedAttention
+from minitensor.backends.ops import Ops
+from minitensor.backends.tricks import FreshGrads, adamw_scalars, adamw_update
 from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH, array_module
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
+
+
+class FusedAttentionCache(NamedTuple):
+    """What the fused dense core keeps: q (unscaled), k, v (B*n_head, T, hs); p (B*n_head, T, T)."""
+    q: object
+    k: object
+    v: object
+    p: object
+
+
+class FlashAttentionCache(NamedTuple):
+    """What the flash core keeps: q (unscaled), k, v (B*n_head, T, hs); y4, the output as a
+    (B, n_head, T, hs) view; lse, each query row's log-sum-exp."""
+    q: object
+    k: object
+    v: object
+    y4: object
+    lse: object
 
 
 def _draw(xp, rng, *shape, scale=1.0, shift=0.0):
     return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
 
 
-class CupyOps(Ops):
+class CupyOps(BlockedAttention, Ops):
     name = "cupy"
     # the dense attention core when all heads' probabilities fit this many bytes (None: a 64th of
     # the GPU's memory)
@@ -72,6 +95,7 @@ class CupyOps(Ops):
         if unknown:
             raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(cuda.PIECES)}")
         self.in_use = frozenset(fused)
+        self._fresh = FreshGrads()        # the gradient views a GEMM may write (linear_weight_grads)
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
 
     def __repr__(self):
@@ -80,6 +104,10 @@ class CupyOps(Ops):
     def fused(self, name):
         """Whether the fused piece `name` runs (chosen when this backend was built)."""
         return name in self.in_use
+
+    def fill_zero(self, a):
+        super().fill_zero(a)
+        self._fresh.zeroed(a)
 
     # --- Linear ---
 
@@ -90,20 +118,21 @@ class CupyOps(Ops):
             return super().add_epilogue(y, b, r)
         BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)
 
-    def linear_weight_grads(self, x, dy, dW, db, write=False):
-        """dW = x^T dy by cuBLAS with beta 0 after zero_grad (write), beta 1 on later micro-batches
-        (the gradient accumulated in the GEMM's output pass: no temporary, no add); db likewise as
-        the GEMV dy^T ones (minitensor.backends.cublas). Ops' code where cuBLAS cannot take an
-        operand as it is laid out."""
+    def linear_weight_grads(self, x, dy, dW, db):
+        """dW = x^T dy by cuBLAS with beta 0 the first time after fill_zero (the first micro-batch after
+        zero_grad, FreshGrads), beta 1 on later micro-batches (the gradient accumulated in the GEMM's
+        output pass: no temporary, no add); db likewise as the GEMV dy^T ones
+        (minitensor.backends.cublas). Ops' code where cuBLAS cannot take an operand as it is laid out."""
+        write = self._fresh.take(dW)
         beta = 0.0 if write else 1.0
-        if not cublas.gemm(x.T, dy, dW, beta):
-            return super().linear_weight_grads(x, dy, dW, db, write)
+        if not cublas.gemm(x.T, dy, dW, beta):                # Ops adds (to zeros, when write)
+            return super().linear_weight_grads(x, dy, dW, db)
         if db is None or cublas.colsum(dy, db, _ones(self.xp, dy.shape[0], dy.dtype), beta):
             return
         if write:
             dy.sum(axis=0, out=db)
         else:
-            db += self.bias_grad(dy)
+            db += dy.sum(axis=0)
 
     def gemm(self, a, b, out, accumulate=False):
         """By cuBLAS with beta 1 to accumulate, taking operands and out with longer rows or transposed
@@ -192,11 +221,15 @@ class CupyOps(Ops):
         s = self._bmm(q, k.transpose(0, 2, 1))                # (BH, T, T) unscaled scores
         p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
         y4[...] = self._bmm(p, v).reshape(B, nh, T, hs)       # heads back in order
-        return AttentionCache(q, k, v, y4, None, p, T, self._attention_backward_dense_gpu)
+        return FusedAttentionCache(q, k, v, p)
 
-    def _attention_backward_dense_gpu(self, dy4, cache, grads4):
+    def attention_backward(self, dy4, saved, grads4):
+        if isinstance(saved, FlashAttentionCache):
+            return self._attention_backward_flash(dy4, saved, grads4)
+        if not isinstance(saved, FusedAttentionCache):
+            return super().attention_backward(dy4, saved, grads4)
         xp = self.xp
-        q, k, v, _, _, p = cache[:6]                          # q unscaled (attention_forward_dense above)
+        q, k, v, p = saved                                    # q unscaled (attention_forward_dense above)
         BH, T, hs = q.shape
         B, nh = dy4.shape[:2]
         dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
@@ -230,7 +263,7 @@ class CupyOps(Ops):
         _, lse = flash_attention_forward_gpu(q, k, v, 1.0 / math.sqrt(hs), rows, n_head=n_head, tf32=self._tf32())
         if not in_place:                                      # y4 is not the heads of a (B, T, C) array
             y4[...] = rows.reshape(B, nh, T, hs)
-        return AttentionCache(q, k, v, y4, lse, None, T, self._attention_backward_flash)
+        return FlashAttentionCache(q, k, v, y4, lse)
 
     def _tf32(self):
         """Whether the flash kernels' float32 products run on TF32 tensor cores: flash_tf32 where set,
@@ -242,9 +275,9 @@ class CupyOps(Ops):
         mode = cublas.getMathMode(self.xp.cuda.device.get_cublas_handle())
         return mode & 0xF == CUBLAS_TF32_TENSOR_OP_MATH  # the flags above the low bits aside
 
-    def _attention_backward_flash(self, dy4, cache, grads4):
+    def _attention_backward_flash(self, dy4, saved, grads4):
         xp = self.xp
-        q, k, v, y4, lse = cache[:5]
+        q, k, v, y4, lse = saved
         BH, T, hs = q.shape
         B, nh = dy4.shape[:2]
         y, n_y, _ = _head_rows(xp, y4)
@@ -258,16 +291,6 @@ class CupyOps(Ops):
             return
         for g, d in zip(grads4, grads):
             g[...] = d.reshape(B, nh, T, hs)
-
-    def causal_softmax(self, s):
-        if not self.fused("causal_softmax"):
-            return super().causal_softmax(s)
-        return causal_softmax_forward_gpu(s, out=s)
-
-    def causal_softmax_backward(self, dp, p, D):
-        if not self.fused("causal_softmax"):
-            return super().causal_softmax_backward(dp, p, D)
-        return causal_softmax_backward_gpu(dp, p, out=dp)  # computes rowsum(dp p) itself
 
     # --- softmax cross-entropy ---
 
@@ -314,10 +337,10 @@ class CupyOps(Ops):
 
     # --- AdamW ---
 
-    def adamw_step(self, p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay):
+    def adamw_step(self, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0):
         if not self.fused("adamw"):
-            return super().adamw_step(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
-        adamw_kernel(p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay)
+            return super().adamw_step(p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale)
+        adamw_kernel(p, g, m, v, decayed, b1, b2, grad_scale, *adamw_scalars(lr, b1, b2, eps, t), lr * weight_decay)
 
 
 def _stacked_heads(views):
@@ -856,7 +879,7 @@ def _causal_softmax_cases(k):
 
 CAUSAL_SOFTMAX = cuda.fused_piece(
     "causal_softmax",
-    replaces=("attention_forward_dense", "causal_softmax", "causal_softmax_backward"),
+    replaces=("attention_forward_dense",),
     kernels=(CAUSAL_SOFTMAX_FWD, CAUSAL_SOFTMAX_BWD, CAUSAL_SOFTMAX_RECOMPUTE),
     sample=_causal_softmax_sample,
     cases=_causal_softmax_cases,
@@ -1206,10 +1229,10 @@ SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", "embedding.cu"
 # AdamW over the whole flat buffer, one elementwise pass
 
 def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, decay):
-    """ADAMW_STEP's operation through Ops.adamw_update, on copies of p, m, v; returns the new (p, m, v)."""
+    """ADAMW_STEP's operation through tricks.adamw_update (Ops.adamw_step folded), on copies of p, m, v."""
     p, m, v = p_in.copy(), m_in.copy(), v_in.copy()
     scale = np.asarray(grad_scale).reshape(-1)[0]  # the kernel reads grad_scale[0]
-    _REFERENCE.adamw_update(p, g, m, v, np.empty_like(p), beta1, beta2, scale, step_size, eps_hat, 1.0 - decay * mask)
+    adamw_update(np, p, g, m, v, np.empty_like(p), beta1, beta2, scale, step_size, eps_hat, 1.0 - decay * mask)
     return p, m, v
 
 
@@ -1232,8 +1255,7 @@ def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, 
     one-element device array."""
     if t < 1:
         raise ValueError(f"adamw_step_gpu: t counts steps from 1, got {t}")
-    c1, c2 = 1.0 - beta1**t, 1.0 - beta2**t
-    adamw_kernel(p, g, m, v, mask, beta1, beta2, grad_scale, lr * math.sqrt(c2) / c1, eps * math.sqrt(c2),
+    adamw_kernel(p, g, m, v, mask, beta1, beta2, grad_scale, *adamw_scalars(lr, beta1, beta2, eps, t),
                  lr * weight_decay)
     return p
 

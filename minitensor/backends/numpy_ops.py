@@ -1,10 +1,12 @@
 """The CPU backend: NumPy work split over threads, and numba kernels for the hot pieces.
 
-`NumpyOps` overrides pieces of `minitensor.backends.ops.Ops` and falls back to it (`super()`) for what a
-kernel does not take (a dtype, a layout). Two levels, chosen once when a model is built:
+`NumpyOps` overrides pieces of `minitensor.backends.ops.Ops` (the textbook) with the same maths in
+forms that run fast here, and takes the attention core over query blocks from
+minitensor.backends.blocked. Two levels, chosen once when a model is built:
 
-    NumpyOps(numba=False)   ANDREA_CPU_KERNELS=numpy, or numba not installed: the Ops maths,
-                            its rows, heads and chunks spread over minitensor's threads
+    NumpyOps(numba=False)   ANDREA_CPU_KERNELS=numpy, or numba not installed: the maths in NumPy,
+                            in place where it can be, its rows, heads and chunks spread over
+                            minitensor's threads; GELU in its sigmoid form (one exp, no tanh)
     NumpyOps(numba=True)    the default with numba: compiled kernels (below) for LayerNorm,
                             GELU, the attention core, the cross-entropy, the embedding's
                             scatter-add and AdamW
@@ -25,10 +27,12 @@ fixed block of rows on one thread: results are bit-reproducible at a fixed threa
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from minitensor.backends import numba_jit
+from minitensor.backends.blocked import BlockedAttention, heads_of
 from minitensor.backends.numba_kernels import (
     adamw_cpu,
     attention_backward_cpu,
@@ -43,7 +47,9 @@ from minitensor.backends.numba_kernels import (
     scatter_add_rows_cpu,
     softmax_rows_cpu,
 )
-from minitensor.backends.ops import AttentionCache, Ops, heads_of
+from minitensor.backends.ops import Ops
+from minitensor.backends.softmax import exp_rows
+from minitensor.backends.tricks import GELU_AC, GELU_AC3, GELU_C, FreshGrads, adamw_scalars, adamw_update
 from minitensor.parallel import blas_single_threaded, parallel_for
 
 EPILOGUE_BLOCK = 1 << 15  # elements of y per row block of a Linear's epilogue (128 KiB of float32)
@@ -62,9 +68,24 @@ def _floats(*arrays):
                and a.dtype == arrays[0].dtype for a in arrays)
 
 
-class NumpyOps(Ops):
+class KernelAttentionCache(NamedTuple):
+    """What attention_forward_cpu keeps: q (scaled by 1/sqrt(hs)), k, v (B*n_head, T, hs); y4 the
+    output's (B, n_head, T, hs) view; lse (B*n_head, T); probs: each head's blocks of probabilities
+    one after the other (B*n_head, sum of (i1 - i0) i1), or None (recomputed in backward)."""
+    q: object
+    k: object
+    v: object
+    y4: object
+    lse: object
+    probs: object
+    block: int
+
+
+class NumpyOps(BlockedAttention, Ops):
     def __init__(self, numba=True):
         super().__init__(np)
+        self._fresh = FreshGrads()        # the gradient views a GEMM may write (linear_weight_grads)
+        self._pieces = (None, None)       # AdamW's decay mask and its pieces (adamw_step)
         self.numba = bool(numba) and numba_jit.numba is not None
         self.name = "numba" if self.numba else "numpy"
         if self.numba:
@@ -88,14 +109,17 @@ class NumpyOps(Ops):
             parallel_for(B * n_head, each, min_work=0)
 
     def row_dot(self, a, b):
+        """sum(a * b) over the last axis, (N, C) -> (N,)."""
         return np.einsum("ij,ij->i", a, b)
 
     def col_dot(self, a, b):
+        """sum(a * b) over the rows, (N, C) -> (C,)."""
         return np.einsum("ij,ij->j", a, b)
 
     def fill_zero(self, a):
         # one thread's memset cannot fill the memory bandwidth (BENCHMARKS.md, "The CPU kernels")
         parallel_for(a.size, lambda s, e: a.reshape(-1)[s:e].fill(0), min_work=1 << 20)
+        self._fresh.zeroed(a)
 
     # --- Linear ---
 
@@ -115,6 +139,20 @@ class NumpyOps(Ops):
 
         parallel_for(y.shape[0], blocks, cost_per_item=y.shape[1])
 
+    def linear_weight_grads(self, x, dy, dW, db):
+        """dW += x^T dy, db += sum_n dy; the first time after fill_zero (FreshGrads), the GEMM writes
+        dW itself instead of a temporary that is then added."""
+        write = self._fresh.take(dW)
+        if write:
+            np.matmul(x.T, dy, out=dW)
+        else:
+            dW += x.T @ dy
+        if db is not None:
+            if write:
+                db[...] = self.bias_grad(dy)
+            else:
+                db += self.bias_grad(dy)
+
     def bias_grad(self, dy):
         """A GEMV (ones @ dy): multi-threaded BLAS, 2-5x NumPy's axis-0 sum at these sizes."""
         return np.ones(dy.shape[0], dtype=dy.dtype) @ dy
@@ -123,7 +161,7 @@ class NumpyOps(Ops):
 
     def layernorm_forward(self, x, w, b, eps):
         if not (self.numba and _floats(x, w, b)):
-            return super().layernorm_forward(x, w, b, eps)
+            return self._layernorm_forward_rows(x, w, b, eps)
         N, C = x.shape
         y = np.empty_like(x)
         mean = np.empty((N, 1), dtype=x.dtype)
@@ -135,7 +173,7 @@ class NumpyOps(Ops):
 
     def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
         if not (self.numba and _floats(x, dy, w) and (dres is None or _floats(x, dres))):
-            return super().layernorm_backward(dy, x, mean, rstd, w, dw, db, dres)
+            return self._layernorm_backward_rows(dy, x, mean, rstd, w, dw, db, dres)
         N, C = x.shape
         dx = np.empty_like(x)
         n_blocks = -(-N // LN_ROW_BLOCK)
@@ -154,19 +192,91 @@ class NumpyOps(Ops):
         db += db_parts.sum(axis=0)
         return dx
 
+    def _layernorm_forward_rows(self, x, w, b, eps):
+        """Ops.layernorm_forward over the threads' rows, in place where it can be."""
+        N, C = x.shape
+        y = np.empty_like(x)
+        mean = np.empty((N, 1), dtype=x.dtype)
+        rstd = np.empty((N, 1), dtype=x.dtype)
+
+        def rows(s, e):
+            xs, ys = x[s:e], y[s:e]
+            mean[s:e] = xs.mean(axis=-1, keepdims=True)
+            np.subtract(xs, mean[s:e], out=ys)               # x - mean: centred first, no cancellation
+            var = self.row_dot(ys, ys)[:, None] / C
+            rstd[s:e] = 1.0 / np.sqrt(var + eps)
+            ys *= rstd[s:e]                                  # xhat
+            ys *= w
+            ys += b
+
+        self.over_rows(N, rows, cost_per_item=C)
+        return y, mean, rstd
+
+    def _layernorm_backward_rows(self, dy, x, mean, rstd, w, dw, db, dres=None):
+        """Ops.layernorm_backward over the threads' rows; their dw, db parts summed in row order."""
+        N, C = x.shape
+        dx = np.empty_like(x)
+        parts = []
+
+        def rows(s, e):
+            xhat = x[s:e] - mean[s:e]                        # forward was: xhat = (x - mean) * rstd
+            xhat *= rstd[s:e]
+            g = dy[s:e]
+            parts.append((s, self.col_dot(g, xhat), g.sum(axis=0)))
+            dxhat = np.multiply(g, w, out=dx[s:e])
+            # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dxhat (Ops.layernorm_backward)
+            proj = self.row_dot(dxhat, xhat)[:, None] / C
+            dxhat -= dxhat.mean(axis=-1, keepdims=True)
+            xhat *= proj
+            dxhat -= xhat
+            dxhat *= rstd[s:e]
+            if dres is not None:
+                dxhat += dres[s:e]
+
+        self.over_rows(N, rows, cost_per_item=C)
+        for _, dw_part, db_part in sorted(parts, key=lambda p: p[0]):  # a fixed order: reproducible sums
+            dw += dw_part
+            db += db_part
+        return dx
+
     # --- GELU ---
+    #
+    # Written through 0.5 (1 + tanh u) = sigmoid(2u), one exp instead of a tanh:
+    #   sig = 1 / (1 + exp(-2u)),  y = x sig
+    #   dy/dx = sig + x sig (1 - sig) 2 du/dx = sig (1 + (1 - sig) 2 x du/dx),
+    #   du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+    # For x below about -10, exp(-2u) overflows to inf: y = x / inf = -0 and dx = 0, as they should.
+
+    @staticmethod
+    def _gelu_sigmoid(x):
+        with np.errstate(over="ignore"):
+            e = np.exp(x * (x * x * (-2.0 * GELU_AC) - 2.0 * GELU_C))   # exp(-2u)
+        return x / (1.0 + e)
+
+    @staticmethod
+    def _gelu_backward_sigmoid(x, dy):
+        x2 = x * x
+        with np.errstate(over="ignore"):
+            sig = 1.0 / (1.0 + np.exp(x * (x2 * (-2.0 * GELU_AC) - 2.0 * GELU_C)))
+        two_x_du = x * (x2 * (2.0 * GELU_AC3) + 2.0 * GELU_C)                # 2 x du/dx
+        return ((1.0 - sig) * two_x_du + 1.0) * sig * dy
 
     def gelu_forward(self, x):
         if self.numba and _floats(x) and x.ndim >= 1 and x.size:
             return self._gelu_forward_cpu(x, None)
         y = np.empty_like(x)
-        self._chunks(lambda xs, ys: np.copyto(ys, super(NumpyOps, self).gelu_forward(xs)), x, y)
+        self._chunks(lambda xs, ys: np.copyto(ys, self._gelu_sigmoid(xs)), x, y)
         return y
 
     def bias_gelu_forward(self, x, b):
         if self.numba and _floats(x, b) and x.ndim >= 1 and x.size and b.shape == x.shape[-1:]:
             return self._gelu_forward_cpu(x, b)
-        return super().bias_gelu_forward(x, b)
+        x += b                                               # x becomes h = x + b (bias_gelu_backward)
+        return self.gelu_forward(x)
+
+    def bias_gelu_backward(self, x, b, dy, recompute_output=False):
+        """The gradient at h = x + b, which bias_gelu_forward left in x."""
+        return self.gelu_backward(x, dy, recompute_output)
 
     def gelu_backward(self, x, dy, recompute_output=False):
         if self.numba and _floats(x, dy) and x.ndim >= 1 and x.size and dy.shape == x.shape:
@@ -177,7 +287,7 @@ class NumpyOps(Ops):
                          cost_per_item=C)
             return (dx, x) if recompute_output else dx   # with recompute_output, x now holds GELU(x)
         dx = np.empty_like(x)
-        self._chunks(lambda xs, dys, dxs: np.copyto(dxs, super(NumpyOps, self).gelu_backward(xs, dys)), x, dy, dx)
+        self._chunks(lambda xs, dys, dxs: np.copyto(dxs, self._gelu_backward_sigmoid(xs, dys)), x, dy, dx)
         return (dx, self.gelu_forward(x)) if recompute_output else dx
 
     def _gelu_forward_cpu(self, x, b):
@@ -228,17 +338,19 @@ class NumpyOps(Ops):
                                       no_probs if kept is None else kept[h], block)
 
         self.over_heads(B, nh, heads)
-        return AttentionCache(q, k, v, y4, lse, kept, block, self._attention_backward_cpu)
+        return KernelAttentionCache(q, k, v, y4, lse, kept, block)
 
-    def _attention_backward_cpu(self, dy4, cache, grads4):
-        q, k, v, y4, lse, kept, block = cache[:7]
+    def attention_backward(self, dy4, saved, dqkv4):
+        if not isinstance(saved, KernelAttentionCache):
+            return super().attention_backward(dy4, saved, dqkv4)
+        q, k, v, y4, lse, kept, block = saved
         BH, T, hs = q.shape
         scale = q.dtype.type(1.0 / math.sqrt(hs))
         no_probs = np.empty(0, q.dtype)
 
         def heads(s, e):
             for h in range(s, e):
-                dq, dk, dv = (heads_of(g, h, h + 1)[0] for g in grads4)
+                dq, dk, dv = (heads_of(g, h, h + 1)[0] for g in dqkv4)
                 attention_backward_cpu(q[h], k[h], v[h], heads_of(y4, h, h + 1)[0], heads_of(dy4, h, h + 1)[0],
                                        lse[h], no_probs if kept is None else kept[h], block,
                                        dq, dk, dv, scale)
@@ -279,14 +391,13 @@ class NumpyOps(Ops):
 
     # --- softmax cross-entropy ---
 
-    def softmax_rows_per_block(self, N, V):
-        return max(1, ROWS_IN_CACHE // V)
-
     def softmax_xent_forward(self, z, t, inplace=False):
-        """With numba, each row's exp, sum and scaling in one kernel while its V values sit in
-        cache; the row maxima from NumPy's SIMD max (a compiled max loop is one compare per cycle)."""
+        """(loss, softmax(z) / N): the probabilities kept already divided by N (backward's scale),
+        over z with inplace. With numba, each row's exp, sum and scaling in one kernel while its V
+        values sit in cache; the row maxima from NumPy's SIMD max (a compiled max loop is one
+        compare per cycle). Without, blocks of rows that stay in cache for all passes."""
         if not (self.numba and _floats(z) and z.dtype.kind == "f"):
-            return super().softmax_xent_forward(z, t, inplace)
+            return self._softmax_xent_blocks(z, t, inplace)
         N, V = z.shape
         probs = z if inplace else np.empty_like(z)
         logsumexp = np.empty(N, dtype=z.dtype)
@@ -299,6 +410,31 @@ class NumpyOps(Ops):
 
         parallel_for(N, rows, cost_per_item=V)
         return (logsumexp - picked).mean(), probs
+
+    def _softmax_xent_blocks(self, z, t, inplace):
+        N, V = z.shape
+        probs = z if inplace else np.empty_like(z)
+        logsumexp = np.empty(N, dtype=z.dtype)
+        picked = z[np.arange(N), t].astype(z.dtype)          # z[target], before z is overwritten
+        rows = max(1, ROWS_IN_CACHE // V)
+
+        def blocks(first, last):                             # row blocks that stay in cache for all passes
+            for s in range(first * rows, min(last * rows, N), rows):
+                pb = probs[s:s + rows]
+                total, lse = exp_rows(z[s:s + rows], out=pb)
+                np.divide(pb, total * N, out=pb)             # softmax / N: backward's scale, folded in
+                logsumexp[s:s + rows] = lse[:, 0]
+
+        self.over_rows(-(-N // rows), blocks, cost_per_item=rows * V)
+        return (logsumexp - picked).mean(), probs
+
+    def softmax_xent_backward(self, probs, t, dloss=1.0):
+        """dz_n = dloss (softmax(z_n) - onehot(t_n)) / N in place over what the forward kept, softmax / N."""
+        N, V = probs.shape
+        probs[np.arange(N), t] -= 1.0 / N
+        if not (isinstance(dloss, (int, float)) and dloss == 1.0):
+            self.over_rows(N, lambda s, e: probs[s:e].__imul__(dloss), cost_per_item=V)
+        return probs
 
     # --- embedding ---
 
@@ -331,32 +467,36 @@ class NumpyOps(Ops):
 
     # --- AdamW ---
 
-    def adamw_decay_layout(self, params, decays):
-        """(starts, stops, decayed) of pieces of at most CHUNK elements, tensor by tensor: a scalar
-        decay factor per piece instead of a buffer-sized mask, and the padding never touched."""
-        pieces = []
-        for name, shape in params.shapes.items():
-            start, size = params.offsets[name], math.prod(shape)
-            flag = bool(decays(name, shape))
-            pieces += [(s, min(s + CHUNK, start + size), flag) for s in range(start, start + size, CHUNK)]
-        return tuple(np.array(col, dtype=np.int64) for col in zip(*pieces)) if pieces else \
-            tuple(np.empty(0, np.int64) for _ in range(3))
+    def _adamw_pieces(self, decayed):
+        """(starts, stops, flags) of pieces of at most CHUNK elements over the runs of equal values of
+        the 0/1 decay mask: a scalar decay factor per piece instead of the mask. Kept for the last mask."""
+        if self._pieces[0] is not decayed:
+            flags = np.asarray(decayed) != 0
+            edges = np.concatenate(([0], np.flatnonzero(flags[1:] != flags[:-1]) + 1, [flags.size]))
+            pieces = [(s, min(s + CHUNK, e), bool(flags[a])) for a, e in zip(edges[:-1].tolist(), edges[1:].tolist())
+                      for s in range(a, e, CHUNK)]
+            self._pieces = (decayed, tuple(np.array(col, dtype=np.int64) for col in zip(*pieces)) if pieces else
+                            tuple(np.empty(0, np.int64) for _ in range(3)))
+        return self._pieces[1]
 
-    def adamw_step(self, p, g, m, v, layout, b1, b2, grad_scale, step_size, eps_hat, decay):
+    def adamw_step(self, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0):
         """numba: one pass reading g, m, v, p once and writing m, v, p once per element; NumPy: the
-        Ops update over the cache-sized pieces, spread over the threads."""
-        starts, stops, decayed = layout
+        update over the cache-sized pieces, spread over the threads. Both in the folded form
+        (minitensor.backends.tricks.adamw_update)."""
+        starts, stops, flags = self._adamw_pieces(decayed)
+        step_size, eps_hat = adamw_scalars(lr, b1, b2, eps, t)
+        decay = lr * weight_decay
         if self.numba and _floats(p, g, m, v):
-            t = p.dtype.type                                 # Python floats would make the kernel float64
-            scalars = (t(b1), t(b2), t(grad_scale), t(step_size), t(eps_hat), t(decay))
-            parallel_for(len(starts), lambda s, e: adamw_cpu(p, g, m, v, starts[s:e], stops[s:e], decayed[s:e],
+            f = p.dtype.type                                 # Python floats would make the kernel float64
+            scalars = (f(b1), f(b2), f(grad_scale), f(step_size), f(eps_hat), f(decay))
+            parallel_for(len(starts), lambda s, e: adamw_cpu(p, g, m, v, starts[s:e], stops[s:e], flags[s:e],
                                                              *scalars), min_work=0)
             return
         args = (b1, b2, float(grad_scale), step_size, eps_hat)
 
         def run(first, last):
             w = np.empty(CHUNK, p.dtype)
-            for s, e, d in zip(starts[first:last].tolist(), stops[first:last].tolist(), decayed[first:last].tolist()):
-                self.adamw_update(p[s:e], g[s:e], m[s:e], v[s:e], w[:e - s], *args, 1.0 - decay if d else 1.0)
+            for s, e, d in zip(starts[first:last].tolist(), stops[first:last].tolist(), flags[first:last].tolist()):
+                adamw_update(np, p[s:e], g[s:e], m[s:e], v[s:e], w[:e - s], *args, 1.0 - decay if d else 1.0)
 
         parallel_for(len(starts), run, min_work=0)

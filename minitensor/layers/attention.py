@@ -13,10 +13,11 @@ and backward, the core's terms named as the forward lines they differentiate:
     ds = att * (datt - rowsum(datt * att))    # att = softmax(s) by rows; rowsum(datt att) = rowsum(dy y)
     dq = ds k / sqrt(hs),  dk = ds^T q / sqrt(hs)   # s = q k^T / sqrt(hs)
 
-The core is `ops.attention_forward` / `attention_backward` (minitensor.backends.ops): blocks of query
-rows that never compute the scores above the diagonal, the backend's optimised variants beside
-it. b_attn is added by the copies that make each head's q, k, v contiguous, and the block's
-residual (`forward(x, residual=r)`) in c_proj's epilogue, so neither costs a pass of its own.
+The core is `ops.attention_forward` / `attention_backward`: in Ops (minitensor.backends.ops) these
+lines as written, dense; the CPU and the GPU past a memory budget run it over blocks of query rows
+that never compute the scores above the diagonal (minitensor.backends.blocked). b_attn goes into
+the core with c_attn's output (a backend adds it in the copies that make each head contiguous), and
+the block's residual (`forward(x, residual=r)`) into c_proj's epilogue.
 `forward_kv` is the inference path: it appends to a key/value cache so each new token costs one
 row of attention instead of re-running the whole sequence.
 """
@@ -24,14 +25,14 @@ row of attention instead of re-running the whole sequence.
 import math
 from typing import NamedTuple
 
-from minitensor.backends.ops import AttentionCache
 from minitensor.layers.layer import Layer
 
 
 class SelfAttentionCache(NamedTuple):
     x: object                  # (B*T, C), c_attn's input
     y: object                  # (B*T, C), c_proj's input: the heads' outputs side by side
-    core: AttentionCache       # what the core's backward needs
+    core: object               # what ops.attention_forward returned for ops.attention_backward
+    shape: tuple               # (B, T, C)
 
 
 class CausalSelfAttention(Layer):
@@ -63,12 +64,11 @@ class CausalSelfAttention(Layer):
                                            self.block, self.keep_probs_max_bytes, self.dense)
         out = y.reshape(B * T, C) @ self.c_proj.W
         self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
-        self._save(SelfAttentionCache(x2, y.reshape(B * T, C), cache))
+        self._save(SelfAttentionCache(x2, y.reshape(B * T, C), cache, x.shape))
         return out.reshape(B, T, C)
 
     def backward(self, dout):
-        x2, y2, cache = self._pop()
-        B, T, C = cache.y4.shape[0], cache.y4.shape[2], y2.shape[1]
+        x2, y2, cache, (B, T, C) = self._pop()
         dout2 = dout.reshape(B * T, C)
         # forward was: out = y @ W_proj + b_proj
         self.c_proj.weight_grads(y2, dout2)
@@ -104,8 +104,8 @@ class CausalSelfAttention(Layer):
         v_cache[:, :, pos:pos + T] = v
         end = pos + T
         att = xp.matmul(q * (1.0 / math.sqrt(hs)), k_cache[:, :, :end].transpose(0, 1, 3, 2))  # (B, nh, T, end)
-        # new row i sits at position pos + i: the block of query rows pos..end against keys 0..end
-        self.ops.block_softmax(att, pos, xp.empty((*att.shape[:-1], 1), dtype=att.dtype))
+        # new row i sits at position pos + i: the last T of the end positions, as causal_softmax takes them
+        att = self.ops.causal_softmax(att)
         if record is not None:
             record["probs"] = att
         y = xp.matmul(att, v_cache[:, :, :end]).transpose(0, 2, 1, 3).reshape(B * T, C)

@@ -76,12 +76,9 @@ class TiedHeadCache(NamedTuple):
 class TiedHead(Layer):
     """logits = x @ W.T, with W the token embedding's matrix and dW its gradient."""
 
-    def __init__(self, W, dW, ops=None, zeroed=None):
-        """zeroed as Linear's: the model's backward reaches the head before the token embedding
-        adds its rows, so after zero_grad the head's GEMM writes dW."""
+    def __init__(self, W, dW, ops=None):
         super().__init__(ops)
         self.W, self.dW = W, dW
-        self.zeroed = zeroed or (lambda dW: False)
 
     def forward(self, x, padded=False):
         """logits (..., V); with padded, (..., Vp) over ops.vocab_padding(V) columns (V on the CPU), the
@@ -105,7 +102,7 @@ class TiedHead(Layer):
         dl2 = dlogits.reshape(-1, Vp)                        # (N, V) or (N, Vp)
         dl = dl2 if Vp == V else dl2[:, :V]                  # the padded columns (no gradient) not read
         # forward was: logits = x @ W.T
-        self.ops.gemm(dl.T, x2, self.dW, accumulate=not self.zeroed(self.dW))  # dW (+)= dlogits^T x
+        self.ops.linear_weight_grads(dl, x2, self.dW, None)  # dW += dlogits^T x, a Linear's weight gradient
         if Vp == V:
             return (dl2 @ self.W).reshape(x_shape)
         dx = self.ops.xp.empty(x2.shape, dtype=x2.dtype)

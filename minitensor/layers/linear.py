@@ -7,8 +7,7 @@ y (..., n_out). Leading dimensions are folded into one, so every product is a si
     backward:  dx = dy W^T,   dW += x^T dy,   db += sum over rows of dy
 
 `weight_grads` is the backward's parameter half on its own, for composites that schedule it
-(an MLP recomputes c_proj's input instead of keeping it). When the gradient buffer was just
-zeroed (`zeroed(dW)`, minitensor.params), the GEMM writes dW instead of adding a temporary.
+(an MLP recomputes c_proj's input instead of keeping it).
 """
 
 from typing import NamedTuple
@@ -22,11 +21,9 @@ class LinearCache(NamedTuple):
 
 
 class Linear(Layer):
-    def __init__(self, W, dW, b=None, db=None, ops=None, zeroed=None):
-        """zeroed(dW) -> bool: True once after the gradients were zeroed (Params.take_zeroed)."""
+    def __init__(self, W, dW, b=None, db=None, ops=None):
         super().__init__(ops)
         self.W, self.dW, self.b, self.db = W, dW, b, db
-        self.zeroed = zeroed or (lambda dW: False)
 
     def forward(self, x):
         self._take_ops(x)
@@ -45,4 +42,4 @@ class Linear(Layer):
     def weight_grads(self, x2, dy2):
         """dW += x^T dy, db += sum over rows of dy, for x2 (N, n_in) and dy2 (N, n_out)."""
         self._take_ops(x2)  # also called without a forward (by an attention or MLP layer)
-        self.ops.linear_weight_grads(x2, dy2, self.dW, self.db, write=self.zeroed(self.dW))
+        self.ops.linear_weight_grads(x2, dy2, self.dW, self.db)

@@ -5,9 +5,9 @@ Shapes: logits (..., V), targets (...) integer ids in [0, V).
     forward:   loss = mean_n (logsumexp(z_n) - z_n[t_n])     (the row maximum subtracted first)
     backward:  dz_n = dloss (softmax(z_n) - onehot(t_n)) / N
 
-The forward keeps the probabilities (one array of the logits' size; with `inplace=True` written
-over the logits to save that memory), so backward only subtracts at each target and scales. The
-arithmetic is `Ops.softmax_xent_forward` / `softmax_xent_backward` (minitensor.backends.ops).
+The forward keeps the probabilities (one array of the logits' size; with `inplace=True` a backend
+may write them over the logits to save that memory), so backward only subtracts at each target and
+scales. The arithmetic is `Ops.softmax_xent_forward` / `softmax_xent_backward` (minitensor.backends.ops).
 """
 
 from typing import NamedTuple
@@ -17,7 +17,7 @@ from minitensor.layers.layer import Layer
 
 
 class CrossEntropyCache(NamedTuple):
-    probs: object      # (N, V), the backend's form of the probabilities (Ops: softmax / N)
+    saved: object      # what ops.softmax_xent_forward returned for ops.softmax_xent_backward
     targets: object    # (N,)
     shape: tuple       # the logits' shape
 
@@ -40,12 +40,12 @@ class SoftmaxCrossEntropy(Layer):
             check_ids(targets, V if valid is None else valid, what="target id")
         t = targets.reshape(-1)
         if valid is None or valid == V:
-            loss, probs = self.ops.softmax_xent_forward(logits.reshape(-1, V), t, inplace)
+            loss, saved = self.ops.softmax_xent_forward(logits.reshape(-1, V), t, inplace)
         else:
-            loss, probs = self.ops.softmax_xent_forward(logits.reshape(-1, V), t, inplace, valid=valid)
-        self._save(CrossEntropyCache(probs, t, logits.shape))
+            loss, saved = self.ops.softmax_xent_forward(logits.reshape(-1, V), t, inplace, valid=valid)
+        self._save(CrossEntropyCache(saved, t, logits.shape))
         return loss
 
     def backward(self, dloss=1.0):
-        probs, t, shape = self._pop()
-        return self.ops.softmax_xent_backward(probs, t, dloss).reshape(shape)
+        saved, t, shape = self._pop()
+        return self.ops.softmax_xent_backward(saved, t, dloss).reshape(shape)

@@ -1,18 +1,20 @@
-"""The one AdamW update (`Ops.adamw_update`) in the form the Ops step runs it (the whole buffer
-at once, a decay mask, grad_scale a 0-d array on the device) against the textbook step on every
-backend, and against NumpyOps' chunked path bit for bit. The numba kernel is compared with the
-Ops step in test_cpu_kernels.py, the CUDA kernel with the textbook step in test_kernels_fused.py;
+"""AdamW: `Ops.adamw_step` (the paper's update) and the folded form the backends run
+(`minitensor.backends.tricks.adamw_update`: the whole buffer at once, a decay mask, grad_scale a 0-d
+array on the device) against PyTorch's order of the step (reference.adamw) on every backend, and the
+folded form against NumpyOps' chunked path bit for bit. The numba kernel is compared with the Ops
+step in test_cpu_kernels.py, the CUDA kernel with the textbook step in test_kernels_fused.py;
 test_model.py checks the optimizer on a model."""
 
 import math
 
-import formulas as F
 import numpy as np
 import pytest
+import reference as F
 
 from minitensor.backends import get_ops
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
+from minitensor.backends.tricks import adamw_update
 from minitensor.device import to_numpy
 from minitensor.optim import AdamW
 from minitensor.params import Params
@@ -21,13 +23,13 @@ SHAPES = {"w": (30, 70), "b": (70,), "e": (9, 33)}   # decayed, not decayed, dec
 
 
 def masked_steps(xp, params, grads, lr, b1, b2, eps, wd, scales):
-    """AdamW over the whole buffer with Ops.adamw_update, as the Ops step calls it."""
+    """AdamW over the whole buffer in the folded form, a keep factor per element."""
     p = xp.asarray(params.data.copy())
     m, v = xp.zeros_like(p), xp.zeros_like(p)
     keep = 1.0 - lr * wd * xp.asarray(params.mask(lambda name, shape: len(shape) >= 2))
     for t, (g, scale) in enumerate(zip(grads, scales), start=1):
         c1, c2 = 1.0 - b1**t, 1.0 - b2**t
-        Ops(xp).adamw_update(p, xp.asarray(g), m, v, xp.empty_like(p), b1, b2, xp.asarray(scale, dtype=p.dtype),
+        adamw_update(xp, p, xp.asarray(g), m, v, xp.empty_like(p), b1, b2, xp.asarray(scale, dtype=p.dtype),
                      lr * math.sqrt(c2) / c1, eps * math.sqrt(c2), keep)
     return p, m, v
 
@@ -46,10 +48,21 @@ def draw(seed, dtype="float64"):
     return params, grads
 
 
-def test_masked_update_equals_the_textbook_step(xp):
+def ops_steps(xp, params, grads, lr, b1, b2, eps, wd, scales):
+    """AdamW over the whole buffer with Ops.adamw_step, the textbook."""
+    p = xp.asarray(params.data.copy())
+    m, v = xp.zeros_like(p), xp.zeros_like(p)
+    mask = xp.asarray(params.mask(lambda name, shape: len(shape) >= 2))
+    for t, (g, scale) in enumerate(zip(grads, scales), start=1):
+        Ops(xp).adamw_step(p, xp.asarray(g), m, v, mask, lr, b1, b2, eps, wd, t, xp.asarray(scale, dtype=p.dtype))
+    return p, m, v
+
+
+@pytest.mark.parametrize("steps", [masked_steps, ops_steps])
+def test_masked_update_equals_the_textbook_step(xp, steps):
     params, grads = draw(0)
     scales = (1.0, 0.3, 0.7)
-    got = masked_steps(xp, params, grads, 0.01, 0.9, 0.95, 1e-8, 0.1, scales)
+    got = steps(xp, params, grads, 0.01, 0.9, 0.95, 1e-8, 0.1, scales)
     p, m, v = params.data.copy(), np.zeros(params.size), np.zeros(params.size)
     mask = params.mask(lambda name, shape: len(shape) >= 2)
     for t, (g, scale) in enumerate(zip(grads, scales), start=1):

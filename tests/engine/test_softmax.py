@@ -2,9 +2,9 @@
 and sampling (andrea.sample.sample_next), which draws from it: the same ids as a draw from the
 textbook probabilities with the same generator."""
 
-import formulas as F
 import numpy as np
 import pytest
+import reference as F
 
 from andrea.sample import sample_next
 from minitensor.backends.softmax import exp_rows

@@ -10,9 +10,9 @@ stand-in checks here.
 
 import dataclasses
 
-import formulas as F
 import numpy as np
 import pytest
+import reference as F
 from gpu_standin import standin_cupy
 from markers import needs_cxx
 

@@ -167,14 +167,17 @@ def test_a_recording_leaves_no_uncomputed_array_in_the_backends_caches():
     x, dy = rng.standard_normal((7, 5)), rng.standard_normal((7, 3))
     with standin_cupy() as cupy:
         ops = get_ops(cupy, "fused")
-        dW, db = cupy.zeros((5, 3)), cupy.zeros(3)
-        ops.linear_weight_grads(cupy.asarray(x), cupy.asarray(dy), dW, db, write=True)
+        grads = cupy.empty(18)                               # dW (5, 3), then db (3,): written after fill_zero
+        dW, db = grads[:15].reshape(5, 3), grads[15:]
+        ops.fill_zero(grads)
+        ops.linear_weight_grads(cupy.asarray(x), cupy.asarray(dy), dW, db)
         before = dict(cupy_ops._ones_kept)
         rec = stepmodel.record("tiny", batch=2, seq=16, micro_batches=1, overrides=SMALL)
         assert cupy_ops._ones_kept.keys() == before.keys() and all(
             cupy_ops._ones_kept[key] is kept for key, kept in before.items())
         assert (cupy, 0, np.dtype(np.float64)) in before
-        ops.linear_weight_grads(cupy.asarray(x), cupy.asarray(dy), dW, db, write=True)
+        ops.fill_zero(grads)
+        ops.linear_weight_grads(cupy.asarray(x), cupy.asarray(dy), dW, db)
         np.testing.assert_allclose(db.get(), dy.sum(axis=0), rtol=1e-12)
         np.testing.assert_allclose(dW.get(), x.T @ dy, rtol=1e-12)
     assert [op[:2] for op in rec["ops"] if op[0] == "h2d_async" and op[5][-1] != "token ids to the device"] == [

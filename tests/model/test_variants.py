@@ -48,7 +48,8 @@ def perturbed_model(backend, variant, seed, B, T, dtype="float64"):
         if cfg.activation != "relu":
             return m, idx, targets
         m.loss(idx, targets)
-        margin = min(float(abs(to_numpy(b.mlp._cache.h)).min()) for b in m.blocks)
+        # ReLU's pre-activation h + b_fc (Ops.bias_relu_forward leaves c_fc's output h as it is)
+        margin = min(float(abs(to_numpy(b.mlp._cache.h + b.mlp.c_fc.b)).min()) for b in m.blocks)
         m.backward()  # drops the caches
         m.zero_grad()
         if margin > KINK_MARGIN:
