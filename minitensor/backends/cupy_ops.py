@@ -763,10 +763,10 @@ def _causal_softmax_bwd_traffic(dp, p, ds, n_ctx, **_):
 
 
 CAUSAL_SOFTMAX_FWD = cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu",
-                                                 traffic=_causal_softmax_fwd_traffic)
+                                 traffic=_causal_softmax_fwd_traffic)
 
 CAUSAL_SOFTMAX_BWD = cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu",
-                                                 traffic=_causal_softmax_bwd_traffic)
+                                 traffic=_causal_softmax_bwd_traffic)
 
 CAUSAL_SOFTMAX_RECOMPUTE = cuda.ElementwiseSpec(
     "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p", "causal_softmax.cu",
@@ -1178,9 +1178,8 @@ def _softmax_xent_sample(ops, rng):
 
 
 def _softmax_xent_cases(k):
-    """Softmax cross-entropy forward and backward against the loss layer. The layer keeps softmax / N
-    (its backward's scale folded in); the fused kernels take and give plain probabilities, so the
-    generic side is compared times N."""
+    """Softmax cross-entropy forward and backward against the loss layer on the reference (k.ref: Ops'
+    plain cross-entropy), which keeps the probabilities as the fused kernels take and give them."""
     from minitensor.layers.loss import SoftmaxCrossEntropy
 
     N, V = k.N, k.V
@@ -1189,13 +1188,13 @@ def _softmax_xent_cases(k):
         k.reseed()
         z = k.rand(N, V, scale=2.0)
         t = k.xp.asarray(np.random.default_rng(0).integers(0, V, N))
-        scaled = z.copy()
         loss_fn = SoftmaxCrossEntropy(ops=k.ref)
-        loss_fn.forward(scaled, t, inplace=True)
-        return dict(z=z, t=t, probs=scaled * N, cache=loss_fn._cache, loss_fn=loss_fn)
+        loss_fn.forward(z.copy(), t)
+        return dict(z=z, t=t, probs=loss_fn._cache.saved.copy(), cache=loss_fn._cache, loss_fn=loss_fn)
 
     def generic_fwd(d):
-        return d["loss_fn"].forward(d["z"], d["t"], inplace=True), d["z"] * N
+        loss = d["loss_fn"].forward(d["z"], d["t"])
+        return loss, d["loss_fn"]._cache.saved
 
     def generic_bwd(d):
         d["loss_fn"]._save(d["cache"])
