@@ -169,6 +169,24 @@ def test_every_section_of_the_kernel_files_is_a_registered_kernel():
         cuda.cu_code("layernorm.cu", "layernorm_fwdx")
 
 
+def test_the_kernels_folder_lists_each_piece_in_the_order_the_registry_fills():
+    """kernels/__init__.py names every module of the folder, each beside its .cu, in the order
+    cupy_ops imports them: the order of the fused pieces' records (the kernels line's) and of
+    every kernel's registration."""
+    import re
+
+    from minitensor.backends import fused_pieces, kernels
+
+    listed = re.findall(r"^    (\w+) +\S", kernels.__doc__, re.M)
+    modules = sorted(p.stem for p in cuda.KERNEL_DIR.glob("*.py") if p.stem != "__init__")
+    assert sorted(listed) == modules and all((cuda.KERNEL_DIR / f"{m}.cu").exists() for m in modules)
+    declared = [piece.sample.__module__.rsplit(".", 1)[1] for piece in fused_pieces().values()]
+    assert declared == [m for m in listed if m in declared]
+    registered = [spec.file[:-3] for spec in all_kernels().values()]
+    assert sorted(set(registered)) == modules
+    assert [m for m in listed if m in registered] == list(dict.fromkeys(registered))
+
+
 def test_the_wheel_packs_every_kernel_file():
     """pyproject.toml's package data for minitensor.backends covers every CUDA file under kernels/, and
     its package list the kernels' Python modules (kernels/ is a package)."""
