@@ -20,7 +20,7 @@ gpu_check.sh copies into its summary.
                tests then use: gpu_check.sh runs it before the GPU tests
     kernels    the start-up self-check (minitensor.checks.selfcheck: which fused pieces agree with the
                generic path), then each fused kernel against the generic xp code of its layer at
-               ANDREA-120M shapes (float32; the cases of each fused piece's record, cupy_ops.py):
+               ANDREA-120M shapes (float32; the cases of each fused piece's record, kernels/NAME.py):
                max error (computed on the device: ~800 M elements are compared) and time of each
     gradients  a small ANDREA (4 layers, d 128; the dry run: 1 layer, T = 64, 2 steps) at T = 256 trained 3
                steps on CuPy in float32,

@@ -35,24 +35,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The GPU backend (minitensor/backends/cupy_ops.py): CupyOps, every kernel's launch wrapper and argument
-# check. Its module-level kernel specs and their host references (the
-# `_reference`s, `_column`, `_recompute_flat`, `_xent_bwd_flat`, `_adamw_op_reference`) run without a
-# GPU too (`python -m minitensor.checks --check | --host-check`) and are not counted.
-CUPY_OPS = ["CupyOps", "_gpu_memory", "_ones",
-            "bias_gelu_forward_gpu", "bias_gelu_backward_gpu", "_check_bias_gpu",
-            "layernorm_forward_gpu", "layernorm_backward_gpu",
-            "causal_softmax_forward_gpu", "causal_softmax_backward_gpu", "causal_softmax_recompute_gpu",
-            "softmax_xent_forward_gpu", "softmax_xent_backward_gpu", "_xent_operands",
-            "adamw_step_gpu", "adamw_kernel",
-            # the fused pieces' samples, which the self-check runs only to build a CupyOps
-            "_draw", "_bias_gelu_sample", "_layernorm_sample", "_causal_softmax_sample", "_softmax_xent_sample",
-            "_adamw_sample"]
+# The GPU backend (minitensor/backends/cupy_ops.py: CupyOps) and its kernels' modules
+# (minitensor/backends/kernels/): every kernel's launch wrapper and argument check, and the fused pieces'
+# samples, which the self-check runs only to build a CupyOps. Their module-level kernel specs and host
+# references (the `_reference`s, `column`, `_recompute_flat`, `_xent_bwd_flat`, `_adamw_op_reference`) run
+# without a GPU too (`python -m minitensor.checks --check | --host-check`) and are not counted.
+KERNELS = {
+    "gelu": ["bias_gelu_forward_gpu", "bias_gelu_backward_gpu", "_check_bias_gpu", "_bias_gelu_sample"],
+    "layernorm": ["layernorm_forward_gpu", "layernorm_backward_gpu", "_layernorm_sample"],
+    "causal_softmax": ["causal_softmax_forward_gpu", "causal_softmax_backward_gpu", "causal_softmax_recompute_gpu",
+                       "_causal_softmax_sample"],
+    "softmax_xent": ["softmax_xent_forward_gpu", "softmax_xent_backward_gpu", "_xent_operands", "_softmax_xent_sample"],
+    "embedding": ["scatter_add_rows_gpu"],
+    "adamw": ["adamw_step_gpu", "adamw_kernel", "_adamw_sample"],
+}
 
 GPU_ONLY = {
-    "minitensor/backends/cupy_ops.py": [("def", name) for name in CUPY_OPS],
+    "minitensor/backends/cupy_ops.py": [("def", name) for name in ("CupyOps", "_gpu_memory", "_ones")],
+    **{f"minitensor/backends/kernels/{name}.py": [("def", fn) for fn in fns] for name, fns in KERNELS.items()},
     "minitensor/backends/cublas.py": [("def", name) for name in ("layout", "_layout", "_scalar", "gemm", "colsum")],
-    "minitensor/backends/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch")],
+    "minitensor/backends/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch"),
+                                    ("def", "draw")],
     "minitensor/device.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),
                               ("unless", r"^xp is np$")],
     "minitensor/backends/__init__.py": [("unless", r"^xp is np$")],                   # get_ops: building CupyOps

@@ -9,9 +9,9 @@
                       numba_jit.py how they compile (or not, without numba)
     cupy_ops.py       CupyOps: the GPU, CUDA kernels chosen by the start-up self-check
                       (minitensor.checks.selfcheck); cuda.py their registry and launches,
-                      kernels/ their CUDA sources (.cu)
+                      kernels/ each kernel's CUDA source (.cu) beside its spec, wrapper and record (.py)
     all_kernels()     every CUDA kernel (name -> spec) and fused_pieces() every fused piece's record
-                      (name -> cuda.FusedPiece), read from cupy_ops.py, which declares them
+                      (name -> cuda.FusedPiece), complete once cupy_ops.py has imported kernels/
 
 The model builds its backend here from the device's array module (minitensor.device) and its
 kernels setting, and hands it to every layer; a layer built without one takes its arrays'. The
@@ -52,7 +52,7 @@ def get_ops(xp=np, kernels=None):
 
 
 def all_kernels():
-    """minitensor.backends.cuda.KERNELS (name -> spec) with every kernel in it: cupy_ops declares them."""
+    """minitensor.backends.cuda.KERNELS (name -> spec) with every kernel in it: cupy_ops imports them all."""
     from minitensor.backends import cuda, cupy_ops  # noqa: F401  (importing cupy_ops registers them)
 
     return cuda.KERNELS
@@ -60,7 +60,7 @@ def all_kernels():
 
 def fused_pieces():
     """minitensor.backends.cuda.PIECES (name -> FusedPiece) with every fused piece in it, in the order
-    cupy_ops declares them; their names are what CupyOps(fused=...) and train.kernels choose from."""
+    cupy_ops imports them; their names are what CupyOps(fused=...) and train.kernels choose from."""
     from minitensor.backends import cuda, cupy_ops  # noqa: F401  (importing cupy_ops registers them)
 
     return cuda.PIECES

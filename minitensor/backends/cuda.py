@@ -1,19 +1,19 @@
 """The CUDA side of minitensor: the kernel registry, lazy CuPy builds, launches, and the switch.
 
-The CUDA kernels live with the GPU backend (minitensor/backends/cupy_ops.py), each beside the CupyOps
-method that runs it and checked against the Ops method it replaces; this module holds what they
-share:
+The CUDA kernels live in minitensor/backends/kernels/, each piece's .cu beside the .py that declares
+its specs, wrappers and record; each is run by a CupyOps method (minitensor/backends/cupy_ops.py) and
+checked against the Ops method it replaces. This module holds what they share:
 
 - the registry `KERNELS` (name -> spec). A spec holds what CuPy needs to build the kernel (built
   lazily, once) and can produce the exact source NVRTC compiles for a dtype, which makes two
   checks possible without a GPU (`python -m minitensor.checks --check | --host-check`, see
-  minitensor/checks/kernelcheck.py). cupy_ops.py fills it; `minitensor.backends.all_kernels()`
-  imports that module and returns it full.
+  minitensor/checks/kernelcheck.py). The kernels' modules fill it; `minitensor.backends.all_kernels()`
+  imports cupy_ops, which imports them all, and returns it full.
 - `launch`, which runs a RawKernel after checking each argument against its C type (CuPy would
   pass a Python int as 64 bits and a Python float as a double, silently), and the argument
   checks of the wrappers.
 - the fused pieces' records `PIECES` (name -> FusedPiece: the Ops methods it replaces, its kernels,
-  how to build its sample inputs), declared in minitensor/backends/cupy_ops.py beside their
+  how to build its sample inputs), declared in minitensor/backends/kernels/NAME.py beside their
   wrappers, from which the start-up self-check (minitensor.checks.selfcheck), the tests and
   gpu_check's kernel phase all run (`minitensor.backends.fused_pieces()` returns them all). The
   Ops code is the reference; a CupyOps runs the fused pieces it was built with (get_ops).
@@ -207,15 +207,15 @@ def register(spec):
 
 @dataclasses.dataclass(frozen=True)
 class FusedPiece:
-    """One fused piece of CupyOps, declared once (minitensor/backends/cupy_ops.py, beside its
-    wrappers); the start-up self-check, the tests and gpu_check's kernel phase all read it.
+    """One fused piece of CupyOps, declared once (minitensor/backends/kernels/NAME.py, beside its
+    wrappers and NAME.cu); the start-up self-check, the tests and gpu_check's kernel phase all read it.
 
     name      what CupyOps(fused=...), the kernels line and train.kernels call it
     replaces  the Ops methods CupyOps overrides with it (each runs `super()` when the piece is off)
     kernels   its kernel specs, registered in KERNELS with the piece
     sample    sample(ops, rng) -> outputs: the piece's layer forward and backward through the backend
               `ops` on small random float32 inputs drawn from the NumPy Generator rng (moved to
-              ops.xp); the self-check runs it with the piece off and on and compares
+              ops.xp: `draw` below); the self-check runs it with the piece off and on and compares
               (minitensor.checks.selfcheck)
     cases     None, or cases(k) -> [(name, setup, fused, generic, uses an ElementwiseKernel), ...]:
               gpu_check's comparisons of each kernel's wrapper with the Ops code at ANDREA-120M
@@ -243,6 +243,12 @@ def fused_piece(name, replaces, kernels, sample, cases=None, rtol=None):
         raise ValueError(f"a fused piece named {name!r} is already registered")
     piece = FusedPiece(name, tuple(replaces), tuple(register(k) for k in kernels), sample, cases, rtol)
     return PIECES.setdefault(name, piece)
+
+
+def draw(xp, rng, *shape, scale=1.0, shift=0.0):
+    """shift + scale * standard normals of `shape` from the NumPy Generator rng, float32, moved to xp:
+    the inputs of a record's sample."""
+    return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
 
 
 # ---------------------------------------------------------------------------------------------

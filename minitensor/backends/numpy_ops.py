@@ -71,7 +71,11 @@ def _floats(*arrays):
 class KernelAttentionCache(NamedTuple):
     """What attention_forward_cpu keeps: q (scaled by 1/sqrt(hs)), k, v (B*n_head, T, hs); y4 the
     output's (B, n_head, T, hs) view; lse (B*n_head, T); probs: each head's blocks of probabilities
-    one after the other (B*n_head, sum of (i1 - i0) i1), or None (recomputed in backward)."""
+    one after the other (B*n_head, sum of (i1 - i0) i1), or None (recomputed in backward).
+
+    The fields of blocked.BlockedAttentionCache, laid out otherwise (lse without its trailing axis,
+    probs one flat run per head rather than a list per query block, as the compiled kernels read
+    them): its own type, which sends the backward to attention_backward_cpu."""
     q: object
     k: object
     v: object

@@ -5,7 +5,7 @@
     python -m minitensor.checks --host-check  g++ runs each elementwise operation on the CPU
                                                and compares it with its reference, the Ops code
 
-The kernels themselves live with the GPU backend, minitensor/backends/cupy_ops.py; the registry is
+The kernels themselves live in minitensor/backends/kernels/ (a .cu and a .py each); the registry is
 `minitensor.backends.cuda.KERNELS` (minitensor.backends.all_kernels()).
 """
 import argparse

@@ -5,7 +5,7 @@
 `minitensor.backends.get_ops(cupy, kernels)` calls it once per choice, when the model's backend is
 built, and hands the pieces to `CupyOps`; nothing reads the choice later. `auto` (the default on
 a GPU) runs each fused piece's sample (its record's, minitensor.backends.fused_pieces(),
-declared in minitensor/backends/cupy_ops.py: the piece forward and backward on small random float32
+declared in minitensor/backends/kernels/: the piece forward and backward on small random float32
 inputs, a few milliseconds) through a CupyOps without the piece (the Ops code) and one with it (the fused
 kernel), and keeps only the pieces whose outputs agree to float32 precision: max |fused -
 generic| <= RTOL * max(1, max |generic|) over every output (TF32 precision for a piece whose products

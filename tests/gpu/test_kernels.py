@@ -18,6 +18,7 @@ from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
 
 from minitensor.backends import all_kernels, cuda, cupy_ops, numpy_ops
+from minitensor.backends.kernels import gelu
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import kernelcheck
@@ -144,9 +145,9 @@ def test_import_needs_no_cupy():
 
 def test_importing_the_gpu_backend_reads_no_cuda_source():
     """The .cu files are read at a kernel's first use (its code, its build), not at import."""
-    code = ("from minitensor.backends import cuda, cupy_ops; "
+    code = ("from minitensor.backends import cuda, cupy_ops; from minitensor.backends.kernels import layernorm; "
             "assert cuda._cu_file.cache_info().currsize == 0 and cuda._header.cache_info().currsize == 0; "
-            "assert 'block_sum' in cupy_ops.LAYERNORM_FWD.code; "
+            "assert 'block_sum' in layernorm.LAYERNORM_FWD.code; "
             "assert cuda._cu_file.cache_info().currsize == 1 and cuda._header.cache_info().currsize == 1")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
@@ -168,17 +169,42 @@ def test_every_section_of_the_kernel_files_is_a_registered_kernel():
         cuda.cu_code("layernorm.cu", "layernorm_fwdx")
 
 
+def test_the_kernels_folder_lists_each_piece_in_the_order_the_registry_fills():
+    """kernels/__init__.py names every module of the folder, each beside its .cu, in the order
+    cupy_ops imports them: the order of the fused pieces' records (the kernels line's) and of
+    every kernel's registration."""
+    import re
+
+    from minitensor.backends import fused_pieces, kernels
+
+    listed = re.findall(r"^    (\w+) +\S", kernels.__doc__, re.M)
+    modules = sorted(p.stem for p in cuda.KERNEL_DIR.glob("*.py") if p.stem != "__init__")
+    assert sorted(listed) == modules and all((cuda.KERNEL_DIR / f"{m}.cu").exists() for m in modules)
+    declared = [piece.sample.__module__.rsplit(".", 1)[1] for piece in fused_pieces().values()]
+    assert declared == [m for m in listed if m in declared]
+    registered = [spec.file[:-3] for spec in all_kernels().values()]
+    assert sorted(set(registered)) == modules
+    assert [m for m in listed if m in registered] == list(dict.fromkeys(registered))
+
+
 def test_the_wheel_packs_every_kernel_file():
-    """pyproject.toml's package data for minitensor.backends covers every file under kernels/."""
+    """pyproject.toml's package data for minitensor.backends covers every CUDA file under kernels/, and
+    its package list the kernels' Python modules (kernels/ is a package)."""
     import ast
     import fnmatch
     import re
 
-    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()  # tomllib: Python 3.11 on
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "pyproject.toml").read_text()  # tomllib: Python 3.11 on
     globs = ast.literal_eval(re.search(r'^"minitensor\.backends" = (\[.*?\])', text, re.M).group(1))
-    files = [p.name for p in cuda.KERNEL_DIR.iterdir()]
-    assert {"layernorm.cu", "rows.cuh"} <= set(files)
-    assert [f for f in files if not any(fnmatch.fnmatch(f"kernels/{f}", g) for g in globs)] == []
+    files = [p.name for p in cuda.KERNEL_DIR.iterdir() if p.is_file()]
+    assert {"layernorm.cu", "rows.cuh", "layernorm.py"} <= set(files)
+    data = [f for f in files if not f.endswith(".py")]
+    assert [f for f in data if not any(fnmatch.fnmatch(f"kernels/{f}", g) for g in globs)] == []
+    include = ast.literal_eval(re.search(r'^include = (\[.*?\])', text, re.M).group(1))
+    assert "minitensor.backends.kernels" in find_packages(str(root), include=include)
 
 
 def test_the_gelu_kernels_constants_are_the_ops_constants():
@@ -187,10 +213,10 @@ def test_the_gelu_kernels_constants_are_the_ops_constants():
     from minitensor.backends.tricks import GELU_AC, GELU_AC3
 
     m2ac, m2c, ac3, c2 = (repr(v) for v in (-2.0 * GELU_AC, -2.0 * GELU_C, 2.0 * GELU_AC3, 2.0 * GELU_C))
-    assert cupy_ops.GELU_FWD.operation == f"y = x / ((T)1 + exp(x * (x * x * (T){m2ac} + (T){m2c})));"
+    assert gelu.GELU_FWD.operation == f"y = x / ((T)1 + exp(x * (x * x * (T){m2ac} + (T){m2c})));"
     den = f"exp(h * (h2 * (T){m2ac} + (T){m2c}))"
-    assert f"const T den = (T)1 + {den};" in cupy_ops.BIAS_GELU_BWD_FWD.operation
-    for spec in (cupy_ops.GELU_BWD, cupy_ops.BIAS_GELU_BWD, cupy_ops.BIAS_GELU_BWD_FWD):
+    assert f"const T den = (T)1 + {den};" in gelu.BIAS_GELU_BWD_FWD.operation
+    for spec in (gelu.GELU_BWD, gelu.BIAS_GELU_BWD, gelu.BIAS_GELU_BWD_FWD):
         assert f"(T){ac3} + (T){c2})) + (T)1) * sig * dy;" in spec.operation, spec.name
     text = (cuda.KERNEL_DIR / "gelu.cu").read_text()
     assert text.count("(T)") and all(c in text for c in (m2ac, m2c, ac3, c2))
@@ -232,10 +258,10 @@ def test_raw_kernels_register_with_their_source():
 
 @needs_nvrtc
 def test_elementwise_source_is_what_cupy_generates():
-    src = cupy_ops.GELU_FWD.source("float32")
+    src = gelu.GELU_FWD.source("float32")
     assert src.startswith("#include <cupy/complex.cuh>")
     assert 'extern "C" __global__ void gelu_fwd(const CArray<float, 1, 1, 1> _raw_x, ' in src
-    assert "typedef double T;" in cupy_ops.GELU_FWD.source("float64")
+    assert "typedef double T;" in gelu.GELU_FWD.source("float64")
 
 
 def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
@@ -290,7 +316,7 @@ def test_cupy_gelu_equals_numpy(cupy, dtype):
 @pytest.mark.real_gpu("compares with the code the real CuPy generates at a launch (its cached_codes)")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_registered_source_is_the_source_cupy_compiled(cupy, dtype):
-    for spec in (cupy_ops.GELU_FWD, cupy_ops.GELU_BWD):
+    for spec in (gelu.GELU_FWD, gelu.GELU_BWD):
         fresh = cupy.ElementwiseKernel(spec.in_params, spec.out_params, spec.operation, spec.name)
         n_in = len(spec.in_params.split(","))
         fresh(*[cupy.ones((10, 100), dtype)] * n_in)  # contiguous: reduced to 1-D, 32-bit indexing

@@ -1,4 +1,4 @@
-"""The fused GPU kernels (minitensor/backends/cupy_ops.py, registered in minitensor.backends.cuda) against
+"""The fused GPU kernels (minitensor/backends/kernels/, registered in minitensor.backends.cuda) against
 their NumPy formulas.
 
 Without a GPU: each formula against the Ops code it stands for, on every CPU backend; NVRTC compiles every new
@@ -22,6 +22,7 @@ from markers import needs_cxx, needs_nvrtc
 
 from minitensor.backends import all_kernels, cuda, cupy_ops, fused_pieces
 from minitensor.backends.blocked import BlockedOps
+from minitensor.backends.kernels import adamw, attention, causal_softmax, gelu, layernorm, linear, softmax_xent
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import kernelcheck
@@ -32,7 +33,7 @@ from minitensor.params import Params
 
 # The fused pieces' kernels, read from their records, and the Linear epilogue's
 NEW_KERNELS = {**{spec.name: spec for piece in fused_pieces().values() for spec in piece.kernels},
-               cupy_ops.BIAS_RESIDUAL_ADD.name: cupy_ops.BIAS_RESIDUAL_ADD}
+               linear.BIAS_RESIDUAL_ADD.name: linear.BIAS_RESIDUAL_ADD}
 ELEMENTWISE = sorted(n for n, spec in NEW_KERNELS.items() if isinstance(spec, cuda.ElementwiseSpec))
 DTYPES = [np.float32, np.float64]
 
@@ -87,7 +88,7 @@ def test_every_fused_piece_is_one_complete_record():
             assert cuda.KERNELS[spec.name] is spec and owners.setdefault(spec.name, name) == name, spec.name
             assert spec.file and f"{cuda.MARK}{spec.name}" in (cuda.KERNEL_DIR / spec.file).read_text()
     with pytest.raises(ValueError, match="already registered"):
-        cuda.fused_piece("adamw", ("adamw_step",), (cupy_ops.LAYERNORM_FWD,), pieces["adamw"].sample)
+        cuda.fused_piece("adamw", ("adamw_step",), (layernorm.LAYERNORM_FWD,), pieces["adamw"].sample)
 
 
 # --- The formulas against the layer code they stand for (NumPy, float64) -------------------------
@@ -176,7 +177,7 @@ def test_adamw_kernel_form_equals_the_textbook_form():
     b1, b2, lr, eps, wd, t = 0.9, 0.95, 3e-3, 1e-8, 0.1, 7
     c1, c2 = 1 - b1**t, 1 - b2**t
     want = F.adamw(p, g, m, v, mask, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, t=t, grad_scale=0.5)
-    got = cupy_ops._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
+    got = adamw._adamw_op_reference(p, m, v, g, mask, b1, b2, 0.5, lr * np.sqrt(c2) / c1, eps * np.sqrt(c2), lr * wd)
     for a, b in zip(got, want):
         assert_close(a, b)
 
@@ -188,13 +189,13 @@ def test_gelu_kernel_references_are_the_generic_code():
     rng = np.random.default_rng(4)
     x, b, dy = normal(rng, (3, 7), np.float64, 2.0), normal(rng, 7, np.float64), normal(rng, (3, 7), np.float64)
     flat_x, flat_dy = x.reshape(-1), dy.reshape(-1)
-    assert_close(cupy_ops.GELU_FWD.reference(x=flat_x), F.gelu(flat_x))
-    assert_close(cupy_ops.GELU_BWD.reference(x=flat_x, dy=flat_dy), F.gelu_backward(flat_x, flat_dy))
-    y = cupy_ops.BIAS_GELU_FWD.reference(x=flat_x, b=b, C=7.0).reshape(3, 7)
+    assert_close(gelu.GELU_FWD.reference(x=flat_x), F.gelu(flat_x))
+    assert_close(gelu.GELU_BWD.reference(x=flat_x, dy=flat_dy), F.gelu_backward(flat_x, flat_dy))
+    y = gelu.BIAS_GELU_FWD.reference(x=flat_x, b=b, C=7.0).reshape(3, 7)
     h = x.copy()
     np.testing.assert_array_equal(y, Ops(np).bias_gelu_forward(h, b))
     assert_close(y, F.gelu(x + b))
-    dh = cupy_ops.BIAS_GELU_BWD.reference(x=flat_x, b=b, C=7.0, dy=flat_dy).reshape(3, 7)
+    dh = gelu.BIAS_GELU_BWD.reference(x=flat_x, b=b, C=7.0, dy=flat_dy).reshape(3, 7)
     np.testing.assert_array_equal(dh, Ops(np).bias_gelu_backward(h, b, dy))
     assert_close(dh, F.gelu_backward(x + b, dy), scale=float(np.max(np.abs(dy))))
 
@@ -213,11 +214,11 @@ def test_every_new_kernel_compiles_for_both_dtypes_and_archs():
 
 @needs_nvrtc
 def test_elementwise_sources_pass_raw_arrays_and_scalars():
-    src = cupy_ops.BIAS_GELU_FWD.source("float32")
+    src = gelu.BIAS_GELU_FWD.source("float32")
     assert "const CArray<float, 1, 1, 1> b, const int C," in src
-    src = cupy_ops.SOFTMAX_XENT_BWD.source("float64")
+    src = softmax_xent.SOFTMAX_XENT_BWD.source("float64")
     assert "const CArray<long long, 1, 1, 1> targets, const int V, const double scale," in src
-    assert "const float beta1," in cupy_ops.ADAMW_STEP.source("float32")
+    assert "const float beta1," in adamw.ADAMW_STEP.source("float32")
 
 
 @needs_cxx
@@ -267,7 +268,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     x, dy, r = (normal(rng, shape, dtype, 2.0, 0.5) for _ in range(3))
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     x2, dy2, r2 = (f64(a).reshape(-1, C) for a in (x, dy, r))  # the formulas take rows (N, C)
-    y, mean, rstd = cupy_ops.layernorm_forward_gpu(x, w, b, 1e-5)
+    y, mean, rstd = layernorm.layernorm_forward_gpu(x, w, b, 1e-5)
     y_ref, mean_ref, rstd_ref = F.layernorm_forward(x2, f64(w), f64(b))
     assert y.shape == x.shape and mean.shape == rstd.shape == (x2.shape[0], 1)
     assert_close(y.reshape(-1, C), y_ref)
@@ -275,7 +276,7 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     assert_close(rstd, rstd_ref)
 
     dw, db = np.full(C, 0.5, dtype), np.full(C, -0.5, dtype)  # gradients accumulate
-    dx = cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    dx = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
     dx_ref, dw_ref, db_ref = F.layernorm_backward(dy2, x2, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(dy2 * f64(w) * rstd_ref)))
     assert_close(dx.reshape(-1, C), dx_ref, scale=scale)
@@ -284,15 +285,15 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
 
     # fused residual joins: forward adds the residual into x first, backward adds dx into add_to
     xs = x.copy()
-    y2, _, _ = cupy_ops.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
+    y2, _, _ = layernorm.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
     assert y2 is xs
     assert_close(y2.reshape(-1, C), F.layernorm_forward(x2 + r2, f64(w), f64(b))[0])
     acc = r.copy()
-    assert cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
+    assert layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)
     # or residual + dx into a new array, the residual kept (the skip gradient needs no copy)
     kept = r.copy()
-    joined = cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept)
+    joined = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept)
     assert joined is not kept and np.array_equal(kept, r)
     assert_close(joined.reshape(-1, C), r2 + dx_ref, scale=scale)
 
@@ -307,14 +308,14 @@ def test_layernorm_backward_over_several_row_chunks(emulated, monkeypatch, N, C,
     """layernorm_bwd's rows split into chunks (the partial parameter sums of each, in registers),
     layernorm_bwd_params adding them up: dx, dw and db against the formulas, the gradients accumulated."""
     if chunks:
-        monkeypatch.setattr(cupy_ops, "LN_CHUNKS", chunks)
-        monkeypatch.setattr(cupy_ops, "LN_CHUNK_ROWS", least)
+        monkeypatch.setattr(layernorm, "LN_CHUNKS", chunks)
+        monkeypatch.setattr(layernorm, "LN_CHUNK_ROWS", least)
     rng = np.random.default_rng(6)
     x, dy = normal(rng, (N, C), np.float64), normal(rng, (N, C), np.float64)
     w, b = normal(rng, C, np.float64), normal(rng, C, np.float64)
     _, mean, rstd = F.layernorm_forward(x, w, b)
     dw, db = np.full(C, 0.25), np.full(C, -0.75)
-    dx = cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    dx = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
     dx_ref, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
     assert_close(dx, dx_ref, scale=float(np.max(np.abs(dy * w * rstd))))
     assert_close(dw, 0.25 + dw_ref)
@@ -327,12 +328,12 @@ def test_layernorm_backward_kernel_refuses_rows_longer_than_its_registers_and_cu
     from gpu_standin import standin_cupy
 
     rng = np.random.default_rng(8)
-    C = cupy_ops.LN_MAX_C + 1
+    C = layernorm.LN_MAX_C + 1
     x, dy = rng.standard_normal((2, C)), rng.standard_normal((2, C))
     w = rng.standard_normal(C)
     _, mean, rstd = F.layernorm_forward(x, w, np.zeros(C))
-    with pytest.raises(ValueError, match=f"at most {cupy_ops.LN_MAX_C}"):
-        cupy_ops.layernorm_backward_gpu(dy, x, w, mean, rstd, np.zeros(C), np.zeros(C))
+    with pytest.raises(ValueError, match=f"at most {layernorm.LN_MAX_C}"):
+        layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, np.zeros(C), np.zeros(C))
     want = Ops(np).layernorm_backward(dy, x, mean, rstd, w, np.zeros(C), np.zeros(C))
     with standin_cupy() as cupy:
         ops = cupy_ops.CupyOps(cupy, fused=("layernorm",))
@@ -347,18 +348,18 @@ def test_causal_softmax_kernels_emulated(emulated, dtype, shape):
     rng = np.random.default_rng(7)
     s, dp = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype)
     lse = np.full((*shape[:-1], 1), np.nan, dtype)
-    p = cupy_ops.causal_softmax_forward_gpu(s, 0.3, lse=lse)
+    p = causal_softmax.causal_softmax_forward_gpu(s, 0.3, lse=lse)
     p_ref, lse_ref = F.causal_softmax(f64(s), 0.3)
     assert_close(p, p_ref)
     assert np.all(p[..., np.triu_indices(shape[-1], 1)[0], np.triu_indices(shape[-1], 1)[1]] == 0)
     assert_close(lse, lse_ref, scale=1.0)
-    ds = cupy_ops.causal_softmax_backward_gpu(dp, p, 0.3)
+    ds = causal_softmax.causal_softmax_backward_gpu(dp, p, 0.3)
     assert_close(ds, F.causal_softmax_backward(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
     inplace = s.copy()
-    assert cupy_ops.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
+    assert causal_softmax.causal_softmax_forward_gpu(inplace, 0.3, out=inplace) is inplace
     assert_close(inplace, p_ref)
     d = dp.copy()
-    assert cupy_ops.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
+    assert causal_softmax.causal_softmax_backward_gpu(d, p, 0.3, out=d) is d
     assert_close(d, F.causal_softmax_backward(f64(dp), p_ref, 0.3), scale=float(np.max(np.abs(dp))))
 
 
@@ -369,7 +370,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
     logits = normal(rng, (2, 3, V), dtype, 4.0, 10.0)  # large logits: the max is subtracted first
     targets = rng.integers(0, V, (2, 3)).astype(np.int32)  # any integer dtype: copied to int64
     z = logits.copy()
-    loss, losses = cupy_ops.softmax_xent_forward_gpu(z, targets)
+    loss, losses = softmax_xent.softmax_xent_forward_gpu(z, targets)
     loss_ref, probs_ref, losses_ref = F.softmax_xent_forward(f64(logits), targets)
     assert_close(losses, losses_ref, scale=1.0)
     assert_close(loss, loss_ref, scale=1.0)
@@ -379,7 +380,7 @@ def test_cross_entropy_forward_emulated(emulated, dtype, V):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cross_entropy_marks_a_bad_target_with_nan(emulated, dtype):
     logits = np.zeros((3, 4), dtype)
-    _, losses = cupy_ops.softmax_xent_forward_gpu(logits, np.array([1, 4, -1]))
+    _, losses = softmax_xent.softmax_xent_forward_gpu(logits, np.array([1, 4, -1]))
     assert losses[0] == pytest.approx(np.log(4)) and np.isnan(losses[1]) and np.isnan(losses[2])
 
 
@@ -413,8 +414,8 @@ def test_flash_attention_kernels_emulated(emulated, dtype, tf32, shape):
     rng = np.random.default_rng(11)
     q, k, v, dy = (normal(rng, shape, dtype) for _ in range(4))
     scale = 1.0 / np.sqrt(shape[-1])
-    y, lse = cupy_ops.flash_attention_forward_gpu(q, k, v, scale, tf32=tf32)
-    grads = cupy_ops.flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, tf32=tf32)
+    y, lse = attention.flash_attention_forward_gpu(q, k, v, scale, tf32=tf32)
+    grads = attention.flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, tf32=tf32)
     rtol = FLASH_F32_RTOL if tf32 else None
     for name, got, want in zip(("y", "lse", "dq", "dk", "dv"), (y, lse, *grads), attention_reference(q, k, v, dy)):
         assert got.dtype == dtype, name
@@ -426,7 +427,7 @@ def test_flash_attention_float32_rounds_its_products_to_tf32(emulated):
     cvt.rna.tf32 does (a kernel that skipped it would be float32-exact and this would fail)."""
     rng = np.random.default_rng(12)
     q, k, v = (normal(rng, (1, 32, 16), np.float32) for _ in range(3))
-    y, _ = cupy_ops.flash_attention_forward_gpu(q, k, v, 0.25)
+    y, _ = attention.flash_attention_forward_gpu(q, k, v, 0.25)
     err = float(np.max(np.abs(y - attention_reference(q, k, v, q)[0])))
     assert 1e-5 < err < 2e-3
 
@@ -469,13 +470,13 @@ def test_flash_attention_wrappers_refuse_what_the_kernels_do_not_take():
     for bad, match in (((2, 8, 24), "head size 24"), ((2, 8, 80), "head size 80")):
         x = np.zeros(bad, np.float32)
         with pytest.raises(ValueError, match=match):
-            cupy_ops.flash_attention_forward_gpu(x, x, x, 1.0)
+            attention.flash_attention_forward_gpu(x, x, x, 1.0)
     with pytest.raises(ValueError, match="k must be"):
-        cupy_ops.flash_attention_forward_gpu(q, q.astype(np.float64), q, 1.0)
+        attention.flash_attention_forward_gpu(q, q.astype(np.float64), q, 1.0)
     with pytest.raises(ValueError, match="y must be"):
-        cupy_ops.flash_attention_forward_gpu(q, q, q, 1.0, y=np.zeros((2, 8, 16), np.float32), n_head=3)
-    assert cupy_ops.flash_fits(64, np.float32) and cupy_ops.flash_fits(16, np.float64)
-    assert not cupy_ops.flash_fits(64, np.float16) and not cupy_ops.flash_fits(8, np.float32)
+        attention.flash_attention_forward_gpu(q, q, q, 1.0, y=np.zeros((2, 8, 16), np.float32), n_head=3)
+    assert attention.flash_fits(64, np.float32) and attention.flash_fits(16, np.float64)
+    assert not attention.flash_fits(64, np.float16) and not attention.flash_fits(8, np.float32)
 
 
 def test_launch_checks_the_c_types_of_its_arguments():
@@ -483,21 +484,21 @@ def test_launch_checks_the_c_types_of_its_arguments():
     w = np.ones(4, np.float32)
     mean = rstd = np.zeros((2, 1), np.float32)
     good = (x, x, w, w, x, mean, rstd, np.int32(4), np.float32(1e-5), np.int32(0))
-    cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good)
+    cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good)
     with pytest.raises(TypeError, match="argument C must be a NumPy scalar of int32"):
-        cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
     with pytest.raises(TypeError, match="argument eps must be a NumPy scalar of float32"):
-        cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
     with pytest.raises(TypeError, match="argument w must be a contiguous array of float32"):
-        cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
     with pytest.raises(TypeError, match="takes 10 arguments"):
-        cuda.check_launch_args(cupy_ops.LAYERNORM_FWD, np.float32, good[:-1])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:-1])
     with pytest.raises(TypeError, match="runs on CuPy arrays"):
-        cuda.launch(cupy_ops.LAYERNORM_FWD, np.float32, (2,), (32,), good)
+        cuda.launch(layernorm.LAYERNORM_FWD, np.float32, (2,), (32,), good)
 
 
 def test_raw_kernel_parameters_are_parsed_from_the_code():
-    assert cuda.raw_params(cupy_ops.SOFTMAX_XENT_FWD) == [
+    assert cuda.raw_params(softmax_xent.SOFTMAX_XENT_FWD) == [
         ("z", "T", True), ("targets", "long long", True), ("losses", "T", True), ("V", "int", False),
         ("n_valid", "int", False)]
 
@@ -506,28 +507,28 @@ def test_wrappers_refuse_bad_operands():
     x = np.zeros((4, 6), np.float32)
     w = np.ones(6, np.float32)
     with pytest.raises(ValueError, match="contiguous"):
-        cupy_ops.layernorm_forward_gpu(np.zeros((6, 4), np.float32).T, w, w)
+        layernorm.layernorm_forward_gpu(np.zeros((6, 4), np.float32).T, w, w)
     with pytest.raises(ValueError, match="w must be"):
-        cupy_ops.layernorm_forward_gpu(x, np.ones(5, np.float32), w)
+        layernorm.layernorm_forward_gpu(x, np.ones(5, np.float32), w)
     with pytest.raises(ValueError, match="residual must be"):
-        cupy_ops.layernorm_forward_gpu(x, w, w, residual=np.zeros((4, 6)))
+        layernorm.layernorm_forward_gpu(x, w, w, residual=np.zeros((4, 6)))
     with pytest.raises(ValueError, match=r"\(\.\.\., T, T\)"):
-        cupy_ops.causal_softmax_forward_gpu(x)
+        causal_softmax.causal_softmax_forward_gpu(x)
     with pytest.raises(ValueError, match="lse must hold 8"):
-        cupy_ops.causal_softmax_forward_gpu(np.zeros((2, 4, 4)), lse=np.zeros(4))
+        causal_softmax.causal_softmax_forward_gpu(np.zeros((2, 4, 4)), lse=np.zeros(4))
     with pytest.raises(ValueError, match="targets must be integers"):
-        cupy_ops.softmax_xent_forward_gpu(x, np.zeros(4))
+        softmax_xent.softmax_xent_forward_gpu(x, np.zeros(4))
     with pytest.raises(ValueError, match="b must be"):
-        cupy_ops.bias_gelu_forward_gpu(x, np.ones(4, np.float32))
+        gelu.bias_gelu_forward_gpu(x, np.ones(4, np.float32))
     hyper = dict(lr=1, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0)
     with pytest.raises(ValueError, match="t counts steps from 1"):
-        cupy_ops.adamw_step_gpu(x, x, x, x, x, t=0, **hyper)
+        adamw.adamw_step_gpu(x, x, x, x, x, t=0, **hyper)
     with pytest.raises(ValueError, match="g must be"):
-        cupy_ops.adamw_step_gpu(x, x[:2], x, x, x, t=1, **hyper)
+        adamw.adamw_step_gpu(x, x[:2], x, x, x, t=1, **hyper)
     with pytest.raises(TypeError, match="runs on CuPy arrays; on NumPy use Ops.adamw_step"):
-        cupy_ops.adamw_step_gpu(x, x, x, x, x, t=1, **hyper)
+        adamw.adamw_step_gpu(x, x, x, x, x, t=1, **hyper)
     with pytest.raises(TypeError, match="on NumPy use Ops.bias_gelu_forward"):
-        cupy_ops.bias_gelu_forward_gpu(x, w)
+        gelu.bias_gelu_forward_gpu(x, w)
 
 
 def test_emulation_refuses_partly_overlapping_buffers():
@@ -536,7 +537,7 @@ def test_emulation_refuses_partly_overlapping_buffers():
     flat = np.zeros(17)
     dp, p, ds = flat[1:].reshape(1, 4, 4), np.zeros((1, 4, 4)), flat[:16].reshape(1, 4, 4)
     with pytest.raises(ValueError, match="partly overlaps"):
-        kernelcheck.emulate_launch(cupy_ops.CAUSAL_SOFTMAX_BWD, np.float64, (4,), (32,),
+        kernelcheck.emulate_launch(causal_softmax.CAUSAL_SOFTMAX_BWD, np.float64, (4,), (32,),
                                (dp, p, ds, np.int32(4), np.float64(1)))
 
 
@@ -554,13 +555,13 @@ def test_gpu_bias_gelu(cupy, shape, dtype, seed):
     rng = np.random.default_rng(seed)
     x, dy, b = normal(rng, shape, dtype, 3.0), normal(rng, shape, dtype), normal(rng, shape[-1], dtype)
     xg, bg, dyg = cupy.asarray(x), cupy.asarray(b), cupy.asarray(dy)
-    assert_close(cupy.asnumpy(cupy_ops.bias_gelu_forward_gpu(xg, bg)), F.gelu(f64(x) + f64(b)))
+    assert_close(cupy.asnumpy(gelu.bias_gelu_forward_gpu(xg, bg)), F.gelu(f64(x) + f64(b)))
     db = cupy.zeros(shape[-1], dtype)
-    dh = cupy_ops.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
+    dh = gelu.bias_gelu_backward_gpu(xg, bg, dyg, db=db)
     dh_ref = F.gelu_backward(f64(x) + f64(b), f64(dy))
     assert_close(cupy.asnumpy(dh), dh_ref, scale=float(np.max(np.abs(dy))))
     assert_close(cupy.asnumpy(db), dh_ref.reshape(-1, shape[-1]).sum(0), scale=float(np.max(np.abs(dy))))
-    strided = cupy_ops.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
+    strided = gelu.bias_gelu_forward_gpu(xg[:, ::2], bg)  # another generated kernel: not reduced to 1-D
     assert_close(cupy.asnumpy(strided), F.gelu(f64(x[:, ::2]) + f64(b)))
 
 
@@ -572,7 +573,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     x, dy, r = (normal(rng, (N, C), dtype, 2.0, 0.5) for _ in range(3))
     w, b = normal(rng, C, dtype, 0.5, 1.0), normal(rng, C, dtype)
     xg = cupy.asarray(x)
-    y, mean, rstd = cupy_ops.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
+    y, mean, rstd = layernorm.layernorm_forward_gpu(xg, cupy.asarray(w), cupy.asarray(b), 1e-5,
                                                   residual=cupy.asarray(r) if residual else None)
     x_in = f64(x) + f64(r) if residual else f64(x)
     y_ref, mean_ref, rstd_ref = F.layernorm_forward(x_in, f64(w), f64(b))
@@ -582,7 +583,7 @@ def test_gpu_layernorm(cupy, N, C, dtype, residual, seed):
     assert_close(cupy.asnumpy(rstd), rstd_ref)
     dw, db = cupy.zeros(C, dtype), cupy.zeros(C, dtype)
     add_to = cupy.asarray(r) if residual else None
-    dx = cupy_ops.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
+    dx = layernorm.layernorm_backward_gpu(cupy.asarray(dy), xg, cupy.asarray(w), mean, rstd, dw, db, add_to=add_to)
     dx_ref, dw_ref, db_ref = F.layernorm_backward(f64(dy), x_in, f64(w), mean_ref, rstd_ref)
     scale = float(np.max(np.abs(f64(dy) * f64(w) * rstd_ref)))
     assert_close(cupy.asnumpy(dx), dx_ref + (f64(r) if residual else 0.0), scale=scale)
@@ -599,16 +600,16 @@ def test_gpu_causal_softmax(cupy, BH, T, dtype, scale, seed):
     s, dp = normal(rng, (BH, T, T), dtype, 3.0), normal(rng, (BH, T, T), dtype)
     lse = cupy.empty((BH, T, 1), dtype)
     sg = cupy.asarray(s)
-    p = cupy_ops.causal_softmax_forward_gpu(sg, scale, lse=lse)
+    p = causal_softmax.causal_softmax_forward_gpu(sg, scale, lse=lse)
     p_ref, lse_ref = F.causal_softmax(f64(s), scale)
     assert_close(cupy.asnumpy(p), p_ref)
     assert_close(cupy.asnumpy(lse), lse_ref, scale=1.0)
-    again = cupy_ops.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
+    again = causal_softmax.causal_softmax_recompute_gpu(sg.copy(), lse, scale)
     assert_close(cupy.asnumpy(again), p_ref)
-    ds = cupy_ops.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
+    ds = causal_softmax.causal_softmax_backward_gpu(cupy.asarray(dp), p, scale)
     assert_close(cupy.asnumpy(ds), F.causal_softmax_backward(f64(dp), p_ref, scale),
                  scale=scale * float(np.max(np.abs(dp))))
-    assert cupy_ops.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
+    assert causal_softmax.causal_softmax_forward_gpu(sg, scale, out=sg) is sg  # in place
     assert_close(cupy.asnumpy(sg), p_ref)
 
 
@@ -621,8 +622,8 @@ def test_gpu_flash_attention(cupy, BH, T, hs, dtype, seed):
     q, k, v, dy = (normal(rng, (BH, T, hs), dtype) for _ in range(4))
     scale = 1.0 / np.sqrt(hs)
     qg, kg, vg = (cupy.asarray(a) for a in (q, k, v))
-    y, lse = cupy_ops.flash_attention_forward_gpu(qg, kg, vg, scale)
-    grads = cupy_ops.flash_attention_backward_gpu(qg, kg, vg, y, cupy.asarray(dy), lse, scale)
+    y, lse = attention.flash_attention_forward_gpu(qg, kg, vg, scale)
+    grads = attention.flash_attention_backward_gpu(qg, kg, vg, y, cupy.asarray(dy), lse, scale)
     rtol = None if dtype == np.float64 else FLASH_F32_RTOL
     for got, want in zip((y, lse, *grads), attention_reference(q, k, v, dy)):
         assert_close(cupy.asnumpy(got), want, rtol=rtol, scale=1.0)
@@ -636,13 +637,13 @@ def test_gpu_cross_entropy(cupy, N, V, dtype, dloss, seed):
     rng = np.random.default_rng(seed)
     logits, targets = normal(rng, (N, V), dtype, 4.0, 3.0), rng.integers(0, V, N)
     z = cupy.asarray(logits)
-    loss, losses = cupy_ops.softmax_xent_forward_gpu(z, cupy.asarray(targets))
+    loss, losses = softmax_xent.softmax_xent_forward_gpu(z, cupy.asarray(targets))
     loss_ref, probs_ref, losses_ref = F.softmax_xent_forward(f64(logits), targets)
     assert loss.shape == () and isinstance(loss, cupy.ndarray)  # stays on the device
     assert_close(cupy.asnumpy(losses), losses_ref, scale=1.0)
     assert_close(cupy.asnumpy(loss), loss_ref, scale=1.0)
     assert_close(cupy.asnumpy(z), probs_ref)
-    d = cupy_ops.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
+    d = softmax_xent.softmax_xent_backward_gpu(z, cupy.asarray(targets), dloss)
     assert d is z
     assert_close(cupy.asnumpy(d), F.softmax_xent_backward(probs_ref, targets, dloss), scale=dloss / N)
 
@@ -657,7 +658,7 @@ def test_gpu_adamw(cupy, n, dtype, t, grad_scale, seed):
     v, mask = np.abs(normal(rng, n, dtype)), (rng.random(n) > 0.3).astype(dtype)
     pg, gg, mg, vg = (cupy.asarray(a) for a in (p, g, m, v))
     hyper = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=t, grad_scale=grad_scale)
-    assert cupy_ops.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
+    assert adamw.adamw_step_gpu(pg, gg, mg, vg, cupy.asarray(mask), **hyper) is pg
     for got, want in zip((pg, mg, vg), F.adamw(f64(p), f64(g), f64(m), f64(v), f64(mask), **hyper)):
         assert_close(cupy.asnumpy(got), want)
 

@@ -9,6 +9,7 @@ stand-in checks here.
 """
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import reference as F
 from gpu_standin import standin_cupy
 from markers import needs_cxx
 
-from minitensor.backends import cupy_ops, fused_pieces, get_ops
+from minitensor.backends import fused_pieces, get_ops
 from minitensor.backends.cupy_ops import CupyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import selfcheck
@@ -99,9 +100,10 @@ def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
     ("flash_attention", "FLASH_FWD", ("acc[u][2] *= a1", "acc[u][2] *= a0")),
 ])
 def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeypatch, piece, spec, wrong):
-    good = getattr(cupy_ops, spec)
+    module = sys.modules[fused_pieces()[piece].sample.__module__]  # the piece's, beside its .cu
+    good = getattr(module, spec)
     assert wrong[0] in good.code
-    monkeypatch.setattr(cupy_ops, spec, dataclasses.replace(good, inline=good.code.replace(*wrong)))
+    monkeypatch.setattr(module, spec, dataclasses.replace(good, inline=good.code.replace(*wrong)))
     fused, line = selfcheck.select_kernels("auto", cupy, {piece: fused_pieces()[piece].sample})
     assert line.startswith(f"kernels: fused none; generic for {piece} (failed its self-check: max error")
     assert fused == ()

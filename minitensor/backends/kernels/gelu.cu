@@ -5,7 +5,7 @@
 // (tests/gpu/test_kernels.py checks them against minitensor.backends.ops' constants). exp = inf (x below
 // about -10) gives y = -0 and dx = 0, as it should.
 //
-// ElementwiseKernel operations (their parameters: the specs in minitensor/backends/cupy_ops.py).
+// ElementwiseKernel operations (their parameters: the specs in kernels/gelu.py).
 // The bias kernels: y = GELU(x + b), b broadcast over the rows, x the matmul output (N, C). `i` is
 // the flat C-order index over x's shape, so `i % C` is the column even for strided x; the 32-bit
 // cast avoids a 64-bit modulo per element (the wrappers refuse 2**31 elements or more).

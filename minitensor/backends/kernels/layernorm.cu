@@ -41,7 +41,7 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
 // res + dx, the residual gradient of a pre-norm block, fused (res may be dx itself: each thread reads
 // res[j] before it writes dx[j]); and, over the block's rows in order, the partial parameter sums
 // part_w[b] = sum dy xhat, part_b[b] = sum dy, each thread holding its columns' sums in registers
-// (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x: cupy_ops.LN_COLS
+// (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x: layernorm.py's LN_COLS
 // is this value). The row's dy w and xhat stay in registers between the two passes over it.
 #include "rows.cuh"
 #define LN_COLS 8

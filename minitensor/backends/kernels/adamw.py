@@ -1,0 +1,108 @@
+"""AdamW over the whole flat parameter buffer on the GPU, one elementwise pass: the ElementwiseKernel of
+kernels/adamw.cu, its wrappers and the fused piece adamw's record."""
+
+import numpy as np
+
+from minitensor.backends import cuda
+from minitensor.backends.tricks import adamw_scalars, adamw_update
+from minitensor.device import array_module
+
+
+def _adamw_op_reference(p_in, m_in, v_in, g, mask, beta1, beta2, grad_scale, step_size, eps_hat, decay):
+    """ADAMW_STEP's operation through tricks.adamw_update (Ops.adamw_step folded), on copies of p, m, v."""
+    p, m, v = p_in.copy(), m_in.copy(), v_in.copy()
+    scale = np.asarray(grad_scale).reshape(-1)[0]  # the kernel reads grad_scale[0]
+    adamw_update(np, p, g, m, v, np.empty_like(p), beta1, beta2, scale, step_size, eps_hat, 1.0 - decay * mask)
+    return p, m, v
+
+
+# The kernel (its form, adamw_update's, explained there): kernels/adamw.cu.
+ADAMW_STEP = cuda.ElementwiseSpec(
+    "adamw_step",
+    "T p_in, T m_in, T v_in, T g, T mask, T beta1, T beta2, raw T grad_scale, T step_size, T eps_hat, T decay",
+    "T p, T m, T v",
+    "adamw.cu",
+    reference=_adamw_op_reference,
+    scalars=(("beta1", 0.9), ("beta2", 0.95), ("step_size", 1e-3), ("eps_hat", 1e-8), ("decay", 1e-4)),
+    domains=(("v_in", np.abs), ("mask", lambda a: (a > 0).astype(a.dtype))),
+)
+
+
+def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0):
+    """One AdamW step, in place over the flat CuPy buffers p, m, v (same shape and dtype as g and
+    mask, mask 1 where weight decay applies, 0 elsewhere); t counts steps from 1. Equals
+    Ops.adamw_step: the gradient is g * grad_scale (clipping), grad_scale a number or a
+    one-element device array."""
+    if t < 1:
+        raise ValueError(f"adamw_step_gpu: t counts steps from 1, got {t}")
+    adamw_kernel(p, g, m, v, mask, beta1, beta2, grad_scale, *adamw_scalars(lr, beta1, beta2, eps, t),
+                 lr * weight_decay)
+    return p
+
+
+def adamw_kernel(p, g, m, v, mask, b1, b2, grad_scale, step_size, eps_hat, decay):
+    """Ops.adamw_step through ADAMW_STEP: in place over the flat p, m, v (mask 1 where decayed)."""
+    fn = "adamw_step_gpu"
+    cuda.check_operands(fn, p, None)
+    for name, a in (("g", g), ("m", m), ("v", v), ("mask", mask)):
+        cuda.like(fn, name, a, p, contiguous=False)
+    cuda.on_cupy(fn, p, "Ops.adamw_step")
+    scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
+    ADAMW_STEP.kernel()(p, m, v, g, mask, b1, b2, scale, step_size, eps_hat, decay, p, m, v)
+
+
+# --- the fused piece adamw: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _adamw_sample(ops, rng):
+    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    xp = ops.xp
+    params = Params({"w": (7, 33), "b": (33,)}, xp=xp, dtype=np.float32, ops=ops)
+    params.data[...] = xp.asarray(rng.standard_normal(params.data.shape).astype(np.float32))
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    for scale in (1.0, 0.5):
+        for name in params.names():  # through the views: the padding between tensors keeps g = 0
+            view = params.grad(name)
+            view[...] = xp.asarray(rng.standard_normal(view.shape).astype(np.float32))
+        opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
+    return params.data, opt.m, opt.v
+
+
+def _adamw_cases(k):
+    """One AdamW step over the model's parameter layout (decay on 2+-D tensors) against the optimizer."""
+    from minitensor.optim import AdamW
+    from minitensor.params import Params
+
+    hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def setup():
+        k.reseed()
+        params = Params(k.shapes, xp=k.xp, dtype=k.dtype, ops=k.ref)
+        params.data[...] = k.rand(params.size, scale=0.02)
+        params.grads[...] = k.rand(params.size, scale=1e-3)
+        opt = AdamW(params, lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"],
+                    weight_decay=hyper["weight_decay"])
+        return dict(params=params, opt=opt, mask=params.mask(opt.decays))
+
+    def generic(d):
+        d["opt"].step(grad_scale=0.5)
+        return d["params"].data, d["opt"].m, d["opt"].v
+
+    def fused(d):
+        p, opt = d["params"], d["opt"]
+        adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
+        return p.data, opt.m, opt.v
+
+    return [("adamw step", setup, fused, generic, True)]
+
+
+ADAMW = cuda.fused_piece(
+    "adamw",
+    replaces=("adamw_step",),
+    kernels=(ADAMW_STEP,),
+    sample=_adamw_sample,
+    cases=_adamw_cases,
+)

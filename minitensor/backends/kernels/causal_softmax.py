@@ -1,0 +1,147 @@
+"""The causal softmax over (..., T, T) attention scores on the GPU (forward, backward, recomputed): the
+kernels of kernels/causal_softmax.cu, their wrappers and the fused piece causal_softmax's record (the
+dense attention core's softmax, CupyOps.attention_forward_dense)."""
+
+import numpy as np
+
+from minitensor.backends import cuda
+from minitensor.backends.cuda import draw
+
+
+def _causal_fraction(n_ctx):
+    """The share of a (T, T) matrix on and below the diagonal: what the causal kernels read."""
+    return (int(n_ctx) + 1) / (2 * int(n_ctx))
+
+
+def _causal_softmax_fwd_traffic(s, p, lse, n_ctx, write_lse, **_):
+    """s read on and below the diagonal; p written in full (the masked part as zeros), lse if asked."""
+    return s.nbytes * _causal_fraction(n_ctx), p.nbytes + (lse.nbytes if write_lse else 0)
+
+
+def _causal_softmax_bwd_traffic(dp, p, ds, n_ctx, **_):
+    """dp and p read on and below the diagonal; ds written in full."""
+    return (dp.nbytes + p.nbytes) * _causal_fraction(n_ctx), ds.nbytes
+
+
+CAUSAL_SOFTMAX_FWD = cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu",
+                                 traffic=_causal_softmax_fwd_traffic)
+
+CAUSAL_SOFTMAX_BWD = cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu",
+                                 traffic=_causal_softmax_bwd_traffic)
+
+CAUSAL_SOFTMAX_RECOMPUTE = cuda.ElementwiseSpec(
+    "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p", "causal_softmax.cu",
+    reference=lambda s, lse, n_ctx, scale: _recompute_flat(s, lse, int(n_ctx), scale),
+    scalars=(("n_ctx", 6), ("scale", 0.35)),
+)
+
+
+def _recompute_flat(s, lse, n_ctx, scale):
+    i = np.arange(s.size)
+    row, col = i // n_ctx, i % n_ctx
+    return np.where(col <= row % n_ctx, np.exp(scale * s - lse[row]), 0.0)
+
+
+def causal_softmax_forward_gpu(s, scale=1.0, lse=None, out=None):
+    """Causal row softmax of scale * s for s (..., T, T) (CuPy, contiguous), into `out` (which may
+    be s) or a new array; returns p. With `lse` (T values per matrix, e.g. (..., T, 1)), each row's
+    log-sum-exp is written there, for causal_softmax_recompute_gpu."""
+    fn = "causal_softmax_forward_gpu"
+    rows, T = cuda.square_rows(fn, s)
+    p = cuda.out_like(fn, s, out)
+    if lse is not None:
+        cuda.row_values(fn, "lse", lse, s, rows)
+    if rows:
+        cuda.launch(CAUSAL_SOFTMAX_FWD, s.dtype, (rows,), (cuda.threads(T, 128),),
+                (s, p, p if lse is None else lse, np.int32(T), s.dtype.type(scale), np.int32(lse is not None)))
+    return p
+
+
+def causal_softmax_backward_gpu(dp, p, scale=1.0, out=None):
+    """ds = scale p (dp - rowsum(dp p)) for dp, p (..., T, T) (CuPy, contiguous), into `out`
+    (which may be dp) or a new array; returns ds."""
+    fn = "causal_softmax_backward_gpu"
+    rows, T = cuda.square_rows(fn, p)
+    cuda.like(fn, "dp", dp, p)
+    ds = cuda.out_like(fn, p, out)
+    if rows:
+        cuda.launch(CAUSAL_SOFTMAX_BWD, p.dtype, (rows,), (cuda.threads(T, 128),),
+                (dp, p, ds, np.int32(T), p.dtype.type(scale)))
+    return ds
+
+
+def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
+    """The probabilities causal_softmax_forward_gpu gave, from the same s and its lse, into `out`
+    (which may be s) or a new array."""
+    fn = "causal_softmax_recompute_gpu"
+    rows, T = cuda.square_rows(fn, s)
+    cuda.row_values(fn, "lse", lse, s, rows)
+    if s.size >= 2**31:
+        raise ValueError(f"{fn}: s has {s.size} elements; at most 2**31 - 1 are supported")
+    cuda.on_cupy(fn, s, "Ops.block_probs_again")
+    kern = CAUSAL_SOFTMAX_RECOMPUTE.kernel()
+    args = (s, lse.reshape(-1), np.int32(T), s.dtype.type(scale))
+    return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))
+
+
+# --- the fused piece causal_softmax: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _causal_softmax_sample(ops, rng):
+    """A 4-head attention layer's dense core, forward and backward, over 2 x 40 positions."""
+    from minitensor.layers.attention import CausalSelfAttention
+    from minitensor.layers.linear import Linear
+
+    xp = ops.xp
+    B, T, C, nh = 2, 40, 48, 4
+    grads = [xp.zeros(shape, np.float32) for shape in ((C, 3 * C), (3 * C,), (C, C), (C,))]
+    attn = CausalSelfAttention(Linear(draw(xp, rng, C, 3 * C, scale=0.3), grads[0], draw(xp, rng, 3 * C), grads[1],
+                                      ops=ops),
+                               Linear(draw(xp, rng, C, C, scale=0.3), grads[2], draw(xp, rng, C), grads[3], ops=ops),
+                               nh, ops=ops)
+    attn.dense = True
+    out = attn.forward(draw(xp, rng, B, T, C))
+    return (out, attn.backward(draw(xp, rng, B, T, C)), *grads)
+
+
+def _causal_softmax_cases(k):
+    """The attention's causal softmax: forward, backward, and the probabilities recomputed from the
+    saved log-sum-exp, against the Ops' block softmax."""
+
+    BH, T = k.BH, k.T
+
+    def setup():
+        k.reseed()
+        s = k.rand(BH, T, T, scale=2.0)
+        p, lse = s.copy(), k.xp.empty((BH, T, 1), k.dtype)
+        k.ref.block_softmax(p[None], 0, lse[None])
+        return dict(s=s, p=p, lse=lse, dp=k.rand(BH, T, T), lse_out=k.xp.empty((BH, T, 1), k.dtype))
+
+    def generic_fwd(d):
+        k.ref.block_softmax(d["s"][None], 0, d["lse_out"][None])
+        return d["s"], d["lse_out"]
+
+    def generic_bwd(d):
+        D = (d["dp"] * d["p"]).sum(axis=-1, keepdims=True)
+        k.ref.block_softmax_backward(d["dp"][None], d["p"][None], D[None])
+        return (d["dp"],)
+
+    return [
+        ("causal softmax fwd", setup,
+         lambda d: (causal_softmax_forward_gpu(d["s"], lse=d["lse_out"], out=d["s"]), d["lse_out"]),
+         generic_fwd, False),
+        ("causal softmax bwd", setup,
+         lambda d: (causal_softmax_backward_gpu(d["dp"], d["p"], out=d["dp"]),), generic_bwd, False),
+        ("causal softmax recompute", setup,
+         lambda d: (causal_softmax_recompute_gpu(d["s"], d["lse"], out=d["s"]),),
+         lambda d: (k.ref.block_probs_again(d["s"][None], 0, d["lse"][None])[0],), True),
+    ]
+
+
+CAUSAL_SOFTMAX = cuda.fused_piece(
+    "causal_softmax",
+    replaces=("attention_forward_dense",),
+    kernels=(CAUSAL_SOFTMAX_FWD, CAUSAL_SOFTMAX_BWD, CAUSAL_SOFTMAX_RECOMPUTE),
+    sample=_causal_softmax_sample,
+    cases=_causal_softmax_cases,
+)

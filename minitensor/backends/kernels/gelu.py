@@ -1,0 +1,145 @@
+"""GELU and bias + GELU on the GPU: the ElementwiseKernels of kernels/gelu.cu, their wrappers and
+the fused piece bias_gelu's record.
+
+gelu_fwd / gelu_bwd run whenever CupyOps.gelu_forward / _backward get a float array (always on: no
+record); bias_gelu_fwd, _bwd and _bwd_fwd (the output recomputed) are the fused piece bias_gelu,
+which replaces Ops.bias_gelu_forward / _backward when the self-check keeps it. Each kernel's host
+reference is the Ops code itself, on flat arrays as the kernel sees them.
+"""
+
+import numpy as np
+
+from minitensor.backends import cuda
+from minitensor.backends.cuda import draw
+from minitensor.backends.ops import Ops
+
+_REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
+
+# The formulas and their constants: kernels/gelu.cu. The references are the Ops methods themselves.
+GELU_FWD = cuda.register(cuda.ElementwiseSpec(
+    "gelu_fwd", "T x", "T y", "gelu.cu",
+    reference=lambda x: _REFERENCE.gelu_forward(x),
+))
+
+GELU_BWD = cuda.register(cuda.ElementwiseSpec(
+    "gelu_bwd", "T x, T dy", "T dx", "gelu.cu",
+    reference=lambda x, dy: _REFERENCE.gelu_backward(x, dy),
+))
+
+
+# ---------------------------------------------------------------------------------------------
+# bias + GELU: y = GELU(x + b), b broadcast over the rows; x is the matmul output (N, C) ---
+
+
+def column(n, C):
+    """Column of each flat index of an (n / C, C) array: what `i % C` gives in the kernels."""
+    return np.arange(n) % int(C)
+
+
+# The references are GELU's Ops code applied to h = x + b, on flat arrays as the kernels see them,
+# gathering the bias by i % C (the host check's flat samples, C = 7, are not whole rows).
+BIAS_GELU_FWD = cuda.ElementwiseSpec(
+    "bias_gelu_fwd", "T x, raw T b, int32 C", "T y", "gelu.cu",
+    reference=lambda x, b, C: _REFERENCE.gelu_forward(x + b[column(x.size, C)]),
+    scalars=(("C", 7),),
+)
+
+BIAS_GELU_BWD = cuda.ElementwiseSpec(
+    "bias_gelu_bwd", "T x, raw T b, int32 C, T dy", "T dh", "gelu.cu",
+    reference=lambda x, b, C, dy: _REFERENCE.gelu_backward(x + b[column(x.size, C)], dy),
+    scalars=(("C", 7),),
+)
+
+
+BIAS_GELU_BWD_FWD = cuda.ElementwiseSpec(
+    "bias_gelu_bwd_fwd", "T x, raw T b, int32 C, T dy", "T dh, T y", "gelu.cu",
+    reference=lambda x, b, C, dy: (_REFERENCE.gelu_backward(x + b[column(x.size, C)], dy),
+                                   _REFERENCE.gelu_forward(x + b[column(x.size, C)])),
+    scalars=(("C", 7),),
+)
+
+
+def bias_gelu_forward_gpu(x, b, out=None):
+    """GELU(x + b) for x (..., C) and b (C,) CuPy arrays, into `out` if given; returns y.
+
+    The caller keeps x (the matmul output without its bias) for the backward: h = x + b is never
+    stored."""
+    _check_bias_gpu(x, b, out, "bias_gelu_forward_gpu")
+    cuda.on_cupy("bias_gelu_forward_gpu", x, "Ops.bias_gelu_forward")
+    kern = BIAS_GELU_FWD.kernel()
+    C = np.int32(x.shape[-1])
+    return kern(x, b, C) if out is None else kern(x, b, C, out)
+
+
+def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
+    """dL/dh for h = x + b, y = GELU(h), from the forward's x and b and dy = dL/dy; into `out`
+    if given (it may be dy). With `db`, also db += the column sums of dh. Returns dh."""
+    _check_bias_gpu(x, b, out, "bias_gelu_backward_gpu", dy)
+    cuda.on_cupy("bias_gelu_backward_gpu", x, "Ops.bias_gelu_backward")
+    kern = BIAS_GELU_BWD.kernel()
+    C = np.int32(x.shape[-1])
+    dh = kern(x, b, C, dy) if out is None else kern(x, b, C, dy, out)
+    if db is not None:
+        db += dh.reshape(-1, dh.shape[-1]).sum(axis=0)
+    return dh
+
+
+def bias_gelu_backward_recompute_gpu(x, b, dy):
+    """(dh, y): bias_gelu_backward_gpu's dh and bias_gelu_forward_gpu's y in one pass, new arrays."""
+    _check_bias_gpu(x, b, None, "bias_gelu_backward_recompute_gpu", dy)
+    cuda.on_cupy("bias_gelu_backward_recompute_gpu", x, "Ops.bias_gelu_backward")
+    return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
+
+
+# --- the fused piece bias_gelu: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _bias_gelu_sample(ops, rng):
+    """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails; the backward
+    also with the output recomputed (as MLP.backward asks)."""
+    xp = ops.xp
+    x, b, dy = draw(xp, rng, 150, 70, scale=4.0), draw(xp, rng, 70), draw(xp, rng, 150, 70)
+    y = ops.bias_gelu_forward(x, b)
+    return y, ops.bias_gelu_backward(x, b, dy), *ops.bias_gelu_backward(x, b, dy, recompute_output=True)
+
+
+def _bias_gelu_cases(k):
+    """The MLP's bias + GELU, forward and backward (the bias gradient summed in), against the Ops."""
+
+    def setup():
+        k.reseed()
+        a, b = k.rand(k.N, k.F, scale=2.0), k.rand(k.F, scale=0.1)
+        return dict(a=a, b=b, h=a + b, dy=k.rand(k.N, k.F), db=k.zeros(k.F), hb=k.xp.empty_like(a))
+
+    def generic_fwd(d):
+        k.xp.add(d["a"], d["b"], out=d["hb"])  # the Linear adds its bias into the matmul output
+        return (k.ref.gelu_forward(d["hb"]),)
+
+    def generic_bwd(d):
+        dh = k.ref.gelu_backward(d["h"], d["dy"])
+        d["db"] += dh.sum(axis=0)
+        return dh, d["db"]
+
+    return [
+        ("bias + gelu fwd", setup, lambda d: (bias_gelu_forward_gpu(d["a"], d["b"]),), generic_fwd, True),
+        ("bias + gelu bwd", setup, lambda d: (bias_gelu_backward_gpu(d["a"], d["b"], d["dy"], db=d["db"]),
+                                              d["db"]), generic_bwd, True),
+    ]
+
+
+BIAS_GELU = cuda.fused_piece(
+    "bias_gelu",
+    replaces=("bias_gelu_forward", "bias_gelu_backward"),
+    kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD),
+    sample=_bias_gelu_sample,
+    cases=_bias_gelu_cases,
+)
+
+
+def _check_bias_gpu(x, b, out, fn, dy=None):
+    cuda.check_operands(fn, x, out, dy)
+    if x.ndim < 1 or x.size >= 2**31:
+        raise ValueError(f"{fn}: x must have 1 to 2**31 - 1 elements and a last axis, got shape {x.shape}")
+    if b.shape != x.shape[-1:] or b.dtype != x.dtype or not b.flags.c_contiguous:
+        raise ValueError(f"{fn}: b must be a contiguous {x.dtype} vector of shape {x.shape[-1:]}, got "
+                         f"{b.dtype} {b.shape}")

@@ -1,0 +1,188 @@
+"""LayerNorm over the last axis on the GPU, one block per row: the RawKernels of kernels/layernorm.cu
+(their shared reductions in kernels/rows.cuh), their wrappers and the fused piece layernorm's record."""
+
+import numpy as np
+
+from minitensor.backends import cuda
+from minitensor.backends.cuda import draw
+from minitensor.device import array_module
+
+# What these kernels must equal is Ops.layernorm_forward / _backward: the start-up self-check runs
+# the layer both ways on the GPU. The tests run the kernels on the host (kernelcheck.emulate_launch)
+# against the textbook form in tests/support/reference.py. The kernels: kernels/layernorm.cu.
+
+
+def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
+    """x (and the residual, when added: x is then written back) read once, y and the statistics written."""
+    joined = x.nbytes if add_residual else 0
+    return x.nbytes + joined + w.nbytes + b.nbytes, y.nbytes + mean.nbytes + rstd.nbytes + joined
+
+
+LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic)
+
+
+# forward was: y = xhat w + b, xhat = (x - mean) rstd. Block b handles rows [b rpc, (b + 1) rpc) (rpc =
+# rows_per_chunk) one after another: each row's dx, written or (with accumulate) written as res + dx,
+# the residual gradient of a pre-norm block, fused (res may be dx itself: each thread reads res[j]
+# before it writes dx[j]); and, over the block's rows in order, the partial parameter sums
+# part_w[b] = sum dy xhat, part_b[b] = sum dy, each thread holding its columns' sums in registers
+# (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x). The row's dy w
+# and xhat stay in registers between the two passes over it.
+LN_COLS, LN_THREADS = 8, 256
+LN_MAX_C = LN_COLS * LN_THREADS  # 2048: at most 256 threads, so that any register count fits a block
+# At most LN_CHUNKS blocks of at least LN_CHUNK_ROWS rows: for 8 x 1024 rows, 512 blocks of 16 (4 a
+# streaming multiprocessor on an H200), their partial sums 2 x 512 x C values (3 MB at C = 768,
+# against dy's and x's 50 MB).
+LN_CHUNKS, LN_CHUNK_ROWS = 512, 16
+
+
+def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, accumulate, **_):
+    """dy, x and the statistics read once, and res when accumulating; dx and the partial sums written."""
+    read = dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0)
+    return read, dx.nbytes + part_w.nbytes + part_b.nbytes
+
+
+LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic)
+
+
+# The parameter sums' second launch: blocks of (32, 8) threads, each adding 32 columns' partials.
+LN_PARAM_BLOCK = (32, 8)
+LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu")
+
+
+def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
+    """LayerNorm of the rows of x (..., C) (CuPy, contiguous); returns (y, mean, rstd), y shaped
+    like x, mean and rstd (N, 1) as minitensor/layers/layernorm.py caches them (N = x.size / C).
+
+    With `residual` (x's shape), x is first updated in place to x + residual, the residual join
+    of a pre-norm block fused into the normalisation; the caller then caches x as the input.
+    `out` may be x itself."""
+    fn = "layernorm_forward_gpu"
+    N, C = cuda.rows(fn, x)
+    cuda.vector(fn, "w", w, x)
+    cuda.vector(fn, "b", b, x)
+    for name, a in (("residual", residual), ("out", out)):
+        if a is not None:
+            cuda.like(fn, name, a, x)
+    xp = array_module(x)
+    y = xp.empty_like(x) if out is None else out
+    mean = xp.empty((N, 1), dtype=x.dtype)
+    rstd = xp.empty((N, 1), dtype=x.dtype)
+    if N:
+        cuda.launch(LAYERNORM_FWD, x.dtype, (N,), (cuda.threads(C, 128),),
+                (x, x if residual is None else residual, w, b, y, mean, rstd, np.int32(C), x.dtype.type(eps),
+                 np.int32(residual is not None)))
+    return y, mean, rstd
+
+
+def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None):
+    """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
+    (..., C), C at most LN_MAX_C, mean and rstd N values); accumulates dw += sum(dy xhat),
+    db += sum(dy) over rows.
+
+    Returns a new dx; with `residual` (x's shape, contiguous), a new residual + dx, the residual
+    gradient of a pre-norm block, fused (residual is kept); with `add_to` instead, adds dx into
+    add_to in place and returns it. Two launches: dx with the parameters' partial sums per chunk of
+    rows (layernorm_bwd), then those summed into dw and db (layernorm_bwd_params)."""
+    fn = "layernorm_backward_gpu"
+    N, C = cuda.rows(fn, x)
+    if C > LN_MAX_C:
+        raise ValueError(f"{fn}: rows of {C} values; at most {LN_MAX_C} are supported (Ops.layernorm_backward "
+                         f"takes any)")
+    cuda.like(fn, "dy", dy, x)
+    cuda.vector(fn, "w", w, x)
+    for name, a in (("mean", mean), ("rstd", rstd)):
+        if a.size != N or a.dtype != x.dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{fn}: {name} must hold {N} contiguous {x.dtype} values, got {a.dtype} {a.shape}")
+    for name, a in (("dw", dw), ("db", db)):
+        cuda.vector(fn, name, a, x)
+    if add_to is not None and residual is not None:
+        raise ValueError(f"{fn}: give add_to (in place) or residual (kept), not both")
+    for name, a in (("add_to", add_to), ("residual", residual)):
+        if a is not None:
+            cuda.like(fn, name, a, x)
+    xp = array_module(x)
+    dx = xp.empty_like(x) if add_to is None else add_to
+    res = add_to if add_to is not None else residual
+    if not N:
+        return dx
+    rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
+    chunks = -(-N // rows_per_chunk)
+    parts = xp.empty((2, chunks, C), dtype=x.dtype)  # the partial sums of dw and db per chunk of rows
+    cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), LN_THREADS)),),
+                (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], np.int32(N), np.int32(C),
+                 np.int32(rows_per_chunk), np.int32(res is not None)))
+    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32),), LN_PARAM_BLOCK,
+                (parts[0], parts[1], dw, db, np.int32(chunks), np.int32(C)))
+    return dx
+
+
+# --- the fused piece layernorm: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _layernorm_sample(ops, rng):
+    """LayerNorm forward and backward (with a skip gradient) over 40 rows of 100 columns."""
+    from minitensor.layers.layernorm import LayerNorm
+
+    xp = ops.xp
+    C = 100  # not a multiple of the 32-thread warps
+    dw, db = xp.zeros(C, np.float32), xp.zeros(C, np.float32)
+    ln = LayerNorm(draw(xp, rng, C, shift=1.0), dw, draw(xp, rng, C), db, ops=ops)
+    y = ln.forward(draw(xp, rng, 4, 10, C, scale=3.0, shift=0.5))
+    dx = ln.backward(draw(xp, rng, 4, 10, C), skip=draw(xp, rng, 4, 10, C))
+    return y, dx, dw, db
+
+
+def _layernorm_cases(k):
+    """LayerNorm forward and backward, each also with the residual add folded in, against the layer."""
+    from minitensor.layers.layernorm import LayerNorm
+
+    N, C = k.N, k.C
+
+    def setup():
+        k.reseed()
+        x, dy, w, b = k.rand(N, C, shift=0.3), k.rand(N, C), k.rand(C, scale=0.2, shift=1.0), k.rand(C, scale=0.1)
+        layer = LayerNorm(w, k.zeros(C), b, k.zeros(C), ops=k.ref)
+        layer.forward(x)
+        return dict(x=x, dy=dy, w=w, b=b, r=k.rand(N, C), layer=layer, cache=layer._cache, dw=k.zeros(C),
+                    db=k.zeros(C))
+
+    def generic_fwd(d):
+        y = d["layer"].forward(d["x"])
+        return y, d["layer"]._cache.mean, d["layer"]._cache.rstd
+
+    def generic_bwd(d, add_to=None):
+        layer = d["layer"]
+        layer._save(d["cache"])
+        dx = layer.backward(d["dy"])
+        if add_to is not None:
+            dx += add_to
+        return dx, layer.dw, layer.db
+
+    def generic_res(d):
+        d["x"] += d["r"]
+        return d["layer"].forward(d["x"]), d["x"]
+
+    def fused_bwd(d, add_to=None):
+        return (layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
+                                                d["dw"], d["db"], add_to=add_to), d["dw"], d["db"])
+
+    return [
+        ("layernorm fwd", setup, lambda d: layernorm_forward_gpu(d["x"], d["w"], d["b"]), generic_fwd,
+         False),
+        ("layernorm bwd", setup, fused_bwd, generic_bwd, False),
+        ("layernorm fwd + residual", setup,
+         lambda d: (layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+         generic_res, False),
+        ("layernorm bwd + residual", setup, lambda d: fused_bwd(d, add_to=d["r"]),
+         lambda d: generic_bwd(d, add_to=d["r"]), False),
+    ]
+
+
+LAYERNORM = cuda.fused_piece(
+    "layernorm",
+    replaces=("layernorm_forward", "layernorm_backward"),
+    kernels=(LAYERNORM_FWD, LAYERNORM_BWD, LAYERNORM_BWD_PARAMS),
+    sample=_layernorm_sample,
+    cases=_layernorm_cases,
+)

@@ -1,0 +1,137 @@
+"""Softmax cross-entropy over (N, V) logits on the GPU: the kernels of kernels/softmax_xent.cu, their
+wrappers and the fused piece softmax_xent's record."""
+
+import numpy as np
+
+from minitensor.backends import cuda
+from minitensor.backends.cuda import draw
+from minitensor.device import array_module
+
+
+def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
+    """The logits' first n_valid columns read, every column overwritten by the probabilities (in place),
+    the targets read, the losses written."""
+    return z.nbytes * int(n_valid) // int(V) + targets.nbytes, z.nbytes + losses.nbytes
+
+
+SOFTMAX_XENT_FWD = cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic)
+
+SOFTMAX_XENT_BWD = cuda.ElementwiseSpec(
+    "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz", "softmax_xent.cu",
+    reference=lambda probs, targets, V, scale: _xent_bwd_flat(probs, targets, int(V), scale),
+    scalars=(("V", 5), ("scale", 0.25)),
+)
+
+
+def _xent_bwd_flat(probs, targets, V, scale):
+    i = np.arange(probs.size)
+    onehot = i % V == targets.astype(np.int64)[i // V]
+    return (probs - onehot) * scale
+
+
+def softmax_xent_forward_gpu(logits, targets, valid=None):
+    """Softmax cross-entropy of logits (..., V) (CuPy, contiguous, overwritten by the
+    probabilities) against integer targets (...); returns (loss, losses): the mean as a 0-d
+    device array (no host synchronisation) and the per-row terms. With valid (1..V), only the
+    first `valid` columns are logits, the others padding given probability 0. A target outside
+    [0, valid) gives a NaN loss."""
+    fn = "softmax_xent_forward_gpu"
+    z, t = _xent_operands(fn, logits, targets)
+    V = z.shape[1]
+    valid = V if valid is None else int(valid)
+    if not 1 <= valid <= V:
+        raise ValueError(f"{fn}: valid must be in [1, {V}], got {valid}")
+    xp = array_module(logits)
+    losses = xp.empty(z.shape[0], dtype=z.dtype)
+    if z.shape[0]:
+        cuda.launch(SOFTMAX_XENT_FWD, z.dtype, (z.shape[0],), (cuda.threads(valid, 512),),
+                (z, t, losses, np.int32(V), np.int32(valid)))
+    return losses.mean(), losses
+
+
+def softmax_xent_backward_gpu(probs, targets, dloss=1.0):
+    """In place over probs (..., V) from softmax_xent_forward_gpu: dlogits = dloss (probs -
+    onehot(targets)) / N, N the number of rows; returns it."""
+    fn = "softmax_xent_backward_gpu"
+    z, t = _xent_operands(fn, probs, targets)
+    if z.size >= 2**31:
+        raise ValueError(f"{fn}: {z.size} logits; at most 2**31 - 1 are supported")
+    cuda.on_cupy(fn, probs, "Ops.softmax_xent_backward")
+    if z.shape[0]:
+        SOFTMAX_XENT_BWD.kernel()(probs, t, np.int32(z.shape[1]), float(dloss) / z.shape[0], probs)
+    return probs
+
+
+def _xent_operands(fn, logits, targets):
+    dtype = getattr(logits, "dtype", None)
+    if dtype not in (np.float32, np.float64) or not logits.flags.c_contiguous or logits.ndim < 1:
+        raise ValueError(f"{fn}: logits must be a contiguous float32 or float64 array (..., V)")
+    if targets.shape != logits.shape[:-1] or targets.dtype.kind not in "iu":
+        raise ValueError(f"{fn}: targets must be integers of shape {logits.shape[:-1]}, got "
+                         f"{targets.dtype} {targets.shape}")
+    xp = array_module(logits)
+    t = xp.ascontiguousarray(targets.reshape(-1), dtype=np.int64)
+    return logits.reshape(-1, logits.shape[-1]), t
+
+
+# --- the fused piece softmax_xent: its record, the self-check's sample, gpu_check's cases ---
+
+
+def _softmax_xent_sample(ops, rng):
+    """Cross-entropy forward and backward (dloss 0.5) over 48 rows of 1000 logits; then over the same
+    logits padded as the tied head pads them (ops.vocab_padding: 1024 columns with the kernel, none
+    without), whose padded columns must get no gradient."""
+    from minitensor.layers.loss import SoftmaxCrossEntropy
+
+    xp = ops.xp
+    logits = draw(xp, rng, 6, 8, 1000, scale=3.0)
+    targets = xp.asarray(rng.integers(0, 1000, (6, 8)))
+    fn = SoftmaxCrossEntropy(ops=ops)
+    loss = fn.forward(logits.copy(), targets, inplace=True)
+    grad = fn.backward(0.5)
+    padded = xp.zeros((6, 8, ops.vocab_padding(1000)), dtype=logits.dtype)
+    padded[..., :1000] = logits
+    padded_loss = fn.forward(padded, targets, inplace=True, valid=1000)
+    padded_grad = fn.backward(0.5)
+    return (xp.asarray(loss).reshape(1), grad, xp.asarray(padded_loss).reshape(1),
+            xp.ascontiguousarray(padded_grad[..., :1000]), xp.abs(padded_grad[..., 1000:]).sum(axis=-1))
+
+
+def _softmax_xent_cases(k):
+    """Softmax cross-entropy forward and backward against the loss layer on the reference (k.ref: Ops'
+    plain cross-entropy), which keeps the probabilities as the fused kernels take and give them."""
+    from minitensor.layers.loss import SoftmaxCrossEntropy
+
+    N, V = k.N, k.V
+
+    def setup():
+        k.reseed()
+        z = k.rand(N, V, scale=2.0)
+        t = k.xp.asarray(np.random.default_rng(0).integers(0, V, N))
+        loss_fn = SoftmaxCrossEntropy(ops=k.ref)
+        loss_fn.forward(z.copy(), t)
+        return dict(z=z, t=t, probs=loss_fn._cache.saved.copy(), cache=loss_fn._cache, loss_fn=loss_fn)
+
+    def generic_fwd(d):
+        loss = d["loss_fn"].forward(d["z"], d["t"])
+        return loss, d["loss_fn"]._cache.saved
+
+    def generic_bwd(d):
+        d["loss_fn"]._save(d["cache"])
+        return (d["loss_fn"].backward(1.0),)
+
+    return [
+        ("cross-entropy fwd", setup, lambda d: (softmax_xent_forward_gpu(d["z"], d["t"])[0], d["z"]),
+         generic_fwd, False),
+        ("cross-entropy bwd", setup, lambda d: (softmax_xent_backward_gpu(d["probs"], d["t"]),),
+         generic_bwd, True),
+    ]
+
+
+SOFTMAX_XENT = cuda.fused_piece(
+    "softmax_xent",
+    replaces=("vocab_padding", "softmax_xent_forward", "softmax_xent_backward"),
+    kernels=(SOFTMAX_XENT_FWD, SOFTMAX_XENT_BWD),
+    sample=_softmax_xent_sample,
+    cases=_softmax_xent_cases,
+)
