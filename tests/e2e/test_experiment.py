@@ -61,12 +61,15 @@ def test_each_experiment_runs_and_reports(tmp_path, data_dir, name):
     assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_four_first_experiments_run_three_seeds_by_default_on_a_model_that_learns():
-    for name in ("residual", "norm", "activation", "mlp-ratio"):  # issue 28's re-budget
+def test_every_experiment_that_reads_a_loss_runs_three_seeds_by_default_on_a_model_that_learns():
+    # issue 28's re-budget; depth reads gradient ratios of thin stacks, not a loss, so it is left out
+    for name in ("residual", "norm", "activation", "mlp-ratio", "swiglu", "no-norm", "composition"):
         exp = experiment.EXPERIMENTS[name]
         assert len(exp.seeds) >= 3, name
         assert set(experiment.LEARNS) <= set(exp.base), name  # the default model's width, context and batch
-        assert exp.steps >= 200, name  # 410k tokens: the first budget (150 steps of THIN, 77k) learned too little
+        assert exp.steps >= 200, name  # 410k tokens: the first budget (150 steps of d_model 64, 77k) learned too little
+        if "model.n_layer=4" in exp.base:  # at 200 steps one 4-block run ended 0.967 nats under the baseline
+            assert exp.steps >= 300, name
 
 
 def rows_of(losses, **more):
