@@ -29,6 +29,9 @@ COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu
 
 def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), command="", report_only=False,
                    arms=None, doc=None):
+    """Train (or keep, or resume) every arm of experiment `name` for each seed into out/<arm>-seed<k>, or
+    with report_only read the finished ones; then the report, the figure and results.json in out, and
+    the doc's section when `doc` is given. Returns results.md's text."""
     exp = EXPERIMENTS[name]
     out = Path(out)
     _check_out(out)
@@ -62,7 +65,7 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
     text, verdicts, body = report(name, exp, rows, target, command)
     figure = (exp.figure or draw)(name, rows)
     save_results(out, name, text, {"experiment": name, "steps": n_steps, "target": target, "rows": rows,
-                            "verdicts": verdicts}, figure)
+                                   "verdicts": verdicts}, figure)
     if doc is not None:
         write_doc(doc, name, body, figure)
     return text
