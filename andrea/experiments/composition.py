@@ -1,0 +1,139 @@
+"""How the blocks compose (`composition`): the logit lens (the residual stream after each block, read
+through the final LayerNorm and the tied head) and each head's attention distance and previous-token
+share, set against the document's three bands (early: syntax and position; middle: relations; late:
+content). The numbers come from andrea.probe."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+
+from andrea.experiments.base import LEARNS, SHALLOW_STEPS, Experiment, not_learned, png, probe_counts, unlearned
+from andrea.run.figure import new_figure
+
+
+def probe_composition(run_dir):
+    from andrea.probe import probe_run
+
+    return probe_counts(run_dir) | probe_run(run_dir)
+
+
+def _bands(n):
+    """The blocks of the early, middle and late thirds (the first ones a block larger when 3 does not
+    divide n)."""
+    sizes = [n // 3 + (k < n % 3) for k in range(3)]
+    return [list(range(sum(sizes[:k]), sum(sizes[:k + 1]))) for k in range(3)]
+
+
+def _band_of(i, n):
+    return next(k for k, b in enumerate(_bands(n)) if i in b)
+
+
+def _composition_votes(r):
+    """One run's (early, middle, late) readings: the band holding the strongest previous-token head,
+    the band of the longest mean attention distance, the band whose blocks lower the lens loss most."""
+    n = r["n_layer"]
+    prev = [max(h) for h in r["previous"]]
+    dist = [statistics.fmean(h) for h in r["distance"]]
+    gains = [r["lens_loss"][i] - r["lens_loss"][i + 1] for i in range(n)]
+    band_gain = [sum(gains[i] for i in b) for b in _bands(n)]
+    return (_band_of(prev.index(max(prev)), n), _band_of(dist.index(max(dist)), n),
+            band_gain.index(max(band_gain)), max(prev))
+
+
+BAND_NAMES = ("early", "middle", "late")
+BANDS = [("early: syntax and position", "strongest previous-token head"),
+         ("middle: relations", "longest mean attention distance"),
+         ("late: content", "largest drop of the logit lens's loss")]
+
+
+def judge_composition_band(k, rows):
+    """Band k's rule of three, over every seed (a verdict only when the seeds agree):
+    early (syntax and position): supports if the strongest previous-token head (the largest
+    p_{i,i-1} share) sits in the first third of the blocks with a share of at least 0.5;
+    middle (relations): supports if the longest mean attention distance (over a block's heads) is
+    in the middle third; late (content): supports if the last third's blocks lower the logit
+    lens's loss more than either other third. Contradicts when the band found is another. A run
+    that did not learn (unlearned) leaves all three open."""
+    votes = [_composition_votes(r) for r in rows]
+    found = {v[k] for v in votes}
+    where = ", ".join(f"{BAND_NAMES[v[k]]}" + (f" (share {v[3]:.2f})" if k == 0 else "") for v in votes)
+    why = f"{BANDS[k][1]}: in the {where} third, per seed"
+    if unlearned(rows):
+        return not_learned(rows, why)
+    if len(found) > 1:
+        return "leaves open", why + " (the seeds disagree)"
+    if found == {k} and (k or min(v[3] for v in votes) >= 0.5):
+        return "supports", why
+    if found == {k}:
+        return "leaves open", why + ", under 0.5"
+    return "contradicts", why
+
+
+def judge_composition(rows):
+    """Claim 'each block refines, the stream accumulates': supports if the logit lens's loss falls at
+    every block (each block's output predicts better than its input) in every seed; contradicts if
+    it rises at some block in every seed; else, or when a run did not learn (unlearned), open."""
+    falls = [all(b < a for a, b in zip(r["lens_loss"], r["lens_loss"][1:])) for r in rows]
+    rises = [any(b > a for a, b in zip(r["lens_loss"], r["lens_loss"][1:])) for r in rows]
+    why = "logit lens loss by depth (embeddings, then after each block): " + "; ".join(
+        f"seed {r['seed']}: " + " > ".join(f"{v:.2f}" for v in r["lens_loss"]) for r in rows)
+    if unlearned(rows):
+        return not_learned(rows, why)
+    if all(falls):
+        return "supports", why
+    if all(rises):
+        return "contradicts", why
+    return "leaves open", why
+
+
+def details_composition(rows):
+    """Per seed: the logit lens by depth, and per block the heads' attention distance and previous-token share."""
+    from andrea.probe import PROMPT
+
+    text = []
+    for r in rows:
+        text.append(f"\n{r['run']}: logit lens and attention by depth (lens top 3: at the last token of {PROMPT!r})\n")
+        text.append("| depth | lens loss | lens top 3 | mean attention distance per head | previous-token share "
+                    "per head |\n|---|---|---|---|---|\n")
+        text.append(f"| embeddings | {r['lens_loss'][0]:.3f} | | | |\n")
+        for i in range(r["n_layer"]):
+            text.append(f"| block {i} | {r['lens_loss'][i + 1]:.3f} | {r['lens_top'][i].replace('|', '/')} | "
+                        f"{' '.join(f'{d:.1f}' for d in r['distance'][i])} | "
+                        f"{' '.join(f'{p:.2f}' for p in r['previous'][i])} |\n")
+    return "".join(text)
+
+
+def draw_composition(name, rows):
+    """The logit lens's loss by depth, and per block the heads' attention distance and previous-token share."""
+    fig = new_figure("andrea.experiment", figsize=(13, 4.2), dpi=90)
+    lens_ax, dist_ax, prev_ax = fig.subplots(1, 3)
+    for c, r in enumerate(rows):
+        lens_ax.plot(range(len(r["lens_loss"])), r["lens_loss"], marker="o", color=f"C{c}", label=r["run"])
+        for i, (d, p) in enumerate(zip(r["distance"], r["previous"])):
+            dist_ax.scatter([i] * len(d), d, color=f"C{c}", s=12, label=r["run"] if i == 0 else None)
+            prev_ax.scatter([i] * len(p), p, color=f"C{c}", s=12, label=r["run"] if i == 0 else None)
+    lens_ax.set(xlabel="blocks applied (0 = embeddings)", ylabel="logit lens loss (nats/token)",
+                title=f"{name}: logit lens")
+    dist_ax.set(xlabel="block", ylabel="mean attention distance (tokens)", title="each head's mean attention distance")
+    prev_ax.set(xlabel="block", ylabel="attention on the previous token", title="each head's previous-token share",
+                ylim=(0, 1))
+    for ax in (lens_ax, dist_ax, prev_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return png(fig)
+
+
+EXPERIMENTS = {
+    "composition": Experiment(
+        claim="Each block learns a refinement and the residual stream accumulates them; the layers specialise: "
+              "early ones syntax and position, middle ones relations, late ones content.",
+        original="Cada bloco aprende um refinamento, e o fluxo residual os acumula [...] camadas iniciais: sintaxe "
+                 "e posição; intermediárias: relações; finais: conteúdo.",
+        base=LEARNS + ["model.n_layer=6"],
+        arms={"pre-norm": []},
+        steps=SHALLOW_STEPS, judge=judge_composition, probe=probe_composition, figure=draw_composition,
+        details=details_composition, more=[(f"band {what}", functools.partial(judge_composition_band, k))
+                                                  for k, (what, _) in enumerate(BANDS)]),
+}
+

@@ -1,0 +1,174 @@
+"""An experiment's report: the per-run and per-arm tables, the lines on learning, time and budget,
+the figure, the verdicts; written into results.md/results.json and, with --doc, into the section of
+a Markdown page between its marker lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+from andrea.errors import UserError
+from andrea.experiments.base import LEARNED, arm_mean, fmt, seed_spread
+from andrea.files import atomic_writer
+from andrea.run.figure import label_depth_axis, new_figure
+
+
+def _below(r):
+    """How far the run's final validation loss is below its unigram baseline (nan without one)."""
+    return r["unigram_baseline"] - r["val_loss"] if r.get("unigram_baseline") is not None else math.nan
+
+
+def report(name, exp, rows, target, command):
+    """(results.md's text, the verdicts, the body: what a --doc section holds, all but the title and claim)."""
+    verdicts = [("claim", *exp.judge(rows))] + [(what, *judge(rows)) for what, judge in exp.more]
+    body = [f"Command: `{command}`\n", budget_line(rows), table(rows, target), arm_table(rows), learned_line(rows),
+            time_line(rows)]
+    if exp.details:
+        body.append(exp.details(rows))
+    for what, verdict, why in verdicts:
+        body.append(f"**{what}: {verdict}**: {why}.\n")
+    body = "\n".join(body)
+    return f"# {name}\n\n> {exp.claim}\n>\n> ({exp.original})\n\n" + body, verdicts, body
+
+
+def budget_line(rows):
+    tokens = sorted({r["tokens"] for r in rows if r.get("tokens")})
+    steps = sorted({r["losses"][-1][0] for r in rows if r["losses"]})
+    seeds = sorted({r["seed"] for r in rows})
+    return (f"Budget: {', '.join(map(str, steps))} steps, {', '.join(f'{t:,}' for t in tokens)} training tokens per "
+            f"run; seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}.\n")
+
+
+def table(rows, target):
+    head = ("| run | final val loss | unigram baseline - val loss | \\|dL/dx\\| embeddings / top, step 1 | "
+            f"same, last step | steps to train loss {target:.2f} | diverged | time (s) |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r['run']} | {fmt(r['val_loss'])} | {fmt(_below(r))} | {fmt(r['ratio_init'])} | "
+        f"{fmt(r['ratio_final'])} | {fmt(r['steps_to_target'])} | {'yes' if r['diverged'] else 'no'} | "
+        f"{fmt(r.get('seconds'), 0) if r.get('seconds') is not None else 'not logged'} |\n" for r in rows)
+
+
+def arm_table(rows):
+    """Per arm, over its seeds: the mean final validation loss and the seeds' spread (max - min)."""
+    head = ("| arm | seeds | mean final val loss | spread over seeds (max - min) | unigram baseline - mean |\n"
+            "|---|---|---|---|---|\n")
+    lines = []
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        mean, spread = arm_mean(rows, arm, "val_loss"), seed_spread(rows, [arm])
+        baseline = mine[0].get("unigram_baseline")
+        lines.append(f"| {arm} | {', '.join(str(r['seed']) for r in mine)} | {fmt(mean)} | "
+                     f"{fmt(spread) if math.isfinite(spread) else 'one seed'} | "
+                     f"{fmt(baseline - mean) if baseline is not None else 'nan'} |\n")
+    return head + "".join(lines)
+
+
+def learned_line(rows):
+    """The unigram baseline, and whether every run that did not diverge ended LEARNED nats under it."""
+    baselines = sorted({r["unigram_baseline"] for r in rows if r.get("unigram_baseline") is not None})
+    if not baselines:
+        return "The data directory's meta.json has no unigram baseline: whether the runs learned is not measured.\n"
+    short = [r for r in rows if not r["diverged"] and not _below(r) >= LEARNED]
+    # the arms share their data, so one number (or one per data directory, if --set says so)
+    text = (f"Unigram baseline of the validation tokens: {', '.join(f'{b:.3f}' for b in baselines)} nats/token; a "
+            "final validation loss below it learned more than the tokens' frequencies. ")
+    if not short:
+        return text + f"Every run that did not diverge ended at least {LEARNED:.1f} nats under it.\n"
+    return text + (f"Runs that did not diverge and ended less than {LEARNED:.1f} nats under it: " +
+                   ", ".join(f"{r['run']} ({fmt(r['val_loss'])})" for r in short) + ".\n")
+
+
+def time_line(rows):
+    """The runs' training time, from their logs, and the load the machine was under."""
+    seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
+    loads = [x for r in rows for x in r.get("load", [])]
+    if not seconds:
+        return "Time: not logged (the runs have no log in logs/).\n"
+    total = sum(seconds)
+    text = (f"Time: the {len(seconds)} runs' wall times add up to {int(total // 60)} min {total % 60:.0f} s (each "
+            "from its own log)")
+    if len(seconds) < len(rows):
+        text += f"; {len(rows) - len(seconds)} runs have no time logged"
+    threads = sorted({n for r in rows for n in r.get("threads", [])})
+    if threads:
+        text += f"; {' or '.join(map(str, threads))} thread{'s' if threads != [1] else ''} per run (ANDREA_NUM_THREADS)"
+    if loads:
+        low, high = f"{min(loads):.1f}", f"{max(loads):.1f}"
+        span = low if low == high else f"{low} to {high}"
+        text += (f"; 1-minute load average {span} at the runs' ends (other work shared the machine's cores: a time "
+                 "measured under load)")
+    return text + ".\n"
+
+
+def draw(name, rows):
+    """The figure: validation (and faint training) loss against steps; |dL/dx| against depth."""
+    fig = new_figure("andrea.experiment", figsize=(11, 4.2), dpi=90)
+    loss_ax, depth_ax = fig.subplots(1, 2)
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    for r in rows:
+        colour = f"C{arms.index(r['arm']) % 10}"
+        first_seed = r["seed"] == min(x["seed"] for x in rows if x["arm"] == r["arm"])
+        if r["losses"]:
+            loss_ax.plot(*zip(*r["losses"]), color=colour, alpha=0.25, lw=0.8)
+        if r["vals"]:
+            loss_ax.plot(*zip(*r["vals"]), color=colour, lw=2 if first_seed else 1, marker="o", ms=3,
+                         label=r["arm"] if first_seed else None)
+        if first_seed and r["grad_final"]:
+            depth_ax.plot(r["grad_init"], color=colour, ls="--", lw=1)
+            depth_ax.plot(r["grad_final"], color=colour, lw=2, label=r["arm"])
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("loss (nats/token): validation (dots), training (faint)")
+    loss_ax.set_title(f"{name}: loss")
+    label_depth_axis(depth_ax, "gradient norm against depth: step 1 (dashed), last step")
+    for ax in (loss_ax, depth_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def markers(name):
+    return f"<!-- python -m andrea.experiment {name}: begin -->", f"<!-- python -m andrea.experiment {name}: end -->"
+
+
+def doc_section(doc, name):
+    """(the text before the doc's section for `name`, the text after it): the section lies between its
+    two marker lines (markers); a one-line error when the doc or its markers are missing."""
+    doc = Path(doc)
+    begin, end = markers(name)
+    try:
+        text = doc.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--doc {doc} cannot be read ({e}): give the Markdown file that holds the section") from None
+    head, sep, rest = text.partition(begin + "\n")
+    middle, sep2, tail = rest.partition(end + "\n")
+    if not (sep and sep2):
+        raise UserError(f"--doc {doc} has no section for {name}: put the lines {begin} and {end} where it goes")
+    return head + sep, sep2 + tail
+
+
+def write_doc(doc, name, body, figure):
+    """Write the report's body and figure into the doc's section for `name`; the figure goes beside the
+    doc, in experiments/NAME.png. What lies outside the section is kept as it is."""
+    doc = Path(doc)
+    head, tail = doc_section(doc, name)
+    (doc.parent / "experiments").mkdir(exist_ok=True)
+    with atomic_writer(doc.parent / "experiments" / f"{name}.png") as f:
+        f.write(figure)
+    with atomic_writer(doc) as f:
+        f.write((head + body + f"\n![{name}](experiments/{name}.png)\n" + tail).encode())
+
+
+def save_results(out, name, text, results, figure):
+    """The figure, the report beside it, and results.json last: its presence marks the directory as
+    this experiment's."""
+    with atomic_writer(out / f"{name}.png") as f:
+        f.write(figure)
+    with atomic_writer(out / "results.md") as f:
+        f.write(text.encode() + f"\n![{name}]({name}.png)\n".encode())
+    with atomic_writer(out / "results.json") as f:
+        f.write(json.dumps(results, indent=1).encode())

@@ -1,0 +1,239 @@
+"""Running an experiment: each arm and seed an andrea.train run into its own directory (kept when it
+finished, resumed when interrupted, trained again when its config changed), then the numbers of
+each run (summarise) and the report (andrea.experiments.report)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+from andrea.errors import UserError
+from andrea.experiments import EXPERIMENTS
+from andrea.experiments.base import logged
+from andrea.experiments.report import doc_section, draw, report, save_results, write_doc
+from andrea.run.figure import require_matplotlib
+from andrea.run.gradflow import check_flow, embedding_ratio
+from andrea.run.preflight import check_directory
+from minitensor.parallel import num_threads
+
+EXIT_INTERRUPTED = 130
+LOAD_LINE = "experiment: 1-minute load average at the end of this session:"
+THREADS_LINE = "threads (ANDREA_NUM_THREADS; the numba kernels are bit-reproducible at a fixed count):"
+COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu"]
+
+
+def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), command="", report_only=False,
+                   arms=None, doc=None):
+    """Train (or keep, or resume) every arm of experiment `name` for each seed into out/<arm>-seed<k>, or
+    with report_only read the finished ones; then the report, the figure and results.json in out, and
+    the doc's section when `doc` is given. Returns results.md's text."""
+    exp = EXPERIMENTS[name]
+    out = Path(out)
+    _check_out(out)
+    if doc is not None:
+        doc_section(doc, name)  # a --doc without this experiment's section: say so before any training
+    n_steps = steps or max(2, round(exp.steps * scale))
+    interval = max(1, n_steps // 20)
+    budget = [f"train.max_steps={n_steps}", f"train.log_interval={interval}",
+              f"train.eval_interval={max(1, n_steps // 5)}", f"train.checkpoint_interval={n_steps}",
+              f"train.warmup_steps={max(1, n_steps // 10)}"]
+    rows = []
+    for seed in seeds or exp.seeds:
+        for arm, overrides in exp.arms.items():
+            if arms and arm not in arms:
+                continue
+            run_dir = out / f"{arm}-seed{seed}"
+            if report_only:
+                if finished(run_dir):
+                    rows.append(summarise(run_dir, arm, seed, 0))
+                else:
+                    print(f"{name}: {run_dir} has no finished run: left out", file=sys.stderr, flush=True)
+                continue
+            sets = exp.base + budget + COMMON + overrides + [f"train.seed={seed}"] + list(extra)
+            rows.append(summarise(run_dir, arm, seed, _train_to_the_end(name, run_dir, sets, out / "logs", n_steps)))
+    if not rows:
+        raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
+    for r in rows if exp.probe else ():
+        r.update(exp.probe(out / r["run"]))
+    target = default_target(rows)
+    steps_to(rows, target)
+    text, verdicts, body = report(name, exp, rows, target, command)
+    figure = (exp.figure or draw)(name, rows)
+    save_results(out, name, text, {"experiment": name, "steps": n_steps, "target": target, "rows": rows,
+                                   "verdicts": verdicts}, figure)
+    if doc is not None:
+        write_doc(doc, name, body, figure)
+    return text
+
+
+def _check_out(out):
+    """Refuse, before any training, what would fail later: no matplotlib to draw the figure with, an
+    --out that cannot be a directory, or one holding something else than this experiment's runs."""
+    require_matplotlib("andrea.experiment")  # the figure comes last: say now, not after the training
+    check_directory(out, "--out")
+    if out.exists() and any(out.iterdir()) and not (out / "results.json").exists() and not (out / "logs").exists():
+        raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
+
+
+def _train_to_the_end(name, run_dir, sets, logs, n_steps):
+    """Train one arm, or resume it, or keep it when it has finished already; its exit code. A run that
+    did not start is an error, and Ctrl-C in it stops the experiment, not just this arm: that arm keeps
+    its checkpoint, and the same command again resumes it (and keeps the arms that finished)."""
+    state = arm_state(run_dir, sets)
+    if state == "finished":
+        print(f"{name}: {run_dir.name} has finished already: kept", file=sys.stderr, flush=True)
+        return 0
+    doing = "resuming" if state == "interrupted" else "training"
+    print(f"{name}: {doing} {run_dir.name} ({n_steps} steps)", file=sys.stderr, flush=True)
+    log = logs / f"{run_dir.name}.log"
+    code = train_arm(run_dir, sets, log, resume=state == "interrupted")
+    with open(log, "a", encoding="utf-8") as f:  # what else ran beside it: its time is measured under that load
+        f.write(f"{LOAD_LINE} {os.getloadavg()[0]:.2f}; {THREADS_LINE} {num_threads()}\n")
+    if code == 2:
+        raise UserError(f"{run_dir.name} did not start: {_last_line(log)}")
+    if code == EXIT_INTERRUPTED:
+        print(f"{name}: interrupted in {run_dir.name}, which keeps its checkpoint; the same command again resumes "
+              "it and keeps the arms that finished", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+    return code
+
+
+def train_arm(out_dir: Path, overrides: list, log_path: Path, resume: bool = False) -> int:
+    """One andrea.train run, its console output into log_path (added to it when resuming); returns its
+    exit code. A fresh run replaces what out_dir holds; `resume` continues the run there."""
+    from andrea import train
+
+    argv = ["--out", str(out_dir), "--resume"] if resume else ["--config", "tiny", "--out", str(out_dir), "--overwrite"]
+    for o in [] if resume else overrides:
+        argv += ["--set", o]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a" if resume else "w", encoding="utf-8") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        try:
+            return train.main(argv)
+        except UserError as e:
+            print(f"error: {e}")
+            return 2
+
+
+def arm_state(run_dir: Path, sets: list) -> str:
+    """What run_dir holds for an arm trained with `sets`: "finished" (this arm's run, to its end),
+    "interrupted" (this arm's run, with a checkpoint to resume from), or "new" (nothing of this arm:
+    missing, never checkpointed, or a run of another config, e.g. another --steps, which is retrained)."""
+    from andrea.config import make_config
+    from andrea.run import checkpoint as ckpt
+    from andrea.run.launch import config_differences
+    from andrea.run.runlog import read_saved_config
+
+    if not (run_dir / "config.json").is_file():
+        return "new"
+    try:
+        differ = config_differences("tiny", sets, make_config(read_saved_config(run_dir)))
+    except UserError:
+        return "new"
+    if differ:
+        print(f"{run_dir} holds a run of another config ({', '.join(differ[:3])} differ): trained again",
+              file=sys.stderr, flush=True)
+        return "new"
+    if finished(run_dir):
+        return "finished"
+    return "interrupted" if ckpt.list_checkpoints(run_dir) else "new"
+
+
+def finished(run_dir: Path) -> bool:
+    """Whether run_dir holds a run that trained to its train.max_steps, or that the non-finite guard
+    stopped (its last train.max_bad_steps records skipped steps): trained again, it would stop again."""
+    from andrea.run.runlog import read_metrics
+
+    try:
+        train_cfg = json.loads((run_dir / "config.json").read_text())["train"]
+        if max(read_metrics(run_dir / "metrics.jsonl"), default=0) == train_cfg["max_steps"]:
+            return True
+        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").split("\n")
+        records = [json.loads(x) for x in lines if x.strip()]
+        skipped = {r["step"] for r in records if r.get("skipped")}
+        last = max((r["step"] for r in records), default=0)
+        bad = train_cfg["max_bad_steps"]
+        return last >= bad and all(last - k in skipped for k in range(bad))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError):
+        return False
+
+
+def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | None = None) -> dict:
+    """The numbers of one run, from its metrics.jsonl."""
+    from andrea.run.runlog import read_metrics
+
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
+    losses = logged(records, "loss", (int, float))
+    vals = logged(records, "val_loss", (int, float))
+    where = run_dir / "metrics.jsonl"
+    flows = [(s, check_flow(f, f"{where} step {s}")) for s, f in logged(records, "grad_flow", dict)]
+    val = vals[-1][1] if vals else math.nan
+    first = losses[0][1] if losses else math.nan
+    init = flows[0][1] if flows else None
+    final = flows[-1][1] if flows else None
+    return {
+        "run": run_dir.name, "arm": arm, "seed": seed, "exit_code": code,
+        "val_loss": val, "first_loss": first,
+        "diverged": code != 0 or not math.isfinite(val) or val >= first,
+        "ratio_init": embedding_ratio(init) if init else math.nan,
+        "ratio_final": embedding_ratio(final) if final else math.nan,
+        "delta_init_max": max(init["attn_delta"] + init["mlp_delta"]) if init else math.nan,
+        "losses": losses, "vals": vals, **_saved(run_dir),
+        **_timing(run_dir.parent / "logs" / f"{run_dir.name}.log"),
+        "grad_init": init["grad_in"] + [init["grad_top"]] if init else [],
+        "grad_final": final["grad_in"] + [final["grad_top"]] if final else [],
+    }
+
+
+def _saved(run_dir):
+    """{"unigram_baseline": the unigram baseline of the run's validation tokens (andrea.run.rundata.unigram_baseline)
+    or None, "tokens": the tokens it trains on (steps x tokens per step), or None}, from its config.json."""
+    from andrea.config import make_config
+    from andrea.run.rundata import unigram_baseline
+    from andrea.run.runlog import read_saved_config
+
+    try:
+        cfg = make_config(read_saved_config(run_dir))
+    except UserError:
+        return {"unigram_baseline": None, "tokens": None}
+    t = cfg.train
+    per_step = t.batch_size * t.sequence_length(cfg.model) * t.accumulation_steps(cfg.model)
+    return {"unigram_baseline": unigram_baseline(cfg), "tokens": t.max_steps * per_step}
+
+
+def _timing(log_path):
+    """{"seconds": the run's time from its log (the "done: ... in S s" line of each session, summed:
+    a resumed run has two), "load": the 1-minute load averages logged at each session's end,
+    "threads": the thread counts it ran with}."""
+    try:
+        text = Path(log_path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {"seconds": None, "load": [], "threads": []}
+    seconds = [float(m) for m in re.findall(r"^done: step \d+ \(\d+ this run\) in ([0-9.]+) s", text, re.M)]
+    load = [float(m) for m in re.findall(rf"^{re.escape(LOAD_LINE)} ([0-9.]+)", text, re.M)]
+    threads = sorted({int(m) for m in re.findall(rf"; {re.escape(THREADS_LINE)} (\d+)$", text, re.M)})
+    return {"seconds": sum(seconds) if seconds else None, "load": load, "threads": threads}
+
+
+def steps_to(rows, target):
+    """The first logged step at which each run's training loss is at or below target (None: never)."""
+    for r in rows:
+        r["steps_to_target"] = next((s for s, loss in r["losses"] if loss <= target), None)
+
+
+def default_target(rows):
+    """A loss every run that did not diverge reaches by the end: the highest of their last logged
+    training losses, rounded up to 0.05 nats."""
+    finals = [r["losses"][-1][1] for r in rows if not r["diverged"] and r["losses"]]
+    return math.ceil(max(finals) * 20) / 20 if finals else math.nan
+
+
+def _last_line(path):
+    lines = [x for x in Path(path).read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
+    return lines[-1] if lines else "no output"
