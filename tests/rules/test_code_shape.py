@@ -169,3 +169,35 @@ def test_a_function_left_as_it_is_may_not_grow():
     source = "def f(x):\n" + "    pass\n" * 70
     assert not too_big(source, "x.py", left={"x.py:f": (71, 1)})
     assert too_big(source, "x.py", left={"x.py:f": (70, 1)}) == ["x.py:1 f: 71 lines, complexity 1"]
+
+
+# A module is short enough to find one's way in: at most MAX_MODULE_LINES lines, unless it holds one
+# concern that splitting would scatter (issue 27: "no andrea/ or minitensor/ module over ~400 lines
+# unless it is one concern"). Each one left longer, with its size when it was left, may not grow.
+MAX_MODULE_LINES = 400
+ONE_CONCERN = {
+    "andrea/model/transformer.py": (510, "the model: its blocks, head, variants and parameter count"),
+    "minitensor/backends/numpy_ops.py": (506, "the NumPy backend: each Ops override beside its numba call"),
+    "minitensor/checks/kernelcheck.py": (459, "the checks that need no GPU: NVRTC and host emulation"),
+    "andrea/data/tokenizer.py": (447, "the byte-level BPE tokenizer: its id layout, encode and decode"),
+    "minitensor/backends/cuda.py": (435, "the kernel registry: specs, records, loading the .cu files"),
+    "andrea/run/distributed.py": (435, "data parallelism: MPI start-up and scalars, NCCL gradients"),
+    "minitensor/backends/cupy_ops.py": (412, "the CuPy backend: each Ops override beside its kernel call"),
+    "andrea/interop/hf.py": (411, "the Hugging Face GPT-2 format, both directions"),
+    "andrea/bench.py": (402, "the benchmark command"),
+}
+
+
+def module_sizes():
+    return {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+            for p in sorted((ROOT / "andrea").rglob("*.py")) + sorted((ROOT / "minitensor").rglob("*.py"))}
+
+
+def test_every_module_is_short_or_one_concern_that_does_not_grow():
+    sizes = module_sizes()
+    over = [f"{path}: {n} lines" for path, n in sizes.items()
+            if n > ONE_CONCERN.get(path, (MAX_MODULE_LINES, ""))[0]]
+    assert not over, (f"modules over {MAX_MODULE_LINES} lines (or over the size they were left at); split them "
+                      f"by concern: {over}")
+    stale = [path for path, (most, _) in ONE_CONCERN.items() if sizes.get(path, 0) <= MAX_MODULE_LINES]
+    assert not stale, f"{stale} are within {MAX_MODULE_LINES} lines now (or gone): remove them from ONE_CONCERN"
