@@ -15,6 +15,9 @@ kept):
                        over the query positions i (0: attends to itself; the farthest is i)
     previous[i][h]     the share of head h's attention on the token just before, p_{i, i-1},
                        averaged over the positions i >= 1 (1: a previous-token head)
+    uniform_distance   the same two for uniform causal attention over the same windows (p_ij =
+    uniform_previous   1/(i+1)): (T-1)/4 and the mean of 1/(i+1) over i >= 1, what a head that
+                       has not specialised reads
 
 Every number is computed in float64 from the model's float32 (or float64) activations.
 """
@@ -83,5 +86,7 @@ def probe_run(run_dir, windows: int = 16) -> dict:
     distance, previous = attention_stats(model, x)
     prompt = tokenizer.encode(PROMPT)[-model.cfg.context_length:]
     blocks = tracing.trace(model, prompt, len(prompt) - 1)
+    T = x.shape[1]
     return {"lens_loss": lens_losses(model, x, y), "distance": distance, "previous": previous,
-            "lens_top": [tracing.top(tokenizer, b.lens, TOP) for b in blocks]}
+            "uniform_distance": (T - 1) / 4, "uniform_previous": float(np.mean(1.0 / np.arange(2, T + 1)))
+            if T > 1 else 0.0, "lens_top": [tracing.top(tokenizer, b.lens, TOP) for b in blocks]}

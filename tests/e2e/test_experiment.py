@@ -427,7 +427,7 @@ def test_the_band_rules_read_the_third_each_measure_falls_in():
     row = {"seed": 0, "run": "pre-norm-seed0", "n_layer": 6,
            "previous": [[0.9, 0.1], [0.2, 0.1], [0.1, 0.1], [0.1, 0.0], [0.0, 0.1], [0.1, 0.1]],
            "distance": [[1, 1], [2, 2], [9, 7], [3, 3], [2, 2], [2, 2]],
-           "lens_loss": [8.0, 7.9, 7.8, 7.7, 7.6, 6.0, 5.0]}
+           "lens_loss": [8.0, 7.9, 7.8, 7.7, 7.6, 6.0, 5.0], "uniform_distance": 4.0, "uniform_previous": 0.2}
     verdicts = {what: v for what, v, _ in _bands([row])}
     assert verdicts == {"band early: syntax and position": "supports", "band middle: relations": "supports",
                         "band late: content": "supports"}
@@ -443,6 +443,24 @@ def test_the_band_rules_read_the_third_each_measure_falls_in():
     verdict, why = composition.judge_composition([not_yet])
     assert verdict == "leaves open" and "pre-norm-seed0 did not end 1.0 nats under the unigram baseline" in why
     assert {v for _, v, _ in _bands([not_yet])} == {"leaves open"}
+    # attention that has not specialised reads no band (the first runs at the LEARNS budget: every block's
+    # mean distance within 7% of uniform attention's, the largest previous-token share 0.06); the old rules
+    # read those hundredths as contradicting the early and middle bands
+    uniform = dict(learned, previous=[[0.04, 0.04], [0.04, 0.03], [0.05, 0.04], [0.04, 0.06], [0.03, 0.03],
+                                      [0.04, 0.04]], distance=[[31.7, 31.6], [30.0, 28.4], [28.6, 29.7],
+                                                               [30.6, 32.3], [31.9, 31.5], [33.9, 32.1]],
+                   uniform_distance=31.75, uniform_previous=0.035)
+    verdicts = {what: (v, why) for what, v, why in _bands([uniform])}
+    assert verdicts["band early: syntax and position"][0] == "leaves open"
+    assert "under a share of 0.5: attention not specialised" in verdicts["band early: syntax and position"][1]
+    assert verdicts["band middle: relations"][0] == "leaves open"
+    assert "(1.04 x uniform)" in verdicts["band middle: relations"][1]
+    # the lens's drop through block 0 counts from the unigram baseline, not from the embeddings' lens: with
+    # that, blocks 0 and 1 lower the loss by 0.5 (6.683 to 6.2) and blocks 4 and 5 by 1.7: late
+    lens = dict(uniform, lens_loss=[14.2, 6.5, 6.2, 6.0, 5.9, 5.2, 4.2])
+    assert {w: v for w, v, _ in _bands([lens])}["band late: content"] == "supports"
+    assert {w: v for w, v, _ in _bands([dict(lens, unigram_baseline=None, val_loss=5.5)])}[
+        "band late: content"] == "contradicts"  # from the embeddings' 14.2, block 0 alone drops 7.7
     assert mlp.judge_swiglu([_row("gelu-4x", 6.0, params=1000, unigram_baseline=6.683),
                                     _row("swiglu-8_3x", 5.0, params=1000, unigram_baseline=6.683)])[0] == "leaves open"
 
