@@ -51,9 +51,12 @@ def arm_mean(rows, arm, key):
 
 
 def seed_spread(rows, arms, key="val_loss"):
-    """The seeds' spread: the widest range (max - min over the seeds) among `arms`; nan when no arm
-    ran two seeds, so that nothing is decided by a difference no spread can be set against."""
-    ranges = [max(v) - min(v) for v in (arm_values(rows, a, key) for a in arms) if len(v) > 1]
+    """The seeds' spread: the widest range (max - min over the seeds) among `arms`, over the runs that
+    did not diverge; nan when no arm has two such seeds, so that nothing is decided by a difference
+    no spread can be set against. (Diverged runs left out since no-norm's first runs: two runs at lr
+    3e-2 without LayerNorm ended at losses of 5e7 and 2e10, which made the "spread" 2e10.)"""
+    kept = [r for r in rows if not r.get("diverged")]
+    ranges = [max(v) - min(v) for v in (arm_values(kept, a, key) for a in arms) if len(v) > 1]
     return max(ranges) if ranges else math.nan
 
 

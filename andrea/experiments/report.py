@@ -60,8 +60,9 @@ def arm_table(rows):
         mine = [r for r in rows if r["arm"] == arm]
         mean, spread = arm_mean(rows, arm, "val_loss"), seed_spread(rows, [arm])
         baseline = mine[0].get("unigram_baseline")
+        unmeasured = "one seed" if len(mine) < 2 else "not measured: diverged"   # seed_spread leaves those out
         lines.append(f"| {arm} | {', '.join(str(r['seed']) for r in mine)} | {fmt(mean)} | "
-                     f"{fmt(spread) if math.isfinite(spread) else 'one seed'} | "
+                     f"{fmt(spread) if math.isfinite(spread) else unmeasured} | "
                      f"{fmt(baseline - mean) if baseline is not None else 'nan'} |\n")
     return head + "".join(lines)
 

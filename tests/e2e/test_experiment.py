@@ -80,6 +80,15 @@ def rows_of(losses, **more):
             for seed, loss in enumerate(values)]
 
 
+def test_the_seeds_spread_leaves_diverged_runs_out():
+    # no-norm's first runs: two runs at lr 3e-2 without LayerNorm ended at 5e7 and 2e10 nats, a "spread" of 2e10
+    rows = rows_of({"pre-lr3e-2": [6.04, 6.11, 6.16], "none-lr3e-2": [4.98e7, 10.07, 2.26e10]})
+    for r in rows:
+        r["diverged"] = r["arm"] == "none-lr3e-2"
+    assert base.seed_spread(rows, ["pre-lr3e-2", "none-lr3e-2"]) == pytest.approx(0.12)
+    assert "| none-lr3e-2 | 0, 1, 2 | 7549933336.690 | not measured: diverged |" in report.arm_table(rows)
+
+
 def test_a_difference_within_the_seeds_spread_leaves_the_claim_open():
     # the old rules decided with one seed (GELU 5.40 against ReLU 5.45 "supported" the claim: a spread of 0), and
     # the MLP-ratio rule on the means alone, whatever the seeds' spread
