@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+from typing import NamedTuple
 
 from andrea.experiments.base import LEARNS, SHALLOW_STEPS, Experiment, not_learned, png, probe_counts, unlearned
 from andrea.run.figure import new_figure
@@ -40,13 +41,18 @@ PREVIOUS_HEAD = 0.5   # a previous-token head puts at least this share on the to
 LONG_RANGE = 1.25     # a long-range block's mean distance is at least this times uniform attention's
 
 
+class Reading(NamedTuple):
+    """One run's readings for the bands: bands[k] is the third (0 early, 1 middle, 2 late) that band
+    k's measure points to; share and reach say whether the attention readings are specialised."""
+    bands: tuple      # (strongest previous-token head, longest mean distance, largest lens drop)
+    share: float      # the strongest previous-token share
+    reach: float      # the longest mean distance (over a block's heads) over uniform attention's
+
+
 def _composition_votes(r):
-    """One run's readings: (the band holding the strongest previous-token head, the band of the
-    longest mean attention distance (over a block's heads), the band whose blocks lower the lens
-    loss most, the strongest previous-token share, the longest distance over uniform attention's).
-    The lens's drop through block 0 is counted from the unigram baseline (what a model with no
-    block can reach) rather than from the embeddings' lens, which reads raw token vectors through
-    the tied head and so favours the input token itself."""
+    """One run's Reading. The lens's drop through block 0 is counted from the unigram baseline (what
+    a model with no block can reach) rather than from the embeddings' lens, which reads raw token
+    vectors through the tied head and so favours the input token itself."""
     n = r["n_layer"]
     prev = [max(h) for h in r["previous"]]
     dist = [statistics.fmean(h) for h in r["distance"]]
@@ -55,8 +61,9 @@ def _composition_votes(r):
         lens[0] = r["unigram_baseline"]
     gains = [lens[i] - lens[i + 1] for i in range(n)]
     band_gain = [sum(gains[i] for i in b) for b in _bands(n)]
-    return (_band_of(prev.index(max(prev)), n), _band_of(dist.index(max(dist)), n),
-            band_gain.index(max(band_gain)), max(prev), max(dist) / r.get("uniform_distance", math.nan))
+    bands = (_band_of(prev.index(max(prev)), n), _band_of(dist.index(max(dist)), n),
+             band_gain.index(max(band_gain)))
+    return Reading(bands, max(prev), max(dist) / r.get("uniform_distance", math.nan))
 
 
 BAND_NAMES = ("early", "middle", "late")
@@ -68,10 +75,16 @@ BANDS = [("early: syntax and position", "strongest previous-token head"),
 def _specialised(k, votes):
     """Whether every seed's reading for band k is a specialisation (see PREVIOUS_HEAD, LONG_RANGE)."""
     if k == 0:
-        return all(v[3] >= PREVIOUS_HEAD for v in votes)
+        return all(v.share >= PREVIOUS_HEAD for v in votes)
     if k == 1:
-        return all(v[4] >= LONG_RANGE for v in votes)   # nan (no uniform reference) is not
+        return all(v.reach >= LONG_RANGE for v in votes)   # nan (no uniform reference) is not
     return True
+
+
+def _where(k, v):
+    """Band k's reading of one run, in words."""
+    strength = {0: f" (share {v.share:.2f})", 1: f" ({v.reach:.2f} x uniform)"}.get(k, "")
+    return BAND_NAMES[v.bands[k]] + strength
 
 
 def judge_composition_band(k, rows):
@@ -84,9 +97,8 @@ def judge_composition_band(k, rows):
     band read is band k, contradicts when it is another; a reading that is not a specialisation
     (uniform attention, as described above) or a run that did not learn (unlearned) leaves it open."""
     votes = [_composition_votes(r) for r in rows]
-    found = {v[k] for v in votes}
-    detail = {0: lambda v: f" (share {v[3]:.2f})", 1: lambda v: f" ({v[4]:.2f} x uniform)"}.get(k, lambda v: "")
-    where = ", ".join(f"{BAND_NAMES[v[k]]}{detail(v)}" for v in votes)
+    found = {v.bands[k] for v in votes}
+    where = ", ".join(_where(k, v) for v in votes)
     why = f"{BANDS[k][1]}: in the {where} third, per seed"
     if unlearned(rows):
         return not_learned(rows, why)
