@@ -81,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         "Face byte-level BPE such as GPT-2's) or a directory holding one; its ids must fit uint16",
     )
     p.add_argument("--val-fraction", type=float,
-                   help=f"share of files for validation ({STDLIB_VAL_FRACTION} for the stdlib, else {VAL_FRACTION})")
+                   help=f"share of the corpus held out for validation: blocks chosen by a hash of their file's path "
+                        f"(the stdlib's files stay whole), or one file's tail ({STDLIB_VAL_FRACTION} for the stdlib, "
+                        f"else {VAL_FRACTION})")
     p.add_argument(
         "--allow-smaller-vocab",
         action="store_true",
