@@ -12,7 +12,8 @@
 
 Each experiment trains its arms (the matched variants) with andrea.train on the default corpus, on
 the default model's shape (LEARNS) for a budget at which every arm that trains ends more than
-LEARNED nats under the corpus's unigram baseline; each seed gives every arm the same initial draws
+LEARNED nats under the corpus's unigram baseline (a run that ends above it did not train at all: the
+report names it); each seed gives every arm the same initial draws
 and the same batches in the same order, and every arm the same token budget; three seeds by
 default, and each verdict sets the effect against the seeds' spread. The runs log their gradient
 flow (train.log_grad_flow). It then writes, in --out (default runs/experiments/NAME):

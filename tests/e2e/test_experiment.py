@@ -54,7 +54,7 @@ def test_each_experiment_runs_and_reports(tmp_path, data_dir, name):
     assert f"Unigram baseline of the validation tokens: {baseline:.3f} nats/token" in table  # issue 30, class 14
     assert {r["unigram_baseline"] for r in results["rows"]} == {baseline}
     assert "| arm | seeds | mean final val loss | spread over seeds (max - min) |" in table
-    assert "Runs that did not diverge and ended less than 1.0 nats under it" in table  # 3 steps learn nothing
+    assert "Runs that did not diverge yet did not train (ended at or above it)" in table  # 3 steps learn nothing
     for r in results["rows"]:  # each run's time and the machine's load, from its log
         assert r["seconds"] is not None and r["seconds"] >= 0  # 0.0 s: 3 steps of a tiny model, as the log rounds
         assert len(r["load"]) == 1 and r["load"][0] >= 0 and r["threads"] == [num_threads()]
@@ -71,6 +71,36 @@ def test_every_experiment_that_reads_a_loss_runs_three_seeds_by_default_on_a_mod
         assert exp.steps >= 200, name  # 410k tokens: the first budget (150 steps of d_model 64, 77k) learned too little
         if "model.n_layer=4" in exp.base:  # at 200 steps one 4-block run ended 0.967 nats under the baseline
             assert exp.steps >= 300, name
+    # norm's first budget (12 blocks x 200 steps) left pre-norm without warmup 0.49-0.58 nats under it
+    assert "model.n_layer=6" in experiment.EXPERIMENTS["norm"].base and experiment.EXPERIMENTS["norm"].steps >= 400
+
+
+def test_the_time_line_says_other_work_shared_the_cores_only_when_the_load_says_so(monkeypatch):
+    monkeypatch.setattr(report.os, "cpu_count", lambda: 2)
+    rows = [{"seconds": 190.0, "load": [2.06], "threads": [1]}, {"seconds": 185.0, "load": [2.0], "threads": [1]}]
+    line = report.time_line(rows)  # two one-thread runs side by side on 2 cores: the experiment's own load
+    assert "add up to 6 min 15 s" in line and "load average 2.0 to 2.1 at the runs' ends." in line
+    assert "other work" not in line
+    loaded = report.time_line([dict(rows[0], load=[6.3])])
+    assert "(more than this machine's 2 cores: other work shared them, a time measured under load)" in loaded
+
+
+def test_the_learned_line_tells_a_run_that_did_not_train_from_one_that_trained_too_little():
+    def row(run, val, diverged=False):
+        return {"run": run, "val_loss": val, "unigram_baseline": 6.683, "diverged": diverged}
+
+    trained, stuck, slow, blown = row("pre-seed0", 5.5), row("post-seed0", 6.727), row("pre-seed1", 6.1), \
+        row("none-seed0", math.inf, diverged=True)
+    line = report.learned_line([trained, stuck, blown])
+    assert "did not train (ended at or above it): post-seed0 (6.727)" in line
+    assert line.endswith("Every run that trained ended at least 1.0 nats under it.\n") and "none-seed0" not in line
+    line = report.learned_line([trained, slow])
+    assert "did not train" not in line
+    assert "Runs that trained but ended less than 1.0 nats under it: pre-seed1 (6.100)" in line
+    at_baseline = report.learned_line([trained, row("flat-seed0", 6.683)])
+    assert "did not train (ended at or above it): flat-seed0 (6.683)" in at_baseline
+    assert report.learned_line([trained]).endswith("Every run that trained ended at least 1.0 nats under it.\n")
+    assert report.learned_line([stuck, blown]).endswith("post-seed0 (6.727). No run trained.\n")
 
 
 def rows_of(losses, **more):
