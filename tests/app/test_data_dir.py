@@ -389,6 +389,15 @@ STDLIB = Path(json.__file__).parent.parent
 SIGINT_CORPUS = [str(STDLIB / name) for name in ("email", "unittest")]  # 1.3 MB of Python
 
 
+def _sigint_as_from_a_terminal():
+    """In the child, before it runs Python: SIGINT's default action. A suite started in the background
+    (`... &` in a script) passes SIGINT on ignored, and Python then leaves it ignored (no
+    KeyboardInterrupt): the prepare would finish instead of stopping, as test_prepare_scale.py says too."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_until_importing_numpy(pid):
     """Returns as soon as the process has loaded NumPy's core library, a fraction of a second after it
     started: it runs andrea.prepare's imports then. (Sooner, the interpreter is still starting
@@ -415,7 +424,7 @@ def test_ctrl_c_from_outside_at_any_moment_exits_130_leaving_nothing_half_writte
     proc = subprocess.Popen([sys.executable, "-m", "andrea.prepare", "--input", *SIGINT_CORPUS, "--data-dir",
                              str(out), "--vocab-size", "3000", "--allow-smaller-vocab", "--workers", "1"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_sigint_as_from_a_terminal)
     marker = {"start": None, "tokenizer reading": "training a ", "tokenizer merges": "tokenizer: computing",
               "encoding": "encoding "}[moment]
     seen = []
