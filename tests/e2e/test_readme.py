@@ -63,7 +63,7 @@ RULES = [
     (r"python -m andrea\.train --set \S+ --out out/[\w-]+", TWO_STEPS),
     (r"python -m andrea\.experiment \S+( --seeds \S+)?",
      Elsewhere("tests/e2e/test_experiment.py", "def test_each_experiment_runs_and_reports")),
-    (r"python -m andrea\.experiment residual", ["--steps", "2", "--seeds", "0"]),
+    (r"python -m andrea\.experiment residual", ["--steps", "2", "--seeds", "0", "--set", "train.eval_batches=1"]),
     (r"python -m andrea\.experiment residual --scale .*",
      Elsewhere("tests/e2e/test_experiment.py", "def test_each_experiment_runs_and_reports")),
     (r"python -m andrea\.experiment \S+ --report-only --doc docs/experiments\.md",  # it would rewrite this page
@@ -82,7 +82,8 @@ RULES = [
     (r"python -m andrea\.bench --components", ["--repeats", "1"]),
     (r"python -m andrea\.run\.stepmodel", []),
     (r"python -m andrea\.bench .*--device gpu", NEEDS_GPU),
-    (r"python -m minitensor\.checks --check", []),
+    (r"python -m minitensor\.checks --check",  # 16 s of NVRTC compiles, which .ci/run also runs before the suite
+     Elsewhere("tests/gpu/test_kernels.py", "def test_every_kernel_compiles_with_nvrtc")),
     (r"bash scripts/gpu_check\.sh", NEEDS_GPU),
     (r"bash scripts/gpu_check\.sh --dry-run",
      Elsewhere("tests/gpu/test_gpu_check.py", 'subprocess.run(["bash", str(SCRIPT), "--dry-run"]')),
