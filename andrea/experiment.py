@@ -5,7 +5,7 @@
     python -m andrea.experiment activation    # GELU and ReLU at the same parameter count
     python -m andrea.experiment mlp-ratio     # the MLP's expansion 1, 2, 4 and 8
     python -m andrea.experiment swiglu        # SwiGLU at 8/3 the width against GELU at 4x, same parameters
-    python -m andrea.experiment no-norm       # no LayerNorm anywhere against pre-norm, at three learning rates
+    python -m andrea.experiment no-norm       # no LayerNorm anywhere against pre-norm, at lr 3e-3 and 3e-2
     python -m andrea.experiment depth         # |dL/dx| through 12, 48, 96, 192 thin blocks, with and without skips
     python -m andrea.experiment composition   # the logit lens and each head's attention distance, by depth
     python -m andrea.experiment residual --scale 4 --seeds 0,1,2,3,4   # 4x the steps, five seeds

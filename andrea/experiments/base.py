@@ -33,6 +33,7 @@ class Experiment:
     base: list                     # overrides every arm shares
     arms: dict                     # arm name -> its own overrides
     steps: int                     # the default budget, in optimizer steps
+    arm_steps: dict = field(default_factory=dict)  # arm -> its own default budget, where it is not `steps`
     seeds: list = field(default_factory=lambda: [0, 1, 2])
     judge: object = None           # results -> (verdict, why)
     probe: object = None           # a finished run's directory -> more numbers for its row

@@ -35,11 +35,28 @@ def report(name, exp, rows, target, command):
 
 
 def budget_line(rows):
-    tokens = sorted({r["tokens"] for r in rows if r.get("tokens")})
-    steps = sorted({r["losses"][-1][0] for r in rows if r["losses"]})
+    """Each run's configured budget (steps and training tokens, from its config.json), grouped by arm when
+    the arms' budgets differ, the seeds, and the runs that stopped before it: the non-finite guard's.
+    (It read the last logged step until no-norm's runs, whose guard-stopped runs made it say "Budget:
+    75, 90, 300 steps".)"""
+    budgets = {}  # (steps, tokens) -> its arms
+    for r in rows:
+        budgets.setdefault((r.get("steps"), r.get("tokens")), {})[r["arm"]] = None
     seeds = sorted({r["seed"] for r in rows})
-    return (f"Budget: {', '.join(map(str, steps))} steps, {', '.join(f'{t:,}' for t in tokens)} training tokens per "
-            f"run; seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}.\n")
+
+    def words(steps, tokens):
+        return (f"{steps if steps is not None else 'unknown'} steps, {f'{tokens:,}' if tokens else 'unknown'} "
+                "training tokens")
+    if len(budgets) == 1:
+        text = f"Budget: {words(*next(iter(budgets)))} per run"
+    else:
+        text = "Budget per run: " + "; ".join(f"{words(*b)} ({', '.join(arms)})" for b, arms in budgets.items())
+    text += f"; seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}."
+    stopped = [r for r in rows if r.get("last_step") and r.get("steps") and r["last_step"] < r["steps"]]
+    if stopped:
+        text += (" Stopped before the end by the non-finite guard: " +
+                 ", ".join(f"{r['run']} (at step {r['last_step']})" for r in stopped) + ".")
+    return text + "\n"
 
 
 def table(rows, target):
@@ -137,7 +154,7 @@ def draw(name, rows):
             depth_ax.plot(r["grad_final"], color=colour, lw=2, label=r["arm"])
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss (nats/token): validation (dots), training (faint)")
-    loss_ax.set_title(f"{name}: loss")
+    loss_ax.set_title(f"{name}: loss" + _cut_blown_up(loss_ax, rows))
     label_depth_axis(depth_ax, "gradient norm against depth: step 1 (dashed), last step")
     for ax in (loss_ax, depth_ax):
         ax.grid(alpha=0.3)
@@ -145,6 +162,18 @@ def draw(name, rows):
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
+
+
+def _cut_blown_up(ax, rows):
+    """Cut the loss axis off at twice the largest first loss when a run went above that: the losses of
+    no-norm's runs without LayerNorm at lr 3e-2 reached 4e6, which flattened every other curve to a
+    line. Returns the title's words for the cut ("" when nothing was cut)."""
+    finite = [v for r in rows for _, v in r["losses"] + r["vals"] if math.isfinite(v)]
+    firsts = [r["losses"][0][1] for r in rows if r["losses"] and math.isfinite(r["losses"][0][1])]
+    if not firsts or max(finite) <= 2 * max(firsts):
+        return ""
+    ax.set_ylim(min(finite) - 0.25, 2 * max(firsts))
+    return f" (cut off above {2 * max(firsts):.1f})"
 
 
 def markers(name):

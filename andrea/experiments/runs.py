@@ -24,6 +24,8 @@ from minitensor.parallel import num_threads
 EXIT_INTERRUPTED = 130
 LOAD_LINE = "experiment: 1-minute load average at the end of this session:"
 THREADS_LINE = "threads (ANDREA_NUM_THREADS; the numba kernels are bit-reproducible at a fixed count):"
+# a validation loss this many nats above the run's first training loss: the run blew up (summarise)
+ROSE = 1.0
 COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu"]
 
 
@@ -37,11 +39,6 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
     _check_out(out)
     if doc is not None:
         doc_section(doc, name)  # a --doc without this experiment's section: say so before any training
-    n_steps = steps or max(2, round(exp.steps * scale))
-    interval = max(1, n_steps // 20)
-    budget = [f"train.max_steps={n_steps}", f"train.log_interval={interval}",
-              f"train.eval_interval={max(1, n_steps // 5)}", f"train.checkpoint_interval={n_steps}",
-              f"train.warmup_steps={max(1, n_steps // 10)}"]
     rows = []
     for seed in seeds or exp.seeds:
         for arm, overrides in exp.arms.items():
@@ -54,7 +51,8 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
                 else:
                     print(f"{name}: {run_dir} has no finished run: left out", file=sys.stderr, flush=True)
                 continue
-            sets = exp.base + budget + COMMON + overrides + [f"train.seed={seed}"] + list(extra)
+            n_steps = arm_steps(exp, arm, steps, scale)
+            sets = exp.base + budget(n_steps) + COMMON + overrides + [f"train.seed={seed}"] + list(extra)
             rows.append(summarise(run_dir, arm, seed, _train_to_the_end(name, run_dir, sets, out / "logs", n_steps)))
     if not rows:
         raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
@@ -64,11 +62,25 @@ def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), comma
     steps_to(rows, target)
     text, verdicts, body = report(name, exp, rows, target, command)
     figure = (exp.figure or draw)(name, rows)
-    save_results(out, name, text, {"experiment": name, "steps": n_steps, "target": target, "rows": rows,
+    save_results(out, name, text, {"experiment": name, "target": target, "rows": rows,
                                    "verdicts": verdicts}, figure)
     if doc is not None:
         write_doc(doc, name, body, figure)
     return text
+
+
+def arm_steps(exp, arm, steps=None, scale=1.0):
+    """An arm's budget in optimizer steps: --steps when given, else the arm's own default (exp.arm_steps)
+    or the experiment's (exp.steps), times --scale."""
+    return steps or max(2, round(exp.arm_steps.get(arm, exp.steps) * scale))
+
+
+def budget(n_steps):
+    """The overrides of an n_steps run: 20 log lines, 5 evaluations, one checkpoint at the end, a
+    tenth of the steps of warmup (which an arm's own overrides may replace: they come after)."""
+    return [f"train.max_steps={n_steps}", f"train.log_interval={max(1, n_steps // 20)}",
+            f"train.eval_interval={max(1, n_steps // 5)}", f"train.checkpoint_interval={n_steps}",
+            f"train.warmup_steps={max(1, n_steps // 10)}"]
 
 
 def _check_out(out):
@@ -165,7 +177,13 @@ def finished(run_dir: Path) -> bool:
 
 
 def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | None = None) -> dict:
-    """The numbers of one run, from its metrics.jsonl."""
+    """The numbers of one run, from its metrics.jsonl. It diverged when it did not end cleanly, or its last
+    validation loss is not finite or not below its first training loss, or any validation loss rose
+    more than ROSE nats above that first loss. (The last rule added for no-norm at lr 3e-2 over 800
+    steps, before its verdict was read: without LayerNorm, seed 1 reached a validation loss of 304,255
+    at step 160 and came back to 7.27 by step 800, which the first rules read as a run that trained,
+    only short. No run of the other experiments rises that far: the depth probe's stacks without
+    skips, the nearest, stay within 0.23 nats of their first loss, and their reports are unchanged.)"""
     from andrea.run.runlog import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
@@ -180,20 +198,34 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
     return {
         "run": run_dir.name, "arm": arm, "seed": seed, "exit_code": code,
         "val_loss": val, "first_loss": first,
-        "diverged": code != 0 or not math.isfinite(val) or val >= first,
+        "diverged": code != 0 or not math.isfinite(val) or val >= first or any(v > first + ROSE for _, v in vals),
         "ratio_init": embedding_ratio(init) if init else math.nan,
         "ratio_final": embedding_ratio(final) if final else math.nan,
         "delta_init_max": max(init["attn_delta"] + init["mlp_delta"]) if init else math.nan,
-        "losses": losses, "vals": vals, **_saved(run_dir),
+        "losses": losses, "vals": vals, "last_step": _last_step(run_dir / "metrics.jsonl"), **_saved(run_dir),
         **_timing(run_dir.parent / "logs" / f"{run_dir.name}.log"),
         "grad_init": init["grad_in"] + [init["grad_top"]] if init else [],
         "grad_final": final["grad_in"] + [final["grad_top"]] if final else [],
     }
 
 
+def _last_step(path):
+    """The last step metrics.jsonl has a record of, a step the non-finite guard skipped included
+    (read_metrics leaves those out); None without one."""
+    steps = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                r = json.loads(line)
+                if isinstance(r, dict) and isinstance(r.get("step"), int):
+                    steps.append(r["step"])
+    return max(steps, default=None)
+
+
 def _saved(run_dir):
     """{"unigram_baseline": the unigram baseline of the run's validation tokens (andrea.run.rundata.unigram_baseline)
-    or None, "tokens": the tokens it trains on (steps x tokens per step), or None}, from its config.json."""
+    or None, "tokens": the tokens it trains on (steps x tokens per step), or None, "steps": its configured
+    train.max_steps, or None}, from its config.json."""
     from andrea.config import make_config
     from andrea.run.rundata import unigram_baseline
     from andrea.run.runlog import read_saved_config
@@ -201,10 +233,10 @@ def _saved(run_dir):
     try:
         cfg = make_config(read_saved_config(run_dir))
     except UserError:
-        return {"unigram_baseline": None, "tokens": None}
+        return {"unigram_baseline": None, "tokens": None, "steps": None}
     t = cfg.train
     per_step = t.batch_size * t.sequence_length(cfg.model) * t.accumulation_steps(cfg.model)
-    return {"unigram_baseline": unigram_baseline(cfg), "tokens": t.max_steps * per_step}
+    return {"unigram_baseline": unigram_baseline(cfg), "tokens": t.max_steps * per_step, "steps": t.max_steps}
 
 
 def _timing(log_path):

@@ -71,6 +71,7 @@ def test_every_experiment_that_reads_a_loss_runs_three_seeds_by_default_on_a_mod
         assert exp.steps >= 200, name  # 410k tokens: the first budget (150 steps of d_model 64, 77k) learned too little
         if "model.n_layer=4" in exp.base:  # at 200 steps one 4-block run ended 0.967 nats under the baseline
             assert exp.steps >= 300, name
+        assert set(exp.arm_steps) <= set(exp.arms) and all(n >= exp.steps for n in exp.arm_steps.values()), name
     # norm's first budget (12 blocks x 200 steps) left pre-norm without warmup 0.49-0.58 nats under it
     assert "model.n_layer=6" in experiment.EXPERIMENTS["norm"].base and experiment.EXPERIMENTS["norm"].steps >= 400
 
@@ -422,7 +423,9 @@ def test_the_no_norm_probe_names_the_first_skipped_step(tmp_path, data_dir):
     assert runs.finished(run_dir)
     assert run(experiment.main, argv + ["--report-only"]) == 0
     (row,) = json.loads((out / "results.json").read_text())["rows"]
-    assert row["run"] == "none-lr3e-3-seed0" and row["first_nonfinite"] == 7
+    assert row["run"] == "none-lr3e-3-seed0" and row["first_nonfinite"] == 7 and row["last_step"] == 11
+    assert "Stopped before the end by the non-finite guard: none-lr3e-3-seed0 (at step 11)." in \
+        (out / "results.md").read_text()
 
 
 def _row(arm, val, seed=0, **extra):
@@ -444,11 +447,11 @@ def test_the_new_rules_read_what_they_say():
     one_seed = [_row("gelu-4x", 5.0, params=1000), _row("swiglu-8_3x", 5.5, params=1004)]
     assert s(one_seed)[0] == "leaves open"                                             # no spread measured
     n = norm.judge_no_norm
-    steady = (seeds("pre-lr3e-3", 5.0, 5.01) + seeds("none-lr3e-3", 5.0, 5.01) + seeds("pre-lr1e-2", 5.0, 5.01)
-              + seeds("none-lr1e-2", 4.9, 4.91))
+    steady = (seeds("pre-lr3e-3", 5.0, 5.01) + seeds("none-lr3e-3", 5.0, 5.01) + seeds("pre-lr3e-2", 5.0, 5.01)
+              + seeds("none-lr3e-2", 4.9, 4.91))
     assert n(steady)[0] == "contradicts"
     assert n([r for r in steady if r["seed"] == 0])[0] == "leaves open"                # one seed: no spread
-    blown = steady[:7] + [_row("none-lr1e-2", 5.0, 1, first_nonfinite=40) | {"diverged": True}]
+    blown = steady[:7] + [_row("none-lr3e-2", 5.0, 1, first_nonfinite=40) | {"diverged": True}]
     verdict, why = n(blown)
     assert verdict == "supports" and "non-finite from step 40" in why
     d = residual.judge_depth
@@ -460,6 +463,70 @@ def test_the_new_rules_read_what_they_say():
     assert d(depth_rows(0.5, 1e-5))[0] == "supports"
     assert d(depth_rows(1e-4, 1e-5))[0] == "contradicts"
     assert d(depth_rows(0.5, 0.2))[0] == "leaves open"
+
+
+def test_an_arm_may_have_its_own_budget_which_scale_scales_and_steps_overrides(tmp_path, data_dir):
+    exp = experiment.EXPERIMENTS["no-norm"]
+    assert runs.arm_steps(exp, "pre-lr3e-3") == exp.steps == 300 and runs.arm_steps(exp, "pre-lr3e-2") == 1000
+    assert runs.arm_steps(exp, "none-lr3e-2", scale=0.5) == 500 and runs.arm_steps(exp, "none-lr3e-2", steps=7) == 7
+    assert runs.arm_steps(exp, "pre-lr3e-3", scale=1e-9) == 2  # never fewer than 2 steps
+    assert "train.max_steps=1000" in runs.budget(1000) and "train.eval_interval=200" in runs.budget(1000)
+    require("matplotlib")
+    out = tmp_path / "no-norm"  # --scale 0.01: 3 steps at lr 3e-3, 10 at 3e-2, each run as its arm says
+    argv = ["no-norm", "--out", str(out), "--scale", "0.01", "--seeds", "0", "--arms", "pre-lr3e-3,pre-lr3e-2"]
+    for o in SMALL + corpus(data_dir):
+        argv += ["--set", o]
+    assert run(experiment.main, argv) == 0
+    saved = {a: json.loads((out / f"{a}-seed0" / "config.json").read_text())["train"]
+             for a in ("pre-lr3e-3", "pre-lr3e-2")}
+    assert [saved[a]["max_steps"] for a in saved] == [3, 10] and saved["pre-lr3e-2"]["eval_interval"] == 2
+    assert [r["steps"] for r in json.loads((out / "results.json").read_text())["rows"]] == [3, 10]
+    per_step = 2 * 16  # SMALL's batch of 2 x 16 tokens
+    assert (f"Budget per run: 3 steps, {3 * per_step} training tokens (pre-lr3e-3); 10 steps, {10 * per_step} "
+            "training tokens (pre-lr3e-2); seed 0.") in (out / "results.md").read_text()
+
+
+def test_the_budget_line_reads_each_runs_config_and_names_the_runs_the_guard_stopped():
+    def row(arm, seed, steps, last):
+        return {"arm": arm, "run": f"{arm}-seed{seed}", "seed": seed, "steps": steps, "tokens": steps * 2048,
+                "losses": [(1, 9.0), (last - last % 50, 6.0)], "last_step": last}  # logged every 50 steps
+
+    same = [row("gelu", 0, 300, 300), row("relu", 0, 300, 300), row("gelu", 1, 300, 300)]
+    assert report.budget_line(same) == "Budget: 300 steps, 614,400 training tokens per run; seeds 0, 1.\n"
+    # no-norm's first report read the last logged steps of the runs the guard stopped: "Budget: 75, 90, 300 steps"
+    mixed = [row("pre-lr3e-3", 0, 300, 300), row("none-lr3e-2", 0, 1000, 215), row("none-lr3e-2", 1, 1000, 1000)]
+    line = report.budget_line(mixed)
+    assert line.startswith("Budget per run: 300 steps, 614,400 training tokens (pre-lr3e-3); 1000 steps, "
+                           "2,048,000 training tokens (none-lr3e-2); seeds 0, 1.")
+    assert line.endswith(" Stopped before the end by the non-finite guard: none-lr3e-2-seed0 (at step 215).\n")
+
+
+def test_the_loss_axis_is_cut_off_only_when_a_run_blew_up():
+    require("matplotlib")
+    from andrea.run.figure import new_figure
+
+    calm = [{"losses": [(1, 9.0), (300, 5.2)], "vals": [(300, 5.3)]}, {"losses": [(1, 9.1), (300, 15.0)], "vals": []}]
+    ax = new_figure("test", (4, 3)).subplots()
+    assert report._cut_blown_up(ax, calm) == ""
+    blown = calm + [{"losses": [(1, 9.0), (50, 4.0e6), (59, math.nan)], "vals": []}]
+    assert report._cut_blown_up(ax, blown) == " (cut off above 18.2)" and ax.get_ylim() == (4.95, 18.2)
+
+
+def test_a_run_whose_validation_loss_rose_above_its_first_loss_by_more_than_rose_diverged(tmp_path):
+    # no-norm at lr 3e-2, seed 1: a validation loss of 304,255 at step 160, back to 7.27 at step 800
+    def diverged(vals):
+        run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        run_dir.mkdir()
+        records = [{"step": 1, "loss": 9.0}] + [{"step": s, "loss": 7.0, "val_loss": v} for s, v in vals]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return runs.summarise(run_dir, "none-lr3e-2", 1, 0)["diverged"]
+
+    assert diverged([(160, 304255.0), (800, 7.27)])
+    assert diverged([(160, 9.0 + runs.ROSE + 0.01), (800, 5.0)])
+    assert not diverged([(160, 9.0 + runs.ROSE), (800, 5.0)])   # within ROSE of the first loss: a bump
+    assert not diverged([(160, 6.0), (800, 5.0)])
+    assert diverged([(160, 6.0), (800, 9.0)])                  # ended no lower than it began
+    assert diverged([(160, 6.0), (800, math.nan)])
 
 
 def test_the_band_rules_read_the_third_each_measure_falls_in():

@@ -70,7 +70,7 @@ RULES = [
      Elsewhere("tests/e2e/test_experiment.py", "def test_report_only_writes_its_section_of_a_doc")),
     (r"ANDREA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python -m andrea\.experiment \S+ --arms \S+ --seeds \S+",
      Elsewhere("tests/e2e/test_experiment.py", "def test_arms_then_report_only_rebuild_the_report_from_finished_runs")),
-    (r"python -m andrea\.experiment (no-)?norm --out runs/[\w-]+ --arms \S+ --seeds \d --steps \d+( --set \S+)*",
+    (r"python -m andrea\.experiment (no-)?norm --out runs/[\w-]+ --arms \S+ --seeds [\d,]+ --steps \d+( --set \S+)*",
      Elsewhere("tests/e2e/test_experiment.py", "def test_arms_then_report_only_rebuild_the_report_from_finished_runs")),
     (r"python -m andrea\.train .*--device gpu.*", ["--dry-run"]),  # exit 2 without a GPU: checked below
     (r"python -m andrea\.(sample|plot|export|params) .*", []),
