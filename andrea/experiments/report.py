@@ -123,6 +123,10 @@ def time_line(rows):
             "from its own log)")
     if len(seconds) < len(rows):
         text += f"; {len(rows) - len(seconds)} runs have no time logged"
+    stopped = sum(1 for r in rows if r.get("untimed_by_train"))
+    if stopped:
+        text += (f"; {stopped} run{'s' if stopped > 1 else ''} without a \"done\" line (stopped before the end) timed "
+                 "by the experiment, start-up included")
     threads = sorted({n for r in rows for n in r.get("threads", [])})
     if threads:
         text += f"; {' or '.join(map(str, threads))} thread{'s' if threads != [1] else ''} per run (ANDREA_NUM_THREADS)"

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from andrea.errors import UserError
@@ -24,6 +25,7 @@ from minitensor.parallel import num_threads
 EXIT_INTERRUPTED = 130
 LOAD_LINE = "experiment: 1-minute load average at the end of this session:"
 THREADS_LINE = "threads (ANDREA_NUM_THREADS; the numba kernels are bit-reproducible at a fixed count):"
+SESSION_LINE = "experiment: this session's wall time, start-up included:"
 # a validation loss this many nats above the run's first training loss: the run blew up (summarise)
 ROSE = 1.0
 COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu"]
@@ -103,8 +105,10 @@ def _train_to_the_end(name, run_dir, sets, logs, n_steps):
     doing = "resuming" if state == "interrupted" else "training"
     print(f"{name}: {doing} {run_dir.name} ({n_steps} steps)", file=sys.stderr, flush=True)
     log = logs / f"{run_dir.name}.log"
+    start = time.monotonic()
     code = train_arm(run_dir, sets, log, resume=state == "interrupted")
     with open(log, "a", encoding="utf-8") as f:  # what else ran beside it: its time is measured under that load
+        f.write(f"{SESSION_LINE} {time.monotonic() - start:.1f} s\n")
         f.write(f"{LOAD_LINE} {os.getloadavg()[0]:.2f}; {THREADS_LINE} {num_threads()}\n")
     if code == 2:
         raise UserError(f"{run_dir.name} did not start: {_last_line(log)}")
@@ -240,17 +244,27 @@ def _saved(run_dir):
 
 
 def _timing(log_path):
-    """{"seconds": the run's time from its log (the "done: ... in S s" line of each session, summed:
-    a resumed run has two), "load": the 1-minute load averages logged at each session's end,
-    "threads": the thread counts it ran with}."""
+    """{"seconds": the run's time from its log, summed over its sessions (a resumed run has two): each
+    session's "done: ... in S s" line, or, in a session that has none (the non-finite guard or Ctrl-C
+    stopped it), the experiment's own SESSION_LINE, start-up included; "untimed_by_train": how many
+    sessions only the latter timed; "load": the 1-minute load averages logged at each session's end;
+    "threads": the thread counts it ran with}. (SESSION_LINE since no-norm's runs at lr 3e-2: the
+    three the guard stopped had no time in the report.)"""
     try:
         text = Path(log_path).read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return {"seconds": None, "load": [], "threads": []}
-    seconds = [float(m) for m in re.findall(r"^done: step \d+ \(\d+ this run\) in ([0-9.]+) s", text, re.M)]
+        return {"seconds": None, "untimed_by_train": 0, "load": [], "threads": []}
+    seconds, by_experiment = [], 0
+    for session in re.split(rf"^{re.escape(LOAD_LINE)}.*$", text, flags=re.M):
+        done = re.findall(r"^done: step \d+ \(\d+ this run\) in ([0-9.]+) s", session, re.M)
+        wall = re.findall(rf"^{re.escape(SESSION_LINE)} ([0-9.]+) s$", session, re.M)
+        if done or wall:
+            seconds.append(float((done or wall)[-1]))
+            by_experiment += not done
     load = [float(m) for m in re.findall(rf"^{re.escape(LOAD_LINE)} ([0-9.]+)", text, re.M)]
     threads = sorted({int(m) for m in re.findall(rf"; {re.escape(THREADS_LINE)} (\d+)$", text, re.M)})
-    return {"seconds": sum(seconds) if seconds else None, "load": load, "threads": threads}
+    return {"seconds": sum(seconds) if seconds else None, "untimed_by_train": by_experiment, "load": load,
+            "threads": threads}
 
 
 def steps_to(rows, target):

@@ -86,6 +86,28 @@ def test_the_time_line_says_other_work_shared_the_cores_only_when_the_load_says_
     assert "(more than this machine's 2 cores: other work shared them, a time measured under load)" in loaded
 
 
+def test_a_session_without_a_done_line_is_timed_by_the_experiment(tmp_path):
+    # no-norm's three runs the guard stopped at lr 3e-2 had no time in the report: "3 runs have no time logged"
+    end = f"{runs.LOAD_LINE} 1.98; {runs.THREADS_LINE} 1\n"
+    done = "done: step 120 (120 this run) in 40.5 s | 6,331 tokens/s\n"
+    guard = "error: training stopped at step 59 after 5 non-finite steps in a row; last good checkpoint: none\n"
+    logs = {"finished": "step 1/120\n" + done + f"{runs.SESSION_LINE} 42.0 s\n" + end,
+            "stopped": "step 1/300\n" + guard + f"{runs.SESSION_LINE} 21.3 s\n" + end,
+            "resumed": "step 1/300\n" + f"{runs.SESSION_LINE} 10.0 s\n" + end + done + f"{runs.SESSION_LINE} 41.0 s\n"
+                       + end,
+            "before": "step 1/120\n" + done + end}  # a log written before SESSION_LINE
+    timing = {}
+    for name, text in logs.items():
+        (tmp_path / name).write_text(text)
+        timing[name] = runs._timing(tmp_path / name)
+    assert [timing[n]["seconds"] for n in logs] == [40.5, 21.3, 50.5, 40.5]
+    assert [timing[n]["untimed_by_train"] for n in logs] == [0, 1, 1, 0]
+    assert timing["resumed"]["load"] == [1.98, 1.98] and timing["stopped"]["threads"] == [1]
+    line = report.time_line(list(timing.values()))
+    assert "the 4 runs' wall times add up to 2 min 33 s" in line
+    assert "; 2 runs without a \"done\" line (stopped before the end) timed by the experiment, start-up included" in line
+
+
 def test_the_learned_line_tells_a_run_that_did_not_train_from_one_that_trained_too_little():
     def row(run, val, diverged=False):
         return {"run": run, "val_loss": val, "unigram_baseline": 6.683, "diverged": diverged}
