@@ -105,7 +105,7 @@ def test_a_session_without_a_done_line_is_timed_by_the_experiment(tmp_path):
     assert timing["resumed"]["load"] == [1.98, 1.98] and timing["stopped"]["threads"] == [1]
     line = report.time_line(list(timing.values()))
     assert "the 4 runs' wall times add up to 2 min 33 s" in line
-    assert "; 2 runs without a \"done\" line (stopped before the end) timed by the experiment, start-up included" in line
+    assert '; 2 runs without a "done" line (stopped before the end) timed by the experiment, start-up included' in line
 
 
 def test_the_learned_line_tells_a_run_that_did_not_train_from_one_that_trained_too_little():
