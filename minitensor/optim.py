@@ -6,7 +6,8 @@
 
 Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as PyTorch's AdamW
 does, and only to the tensors `decays` selects (by default those of 2+ dimensions: matmul
-weights and embeddings), given to the backend as a 0/1 mask over the buffer. The update is
+weights and embeddings), given to the backend as a 0/1 mask over the buffer (`Ops.decay_mask`: in
+the parameters' dtype, or uint8 on NumPy, whose step reads only where it changes). The update is
 `Ops.adamw_step` of the parameters' backend (minitensor.backends.ops), this formula as written.
 Gradient clipping is the backend's too (`ops.global_norm`, `ops.clip_scale`): on a GPU the norm
 stays on the device and the step takes the scale as a 0-d array, so nothing is read back.
@@ -27,7 +28,7 @@ class AdamW:
         self.m = params.xp.zeros_like(params.data)
         self.v = params.xp.zeros_like(params.data)
         self.decays = decays or (lambda name, shape: len(shape) >= 2)
-        self.decayed = params.mask(self.decays)              # 1 over the decayed tensors, 0 elsewhere
+        self.decayed = self.ops.decay_mask(params, self.decays)  # 1 over the decayed tensors, 0 elsewhere
         self.t = 0
 
     def step(self, lr=None, grad_scale=1.0):

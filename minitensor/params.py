@@ -71,12 +71,13 @@ class Params:
         """Parameters actually held (the padding between tensors is not counted)."""
         return sum(math.prod(s) for s in self.shapes.values())
 
-    def mask(self, predicate):
-        """A 0/1 vector over the flat buffer: 1 on the tensors where predicate(name, shape) holds.
+    def mask(self, predicate, dtype=None):
+        """A 0/1 vector over the flat buffer, of `dtype` (default the buffer's): 1 on the tensors where
+        predicate(name, shape) holds.
 
         Padding is 0. Used for example to weight-decay only the matrices.
         """
-        m = np.zeros(self.size, dtype=self.dtype)
+        m = np.zeros(self.size, dtype=dtype or self.dtype)
         for name, shape in self.shapes.items():
             if predicate(name, shape):
                 start = self.offsets[name]

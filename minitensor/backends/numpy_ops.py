@@ -471,6 +471,12 @@ class NumpyOps(BlockedAttention, Ops):
 
     # --- AdamW ---
 
+    def decay_mask(self, params, decays):
+        """The 0/1 mask as uint8: this step reads only where its value changes (_adamw_pieces), so it
+        need not be in the parameters' dtype. A quarter of the bytes: 92 MB at ANDREA-120M instead of
+        369, which made the bench's peak RSS 2.40 GiB against PyTorch's 2.21 (2.14 with uint8)."""
+        return params.mask(decays, dtype=np.uint8)
+
     def _adamw_pieces(self, decayed):
         """(starts, stops, flags) of pieces of at most CHUNK elements over the runs of equal values of
         the 0/1 decay mask: a scalar decay factor per piece instead of the mask. Kept for the last mask."""

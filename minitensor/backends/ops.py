@@ -289,6 +289,11 @@ class Ops:
 
     # --- AdamW, decoupled weight decay (Loshchilov & Hutter 2019, Algorithm 2), over the flat buffers ---
 
+    def decay_mask(self, params, decays):
+        """The `decayed` that adamw_step takes: 1 over the tensors decays(name, shape) selects, 0
+        elsewhere (the padding too), in the parameters' dtype, as the formula below multiplies it."""
+        return params.mask(decays)
+
     def adamw_step(self, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0):
         """One update in place over p, m, v (step t, counting from 1) from the gradient g times
         grad_scale (a number or a 0-d array on p's device, never read here); decayed is 1 over the
