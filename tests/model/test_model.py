@@ -96,12 +96,14 @@ def test_overfits_one_batch(model_backend):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (4, 17))
     first = m.forward(x[:, :-1], x[:, 1:])
-    for _ in range(150):
+    # on NumPy the loss goes 3.944 -> 0.46 at step 20 -> 0.012 at step 40 (150 steps, to first / 10, took
+    # 22 s on the fused stand-in)
+    for _ in range(40):
         loss = m.forward(x[:, :-1], x[:, 1:])
         m.zero_grad()
         m.backward()
         opt.step()
-    assert loss < first / 10, (first, loss)
+    assert loss < first / 100, (first, loss)
 
 
 def test_adamw_step_equals_a_hand_computed_one():
