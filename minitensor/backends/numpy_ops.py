@@ -90,12 +90,12 @@ class NumpyOps(BlockedAttention, Ops):
         super().__init__(np)
         self._fresh = FreshGrads()        # the gradient views a GEMM may write (linear_weight_grads)
         self._pieces = (None, None)       # AdamW's decay mask and its pieces (adamw_step)
+        self.mask_dtype = np.uint8        # that mask: adamw_step reads only where it changes (92 MB at 120m, not 369)
         self.numba = bool(numba) and numba_jit.numba is not None
         self.name = "numba" if self.numba else "numpy"
-        if self.numba:
-            self.kernels_line = "kernels: numba-compiled CPU kernels (ANDREA_CPU_KERNELS=numpy for NumPy alone)"
-        else:
-            self.kernels_line = "kernels: NumPy (pip install -e '.[fast]' adds numba's compiled CPU kernels)"
+        self.kernels_line = ("kernels: numba-compiled CPU kernels (ANDREA_CPU_KERNELS=numpy for NumPy alone)"
+                             if self.numba else
+                             "kernels: NumPy (pip install -e '.[fast]' adds numba's compiled CPU kernels)")
 
     # --- threads ---
 
@@ -470,12 +470,6 @@ class NumpyOps(BlockedAttention, Ops):
         return math.sqrt(total)
 
     # --- AdamW ---
-
-    def decay_mask(self, params, decays):
-        """The 0/1 mask as uint8: this step reads only where its value changes (_adamw_pieces), so it
-        need not be in the parameters' dtype. A quarter of the bytes: 92 MB at ANDREA-120M instead of
-        369, which made the bench's peak RSS 2.40 GiB against PyTorch's 2.21 (2.14 with uint8)."""
-        return params.mask(decays, dtype=np.uint8)
 
     def _adamw_pieces(self, decayed):
         """(starts, stops, flags) of pieces of at most CHUNK elements over the runs of equal values of

@@ -289,10 +289,13 @@ class Ops:
 
     # --- AdamW, decoupled weight decay (Loshchilov & Hutter 2019, Algorithm 2), over the flat buffers ---
 
+    mask_dtype = None  # the decay mask's: the parameters' (NumpyOps' uint8: the bench's 120m RSS 2.40 -> 2.14 GiB)
+
     def decay_mask(self, params, decays):
         """The `decayed` that adamw_step takes: 1 over the tensors decays(name, shape) selects, 0
-        elsewhere (the padding too), in the parameters' dtype, as the formula below multiplies it."""
-        return params.mask(decays)
+        elsewhere (the padding too), of mask_dtype: the parameters' own, as the formula below multiplies
+        it, unless the backend's step only reads where it changes."""
+        return params.mask(decays, dtype=self.mask_dtype)
 
     def adamw_step(self, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0):
         """One update in place over p, m, v (step t, counting from 1) from the gradient g times
