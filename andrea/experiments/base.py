@@ -10,6 +10,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # the default model's shape (andrea-tiny: d_model 128, 4 heads, context 128, batches of 16 x 128 tokens),
 # spelled out so that the experiments keep their budget if the default changes; each experiment's budget
@@ -125,6 +126,19 @@ def logged(records, key, kind):
     return [(s, records[s][key]) for s in sorted(records) if isinstance(records[s].get(key), kind)]
 
 
+def all_records(path):
+    """Every record of a metrics.jsonl, the steps the non-finite guard skipped included (read_metrics
+    leaves those out); a line cut short is passed over, a missing file gives none."""
+    records = []
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                r = json.loads(line)
+                if isinstance(r, dict):
+                    records.append(r)
+    return records
+
+
 def probe_counts(run_dir):
     """The run's parameter count and the first step its non-finite guard skipped (None: none did)."""
     from andrea.config import make_config
@@ -132,12 +146,8 @@ def probe_counts(run_dir):
     from andrea.run.runlog import read_metrics, read_saved_config
 
     cfg = make_config(read_saved_config(run_dir))
-    first_bad = None  # read_metrics leaves the skipped steps out: their records are read here
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
-            r = json.loads(line)
-            if isinstance(r, dict) and r.get("skipped") and first_bad is None:
-                first_bad = r.get("step")
+    # read_metrics leaves the skipped steps out: their records are read here
+    first_bad = next((r.get("step") for r in all_records(run_dir / "metrics.jsonl") if r.get("skipped")), None)
     flows = logged(read_metrics(run_dir / "metrics.jsonl"), "grad_flow", dict)
     stream = max((v for _, f in flows[-1:] for v in f["stream_rms"] if v is not None), default=math.nan)
     return {"params": parameter_breakdown(cfg.model)["total"], "n_layer": cfg.model.n_layer,

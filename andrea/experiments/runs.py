@@ -15,7 +15,7 @@ from pathlib import Path
 
 from andrea.errors import UserError
 from andrea.experiments import EXPERIMENTS
-from andrea.experiments.base import logged
+from andrea.experiments.base import all_records, logged
 from andrea.experiments.report import doc_section, draw, report, save_results, write_doc
 from andrea.run.figure import require_matplotlib
 from andrea.run.gradflow import check_flow, embedding_ratio
@@ -214,16 +214,9 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
 
 
 def _last_step(path):
-    """The last step metrics.jsonl has a record of, a step the non-finite guard skipped included
-    (read_metrics leaves those out); None without one."""
-    steps = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                r = json.loads(line)
-                if isinstance(r, dict) and isinstance(r.get("step"), int):
-                    steps.append(r["step"])
-    return max(steps, default=None)
+    """The last step metrics.jsonl has a record of, a step the non-finite guard skipped included; None
+    without one."""
+    return max((r["step"] for r in all_records(path) if isinstance(r.get("step"), int)), default=None)
 
 
 def _saved(run_dir):
