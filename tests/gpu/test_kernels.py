@@ -271,7 +271,8 @@ def test_check_without_cupy_says_how_to_install(monkeypatch, capsys):
         assert kernels_main(["--check"]) == 2
     finally:
         cuda.toolchain.cache_clear()
-    assert "pip install -e '.[kernel-check]'" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "pip install -e '.[kernel-check]'" in err
 
 
 # --- The host C++ check --------------------------------------------------------------------------

@@ -6,7 +6,22 @@ import numpy as np
 from minitensor.backends import cuda
 from minitensor.device import array_module
 
-SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", "embedding.cu"))
+
+def _scatter_model(m):
+    """The token embedding's backward at the model's sizes: N rows into the vocabulary's (minitensor.checks.counts)."""
+    ids = np.random.default_rng(0).integers(0, m.V, m.N)
+    scatter_add_rows_gpu(np.zeros((m.V, m.C), np.float32), ids, np.zeros((m.N, m.C), np.float32))
+
+
+def _every_64th_position(grid, block, args):
+    """A sample, not every block: those of every 64th position of the sorted order (a block's work is
+    its id's run, if it starts one), each standing for its share of the positions."""
+    sampled = range(0, grid[0], 64)
+    return [(x + grid[0] * y, grid[0] / len(sampled)) for y in range(grid[1]) for x in sampled]
+
+
+SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", "embedding.cu", model=_scatter_model,
+                                              count_blocks=_every_64th_position))
 
 
 def scatter_add_rows_gpu(dW, idx, rows):

@@ -18,7 +18,16 @@ def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
     return x.nbytes + joined + w.nbytes + b.nbytes, y.nbytes + mean.nbytes + rstd.nbytes + joined
 
 
-LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic)
+def _layernorm_model(m):
+    """A block's ln_2 at the model's sizes, as the step calls it: forward joining the residual, backward
+    adding the residual gradient (minitensor.checks.counts)."""
+    x, residual, dy = (np.zeros((m.N, m.C), np.float32) for _ in range(3))
+    w, b = np.ones(m.C, np.float32), np.zeros(m.C, np.float32)
+    _, mean, rstd = layernorm_forward_gpu(x, w, b, residual=residual)
+    layernorm_backward_gpu(dy, x, w, mean, rstd, np.zeros_like(w), np.zeros_like(b), residual=residual)
+
+
+LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic, model=_layernorm_model)
 
 
 # forward was: y = xhat w + b, xhat = (x - mean) rstd. Block b handles rows [b rpc, (b + 1) rpc) (rpc =
@@ -42,12 +51,12 @@ def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, accumu
     return read, dx.nbytes + part_w.nbytes + part_b.nbytes
 
 
-LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic)
+LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic, model=_layernorm_model)
 
 
 # The parameter sums' second launch: blocks of (32, 8) threads, each adding 32 columns' partials.
 LN_PARAM_BLOCK = (32, 8)
-LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu")
+LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu", model=_layernorm_model)
 
 
 def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
@@ -179,10 +188,24 @@ def _layernorm_cases(k):
     ]
 
 
+def _layernorm_timed(ops, sizes):
+    """LayerNorm over N rows of C, forward and backward with a skip gradient."""
+    xp = ops.xp
+    x, dy, skip = (cuda.normals(xp, sizes.N, sizes.C) for _ in range(3))
+    w, b, dw, db = xp.ones(sizes.C, np.float32), xp.zeros(sizes.C, np.float32), *(xp.zeros(sizes.C, np.float32)
+                                                                                 for _ in range(2))
+
+    def run():
+        _, mean, rstd = ops.layernorm_forward(x, w, b, 1e-5)
+        return ops.layernorm_backward(dy, x, mean, rstd, w, dw, db, dres=skip)
+    return run
+
+
 LAYERNORM = cuda.fused_piece(
     "layernorm",
     replaces=("layernorm_forward", "layernorm_backward"),
     kernels=(LAYERNORM_FWD, LAYERNORM_BWD, LAYERNORM_BWD_PARAMS),
     sample=_layernorm_sample,
     cases=_layernorm_cases,
+    timed=_layernorm_timed,
 )

@@ -245,11 +245,11 @@ def _emulation(spec, dtype):
     """The C++ library of one RawKernel's launch emulation for one dtype: run(d, args) launches it
     over grid d[0..2] and block d[3..5] on the argument buffers."""
     from minitensor.backends import cuda
-    from minitensor.checks import kernelcheck
+    from minitensor.checks import emulation
 
     call = [f"({base} *)a[{k}]" if pointer else f"*(const {base} *)a[{k}]"
             for k, (_, base, pointer) in enumerate(cuda.raw_params(spec))]
-    return "\n".join([kernelcheck._EMU_PRELUDE, f"typedef {C_TYPES[dtype.name]} T;", "namespace k {", spec.code, "}",
+    return "\n".join([emulation.PLAIN_PRELUDE, f"typedef {C_TYPES[dtype.name]} T;", "namespace k {", spec.code, "}",
                       'extern "C" int run(const unsigned *d, void **a) {',
                       "  launch(dim3{d[0], d[1], d[2]}, dim3{d[3], d[4], d[5]}, [&] {",
                       f"    k::{spec.name}({', '.join(call)});", "  });",
