@@ -98,8 +98,14 @@ class RawSpec:
     as the kernel's parameters) moves to and from device memory, for the step model
     (andrea/run/stepmodel.py); None: every `const` pointer read once, every other pointer written
     once (`bytes_moved`). `flops(**args)`: the floating-point operations of the inner products of one
-    launch, declared by a kernel whose float32 products run on tensor cores (the step model charges
-    them at its rate for a hand-written mma kernel); None: 0."""
+    launch, declared by a kernel whose float32 products run on tensor cores; None: 0.
+
+    What `python -m minitensor.checks --counts` (minitensor.checks.counts) reads: `model(sizes)` launches
+    the kernel through its wrapper at the model's sizes (a Sizes; the launch is captured,
+    not run); `count_blocks(grid, block, args) -> [(linear block index, weight), ...]` names the blocks
+    the emulation runs to count a launch, each standing for `weight` blocks of the grid (None: every
+    block does the same work but the last); `conflicts` is the largest shared-memory conflict degree one
+    of its requests may have there (1: none)."""
 
     name: str
     file: str = ""  # the .cu file under minitensor/backends/kernels/ holding the kernel
@@ -107,6 +113,9 @@ class RawSpec:
     traffic: Callable = dataclasses.field(default=None, compare=False)
     inline: str = ""  # the code itself, for a kernel that has no file (a test's)
     flops: Callable = dataclasses.field(default=None, compare=False)
+    model: Callable = dataclasses.field(default=None, compare=False)
+    count_blocks: Callable = dataclasses.field(default=None, compare=False)
+    conflicts: int = dataclasses.field(default=1, compare=False)
 
     @property
     def code(self):
@@ -223,6 +232,9 @@ class FusedPiece:
               them gpu_check compares `sample` off and on
     rtol      the self-check's tolerance where it is not its own (minitensor.checks.selfcheck.RTOL):
               a piece whose float32 products run on TF32 tensor cores
+    timed     timed(ops, sizes) -> run(): inputs at a run's Sizes made once, and a call that runs the
+              piece's forward and backward through `ops` on them: the start-up self-check times it with
+              the piece off and on at the run's sizes and keeps the faster (minitensor.checks.selfcheck)
     """
 
     name: str
@@ -231,24 +243,63 @@ class FusedPiece:
     sample: Callable = dataclasses.field(compare=False)
     cases: Callable = dataclasses.field(default=None, compare=False)
     rtol: float = None
+    timed: Callable = dataclasses.field(default=None, compare=False)
 
 
 # name -> FusedPiece, in the order they are declared
 PIECES = {}
 
 
-def fused_piece(name, replaces, kernels, sample, cases=None, rtol=None):
+def fused_piece(name, replaces, kernels, sample, cases=None, rtol=None, timed=None):
     """Registers a fused piece and its kernels; returns the piece."""
     if name in PIECES and PIECES[name].kernels != tuple(kernels):
         raise ValueError(f"a fused piece named {name!r} is already registered")
-    piece = FusedPiece(name, tuple(replaces), tuple(register(k) for k in kernels), sample, cases, rtol)
+    piece = FusedPiece(name, tuple(replaces), tuple(register(k) for k in kernels), sample, cases, rtol, timed)
     return PIECES.setdefault(name, piece)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The sizes of a run that the kernels are counted (minitensor.checks.counts) and timed
+    (minitensor.checks.selfcheck) at: B sequences of T tokens, width C, n_head heads, an MLP of F, a
+    vocabulary of V, P parameters. The defaults are ANDREA-120M's training step at 8 x 1024 tokens."""
+    B: int = 8
+    T: int = 1024
+    C: int = 768
+    n_head: int = 12
+    F: int = 3072
+    V: int = 8449
+    P: int = 92_331_264
+
+    @property
+    def N(self):
+        return self.B * self.T
+
+    @property
+    def BH(self):
+        return self.B * self.n_head
+
+    @property
+    def hs(self):
+        return self.C // self.n_head
+
+    @property
+    def V_padded(self):
+        return -(-self.V // 128) * 128
 
 
 def draw(xp, rng, *shape, scale=1.0, shift=0.0):
     """shift + scale * standard normals of `shape` from the NumPy Generator rng, float32, moved to xp:
     the inputs of a record's sample."""
     return xp.asarray((shift + scale * rng.standard_normal(shape)).astype(np.float32))
+
+
+def normals(xp, *shape, scale=1.0):
+    """scale * standard normals of `shape`, float32, drawn on the device where it can (a timed piece's
+    inputs at a run's sizes: hundreds of MB are not drawn on the host)."""
+    if hasattr(xp, "random") and hasattr(xp.random, "standard_normal"):
+        return (scale * xp.random.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    return draw(xp, np.random.default_rng(0), *shape, scale=scale)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -406,11 +406,14 @@ FLASH_F32_RTOL = 2e-3
 
 
 @pytest.mark.parametrize("dtype, tf32", [(np.float64, False), (np.float32, True), (np.float32, False)])
-@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 37, 16), (2, 64, 64), (1, 70, 48)])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 37, 16), (2, 64, 64), (1, 70, 48), (1, 150, 32)])
 def test_flash_attention_kernels_emulated(emulated, dtype, tf32, shape):
     """Forward (y, lse) and the three gradients of the flash kernels against Ops' dense core: T = 1,
-    T not a multiple of the tiles (37, 70), a multiple of every tile (64), head sizes 16, 48, 64,
-    several heads; float32 on TF32 tensor cores (TF32's tolerance) and by FMAs (float32's)."""
+    T not a multiple of the tiles (37, 70, 150: several key tiles of each kernel, the last one partial),
+    a multiple of every tile (64), head sizes 16, 32, 48, 64 (float64's at most 32), several heads;
+    float32 on TF32 tensor cores (TF32's tolerance) and by FMAs (float32's)."""
+    if not attention.flash_fits(shape[-1], dtype):
+        shape = (*shape[:2], 32)  # float64 takes heads up to 32
     rng = np.random.default_rng(11)
     q, k, v, dy = (normal(rng, shape, dtype) for _ in range(4))
     scale = 1.0 / np.sqrt(shape[-1])
@@ -810,6 +813,30 @@ def test_the_flash_cores_tensor_cores_follow_the_cublas_math_mode():
         ops.flash_tf32 = True
         forced = ops._tf32()
     assert (on, off, forced) == (True, False, True)
+
+
+def test_a_math_mode_reset_by_another_call_is_set_back_before_a_gemm_relies_on_it():
+    """CuPy's float16 and bfloat16 matmuls set the handle's math mode to the default: the next GEMM
+    through minitensor.backends.cublas and the flash kernels' TF32 choice still run as set_tf32 chose."""
+    from gpu_standin import standin_cupy
+
+    from minitensor.backends import cublas as project_cublas
+    from minitensor.device import CUBLAS_DEFAULT_MATH, CUBLAS_TF32_TENSOR_OP_MATH, set_tf32
+
+    with standin_cupy() as cupy:
+        from cupy_backends.cuda.libs import cublas
+
+        handle = cupy.cuda.device.get_cublas_handle()
+        ops = cupy_ops.CupyOps(cupy, fused=("flash_attention",))
+        set_tf32(cupy, True)
+        cublas.setMathMode(handle, CUBLAS_DEFAULT_MATH)  # what a float16 matmul leaves behind
+        assert ops._tf32()
+        cublas.setMathMode(handle, CUBLAS_DEFAULT_MATH)
+        a = cupy.asarray(np.ones((4, 3), np.float32))
+        assert project_cublas.gemm(a, a.T, cupy.empty((4, 4), np.float32))
+        assert cublas.getMathMode(handle) == CUBLAS_TF32_TENSOR_OP_MATH
+        set_tf32(cupy, False)  # off stays off
+        assert not ops._tf32() and cublas.getMathMode(handle) == CUBLAS_DEFAULT_MATH
 
 
 @needs_cxx

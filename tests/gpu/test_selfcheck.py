@@ -96,8 +96,9 @@ def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
     ("layernorm", "LAYERNORM_FWD", ("* w[j] + b[j]", "* w[j] - b[j]")),
     ("layernorm", "LAYERNORM_BWD", ("- mg -", "+ mg -")),
     ("causal_softmax", "CAUSAL_SOFTMAX_BWD", ("(dpr[j] - dot)", "(dpr[j] + dot)")),
-    ("flash_attention", "FLASH_BWD_DKV", ("(ps[e] - delta_s[r])", "(ps[e] + delta_s[r])")),
-    ("flash_attention", "FLASH_FWD", ("acc[u][2] *= a1", "acc[u][2] *= a0")),
+    ("flash_attention", "FLASH_BWD_DKV", ("(dpt[n][e] - delta_s[col])", "(dpt[n][e] + delta_s[col])")),
+    ("flash_attention", "FLASH_FWD", ("acc[u][2 * h + 1] *= alpha", "acc[u][2 * h + 1] *= total[h]")),
+    ("flash_attention", "FLASH_BWD_DQ", ("b[0] = s[(r0 + 2 * t) * LD + c0 + g];", "b[0] = s[(r0 + t) * LD + c0 + g];")),
 ])
 def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeypatch, piece, spec, wrong):
     module = sys.modules[fused_pieces()[piece].sample.__module__]  # the piece's, beside its .cu
@@ -174,3 +175,53 @@ def test_a_whole_model_step_with_every_fused_piece_equals_the_generic_one(cupy, 
     assert loss_f == pytest.approx(loss_g, rel=1e-12)
     np.testing.assert_allclose(grads_f, grads_g, rtol=1e-10, atol=1e-13)
     np.testing.assert_allclose(p_f, p_g, rtol=1e-12, atol=1e-14)
+
+
+# --- the faster path chosen by timing ------------------------------------------------------------
+
+def tiny_sizes():
+    from minitensor.backends.cuda import Sizes
+
+    return Sizes(B=2, T=16, C=32, n_head=2, F=64, V=50, P=300)
+
+
+def sleeper(fused_ms, generic_ms):
+    """A timed record whose run sleeps fused_ms with its piece in use, generic_ms without."""
+    import time
+
+    def timed(ops, sizes):
+        return lambda: time.sleep((fused_ms if ops.in_use else generic_ms) / 1e3)
+    return timed
+
+
+def test_a_fused_piece_slower_than_the_generic_code_is_not_chosen(cupy, monkeypatch):
+    """With the run's sizes, `auto` times each piece that passed its check with it on and off and keeps
+    it only where it is not slower; the line gives both times (on a GPU: the stand-in's times are the
+    CPU's, so this one is told it is a GPU)."""
+    monkeypatch.setattr(cupy, "STANDIN", False)
+    checks = {"layernorm": stand_in_check(0.0), "bias_gelu": stand_in_check(0.0)}
+    timers = {"layernorm": sleeper(fused_ms=30, generic_ms=2), "bias_gelu": sleeper(fused_ms=2, generic_ms=30)}
+    fused, line = selfcheck.select_kernels("auto", cupy, checks, sizes=tiny_sizes(), timers=timers)
+    assert fused == ("bias_gelu",)
+    assert line.startswith("kernels: fused bias_gelu (2"), line
+    assert "ms against 3" in line and "generic for layernorm (slower: fused 3" in line, line
+    # without the run's sizes (a model built outside training), nothing is timed
+    assert selfcheck.select_kernels("auto", cupy, checks, timers=timers)[0] == ("layernorm", "bias_gelu")
+
+
+def test_on_the_standin_nothing_is_timed_and_the_line_says_so(cupy):
+    checks = {"layernorm": stand_in_check(0.0)}
+    fused, line = selfcheck.select_kernels("auto", cupy, checks, sizes=tiny_sizes(),
+                                           timers={"layernorm": sleeper(30, 2)})
+    assert fused == ("layernorm",) and line.endswith("(not timed: the CuPy stand-in runs the kernels on the CPU)")
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", FUSED)
+def test_every_pieces_timed_run_runs_with_the_piece_and_without(cupy, name):
+    """Each record's `timed` (what the start-up timing runs at the run's sizes, never run in CI on a GPU)
+    runs through the backend both ways here, at tiny sizes."""
+    piece = fused_pieces()[name]
+    assert piece.timed is not None, f"{name}: its record has no timed run"
+    with_piece, without = selfcheck.time_piece(piece.timed, name, cupy, tiny_sizes())
+    assert with_piece > 0 and without > 0

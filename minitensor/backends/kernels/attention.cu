@@ -4,154 +4,192 @@
 //
 // q, k, v, dq, dk, dv: (BH, T, hs), contiguous, q unscaled (scores are scale * q k^T). y and dy: rows
 // of (B, T, n_head, hs), head h = bh % n_head of sequence bh / n_head (the heads of a (B, T, C) output
-// read in place; n_head = 1 is the plain (BH, T, hs) layout). lse and delta: (BH, T).
+// read in place; n_head = 1 is the plain (BH, T, hs) layout). lse and delta: (BH, T). hs a multiple
+// of 16, at most HS_MAX.
 //
-// Key tiles of ROWS keys (32 for float, 16 for double), query tiles of FWD_ROWS rows in the forward
-// (64, 16: twice the rows per key tile loaded for float) and ROWS in the backward (whose six tiles fill
-// the 48 KiB of static shared memory); hs <= HS_MAX, hs a multiple of 16; a block of 4 threads per
-// query row of its tile (8, 4 or 2 warps) per (tile, bh), blockIdx.x the tile. Every product is a
-// sum of 16 x 8 tiles of 8-deep steps in the warp-level layout of PTX's mma.m16n8k8 (PTX ISA, "Matrix
-// Fragments for mma.m16n8k8"): lane = 4 g + t holds the accumulator elements (g, 2t), (g, 2t + 1),
-// (g + 8, 2t), (g + 8, 2t + 1). For float with tf32 set the step is `mma.sync ... tf32` on tensor cores
-// (operands rounded to TF32 by cvt.rna, sums in float); for double, and float without tf32, the same
-// lane computes the same four elements with FMAs. Warp w owns the rows 16 (w % bands) .. + 16 of a
-// tile and half of its columns; every warp runs the same number of steps (hs a multiple of 16), so
-// each mma is issued by all warps alike (the emulation's mma is a block-wide exchange).
-// Scores and probabilities go through shared memory; per row, 4 threads (lanes 4r .. 4r + 3 of the
-// softmax's numbering) share its work by shuffles.
+// The layout (kernels/flash.cuh): each warp owns 16 rows of a product and every column of it, so that
+// its A operands stay in registers (q, dy, k or v of its rows, loaded and rounded to TF32 once per
+// block) and only B operands come from shared memory, each read once per warp. Tiles in shared memory
+// are row-major with a row stride of LD = 68 words: every fragment read there is conflict-free, and so
+// is every 16-byte store that fills them. Scores never leave registers: a warp's accumulator of
+// q k^T becomes the A operand of the next product in place (flash.cuh, a_from_acc), the keys of a
+// tile taken in the order that makes that so. Rows are masked per element on the diagonal; a warp
+// whose rows see none of a tile (above the diagonal) skips it. Blocks are numbered so that the longest
+// (most tiles) start first.
 //
-// forward   y = softmax(scale q k^T + causal mask) v, lse = the rows' log-sum-exp: per query tile, key
-//           tiles 0 .. the diagonal (the masked ones never visited), running max and sum, the output
-//           accumulator rescaled in registers.
+// forward   y = softmax(scale q k^T + causal mask) v, lse = the rows' log-sum-exp: per query tile,
+//           key tiles 0 .. the diagonal, running max and sum, the output accumulator rescaled.
 // backward  deterministic, no atomics: flash_attention_bwd_dq (per query tile: delta = rowsum(dy y),
-//           written for the next kernel, and dq = scale dS k over key tiles up to the diagonal) then
-//           flash_attention_bwd_dkv (per key tile: dv = P^T dy and dk = scale dS^T q over query tiles from
-//           the diagonal down), P = exp(scale q k^T - lse) recomputed, dS = P (dP - delta), dP = dy v^T.
+//           written for the next kernel, and dq = scale dS k over the key tiles up to the diagonal)
+//           then flash_attention_bwd_dkv (per key tile: dv = P^T dy and dk = scale dS^T q over the
+//           query tiles from the diagonal down), P = exp(scale q k^T - lse) recomputed, dS = P (dP -
+//           delta), dP = dy v^T. Without atomics, the scores and dP are computed twice (7 products
+//           against the 5 of a backward that adds dq atomically).
+//
+// float with tf32 runs every product on tensor cores (mma.sync m16n8k8, operands rounded by cvt.rna
+// where they are stored, sums in float); double, and float without tf32, the same fragments by FMAs.
 
 // @kernel flash_attention_fwd
-// y and lse per query tile of FWD_ROWS rows, over key tiles up to the diagonal.
+// y and lse per query tile of FWD_Q rows (16 per warp), over key tiles of FWD_K keys up to the diagonal.
 #include "flash.cuh"
+constexpr int FWD_Q = sizeof(T) == 4 ? 128 : 64;
+constexpr int FWD_K = sizeof(T) == 4 ? 64 : 32;
 extern "C" __global__ void flash_attention_fwd(const T *q, const T *k, const T *v, T *y, T *lse, const int n_ctx,
                                                const int hs, const int n_head, const T scale, const int tf32) {
-  __shared__ T qs[FWD_ROWS * HS_MAX], ks[ROWS * HS_MAX], vs[ROWS * HS_MAX], ss[FWD_ROWS * ROWS];
-  __shared__ T row_alpha[FWD_ROWS], row_inv[FWD_ROWS];
-  const int bh = blockIdx.y, i0 = blockIdx.x * FWD_ROWS;
+  __shared__ __align__(16) T kv[2 * FWD_K * LD];  /* the k tile, then the v tile; q passes through first */
+  const T *ks = kv, *vs = kv + FWD_K * LD;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * FWD_Q, r0 = i0 + 16 * warp;
   const long long head = (long long)bh * n_ctx * hs;
-  const int row = threadIdx.x >> 2, sub = threadIdx.x & 3, qi = i0 + row;
-  const int warp = threadIdx.x >> 5, band = warp % (FWD_ROWS / 16), g = (threadIdx.x & 31) >> 2;
-  T acc[ACC][4];
-  for (int u = 0; u < ACC; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0;
-  T top = fa_lowest(scale), total = 0;  /* the row's running max and sum (its 4 threads alike) */
-  load_tile(qs, q + head, i0, FWD_ROWS, n_ctx, hs, hs);
-  for (int j0 = 0; j0 < i0 + FWD_ROWS && j0 < n_ctx; j0 += ROWS) {  /* key tiles up to the diagonal */
-    __syncthreads();  /* the previous tile's reads are done */
-    load_tile(ks, k + head, j0, ROWS, n_ctx, hs, hs);
-    load_tile(vs, v + head, j0, ROWS, n_ctx, hs, hs);
-    __syncthreads();
-    scores<FWD_ROWS>(ss, qs, ks, hs, tf32);
-    __syncthreads();
-    T m = top;
-    for (int c = sub; c < ROWS; c += 4)
-      if (j0 + c <= qi) m = m > scale * ss[row * ROWS + c] ? m : scale * ss[row * ROWS + c];
-    m = quad_max(m);
-    T sum = 0;
-    for (int c = sub; c < ROWS; c += 4) {
-      const T p = j0 + c <= qi ? fa_exp(scale * ss[row * ROWS + c] - m) : (T)0;
-      ss[row * ROWS + c] = p;
-      sum += p;
-    }
-    const T alpha = fa_exp(top - m);  /* 0 on the first tile: top is the lowest value */
-    total = total * alpha + quad_sum(sum);
-    top = m;
-    if (sub == 0) row_alpha[row] = alpha;
-    __syncthreads();
-    const T a0 = row_alpha[band * 16 + g], a1 = row_alpha[band * 16 + g + 8];
-    for (int u = 0; u < ACC; ++u) {
-      acc[u][0] *= a0;
-      acc[u][1] *= a0;
-      acc[u][2] *= a1;
-      acc[u][3] *= a1;
-    }
-    accumulate<FWD_ROWS>(acc, ss, ROWS, 1, vs, hs, tf32);  /* acc += P v */
-  }
-  if (sub == 0) {
-    row_inv[row] = (T)1 / total;
-    if (qi < n_ctx) lse[(long long)bh * n_ctx + qi] = top + fa_log(total);
-  }
+  T qa[STEPS][4];  /* this warp's rows of q, A operands */
+  load_tile(kv, q + head, i0, FWD_Q, n_ctx, hs, hs, tf32);
   __syncthreads();
+  a_frags(qa, kv, 16 * warp, hs);
+  T acc[STEPS][4] = {};
+  T top[2] = {fa_lowest(scale), fa_lowest(scale)}, total[2] = {0, 0};  /* rows g, g + 8: running max, sum */
+  for (int j0 = 0; j0 < i0 + FWD_Q && j0 < n_ctx; j0 += FWD_K) {
+    __syncthreads();  /* the previous tile's reads are done */
+    load_tile(kv, k + head, j0, FWD_K, n_ctx, hs, hs, tf32);
+    load_tile(kv + FWD_K * LD, v + head, j0, FWD_K, n_ctx, hs, hs, tf32);
+    __syncthreads();
+    if (j0 > r0 + 15) continue;  /* every key of the tile is after this warp's rows */
+    T s[FWD_K / 8][4];
+    rows_product<FWD_K / 8>(s, qa, ks, hs, tf32);  /* q k^T */
+    T m[2] = {top[0], top[1]}, sum[2] = {0, 0};
+#pragma unroll
+    for (int n = 0; n < FWD_K / 8; ++n)
+      for (int e = 0; e < 4; ++e) {
+        const bool seen = j0 + 8 * n + 2 * t + (e & 1) <= r0 + g + 8 * (e >> 1);
+        s[n][e] = seen ? scale * s[n][e] : fa_lowest(scale);
+        m[e >> 1] = s[n][e] > m[e >> 1] ? s[n][e] : m[e >> 1];
+      }
+    for (int h = 0; h < 2; ++h) m[h] = quad_max(m[h]);
+#pragma unroll
+    for (int n = 0; n < FWD_K / 8; ++n)
+      for (int e = 0; e < 4; ++e) {
+        s[n][e] = s[n][e] > fa_lowest(scale) ? fa_exp(s[n][e] - m[e >> 1]) : (T)0;  /* P, unnormalised */
+        sum[e >> 1] += s[n][e];
+      }
+    for (int h = 0; h < 2; ++h) {
+      const T alpha = fa_exp(top[h] - m[h]);  /* 0 on the first tile: top is the lowest value */
+      total[h] = total[h] * alpha + quad_sum(sum[h]);
+      top[h] = m[h];
+#pragma unroll
+      for (int u = 0; u < STEPS; ++u) acc[u][2 * h] *= alpha, acc[u][2 * h + 1] *= alpha;
+    }
+    acc_product<FWD_K / 8>(acc, s, vs, hs, tf32);  /* acc += P v */
+  }
+  if (t == 0)
+    for (int h = 0; h < 2; ++h)
+      if (r0 + g + 8 * h < n_ctx) lse[(long long)bh * n_ctx + r0 + g + 8 * h] = top[h] + fa_log(total[h]);
   const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * hs;
-  store_acc<FWD_ROWS>(y + y_head, (long long)n_head * hs, acc, i0, n_ctx, hs, (T)1, row_inv);
+  store_acc(y + y_head, (long long)n_head * hs, acc, r0, n_ctx, hs, (T)1, total);
 }
 
 // @kernel flash_attention_bwd_dq
-// delta = rowsum(dy y) and dq per query tile of ROWS rows (before flash_attention_bwd_dkv).
+// delta = rowsum(dy y) and dq per query tile of DQ_Q rows (16 per warp), over key tiles of DQ_K keys up to
+// the diagonal (before flash_attention_bwd_dkv).
 #include "flash.cuh"
+constexpr int DQ_Q = 64;
+constexpr int DQ_K = sizeof(T) == 4 ? 32 : 16;
 extern "C" __global__ void flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *dy,
                                                   const T *lse, T *delta, T *dq, const int n_ctx, const int hs,
                                                   const int n_head, const T scale, const int tf32) {
-  __shared__ T qs[ROWS * HS_MAX], dys[ROWS * HS_MAX], ks[ROWS * HS_MAX], vs[ROWS * HS_MAX];
-  __shared__ T ss[ROWS * ROWS], ps[ROWS * ROWS], lse_s[ROWS], delta_s[ROWS];
-  const int bh = blockIdx.y, i0 = blockIdx.x * ROWS;
+  __shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles */
+  const T *ks = tiles, *vs = tiles + DQ_K * LD;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * DQ_Q, r0 = i0 + 16 * warp;
   const long long head = (long long)bh * n_ctx * hs;
   const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * hs, stride = (long long)n_head * hs;
-  const int row = threadIdx.x >> 2, sub = threadIdx.x & 3;
-  load_tile(qs, q + head, i0, ROWS, n_ctx, hs, hs);
-  load_tile(dys, dy + y_head, i0, ROWS, n_ctx, hs, stride);
+  load_tile(tiles, q + head, i0, DQ_Q, n_ctx, hs, hs, tf32);
+  load_tile(tiles + DQ_Q * LD, dy + y_head, i0, DQ_Q, n_ctx, hs, stride, 0);  /* dy as it is: delta needs it */
   __syncthreads();
-  T d = 0;  /* delta = rowsum(dy y) = rowsum(dP P) */
-  for (int c = sub; c < hs; c += 4)
-    if (i0 + row < n_ctx) d += dys[row * hs + c] * y[y_head + (i0 + row) * stride + c];
-  d = quad_sum(d);
-  if (sub == 0 && i0 + row < n_ctx) delta[(long long)bh * n_ctx + i0 + row] = d;
-  if (sub == 0) delta_s[row] = d;
-  for (int r = threadIdx.x; r < ROWS; r += blockDim.x) lse_s[r] = i0 + r < n_ctx ? lse[(long long)bh * n_ctx + i0 + r] : (T)0;
-  T acc[ACC][4];
-  for (int u = 0; u < ACC; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0;
-  for (int j0 = 0; j0 <= i0; j0 += ROWS) {
-    __syncthreads();
-    load_tile(ks, k + head, j0, ROWS, n_ctx, hs, hs);
-    load_tile(vs, v + head, j0, ROWS, n_ctx, hs, hs);
-    __syncthreads();
-    scores<ROWS>(ss, qs, ks, hs, tf32);   /* S */
-    scores<ROWS>(ps, dys, vs, hs, tf32);  /* dP = dy v^T */
-    __syncthreads();
-    probs_and_grads(ss, ps, lse_s, delta_s, i0, j0, n_ctx, scale);
-    __syncthreads();
-    accumulate<ROWS>(acc, ps, ROWS, 1, ks, hs, tf32);  /* dq += dS k */
+  T qa[STEPS][4], dya[STEPS][4], d[2] = {0, 0}, row_lse[2];
+  a_frags(qa, tiles, 16 * warp, hs);
+  a_frags(dya, tiles + DQ_Q * LD, 16 * warp, hs);
+  for (int h = 0; h < 2; ++h) {  /* delta = rowsum(dy y) = rowsum(dP P), lanes t, t + 4, ... of the row */
+    const int r = r0 + g + 8 * h;
+    if (r < n_ctx)
+      for (int c = t; c < hs; c += 4) d[h] += tiles[(DQ_Q + 16 * warp + g + 8 * h) * LD + c] * y[y_head + r * stride + c];
+    d[h] = quad_sum(d[h]);
+    if (t == 0 && r < n_ctx) delta[(long long)bh * n_ctx + r] = d[h];
+    row_lse[h] = r < n_ctx ? lse[(long long)bh * n_ctx + r] : (T)0;
   }
-  store_acc<ROWS>(dq + head, hs, acc, i0, n_ctx, hs, scale, nullptr);
+#pragma unroll
+  for (int u = 0; u < STEPS; ++u)
+    for (int e = 0; e < 4; ++e) dya[u][e] = operand(dya[u][e], tf32);
+  T acc[STEPS][4] = {};
+  for (int j0 = 0; j0 < i0 + DQ_Q && j0 < n_ctx; j0 += DQ_K) {
+    __syncthreads();  /* q and dy are in registers / the previous tile's reads are done */
+    load_tile(tiles, k + head, j0, DQ_K, n_ctx, hs, hs, tf32);
+    load_tile(tiles + DQ_K * LD, v + head, j0, DQ_K, n_ctx, hs, hs, tf32);
+    __syncthreads();
+    if (j0 > r0 + 15) continue;
+    T s[DQ_K / 8][4], dp[DQ_K / 8][4];
+    rows_product<DQ_K / 8>(s, qa, ks, hs, tf32);   /* S = q k^T */
+    rows_product<DQ_K / 8>(dp, dya, vs, hs, tf32); /* dP = dy v^T */
+#pragma unroll
+    for (int n = 0; n < DQ_K / 8; ++n)
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, r = r0 + g + 8 * h;
+        const bool seen = j0 + 8 * n + 2 * t + (e & 1) <= r && r < n_ctx;
+        const T p = seen ? fa_exp(scale * s[n][e] - row_lse[h]) : (T)0;
+        dp[n][e] = p * (dp[n][e] - d[h]);  /* dS */
+      }
+    acc_product<DQ_K / 8>(acc, dp, ks, hs, tf32);  /* dq += dS k */
+  }
+  const T ones[2] = {1, 1};
+  store_acc(dq + head, hs, acc, r0, n_ctx, hs, scale, ones);
 }
 
 // @kernel flash_attention_bwd_dkv
-// dk and dv per key tile, over query tiles from the diagonal down.
+// dk and dv per key tile of DKV_K keys (16 per warp), over query tiles of DKV_Q rows from the diagonal down.
 #include "flash.cuh"
+constexpr int DKV_K = 64;
+constexpr int DKV_Q = sizeof(T) == 4 ? 32 : 16;
 extern "C" __global__ void flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T *lse,
                                                    const T *delta, T *dk, T *dv, const int n_ctx, const int hs,
                                                    const int n_head, const T scale, const int tf32) {
-  __shared__ T ks[ROWS * HS_MAX], vs[ROWS * HS_MAX], qs[ROWS * HS_MAX], dys[ROWS * HS_MAX];
-  __shared__ T ss[ROWS * ROWS], ps[ROWS * ROWS], lse_s[ROWS], delta_s[ROWS];
-  const int bh = blockIdx.y, j0 = blockIdx.x * ROWS;
+  __shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy tiles */
+  __shared__ T lse_s[DKV_Q], delta_s[DKV_Q];
+  const T *qs = tiles, *dys = tiles + DKV_Q * LD;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int bh = blockIdx.y, j0 = blockIdx.x * DKV_K, c0 = j0 + 16 * warp;  /* this warp's keys c0 .. c0 + 15 */
   const long long head = (long long)bh * n_ctx * hs;
   const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * hs, stride = (long long)n_head * hs;
-  load_tile(ks, k + head, j0, ROWS, n_ctx, hs, hs);
-  load_tile(vs, v + head, j0, ROWS, n_ctx, hs, hs);
-  T acc_k[ACC][4], acc_v[ACC][4];
-  for (int u = 0; u < ACC; ++u)
-    for (int e = 0; e < 4; ++e) acc_k[u][e] = acc_v[u][e] = 0;
-  for (int i0 = j0; i0 < n_ctx; i0 += ROWS) {  /* query tiles from the diagonal down */
+  load_tile(tiles, k + head, j0, DKV_K, n_ctx, hs, hs, tf32);
+  load_tile(tiles + DKV_K * LD, v + head, j0, DKV_K, n_ctx, hs, hs, tf32);
+  __syncthreads();
+  T ka[STEPS][4], va[STEPS][4];
+  a_frags(ka, tiles, 16 * warp, hs);
+  a_frags(va, tiles + DKV_K * LD, 16 * warp, hs);
+  T acc_k[STEPS][4] = {}, acc_v[STEPS][4] = {};
+  for (int i0 = j0 - j0 % DKV_Q; i0 < n_ctx; i0 += DKV_Q) {  /* query tiles from the diagonal down */
+    __syncthreads();  /* k and v are in registers / the previous tile's reads are done */
+    load_tile(tiles, q + head, i0, DKV_Q, n_ctx, hs, hs, tf32);
+    load_tile(tiles + DKV_Q * LD, dy + y_head, i0, DKV_Q, n_ctx, hs, stride, tf32);
+    for (int r = threadIdx.x; r < DKV_Q; r += blockDim.x) {
+      lse_s[r] = i0 + r < n_ctx ? lse[(long long)bh * n_ctx + i0 + r] : (T)0;
+      delta_s[r] = i0 + r < n_ctx ? delta[(long long)bh * n_ctx + i0 + r] : (T)0;
+    }
     __syncthreads();
-    load_tile(qs, q + head, i0, ROWS, n_ctx, hs, hs);
-    load_tile(dys, dy + y_head, i0, ROWS, n_ctx, hs, stride);
-    load_rows(lse_s, delta_s, lse + (long long)bh * n_ctx, delta + (long long)bh * n_ctx, i0, n_ctx);
-    __syncthreads();
-    scores<ROWS>(ss, qs, ks, hs, tf32);   /* S: rows are queries, columns keys */
-    scores<ROWS>(ps, dys, vs, hs, tf32);  /* dP */
-    __syncthreads();
-    probs_and_grads(ss, ps, lse_s, delta_s, i0, j0, n_ctx, scale);
-    __syncthreads();
-    accumulate<ROWS>(acc_v, ss, 1, ROWS, dys, hs, tf32);  /* dv += P^T dy */
-    accumulate<ROWS>(acc_k, ps, 1, ROWS, qs, hs, tf32);   /* dk += dS^T q */
+    if (i0 + DKV_Q - 1 < c0) continue;  /* every query of the tile is before this warp's keys */
+    T st[DKV_Q / 8][4], dpt[DKV_Q / 8][4];
+    rows_product<DKV_Q / 8>(st, ka, qs, hs, tf32);    /* S^T = k q^T: rows keys, columns queries */
+    rows_product<DKV_Q / 8>(dpt, va, dys, hs, tf32);  /* dP^T = v dy^T */
+#pragma unroll
+    for (int n = 0; n < DKV_Q / 8; ++n)
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * n + 2 * t + (e & 1), query = i0 + col;
+        const bool seen = c0 + g + 8 * (e >> 1) <= query && query < n_ctx;
+        const T p = seen ? fa_exp(scale * st[n][e] - lse_s[col]) : (T)0;
+        st[n][e] = p;                               /* P^T */
+        dpt[n][e] = p * (dpt[n][e] - delta_s[col]); /* dS^T */
+      }
+    acc_product<DKV_Q / 8>(acc_v, st, dys, hs, tf32);  /* dv += P^T dy */
+    acc_product<DKV_Q / 8>(acc_k, dpt, qs, hs, tf32);  /* dk += dS^T q */
   }
-  store_acc<ROWS>(dk + head, hs, acc_k, j0, n_ctx, hs, scale, nullptr);
-  store_acc<ROWS>(dv + head, hs, acc_v, j0, n_ctx, hs, (T)1, nullptr);
+  const T ones[2] = {1, 1};
+  store_acc(dk + head, hs, acc_k, c0, n_ctx, hs, scale, ones);
+  store_acc(dv + head, hs, acc_v, c0, n_ctx, hs, (T)1, ones);
 }

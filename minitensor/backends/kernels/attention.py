@@ -8,79 +8,98 @@ from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
 from minitensor.device import array_module
 
-# Keys per key tile (and query rows per tile of the backward), query rows per tile of the forward, by
-# dtype (attention.cu's ROWS and FWD_ROWS); a head size a multiple of 16, at most 64.
-FLASH_TILE = {np.dtype(np.float32): 32, np.dtype(np.float64): 16}
-FLASH_FWD_TILE = {np.dtype(np.float32): 64, np.dtype(np.float64): 16}
-FLASH_HS_MAX = 64
+# The kernels' tiles (attention.cu's constants), by dtype: (query rows, keys) of the forward's and of
+# flash_attention_bwd_dq's tiles, (keys, query rows) of flash_attention_bwd_dkv's; 16 rows a warp.
+FLASH_FWD_TILE = {np.dtype(np.float32): (128, 64), np.dtype(np.float64): (64, 32)}
+FLASH_DQ_TILE = {np.dtype(np.float32): (64, 32), np.dtype(np.float64): (64, 16)}
+FLASH_DKV_TILE = {np.dtype(np.float32): (64, 32), np.dtype(np.float64): (64, 16)}
+FLASH_HS_MAX = {np.dtype(np.float32): 64, np.dtype(np.float64): 32}  # flash.cuh's HS_MAX
 
 
 def flash_fits(hs, dtype):
     """Whether the flash kernels take heads of size hs in dtype."""
-    return np.dtype(dtype) in FLASH_TILE and hs % 16 == 0 and 16 <= hs <= FLASH_HS_MAX
+    dtype = np.dtype(dtype)
+    return dtype in FLASH_FWD_TILE and hs % 16 == 0 and 16 <= hs <= FLASH_HS_MAX[dtype]
 
 
-def _flash_pairs(n_ctx, query_rows, key_rows):
-    """(query tile, key tile) pairs a head's launch visits: each query tile, the key tiles up to its
-    last row (the diagonal tiles' masked parts computed too)."""
-    T = int(n_ctx)
-    return sum(-(-min(T, i0 + query_rows) // key_rows) for i0 in range(0, T, query_rows))
+def _warp_tiles(n_ctx, rows, cols, keys_first):
+    """(16-row band, tile) pairs a head's launch computes: blocks of `rows` rows (16 per warp) over tiles
+    of `cols`, a warp skipping the tiles the causal mask hides from all of its rows. keys_first: the
+    block's rows are keys and its tiles queries (flash_attention_bwd_dkv), else the reverse."""
+    T, pairs = int(n_ctx), 0
+    for b0 in range(0, T, rows):
+        for r0 in range(b0, b0 + rows, 16):
+            if keys_first:  # query tiles from the block's diagonal down, those with a query >= the band's first key
+                pairs += sum(1 for i0 in range(b0 - b0 % cols, T, cols) if i0 + cols - 1 >= r0)
+            else:  # key tiles up to the block's last row, those with a key <= the band's last row
+                pairs += sum(1 for j0 in range(0, min(T, b0 + rows), cols) if j0 <= r0 + 15)
+    return pairs
 
 
-def _flash_work(q, n_ctx, hs, forward):
-    """(BH, pairs per head, query rows per tile, keys per tile) of a launch."""
-    keys = FLASH_TILE[q.dtype]
-    rows = FLASH_FWD_TILE[q.dtype] if forward else keys
-    return q.size // (int(n_ctx) * int(hs)), _flash_pairs(n_ctx, rows, keys), rows, keys
-
-
-def _flash_flops(products, forward=False):
-    """FLOPs of `products` (query rows, keys, hs) products per pair."""
+def _flash_flops(products, tiles, keys_first=False):
+    """FLOPs of a launch's tensor-core products: `products` (16 x cols x hs) products per band and tile."""
     def flops(q, n_ctx, hs, **_):
-        bh, pairs, rows, keys = _flash_work(q, n_ctx, hs, forward)
-        return products * 2 * bh * pairs * rows * keys * int(hs)
+        rows, cols = tiles[q.dtype]
+        heads = q.size // (int(n_ctx) * int(hs))
+        return products * 2 * heads * _warp_tiles(n_ctx, rows, cols, keys_first) * 16 * cols * int(hs)
     return flops
 
 
-# Traffic counts every tile a block loads as a device-memory read: on a GPU most repeats of a head's
-# tiles are L2 hits, which the step model does not see (an upper bound).
-def _flash_fwd_traffic(q, k, v, y, lse, n_ctx, hs, **_):
-    """q read once, a k and a v tile per pair; y and lse written."""
-    bh, pairs, _, keys = _flash_work(q, n_ctx, hs, True)
-    return q.nbytes + 2 * bh * pairs * keys * int(hs) * q.itemsize, y.nbytes + lse.nbytes
+def _flash_model(m):
+    """The attention core of every head at the model's sizes, forward and backward, as the step calls it
+    (y and dy the heads' rows of (B, T, C) arrays; minitensor.checks.counts)."""
+    q, k, v = (np.zeros((m.BH, m.T, m.hs), np.float32) for _ in range(3))
+    y, dy = (np.zeros((m.B, m.T, m.C), np.float32) for _ in range(2))
+    _, lse = flash_attention_forward_gpu(q, k, v, m.hs ** -0.5, y, n_head=m.n_head)
+    flash_attention_backward_gpu(q, k, v, y, dy, lse, m.hs ** -0.5, n_head=m.n_head)
 
 
-def _flash_bwd_dq_traffic(q, k, v, y, dy, lse, delta, dq, n_ctx, hs, **_):
-    """q, dy, y and lse read once, a k and a v tile per pair; delta and dq written."""
-    bh, pairs, _, keys = _flash_work(q, n_ctx, hs, False)
-    return (q.nbytes + dy.nbytes + y.nbytes + lse.nbytes + 2 * bh * pairs * keys * int(hs) * q.itemsize,
-            delta.nbytes + dq.nbytes)
-
-
-def _flash_bwd_dkv_traffic(q, k, v, dy, lse, delta, dk, dv, n_ctx, hs, **_):
-    """k and v read once, a q and a dy tile per pair (and their rows' lse and delta); dk and dv written."""
-    bh, pairs, rows, _ = _flash_work(q, n_ctx, hs, False)
-    return k.nbytes + v.nbytes + 2 * bh * pairs * rows * (int(hs) + 1) * q.itemsize, dk.nbytes + dv.nbytes
+def _flash_blocks(tiles, keys_first=False):
+    """count_blocks for a flash kernel: the heads (grid y) do the same work, so head 0 stands for all;
+    within a head, a block's work is a fixed part plus a part per tile it visits (the diagonal's
+    pattern the same in every block when T is a multiple of the tiles), so the two blocks with the
+    fewest tiles stand for all, weighted by how many tiles each block visits. Otherwise every block of
+    head 0."""
+    def blocks(grid, block, args):
+        gx, heads = grid[0], grid[1] if len(grid) > 1 else 1
+        rows, cols = tiles[args[0].dtype]
+        T = int(args[0].shape[1])
+        if keys_first:  # block x: keys x rows.., query tiles from there down
+            visits = [-(-(T - x * rows) // cols) for x in range(gx)]
+        else:  # block x: query tile gx - 1 - x, key tiles up to its last row
+            visits = [-(-min(T, (gx - x) * rows) // cols) for x in range(gx)]
+        if gx < 3 or T % rows or T % cols:
+            return [(x, heads) for x in range(gx)]
+        a, b = sorted(range(gx), key=lambda x: visits[x])[:2]
+        f = [(visits[x] - visits[a]) / (visits[b] - visits[a]) for x in range(gx)]
+        return [(a, heads * sum(1 - fx for fx in f)), (b, heads * sum(f))]
+    return blocks
 
 
 # The kernels: kernels/attention.cu (their shared code in kernels/flash.cuh).
-FLASH_FWD = cuda.RawSpec("flash_attention_fwd", "attention.cu", traffic=_flash_fwd_traffic,
-                         flops=_flash_flops(2, forward=True))
-FLASH_BWD_DQ = cuda.RawSpec("flash_attention_bwd_dq", "attention.cu", traffic=_flash_bwd_dq_traffic,
-                            flops=_flash_flops(3))
-FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu", traffic=_flash_bwd_dkv_traffic,
-                             flops=_flash_flops(4))
+# Traffic: the default (each input read once, each output written once): the tiles a block reads again
+# are L2 hits, which the step model prices from the sectors the emulation counts (minitensor.checks.counts).
+FLASH_FWD = cuda.RawSpec("flash_attention_fwd", "attention.cu",
+                         flops=_flash_flops(2, FLASH_FWD_TILE), model=_flash_model,
+                         count_blocks=_flash_blocks(FLASH_FWD_TILE))
+FLASH_BWD_DQ = cuda.RawSpec("flash_attention_bwd_dq", "attention.cu",
+                            flops=_flash_flops(3, FLASH_DQ_TILE), model=_flash_model,
+                            count_blocks=_flash_blocks(FLASH_DQ_TILE))
+FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu",
+                             flops=_flash_flops(4, FLASH_DKV_TILE, keys_first=True), model=_flash_model,
+                             count_blocks=_flash_blocks(FLASH_DKV_TILE, keys_first=True))
 
 
 def _flash_operands(fn, q, k, v):
     """(BH, T, hs) of contiguous q, k, v that the kernels take."""
-    if getattr(q, "dtype", None) not in FLASH_TILE or q.ndim != 3 or not q.flags.c_contiguous:
+    if getattr(q, "dtype", None) not in FLASH_FWD_TILE or q.ndim != 3 or not q.flags.c_contiguous:
         raise ValueError(f"{fn}: q must be a contiguous float32 or float64 array (BH, T, hs)")
     cuda.like(fn, "k", k, q)
     cuda.like(fn, "v", v, q)
     BH, T, hs = q.shape
     if not flash_fits(hs, q.dtype):
-        raise ValueError(f"{fn}: head size {hs}: the kernels take multiples of 16 up to {FLASH_HS_MAX}")
+        raise ValueError(f"{fn}: head size {hs}: the kernels take multiples of 16 up to {FLASH_HS_MAX[q.dtype]} "
+                         f"in {q.dtype}")
     return BH, T, hs
 
 
@@ -105,8 +124,8 @@ def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32
     _flash_rows(fn, "y", y, q, n_head)
     cuda.row_values(fn, "lse", lse, q, BH * T)
     if q.size:
-        rows = FLASH_FWD_TILE[q.dtype]
-        cuda.launch(FLASH_FWD, q.dtype, (-(-T // rows), BH), (4 * rows,),
+        rows = FLASH_FWD_TILE[q.dtype][0]
+        cuda.launch(FLASH_FWD, q.dtype, (-(-T // rows), BH), (2 * rows,),
                     (q, k, v, y, lse, np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale),
                      np.int32(bool(tf32))))
     return y, lse
@@ -127,10 +146,13 @@ def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None,
         raise ValueError(f"{fn}: out must be a contiguous {q.dtype} array of shape {(3, BH, T, hs)}")
     if q.size:
         delta = xp.empty((BH, T), dtype=q.dtype)
-        grid, block = (-(-T // FLASH_TILE[q.dtype]), BH), (4 * FLASH_TILE[q.dtype],)
         common = (np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale), np.int32(bool(tf32)))
-        cuda.launch(FLASH_BWD_DQ, q.dtype, grid, block, (q, k, v, y, dy, lse, delta, grads[0], *common))
-        cuda.launch(FLASH_BWD_DKV, q.dtype, grid, block, (q, k, v, dy, lse, delta, grads[1], grads[2], *common))
+        rows = FLASH_DQ_TILE[q.dtype][0]  # 16 a warp
+        cuda.launch(FLASH_BWD_DQ, q.dtype, (-(-T // rows), BH), (2 * rows,),
+                    (q, k, v, y, dy, lse, delta, grads[0], *common))
+        keys = FLASH_DKV_TILE[q.dtype][0]
+        cuda.launch(FLASH_BWD_DKV, q.dtype, (-(-T // keys), BH), (2 * keys,),
+                    (q, k, v, dy, lse, delta, grads[1], grads[2], *common))
     return grads
 
 
@@ -166,6 +188,21 @@ def _flash_attention_sample(ops, rng):
     return tuple(outputs)
 
 
+def attention_core_timed(ops, sizes, dense=None):
+    """The attention core of every head (the layer's q, k, v as views of one (B, T, 3C) array), forward
+    and backward, as CausalSelfAttention calls it; `dense` as the layer passes it (None: the backend's
+    choice)."""
+    xp, B, T, C, nh = ops.xp, sizes.B, sizes.T, sizes.C, sizes.n_head
+    qkv = cuda.normals(xp, B, T, 3 * C).reshape(B, T, 3, nh, C // nh)
+    qkv4 = [qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]
+    y = xp.empty((B, T, C), np.float32)
+    y4 = y.reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+    dy4 = cuda.normals(xp, B, T, C).reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+    dqkv = xp.empty((B, T, 3, nh, C // nh), np.float32)
+    grads4 = [dqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]
+    return lambda: ops.attention_backward(dy4, ops.attention_forward(qkv4, None, y4, dense=dense), grads4)
+
+
 def _flash_attention_cases(k):
     """The flash attention core forward and backward against Ops' dense core, at the model's heads (64
     wide; 16 in a dry run). Its float32 products by FMAs here: TF32's would not meet 1e-5 (the start-up
@@ -198,4 +235,5 @@ FLASH_ATTENTION = cuda.fused_piece(
     sample=_flash_attention_sample,
     cases=_flash_attention_cases,
     rtol=FLASH_RTOL,
+    timed=attention_core_timed,  # against the core the backend takes without it: dense within its budget
 )

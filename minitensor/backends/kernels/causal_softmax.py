@@ -23,11 +23,25 @@ def _causal_softmax_bwd_traffic(dp, p, ds, n_ctx, **_):
     return (dp.nbytes + p.nbytes) * _causal_fraction(n_ctx), ds.nbytes
 
 
-CAUSAL_SOFTMAX_FWD = cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu",
-                                 traffic=_causal_softmax_fwd_traffic)
+def _causal_softmax_model(m):
+    """The dense core's softmax at the model's sizes, forward and backward in place, as
+    CupyOps.attention_forward_dense and attention_backward call them (minitensor.checks.counts)."""
+    s = np.zeros((m.BH, m.T, m.T), np.float32)
+    p = causal_softmax_forward_gpu(s, m.hs ** -0.5, out=s)
+    causal_softmax_backward_gpu(np.zeros_like(p), p, m.hs ** -0.5, out=p)
 
-CAUSAL_SOFTMAX_BWD = cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu",
-                                 traffic=_causal_softmax_bwd_traffic)
+
+def _one_matrix(grid, block, args):
+    """Every row of the first matrix, each standing for its row in all of them: row r's work grows with r."""
+    n_ctx = int(args[3])  # both kernels' fourth parameter
+    return [(r, grid[0] // n_ctx) for r in range(n_ctx)]
+
+
+CAUSAL_SOFTMAX_FWD = cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu", traffic=_causal_softmax_fwd_traffic,
+                                 model=_causal_softmax_model, count_blocks=_one_matrix)
+
+CAUSAL_SOFTMAX_BWD = cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu", traffic=_causal_softmax_bwd_traffic,
+                                 model=_causal_softmax_model, count_blocks=_one_matrix)
 
 CAUSAL_SOFTMAX_RECOMPUTE = cuda.ElementwiseSpec(
     "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p", "causal_softmax.cu",
@@ -138,10 +152,19 @@ def _causal_softmax_cases(k):
     ]
 
 
+def _dense_core_timed(ops, sizes):
+    """The dense attention core of every head at the run's sizes, forward and backward (the flash
+    piece's timed run, the dense core asked for)."""
+    from minitensor.backends.kernels.attention import attention_core_timed  # here: the records' import order
+
+    return attention_core_timed(ops, sizes, dense=True)
+
+
 CAUSAL_SOFTMAX = cuda.fused_piece(
     "causal_softmax",
     replaces=("attention_forward_dense",),
     kernels=(CAUSAL_SOFTMAX_FWD, CAUSAL_SOFTMAX_BWD, CAUSAL_SOFTMAX_RECOMPUTE),
     sample=_causal_softmax_sample,
     cases=_causal_softmax_cases,
+    timed=_dense_core_timed,
 )

@@ -1,5 +1,5 @@
-// The flash attention kernels' shared code (kernels/attention.cu): the tile constants, the mma.m16n8k8
-// step (PTX on a GPU, the launch emulation's own on the host), the tile loads and products.
+// The flash attention kernels' shared code (kernels/attention.cu): tiles in shared memory, the mma.m16n8k8
+// step (PTX on a GPU, the emulation's own on the host) and its fragments.
 #ifdef __CUDACC__
 __device__ __forceinline__ unsigned to_tf32(float v) {
   unsigned r;
@@ -15,11 +15,15 @@ __device__ __forceinline__ void mma_tf32(float *c, const unsigned *a, const unsi
 }
 #endif
 
-constexpr int ROWS = sizeof(T) == 4 ? 32 : 16;      /* keys of a key tile; rows of the backward's query tiles */
-constexpr int FWD_ROWS = sizeof(T) == 4 ? 64 : 16;  /* rows of the forward's query tiles */
-constexpr int HS_MAX = 64;
-constexpr int ACC = HS_MAX / 16;  /* 8-wide accumulator tiles of a (rows, hs) product per warp */
-/* A block has 4 threads per query row of its tile: QR / 16 bands of 16 rows, 2 warps (column halves) each. */
+/* Heads up to 64 wide in float; in double (the float64 checks' path) up to 32, so that a warp's operands
+   and accumulators of double width stay in its registers. */
+constexpr int HS_MAX = sizeof(T) == 4 ? 64 : 32;
+constexpr int STEPS = HS_MAX / 8;  /* 8-deep steps over a head, at most */
+/* Row stride of every tile in shared memory: a multiple of 4 (16-byte rows for vector stores) and 4
+   more than a multiple of 32 words, so that the 8 rows g and 4 columns t a float fragment read touches
+   fall in 32 distinct banks (row g starts at bank 4 g). */
+constexpr int LD = HS_MAX + 4;
+constexpr unsigned FULL = 0xffffffffu;
 
 __device__ __forceinline__ float fa_exp(float v) { return expf(v); }
 __device__ __forceinline__ double fa_exp(double v) { return exp(v); }
@@ -28,13 +32,21 @@ __device__ __forceinline__ double fa_log(double v) { return log(v); }
 __device__ __forceinline__ float fa_lowest(float) { return -3.40282347e+38f; }
 __device__ __forceinline__ double fa_lowest(double) { return -1.7976931348623157e+308; }
 
-/* c (the lane's four elements of a 16 x 8 tile, the layout above) += A (16 x kdim) B (kdim x 8) by FMAs:
-   A(i, k) = a[i si + k sk], B(k, n) = b[k bk + n bn], both in shared memory. */
-template <class U> __device__ void fma_tile(U *c, const U *a, int si, int sk, const U *b, int bk, int bn, int kdim) {
+/* An operand of the tensor cores, rounded to TF32 once, where it is stored (float with tf32; else as is). */
+__device__ __forceinline__ float operand(float v, int tf32) { return tf32 ? __uint_as_float(to_tf32(v)) : v; }
+__device__ __forceinline__ double operand(double v, int) { return v; }
+
+/* c (16 x 8, the accumulator layout) += a (16 x 8) b (8 x 8), every lane of the warp calling it. Lane
+   4 g + t holds a = A(g, t), A(g + 8, t), A(g, t + 4), A(g + 8, t + 4); b = B(t, g), B(t + 4, g);
+   c = C(g, 2t), C(g, 2t + 1), C(g + 8, 2t), C(g + 8, 2t + 1) (PTX ISA, "Matrix Fragments for
+   mma.m16n8k8", .tf32). Without tensor cores (double; float without tf32) the same product by FMAs:
+   each lane gathers rows g, g + 8 of A and columns 2t, 2t + 1 of B from the lanes holding them. */
+template <class U> __device__ void fma_step(U *c, const U *a, const U *b) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  for (int k = 0; k < kdim; ++k) {
-    const U a0 = a[g * si + k * sk], a1 = a[(g + 8) * si + k * sk];
-    const U b0 = b[k * bk + 2 * t * bn], b1 = b[k * bk + (2 * t + 1) * bn];
+  for (int k = 0; k < 8; ++k) {
+    const int hi = k >> 2, from_a = 4 * g + (k & 3), from_b = 8 * t + (k & 3);
+    const U a0 = __shfl_sync(FULL, a[hi ? 2 : 0], from_a), a1 = __shfl_sync(FULL, a[hi ? 3 : 1], from_a);
+    const U b0 = __shfl_sync(FULL, b[hi], from_b), b1 = __shfl_sync(FULL, b[hi], from_b + 4);
     c[0] += a0 * b0;
     c[1] += a0 * b1;
     c[2] += a1 * b0;
@@ -42,108 +54,135 @@ template <class U> __device__ void fma_tile(U *c, const U *a, int si, int sk, co
   }
 }
 
-/* the same with tensor cores where tf32 (float only; kdim a multiple of 8): 8-deep mma.sync steps, the
-   operands rounded to TF32. tf32 is the same for the whole block, so every warp issues alike. */
-__device__ void mma_tile(float *c, const float *a, int si, int sk, const float *b, int bk, int bn, int kdim,
-                         int tf32) {
-  if (!tf32) return fma_tile(c, a, si, sk, b, bk, bn, kdim);
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  for (int k0 = 0; k0 < kdim; k0 += 8) {
-    const unsigned fa[4] = {to_tf32(a[g * si + (k0 + t) * sk]), to_tf32(a[(g + 8) * si + (k0 + t) * sk]),
-                            to_tf32(a[g * si + (k0 + t + 4) * sk]), to_tf32(a[(g + 8) * si + (k0 + t + 4) * sk])};
-    const unsigned fb[2] = {to_tf32(b[(k0 + t) * bk + g * bn]), to_tf32(b[(k0 + t + 4) * bk + g * bn])};
-    mma_tf32(c, fa, fb);
+__device__ __forceinline__ void mma_step(float *c, const float *a, const float *b, int tf32) {
+  if (!tf32) return fma_step(c, a, b);
+  const unsigned ua[4] = {__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]), __float_as_uint(a[3])};
+  const unsigned ub[2] = {__float_as_uint(b[0]), __float_as_uint(b[1])};
+  mma_tf32(c, ua, ub);
+}
+
+__device__ __forceinline__ void mma_step(double *c, const double *a, const double *b, int) { fma_step(c, a, b); }
+
+/* Fragments from a row-major tile s (stride LD) in shared memory, at row r0 and column c0:
+   a_frag: A(i, k) = s(r0 + i, c0 + k)                (a 16 x 8 A operand)
+   b_rows: B(k, n) = s(r0 + n, c0 + k)                (B = the tile's rows transposed: k^T, v^T, q^T, dy^T)
+   b_cols: B(k, n) = s(r0 + 2 (k % 4) + k / 4, c0 + n) (B = the tile itself, its rows in the order of
+           the k index of an A operand made from an accumulator: a_from_acc) */
+__device__ __forceinline__ void a_frag(T *a, const T *s, int r0, int c0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  a[0] = s[(r0 + g) * LD + c0 + t];
+  a[1] = s[(r0 + g + 8) * LD + c0 + t];
+  a[2] = s[(r0 + g) * LD + c0 + t + 4];
+  a[3] = s[(r0 + g + 8) * LD + c0 + t + 4];
+}
+
+__device__ __forceinline__ void b_rows(T *b, const T *s, int r0, int c0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  b[0] = s[(r0 + g) * LD + c0 + t];
+  b[1] = s[(r0 + g) * LD + c0 + t + 4];
+}
+
+__device__ __forceinline__ void b_cols(T *b, const T *s, int r0, int c0) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  b[0] = s[(r0 + 2 * t) * LD + c0 + g];
+  b[1] = s[(r0 + 2 * t + 1) * LD + c0 + g];
+}
+
+/* The A operand (k = 8 columns) of an accumulator tile c (16 x 8, columns 2t, 2t + 1 in lane t) in
+   registers, no exchange: its k index t stands for column 2t and t + 4 for 2t + 1, so the B operand
+   it multiplies is read with b_cols. Rounded to TF32 where the product runs on tensor cores. */
+__device__ __forceinline__ void a_from_acc(T *a, const T *c, int tf32) {
+  a[0] = operand(c[0], tf32);
+  a[1] = operand(c[2], tf32);
+  a[2] = operand(c[1], tf32);
+  a[3] = operand(c[3], tf32);
+}
+
+/* rows r0 .. r0 + rows - 1 of a matrix whose row r is src[r * stride ..] (hs wide) into the tile dst
+   (stride LD), operands rounded as the products need them; rows at or past n_ctx as zeros. 16-byte
+   vectors, 8 lanes to a row of 128 bytes: conflict-free stores. */
+__device__ void load_tile(T *dst, const T *src, int r0, int rows, int n_ctx, int hs, long long stride, int tf32) {
+  constexpr int PER = 16 / sizeof(T);
+  const int per_row = hs / PER;
+  for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
+    const int r = e / per_row, c = (e - r * per_row) * PER;
+    T v[PER];
+    if (r0 + r < n_ctx) {
+      if (PER == 4) *(float4 *)v = *(const float4 *)(src + (r0 + r) * stride + c);
+      else *(double2 *)v = *(const double2 *)(src + (r0 + r) * stride + c);
+    }
+    for (int i = 0; i < PER; ++i) v[i] = r0 + r < n_ctx ? operand(v[i], tf32) : (T)0;
+    if (PER == 4) *(float4 *)(dst + r * LD + c) = *(float4 *)v;
+    else *(double2 *)(dst + r * LD + c) = *(double2 *)v;
   }
 }
 
-__device__ void mma_tile(double *c, const double *a, int si, int sk, const double *b, int bk, int bn, int kdim,
-                         int) {
-  fma_tile(c, a, si, sk, b, bk, bn, kdim);
-}
-
-/* (rows, n) tile of rows r0.. of a matrix whose row r is src[r * stride ..], into dst (row length n);
-   rows at or past n_ctx as zeros */
-__device__ void load_tile(T *dst, const T *src, int r0, int rows, int n_ctx, int n, long long stride) {
-  for (int e = threadIdx.x; e < rows * n; e += blockDim.x) {
-    const int r = e / n, c = e - r * n;
-    dst[e] = r0 + r < n_ctx ? src[(r0 + r) * stride + c] : (T)0;
-  }
-}
-
-/* s (QR x ROWS, shared) = A B^T for A (QR, hs) and B (ROWS, hs) tiles in shared memory: each warp the
-   8-wide column tiles of its half of its band */
-template <int QR> __device__ void scores(T *s, const T *a, const T *b, int hs, int tf32) {
-  const int warp = threadIdx.x >> 5, band = warp % (QR / 16), half = warp / (QR / 16);
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  for (int u = 0; u < ROWS / 16; ++u) {
-    const int n0 = (half * (ROWS / 16) + u) * 8;
-    T c[4] = {0, 0, 0, 0};
-    mma_tile(c, a + band * 16 * hs, hs, 1, b + n0 * hs, 1, hs, hs, tf32);
-    T *out = s + (band * 16 + g) * ROWS + n0 + 2 * t;
-    out[0] = c[0];
-    out[1] = c[1];
-    out[8 * ROWS] = c[2];
-    out[8 * ROWS + 1] = c[3];
-  }
-}
-
-/* acc (this warp's ACC accumulator tiles of a (QR, hs) result) += A B, A(i, k) = a[i si + k sk] over
-   kdim = ROWS, B (ROWS, hs) row-major in shared memory */
-template <int QR> __device__ void accumulate(T (*acc)[4], const T *a, int si, int sk, const T *b, int hs,
-                                             int tf32) {
-  const int warp = threadIdx.x >> 5, band = warp % (QR / 16), half = warp / (QR / 16), tiles = hs / 16;
+/* this warp's A operands of its 16 rows r0.. of a tile, for every 8-deep step of the head */
+__device__ __forceinline__ void a_frags(T (*a)[4], const T *s, int r0, int hs) {
 #pragma unroll
-  for (int u = 0; u < ACC; ++u)
-    if (u < tiles) mma_tile(acc[u], a + band * 16 * si, si, sk, b + (half * tiles + u) * 8, hs, 1, ROWS, tf32);
+  for (int k = 0; k < STEPS; ++k)
+    if (8 * k < hs) a_frag(a[k], s, r0, 8 * k);
 }
 
-/* rows r0.. of a (QR, hs) result from the accumulators, times scale (and per row, row_factor[r]), into
-   dst row r at dst[r * stride]; rows at or past n_ctx not written */
-template <int QR> __device__ void store_acc(T *dst, long long stride, T (*acc)[4], int r0, int n_ctx, int hs,
-                                            T scale, const T *row_factor) {
-  const int warp = threadIdx.x >> 5, band = warp % (QR / 16), half = warp / (QR / 16), tiles = hs / 16;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+/* c[n] (16 x 8 column tiles n = 0 .. N - 1) = A B, the A operands in registers (a[k] per 8-deep step
+   over the head), B(k, n) = s(r0 + n, k): a product against a tile's rows (q k^T, dy v^T, k q^T, v dy^T) */
+template <int N> __device__ __forceinline__ void rows_product(T (*c)[4], const T (*a)[4], const T *s, int hs, int tf32) {
 #pragma unroll
-  for (int u = 0; u < ACC; ++u)
-    if (u < tiles)
-      for (int h = 0; h < 2; ++h) {
-        const int r = band * 16 + g + 8 * h, col = (half * tiles + u) * 8 + 2 * t;
-        const T f = scale * (row_factor ? row_factor[r] : (T)1);
-        if (r0 + r < n_ctx) {
-          dst[(r0 + r) * stride + col] = acc[u][2 * h] * f;
-          dst[(r0 + r) * stride + col + 1] = acc[u][2 * h + 1] * f;
-        }
+  for (int n = 0; n < N; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0;
+#pragma unroll
+  for (int k = 0; k < STEPS; ++k)  /* per step, N independent accumulators: their mma latencies overlap */
+    if (8 * k < hs)
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        T b[2];
+        b_rows(b, s, 8 * n, 8 * k);
+        mma_step(c[n], a[k], b, tf32);
       }
+}
+
+/* acc[m] (16 x 8 column tiles of the head) += P s for P (16 x 8 N, accumulator tiles p[k] in registers)
+   and s a tile of 8 N rows: a product over a tile's rows (P v, dS k, P^T dy, dS^T q) */
+template <int N> __device__ __forceinline__ void acc_product(T (*acc)[4], const T (*p)[4], const T *s, int hs, int tf32) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    T a[4];
+    a_from_acc(a, p[k], tf32);
+#pragma unroll
+    for (int m = 0; m < STEPS; ++m)
+      if (8 * m < hs) {
+        T b[2];
+        b_cols(b, s, 8 * k, 8 * m);
+        mma_step(acc[m], a, b, tf32);
+      }
+  }
+}
+
+/* rows r0 + g, r0 + g + 8 of this warp's accumulators (a (16, hs) result) times scale / row_div[half],
+   into dst row r at dst[r * stride]; rows at or past n_ctx not written */
+__device__ void store_acc(T *dst, long long stride, const T (*acc)[4], int r0, int n_ctx, int hs, T scale,
+                          const T *row_div) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int m = 0; m < STEPS; ++m)
+    if (8 * m < hs)
+      for (int h = 0; h < 2; ++h)
+        if (r0 + g + 8 * h < n_ctx) {  /* two adjacent columns in one store: 4 lanes fill a 32-byte sector */
+          T pair[2] = {acc[m][2 * h] * scale / row_div[h], acc[m][2 * h + 1] * scale / row_div[h]};
+          T *out = dst + (r0 + g + 8 * h) * stride + 8 * m + 2 * t;
+          if (sizeof(T) == 4) *(float2 *)out = *(float2 *)pair;
+          else *(double2 *)out = *(double2 *)pair;
+        }
 }
 
 __device__ __forceinline__ T quad_max(T v) {
   for (int o = 1; o < 4; o <<= 1) {
-    const T u = __shfl_xor_sync(0xffffffffu, v, o);
+    const T u = __shfl_xor_sync(FULL, v, o);
     v = u > v ? u : v;
   }
   return v;
 }
 
 __device__ __forceinline__ T quad_sum(T v) {
-  for (int o = 1; o < 4; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = 1; o < 4; o <<= 1) v += __shfl_xor_sync(FULL, v, o);
   return v;
-}
-
-/* the rows' lse and delta of query tile i0 into shared memory (0 past n_ctx) */
-__device__ void load_rows(T *lse_s, T *delta_s, const T *lse, const T *delta, int i0, int n_ctx) {
-  for (int r = threadIdx.x; r < ROWS; r += blockDim.x) {
-    lse_s[r] = i0 + r < n_ctx ? lse[i0 + r] : (T)0;
-    delta_s[r] = i0 + r < n_ctx ? delta[i0 + r] : (T)0;
-  }
-}
-
-/* in place over ss (scores -> P) and ps (dP -> dS) of query tile i0 against key tile j0 */
-__device__ void probs_and_grads(T *ss, T *ps, const T *lse_s, const T *delta_s, int i0, int j0, int n_ctx,
-                                T scale) {
-  for (int e = threadIdx.x; e < ROWS * ROWS; e += blockDim.x) {
-    const int r = e / ROWS, c = e - r * ROWS;
-    const T p = j0 + c <= i0 + r && i0 + r < n_ctx ? fa_exp(scale * ss[e] - lse_s[r]) : (T)0;
-    ss[e] = p;
-    ps[e] = p * (ps[e] - delta_s[r]);
-  }
 }

@@ -14,7 +14,15 @@ def _softmax_xent_fwd_traffic(z, targets, losses, V, n_valid, **_):
     return z.nbytes * int(n_valid) // int(V) + targets.nbytes, z.nbytes + losses.nbytes
 
 
-SOFTMAX_XENT_FWD = cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic)
+def _softmax_xent_model(m):
+    """The tied head's loss at the model's sizes: N rows of the padded vocabulary, V of them logits
+    (minitensor.checks.counts)."""
+    targets = np.random.default_rng(0).integers(0, m.V, m.N)
+    softmax_xent_forward_gpu(np.zeros((m.N, m.V_padded), np.float32), targets, valid=m.V)
+
+
+SOFTMAX_XENT_FWD = cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic,
+                                model=_softmax_xent_model)
 
 SOFTMAX_XENT_BWD = cuda.ElementwiseSpec(
     "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz", "softmax_xent.cu",
@@ -128,10 +136,23 @@ def _softmax_xent_cases(k):
     ]
 
 
+def _softmax_xent_timed(ops, sizes):
+    """The loss over N rows of the vocabulary (padded as the backend pads it), forward and backward."""
+    xp, V = ops.xp, sizes.V
+    z = cuda.normals(xp, sizes.N, ops.vocab_padding(V))
+    t = xp.asarray(np.random.default_rng(0).integers(0, V, sizes.N))
+
+    def run():
+        _, probs = (ops.softmax_xent_forward(z, t, valid=V) if z.shape[1] != V else ops.softmax_xent_forward(z, t))
+        return ops.softmax_xent_backward(probs, t)
+    return run
+
+
 SOFTMAX_XENT = cuda.fused_piece(
     "softmax_xent",
     replaces=("vocab_padding", "softmax_xent_forward", "softmax_xent_backward"),
     kernels=(SOFTMAX_XENT_FWD, SOFTMAX_XENT_BWD),
     sample=_softmax_xent_sample,
     cases=_softmax_xent_cases,
+    timed=_softmax_xent_timed,
 )
