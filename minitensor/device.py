@@ -172,9 +172,29 @@ def set_tf32(xp, enabled):
 
     linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if enabled else linalg.COMPUTE_TYPE_DEFAULT)
     handle = xp.cuda.device.get_cublas_handle()
-    cublas.setMathMode(handle, CUBLAS_TF32_TENSOR_OP_MATH if enabled else CUBLAS_DEFAULT_MATH)
+    _math_modes[handle] = CUBLAS_TF32_TENSOR_OP_MATH if enabled else CUBLAS_DEFAULT_MATH
+    cublas.setMathMode(handle, _math_modes[handle])
     compute = linalg.get_compute_type(np.float32)
     mode = cublas.getMathMode(handle)
     effective = compute == linalg.COMPUTE_TYPE_TF32 and mode & CUBLAS_TF32_TENSOR_OP_MATH
     return (f"tf32: {'on' if effective else 'off'} (2-D GEMMs: compute type {linalg.compute_type_to_str(compute)}; "
             f"batched GEMMs: cuBLAS math mode {mode}; CUPY_TF32 in the environment is not used)")
+
+
+# handle -> the math mode set_tf32 chose for it: what the GEMMs through the handle rely on
+_math_modes = {}
+
+
+def math_mode(handle):
+    """The cuBLAS math mode the handle's GEMMs run in, set back first to what set_tf32 chose if a call
+    changed it: CuPy's float16 and bfloat16 matmuls set the handle's math mode to the default and leave
+    it so, which would silently turn TF32 off for every later GEMM through the handle (the flash
+    kernels read it too). minitensor.backends.cublas calls this before each GEMM."""
+    from cupy_backends.cuda.libs import cublas
+
+    mode = cublas.getMathMode(handle)
+    want = _math_modes.get(handle)
+    if want is not None and mode & 0xF != want:
+        cublas.setMathMode(handle, want)
+        return want
+    return mode & 0xF

@@ -50,6 +50,15 @@ from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.params import Params
 
 
+def run_sizes(cfg, batch):
+    """The sizes the start-up self-check times the fused kernels at (minitensor.backends.cuda.Sizes):
+    batch sequences of the context length."""
+    from minitensor.backends.cuda import Sizes
+
+    return Sizes(B=batch, T=cfg.context_length, C=cfg.d_model, n_head=cfg.n_head, F=cfg.mlp_dim,
+                 V=cfg.vocab_size, P=sum(int(np.prod(shape)) for shape in param_shapes(cfg).values()))
+
+
 def param_shapes(cfg):
     """{GPT-2 name: shape} in the order of the flat buffer."""
     C, V, F = cfg.d_model, cfg.vocab_size, cfg.mlp_dim
@@ -314,15 +323,16 @@ class GradFlow:
 
 
 class ANDREA:
-    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None):
+    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None, batch=None):
         """kernels: on the CPU 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba when
         installed); on a GPU the fused kernels, 'auto' (the default: those that pass the start-up
-        self-check), 'fused' or 'generic' (train.kernels); chosen here once, like the device
+        self-check, and with `batch`, are not slower than the generic code at batch x context_length),
+        'fused' or 'generic' (train.kernels); chosen here once, like the device
         (minitensor.backends.get_ops). ops: a minitensor.backends.ops backend to use instead of the device's
         (tests)."""
         self.cfg = cfg
         self.backend = get_backend(device)
-        self.ops = ops = ops or get_ops(self.backend.xp, kernels)
+        self.ops = ops = ops or get_ops(self.backend.xp, kernels, run_sizes(cfg, batch) if batch else None)
         self.xp = ops.xp
         self.dtype = resolve_dtype(dtype)
         self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops)

@@ -49,7 +49,8 @@ class Trainer:
         if device != "cpu":
             dist.use_local_gpu(world)
         try:
-            self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed, kernels=t.kernels)
+            self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed, kernels=t.kernels,
+                                batch=t.batch_size)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         # the GPU's TF32 mode (process-wide) and the model's kernels, said in the log

@@ -24,14 +24,15 @@ import numpy as np
 _ops = {}
 
 
-def get_ops(xp=np, kernels=None):
+def get_ops(xp=np, kernels=None, sizes=None):
     """The backend for arrays of xp, built once per choice and logged by its `kernels_line`.
 
     On NumPy: NumpyOps with the numba kernels unless kernels (or, when it is None or one of the
     GPU's choices below, ANDREA_CPU_KERNELS) says 'numpy' or numba is not installed
     (minitensor.backends.numba_jit.mode). On CuPy: CupyOps with the fused kernels kernels says, 'auto' (the
     default: those that pass the start-up self-check, run here once), 'fused' (all, unchecked)
-    or 'generic' (none; minitensor.checks.selfcheck)."""
+    or 'generic' (none; minitensor.checks.selfcheck); with the run's sizes (minitensor.backends.cuda.Sizes),
+    'auto' also times each piece against the generic code there and keeps the faster."""
     from minitensor.backends import numba_jit
     from minitensor.checks import selfcheck
 
@@ -42,11 +43,11 @@ def get_ops(xp=np, kernels=None):
 
             _ops[key] = NumpyOps(numba=key[1] == "numba")
         return _ops[key]
-    key = ("cupy", xp, kernels or "auto")
+    key = ("cupy", xp, kernels or "auto", sizes if (kernels or "auto") == "auto" else None)
     if key not in _ops:
         from minitensor.backends.cupy_ops import CupyOps
 
-        fused, line = selfcheck.select_kernels(key[2], xp)
+        fused, line = selfcheck.select_kernels(key[2], xp, sizes=key[3])
         _ops[key] = CupyOps(xp, fused, line)
     return _ops[key]
 

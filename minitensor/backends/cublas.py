@@ -20,7 +20,8 @@ These go through `cublas.sgemm` / `dgemm`, `sgemmStridedBatched` / `dgemmStrided
 cupy_backends/cuda/libs/cublas.pyx), alpha and beta as host pointers (the handle's default pointer
 mode, which CuPy's own matmul also relies on), on the current stream (cuBLAS's calls in CuPy set the
 handle's stream first). TF32: sgemm follows the handle's math mode, which
-minitensor.device.set_tf32 sets (CUBLAS_TF32_TENSOR_OP_MATH), as it does for CuPy's batched matmul.
+minitensor.device.set_tf32 sets (CUBLAS_TF32_TENSOR_OP_MATH), as it does for CuPy's batched matmul;
+each GEMM here sets it back first if another call changed it (minitensor.device.math_mode).
 cuBLAS's GEMM and GEMV give the same bits on every run on one GPU (no atomics unless
 cublasSetAtomicsMode allows them, which nothing here does).
 
@@ -30,6 +31,8 @@ CuPy's own operations.
 """
 
 import numpy as np
+
+from minitensor.device import math_mode
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1  # cublasOperation_t (cublas_api.h)
 
@@ -84,6 +87,7 @@ def gemm(a, b, out, beta=0.0):
     from cupy_backends.cuda.libs import cublas
 
     handle = cupy.cuda.device.get_cublas_handle()
+    math_mode(handle)  # TF32 as set_tf32 chose it, whatever ran through the handle since
     one, coef = _scalar(1.0, a.dtype), _scalar(beta, a.dtype)
     # out^T (N, M) = b^T a^T: b's row-major storage is b^T to cuBLAS (no transpose), a transposed
     # view is stored as its row-major transpose (cuBLAS transposes it back)

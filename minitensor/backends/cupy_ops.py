@@ -67,7 +67,7 @@ from minitensor.backends.kernels.adamw import adamw_kernel
 # isort: on
 from minitensor.backends.ops import Ops
 from minitensor.backends.tricks import FreshGrads, adamw_scalars
-from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH
+from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH, math_mode
 
 
 class FusedAttentionCache(NamedTuple):
@@ -280,10 +280,7 @@ class CupyOps(BlockedAttention, Ops):
         else as the batched GEMMs do, by the cuBLAS handle's math mode (minitensor.device.set_tf32)."""
         if self.flash_tf32 is not None:
             return self.flash_tf32
-        from cupy_backends.cuda.libs import cublas
-
-        mode = cublas.getMathMode(self.xp.cuda.device.get_cublas_handle())
-        return mode & 0xF == CUBLAS_TF32_TENSOR_OP_MATH  # the flags above the low bits aside
+        return math_mode(self.xp.cuda.device.get_cublas_handle()) == CUBLAS_TF32_TENSOR_OP_MATH
 
     def _attention_backward_flash(self, dy4, saved, grads4):
         xp = self.xp

@@ -1,6 +1,6 @@
 """The start-up self-check of the fused GPU kernels: which ones a CupyOps is built to use.
 
-    select_kernels("auto" | "fused" | "generic", xp) -> (fused pieces, one line saying so)
+    select_kernels("auto" | "fused" | "generic", xp, sizes=None) -> (fused pieces, one line saying so)
 
 `minitensor.backends.get_ops(cupy, kernels)` calls it once per choice, when the model's backend is
 built, and hands the pieces to `CupyOps`; nothing reads the choice later. `auto` (the default on
@@ -10,9 +10,21 @@ inputs, a few milliseconds) through a CupyOps without the piece (the Ops code) a
 kernel), and keeps only the pieces whose outputs agree to float32 precision: max |fused -
 generic| <= RTOL * max(1, max |generic|) over every output (TF32 precision for a piece whose products
 run on tensor cores: its record's rtol). A piece that disagrees, or whose
-kernel fails to build or run, is reported in the line and the Ops code takes its place. `fused`
-uses every piece unchecked, `generic` none; on NumPy there is nothing to choose.
+kernel fails to build or run, is reported in the line and the Ops code takes its place.
+
+Given the run's sizes (a minitensor.backends.cuda.Sizes: the trainer's batch and context), `auto` then
+times each piece that agreed at those sizes, its forward and backward through the backend with the
+piece and without it (its record's `timed`; the flash attention core against the core the backend
+takes without it, the dense one within its memory budget), the device synchronised around each run,
+the median of TIMED_RUNS after one to warm up, and keeps the piece only where it is not slower; the
+line gives both times for each. On the CuPy stand-in (no GPU: the kernels run in a CPU emulation),
+times say nothing about a GPU and none are taken.
+
+`fused` uses every piece unchecked and untimed, `generic` none; on NumPy there is nothing to choose.
 """
+
+import statistics
+import time
 
 import numpy as np
 
@@ -22,6 +34,7 @@ from minitensor.device import to_numpy
 MODES = ("auto", "fused", "generic")
 RTOL = 1e-4  # about 800 float32 epsilons: summation orders differ, formulas must not
 SEED = 1234
+TIMED_RUNS = 3
 
 
 def compare(check, name, xp):
@@ -61,9 +74,10 @@ def choose(checks, xp):
     return chosen, refused
 
 
-def select_kernels(mode, xp, checks=None):
+def select_kernels(mode, xp, checks=None, sizes=None, timers=None):
     """(the fused pieces to use, the line that says which and why) for arrays of xp; checks (name ->
-    sample(ops, rng), every piece's by default) is what `auto` runs."""
+    sample(ops, rng), every piece's by default) is what `auto` runs; with sizes, timers (name ->
+    timed(ops, sizes), every piece's record's by default) are what it times."""
     if mode not in MODES:
         raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
     if xp is np:
@@ -76,7 +90,54 @@ def select_kernels(mode, xp, checks=None):
     if checks is None:
         checks = {name: piece.sample for name, piece in fused_pieces().items()}
     chosen, refused = choose(checks, xp)
-    line = f"kernels: fused {', '.join(chosen) or 'none'}"
+    times = {}
+    if sizes is not None and not getattr(xp, "STANDIN", False):
+        chosen, times = keep_faster(chosen, refused, xp, sizes, timers)
+    line = "kernels: fused " + (", ".join(n + (f" ({1e3 * times[n][0]:.3g} ms against {1e3 * times[n][1]:.3g})"
+                                               if n in times else "") for n in chosen) or "none")
     if refused:
-        line += "; generic for " + "; ".join(f"{n} (failed its self-check: {why})" for n, why in refused.items())
+        line += "; generic for " + "; ".join(
+            f"{n} ({why if why.startswith('slower') else 'failed its self-check: ' + why})"
+            for n, why in refused.items())
+    if sizes is not None and getattr(xp, "STANDIN", False):
+        line += " (not timed: the CuPy stand-in runs the kernels on the CPU)"
     return tuple(chosen), line
+
+
+def keep_faster(chosen, refused, xp, sizes, timers=None):
+    """(the pieces of `chosen` not slower than the generic code at sizes, {name: (fused s, generic s)}),
+    adding the slower ones to refused."""
+    if timers is None:
+        timers = {name: piece.timed for name, piece in fused_pieces().items() if piece.timed}
+    times = {name: time_piece(timers[name], name, xp, sizes) for name in chosen if name in timers}
+    slower = {n: t for n, t in times.items() if t[0] > t[1]}
+    refused.update({n: f"slower: fused {1e3 * f:.3g} ms, generic {1e3 * g:.3g} ms" for n, (f, g) in slower.items()})
+    return [n for n in chosen if n not in slower], times
+
+
+def time_piece(timed, name, xp, sizes):
+    """(seconds with the piece, seconds without) of one forward and backward at `sizes`: the median of
+    TIMED_RUNS runs each, after one to warm up (the kernels built, the memory pool grown), the device
+    synchronised before and after each."""
+    from minitensor.backends.cupy_ops import CupyOps
+
+    seconds = []
+    for names in ((name,), ()):
+        run = timed(CupyOps(xp, fused=names), sizes)
+        runs = []
+        for i in range(TIMED_RUNS + 1):
+            _synchronize(xp)
+            start = time.perf_counter()
+            run()
+            _synchronize(xp)
+            if i:
+                runs.append(time.perf_counter() - start)
+        seconds.append(statistics.median(runs))
+        del run
+    return tuple(seconds)
+
+
+def _synchronize(xp):
+    cuda_ = getattr(xp, "cuda", None)
+    if cuda_ is not None:
+        cuda_.get_current_stream().synchronize()

@@ -99,10 +99,20 @@ def _adamw_cases(k):
     return [("adamw step", setup, fused, generic, True)]
 
 
+def _adamw_timed(ops, sizes):
+    """One AdamW step over P parameters (decay on every one), the gradient scale left on the device."""
+    xp = ops.xp
+    p, g = cuda.normals(xp, sizes.P, scale=0.02), cuda.normals(xp, sizes.P, scale=1e-3)
+    m, v, decayed = xp.zeros(sizes.P, np.float32), xp.zeros(sizes.P, np.float32), xp.ones(sizes.P, np.float32)
+    scale = xp.ones((), np.float32)
+    return lambda: ops.adamw_step(p, g, m, v, decayed, 6e-4, 0.9, 0.95, 1e-8, 0.1, 1, grad_scale=scale)
+
+
 ADAMW = cuda.fused_piece(
     "adamw",
     replaces=("adamw_step",),
     kernels=(ADAMW_STEP,),
     sample=_adamw_sample,
     cases=_adamw_cases,
+    timed=_adamw_timed,
 )
