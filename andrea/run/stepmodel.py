@@ -1,4 +1,4 @@
-"""The step model: every launch of an ANDREA training step on a GPU, counted, and its time on an H200 estimated.
+"""The step model: every launch of an ANDREA training step on a GPU, counted, and its time on an H200 priced.
 
     python -m andrea.run.stepmodel                     # ANDREA-120M, 8 x 1024: the table by layer, the estimate, MFU
     python -m andrea.bench --device gpu --model h200   # the same table
@@ -8,28 +8,34 @@ Recorded, not guessed: the training step (andrea.run.trainer.Trainer.train_step:
 backward over the micro-batches, the gradient norm, the clipping scale, the one host read, AdamW)
 runs with the GPU backend (`kernels='fused'`) on the CuPy stand-in in its recording mode
 (tests/support/cupy_standin/cupy/_record.py): arrays of the real size that are never computed nor touched,
-each CuPy launch recorded with its shapes, its GEMM FLOPs and the bytes it reads and writes (the
-project's RawKernels declare theirs: minitensor.backends.cuda.RawSpec.traffic, and the flash
-attention kernels their tensor-core FLOPs, RawSpec.flops). The launch count, the paths taken (the
-flash attention core for ANDREA's heads of 64) and every shape are those of the real step; only time
-is modelled, per launch:
+each CuPy launch recorded with its shapes, its GEMM FLOPs, its grid and the bytes it reads and writes.
+The launch count, the paths taken (the flash attention core for ANDREA's heads of 64) and every shape
+are those of the real step; only time is modelled, per launch, from what can be counted:
 
-    time = max(GEMM FLOPs / GEMM rate, bytes / memory bandwidth) + launch cost
-    (a kernel's declared FLOPs at the rate for a hand-written tensor-core kernel, H200.mma_kernel)
+- a cuBLAS GEMM: max(its FLOPs at cuBLAS's measured share of the TF32 peak, its bytes at the memory
+  bandwidth) + a launch;
+- a project RawKernel (the flash attention kernels, LayerNorm, the cross-entropy, ...): the largest of
+  the times its counted work takes on the SMs its grid keeps busy, each at a rate of the hardware: its
+  mma.sync steps (tensor cores), its shared-memory wavefronts (banks), its special-function calls
+  (SFU), its 32-byte L2 sectors (L2 bandwidth), its bytes to and from device memory (HBM) + a launch.
+  The counts are the host emulation's at ANDREA-120M's shapes (minitensor.checks.counts: every
+  shared-memory request priced in wavefronts as the banks serve it, every global request in
+  sectors), scaled to the recorded launch by its FLOPs (or bytes);
+- everything else CuPy launches (elementwise, reductions, copies): its bytes at the memory bandwidth +
+  a launch; host<->device copies that the host waits for at a latency plus PCIe time, an asynchronous
+  one (`cupy.asarray` of host data) at its PCIe time plus a launch.
 
-with the H200 figures of `H200` below (each with its reason), and host<->device copies that the host
-waits for at a latency plus PCIe time; an asynchronous one (`cupy.asarray` of host data: CuPy 14.2
-stages it in pinned memory and copies it on the current stream) at its PCIe time plus a launch's
-cost. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token) over the step time and
-the dense TF32 peak. The model cannot see: kernels overlapping, cache reuse between
-launches, cuBLAS's choice of kernel per shape, clocks under power limits, the host falling behind
-when launches are short (CuPy's Python costs ~5-10 us a call on the host; launches are queued
-asynchronously, so the host hides behind long kernels only). gpu_check prints this estimate beside
-the measured step when a GPU is lent: the first real run calibrates it.
+The rates are the H200's, each with its source (`H200` below). The table names, for each part of the
+step, the count that drives its time. MFU is the bench's: (6 N + 12 L d T) FLOPs per token
+(flops_per_token) over the step time and the dense TF32 peak. The model cannot see: kernels
+overlapping, latency a kernel's warps fail to hide (each resource is assumed busy for its whole
+count, the others overlapping it), cuBLAS's choice of kernel per shape, clocks under power limits,
+the host falling behind when launches are short (CuPy's Python costs ~5-10 us a call on the host;
+launches are queued asynchronously, so the host hides behind long kernels only). gpu_check prints this
+estimate beside the measured step when a GPU is lent: the first real run calibrates it.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -44,63 +50,10 @@ import numpy as np
 from andrea.cli import ArgumentParser, run_cli
 from andrea.errors import UserError
 from andrea.model.transformer import ANDREA, flops_per_token
+from andrea.run.pricing import COUNTS, DRIVERS, H200, LAUNCHES, op_seconds, write_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "tests" / "support" / "cupy_standin"
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    name: str
-    tf32_peak: float          # FLOP/s, dense tensor cores: what MFU divides by
-    gemm_efficiency: float    # the share of it cuBLAS reaches at the step's GEMM shapes
-    unaligned: float          # the factor on that for a GEMM with a leading dimension not a multiple of 16 bytes
-    bandwidth: float          # bytes/s that memory-bound launches achieve
-    launch_s: float           # seconds each launch costs beyond its work
-    copy_latency_s: float     # a host<->device copy's fixed cost
-    pcie: float               # bytes/s of a copy between host and device
-    memory: int               # bytes of device memory (the dense attention core's budget reads it)
-    mma_kernel: float         # FLOP/s of the inner products of a hand-written tensor-core kernel (the flash core)
-
-
-# H200 SXM (GH100: the H100 SXM's 132 SMs and clocks, 141 GB of HBM3e at 4.8 TB/s):
-# - 495 TFLOP/s dense TF32 (NVIDIA's datasheet, sparsity excluded; SPEC.md section 4).
-# - 70% of it for the GEMMs: cuBLAS TF32 on an H100 SXM measured 335 TFLOP/s at 2048^3 (68%), 402 at
-#   4096^3 (81%) and 372 at 8192^3 (75%, clocks capped by power) (github.com/zzc0721/
-#   torch-performance-test-data issue 79, PyTorch 2.7 + CUDA 12.8). The step's Linear GEMMs are 10-106
-#   GFLOP each (2048^3 is 17, 4096^3 is 137) with one side 768 wide (fewer, smaller tiles than a square
-#   product of the same work), so the lower end. The attention core's batched GEMMs (K = 64, or
-#   64-wide outputs) fall on the memory side of max() at any efficiency.
-# - half that for a GEMM with a leading dimension that is not a multiple of 16 bytes (the tied head's
-#   V = 8449 columns): Hopper's fast GEMM kernels load tiles with TMA, whose global strides must be
-#   multiples of 16 bytes (CUDA driver API, cuTensorMapEncodeTiled), so cuBLAS falls back to
-#   Ampere-style kernels with narrower loads; even without TMA in play, an align1 kernel ran at 74% of
-#   the aligned one on an RTX 4090 (github.com/pytorch/pytorch issue 181718). The factor is a guess
-#   within that: the first GPU run should measure it.
-# - 4.0 TB/s achieved by streaming kernels: 83% of the 4.8 nominal; a device-to-device copy measured
-#   ~4.3 TB/s on the lent H200 (SPEC.md section 5), row kernels with block reductions do somewhat worse.
-# - 4 us per launch: a kernel's submission through the CUDA runtime costs ~4-6 us of host time
-#   (susun-blog.com, "pegainfer (3): From Launch Overhead to CUDA Graph"), which the GPU hides only
-#   behind longer kernels; back to back, each kernel also pays its ramp-up and tail (~1-2 us, SMs
-#   idle while the last blocks finish). CuPy adds its Python dispatch on the host. 3-5 us is the usual
-#   range; the middle is taken.
-# - host<->device: ~10 us per copy that the host waits for (a read back; `ndarray.set` from pageable
-#   memory) plus ~20 GB/s.
-# - 99 TFLOP/s (20% of the TF32 peak) for the inner products of the flash attention kernels
-#   (minitensor/backends/kernels/attention.cu, TF32 mma.sync): FlashAttention-2, CUTLASS mma.sync kernels
-#   tuned for years, reaches ~35% of the H100's dense FP16 peak in the forward and less in the backward
-#   (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608, figures 5-8: ~330-370 of 989 TFLOP/s at
-#   head size 64-128). Ours is a first hand-written kernel: fragments loaded from shared memory element
-#   by element (no ldmatrix), no cp.async prefetch of the next tile, 32-row tiles with two barriers per
-#   tile, head size 64 (FA2's own figures drop there); a little over half of FA2's share is taken, a
-#   guess to be replaced by the first GPU run's measurement. Traffic (RawSpec.traffic) counts every
-#   tile a block loads as a device-memory read, though on a GPU most repeats are L2 hits: conservative
-#   on that side too.
-H200 = Hardware("H200", tf32_peak=495e12, gemm_efficiency=0.70, unaligned=0.5, bandwidth=4.0e12, launch_s=4e-6,
-                copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9, mma_kernel=0.20 * 495e12)
-
-LAUNCHES = ("gemm", "kernel", "elementwise", "reduction", "copy", "fill", "gather", "scatter", "sort")
-TRANSFERS = ("h2d", "d2h", "h2d_async")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +158,7 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     n_params = model.num_parameters()
     return {"config": config, "batch": B, "seq": T, "micro_batches": accum, "kernels": kernels,
             "n_layer": cfg.n_layer, "parameters": n_params, "flops_per_token": flops_per_token(cfg, T, n_params),
-            "ops": [[op.kind, op.name, op.flops, op.read, op.written, list(op.scope)] for op in ops]}
+            "ops": [[op.kind, op.name, op.flops, op.read, op.written, list(op.scope), op.blocks] for op in ops]}
 
 
 def record_anywhere(config="120m", batch=None, seq=None, micro_batches=None, kernels="fused"):
@@ -230,26 +183,6 @@ def record_anywhere(config="120m", batch=None, seq=None, micro_batches=None, ker
         return json.loads(out.read_text())
 
 
-# ---------------------------------------------------------------------------------------------
-# The H200's time for a record
-
-
-def op_seconds(kind, name, flops, read, written, hw=H200):
-    """(GEMM s, memory s, launch s) of one op: its work on the side that bounds it, and its launch cost."""
-    moved = (read + written) / hw.bandwidth
-    if kind == "gemm":
-        rate = hw.tf32_peak * hw.gemm_efficiency * (hw.unaligned if "unaligned" in name else 1.0)
-        return max(flops / rate, moved), 0.0, hw.launch_s
-    if kind == "h2d_async":  # queued on the stream, the host not waiting: its PCIe time and its submission
-        return 0.0, read / hw.pcie, hw.launch_s
-    if kind in TRANSFERS:
-        return 0.0, hw.copy_latency_s + read / hw.pcie, 0.0
-    if flops:  # a kernel that declares its inner products (cuda.RawSpec.flops): on the side that bounds it
-        compute = flops / hw.mma_kernel
-        return (compute, 0.0, hw.launch_s) if compute > moved else (0.0, moved, hw.launch_s)
-    return 0.0, moved, hw.launch_s
-
-
 def part_of(scope):
     """(part, pass) of an op's scope: block parts as "block: <sublayer>", the rest by their label."""
     phase = next((s for s in scope if s in ("forward", "backward")), "step")
@@ -261,15 +194,20 @@ def part_of(scope):
 
 
 def estimate(rec, hw=H200):
-    """The record's time on hw: rows by (micro-batch kind, part, pass), totals, launches per block, MFU."""
-    rows = defaultdict(lambda: np.zeros(7))  # launches, GEMM FLOP, bytes, GEMM s, memory s, launch s, total s
+    """The record's time on hw: rows by (micro-batch kind, part, pass) of [launches, tensor FLOP, bytes,
+    work seconds, launch seconds, total seconds, seconds bound by each of DRIVERS], totals, launches per
+    block, MFU."""
+    width = 6 + len(DRIVERS)
+    rows = defaultdict(lambda: np.zeros(width))
     per_block = defaultdict(int)
-    total = np.zeros(7)
+    total = np.zeros(width)
     last = f"micro-batch {rec['micro_batches'] - 1}"
-    for kind, name, flops, read, written, scope in rec["ops"]:
-        gemm_s, mem_s, launch_s = op_seconds(kind, name, flops, read, written, hw)
-        v = np.array([kind in LAUNCHES, flops if kind in ("gemm", "kernel") else 0, read + written, gemm_s, mem_s,
-                      launch_s, gemm_s + mem_s + launch_s])
+    for kind, name, flops, read, written, scope, *blocks in rec["ops"]:
+        work_s, driver, launch_s = op_seconds(kind, name, flops, read, written, (blocks or [0])[0], hw)
+        v = np.zeros(width)
+        v[:6] = [kind in LAUNCHES, flops if kind in ("gemm", "kernel") else 0, read + written, work_s, launch_s,
+                 work_s + launch_s]
+        v[6 + DRIVERS.index(driver)] = work_s
         mb = next((s for s in scope if s.startswith("micro-batch")), None)
         which = "step" if mb is None else "first" if mb == "micro-batch 0" else "later" if mb == last else "middle"
         rows[(which, *part_of(scope))] += v
@@ -277,11 +215,12 @@ def estimate(rec, hw=H200):
         block = next((s for s in scope if s.startswith("block")), None)
         if block and kind in LAUNCHES:
             per_block[(which, block)] += 1
-    step_s = total[6]
+    step_s = total[5]
     tokens = rec["batch"] * rec["seq"] * rec["micro_batches"]
     return {"rows": {k: v.tolist() for k, v in rows.items()}, "total": total.tolist(), "step_s": step_s,
             "launches": int(total[0]), "launches_per_block": _per_block(per_block, rec["n_layer"]),
-            "tokens": tokens, "mfu": rec["flops_per_token"] * tokens / (step_s * hw.tf32_peak)}
+            "tokens": tokens, "mfu": rec["flops_per_token"] * tokens / (step_s * hw.tf32_peak),
+            "bound_by": {d: total[6 + i] for i, d in enumerate(DRIVERS)}}
 
 
 def _per_block(per_block, n_layer):
@@ -310,24 +249,26 @@ def print_table(rec, est, hw=H200):
     print(f"{rec['config']} ({rec['parameters']:,} parameters), {rec['batch']} x {rec['seq']}, kernels "
           f"{rec['kernels']}: one optimizer step of {mb} micro-batch{'es' if mb > 1 else ''} "
           f"({est['tokens']:,} tokens), recorded on the CuPy stand-in")
-    print(f"{hw.name} model: GEMMs (TF32) at {100 * hw.gemm_efficiency:.0f}% of {hw.tf32_peak / 1e12:.0f} TFLOP/s "
-          f"(x{hw.unaligned:g} with a leading dimension not a multiple of 16 bytes), "
-          f"memory {hw.bandwidth / 1e12:.1f} TB/s, {1e6 * hw.launch_s:.0f} us per launch, host<->device copies "
-          f"{1e6 * hw.copy_latency_s:.0f} us + {hw.pcie / 1e9:.0f} GB/s; time = max(GEMM, memory) + launch per op")
-    head = (f"{'part':<34} {'pass':<8} {'launches':>9} {'GEMM GFLOP':>11} {'GB moved':>9} {'GEMM ms':>8} "
-            f"{'memory ms':>9} {'launch ms':>9} {'total ms':>9}")
+    print(f"{hw.name} model: cuBLAS GEMMs (TF32) at {100 * hw.gemm_efficiency:.0f}% of {hw.tf32_peak / 1e12:.0f} "
+          f"TFLOP/s; project kernels from their counts at ANDREA-120M's shapes: mma.sync at {hw.mma_clocks:.2f} SM "
+          f"clocks a step, {hw.wavefronts_per_clock:g} shared-memory wavefront and {hw.sfu_per_clock:g} special "
+          f"functions per SM clock, L2 at {hw.l2_bandwidth / 1e12:.1f} TB/s; {hw.sms} SMs at "
+          f"{hw.clock / 1e9:.2f} GHz; memory {hw.bandwidth / 1e12:.1f} TB/s; {1e6 * hw.launch_s:.0f} us per launch; "
+          f"time = the largest of an op's resource times + its launch")
+    head = (f"{'part':<34} {'pass':<8} {'launches':>9} {'tensor GFLOP':>12} {'GB moved':>9} {'work ms':>8} "
+            f"{'launch ms':>9} {'total ms':>9}  driven by")
     which = "later" if mb > 1 else "first"
     print(f"\n{'a later micro-batch' if mb > 1 else 'the micro-batch'} by part (block parts: all "
           f"{rec['n_layer']} blocks)")
     print(head)
-    print("-" * len(head))
-    micro = np.zeros(7)
+    print("-" * (len(head) + 24))
+    micro = np.zeros(6 + len(DRIVERS))
     for (w, part, phase), v in sorted(est["rows"].items(), key=lambda kv: (kv[0][2] != "forward", kv[0][1])):
         if w == which:
-            print(_row(part, phase, v))
+            print(_row(part, phase, np.array(v)))
             micro += v
     print(_row(f"{'later micro-batch' if mb > 1 else 'micro-batch'} total", "", micro))
-    step = np.zeros(7)
+    step = np.zeros(6 + len(DRIVERS))
     for (w, _part, _phase), v in est["rows"].items():
         if w == "step":
             step += v
@@ -342,9 +283,11 @@ def print_table(rec, est, hw=H200):
 
 
 def _row(part, phase, v):
-    launches, flops, moved, gemm_s, mem_s, launch_s, total_s = v
-    return (f"{part:<34} {phase:<8} {int(launches):>9,} {flops / 1e9:>11,.0f} {moved / 1e9:>9.2f} "
-            f"{1e3 * gemm_s:>8.2f} {1e3 * mem_s:>9.2f} {1e3 * launch_s:>9.2f} {1e3 * total_s:>9.2f}")
+    launches, flops, moved, work_s, launch_s, total_s = v[:6]
+    bound = sorted(((v[6 + i], d) for i, d in enumerate(DRIVERS) if v[6 + i] > 0), reverse=True)
+    drivers = ", ".join(f"{d} {1e3 * t:.2f}" for t, d in bound[:2])
+    return (f"{part:<34} {phase:<8} {int(launches):>9,} {flops / 1e9:>12,.0f} {moved / 1e9:>9.2f} "
+            f"{1e3 * work_s:>8.2f} {1e3 * launch_s:>9.2f} {1e3 * total_s:>9.2f}  {drivers}")
 
 
 def _parser():
@@ -356,6 +299,9 @@ def _parser():
                     help="micro-batches per optimizer step (default: the config's tokens_per_step)")
     ap.add_argument("--kernels", default="fused", choices=["fused", "generic"])
     ap.add_argument("--json", help="also write the estimate there")
+    ap.add_argument("--count-kernels", action="store_true",
+                    help=f"count every project kernel at ANDREA-120M's shapes in the host emulation and keep the "
+                         f"counts in {COUNTS.relative_to(ROOT)} (what the table prices them from)")
     ap.add_argument("--record", help=argparse.SUPPRESS)  # internal: record on the stand-in, write it there
     return ap
 
@@ -365,6 +311,14 @@ def main(argv=None):
     for name in ("batch", "seq", "micro_batches"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.json:
+        from andrea.run.paths import check_output_file
+
+        check_output_file(args.json, "--json")  # before seconds of recording, not after
+    if args.count_kernels:
+        works = write_counts()
+        print(f"counted {len(works)} kernels into {COUNTS}")
+        return 0
     if args.record:
         rec = record(args.config, args.batch, args.seq, args.micro_batches, args.kernels)
         Path(args.record).write_text(json.dumps(rec))

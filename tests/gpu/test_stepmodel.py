@@ -17,16 +17,15 @@ import sys
 import pytest
 from gpu_standin import ROOT, standin_cupy
 
-from andrea.run import perf, stepmodel
+from andrea.run import perf, pricing, stepmodel
 
-# Measured 2026-12-02, ANDREA-120M, 8 x 1024, kernels fused, 8 micro-batches per optimizer step:
-# 27.4 ms per micro-batch with the flash attention core (32.9 ms, 39/39 launches and 33.5% with the dense
-# core after cuBLAS's own GEMMs and the two-launch LayerNorm backward; 34.6 ms and 47/51 launches before
-# those; 37.3 ms, 68/72 launches and 29.6% at the step model's arrival; the changes between are in git
-# log). A change that lowers the launches or raises the MFU should lower or raise these with it (and say
-# so in BENCHMARKS.md).
+# The estimate of 2026-12-05, ANDREA-120M, 8 x 1024, kernels fused, 8 micro-batches per optimizer step:
+# 23.6 ms per micro-batch, the project kernels priced from their counts (andrea/run/kernel_counts.json:
+# mma.sync steps, shared-memory wavefronts, L2 sectors, special functions) where it had been 27.4 ms with
+# the flash kernels at an assumed 20% of the TF32 peak (the changes between are in git log). A change that
+# lowers the launches or raises the MFU should lower or raise these with it (and say so in BENCHMARKS.md).
 LAUNCHES_PER_BLOCK = {"first": 31, "later": 31}   # the first micro-batch after zero_grad, and the others
-MFU = 0.401                                       # 40.1% of the H200's dense TF32 peak
+MFU = 0.468                                       # 46.8% of the H200's dense TF32 peak
 MFU_MARGIN = 0.005
 
 SMALL = ("model.d_model=32", "model.n_head=2", "model.n_layer=2", "model.context_length=16", "model.mlp_dim=64")
@@ -110,26 +109,67 @@ def test_an_extra_launch_per_block_is_a_regression(monkeypatch):
         f"{n + 2} launches per block in the {w} micro-batch, more than {n}" for w, n in LAUNCHES_PER_BLOCK.items()]
 
 
-def test_each_op_costs_its_bound_side_and_a_launch():
-    """A launch: max(GEMM, memory) and its launch cost; an asynchronous copy to the device its PCIe time
-    and a submission; a copy the host waits for its latency and PCIe time."""
-    hw = stepmodel.H200
+def test_each_op_costs_its_bound_side_and_a_launch(monkeypatch):
+    """A cuBLAS GEMM: max(GEMM, memory) and its launch; a project kernel: the largest of its counted
+    resources' times (scaled from its counts at the model's shapes by its FLOPs or bytes) and of its
+    memory time, on the SMs its grid keeps busy, and its launch; an asynchronous copy to the device its
+    PCIe time and a submission; a copy the host waits for its latency and PCIe time."""
+    hw = pricing.H200
+    clocks = hw.sms * hw.clock
+    works = {  # per launch at the model's shapes, each bound by one resource
+        "flash_attention_fwd": pricing.KernelWork(mma=1e9, wavefronts=1e8, sfu=1e8, sectors=1e6, blocks=768,
+                                                    resident=1, per=2048e9, by_flops=True),
+        "flash_attention_bwd_dq": pricing.KernelWork(mma=1e6, wavefronts=5e9, sfu=0, sectors=0, blocks=1536,
+                                                       resident=3, per=2048e6, by_flops=True),
+        "layernorm_fwd": pricing.KernelWork(mma=0, wavefronts=0, sfu=2e9, sectors=1e9, blocks=64, resident=16,
+                                              per=2e8, by_flops=False)}
+    monkeypatch.setattr(pricing, "kernel_work", works.get)
     gemm = 2 * 8192 * 768 * 3072
     rec = {"batch": 8, "seq": 1024, "micro_batches": 1, "n_layer": 0, "flops_per_token": 1,
-           "ops": [["gemm", "matmul", gemm, 10**6, 10**6, ["head"]],
-                   ["gemm", "matmul (batched)", 10**9, 4 * 10**8, 4 * 10**8, ["attention core"]],
-                   ["kernel", "layernorm_fwd", 0, 10**8, 10**8, ["ln_f"]],
-                   ["kernel", "flash_attention_fwd", 10**11, 10**6, 10**6, ["attention core"]],  # compute-bound
-                   ["kernel", "flash_attention_bwd_dq", 10**6, 10**9, 10**9, ["attention core"]],  # memory-bound
-                   ["h2d_async", "asarray", 0, 131072, 131072, ["token ids to the device"]],
-                   ["d2h", "bool", 0, 1, 0, []]]}
+           "ops": [["gemm", "matmul", gemm, 10**6, 10**6, ["head"], 0],
+                   ["gemm", "matmul (batched)", 10**9, 4 * 10**8, 4 * 10**8, ["attention core"], 0],
+                   ["kernel", "layernorm_fwd", 0, 10**8, 10**8, ["ln_f"], 64],  # 64 blocks: 64 SMs busy
+                   ["kernel", "flash_attention_fwd", 2 * 2048e9, 10**6, 10**6, ["attention core"], 1584],  # twice
+                   ["kernel", "flash_attention_bwd_dq", 2048e6, 10**6, 10**6, ["attention core"], 1584],
+                   ["kernel", "softmax_xent_bwd", 0, 10**9, 10**9, ["cross-entropy"], 0],  # not counted: memory
+                   ["h2d_async", "asarray", 0, 131072, 131072, ["token ids to the device"], 0],
+                   ["d2h", "bool", 0, 1, 0, [], 0]]}
     est = stepmodel.estimate(rec)
-    expected = (gemm / (hw.tf32_peak * hw.gemm_efficiency) + 8e8 / hw.bandwidth + 2e8 / hw.bandwidth
-                + 1e11 / hw.mma_kernel + 2e9 / hw.bandwidth + 2 * hw.launch_s
-                + 3 * hw.launch_s + (131072 / hw.pcie + hw.launch_s) + (hw.copy_latency_s + 1 / hw.pcie))
+    layernorm = 1e9 * 32 / hw.l2_bandwidth  # its L2 sectors: more than its SFU calls on 64 SMs take
+    assert layernorm > 2e9 / (hw.sfu_per_clock * 64 * hw.clock)
+    expected = (gemm / (hw.tf32_peak * hw.gemm_efficiency) + 8e8 / hw.bandwidth + layernorm
+                + 2 * 1e9 * hw.mma_clocks / clocks + 5e9 / clocks + 2e9 / hw.bandwidth + 6 * hw.launch_s
+                + (131072 / hw.pcie + hw.launch_s) + (hw.copy_latency_s + 1 / hw.pcie))
     assert est["step_s"] == pytest.approx(expected)
-    assert est["launches"] == 5
+    bound = est["bound_by"]
+    assert bound["mma.sync"] == pytest.approx(2 * 1e9 * hw.mma_clocks / clocks)
+    assert bound["shared memory"] == pytest.approx(5e9 / clocks) and bound["L2"] == pytest.approx(layernorm)
+    assert est["launches"] == 6
     assert est["mfu"] == pytest.approx(8192 / (expected * hw.tf32_peak))
+
+
+def test_the_busiest_sm_runs_its_waves_and_a_share_of_the_last():
+    """1584 blocks on 132 SMs: 12 each whatever the occupancy; 768 one at a time: 5 full waves and a last
+    of 108, so the busiest SM runs 6 (3% over an even share); 512 blocks 5 at a time: one wave, 4 on the
+    busiest SM; 64 blocks: one each on 64 SMs."""
+    share = pricing.sm_share
+    assert share(1584, 1, 132) == share(1584, 3, 132) == pytest.approx(1 / 132)
+    assert share(768, 1, 132) == pytest.approx(6 / 768)
+    assert share(512, 5, 132) == pytest.approx(4 / 512)
+    assert share(64, 16, 132) == pytest.approx(1 / 64)
+
+
+def test_the_kept_kernel_counts_are_those_of_the_present_kernels():
+    """andrea/run/kernel_counts.json (what the table prices the project kernels from) holds, for every
+    RawKernel, the counts of its present source by the present counting code: a kernel changed without
+    `python -m andrea.run.stepmodel --count-kernels` fails here, and the table would count it afresh."""
+    from minitensor.backends import all_kernels, cuda
+
+    kept = pricing._kept_works()
+    raw = {name: spec for name, spec in all_kernels().items() if isinstance(spec, cuda.RawSpec)}
+    assert set(kept) == set(raw)
+    stale = [name for name, spec in raw.items() if kept[name]["key"] != pricing.work_key(spec)]
+    assert stale == [], f"run: python -m andrea.run.stepmodel --count-kernels ({', '.join(stale)} changed)"
 
 
 def test_the_bench_prints_the_table_by_layer_and_the_estimate(capsys):

@@ -51,7 +51,7 @@ import cupy
 from cupy import _array, _kernels, standin
 from cupy._array import ndarray, unwrap, wrap
 
-Op = namedtuple("Op", "kind name flops read written shapes scope")
+Op = namedtuple("Op", "kind name flops read written shapes scope blocks", defaults=(0,))  # blocks: a RawKernel's grid
 
 LAUNCHES = ("gemm", "kernel", "elementwise", "reduction", "copy", "fill", "gather", "scatter")
 
@@ -62,8 +62,9 @@ class Recorder:
         self.verify = verify
         self._scopes = []
 
-    def add(self, kind, name, flops=0, read=0, written=0, shapes=()):
-        self.ops.append(Op(kind, name, int(flops), int(read), int(written), tuple(shapes), tuple(self._scopes)))
+    def add(self, kind, name, flops=0, read=0, written=0, shapes=(), blocks=0):
+        self.ops.append(Op(kind, name, int(flops), int(read), int(written), tuple(shapes), tuple(self._scopes),
+                           int(blocks)))
 
     @contextlib.contextmanager
     def scope(self, label):
@@ -635,7 +636,7 @@ def _raw_kernel(self, grid, block, args, *, shared_mem=0, enable_cooperative_gro
     host = [a._a if isinstance(a, ndarray) else a for a in args]
     spec = cuda.KERNELS.get(self.name) or cuda.RawSpec(self.name, options=self.options, inline=self.body)
     read, written = spec.bytes_moved(host)
-    _active.add("kernel", self.name, spec.flops_of(host), read, written, _shapes(*host))
+    _active.add("kernel", self.name, spec.flops_of(host), read, written, _shapes(*host), math.prod(grid))
     self.compile()
     if _active.verify:
         _original(_kernels.RawKernel, "__call__")(self, grid, block, args, shared_mem=shared_mem,
