@@ -1,8 +1,9 @@
-"""The Python phases of the GPU check (scripts/gpu_check.sh runs them in its order): every kernel
-compiled, the fused kernels, float32 GPU gradients against NumPy float64, and ANDREA-120M training
-throughput in TF32.
+"""The Python phases of the GPU check (scripts/gpu_check.sh runs them in its order): the preflight (every
+kernel compiled, the self-check timed, one ANDREA-120M step), CuPy's own kernels warmed for the tests,
+the fused kernels at model shapes, float32 GPU gradients against NumPy float64, the sanitizer's step, and
+ANDREA-120M training throughput in TF32.
 
-    PYTHONPATH=. python scripts/gpu_check.py --parts compile,kernels,gradients,sanitize,bench
+    PYTHONPATH=. python scripts/gpu_check.py --parts preflight,warm,kernels,gradients,sanitize,bench
     PYTHONPATH=. python scripts/gpu_check.py --dry-run   # the same code at toy sizes: on NumPy
                                                          # without a GPU, on the GPU if one works
     PYTHONPATH=. python scripts/gpu_check.py --part bench  # one part in this process (gpu_check.sh:
@@ -12,12 +13,15 @@ Parts (with --parts each in a fresh process with its own time limit, so a CUDA e
 one does not hide the others; exit status 1 if any failed). Lines starting "figure: " are what
 gpu_check.sh copies into its summary.
 
-    compile    every registered kernel built for float32 and float64 (a RawKernel compiled, an
-               ElementwiseKernel run once on one element), then CuPy's own ufunc and reduction
-               kernels warmed: one tiny training step (B 2, T 5, one layer) for each of
-               {generic, fused kernels} x {dense, blocked attention core} x {float32, float64},
-               the backends the GPU tests build, so CuPy's on-disk kernel cache holds what the
-               tests then use: gpu_check.sh runs it before the GPU tests
+    preflight  every registered kernel built for float32 and float64 (a RawKernel compiled, an
+               ElementwiseKernel run once on one element), then ANDREA-120M built with the start-up
+               self-check timing each fused piece against the generic code at 8 x 1024 (the kernels
+               line: which pieces, with both times), and one training step of it at 8 x 1024 in TF32,
+               timed: the cheapest failures first
+    warm       CuPy's own ufunc and reduction kernels warmed: one tiny training step (B 2, T 5, one
+               layer) for each of {generic, fused kernels} x {dense, blocked attention core} x
+               {float32, float64}, the backends the GPU tests build, so CuPy's on-disk kernel cache
+               holds what the tests then use: gpu_check.sh runs it before the GPU tests
     kernels    the start-up self-check (minitensor.checks.selfcheck: which fused pieces agree with the
                generic path), then each fused kernel against the generic xp code of its layer at
                ANDREA-120M shapes (float32; the cases of each fused piece's record, kernels/NAME.py):
@@ -32,10 +36,11 @@ gpu_check.sh copies into its summary.
                so that each array is its own allocation: the workload gpu_check.sh runs under
                compute-sanitizer (memcheck, racecheck)
     bench      ANDREA-120M, batch 8 x 1024, AdamW, tf32: true (set through CuPy's API), the
-               fused kernels self-checked: tokens/s, MFU, peak GPU memory, and the step model's
-               estimate beside the measured step if andrea.run.stepmodel is there; then PyTorch's
-               GPT-2 of the same shape on the same device (andrea/interop/torch_reference.py, TF32
-               as andrea's, eager and with scaled_dot_product_attention): tokens/s and the ratio
+               fused kernels self-checked and timed: tokens/s, MFU, peak GPU memory; mma.sync's TF32
+               rate measured (what the step model takes as 1.59 SM clocks a step); PyTorch's GPT-2 of
+               the same shape on the same device (andrea/interop/torch_reference.py, TF32 as andrea's,
+               scaled_dot_product_attention): tokens/s and the ratio; the step model's estimate beside
+               the measured step
 
 Everything printed also goes to gpu_check_results.txt in $OUT if set, else the current directory
 (unless gpu_check.sh already keeps it).
@@ -56,7 +61,7 @@ import numpy as np
 PEAK_FP32 = 67e12  # H200 dense FP32 FLOP/s (NVIDIA's datasheet)
 PEAK_TF32 = 495e12  # H200 dense TF32 FLOP/s
 # seconds each, at most (gpu_check.sh allows a little more)
-PARTS = {"compile": 60, "kernels": 18, "gradients": 13, "sanitize": 15, "bench": 38}
+PARTS = {"preflight": 115, "warm": 60, "kernels": 22, "gradients": 16, "sanitize": 18, "bench": 50}
 DRY_TIME_SCALE = 6  # a dry run's limits are 6 times these: it runs on a CPU, maybe under the CuPy stand-in
 RESULTS = os.path.join(os.environ.get("OUT") or ".", "gpu_check_results.txt")
 
@@ -102,7 +107,14 @@ def gpu_here(dry):
 # --- compile: every kernel built before anything is timed -----------------------------------------
 
 
-def part_compile(dry):
+def part_preflight(dry):
+    """Every kernel built, the self-check with its timings at the run's sizes, one training step."""
+    failed = _compile_kernels(dry)
+    failed |= _one_step(dry)
+    return failed
+
+
+def _compile_kernels(dry):
     from minitensor.backends import all_kernels, cuda
 
     if not gpu_here(dry):
@@ -126,11 +138,46 @@ def part_compile(dry):
     seconds = time.perf_counter() - start
     log(f"compiled {count} kernels (every kernel x float32, float64) in {seconds:.1f} s")
     cupy.cuda.get_current_stream().synchronize()
-    warmed, warm_seconds = _warm_cupy_kernels()
-    failed |= warmed is None
-    log(f"figure: {count} project kernels compiled in {seconds:.1f} s; CuPy's own kernels warmed by "
-        f"{WARM_STEPS} tiny training steps in {warm_seconds:.1f} s ({_cache_line(warmed)})")
+    log(f"figure: {count} project kernels compiled in {seconds:.1f} s" + ("; some FAILED" if failed else ""))
     return failed
+
+
+def _one_step(dry):
+    """ANDREA-120M (the dry run: tiny, one layer) built as training builds it, its kernels self-checked and
+    timed at the step's sizes, then one training step, timed."""
+    import dataclasses
+
+    from andrea.config import load_config
+    from andrea.model.optim import AdamW
+    from andrea.model.transformer import ANDREA
+    from andrea.run.perf import synchronize
+    from minitensor.device import set_tf32
+
+    full = load_config("tiny" if dry else "120m")
+    cfg = dataclasses.replace(full.model, n_layer=1) if dry else full.model
+    B, T = (2, 32) if dry else (8, 1024)
+    start = time.perf_counter()
+    model = ANDREA(cfg, device="gpu" if gpu_here(dry) else "cpu", dtype="float32", seed=0,
+                   kernels=full.train.kernels, batch=B)
+    log(f"model built and its kernels chosen in {time.perf_counter() - start:.1f} s", set_tf32(model.xp, True),
+        f"figure: {model.ops.kernels_line}")
+    training = _TrainingSteps(model, AdamW(model, lr=6e-4), B, T)
+    start = time.perf_counter()
+    loss = float(training.step(0))
+    synchronize(model.xp)
+    log(f"figure: one {'tiny' if dry else 'ANDREA-120M'} training step at {B} x {T} (TF32, CuPy's kernels "
+        f"compiled as it ran) in {time.perf_counter() - start:.2f} s, loss {loss:.4f}")
+    return not np.isfinite(loss)
+
+
+def part_warm(dry):
+    if not gpu_here(dry):
+        log("dry run on NumPy: no CuPy kernels to warm")
+        return False
+    warmed, warm_seconds = _warm_cupy_kernels()
+    log(f"figure: CuPy's own kernels warmed by {WARM_STEPS} tiny training steps in {warm_seconds:.1f} s "
+        f"({_cache_line(warmed)})")
+    return warmed is None
 
 
 WARM_STEPS = 8  # {generic, fused} x {dense, blocked core} x {float32, float64}
@@ -521,9 +568,54 @@ def part_bench(dry):
         + (f", pool peak {result['pool_used_peak_gib']:.2f} GiB" if "pool_used_peak_gib" in result else ""))
     del training, model
     _free(xp)
+    probe_failed = _mma_probe(xp, dry)
     torch_failed = _bench_torch(cfg, B, T, warmup, steps, full.train.tf32, result["tokens_per_s"], dry)
     _log_step_model(result, dry)  # last: were it slow, every measured figure is out already
-    return not np.isfinite(final_loss) or torch_failed
+    return not np.isfinite(final_loss) or torch_failed or probe_failed
+
+
+MMA_PROBE = r"""
+extern "C" __global__ void mma_probe(const T *seed, T *out, const int steps) {
+  const int lane = threadIdx.x & 31;
+  unsigned a[4], b[2];
+  for (int i = 0; i < 4; ++i) a[i] = to_tf32(seed[(4 * lane + i) % 256]);
+  for (int i = 0; i < 2; ++i) b[i] = to_tf32(seed[(2 * lane + i + 128) % 256]);
+  float c[4][4] = {};
+  for (int s = 0; s < steps; ++s)  /* four independent accumulators: mma's latency overlapped */
+    for (int j = 0; j < 4; ++j) mma_tf32(c[j], a, b);
+  float total = 0;
+  for (int j = 0; j < 4; ++j) total += c[j][0] + c[j][1] + c[j][2] + c[j][3];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = total;
+}
+"""
+
+
+def _mma_probe(xp, dry):
+    """mma.sync.m16n8k8 (TF32) throughput, measured: 8 warps a block, 4 blocks an SM, four independent
+    accumulators a warp, random operands. The step model takes it as 1.59 SM clocks a step (63% of the
+    dense peak, arXiv:2501.12084): this is the figure that replaces that assumption, not a verdict."""
+    from minitensor.backends import cuda
+
+    if xp is np:
+        log("dry run on NumPy: no mma.sync to measure")
+        return False
+    headers = cuda.cu_code("attention.cu", "flash_attention_fwd")[0]  # to_tf32 and mma_tf32 (flash.cuh)
+    spec = cuda.RawSpec("mma_probe", inline=headers + MMA_PROBE)
+    sms = xp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    blocks, threads, steps = (1, 32, 2) if dry else (4 * sms, 256, 1 << 14)
+    seed = xp.asarray(np.random.default_rng(0).standard_normal(256).astype(np.float32))
+    args = (seed, xp.empty(blocks * threads, np.float32), np.int32(steps))
+    try:
+        seconds = _time(xp, lambda _: cuda.launch(spec, np.float32, (blocks,), (threads,), args), None,
+                        1 if dry else 5)
+    except Exception as e:
+        log(f"FAIL mma.sync probe: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        return True
+    rate = 2048 * 4 * steps * blocks * (threads // 32) / seconds
+    log(f"figure: mma.sync m16n8k8 TF32: {rate / 1e12:.1f} TFLOP/s = {100 * rate / PEAK_TF32:.0f}% of the dense TF32 "
+        f"peak ({blocks} blocks of {threads // 32} warps, 4 accumulators a warp; the step model takes 63%)"
+        + (" (dry run: the CPU emulation's time, not a rate)" if dry else ""))
+    return False
 
 
 def _log_step_model(result, dry):
@@ -557,7 +649,7 @@ def _bench_torch(cfg, B, T, warmup, steps, tf32, andrea_tokens_per_s, dry):
         log(f"FAIL PyTorch side by side: torch {ref.torch.__version__} sees no CUDA device")
         return True
     failed = False
-    for name, sdpa in (("eager", False), ("sdpa", True)):
+    for name, sdpa in (("sdpa", True),):  # PyTorch's faster attention: the fair comparison, and half the time
         try:
             r = ref.benchmark(cfg, B, T, steps, warmup, sdpa=sdpa, device=device, tf32=tf32 and device != "cpu")
         except Exception as e:  # the other variant still runs
@@ -667,7 +759,7 @@ def _log_bench(result, cfg, xp, tf32):
 
 
 def run_part(name, dry):
-    parts = {"compile": part_compile, "kernels": part_kernels, "gradients": part_gradients,
+    parts = {"preflight": part_preflight, "warm": part_warm, "kernels": part_kernels, "gradients": part_gradients,
              "sanitize": part_sanitize, "bench": part_bench}
     return parts[name](dry)
 

@@ -1,38 +1,47 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine without network: every phase within about 5 minutes on an H200
-# from a cold kernel cache, with room to spare. Phases, in this order, each with its own time limit:
+# One command for a lent GPU machine without network: every phase within 8 minutes on an H200 from
+# a cold kernel cache at the worst, about 3 minutes as estimated. The machine already has what it needs
+# (cupy-cuda13x 14.2, PyTorch, compute-sanitizer: SPEC.md section 5): nothing is installed. Phases, in
+# this order (the cheapest failures first), each with its own time limit:
 #
-#   1 tests      every kernel compiled, then CuPy's own kernels warmed (gpu_check.py --part compile:
-#                one tiny training step per backend mode, float32 and float64, so CuPy's cache holds
-#                the ufuncs and reductions the tests use), then the GPU-marked tests (every layer,
-#                the whole model and every fused kernel on CuPy against NumPy) with the GPU
-#                hypothesis profile; -v names each test as it starts, --durations where time went
-#   2 kernels    the start-up self-check, then each fused kernel against the generic code at
-#                ANDREA-120M shapes, compared on the device, timed
-#   3 gradients  a small ANDREA trained on CuPy in float32 against NumPy float64 at T = 256 (dense
-#                core and fused kernels; blocked generic core): per-step losses, step-0 gradients
-#   4 train      python -m andrea.train --device gpu for 3 steps (--stop-at-step), --resume to 6,
-#                then python -m andrea.sample --device gpu from the checkpoint
-#   5 nccl       python -m andrea.run.distributed --nccl-self-test (NCCL at one rank)
-#   6 sanitize   compute-sanitizer memcheck, then racecheck, over one training step of a 1-layer
-#                model with every fused kernel (gpu_check.py --part sanitize; CuPy's pool off)
-#   7 bench      ANDREA-120M at 8 x 1024, tf32: true: tokens/s, MFU, peak memory; then PyTorch's
-#                GPT-2 of the same shape on the same GPU (TF32; eager, and SDPA attention): the ratio
+#   0 device     Python, NumPy, CuPy, the CUDA runtime and driver, NCCL, the GPU's name and memory
+#   1 preflight  every project kernel compiled (float32, float64), the start-up self-check with each fused
+#                piece timed against the generic code at ANDREA-120M's sizes, one ANDREA-120M training
+#                step at 8 x 1024 (TF32) timed (gpu_check.py --part preflight)
+#   2 tests      CuPy's own kernels warmed by tiny training steps (gpu_check.py --part warm; pytest runs
+#                whatever it says), then the GPU-marked tests with the GPU hypothesis profile; -v names
+#                each test as it starts, --durations where time went
+#   3 kernels    each fused kernel against the generic code at ANDREA-120M shapes, compared on the device,
+#                timed
+#   4 gradients  a small ANDREA trained on CuPy in float32 against NumPy float64 at T = 256 (dense core and
+#                fused kernels; blocked generic core): per-step losses, step-0 gradients
+#   5 train      python -m andrea.train --device gpu for 3 steps (--stop-at-step), --resume to 6, then
+#                python -m andrea.sample --device gpu from the checkpoint
+#   6 nccl       python -m andrea.run.distributed --nccl-self-test (NCCL at one rank)
+#   7 sanitize   compute-sanitizer (on PATH or under /usr/local/cuda*/bin) memcheck, then racecheck, over one
+#                training step of a 1-layer model with every fused kernel, only the project's kernels
+#                instrumented (--kernel-name); CUDA API errors it reports are counted, not fatal (CuPy
+#                probes the driver); memory errors and races fail the phase
+#   8 bench      ANDREA-120M at 8 x 1024, tf32: true: tokens/s, MFU, peak memory; mma.sync's TF32 rate
+#                (the step model's 1.59 clocks a step, measured); PyTorch's GPT-2 of the same shape
+#                on the same GPU (TF32, scaled_dot_product_attention): the ratio; the step model's
+#                estimate beside the measured step
 #
-# Limits (s) against estimates on an H200 from a cold cache, each limit >= 2x its estimate. The
+# Limits (s) against estimates on an H200 from a cold cache, each limit at least 3x its estimate. The
 # estimates are counted, not measured (no GPU has run this yet), from: ~3 s a process for imports and
-# CUDA's start; NVRTC ~0.3 s a project kernel (26 builds) and ~0.15 s a CuPy ufunc or reduction
-# (~200 distinct, issue 25's count), float32's and float64's compiled by two processes at once;
-# ~7 us a CuPy call (the GPU tests issue ~3.5 M, counted on the stand-in); NumPy references in NumPy
-# alone (ANDREA_CPU_KERNELS=numpy: numba's cold compile, 40-50 s a dtype on a fresh tree, is the CPU
-# suite's business); bytes moved at PCIe and HBM rates (phase 2: ~20 GB host to device, ~0.5 G
-# normal draws on the host); the sanitizer ~8 s a tool (its start, a process's start under it,
-# each module instrumented as it loads, cuBLAS's GEMMs included, ~500 launches); 120M steps at the
-# step model's ~40-60 ms, torch's at most twice that, torch's import ~3 s.
-#   phase 1: compile process 3 + project kernels 9 + CuPy's kernels 17 + pytest's start 5 + the
-#   tests' calls 25 + kernels the warm-up missed 5 + NumPy's side 5 = 69 s.
-#   device 3 -> 10, tests 70 -> 140, kernels 9 -> 20, gradients 6 -> 15, train 12 -> 25,
-#   nccl 3 -> 10, sanitize 17 -> 35, bench 18 -> 40: 138 s estimated, 295 s of limits.
+# CUDA's start; NVRTC ~0.3 s a project kernel (19 kernels x 2 dtypes) and ~0.15 s a CuPy ufunc or
+# reduction (~100 distinct in a training step, ~200 in the tests), two dtypes compiled by two processes at
+# once; ~7 us a CuPy call (the GPU tests issue ~3.5 M, counted on the stand-in); NumPy references in
+# NumPy alone (ANDREA_CPU_KERNELS=numpy: numba's cold compile is the CPU suite's business); the
+# sanitizer ~8 s a tool (its start, a process's start under it, the project's kernels instrumented,
+# ~500 launches); 120M steps at the step model's ~25 ms, PyTorch's at most twice that, torch's import
+# ~3 s; the step model's kernel counts read from andrea/run/kernel_counts.json.
+#   preflight: process 3 + project kernels 6 + self-check (6 pieces, their ufuncs 40 x 0.15) 8 + timing
+#   at 120M (6 pieces x 8 runs) 2 + model init 2 + the step's ufuncs (~100 x 0.15) 15 + the step 1 = 37 s.
+#   tests: warm-up 2 processes x (3 + ~100 ufuncs x 0.15) = 18 + pytest's start 5 + the tests' calls 25 +
+#   kernels the warm-up missed 2 = 50 s.
+#   device 3 -> 9, preflight 37 -> 120, tests 50 -> 150, kernels 8 -> 24, gradients 6 -> 18, train 12 -> 36,
+#   nccl 3 -> 9, sanitize 20 -> 60, bench 18 -> 54: 157 s estimated, 480 s of limits.
 # On a timeout a phase gets SIGINT (Python raises KeyboardInterrupt where it is: pytest still prints
 # its summary, --durations and the test it was in) and SIGKILL GRACE s later.
 #
@@ -42,10 +51,11 @@
 #                                                          of tests/support/cupy_standin; its GPU tests are
 #                                                          collected and a few run; 6 times the limits)
 #
-# Each phase's output goes to $OUT/gpu_check/<n>-<name>.txt (OUT defaults to the current directory)
-# and its verdict, time and figures to $OUT/gpu_check/summary.txt the moment the phase ends, so a
-# machine taken back mid-run still reports every phase that finished; the whole transcript also goes
-# to $OUT/gpu_check_results.txt. Exit status 0 only if every phase passed.
+# Three files under $OUT (OUT defaults to the current directory; a lent machine returns at most 8):
+# $OUT/gpu_check/phases.log, every phase's output under its "== phase N name" line as it ends;
+# $OUT/gpu_check/summary.txt, each phase's verdict, time and figures the moment it ends (a machine taken
+# back mid-run still reports every phase that finished); $OUT/gpu_check_results.txt, the whole
+# transcript. Exit status 0 only if every phase passed.
 # `source scripts/gpu_check.sh` defines the functions without running anything (tests use `phase`).
 
 GRACE=10         # s between SIGINT and SIGKILL
@@ -55,7 +65,7 @@ phase() {  # phase <number> <name> <time limit in s> <command...>
     local n="$1" name="$2" limit="$3" start status file
     shift 3
     [ -n "$DRY" ] && limit=$((DRY_SCALE * limit))
-    file="$RESULTS_DIR/$n-$name.txt"
+    file="${WORK:-$RESULTS_DIR}/$n-$name.txt"
     echo "== phase $n: $name (at most $limit s)"
     start=$(date +%s)
     # through bash -c, so a phase may be one of the functions below (exported); unbuffered, so what a
@@ -63,6 +73,7 @@ phase() {  # phase <number> <name> <time limit in s> <command...>
     PYTHONUNBUFFERED=1 timeout -s INT -k "$GRACE" "$limit" bash -c '"$@"' phase "$@" > "$file" 2>&1
     status=$?
     cat "$file"
+    { echo "== phase $n $name"; cat "$file"; } >> "$RESULTS_DIR/phases.log"
     record "$n" "$name" "$status" "$(( $(date +%s) - start ))" "$limit" "$file"
 }
 
@@ -104,7 +115,7 @@ sys.exit(pytest.main(sys.argv[1:]))' "$@"
 }
 
 gpu_tests() {
-    "$PY" scripts/gpu_check.py --part compile $DRY || return 1
+    "$PY" scripts/gpu_check.py --part warm $DRY  # a failed warm-up is in the output; the tests run anyway
     local select=(tests)
     if [ -n "$DRY" ]; then  # every GPU-marked test collected (none without a GPU: pytest's status 5)...
         ANDREA_TEST_PROFILE=gpu run_pytest -m gpu -q -p no:cacheprovider --collect-only tests
@@ -136,25 +147,49 @@ nccl_one_rank() {  # NCCL refuses two ranks on one GPU: the communicator and an 
     "$PY" -m andrea.run.distributed --nccl-self-test
 }
 
+find_sanitizer() {  # compute-sanitizer on PATH, else where CUDA toolkits install it
+    local found
+    found=$(command -v compute-sanitizer) && { echo "$found"; return; }
+    for found in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+                 /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+        [ -x "$found" ] && { echo "$found"; return; }
+    done
+    return 1
+}
+
 sanitize() {  # compute-sanitizer over one training step with every fused kernel
-    local tool status=0
+    local tool status=0 sanitizer kernels filter errors api
     if [ -n "$DRY" ]; then
         echo "figure: compute-sanitizer skipped (dry run: it needs a real GPU); the step it checks ran bare"
         "$PY" scripts/gpu_check.py --part sanitize $DRY
         return
     fi
-    if ! command -v compute-sanitizer > /dev/null; then
-        echo "FAIL compute-sanitizer is not on PATH (the lent machine has it: SPEC.md section 5)"
+    if ! sanitizer=$(find_sanitizer); then
+        echo "FAIL compute-sanitizer is neither on PATH nor under /usr/local/cuda*/bin (SPEC.md section 5 says the lent machine has it)"
         return 1
     fi
+    # only the project's kernels instrumented: cuBLAS's and CuPy's own are not ours to check
+    kernels=$("$PY" -c 'from minitensor.backends import all_kernels; print("|".join(all_kernels()))') || return 1
     for tool in memcheck racecheck; do
-        echo "== compute-sanitizer --tool $tool"
+        echo "== $sanitizer --tool $tool (kernels: $kernels)"
         SECONDS=0
-        compute-sanitizer --tool "$tool" --error-exitcode 3 --print-limit 20 \
-            "$PY" scripts/gpu_check.py --part sanitize 2>&1 | tee "$WORK/$tool.txt"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-        echo "figure: $tool in $SECONDS s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$WORK/$tool.txt" \
-            | tail -1 | sed -E 's/^=+ *//')"
+        filter=(--kernel-name "regex=^($kernels)")
+        "$sanitizer" --tool "$tool" "${filter[@]}" --print-limit 20 "$PY" scripts/gpu_check.py --part sanitize \
+            > "$WORK/$tool.txt" 2>&1
+        if grep -q -i "unrecognized option\|invalid option\|unknown option" "$WORK/$tool.txt"; then
+            echo "this compute-sanitizer has no --kernel-name: every kernel instrumented"
+            "$sanitizer" --tool "$tool" --print-limit 20 "$PY" scripts/gpu_check.py --part sanitize > "$WORK/$tool.txt" 2>&1
+        fi
+        cat "$WORK/$tool.txt"
+        # API errors (CuPy probing the driver) are recorded; memory errors and races fail the phase
+        api=$(grep -c "Program hit" "$WORK/$tool.txt")
+        errors=$(sed -n -E 's/.*ERROR SUMMARY: ([0-9]+) error.*/\1/p; s/.*RACECHECK SUMMARY: [0-9]+ hazards? displayed \(([0-9]+) errors?.*/\1/p' \
+            "$WORK/$tool.txt" | tail -1)
+        errors=${errors:-unknown}
+        [ "$tool" = memcheck ] && [ "$errors" != unknown ] && errors=$(( errors > api ? errors - api : 0 ))
+        echo "figure: $tool in $SECONDS s: $errors memory errors or races, $api CUDA API errors recorded"
+        grep -q "figure: CuPy 1-layer step" "$WORK/$tool.txt" || { echo "FAIL $tool: the step did not finish"; status=1; }
+        [ "$errors" = 0 ] || status=1
     done
     return "$status"
 }
@@ -170,7 +205,13 @@ if sys.argv[1] == "gpu":
         props = cupy.cuda.runtime.getDeviceProperties(0)
         print(f"cupy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, "
               f"driver {cupy.cuda.runtime.driverGetVersion()}, {props['name'].decode()}, "
-              f"{props['totalGlobalMem'] / 2**30:.0f} GiB")
+              f"{props['totalGlobalMem'] / 2**30:.0f} GiB, {props['multiProcessorCount']} SMs")
+        try:
+            from cupy.cuda import nccl
+            print(f"figure: NCCL {nccl.get_version()}, driver {cupy.cuda.runtime.driverGetVersion()}, "
+                  f"{props['name'].decode()}")
+        except Exception as e:  # the NCCL phase says more
+            print(f"figure: NCCL not loadable ({type(e).__name__}: {e}), driver {cupy.cuda.runtime.driverGetVersion()}")
     except Exception as e:
         print(f"no usable GPU: {type(e).__name__}: {e}")
         sys.exit(1)
@@ -193,23 +234,25 @@ setup() {  # the environment every phase sees
     RESULTS_DIR="${OUT:-.}/gpu_check"
     mkdir -p "$RESULTS_DIR"
     WORK="$(mktemp -d)"
-    export -f gpu_tests run_pytest train_stop_resume_sample nccl_one_rank sanitize
+    export -f gpu_tests run_pytest train_stop_resume_sample nccl_one_rank sanitize find_sanitizer
     export PY DRY DEVICE WORK RESULTS_DIR
 }
 
 main() {
     FAILED=0
     : > "$RESULTS_DIR/summary.txt"
+    : > "$RESULTS_DIR/phases.log"
     echo "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)${DRY:+ (dry run at toy sizes, device $DEVICE)}"
     export -f device_line
-    phase 0 device 10 device_line
-    phase 1 tests 140 gpu_tests
-    phase 2 kernels 20 "$PY" scripts/gpu_check.py --part kernels $DRY
-    phase 3 gradients 15 "$PY" scripts/gpu_check.py --part gradients $DRY
-    phase 4 train 25 train_stop_resume_sample
-    phase 5 nccl 10 nccl_one_rank
-    phase 6 sanitize 35 sanitize
-    phase 7 bench 40 "$PY" scripts/gpu_check.py --part bench $DRY
+    phase 0 device 9 device_line
+    phase 1 preflight 120 "$PY" scripts/gpu_check.py --part preflight $DRY
+    phase 2 tests 150 gpu_tests
+    phase 3 kernels 24 "$PY" scripts/gpu_check.py --part kernels $DRY
+    phase 4 gradients 18 "$PY" scripts/gpu_check.py --part gradients $DRY
+    phase 5 train 36 train_stop_resume_sample
+    phase 6 nccl 9 nccl_one_rank
+    phase 7 sanitize 60 sanitize
+    phase 8 bench 54 "$PY" scripts/gpu_check.py --part bench $DRY
     echo "== summary"
     cat "$RESULTS_DIR/summary.txt"
     if [ "$FAILED" -eq 0 ]; then echo "== gpu_check: every phase passed"; else echo "== gpu_check: SOME PHASES FAILED"; fi

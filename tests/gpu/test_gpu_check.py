@@ -22,8 +22,8 @@ from gpu_standin import reports, standin_cupy, standin_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-PHASES = [["0", "device"], ["1", "tests"], ["2", "kernels"], ["3", "gradients"], ["4", "train"], ["5", "nccl"],
-          ["6", "sanitize"], ["7", "bench"]]
+PHASES = [["0", "device"], ["1", "preflight"], ["2", "tests"], ["3", "kernels"], ["4", "gradients"], ["5", "train"],
+          ["6", "nccl"], ["7", "sanitize"], ["8", "bench"]]
 VERDICT = re.compile(r"^(ok  |FAIL) phase (\d+) (\w+) (\d+) s of (\d+) s")
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 try:  # the `fast` extra: CI installs it, and the dry run on the CPU then trains with numba's kernels
@@ -55,26 +55,44 @@ def _dry_run(tmp_path, env, timeout):
     verdicts, figures = _summary(tmp_path)
     assert [line.split()[2:4] for line in verdicts] == PHASES, verdicts
     assert all(line.startswith("ok") for line in verdicts), verdicts
-    phases = {p.name: p.read_text() for p in (tmp_path / "gpu_check").glob("*-*.txt")}
+    phases = _phases(tmp_path / "gpu_check" / "phases.log")
+    assert list(phases) == [name for _, name in PHASES]
     assert (tmp_path / "gpu_check_results.txt").read_text().count("== phase") == len(PHASES)
+    # a lent machine returns at most 8 files from $OUT: the check leaves 3
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")
+                  if p.is_file() and p.relative_to(tmp_path).parts[0] != "reads")  # the stand-in's, not the check's
+    assert left == ["gpu_check/phases.log", "gpu_check/summary.txt", "gpu_check_results.txt"], left
     return out, figures, phases
+
+
+def _phases(log):
+    """{phase name: its output} from phases.log, in the order the phases ran."""
+    phases, name = {}, None
+    for line in log.read_text().splitlines():
+        found = re.match(r"^== phase \d+ (\w+)$", line)
+        if found:
+            name = found[1]
+            phases[name] = ""
+        elif name is not None:
+            phases[name] += line + "\n"
+    return phases
 
 
 def _bench_figures(figures, phases):
     assert any(f.startswith("andrea ") and "tokens/s" in f for f in figures), figures
-    if HAS_TORCH:  # PyTorch's GPT-2 of the same shape beside it, eager and with SDPA: the ratio
-        for variant in ("eager", "sdpa"):
-            assert any(f"{variant} on cpu" in f and "andrea / PyTorch" in f for f in figures), figures
+    if HAS_TORCH:  # PyTorch's GPT-2 of the same shape beside it, with SDPA: the ratio
+        assert any("sdpa on cpu" in f and "andrea / PyTorch" in f for f in figures), figures
     else:
-        assert "skip PyTorch side by side" in phases["7-bench.txt"]
+        assert "skip PyTorch side by side" in phases["bench"]
 
 
 def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path), "PYTHON": sys.executable}
     _, figures, phases = _dry_run(tmp_path, env, timeout=600)
-    assert "ok   cross-entropy fwd" in phases["2-kernels.txt"]
-    assert "ok   NumPy float32, blocked core" in phases["3-gradients.txt"]
-    train = phases["4-train.txt"]
+    assert "ok   cross-entropy fwd" in phases["kernels"]
+    assert "ok   NumPy float32, blocked core" in phases["gradients"]
+    assert any(f.startswith("one tiny training step at 2 x 32") for f in figures), figures
+    train = phases["train"]
     assert "stopped at step 3" in train and "resumed from" in train and "step      6/6" in train
     assert CPU_KERNELS in train and "tf32: not applicable" in train
     assert any(f.startswith("done: step 3 (3 this run)") for f in figures), figures
@@ -94,23 +112,27 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     out, figures, phases = _dry_run(tmp_path, env, timeout=900)
     assert "(dry run at toy sizes, device gpu)" in out and "CuPy stand-in" in out
 
-    tests = phases["1-tests.txt"]
     from minitensor.backends import all_kernels
 
-    compiled = tests.index(f"compiled {2 * len(all_kernels())} kernels (every kernel x float32, float64)")
-    assert compiled < tests.index("tests collected") and "tests/model/test_model.py::" in tests
+    preflight = phases["preflight"]
+    assert f"compiled {2 * len(all_kernels())} kernels (every kernel x float32, float64)" in preflight
+    assert "kernels: fused " in preflight and "not timed: the CuPy stand-in" in preflight
+    tests = phases["tests"]
+    assert tests.index("CuPy's own kernels warmed") < tests.index("tests collected")
+    assert "tests/model/test_model.py::" in tests
     assert "FAIL warm-up" not in tests and any("CuPy's own kernels warmed by 8 tiny training steps" in f
                                                for f in figures), figures
     assert "tests/engine/test_softmax.py::test_exp_rows_is_the_softmax_before_its_division[cupy-float32" in tests
     assert "slowest 15 durations" in tests and any(re.match(r"\d+ passed, \d+ deselected in", f) for f in figures)
-    assert "self-check in" in phases["2-kernels.txt"] and "skip" not in phases["2-kernels.txt"]
-    assert phases["2-kernels.txt"].count("ok   ") == 18  # the self-check, 13 kernels, 4 cuBLAS calls
+    assert "self-check in" in phases["kernels"] and "skip" not in phases["kernels"]
+    assert phases["kernels"].count("ok   ") == 18  # the self-check, 13 kernels, 4 cuBLAS calls
     assert "17 of 17 fused kernels within 1e-5" in "\n".join(figures)
-    assert "ok   CuPy float32, dense core, kernels auto (kernels: fused " in phases["3-gradients.txt"]
-    train = phases["4-train.txt"]
+    assert "ok   CuPy float32, dense core, kernels auto (kernels: fused " in phases["gradients"]
+    assert any(f.startswith("mma.sync m16n8k8 TF32:") and "dry run" in f for f in figures), figures
+    train = phases["train"]
     assert "on gpu (float32)" in train and "kernels: fused " in train and "generic for" not in train
     assert "stopped at step 3" in train and "resumed from" in train and "step      6/6" in train
-    assert "NCCL self-test: ok" in phases["5-nccl.txt"] and any(f.startswith("NCCL self-test: ok") for f in figures)
+    assert "NCCL self-test: ok" in phases["nccl"] and any(f.startswith("NCCL self-test: ok") for f in figures)
     assert any(f.startswith("CuPy 1-layer step x 2, dense and blocked core (kernels: fused") for f in figures)
     _bench_figures(figures, phases)
 
@@ -140,14 +162,14 @@ def test_a_phase_past_its_limit_is_interrupted_and_leaves_pytests_summary(tmp_pa
     results = tmp_path / "results"
     results.mkdir()
     script = (f'source "{SCRIPT}"; DRY=""; FAILED=0; PY="{sys.executable}"; RESULTS_DIR="{results}"; '
-              'export -f run_pytest; export PY; '
+              f'WORK="{tmp_path}"; export -f run_pytest; export PY; '
               f'phase 9 slow 12 run_pytest -v -p no:cacheprovider --durations=5 "{tmp_path}/test_slow.py"; '
               'echo "FAILED=$FAILED"')
     start = time.monotonic()
     run = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=90)
     assert time.monotonic() - start < 60, run.stdout[-2000:]  # stopped at the limit, not after the sleep
     assert "FAILED=1" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
-    phase = (results / "9-slow.txt").read_text()
+    phase = _phases(results / "phases.log")["slow"]
     assert "test_slow.py::test_quick PASSED" in phase
     assert "test_slow.py::test_sleeps_past_the_limit" in phase and "KeyboardInterrupt" in phase, phase
     assert "slowest 5 durations" in phase and re.search(r"=+ 1 passed in [0-9.]+s =+", phase), phase
@@ -158,7 +180,7 @@ def test_a_phase_past_its_limit_is_interrupted_and_leaves_pytests_summary(tmp_pa
 
 
 def test_the_budget_in_the_header_is_the_one_the_script_runs_with():
-    """Each phase's limit at least twice its estimate on an H200, the limits summing to at most ~5
+    """Each phase's limit at least three times its estimate on an H200, the limits summing to at most 8
     minutes, and the header's figures the ones main() passes to `phase`."""
     text = SCRIPT.read_text()
     budget = dict((name, (int(est), int(limit)))
@@ -166,8 +188,8 @@ def test_the_budget_in_the_header_is_the_one_the_script_runs_with():
     runs = {name: int(limit) for name, limit in re.findall(r"^\s+phase \d+ (\w+) (\d+) ", text, re.M)}
     assert set(runs) == {name for _, name in PHASES} and budget.keys() == runs.keys(), (budget, runs)
     assert all(budget[name][1] == runs[name] for name in runs), (budget, runs)
-    assert all(limit >= 2 * est for est, limit in budget.values()), budget
-    assert sum(runs.values()) <= 300, runs
+    assert all(limit >= 3 * est for est, limit in budget.values()), budget
+    assert sum(runs.values()) <= 480, runs
     stated = re.search(r"(\d+) s estimated, (\d+) s of limits", text)
     assert stated and int(stated[1]) == sum(e for e, _ in budget.values()) and int(stated[2]) == sum(runs.values())
 
