@@ -121,6 +121,30 @@ def test_a_kill_between_the_manifest_and_removing_the_state_leaves_a_complete_di
             assert open_tokens(out / e["file"]).size == e["tokens"]
 
 
+def test_a_complete_directory_keeps_its_split_whatever_fraction_is_asked(tmp_path, tok_path, capsys):
+    """Prepared at a validation fraction of 0.2: a train that leaves data.val_fraction unset uses the
+    directory as it is (not the default 0.01's split), one that asks for another fraction is refused
+    with the real reason, by the dry run and the run alike, and the directory is not touched; only
+    prepare --force with the new fraction re-encodes it."""
+    corpus, out, meta = prepared(tmp_path, tok_path, val_fraction=0.2)
+    before = snapshot(out)
+    tok, train_ids, val_ids = train.prepare_data(train_config(corpus, out))
+    assert (len(train_ids), len(val_ids)) == (meta["train_tokens"], meta["val_tokens"]) and snapshot(out) == before
+    assert preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
+    with pytest.raises(UserError, match="prepared with a validation fraction of 0.2, not 0.1"):
+        train.prepare_data(load_config("tiny", [f"data.inputs={corpus}", f"data.data_dir={out}",
+                                                "data.allow_smaller_vocab=true", "data.val_fraction=0.1"]))
+    argv = ["--set", f"data.inputs={corpus}", "--set", f"data.data_dir={out}", "--set", "data.allow_smaller_vocab=true",
+            "--set", "data.val_fraction=0.1"]
+    capsys.readouterr()
+    for extra in (["--dry-run"], ["--max-steps", "1", "--set", "train.warmup_steps=0"]):
+        code, err = cli(train.main, ["--out", str(tmp_path / "run"), *argv, *extra], capsys)
+        assert code == 2 and "leave --set data.val_fraction unset" in one_line(err)
+    assert snapshot(out) == before and not (tmp_path / "run").exists()
+    again = preparation.prepare([str(corpus)], out, val_fraction=0.01, progress=False, force=True, tokenizer=tok_path)
+    assert not again["skipped"] and again["val_fraction"] == 0.01 and again["val_tokens"] < meta["val_tokens"]
+
+
 # ----------------------------------------------------------------------------- class 2: one writer at a time
 
 
