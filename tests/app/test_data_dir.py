@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from runs import small_config
-from test_prepare_scale import lines, make_corpus, snapshot
+from test_prepare_scale import all_ids, lines, make_corpus, snapshot
 
 from andrea import prepare, train
 from andrea.cli import run_cli
@@ -261,6 +261,28 @@ def test_a_corpus_whose_validation_split_would_be_empty_is_refused_with_advice_t
     advised = float(str(info.value).split("--val-fraction ")[-1].split()[0])
     meta = preparation.prepare([str(few)], tmp_path / "d2", progress=False, tokenizer=tok_path, val_fraction=advised)
     assert meta["val_tokens"] > 0 and meta["train_tokens"] > 0
+
+
+def test_a_one_file_corpus_is_never_cut_inside_a_line_between_the_splits(tmp_path, tok_path):
+    """A file whose last line has no final newline: one line alone is refused as the same line with a
+    newline is; a longer last line than --val-fraction's share is refused with a fraction that works,
+    and that fraction's validation holds the last line whole, from a line's start (several blocks long)."""
+    one_line_file = tmp_path / "one.txt"
+    one_line_file.write_text("alpha beta gamma " * 2000)
+    with pytest.raises(UserError, match="several lines"):
+        preparation.prepare([str(one_line_file)], tmp_path / "d1", progress=False, tokenizer=tok_path)
+    assert not (tmp_path / "d1").exists()
+    head, last = lines(np.random.default_rng(3), 200_000), "delta epsilon zeta " * 8_000  # 152 KB, no newline
+    unfinished = tmp_path / "unfinished.txt"
+    unfinished.write_text(head + last)
+    with pytest.raises(UserError, match=r"use --val-fraction (\S+) or more") as info:
+        preparation.prepare([str(unfinished)], tmp_path / "d2", progress=False, tokenizer=tok_path)
+    advised = float(str(info.value).split("--val-fraction ")[-1].split()[0])
+    preparation.prepare([str(unfinished)], tmp_path / "d2", progress=False, tokenizer=tok_path, val_fraction=advised)
+    tok = Tokenizer.load(tok_path)
+    train_text, val_text = (tok.decode(all_ids(tmp_path / "d2", split).tolist()).removesuffix(tok.EOT_TEXT)
+                            for split in ("train", "val"))
+    assert train_text + val_text == head + last and train_text.endswith("\n") and val_text.endswith(last)
 
 
 def test_a_tokenizer_sample_too_small_is_said_to_be_the_sample(tmp_path, capsys):
