@@ -276,6 +276,10 @@ def test_files_that_are_not_what_they_claim(tmp_path, data_dir, capsys):
     assert "is not valid YAML: line 3, column 11" in one_line_error(capsys.readouterr().err)
     assert cli(params_cli.main, [str(latin)]) == 2
     assert "is not UTF-8" in one_line_error(capsys.readouterr().err)
+    for text in ("", "# only a comment\n"):  # not "every default" (a 124M model): a wrong path, a cut write
+        (tmp_path / "empty.yaml").write_text(text)
+        assert cli(train.main, ["--config", str(tmp_path / "empty.yaml"), "--dry-run"]) == 2
+        assert f"config {tmp_path / 'empty.yaml'} is empty" in one_line_error(capsys.readouterr().err)
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.json").write_text("{not json")
