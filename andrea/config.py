@@ -171,8 +171,7 @@ class TrainConfig:
 class DataConfig:
     inputs: list = field(default_factory=list)   # files, directories or globs; empty: the Python stdlib
     data_dir: str = ""                            # where tokens and tokenizer live; "" = data/<name>
-    val_fraction: float | None = None             # share held out for validation (by block); None: the
-                                                  # prepared directory's own, else the default
+    val_fraction: float | None = None             # held out for validation (by block); None: the data's own, or default
     allow_smaller_vocab: bool = False             # a small corpus may run out of merges before 8449 ids
 
     def validate(self):
