@@ -19,10 +19,38 @@ As a library:
 
 These three names are imported on first use, so importing andrea loads nothing else. Importing it
 sets nothing in the process either: the entry points (train, bench, sample) set what must precede
-NumPy, OPENBLAS_THREAD_TIMEOUT=4, as their first statement.
+NumPy, OPENBLAS_THREAD_TIMEOUT=4, as their first statement, and glibc's malloc thresholds
+(minitensor.memory); a script calls `tune_process()` before it imports NumPy for the same two.
 """
 
-__all__ = ["ANDREA", "AdamW", "ModelConfig"]
+import os
+import sys
+
+__all__ = ["ANDREA", "AdamW", "ModelConfig", "tune_process"]
+
+BLAS_THREAD_TIMEOUT = "4"  # the entry points' OPENBLAS_THREAD_TIMEOUT
+
+
+def tune_process() -> dict:
+    """The entry points' two process settings, for a script that uses andrea as a library: BLAS
+    threads that sleep right after each GEMM instead of spinning on the cores minitensor's threads
+    need (OPENBLAS_THREAD_TIMEOUT, which OpenBLAS reads once, when NumPy loads it: call this first),
+    and malloc thresholds that keep freed memory for the next step's temporaries
+    (minitensor.memory.keep_freed_memory). A value the user set is left alone. Returns what it set;
+    warns when NumPy is loaded already, as the timeout cannot act then."""
+    from minitensor.memory import keep_freed_memory
+
+    done = {}
+    if "OPENBLAS_THREAD_TIMEOUT" in os.environ:
+        pass
+    elif "numpy" in sys.modules:
+        import warnings
+
+        warnings.warn("andrea.tune_process() came after NumPy was imported: OPENBLAS_THREAD_TIMEOUT cannot act "
+                      "any more; call it before `import numpy`", stacklevel=2)
+    else:
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = done["OPENBLAS_THREAD_TIMEOUT"] = BLAS_THREAD_TIMEOUT
+    return {**done, **keep_freed_memory()}
 
 
 def __getattr__(name):

@@ -171,7 +171,7 @@ class TrainConfig:
 class DataConfig:
     inputs: list = field(default_factory=list)   # files, directories or globs; empty: the Python stdlib
     data_dir: str = ""                            # where tokens and tokenizer live; "" = data/<name>
-    val_fraction: float | None = None             # share held out for validation (by block); None: default
+    val_fraction: float | None = None             # held out for validation (by block); None: the data's own, or default
     allow_smaller_vocab: bool = False             # a small corpus may run out of merges before 8449 ids
 
     def validate(self):
@@ -336,13 +336,17 @@ def load_config(name="tiny", overrides=()):
     """Reads a config (shipped name or path) and applies `section.key=value` overrides, then validates."""
     path = config_path(name)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise UserError(f"cannot read config {path}: {e.strerror or e}") from e
     except UnicodeDecodeError as e:
         raise UserError(f"config {path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from e
     except yaml.YAMLError as e:
         raise UserError(f"config {path} is not valid YAML: {_yaml_problem(e)}") from e
+    if raw is None:  # an empty file is a mistake (a wrong path, a cut write), not "every default": 124M parameters
+        raise UserError(f"config {path} is empty: give at least one of its sections model, train, data (a "
+                        "config file's missing keys take ModelConfig's defaults, GPT-2 small's); without "
+                        "--config the run is tiny")
     if not isinstance(raw, dict):
         raise UserError(f"config {path} must be a mapping with sections model, train, data")
     return make_config(raw, overrides, name=path.stem, source=str(path))

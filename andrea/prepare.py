@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float,
                    help=f"share of the corpus held out for validation: blocks chosen by a hash of their file's path "
                         f"(the stdlib's files stay whole), or one file's tail ({STDLIB_VAL_FRACTION} for the stdlib, "
-                        f"else {VAL_FRACTION})")
+                        f"else {VAL_FRACTION}); a prepared directory keeps its own unless --force is given")
     p.add_argument(
         "--allow-smaller-vocab",
         action="store_true",

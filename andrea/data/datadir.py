@@ -96,8 +96,9 @@ def _is_damaged_ours(path: Path) -> bool:
 
 
 def _check_same_request(data_dir: Path, meta: dict, wanted: dict, given, force: bool) -> None:
-    """A complete data directory serves only the corpus it was prepared from (`force`: another corpus
-    is re-encoded there with the directory's tokenizer, whose fit is checked later)."""
+    """A complete data directory serves only the corpus and the split it was prepared with (`force`:
+    another corpus or fraction is re-encoded there with the directory's tokenizer, whose fit is
+    checked later)."""
     if given is not None and meta.get("tokenizer_fingerprint") != given.fingerprint():
         raise UserError(f"{data_dir} already holds another tokenizer than the one given (its data is encoded with "
                         "it): choose another data directory (--data-dir, or --set data.data_dir=... for train)")
@@ -107,6 +108,11 @@ def _check_same_request(data_dir: Path, meta: dict, wanted: dict, given, force: 
         raise UserError(f"{data_dir} holds data prepared from another corpus ({meta.get('corpus')}): choose another "
                         "--data-dir (or --set data.data_dir=... for train), or pass --force to re-encode this "
                         "corpus there with its existing tokenizer.json")
+    has, asked = meta.get("val_fraction"), wanted["val_fraction"]
+    if has != asked and not force:  # the split decides what every later evaluation measures: never redone unasked
+        raise UserError(f"{data_dir} was prepared with a validation fraction of {has}, not {asked:g}: a prepared "
+                        "directory keeps its split; leave --val-fraction unset to use it as it is, or choose "
+                        "another --data-dir for the new split")
 
 
 def _same_settings(meta: dict, wanted: dict, allow_smaller: bool) -> bool:

@@ -14,8 +14,9 @@ Memory stays flat: every phase handles one block (<= ~2 MiB) per thread at a tim
 sees at most the sample. After each full training shard the work done so far is recorded in
 `prepare-state.json`, so an interrupted preparation continues from its last finished shard (Ctrl-C
 stops within a second in every phase, exit 130). What the directory holds, and what may be removed,
-is andrea.data.datadir's. A complete directory is kept as it is: running again does nothing,
-whatever happened to the corpus since (`force` re-encodes the corpus as it is now, with the
+is andrea.data.datadir's. A complete directory is kept as it is, its split included (a fraction
+left unset is the directory's, another one is refused): running again does nothing, whatever
+happened to the corpus since (`force` re-encodes the corpus as it is now, with the
 directory's tokenizer.json, which is always kept since checkpoints depend on it).
 One process prepares a directory at a time (andrea.data.lock): another waits, then finds it complete.
 `check_preparation` makes every check of a preparation without writing (`train --dry-run` calls it).
@@ -122,20 +123,23 @@ def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFA
     the Preparation to write otherwise. `prepare` and `train --dry-run` both call this."""
     data_dir, log = Path(data_dir), log or Log(False)
     # the request: its numbers in range; a tokenizer given is loaded and sets the vocabulary
-    val_fraction = _check_request(inputs, val_fraction, None, tokenizer_sample)
+    fraction = _check_request(inputs, val_fraction, None, tokenizer_sample)
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     vocab_size = given.vocab_size if given is not None else vocab_size
-    wanted = {"inputs": list(inputs) if inputs else None, "requested_vocab_size": vocab_size,
-              "val_fraction": val_fraction}
-    # the directory as it is: a complete preparation of the same request is kept
+    # the directory as it is: a complete preparation of the same request is kept; a fraction left
+    # unset is the split the directory was made with, one given and different is refused there
     meta, state = datadir.our_files(data_dir)
+    if val_fraction is None and meta is not None and isinstance(meta.get("val_fraction"), float):
+        fraction = meta["val_fraction"]
+    wanted = {"inputs": list(inputs) if inputs else None, "requested_vocab_size": vocab_size,
+              "val_fraction": fraction}
     if meta is not None and datadir.up_to_date(data_dir, meta, wanted, given, force, allow_smaller_vocab):
         return Preparation(data_dir, done=meta)
     # the corpus listed and cut into blocks; the directory's tokenizer checked against the request
     corpus, sizes = _list_corpus(inputs, log)
     existing = datadir.existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
-    blocks = stream.plan_blocks(corpus.files, sizes, corpus.root, val_fraction)
-    _check_splits_hold_text(corpus, sizes, blocks, val_fraction)
+    blocks = stream.plan_blocks(corpus.files, sizes, corpus.root, fraction)
+    _check_splits_hold_text(corpus, sizes, blocks, fraction)
     settings = {"signature": corpus_signature(corpus, sizes), **wanted, "shard_tokens": shard_tokens,
                 "blocks": len(blocks)}
     return Preparation(data_dir, None, corpus, sizes, blocks, settings, given, tokenizer, existing, meta,
@@ -175,7 +179,7 @@ def _write(plan: Preparation, workers: int, t0: float, log: Log) -> dict:
 
 def _check_request(inputs: list[str] | None, val_fraction: float | None, workers: int | None,
                    tokenizer_sample: int) -> float:
-    """Refuse numbers out of range; return the validation fraction, defaulted for the corpus."""
+    """Refuse numbers out of range; return the validation fraction, fraction for the corpus."""
     if val_fraction is None:
         val_fraction = VAL_FRACTION if inputs else STDLIB_VAL_FRACTION
     if not 0.0 < val_fraction < 1.0:

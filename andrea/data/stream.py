@@ -5,7 +5,8 @@ A file of `size` bytes is cut near every multiple of the block size U: the cut f
 position p is just after the first newline in [p, p + U), or, in a line longer than that, at the
 first UTF-8 character that starts at or after p. So a file has ceil(size / U) blocks (the last
 ones may be empty inside a very long line), each at most ~2U bytes, none splitting a character,
-and the list of blocks follows from the file sizes alone: it is known before anything is read.
+and the list of blocks follows from the file sizes alone (but for a one-file corpus's validation
+cut, below): it is known before the text is read.
 Every piece of work (reading, tokenizer training, encoding) handles one block at a time, which
 is what keeps memory flat whatever the size of the corpus or of its largest file. Encoding a
 block instead of its whole file changes ids only at the cuts; decoding gives the text back exactly.
@@ -18,7 +19,9 @@ The validation split (a stable function of the files' paths and sizes, the same 
   kept within 64 KiB..1 MiB: small enough that even a few large files give the split many blocks
   to choose from (four 26 MB files at 1%: 400 blocks, not 4 files), large enough that the default
   corpus's files (all under 0.31 MB) stay whole. Each side gets at least one block.
-- one file: its last `val_fraction` of bytes (from the first newline after that point).
+- one file: its last `val_fraction` of bytes, from the first newline after that point (none there:
+  no validation, which preparation refuses with advice). The only plan that reads the file: around
+  that one cut, so that it falls at a line's end.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def plan_blocks(paths: Sequence[Path], sizes, root: Path, val_fraction: float) -
     nonempty = np.flatnonzero(sizes)
     if len(nonempty) == 1:
         (i,) = nonempty
-        return _one_file_blocks(int(i), int(sizes[i]), val_fraction)
+        return _one_file_blocks(Path(paths[i]), int(i), int(sizes[i]), val_fraction)
     U = block_size(int(sizes.sum()), val_fraction)
     per_file = -(-sizes[nonempty] // U)  # blocks in each non-empty file
     file = np.repeat(nonempty, per_file)
@@ -121,12 +124,33 @@ def plan_blocks(paths: Sequence[Path], sizes, root: Path, val_fraction: float) -
     return Blocks(file, index, start, end, val, last)
 
 
-def _one_file_blocks(i: int, size: int, val_fraction: float) -> Blocks:
+def _one_file_blocks(path: Path, i: int, size: int, val_fraction: float) -> Blocks:
+    """The blocks of a one-file corpus: validation from the first newline in its last `val_fraction`.
+    That cut is placed on the newline itself, where `cut_at` falls just after it; a tail holding no
+    newline gives no validation blocks (a cut never falls inside a line between the two splits)."""
     U = block_size(size, val_fraction)
-    tail = min(int(size * (1 - val_fraction)), size - 1)
-    edges = np.array(sorted({*range(0, tail, U), tail, *range(tail, size, U)}) + [size], dtype=np.int64)
+    tail = _newline_at_or_after(path, min(int(size * (1 - val_fraction)), size - 1), size)
+    edges = np.array(sorted({*range(0, tail, U), tail, *range(tail, size, U), size}), dtype=np.int64)
     n = len(edges) - 1
     return Blocks(np.full(n, i), np.arange(n), edges[:-1], edges[1:], edges[:-1] >= tail, np.arange(n) == n - 1)
+
+
+def _newline_at_or_after(path: Path, pos: int, size: int) -> int:
+    """The offset of the first newline at or after `pos` in the file at `path`; `size` if none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(pos)
+            while pos < size:
+                chunk = f.read(min(SCAN, size - pos))
+                if not chunk:
+                    break
+                newline = chunk.find(b"\n")
+                if newline >= 0:
+                    return pos + newline
+                pos += len(chunk)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+    return size
 
 
 def split_key(relative_path: str) -> float:

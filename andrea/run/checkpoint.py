@@ -370,17 +370,22 @@ def latest_checkpoint(out_dir, validate: Validate | None = None,
                 validate(tensors, meta)
         except UserError as err:
             warn(f"skipping {path}: {err}")
-            refused.append(path.name)
+            refused.append((path.name, str(err)))
             continue
         return path, tensors, meta
     raise CheckpointError(_nothing_usable(Path(out_dir), refused))
 
 
-def _nothing_usable(out_dir: Path, refused: list[str]) -> str:
+def _nothing_usable(out_dir: Path, refused: list[tuple[str, str]]) -> str:
+    """Why no checkpoint serves: the reason itself when every one was refused for the same one (a
+    config that does not fit them all reads as that, not as damage)."""
+    names, reasons = [name for name, _ in refused], {reason for _, reason in refused}
     if not out_dir.is_dir():
         why = "the directory does not exist"
     elif not refused:
         why = "it holds no checkpoints"
+    elif len(reasons) == 1:
+        why = f"{len(refused)} of {len(refused)} refused ({', '.join(names)}): {reasons.pop()}"
     else:
-        why = f"all {len(refused)} were refused ({', '.join(refused)}); see the warnings above"
+        why = f"all {len(refused)} were refused ({', '.join(names)}); see the warnings above"
     return f"no usable checkpoint in {out_dir}: {why}"

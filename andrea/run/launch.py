@@ -36,6 +36,7 @@ def build_run_config(args):
         cfg = make_config(base, overrides, name=str(base.get("name", "custom")), source=str(out_dir / "config.json"))
         if args.config is not None:
             _refuse_another_config(args.config, overrides, cfg, out_dir)
+        _refuse_another_model(base, cfg, out_dir)
     else:
         if args.init_from:
             cfg = hf.init_from_config(args.config or "tiny", args.init_from, overrides)
@@ -65,6 +66,17 @@ def _refuse_another_config(name, overrides, cfg, out_dir):
         raise UserError(f"--config {name} differs from the config of the run in {out_dir} in {', '.join(diff[:4])}: "
                         "drop --config to resume that run (change values with --set), or start a new run "
                         "with another --out")
+
+
+def _refuse_another_model(base, cfg, out_dir):
+    """A resumed run continues the model it saved: every checkpoint holds that model's weights and
+    moments, so a --set that changes it could only end in each checkpoint being refused."""
+    saved, now = make_config(base).to_dict()["model"], cfg.to_dict()["model"]
+    changed = [f"model.{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k]]
+    if changed:
+        raise UserError(f"--set changes the model of the run in {out_dir} ({', '.join(changed[:4])}), whose "
+                        "checkpoints hold the weights of the model it saved: resume without that --set, or start "
+                        "a new run with another --out")
 
 
 LAUNCH_FLAGS = ("resume", "overwrite", "dry_run", "init_from", "stop_at_step")

@@ -3,6 +3,7 @@
 both use them (prepare is itself called by preflight's data check).
 """
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -11,8 +12,8 @@ from andrea.errors import UserError
 
 def check_directory(path, what: str, writable: bool = True) -> None:
     """Refuses a path that cannot be (or become) a directory: a file, or a file among its parents;
-    with `writable`, one that cannot be written; without, an existing one that cannot be read (a
-    complete data directory on a read-only mount is only read)."""
+    with `writable`, one that cannot be written or made (tried: made and removed again); without, an
+    existing one that cannot be read (a complete data directory on a read-only mount is only read)."""
     path = Path(path)
     if not writable and path.is_dir():
         if not os.access(path, os.R_OK | os.X_OK):
@@ -29,6 +30,37 @@ def check_directory(path, what: str, writable: bool = True) -> None:
         raise UserError(f"{what} {path} cannot be created: {ancestor} is a file")
     if ancestor.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
         raise UserError(f"{what} {path} cannot be written: no permission to write in {ancestor}")
+    if not path.is_dir():
+        _try_creating(path, what)
+
+
+def _try_creating(path: Path, what: str) -> None:
+    """Makes the missing directories of `path`, then removes them again. Permission bits say too
+    little (root may write anywhere by them, yet not in /proc or on a read-only mount; a link to
+    nowhere or a name too long passes them): only making the directory shows that it can be made."""
+    missing = []
+    while not os.path.lexists(path) and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{what} {missing[0]} cannot be created: {path} is a link to {os.readlink(path)}, "
+                        "which does not exist")
+    made = []
+    try:
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory)
+            except FileExistsError:
+                if not directory.is_dir():
+                    raise
+                continue  # made meanwhile by another process: its, not ours to remove
+            made.append(directory)
+    except OSError as e:
+        raise UserError(f"{what} {missing[0]} cannot be created: {e.strerror or e} ({e.filename})") from None
+    finally:
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):  # only if still empty: another process may have begun using it
+                os.rmdir(directory)
 
 
 def check_output_file(path, what: str) -> None:

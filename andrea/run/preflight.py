@@ -11,8 +11,8 @@
   `model.vocab_size` must fit the token files' uint16 ids;
 - `--init-from`: the directory's weights, as loading reads them (hf.read_state: every file's header,
   each tensor's name and shape against the config, every value finite);
-- the paths: `--out` must be (or be creatable as) a directory; `data.data_dir` too, written only when
-  it must be prepared (a complete one on a read-only mount is only read);
+- the paths: `--out` must be (or be creatable as: made and removed again) a directory; `data.data_dir`
+  too, written only when it must be prepared (a complete one on a read-only mount is only read);
 - the sample prompt: a run that ends with a sample needs a prompt that encodes to tokens;
 - the schedule: `train.warmup_steps` beyond `train.max_steps` is a warning saying the peak rate
   the run reaches (it was silent; refusing it would break quick `--max-steps 10` runs);

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from runs import small_config
-from test_prepare_scale import lines, make_corpus, snapshot
+from test_prepare_scale import all_ids, lines, make_corpus, snapshot
 
 from andrea import prepare, train
 from andrea.cli import run_cli
@@ -119,6 +119,30 @@ def test_a_kill_between_the_manifest_and_removing_the_state_leaves_a_complete_di
             assert not (out / shards.STATE_FILE).exists()
         for e in meta["shards"]["train"] + meta["shards"]["val"]:
             assert open_tokens(out / e["file"]).size == e["tokens"]
+
+
+def test_a_complete_directory_keeps_its_split_whatever_fraction_is_asked(tmp_path, tok_path, capsys):
+    """Prepared at a validation fraction of 0.2: a train that leaves data.val_fraction unset uses the
+    directory as it is (not the default 0.01's split), one that asks for another fraction is refused
+    with the real reason, by the dry run and the run alike, and the directory is not touched; only
+    prepare --force with the new fraction re-encodes it."""
+    corpus, out, meta = prepared(tmp_path, tok_path, val_fraction=0.2)
+    before = snapshot(out)
+    tok, train_ids, val_ids = train.prepare_data(train_config(corpus, out))
+    assert (len(train_ids), len(val_ids)) == (meta["train_tokens"], meta["val_tokens"]) and snapshot(out) == before
+    assert preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)["skipped"]
+    with pytest.raises(UserError, match="prepared with a validation fraction of 0.2, not 0.1"):
+        train.prepare_data(load_config("tiny", [f"data.inputs={corpus}", f"data.data_dir={out}",
+                                                "data.allow_smaller_vocab=true", "data.val_fraction=0.1"]))
+    argv = ["--set", f"data.inputs={corpus}", "--set", f"data.data_dir={out}", "--set", "data.allow_smaller_vocab=true",
+            "--set", "data.val_fraction=0.1"]
+    capsys.readouterr()
+    for extra in (["--dry-run"], ["--max-steps", "1", "--set", "train.warmup_steps=0"]):
+        code, err = cli(train.main, ["--out", str(tmp_path / "run"), *argv, *extra], capsys)
+        assert code == 2 and "leave --set data.val_fraction unset" in one_line(err)
+    assert snapshot(out) == before and not (tmp_path / "run").exists()
+    again = preparation.prepare([str(corpus)], out, val_fraction=0.01, progress=False, force=True, tokenizer=tok_path)
+    assert not again["skipped"] and again["val_fraction"] == 0.01 and again["val_tokens"] < meta["val_tokens"]
 
 
 # ----------------------------------------------------------------------------- class 2: one writer at a time
@@ -237,6 +261,28 @@ def test_a_corpus_whose_validation_split_would_be_empty_is_refused_with_advice_t
     advised = float(str(info.value).split("--val-fraction ")[-1].split()[0])
     meta = preparation.prepare([str(few)], tmp_path / "d2", progress=False, tokenizer=tok_path, val_fraction=advised)
     assert meta["val_tokens"] > 0 and meta["train_tokens"] > 0
+
+
+def test_a_one_file_corpus_is_never_cut_inside_a_line_between_the_splits(tmp_path, tok_path):
+    """A file whose last line has no final newline: one line alone is refused as the same line with a
+    newline is; a longer last line than --val-fraction's share is refused with a fraction that works,
+    and that fraction's validation holds the last line whole, from a line's start (several blocks long)."""
+    one_line_file = tmp_path / "one.txt"
+    one_line_file.write_text("alpha beta gamma " * 2000)
+    with pytest.raises(UserError, match="several lines"):
+        preparation.prepare([str(one_line_file)], tmp_path / "d1", progress=False, tokenizer=tok_path)
+    assert not (tmp_path / "d1").exists()
+    head, last = lines(np.random.default_rng(3), 200_000), "delta epsilon zeta " * 8_000  # 152 KB, no newline
+    unfinished = tmp_path / "unfinished.txt"
+    unfinished.write_text(head + last)
+    with pytest.raises(UserError, match=r"use --val-fraction (\S+) or more") as info:
+        preparation.prepare([str(unfinished)], tmp_path / "d2", progress=False, tokenizer=tok_path)
+    advised = float(str(info.value).split("--val-fraction ")[-1].split()[0])
+    preparation.prepare([str(unfinished)], tmp_path / "d2", progress=False, tokenizer=tok_path, val_fraction=advised)
+    tok = Tokenizer.load(tok_path)
+    train_text, val_text = (tok.decode(all_ids(tmp_path / "d2", split).tolist()).removesuffix(tok.EOT_TEXT)
+                            for split in ("train", "val"))
+    assert train_text + val_text == head + last and train_text.endswith("\n") and val_text.endswith(last)
 
 
 def test_a_tokenizer_sample_too_small_is_said_to_be_the_sample(tmp_path, capsys):

@@ -243,7 +243,8 @@ def test_opening_a_split_reads_headers_not_ids(tmp_path, tok_path, monkeypatch):
 
 
 def test_a_refused_prepare_deletes_nothing(tmp_path, tok_path):
-    """Another vocabulary size, another given tokenizer, another corpus: refused, every file as it was."""
+    """Another vocabulary size, another given tokenizer, another corpus, another validation fraction:
+    refused, every file as it was."""
     corpus = make_corpus(tmp_path / "c", 6, 20_000)
     out = tmp_path / "d"
     preparation.prepare([str(corpus)], out, progress=False, tokenizer=tok_path)
@@ -251,7 +252,9 @@ def test_a_refused_prepare_deletes_nothing(tmp_path, tok_path):
     other = tmp_path / "other.json"
     Tokenizer.train([lines(np.random.default_rng(5), 100_000)], vocab_size=400, allow_smaller=True).save(other)
     with pytest.raises(UserError, match="ids but 700 were asked"):
-        preparation.prepare([str(corpus)], out, vocab_size=700, val_fraction=0.2, progress=False)
+        preparation.prepare([str(corpus)], out, vocab_size=700, progress=False)
+    with pytest.raises(UserError, match="a prepared directory keeps its split"):
+        preparation.prepare([str(corpus)], out, val_fraction=0.2, progress=False, tokenizer=tok_path)
     with pytest.raises(UserError, match="another tokenizer"):
         preparation.prepare([str(corpus)], out, progress=False, tokenizer=other)
     with pytest.raises(UserError, match="another corpus"):

@@ -242,6 +242,31 @@ def test_wrong_paths_are_refused_before_any_work(tmp_path, data_dir, capsys):
         assert message in one_line_error(capsys.readouterr().err), argv
 
 
+def test_a_directory_that_cannot_be_made_is_refused_before_any_work(tmp_path, data_dir, capsys):
+    """Permission bits pass a path below a link to nowhere, and for root one in /proc: the dry run,
+    the run and prepare try making it (and remove what they made), so each refuses it in one line,
+    rc 2, before printing or writing anything."""
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    cfg = str(small_config(tmp_path, data_dir))
+    places = [tmp_path / "gone" / "run"] + ([Path("/proc/andrea-test/run")] if Path("/proc/self").is_dir() else [])
+    for place in places:
+        cases = [
+            (train.main, ["--config", cfg, "--out", str(place), "--dry-run"], f"--out {place} cannot be created"),
+            (train.main, ["--config", cfg, "--out", str(place)], f"--out {place} cannot be created"),
+            (train.main, ["--config", cfg, "--out", str(tmp_path / "run"), "--set", f"data.data_dir={place}"],
+             f"data.data_dir {place} cannot be created"),
+            (prepare_cli.main, ["--data-dir", str(place), "--input", cfg], f"--data-dir {place} cannot be created"),
+        ]
+        for main, argv, message in cases:
+            assert cli(main, argv) == 2, argv
+            out, err = capsys.readouterr()
+            assert out == "" and message in one_line_error(err), argv
+    assert not (tmp_path / "run").exists() and not (tmp_path / "nowhere").exists()
+    new = tmp_path / "new" / "a" / "run"  # a path that can be made is accepted, and left as it was
+    assert cli(train.main, ["--config", cfg, "--out", str(new), "--dry-run"]) == 0
+    assert not (tmp_path / "new").exists()
+
+
 def test_files_that_are_not_what_they_claim(tmp_path, data_dir, capsys):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model:\n  d_model: 64\n   n_layer: 2\n")
@@ -251,6 +276,10 @@ def test_files_that_are_not_what_they_claim(tmp_path, data_dir, capsys):
     assert "is not valid YAML: line 3, column 11" in one_line_error(capsys.readouterr().err)
     assert cli(params_cli.main, [str(latin)]) == 2
     assert "is not UTF-8" in one_line_error(capsys.readouterr().err)
+    for text in ("", "# only a comment\n"):  # not "every default" (a 124M model): a wrong path, a cut write
+        (tmp_path / "empty.yaml").write_text(text)
+        assert cli(train.main, ["--config", str(tmp_path / "empty.yaml"), "--dry-run"]) == 2
+        assert f"config {tmp_path / 'empty.yaml'} is empty" in one_line_error(capsys.readouterr().err)
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.json").write_text("{not json")

@@ -94,10 +94,22 @@ def test_resume_with_no_good_checkpoint_exits_2(tmp_path, data_dir, capsys):
     assert "no usable checkpoint" in capsys.readouterr().err
 
 
-def test_resume_refuses_a_checkpoint_of_another_shape(tmp_path, data_dir, capsys):
+def test_resume_with_another_model_says_that_the_config_changed(tmp_path, data_dir, capsys):
+    """A --set that changes the saved model is named before any checkpoint is read (not "no usable
+    checkpoint ... all refused", which reads as damage); a checkpoint whose model is not the run's is
+    still refused by its reason."""
     out = stopped_run(tmp_path, data_dir, 4)
-    assert run_main(["--out", str(out), "--resume", "--set", "model.d_model=32"]) == 2
-    assert "differs from this run's in d_model" in capsys.readouterr().err
+    capsys.readouterr()
+    for key, value in (("d_model", 32), ("n_layer", 2)):
+        assert run_main(["--out", str(out), "--resume", "--set", f"model.{key}={value}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: --set changes the model of the run in {out} ")
+        assert f"(model.{key} " in err
+    saved = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**saved, "model": {**saved["model"], "n_layer": 3}}))
+    assert run_main(["--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "refused (ckpt-00000004): its model config differs from this run's in n_layer" in err
 
 
 def test_a_non_finite_step_is_skipped_and_counted(tmp_path, data_dir, monkeypatch, capsys):

@@ -132,14 +132,56 @@ def test_reductions_do_not_depend_on_the_thread_count(threads):
             assert np.array_equal(a, b)
 
 
-def test_adamw_cpu_backends_match_the_ops_reference():
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_layernorm_parameter_gradients_add_every_row_block(backend, threads):
+    """dw and db sum over all N rows, which the backends take in parts: the numba kernel one part
+    per LN_ROW_BLOCK rows, the NumPy path one per thread. 300 rows of 128 (9 blocks of 32 and a
+    partial one; 3 threads' parts) against the Ops reference, onto gradients already holding
+    something: a part left out, or written over, is a wrong gradient."""
+    threads(3)
+    rng = np.random.default_rng(5)
+    N, C = 300, 128
+    assert N > 9 * numpy_ops.LN_ROW_BLOCK and N * C >= numpy_ops.LN_MIN_WORK // 2  # both split, as intended
+    x, dy, w, b = rng.standard_normal((N, C)), rng.standard_normal((N, C)), rng.standard_normal(C), np.zeros(C)
+    out = []
+    for ops in (BACKENDS[backend](), Ops(np)):
+        _, mean, rstd = ops.layernorm_forward(x, w, b, 1e-5)
+        dw, db = np.full(C, 0.5), np.full(C, -0.5)
+        dx = ops.layernorm_backward(dy, x, mean, rstd, w, dw, db)
+        out.append((dx, dw, db))
+    for got, want in zip(*out):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * float(np.abs(want).max()))
+
+
+def test_gelu_pieces_cover_every_element_across_chunk_edges(monkeypatch, threads):
+    """The NumPy path runs GELU over CHUNK-element pieces of the flat arrays, spread over the threads:
+    with CHUNK at 512, 2,100 elements are four whole pieces and a partial one, and every element
+    still equals the Ops reference (forward, backward, and backward recomputing the output)."""
+    monkeypatch.setattr(numpy_ops, "CHUNK", 512)
+    threads(3)
+    rng = np.random.default_rng(6)
+    x, dy = rng.standard_normal((7, 300)) * 3, rng.standard_normal((7, 300))
+    fast, ref = NumpyOps(numba=False), Ops(np)
+    np.testing.assert_allclose(fast.gelu_forward(x), ref.gelu_forward(x), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(fast.gelu_backward(x, dy), ref.gelu_backward(x, dy), rtol=1e-10, atol=1e-12)
+    dx, y = fast.gelu_backward(x.copy(), dy, recompute_output=True)
+    np.testing.assert_allclose(dx, ref.gelu_backward(x, dy), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(y, ref.gelu_forward(x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("eps", [1e-8, 0.3])
+def test_adamw_cpu_backends_match_the_ops_reference(monkeypatch, eps):
+    """With CHUNK at 64 each tensor is many pieces and a partial one (the decay flag changes at a
+    piece's edge); with eps 0.3, far above sqrt(v), its place in the denominator is what is checked
+    (its folded form eps sqrt(1 - b2^t) against the textbook's eps after the bias correction)."""
+    monkeypatch.setattr(numpy_ops, "CHUNK", 64)
     shapes = {"w": (70, 30), "b": (30,)}
     result = {}
     for mode, ops in (("numba", NumpyOps(numba=True)), ("numpy", NumpyOps(numba=False)), ("ops", Ops(np))):
         p = Params(shapes, dtype="float32", ops=ops)
         rng = np.random.default_rng(0)
         p.data[:] = rng.standard_normal(p.size, dtype=np.float32)
-        opt = AdamW(p, lr=1e-2)
+        opt = AdamW(p, lr=1e-2, eps=eps)
         for _ in range(3):
             p.grads[:] = rng.standard_normal(p.size, dtype=np.float32)
             opt.step(grad_scale=0.5)

@@ -19,6 +19,7 @@ from minitensor.layers.gelu import GELU
 from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
+from minitensor.layers.relu import ReLU
 from minitensor.params import Params
 
 examples = settings(max_examples=15)
@@ -190,6 +191,43 @@ def test_checker_directional_mode_catches_a_wrong_backward(xp):
                           directions=4)
     assert good.max_rel_error < 1e-8 and good.checked["x"] == 4
     assert bad.max_rel_error > 1e-3 and bad.worst.name == "x"
+
+
+def test_relu_gradient_at_exactly_zero_is_zero(xp):
+    """minitensor.layers.relu's rule: at the kink x = 0 the derivative is taken as 0 (dy where x > 0),
+    for -0.0 too, through the layer and on each backend's ReLU and fused bias + ReLU (where h = x + b
+    is exactly 0)."""
+    x = xp.asarray([-1.0, -0.0, 0.0, 1e-300, 2.0])
+    dy = xp.asarray([3.0, 5.0, 7.0, 11.0, 13.0])
+    want = [0.0, 0.0, 0.0, 11.0, 13.0]
+    b = xp.asarray([0.5, 0.25, -0.25, 1.5, 0.5])
+    for ops in all_ops(xp):
+        assert to_numpy(ops.relu_backward(x, dy)).tolist() == want, ops
+        dx, y = ops.relu_backward(x, dy, recompute_output=True)
+        assert to_numpy(dx).tolist() == want and to_numpy(y).tolist() == [0.0, 0.0, 0.0, 1e-300, 2.0], ops
+        h = xp.asarray([-1.0, 0.0, 0.0, 0.25, 2.0])  # x - b exactly, so that x + b is h again
+        assert to_numpy(ops.bias_relu_backward(h - b, b, dy)).tolist() == [0.0, 0.0, 0.0, 11.0, 13.0], ops
+        relu = ReLU(ops=ops)
+        relu.forward(x)
+        assert to_numpy(relu.backward(dy)).tolist() == want, ops
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("prompt", [1, 4])
+def test_attention_with_a_kv_cache_equals_the_full_forward(xp, prompt, residual):
+    """forward_kv, the inference path: a prompt, then one token at a time attending over the keys
+    and values it cached (in a cache longer than the sequence, as a model's is), gives the training
+    forward's rows, with the block's residual too."""
+    d = {"B": 2, "T": 7, "C": 8, "n_head": 2}
+    case = attention_case(xp, np.float64, 4, d)
+    x, layer = case.inputs["x"], case.layer
+    r = xp.asarray(np.random.default_rng(5).standard_normal(x.shape)) if residual else None
+    full = to_numpy(layer.forward(x, residual=r))
+    cache = tuple(xp.zeros((2, 2, d["T"] + 3, 4)) for _ in range(2))  # (B, n_head, context, hs)
+    rows = [layer.forward_kv(x[:, :prompt], cache, 0, residual=None if r is None else r[:, :prompt])]
+    for t in range(prompt, d["T"]):
+        rows.append(layer.forward_kv(x[:, t:t + 1], cache, t, residual=None if r is None else r[:, t:t + 1]))
+    np.testing.assert_allclose(np.concatenate([to_numpy(a) for a in rows], axis=1), full, rtol=1e-12, atol=1e-12)
 
 
 def test_backward_without_forward_raises(xp):

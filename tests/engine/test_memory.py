@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from andrea import BLAS_THREAD_TIMEOUT
+
 _libc = ctypes.util.find_library("c") or ""
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or "libc.so" not in _libc, reason="glibc only")
 
@@ -72,7 +74,26 @@ def test_the_entry_points_set_the_blas_timeout_before_numpy_loads():
             "    print('TIMEOUT', os.environ.pop('OPENBLAS_THREAD_TIMEOUT', None))\n"
             "    os.environ.update(KEEP)\n")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    for want, extra in (("4", {}), ("7", {"OPENBLAS_THREAD_TIMEOUT": "7"})):  # the environment wins
+    for want, extra in ((BLAS_THREAD_TIMEOUT, {}), ("7", {"OPENBLAS_THREAD_TIMEOUT": "7"})):  # the environment wins
         out = subprocess.run([sys.executable, "-c", f"KEEP = {extra!r}\n" + code], env={**env, **extra},
                              capture_output=True, text=True, check=True)
         assert [line.split()[1] for line in out.stdout.splitlines() if line.startswith("TIMEOUT ")] == [want] * 3
+
+
+@glibc
+def test_a_library_script_gets_the_entry_points_settings_in_one_call():
+    """andrea.tune_process() before NumPy: the entry points' OPENBLAS_THREAD_TIMEOUT and malloc
+    thresholds; a timeout the user set is kept; after NumPy, a warning that the timeout comes too late."""
+    code = ("import json, os, warnings, andrea; warnings.simplefilter('error'); done = andrea.tune_process(); "
+            "import numpy; print(json.dumps([done, os.environ['OPENBLAS_THREAD_TIMEOUT']]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "ANDREA_MALLOC_TUNE",
+           "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")}
+    cases = (({}, {"OPENBLAS_THREAD_TIMEOUT": BLAS_THREAD_TIMEOUT}, BLAS_THREAD_TIMEOUT),
+             ({"OPENBLAS_THREAD_TIMEOUT": "7"}, {}, "7"))  # a value already there wins
+    for extra, set_here, want in cases:
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
+        assert json.loads(out.stdout) == [{**set_here, "mmap_threshold": 1 << 30, "trim_threshold": 1 << 30}, want]
+    late = subprocess.run([sys.executable, "-c", "import numpy, andrea; andrea.tune_process()"], env=env,
+                          capture_output=True, text=True, check=True)
+    assert "came after NumPy was imported" in late.stderr

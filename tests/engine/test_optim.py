@@ -16,7 +16,7 @@ from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.backends.tricks import adamw_update
 from minitensor.device import to_numpy
-from minitensor.optim import AdamW
+from minitensor.optim import AdamW, cosine_lr
 from minitensor.params import Params
 
 SHAPES = {"w": (30, 70), "b": (70,), "e": (9, 33)}   # decayed, not decayed, decayed
@@ -58,15 +58,16 @@ def ops_steps(xp, params, grads, lr, b1, b2, eps, wd, scales):
     return p, m, v
 
 
+@pytest.mark.parametrize("eps", [1e-8, 0.3])  # 0.3, above sqrt(v): where eps stands in the step is seen
 @pytest.mark.parametrize("steps", [masked_steps, ops_steps])
-def test_masked_update_equals_the_textbook_step(xp, steps):
+def test_masked_update_equals_the_textbook_step(xp, steps, eps):
     params, grads = draw(0)
     scales = (1.0, 0.3, 0.7)
-    got = steps(xp, params, grads, 0.01, 0.9, 0.95, 1e-8, 0.1, scales)
+    got = steps(xp, params, grads, 0.01, 0.9, 0.95, eps, 0.1, scales)
     p, m, v = params.data.copy(), np.zeros(params.size), np.zeros(params.size)
     mask = params.mask(lambda name, shape: len(shape) >= 2)
     for t, (g, scale) in enumerate(zip(grads, scales), start=1):
-        p, m, v = F.adamw(p, g, m, v, mask, lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, t=t,
+        p, m, v = F.adamw(p, g, m, v, mask, lr=0.01, beta1=0.9, beta2=0.95, eps=eps, weight_decay=0.1, t=t,
                           grad_scale=scale)
     for a, b in zip(got, (p, m, v)):
         np.testing.assert_allclose(to_numpy(a), b, rtol=1e-13, atol=1e-15)
@@ -115,3 +116,26 @@ def test_clip_scale_brings_the_norm_to_clip(xp):
             assert float(scale) == 1.0 and bool(finite)
         for loss, n in ((float("nan"), norm), (2.5, xp.asarray(float("inf")))):
             assert not bool(ops.clip_scale(n, 1.0, loss)[1])
+
+
+def test_the_global_norm_adds_every_chunk_of_a_long_buffer(xp):
+    """A model's gradient buffer is millions of floats, which NumpyOps sums a million (1 << 20) at a
+    time: 2.5M floats (two whole chunks and a partial one) against the float64 norm, on every backend."""
+    g = np.random.default_rng(4).standard_normal(5 * (1 << 19) + 17).astype(np.float32)
+    want = math.sqrt(float(np.dot(g.astype(np.float64), g.astype(np.float64))))
+    for ops in {Ops(xp), get_ops(xp)}:
+        assert float(ops.global_norm(xp.asarray(g))) == pytest.approx(want, rel=1e-5), ops
+
+
+def test_the_learning_rate_schedule_warms_up_then_follows_the_cosine():
+    """cosine_lr (1.0 -> 0.1, 10 warmup steps of 100): a linear rise to the peak over the warmup,
+    the peak at its end, the cosine's symmetry about its middle (lr(10 + k) + lr(100 - k) = max + min),
+    the mean of max and min half way, min_lr at the end and past it."""
+    lrs = [cosine_lr(s, 1.0, 0.1, 10, 100) for s in range(120)]
+    assert lrs[:10] == pytest.approx([(s + 1) / 10 for s in range(10)], rel=1e-15)
+    assert lrs[10] == 1.0 and lrs[55] == pytest.approx(0.55, rel=1e-15)
+    for k in range(0, 91):
+        assert lrs[10 + k] + lrs[100 - k] == pytest.approx(1.1, rel=1e-14)
+    assert all(a > b for a, b in zip(lrs[10:100], lrs[11:101]))
+    assert lrs[100:] == [0.1] * 20
+    assert cosine_lr(0, 1.0, 0.1, 0, 100) == 1.0  # no warmup: the peak at once

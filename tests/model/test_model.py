@@ -14,7 +14,6 @@ from andrea.errors import UserError
 from andrea.model.transformer import param_shapes, parameter_breakdown
 from minitensor.checks.gradcheck import check_gradients
 from minitensor.device import to_numpy
-from minitensor.optim import cosine_lr
 
 TINY = dict(vocab_size=13, context_length=8, d_model=6, n_layer=2, n_head=2)
 
@@ -153,15 +152,6 @@ def test_grad_scale_equals_scaled_gradients():
     AdamW(b).step()
     np.testing.assert_allclose(a.params.data, b.params.data, rtol=1e-13)
     assert b.ops.global_norm(b.params.grads) == pytest.approx(0.25 * np.linalg.norm(g), rel=1e-12)
-
-
-def test_lr_schedule_shape():
-    lrs = [cosine_lr(s, 1.0, 0.1, 10, 100) for s in range(120)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert all(a < b for a, b in zip(lrs[:9], lrs[1:10]))          # warmup rises
-    assert all(a >= b for a, b in zip(lrs[10:100], lrs[11:101]))  # then decays
-    assert lrs[55] == pytest.approx(0.55)                           # half way: the mean of max and min
-    assert lrs[100:] == [0.1] * 20
 
 
 @pytest.mark.parametrize("prompt_len", [1, 5, 8])
