@@ -88,6 +88,15 @@ NO_WORSE = Margin(0.05, "a 5% change in perplexity (e^0.05 = 1.051), and a twent
                         f"{LEARNED:.0f} nat that every run is budgeted to learn beyond the tokens' frequencies")
 
 
+def kept_from_page(rule):
+    """Marks a rule that compares no arms' final losses but reads a threshold in every seed's run (the
+    gradient's ratios, the sublayers' changes, the logit lens, attention): the paired rule did not
+    change it, and a --doc page prints its readings rounded or not at all, so --from-doc keeps its
+    verdict as the runs' report wrote it (andrea.experiments.page)."""
+    rule.kept_from_page = True
+    return rule
+
+
 def lower_claim(rows, lower, higher, names=None) -> Verdict:
     """The verdict on a claim that arm `lower` ends at a lower validation loss than arm `higher`:
     the per-seed differences higher - lower and their t-interval (paired.directional); `names`

@@ -15,6 +15,7 @@ from andrea.experiments.base import (
     SHALLOW_STEPS,
     Experiment,
     Verdict,
+    kept_from_page,
     not_learned,
     png,
     probe_counts,
@@ -96,6 +97,7 @@ def _where(k, v):
     return BAND_NAMES[v.bands[k]] + strength
 
 
+@kept_from_page
 def judge_composition_band(k, rows):
     """Band k's rule of three, over every seed (a verdict only when the seeds agree):
     early (syntax and position): the band of the strongest previous-token head (the largest
@@ -121,6 +123,7 @@ def judge_composition_band(k, rows):
     return Verdict("supports" if found == {k} else "contradicts", why, glance)
 
 
+@kept_from_page
 def judge_composition(rows):
     """Claim 'each block refines, the stream accumulates': supports if the logit lens's loss falls at
     every block (each block's output predicts better than its input) in every seed; contradicts if

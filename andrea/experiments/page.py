@@ -10,7 +10,10 @@
 Everything outside the marker lines is the page's own prose, kept as it is. A section's tables hold
 the per-run figures the verdicts read, so `--from-doc` can judge them again with the current rules
 when the runs themselves are not at hand (rows_from_section): it rewrites the section's verdicts and
-the at-a-glance rows, and leaves the tables and the figure as the runs wrote them.
+the at-a-glance rows, and leaves the tables and the figure as the runs wrote them. It judges again
+the rules that compare arms by their final validation losses, which the tables print as the rules
+read them (to 3 decimals); a rule reading a threshold in each run (base.kept_from_page: gradient
+ratios, the logit lens, attention, printed rounded) keeps its verdict as the runs' report wrote it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from andrea.files import atomic_writer
 GLANCE = "at a glance"
 GLANCE_HEAD = ("| the claim | command | verdict | the paired difference, mean [95% t-interval] in nats, or the rule's "
                "reading | time |\n|---|---|---|---|---|\n")
-# a verdict whose per-run figures the page's tables do not hold (claim 3's sublayer changes) keeps its line
-KEPT = " (kept as the runs' report wrote it: the tables above do not hold this rule's per-run figures)"
+# the words that mark a verdict --from-doc keeps as it found it (base.kept_from_page)
+KEPT = " (kept as the runs' report wrote it: a reading of every seed's run, which the tables print rounded)"
 VERDICT_LINE = re.compile(r"^\*\*(.+?): (supports|contradicts|leaves open)\*\*: (.*)\.$")
 
 
@@ -121,7 +124,7 @@ def _table(lines, header):
             for row in lines[k + 2:]:
                 if not row.startswith("|"):
                     break
-                body.append([c.strip() for c in row.strip().strip("|").split(" | ")])
+                body.append([c.strip() for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]])  # not at "\|"
             return body
     return []
 
@@ -200,17 +203,16 @@ def _verdict_span(middle, name):
 
 
 def _again(rule, what, rows, old):
-    """The rule's verdict on the page's rows; a rule reading a figure the tables do not hold keeps the
-    page's line for it (`old`: what -> (verdict, why))."""
-    try:
+    """The rule's verdict on the page's rows; a rule marked kept_from_page keeps the page's line for it
+    (`old`: what -> (verdict, why)), its words standing in the at-a-glance table too."""
+    if not getattr(getattr(rule, "func", rule), "kept_from_page", False):
         return rule(rows)
-    except KeyError:
-        if what not in old:
-            raise UserError(f"the verdict on {what} reads figures the page's tables do not hold, and the page has "
-                            "no line of it: write the section from the runs (--report-only --doc)") from None
-        verdict, why = old[what]
-        plain = why.removesuffix(KEPT)
-        return Verdict(verdict, plain + KEPT, plain)
+    if what not in old:
+        raise UserError(f"the page has no verdict on {what} to keep: write the section from the runs "
+                        "(--report-only --doc)")
+    verdict, why = old[what]
+    plain = why.removesuffix(KEPT)
+    return Verdict(verdict, plain + KEPT, plain)
 
 
 def rejudge(doc, name, exp, command):

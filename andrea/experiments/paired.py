@@ -166,7 +166,7 @@ def short(iv: Interval) -> str:
 def words(iv: Interval) -> str:
     """The comparison in full: each seed's difference, the mean, the interval and its level."""
     if iv.n == 0:
-        return f"{iv.what}: {iv.absent or 'no seed in which every arm finished'}, so nothing is decided"
+        return f"{iv.what}: {iv.absent or 'no seed in which every arm finished'}, so no difference is read"
     each = ", ".join(f"{signed(d)} (seed {s})" for s, d in zip(iv.seeds, iv.diffs))
     above = sum(d > 0 for d in iv.diffs)
     text = f"{iv.what} per seed: {each}; positive in {above} of {iv.n}; mean {signed(iv.mean)}"

@@ -7,7 +7,17 @@ from __future__ import annotations
 import math
 import statistics
 
-from andrea.experiments.base import LEARNS, Experiment, Verdict, arm_values, fmt, lower_claim, png, probe_counts
+from andrea.experiments.base import (
+    LEARNS,
+    Experiment,
+    Verdict,
+    arm_values,
+    fmt,
+    kept_from_page,
+    lower_claim,
+    png,
+    probe_counts,
+)
 from andrea.run.figure import label_depth_axis, new_figure
 
 
@@ -42,6 +52,7 @@ def judge_residual(rows):
     return Verdict("leaves open", why, glance)
 
 
+@kept_from_page
 def judge_identity(rows):
     """Claim 3 from the residual stack's first step: supports if every sublayer changes the stream
     by under 30% of its norm at initialisation, in every seed; contradicts if one changes it by
@@ -73,6 +84,7 @@ def _depth_ratio(rows, residual, n, key):
     return statistics.fmean(values) if values else math.nan
 
 
+@kept_from_page
 def judge_depth(rows):
     """Supports: with residuals the embeddings get at least USABLE of the top's gradient norm at
     every depth, at step 1 and at the end, while without them it falls to VANISHED or below at some

@@ -52,7 +52,7 @@ def test_only_seeds_where_every_arm_ran_cleanly_are_paired():
     assert iv.seeds == [0, 1] and iv.n == 2
     none = paired.paired(rows({"a": [5.0, 5.1]}), "a", "b")
     assert none.n == 0 and paired.directional(none) == "leaves open"
-    assert paired.words(none) == "b - a: no finished run of b, so nothing is decided"  # never "b nan"
+    assert paired.words(none) == "b - a: no finished run of b, so no difference is read"  # never "b nan"
     blown = rows({"a": [5.0, 5.1], "b": [9.0, 9.1]})
     for x in blown[2:]:
         x["diverged"] = True

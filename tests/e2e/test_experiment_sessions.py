@@ -177,7 +177,7 @@ def test_a_page_is_written_only_from_every_arm(tmp_path, data_dir, capsys):
     assert doc.read_text() == before
     text = (out / "results.md").read_text()
     assert "Not finished, so not in the tables or the verdicts: relu-seed0." in text
-    assert "ReLU - GELU: no finished run of relu, so nothing is decided" in text and "nan" not in text
+    assert "ReLU - GELU: no finished run of relu, so no difference is read" in text and "nan" not in text
 
 
 def built_runs(out, name, losses, data_dir):
@@ -269,6 +269,21 @@ def test_a_page_written_by_the_spread_rule_is_judged_again_by_the_paired_one(tmp
     assert "| claim 3 (near identity at initialisation) | `residual` | leaves open | at step 1 the largest" in text
     assert "| residuals keep the gradient through 12 blocks | `residual` | supports |" in text and "| 17 min |" in text
     assert run(["residual", "--from-doc", str(doc), "--seeds", "0"]) == 2  # it reads the page alone
+
+
+def test_a_rule_reading_each_runs_readings_keeps_its_verdict_through_from_doc(tmp_path, data_dir):
+    # the composition tables print attention shares to 2 decimals: judged again from them, the band of
+    # the strongest previous-token head could move on a tie; such rules keep the line the runs wrote
+    require("matplotlib")
+    out, doc = tmp_path / "composition", tmp_path / "doc.md"
+    doc.write_text("".join(f"{m}\n" for m in page.markers(page.GLANCE) + page.markers("composition")))
+    assert run(argv_of("composition", out, data_dir, "--doc", str(doc), steps="3", seeds="0,1")) == 0
+    lines = [x for x in doc.read_text().splitlines() if x.startswith("**") and ": " in x and "Verdicts" not in x]
+    assert len(lines) == 4
+    assert run(["composition", "--from-doc", str(doc)]) == 0
+    again = [x for x in doc.read_text().splitlines() if x.startswith("**") and ": " in x and "Verdicts" not in x]
+    assert again == [x[:-1] + page.KEPT + "." for x in lines]
+    assert doc.read_text().count("`composition`") == 4  # its four rows of the at-a-glance table, once each
 
 
 def test_from_doc_names_what_the_page_lacks(tmp_path, capsys):
