@@ -18,6 +18,7 @@ from andrea.config import load_config
 from andrea.experiments import page, runs
 
 STDLIB_JSON = Path(json.__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["model.n_layer=2", "model.d_model=16", "model.n_head=2", "model.context_length=16", "train.seq_len=16",
          "train.batch_size=2", "train.eval_batches=1"]
 
@@ -66,7 +67,7 @@ def holder():
 
     def start(out, what):
         p = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), what], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         started.append(p)
         assert p.stdout.readline() == "holding\n"
         return p
