@@ -112,20 +112,22 @@ def _write_report(name, exp, out, rows, seeds, arms, command, doc):
     order = list(exp.arms)
     rows.sort(key=lambda r: (r["seed"], order.index(r["arm"])))
     done = {r["run"] for r in rows}
-    missing = [f"{a}-seed{s}" for s in sorted(set(seeds)) for a in arms if f"{a}-seed{s}" not in done]
+    missing = [(a, s) for s in sorted(set(seeds)) for a in arms if f"{a}-seed{s}" not in done]
+    names = [f"{a}-seed{s}" for a, s in missing]
     for r in rows if exp.probe else ():
         r.update(exp.probe(out / r["run"]))
     target = default_target(rows)
     steps_to(rows, target)
     figure, note = _figure(name, exp, rows)
-    text, verdicts, body = report(name, exp, rows, target, command, missing, note)
+    text, verdicts, body = report(name, exp, rows, target, command, names, note)
     save_results(out, name, text, {"experiment": name, "target": target, "rows": rows, "verdicts": [
         {"what": what, **v._asdict()} for what, v in verdicts]}, figure)
     if doc is not None:
         if missing:
-            raise UserError(f"--doc {doc} not written: {', '.join(missing)} {'has' if len(missing) == 1 else 'have'} "
-                            f"no finished run in {out}, and a page's verdicts read every arm of every seed: train "
-                            "them (the same command without --report-only), then write the page")
+            raise UserError(f"--doc {doc} not written: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no "
+                            f"finished run in {out}, and a page's verdicts read every arm of every seed: train them "
+                            f"(--seeds {','.join(str(s) for s in sorted({s for _, s in missing}))} without "
+                            "--report-only), then write the page")
         page.write_doc(doc, name, body, figure, page.glance_rows(name, exp, verdicts, rows))
     return text
 

@@ -174,7 +174,7 @@ def test_a_page_is_written_only_from_every_arm(tmp_path, data_dir, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"activation: {out / 'relu-seed0'} has no finished run: left out",
         f"error: --doc {doc} not written: relu-seed0 has no finished run in {out}, and a page's verdicts read every "
-        "arm of every seed: train them (the same command without --report-only), then write the page"]
+        "arm of every seed: train them (--seeds 0 without --report-only), then write the page"]
     assert doc.read_text() == before
     text = (out / "results.md").read_text()
     assert "Not finished, so not in the tables or the verdicts: relu-seed0." in text
