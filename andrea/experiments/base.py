@@ -1,6 +1,7 @@
 """What every experiment shares: the Experiment record, the default model's shape (LEARNS), and the
-words a verdict is made of: each arm's mean over its seeds, the seeds' spread, the runs that did not
-learn. The claims' modules (residual, norm, mlp, composition) build their rules from these."""
+words a verdict is made of: a Verdict, the paired claims (one arm ends lower than another; one ends
+no worse, within a Margin), the runs that did not learn. The claims' modules (residual, norm, mlp,
+composition) build their rules from these; andrea.experiments.paired holds the statistics."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
+
+from andrea.experiments import paired
 
 # the default model's shape (andrea-tiny: d_model 128, 4 heads, context 128, batches of 16 x 128 tokens),
 # spelled out so that the experiments keep their budget if the default changes; each experiment's budget
@@ -36,7 +40,8 @@ class Experiment:
     steps: int                     # the default budget, in optimizer steps
     arm_steps: dict = field(default_factory=dict)  # arm -> its own default budget, where it is not `steps`
     seeds: list = field(default_factory=lambda: [0, 1, 2])
-    judge: object = None           # results -> (verdict, why)
+    judge: object = None           # rows -> Verdict
+    short: str = ""                # the claim in a few words, for a --doc page's at-a-glance table
     probe: object = None           # a finished run's directory -> more numbers for its row
     figure: object = None          # (name, rows) -> PNG bytes, instead of draw's
     details: object = None         # rows -> more of the report (markdown)
@@ -55,38 +60,61 @@ def arm_mean(rows, arm, key):
 
 def seed_spread(rows, arms, key="val_loss"):
     """The seeds' spread: the widest range (max - min over the seeds) among `arms`, over the runs that
-    did not diverge; nan when no arm has two such seeds, so that nothing is decided by a difference
-    no spread can be set against. (Diverged runs left out since no-norm's first runs: two runs at lr
-    3e-2 without LayerNorm ended at losses of 5e7 and 2e10, which made the "spread" 2e10.)"""
+    did not diverge (two runs at lr 3e-2 without LayerNorm ended at losses of 5e7 and 2e10); nan when
+    no arm has two such seeds. A description of the arms (the report's second table): the verdicts
+    read the paired differences (andrea.experiments.paired) instead."""
     kept = [r for r in rows if not r.get("diverged")]
     ranges = [max(v) - min(v) for v in (arm_values(kept, a, key) for a in arms) if len(v) > 1]
     return max(ranges) if ranges else math.nan
 
 
-def against_spread(effect, spread):
-    """The verdict on an effect the claim predicts positive: "supports" when it is larger than the
-    seeds' spread, "contradicts" when its opposite is, else (within the spread, or no spread
-    measured) "leaves open"."""
-    if not (math.isfinite(effect) and math.isfinite(spread)):
-        return "leaves open"
-    return "supports" if effect > spread else "contradicts" if -effect > spread else "leaves open"
+class Verdict(NamedTuple):
+    """What a rule returns: its verdict, the figures it read in words, and the same in a few words."""
+    verdict: str   # "supports", "contradicts" or "leaves open"
+    why: str       # for results.md and a --doc section's verdict line
+    glance: str    # for the at-a-glance table of a --doc page
 
 
-def spread_words(effect, spread):
-    """How an effect compares with the seeds' spread, in words for the verdict."""
-    if not math.isfinite(spread):
-        return "one seed: the spread over seeds is not measured, so no difference decides"
-    if not math.isfinite(effect):
-        return "an arm has no finite loss"
-    side = "larger than" if abs(effect) > spread else "within"
-    return f"the difference {abs(effect):.3f} is {side} the seeds' spread {spread:.3f}"
+class Margin(NamedTuple):
+    """How much worse (in nats of final validation loss) a claim of "no worse" or "comparable" lets
+    an arm end, and why that much: fixed in the experiment's definition, before its runs are read."""
+    nats: float
+    why: str
 
 
-def compare(rows, better, worse, key="val_loss"):
-    """(mean of `better`, mean of `worse`, their difference worse - better, the two arms' seed spread):
-    the difference is the effect a claim that `better` ends lower predicts positive."""
-    b, w = arm_mean(rows, better, key), arm_mean(rows, worse, key)
-    return b, w, w - b, seed_spread(rows, [better, worse], key)
+# the margin of the claims of "no worse" and "comparable capacity": fixed with the paired rule, from
+# what a difference in loss means, not from any run's differences
+NO_WORSE = Margin(0.05, "a 5% change in perplexity (e^0.05 = 1.051), and a twentieth of the "
+                        f"{LEARNED:.0f} nat that every run is budgeted to learn beyond the tokens' frequencies")
+
+
+def kept_from_page(rule):
+    """Marks a rule that compares no arms' final losses but reads a threshold in every seed's run (the
+    gradient's ratios, the sublayers' changes, the logit lens, attention): the paired rule did not
+    change it, and a --doc page prints its readings rounded or not at all, so --from-doc keeps its
+    verdict as the runs' report wrote it (andrea.experiments.page)."""
+    rule.kept_from_page = True
+    return rule
+
+
+def lower_claim(rows, lower, higher, names=None) -> Verdict:
+    """The verdict on a claim that arm `lower` ends at a lower validation loss than arm `higher`:
+    the per-seed differences higher - lower and their t-interval (paired.directional); `names`
+    gives the arms' names in the text (default: the arms')."""
+    iv = paired.paired(rows, lower, higher, names and f"{names[1]} - {names[0]}")
+    verdict = paired.directional(iv)
+    settle = paired.settle_words(iv) if verdict == "leaves open" else ""
+    return Verdict(verdict, paired.words(iv) + settle, f"{iv.what}: {paired.short(iv)}")
+
+
+def no_worse_claim(rows, base_arm, arm, margin: Margin, names=None) -> Verdict:
+    """The verdict on a claim that `arm` ends no worse than `base_arm` by more than the margin: the
+    per-seed differences arm - base_arm and where their t-interval lies against it (paired.no_worse)."""
+    iv = paired.paired(rows, base_arm, arm, names and f"{names[1]} - {names[0]}")
+    verdict = paired.no_worse(iv, margin.nats)
+    settle = paired.settle_words(iv, margin.nats) if verdict == "leaves open" else ""
+    return Verdict(verdict, paired.words(iv) + f", against the margin {margin.nats:g} nats ({margin.why})" + settle,
+                   f"{iv.what}: {paired.short(iv)}, margin {margin.nats:g}")
 
 
 def unlearned(rows):
@@ -98,13 +126,13 @@ def unlearned(rows):
             and not r["val_loss"] <= r["unigram_baseline"] - LEARNED]
 
 
-def not_learned(rows, why):
-    """("leaves open", why and the runs that did not learn), or None when every run learned."""
+def not_learned(rows, why, glance):
+    """A "leaves open" Verdict naming the runs that did not learn, or None when every run learned."""
     runs = unlearned(rows)
     if not runs:
         return None
-    return "leaves open", why + (f" (not decided: {', '.join(runs)} did not end {LEARNED} nats under the "
-                                 "unigram baseline)")
+    return Verdict("leaves open", why + f" (not decided: {', '.join(runs)} did not end {LEARNED} nats under the "
+                                        "unigram baseline)", glance + "; a run did not learn")
 
 
 def fmt(x, digits=3):

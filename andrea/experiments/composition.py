@@ -10,7 +10,17 @@ import math
 import statistics
 from typing import NamedTuple
 
-from andrea.experiments.base import LEARNS, SHALLOW_STEPS, Experiment, not_learned, png, probe_counts, unlearned
+from andrea.experiments.base import (
+    LEARNS,
+    SHALLOW_STEPS,
+    Experiment,
+    Verdict,
+    kept_from_page,
+    not_learned,
+    png,
+    probe_counts,
+    unlearned,
+)
 from andrea.run.figure import new_figure
 
 
@@ -87,6 +97,7 @@ def _where(k, v):
     return BAND_NAMES[v.bands[k]] + strength
 
 
+@kept_from_page
 def judge_composition_band(k, rows):
     """Band k's rule of three, over every seed (a verdict only when the seeds agree):
     early (syntax and position): the band of the strongest previous-token head (the largest
@@ -100,31 +111,36 @@ def judge_composition_band(k, rows):
     found = {v.bands[k] for v in votes}
     where = ", ".join(_where(k, v) for v in votes)
     why = f"{BANDS[k][1]}: in the {where} third, per seed"
+    glance = f"{BANDS[k][1]}: {', '.join(BAND_NAMES[v.bands[k]] for v in votes)} third, per seed"
     if unlearned(rows):
-        return not_learned(rows, why)
+        return not_learned(rows, why, glance)
     if not _specialised(k, votes):
         limit = f"a share of {PREVIOUS_HEAD}" if k == 0 else f"{LONG_RANGE} x uniform attention's distance"
-        return "leaves open", why + f" (under {limit}: attention not specialised, so no band is read)"
+        return Verdict("leaves open", why + f" (under {limit}: attention not specialised, so no band is read)",
+                       glance + " (attention not specialised)")
     if len(found) > 1:
-        return "leaves open", why + " (the seeds disagree)"
-    return ("supports" if found == {k} else "contradicts"), why
+        return Verdict("leaves open", why + " (the seeds disagree)", glance)
+    return Verdict("supports" if found == {k} else "contradicts", why, glance)
 
 
+@kept_from_page
 def judge_composition(rows):
     """Claim 'each block refines, the stream accumulates': supports if the logit lens's loss falls at
     every block (each block's output predicts better than its input) in every seed; contradicts if
-    it rises at some block in every seed; else, or when a run did not learn (unlearned), open."""
+    it rises at some block in every seed; else, or when a run did not learn (unlearned), open. (A
+    reading each seed's run must show: no arms are compared.)"""
     falls = [all(b < a for a, b in zip(r["lens_loss"], r["lens_loss"][1:])) for r in rows]
     rises = [any(b > a for a, b in zip(r["lens_loss"], r["lens_loss"][1:])) for r in rows]
     why = "logit lens loss by depth (embeddings, then after each block): " + "; ".join(
         f"seed {r['seed']}: " + " > ".join(f"{v:.2f}" for v in r["lens_loss"]) for r in rows)
+    glance = f"the lens's loss falls at every block in {sum(falls)} of {len(rows)} seeds"
     if unlearned(rows):
-        return not_learned(rows, why)
+        return not_learned(rows, why, glance)
     if all(falls):
-        return "supports", why
+        return Verdict("supports", why, glance)
     if all(rises):
-        return "contradicts", why
-    return "leaves open", why
+        return Verdict("contradicts", why, glance)
+    return Verdict("leaves open", why, glance)
 
 
 def details_composition(rows):
@@ -175,6 +191,7 @@ EXPERIMENTS = {
         base=LEARNS + ["model.n_layer=6"],
         arms={"pre-norm": []},
         steps=SHALLOW_STEPS, judge=judge_composition, probe=probe_composition, figure=draw_composition,
+        short="each block refines; the layers specialise",
         details=details_composition, more=[(f"band {what}", functools.partial(judge_composition_band, k))
                                                   for k, (what, _) in enumerate(BANDS)]),
 }

@@ -3,85 +3,111 @@ what it is for (`no-norm`: no LayerNorm anywhere, at the default learning rate a
 
 from __future__ import annotations
 
-import math
+import functools
 
+from andrea.experiments import paired
 from andrea.experiments.base import (
+    LEARNED,
     LEARNS,
+    NO_WORSE,
     SHALLOW_STEPS,
     Experiment,
-    against_spread,
-    arm_mean,
-    compare,
+    Verdict,
     details_counts,
-    fmt,
+    lower_claim,
+    no_worse_claim,
     probe_counts,
-    seed_spread,
-    spread_words,
+    unlearned,
 )
 
 
 def judge_norm(rows):
-    """Supports: post-norm without warmup ends worse than post-norm with warmup, by more than the
-    seeds' spread (or diverges), and pre-norm without warmup ends no worse than pre-norm with it
-    (within that spread). Contradicts: post-norm without warmup ends better than with it, by more
-    than the spread. Else open.
+    """Post-norm needs warmup: supports when the per-seed differences of the final validation loss,
+    post-norm without warmup minus with it, have a t-interval above 0, or when post-norm without
+    warmup diverges in every seed while with warmup it does not; contradicts when that interval lies
+    below 0; else open. Open too when post-norm with warmup did not learn (ended less than LEARNED
+    nats under the unigram baseline): a model that does not train with warmup cannot show what
+    dropping it does, and no number of seeds changes that.
 
-    Rewritten for issue 28, before its runs: "contradicts" read any post-norm difference that was
-    not a loss (pn <= pw); a difference within the seeds' spread now leaves the claim open, and one
-    seed (no spread) decides nothing."""
-    arms = ("post-no-warmup", "post-warmup", "pre-no-warmup", "pre-warmup")
-    pn, pw = arm_mean(rows, "post-no-warmup", "val_loss"), arm_mean(rows, "post-warmup", "val_loss")
-    rn, rw = arm_mean(rows, "pre-no-warmup", "val_loss"), arm_mean(rows, "pre-warmup", "val_loss")
-    noise = seed_spread(rows, arms)
-    diverged = [r["run"] for r in rows if r["diverged"]]
-    why = (f"mean final validation loss: post-norm {pn:.3f} without warmup, {pw:.3f} with; pre-norm {rn:.3f} "
-           f"without, {rw:.3f} with; seeds' spread {fmt(noise)}; diverged: {', '.join(diverged) or 'none'}")
-    if not math.isfinite(noise):
-        return "leaves open", why + "; one seed: the spread over seeds is not measured, so no difference decides"
-    post_suffers = pn - pw > noise or any(r.startswith("post-no-warmup") for r in diverged)
-    if post_suffers and rn - rw <= max(noise, 0.01):
-        return "supports", why
-    if pw - pn > noise:
-        return "contradicts", why
-    return "leaves open", why
+    Rewritten twice: before the runs at the default model's shape ("contradicts" had read any
+    post-norm difference that was not a loss), and after them to the paired rule, in two verdicts:
+    this one, and judge_pre_norm_without_warmup for the claim's pre-norm half, which the first rule
+    folded into this one."""
+    post = lower_claim(rows, "post-warmup", "post-no-warmup")
+    blown = _diverged_only_in(rows, "post-no-warmup", "post-warmup")
+    if blown:
+        return Verdict("supports", f"post-norm without warmup diverged in seeds {', '.join(map(str, blown))}, with "
+                                   f"warmup in none of them; {post.why}", post.glance + "; diverged without warmup")
+    stuck = [r for r in unlearned(rows) if r.startswith("post-warmup")]
+    if stuck:
+        why = paired.words(paired.paired(rows, "post-warmup", "post-no-warmup"))
+        return Verdict("leaves open", f"{why} (not decided: post-norm with warmup did not end {LEARNED:.0f} nat under "
+                                      f"the unigram baseline in {', '.join(stuck)}: it did not train, so the runs "
+                                      "cannot show what dropping warmup does to it)",
+                       post.glance + "; post-norm did not train with warmup either")
+    return post
+
+
+def _diverged_only_in(rows, arm, other):
+    """The seeds (two at least, else none) in each of which `arm` diverged and `other` did not, when
+    that is every seed both ran; else []."""
+    runs = {a: {r["seed"]: r["diverged"] for r in rows if r["arm"] == a} for a in (arm, other)}
+    seeds = sorted(set(runs[arm]) & set(runs[other]))
+    ok = len(seeds) >= 2 and all(runs[arm][s] and not runs[other][s] for s in seeds)
+    return seeds if ok else []
+
+
+def judge_pre_norm_without_warmup(rows, margin):
+    """The claim's second half, pre-norm trains stably, as the first rule read it: pre-norm without
+    warmup ends no worse than with it. Supports when the t-interval of the per-seed differences,
+    without minus with warmup, lies wholly below `margin`; contradicts when it lies wholly above."""
+    return no_worse_claim(rows, "pre-warmup", "pre-no-warmup", margin)
 
 
 def judge_pre_over_post(rows):
-    """The document's conclusion, prefer pre-norm: supports if pre-norm with warmup ends below
-    post-norm with warmup by more than the seeds' spread, contradicts if above by that much."""
-    pre, post, effect, spread = compare(rows, "pre-warmup", "post-warmup")
-    why = (f"mean final validation loss with warmup: pre-norm {pre:.3f}, post-norm {post:.3f} "
-           f"({spread_words(effect, spread)})")
-    return against_spread(effect, spread), why
+    """The document's conclusion, prefer pre-norm: supports if the per-seed differences post-norm
+    minus pre-norm, both with warmup, have a t-interval above 0, contradicts if below."""
+    return lower_claim(rows, "pre-warmup", "post-warmup")
 
 
-def _no_norm_at(rows, lr, noise):
-    """At one learning rate: (none unstable where pre-norm is not, none ends worse, the table's words)."""
-    pre, none = [r for r in rows if r["arm"] == f"pre-lr{lr}"], [r for r in rows if r["arm"] == f"none-lr{lr}"]
-    bad = [r for r in none if r["diverged"] or r["first_nonfinite"] is not None]
-    unstable = bool(bad) and not any(r["diverged"] for r in pre)
-    lp, ln = arm_mean(rows, f"pre-lr{lr}", "val_loss"), arm_mean(rows, f"none-lr{lr}", "val_loss")
-    # ends worse by more than the seeds' spread; nan (every run non-finite) counts as worse
-    worse = not math.isfinite(ln) or (math.isfinite(noise) and ln > lp + noise)
-    steps = ", ".join(f"step {r['first_nonfinite']}" for r in none if r["first_nonfinite"] is not None)
-    words = f"lr {lr}: pre-norm {lp:.3f}, none {ln:.3f}" + (f" (non-finite from {steps})" if steps else "")
-    return unstable, worse, words
+def _no_norm_at(rows, lr, margin):
+    """At one learning rate: (unstable: in every seed, two at least, the run without LayerNorm went
+    non-finite or diverged while pre-norm's did not; worse: its paired verdict against pre-norm
+    supports "ends higher", or every run of it diverged; no worse: within the margin; the words)."""
+    pre = {r["seed"]: r for r in rows if r["arm"] == f"pre-lr{lr}"}
+    none = {r["seed"]: r for r in rows if r["arm"] == f"none-lr{lr}"}
+    seeds = sorted(set(pre) & set(none))
+    blew = [s for s in seeds if none[s]["diverged"] or none[s]["first_nonfinite"] is not None]
+    bad = [s for s in blew if not pre[s]["diverged"]]
+    unstable = len(seeds) >= 2 and bad == seeds
+    iv = paired.paired(rows, f"pre-lr{lr}", f"none-lr{lr}", f"none - pre-norm at lr {lr}")
+    worse = paired.directional(iv) == "supports" or (unstable and all(none[s]["diverged"] for s in seeds))
+    no_worse = paired.no_worse(iv, margin.nats) == "supports"
+    steps = ", ".join(f"step {none[s]['first_nonfinite']} (seed {s})" for s in seeds
+                      if none[s]["first_nonfinite"] is not None)
+    words = (f"lr {lr}: without LayerNorm non-finite or diverged in {len(bad)} of {len(seeds)} seeds where pre-norm "
+             "was not" + (f", non-finite from {steps}" if steps else "") + f"; {paired.words(iv)}")
+    return unstable, worse, no_worse, words, f"lr {lr}: {len(bad)}/{len(seeds)} unstable, {paired.short(iv)}"
 
 
-def judge_no_norm(rows):
-    """Supports: at some learning rate the model without LayerNorm goes non-finite or diverges while
-    pre-norm at that rate does not, or it ends worse than pre-norm at every rate by more than the
-    seed spread. Contradicts: at every rate it ends no worse than pre-norm (within the spread) and
-    never goes non-finite. Anything else leaves it open."""
+def judge_no_norm(rows, margin):
+    """Supports: at some learning rate the model without LayerNorm goes non-finite or diverges in
+    every seed (two at least) where pre-norm at that rate does not, or at every rate the per-seed
+    differences, without minus with LayerNorm, have a t-interval above 0. Contradicts: at every rate
+    that interval lies wholly below `margin` (no worse) and no run without LayerNorm goes non-finite.
+    Anything else leaves it open.
+
+    Rewritten after the runs at lr 3e-3 and 3e-2 to the paired rule: the first read a single seed
+    going non-finite as instability, and "worse" as a difference of means beyond the seeds' spread."""
     rates = sorted({r["arm"].split("-lr")[1] for r in rows}, key=float)
-    noise = seed_spread(rows, sorted({r["arm"] for r in rows}))
-    unstable, worse, parts = zip(*[_no_norm_at(rows, lr, noise) for lr in rates]) if rates else ((), (), ())
-    why = "final validation loss " + "; ".join(parts) + f"; seed spread {noise:.3f}"
-    if any(unstable) or (rates and all(worse)):
-        return "supports", why
-    if math.isfinite(noise) and not any(worse) and not any(r["first_nonfinite"] is not None for r in rows):
-        return "contradicts", why
-    return "leaves open", why
+    readings = [_no_norm_at(rows, lr, margin) for lr in rates]
+    why = "; ".join(r[3] for r in readings) + f" (margin for \"no worse\": {margin.nats:g} nats)"
+    glance = "; ".join(r[4] for r in readings)
+    if any(r[0] for r in readings) or (rates and all(r[1] for r in readings)):
+        return Verdict("supports", why, glance)
+    if rates and all(r[2] for r in readings) and not any(r["first_nonfinite"] is not None for r in rows):
+        return Verdict("contradicts", why, glance)
+    return Verdict("leaves open", why, glance)
 
 
 EXPERIMENTS = {
@@ -96,7 +122,9 @@ EXPERIMENTS = {
         base=LEARNS + ["model.n_layer=6"],
         arms={"pre-warmup": [], "pre-no-warmup": ["train.warmup_steps=0"],
               "post-warmup": ["model.norm=post"], "post-no-warmup": ["model.norm=post", "train.warmup_steps=0"]},
-        steps=400, judge=judge_norm, more=[("the conclusion (prefer pre-norm)", judge_pre_over_post)]),
+        steps=400, judge=judge_norm, short="post-norm needs warmup",
+        more=[("pre-norm no worse without warmup", functools.partial(judge_pre_norm_without_warmup, margin=NO_WORSE)),
+              ("the conclusion (prefer pre-norm)", judge_pre_over_post)]),
     "no-norm": Experiment(
         claim="LayerNorm keeps activations in a numerically stable range; without it, small instabilities "
               "accumulate into NaN gradients.",
@@ -110,6 +138,7 @@ EXPERIMENTS = {
         arms={f"{norm}-lr{lr}": [f"model.norm={norm}", f"train.lr={lr}"]
               for lr in ("3e-3", "3e-2") for norm in ("pre", "none")},
         steps=SHALLOW_STEPS, arm_steps={"pre-lr3e-2": 1000, "none-lr3e-2": 1000},
-        judge=judge_no_norm, probe=probe_counts, details=details_counts),
+        judge=functools.partial(judge_no_norm, margin=NO_WORSE), probe=probe_counts, details=details_counts,
+        short="without LayerNorm, NaN"),
 }
 

@@ -1,6 +1,6 @@
 """An experiment's report: the per-run and per-arm tables, the lines on learning, time and budget,
-the figure, the verdicts; written into results.md/results.json and, with --doc, into the section of
-a Markdown page between its marker lines."""
+the figure, the verdicts; written into results.md/results.json (and, with --doc, into a Markdown
+page: andrea.experiments.page)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import io
 import json
 import math
 import os
-from pathlib import Path
 
-from andrea.errors import UserError
 from andrea.experiments.base import LEARNED, arm_mean, fmt, seed_spread
 from andrea.files import atomic_writer
 from andrea.run.figure import label_depth_axis, new_figure
@@ -21,15 +19,35 @@ def _below(r):
     return r["unigram_baseline"] - r["val_loss"] if r.get("unigram_baseline") is not None else math.nan
 
 
-def report(name, exp, rows, target, command):
-    """(results.md's text, the verdicts, the body: what a --doc section holds, all but the title and claim)."""
-    verdicts = [("claim", *exp.judge(rows))] + [(what, *judge(rows)) for what, judge in exp.more]
-    body = [f"Command: `{command}`\n", budget_line(rows), table(rows, target), arm_table(rows), learned_line(rows),
-            time_line(rows)]
+def judge(exp, rows):
+    """[(what, Verdict)]: the claim's verdict, then each further one (exp.more), from the same rows."""
+    return [("claim", exp.judge(rows))] + [(what, rule(rows)) for what, rule in exp.more]
+
+
+VERDICTS = "**Verdicts**"   # the line that opens the verdicts (andrea.experiments.page finds them by it)
+
+
+def verdict_block(verdicts, source):
+    """The verdicts in Markdown: the opening line (`source`: where their figures come from), then one
+    line each, **what: verdict**: why."""
+    lines = [f"{VERDICTS} {source} (rules: andrea/experiments/; paired differences: andrea/experiments/paired.py):\n"]
+    return "\n".join(lines + [f"**{what}: {v.verdict}**: {v.why}.\n" for what, v in verdicts])
+
+
+def report(name, exp, rows, target, command, missing=(), figure_note=""):
+    """(results.md's text, the verdicts [(what, Verdict)], the body: what a --doc section holds, all but
+    the title and claim). `missing`: the runs of the reported seeds that have not finished, named
+    under the budget; `figure_note`: a line saying why there is no figure, where there is none."""
+    verdicts = judge(exp, rows)
+    body = [f"Command: `{command}`\n", budget_line(rows)]
+    if missing:
+        body.append(f"Not finished, so not in the tables or the verdicts: {', '.join(missing)}.\n")
+    body += [table(rows, target), arm_table(rows), learned_line(rows), time_line(rows)]
     if exp.details:
         body.append(exp.details(rows))
-    for what, verdict, why in verdicts:
-        body.append(f"**{what}: {verdict}**: {why}.\n")
+    if figure_note:
+        body.append(figure_note + "\n")
+    body.append(verdict_block(verdicts, "from these runs"))
     body = "\n".join(body)
     return f"# {name}\n\n> {exp.claim}\n>\n> ({exp.original})\n\n" + body, verdicts, body
 
@@ -162,7 +180,8 @@ def draw(name, rows):
     label_depth_axis(depth_ax, "gradient norm against depth: step 1 (dashed), last step")
     for ax in (loss_ax, depth_ax):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # runs without a gradient-flow log draw no line there
+            ax.legend(fontsize="small")
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
@@ -180,44 +199,13 @@ def _cut_blown_up(ax, rows):
     return f" (cut off above {2 * max(firsts):.1f})"
 
 
-def markers(name):
-    return f"<!-- python -m andrea.experiment {name}: begin -->", f"<!-- python -m andrea.experiment {name}: end -->"
-
-
-def doc_section(doc, name):
-    """(the text before the doc's section for `name`, the text after it): the section lies between its
-    two marker lines (markers); a one-line error when the doc or its markers are missing."""
-    doc = Path(doc)
-    begin, end = markers(name)
-    try:
-        text = doc.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--doc {doc} cannot be read ({e}): give the Markdown file that holds the section") from None
-    head, sep, rest = text.partition(begin + "\n")
-    middle, sep2, tail = rest.partition(end + "\n")
-    if not (sep and sep2):
-        raise UserError(f"--doc {doc} has no section for {name}: put the lines {begin} and {end} where it goes")
-    return head + sep, sep2 + tail
-
-
-def write_doc(doc, name, body, figure):
-    """Write the report's body and figure into the doc's section for `name`; the figure goes beside the
-    doc, in experiments/NAME.png. What lies outside the section is kept as it is."""
-    doc = Path(doc)
-    head, tail = doc_section(doc, name)
-    (doc.parent / "experiments").mkdir(exist_ok=True)
-    with atomic_writer(doc.parent / "experiments" / f"{name}.png") as f:
-        f.write(figure)
-    with atomic_writer(doc) as f:
-        f.write((head + body + f"\n![{name}](experiments/{name}.png)\n" + tail).encode())
-
-
 def save_results(out, name, text, results, figure):
-    """The figure, the report beside it, and results.json last: its presence marks the directory as
-    this experiment's."""
-    with atomic_writer(out / f"{name}.png") as f:
-        f.write(figure)
+    """The figure (None: not drawn), the report beside it, and results.json last: its presence marks
+    the directory as this experiment's."""
+    if figure is not None:
+        with atomic_writer(out / f"{name}.png") as f:
+            f.write(figure)
     with atomic_writer(out / "results.md") as f:
-        f.write(text.encode() + f"\n![{name}]({name}.png)\n".encode())
+        f.write(text.encode() + (f"\n![{name}]({name}.png)\n".encode() if figure is not None else b""))
     with atomic_writer(out / "results.json") as f:
         f.write(json.dumps(results, indent=1).encode())

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from andrea.errors import UserError
-from andrea.experiments import EXPERIMENTS
+from andrea.experiments import EXPERIMENTS, lock, page
 from andrea.experiments.base import all_records, logged
-from andrea.experiments.report import doc_section, draw, report, save_results, write_doc
+from andrea.experiments.report import draw, report, save_results
 from andrea.run.figure import require_matplotlib
 from andrea.run.gradflow import check_flow, embedding_ratio
 from andrea.run.preflight import check_directory
@@ -33,42 +33,114 @@ COMMON = ["train.log_grad_flow=true", "train.sample_tokens=0", "train.device=cpu
 
 def run_experiment(name, out, steps=None, scale=1.0, seeds=None, extra=(), command="", report_only=False,
                    arms=None, doc=None):
-    """Train (or keep, or resume) every arm of experiment `name` for each seed into out/<arm>-seed<k>, or
-    with report_only read the finished ones; then the report, the figure and results.json in out, and
-    the doc's section when `doc` is given. Returns results.md's text."""
+    """Train (or keep, or resume) every arm of experiment `name` (or those of `arms`) for each seed into
+    out/<arm>-seed<k>, or with report_only read the finished ones; then the report, the figure and
+    results.json in out, and the doc's section when `doc` is given. The report covers every finished
+    run of those arms in out: the seeds trained now and any others it holds, so that `--seeds 3,4`
+    adds two seeds to an experiment without training its first ones again. Returns results.md's text."""
     exp = EXPERIMENTS[name]
     out = Path(out)
-    _check_out(out)
-    if doc is not None:
-        doc_section(doc, name)  # a --doc without this experiment's section: say so before any training
+    _check_out(name, out, doc, create=not report_only)
+    chosen = [a for a in exp.arms if not arms or a in arms]
+    if report_only:
+        asked = list(seeds or found_seeds(out, exp) or exp.seeds)
+        return _write_report(name, exp, out, _finished_rows(name, out, chosen, asked), asked, chosen, command, doc)
+    trained = list(dict.fromkeys(seeds or exp.seeds))
+    with lock.holding(out, exp, [(arm, seed) for seed in trained for arm in chosen]):
+        rows = []
+        for seed in trained:
+            for arm in chosen:
+                n_steps = arm_steps(exp, arm, steps, scale)
+                run_dir, sets = out / f"{arm}-seed{seed}", arm_sets(exp, arm, seed, n_steps, extra)
+                code = _train_to_the_end(name, run_dir, sets, out / "logs", n_steps)
+                rows.append(summarise(run_dir, arm, seed, code))
+        others = [s for s in found_seeds(out, exp) if s not in trained]
+        rows += _kept_rows(name, exp, out, chosen, others, lambda arm, seed: arm_sets(
+            exp, arm, seed, arm_steps(exp, arm, steps, scale), extra))
+        return _write_report(name, exp, out, rows, trained + others, chosen, command, doc)
+
+
+def arm_sets(exp, arm, seed, n_steps, extra=()):
+    """The overrides of one arm's run of `seed`: the experiment's, its budget, the arm's, the seed, --set."""
+    return exp.base + budget(n_steps) + COMMON + exp.arms[arm] + [f"train.seed={seed}"] + list(extra)
+
+
+def found_seeds(out, exp):
+    """The seeds of the runs out holds (directories <arm>-seed<k> of the experiment's arms), in order."""
+    found = set()
+    for d in Path(out).iterdir() if Path(out).is_dir() else ():
+        arm, _, seed = d.name.rpartition("-seed")
+        if d.is_dir() and arm in exp.arms and seed.isdigit():
+            found.add(int(seed))
+    return sorted(found)
+
+
+def _finished_rows(name, out, arms, seeds):
+    """The rows of the finished runs of `arms` x `seeds` in out (--report-only); the others are named."""
     rows = []
-    for seed in seeds or exp.seeds:
-        for arm, overrides in exp.arms.items():
-            if arms and arm not in arms:
-                continue
+    for seed in seeds:
+        for arm in arms:
             run_dir = out / f"{arm}-seed{seed}"
-            if report_only:
-                if finished(run_dir):
-                    rows.append(summarise(run_dir, arm, seed, 0))
-                else:
-                    print(f"{name}: {run_dir} has no finished run: left out", file=sys.stderr, flush=True)
-                continue
-            n_steps = arm_steps(exp, arm, steps, scale)
-            sets = exp.base + budget(n_steps) + COMMON + overrides + [f"train.seed={seed}"] + list(extra)
-            rows.append(summarise(run_dir, arm, seed, _train_to_the_end(name, run_dir, sets, out / "logs", n_steps)))
+            if finished(run_dir):
+                rows.append(summarise(run_dir, arm, seed, 0))
+            else:
+                print(f"{name}: {run_dir} has no finished run: left out", file=sys.stderr, flush=True)
+    return rows
+
+
+def _kept_rows(name, exp, out, arms, seeds, sets_of):
+    """The rows of runs out holds for seeds this session did not train: those that finished with the
+    config this session would give them (sets_of(arm, seed)); the others are named and left out."""
+    rows = []
+    for seed in seeds:
+        for arm in arms:
+            run_dir = out / f"{arm}-seed{seed}"
+            if arm_state(run_dir, sets_of(arm, seed), quiet=True) == "finished":
+                rows.append(summarise(run_dir, arm, seed, 0))
+            elif run_dir.exists():
+                print(f"{name}: {run_dir.name} is not a finished run of this config: left out of the report",
+                      file=sys.stderr, flush=True)
+    return rows
+
+
+def _write_report(name, exp, out, rows, seeds, arms, command, doc):
+    """The report of `rows` into out (results.md, results.json, the figure) and, with `doc`, into its
+    page, which is refused while a run of `arms` x `seeds` has not finished: a page's verdict is read
+    from every arm. Returns results.md's text."""
     if not rows:
         raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
+    order = list(exp.arms)
+    rows.sort(key=lambda r: (r["seed"], order.index(r["arm"])))
+    done = {r["run"] for r in rows}
+    missing = [(a, s) for s in sorted(set(seeds)) for a in arms if f"{a}-seed{s}" not in done]
+    names = [f"{a}-seed{s}" for a, s in missing]
     for r in rows if exp.probe else ():
         r.update(exp.probe(out / r["run"]))
     target = default_target(rows)
     steps_to(rows, target)
-    text, verdicts, body = report(name, exp, rows, target, command)
-    figure = (exp.figure or draw)(name, rows)
-    save_results(out, name, text, {"experiment": name, "target": target, "rows": rows,
-                                   "verdicts": verdicts}, figure)
+    figure, note = _figure(name, exp, rows)
+    text, verdicts, body = report(name, exp, rows, target, command, names, note)
+    save_results(out, name, text, {"experiment": name, "target": target, "rows": rows, "verdicts": [
+        {"what": what, **v._asdict()} for what, v in verdicts]}, figure)
     if doc is not None:
-        write_doc(doc, name, body, figure)
+        if missing:
+            raise UserError(f"--doc {doc} not written: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no "
+                            f"finished run in {out}, and a page's verdicts read every arm of every seed: train them "
+                            f"(--seeds {','.join(str(s) for s in sorted({s for _, s in missing}))} without "
+                            "--report-only), then write the page")
+        page.write_doc(doc, name, body, figure, page.glance_rows(name, exp, verdicts, rows))
     return text
+
+
+def _figure(name, exp, rows):
+    """(the figure as PNG bytes, ""), or without matplotlib (None, the report's line saying so)."""
+    try:
+        require_matplotlib("andrea.experiment")
+    except UserError as e:
+        note = f"Figure: not drawn: {e}."
+        print(f"{name}: {note}", file=sys.stderr, flush=True)
+        return None, note
+    return (exp.figure or draw)(name, rows), ""
 
 
 def arm_steps(exp, arm, steps=None, scale=1.0):
@@ -85,13 +157,26 @@ def budget(n_steps):
             f"train.warmup_steps={max(1, n_steps // 10)}"]
 
 
-def _check_out(out):
-    """Refuse, before any training, what would fail later: no matplotlib to draw the figure with, an
-    --out that cannot be a directory, or one holding something else than this experiment's runs."""
-    require_matplotlib("andrea.experiment")  # the figure comes last: say now, not after the training
+def _check_out(name, out, doc, create):
+    """Refuse, before any training, what would fail later: a --doc without this experiment's section
+    (or without matplotlib, as the page shows the figure), an --out that cannot be a directory or one
+    holding something else than this experiment's runs; with `create`, make --out now, so that one
+    that cannot be made is said before any work."""
+    if doc is not None:
+        require_matplotlib("andrea.experiment --doc")
+        page.doc_section(doc, name)
     check_directory(out, "--out")
-    if out.exists() and any(out.iterdir()) and not (out / "results.json").exists() and not (out / "logs").exists():
+    ours = (out / "results.json").exists() or (out / "logs").exists() or (out / lock.LOCK_FILE).exists()
+    if out.is_dir() and any(out.iterdir()) and not ours:
         raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
+    if create:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            dangling = e.filename is not None and Path(e.filename).is_symlink()
+            raise UserError(f"--out {out} cannot be created: {e.filename}: {e.strerror}"
+                            f"{' (a symbolic link to a missing directory)' if dangling else ''}: choose another --out"
+                            ) from None
 
 
 def _train_to_the_end(name, run_dir, sets, logs, n_steps):
@@ -106,12 +191,12 @@ def _train_to_the_end(name, run_dir, sets, logs, n_steps):
     print(f"{name}: {doing} {run_dir.name} ({n_steps} steps)", file=sys.stderr, flush=True)
     log = logs / f"{run_dir.name}.log"
     start = time.monotonic()
-    code = train_arm(run_dir, sets, log, resume=state == "interrupted")
+    code, error = train_arm(run_dir, sets, log, resume=state == "interrupted")
     with open(log, "a", encoding="utf-8") as f:  # what else ran beside it: its time is measured under that load
         f.write(f"{SESSION_LINE} {time.monotonic() - start:.1f} s\n")
         f.write(f"{LOAD_LINE} {os.getloadavg()[0]:.2f}; {THREADS_LINE} {num_threads()}\n")
     if code == 2:
-        raise UserError(f"{run_dir.name} did not start: {_last_line(log)}")
+        raise UserError(f"{run_dir.name} did not start: {error} (its log: {log})")
     if code == EXIT_INTERRUPTED:
         print(f"{name}: interrupted in {run_dir.name}, which keeps its checkpoint; the same command again resumes "
               "it and keeps the arms that finished", file=sys.stderr, flush=True)
@@ -119,25 +204,31 @@ def _train_to_the_end(name, run_dir, sets, logs, n_steps):
     return code
 
 
-def train_arm(out_dir: Path, overrides: list, log_path: Path, resume: bool = False) -> int:
+def train_arm(out_dir: Path, overrides: list, log_path: Path, resume: bool = False) -> tuple[int, str]:
     """One andrea.train run, its console output into log_path (added to it when resuming); returns its
-    exit code. A fresh run replaces what out_dir holds; `resume` continues the run there."""
+    exit code and the last error line it printed ("" if none). A fresh run replaces what out_dir
+    holds; `resume` continues the run there."""
     from andrea import train
 
     argv = ["--out", str(out_dir), "--resume"] if resume else ["--config", "tiny", "--out", str(out_dir), "--overwrite"]
     for o in [] if resume else overrides:
         argv += ["--set", o]
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # this session's output starts here (a resumed run's log holds the earlier sessions')
+    begin = log_path.stat().st_size if resume and log_path.is_file() else 0
     with open(log_path, "a" if resume else "w", encoding="utf-8") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         try:
-            return train.main(argv)
+            code = train.main(argv)
         except UserError as e:
             print(f"error: {e}")
-            return 2
+            code = 2
+        except SystemExit as e:  # the argument parser's one-line error (exit 2) ends in sys.exit
+            code = e.code if isinstance(e.code, int) else 1
+    return code or 0, _error_line(log_path, begin)
 
 
-def arm_state(run_dir: Path, sets: list) -> str:
+def arm_state(run_dir: Path, sets: list, quiet: bool = False) -> str:
     """What run_dir holds for an arm trained with `sets`: "finished" (this arm's run, to its end),
     "interrupted" (this arm's run, with a checkpoint to resume from), or "new" (nothing of this arm:
     missing, never checkpointed, or a run of another config, e.g. another --steps, which is retrained)."""
@@ -153,8 +244,9 @@ def arm_state(run_dir: Path, sets: list) -> str:
     except UserError:
         return "new"
     if differ:
-        print(f"{run_dir} holds a run of another config ({', '.join(differ[:3])} differ): trained again",
-              file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"{run_dir} holds a run of another config ({', '.join(differ[:3])} differ): trained again",
+                  file=sys.stderr, flush=True)
         return "new"
     if finished(run_dir):
         return "finished"
@@ -273,6 +365,11 @@ def default_target(rows):
     return math.ceil(max(finals) * 20) / 20 if finals else math.nan
 
 
-def _last_line(path):
-    lines = [x for x in Path(path).read_text(encoding="utf-8", errors="replace").splitlines() if x.strip()]
-    return lines[-1] if lines else "no output"
+def _error_line(path, begin):
+    """The last line starting "error:" that the session which began at offset `begin` of the log printed
+    (its own error, not what the experiment appends after it), without that word; else its last line."""
+    with open(path, "rb") as f:
+        f.seek(begin)
+        lines = [x for x in f.read().decode("utf-8", errors="replace").splitlines() if x.strip()]
+    errors = [x for x in lines if x.startswith("error:")]
+    return errors[-1].removeprefix("error:").strip() if errors else lines[-1] if lines else "no output"

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "matplotlib": "plot", "numba": "fast"}
+EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "matplotlib": "plot", "numba": "fast",
+         "scipy": "fast"}
 
 
 def require(name):

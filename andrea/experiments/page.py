@@ -1,0 +1,235 @@
+"""A Markdown page that holds the experiments' reports (docs/experiments.md), written by --doc:
+
+    <!-- python -m andrea.experiment NAME: begin -->     each experiment's section: its report's body
+    ...                                                  and figure (experiments/NAME.png beside the page)
+    <!-- python -m andrea.experiment NAME: end -->
+    <!-- python -m andrea.experiment, at a glance: begin -->   one row per verdict of every experiment:
+    | the claim | command | verdict | ... | time |              the figures that decided it, the runs' time
+    <!-- python -m andrea.experiment, at a glance: end -->
+
+Everything outside the marker lines is the page's own prose, kept as it is. A section's tables hold
+the per-run figures the verdicts read, so `--from-doc` can judge them again with the current rules
+when the runs themselves are not at hand (rows_from_section): it rewrites the section's verdicts and
+the at-a-glance rows, and leaves the tables and the figure as the runs wrote them. It judges again
+the rules that compare arms by their final validation losses, which the tables print as the rules
+read them (to 3 decimals); a rule reading a threshold in each run (base.kept_from_page: gradient
+ratios, the logit lens, attention, printed rounded) keeps its verdict as the runs' report wrote it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from pathlib import Path
+
+from andrea.errors import UserError
+from andrea.experiments.base import Verdict
+from andrea.experiments.report import VERDICTS, verdict_block
+from andrea.files import atomic_writer
+
+GLANCE = "at a glance"
+GLANCE_HEAD = ("| the claim | command | verdict | the paired difference, mean [95% t-interval] in nats, or the rule's "
+               "reading | time |\n|---|---|---|---|---|\n")
+# the words that mark a verdict --from-doc keeps as it found it (base.kept_from_page)
+KEPT = " (kept as the runs' report wrote it: a reading of every seed's run, which the tables print rounded)"
+VERDICT_LINE = re.compile(r"^\*\*(.+?): (supports|contradicts|leaves open)\*\*: (.*)\.$")
+
+
+def markers(name):
+    """The begin and end lines of experiment `name`'s section, or of the at-a-glance table (GLANCE)."""
+    what = f"python -m andrea.experiment{', ' if name == GLANCE else ' '}{name}"
+    return f"<!-- {what}: begin -->", f"<!-- {what}: end -->"
+
+
+def read_page(doc) -> str:
+    try:
+        return Path(doc).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--doc {doc} cannot be read ({e}): give the Markdown file that holds the section") from None
+
+
+def split(text, name, doc):
+    """(the text up to and with the begin marker of `name`'s section, the section, the text from its
+    end marker on); a one-line error naming the markers when the page has no such section."""
+    begin, end = markers(name)
+    head, sep, rest = text.partition(begin + "\n")
+    middle, sep2, tail = rest.partition(end + "\n")
+    if not (sep and sep2):
+        raise UserError(f"--doc {doc} has no section for {name}: put the lines {begin} and {end} where it goes")
+    return head + sep, middle, sep2 + tail
+
+
+def doc_section(doc, name):
+    """Checks that `doc` holds a section for `name` (a one-line error before any training if not)."""
+    split(read_page(doc), name, doc)
+
+
+def write_doc(doc, name, body, figure, glance):
+    """Write the report's body and figure into the doc's section for `name` (the figure beside the doc, in
+    experiments/NAME.png) and its rows into the at-a-glance table, where the page has one."""
+    doc = Path(doc)
+    head, _, tail = split(read_page(doc), name, doc)
+    (doc.parent / "experiments").mkdir(exist_ok=True)
+    with atomic_writer(doc.parent / "experiments" / f"{name}.png") as f:
+        f.write(figure)
+    text = with_glance(head + body + f"\n![{name}](experiments/{name}.png)\n" + tail, name, glance)
+    with atomic_writer(doc) as f:
+        f.write(text.encode())
+
+
+def glance_rows(name, exp, verdicts, rows):
+    """The at-a-glance rows of one experiment: per verdict, the claim, the command, the verdict, what
+    decided it (Verdict.glance) and, on its first row, the runs' time added up."""
+    seconds = [r["seconds"] for r in rows if r.get("seconds") is not None]
+    total = sum(seconds)
+    time = "not logged" if not seconds else f"{total:.0f} s" if total < 60 else f"{total / 60:.0f} min"
+    lines = []
+    for k, (what, v) in enumerate(verdicts):
+        claim = exp.short if what == "claim" and exp.short else what
+        lines.append(f"| {claim} | `{name}` | {v.verdict} | {v.glance} | {time if k == 0 else '(the same runs)'} |\n")
+    return lines
+
+
+def with_glance(text, name, lines):
+    """`text` with `name`'s rows of the at-a-glance table replaced by `lines` (in the place of the first
+    one, or at the table's end); unchanged when the page has no such table."""
+    begin, end = markers(GLANCE)
+    head, sep, rest = text.partition(begin + "\n")
+    table, sep2, tail = rest.partition(end + "\n")
+    if not (sep and sep2):
+        return text
+    rows = [x + "\n" for x in table.splitlines() if x.startswith("|") and not x.startswith(("| the claim", "|---"))]
+    mine = [k for k, x in enumerate(rows) if x.split("|")[2].strip() == f"`{name}`"]
+    at = mine[0] if mine else len(rows)
+    rows = [x for k, x in enumerate(rows) if k not in mine]
+    return head + sep + GLANCE_HEAD + "".join(rows[:at] + lines + rows[at:]) + sep2 + tail
+
+
+# ----------------------------------------------------------------------------------------------- --from-doc
+
+def _number(cell):
+    """A table cell as report.table and base.fmt print it: a float, nan, or None ("never", "not logged")."""
+    cell = cell.strip()
+    if cell in ("never", "not logged", ""):
+        return None
+    return float(cell.replace(",", ""))
+
+
+def _table(lines, header):
+    """The rows (lists of cells) of the Markdown table whose header line starts with `header`."""
+    for k, line in enumerate(lines):
+        if line.startswith(header):
+            body = []
+            for row in lines[k + 2:]:
+                if not row.startswith("|"):
+                    break
+                body.append([c.strip() for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]])  # not at "\|"
+            return body
+    return []
+
+
+def _run_rows(lines, exp, name):
+    """A row per run of the section's first table, with the figures it prints."""
+    rows = []
+    for cells in _table(lines, "| run | final val loss |"):
+        run, val, below, r0, r1, to, diverged, seconds = cells
+        arm, _, seed = run.rpartition("-seed")
+        if arm not in exp.arms:
+            raise UserError(f"the section for {name} names a run {run!r} of no arm of {name}: is it its section?")
+        val, below = _number(val), _number(below)
+        rows.append({"run": run, "arm": arm, "seed": int(seed), "val_loss": val, "ratio_init": _number(r0),
+                     "ratio_final": _number(r1), "steps_to_target": _number(to), "diverged": diverged == "yes",
+                     "seconds": _number(seconds), "exit_code": 0,
+                     "unigram_baseline": val + below if math.isfinite(val + below) else None})
+    return rows
+
+
+def _composition(lines, rows):
+    """The logit lens and attention tables of the composition experiment's details, into their rows."""
+    for r in rows:
+        head = next((k for k, x in enumerate(lines) if x.startswith(f"{r['run']}: logit lens and attention")), None)
+        if head is None:
+            continue
+        cells = _table(lines[head + 1:], "| depth |")
+        blocks = [c for c in cells if c[0].startswith("block ")]
+        uniform = next(c for c in cells if c[0] == "uniform attention")
+        r.update(n_layer=len(blocks), lens_loss=[float(next(c for c in cells if c[0] == "embeddings")[1])] +
+                 [float(c[1]) for c in blocks], lens_top=[c[2] for c in blocks],
+                 distance=[[float(x) for x in c[3].split()] for c in blocks],
+                 previous=[[float(x) for x in c[4].split()] for c in blocks],
+                 uniform_distance=float(uniform[3]), uniform_previous=float(uniform[4]))
+
+
+def rows_from_section(middle, name, exp):
+    """The rows the rules read, from a section's tables as report.report wrote them: the per-run table,
+    the unigram baseline's line, the parameter counts (details_counts), the composition tables, and
+    each run's depth from the experiment's definition and the command's --set. A figure the tables
+    do not print (the sublayer changes at step 1) is absent, and the rule reading it keeps its line."""
+    from andrea.config import load_config
+
+    lines = middle.splitlines()
+    rows = _run_rows(lines, exp, name)
+    if not rows:
+        raise UserError(f"the section for {name} has no table of runs: write it from the runs (--report-only --doc)")
+    baseline = re.search(r"Unigram baseline of the validation tokens: ([0-9.]+) nats", middle)
+    command = re.search(r"^Command: `(.*)`$", middle, re.M)
+    words = shlex.split(command.group(1)) if command else []
+    sets = [words[k + 1] for k, w in enumerate(words[:-1]) if w == "--set"]
+    counts = {c[0]: c for c in _table(lines, "| run | parameters |")}
+    for r in rows:
+        if baseline:
+            r["unigram_baseline"] = float(baseline.group(1))
+        r["n_layer"] = load_config("tiny", exp.base + exp.arms[r["arm"]] + sets).model.n_layer
+        if r["run"] in counts:
+            _, params, first, stream = counts[r["run"]]
+            r.update(params=int(params.replace(",", "")), first_nonfinite=None if first == "never" else int(first),
+                     stream_rms_last=_number(stream))
+    _composition(lines, rows)
+    return rows
+
+
+def _verdict_span(middle, name):
+    """(where the section's verdicts begin, where its figure line begins)."""
+    lines = middle.splitlines(keepends=True)
+    starts = [k for k, x in enumerate(lines) if x.startswith(VERDICTS) or VERDICT_LINE.match(x.rstrip("\n"))]
+    figure = next((k for k, x in enumerate(lines) if x.startswith(f"![{name}](")), len(lines))
+    if not starts:
+        raise UserError(f"the section for {name} has no verdicts: write it from the runs (--report-only --doc)")
+    offset = [0]
+    for x in lines:
+        offset.append(offset[-1] + len(x))
+    return offset[starts[0]], offset[figure]
+
+
+def _again(rule, what, rows, old):
+    """The rule's verdict on the page's rows; a rule marked kept_from_page keeps the page's line for it
+    (`old`: what -> (verdict, why)), its words standing in the at-a-glance table too."""
+    if not getattr(getattr(rule, "func", rule), "kept_from_page", False):
+        return rule(rows)
+    if what not in old:
+        raise UserError(f"the page has no verdict on {what} to keep: write the section from the runs "
+                        "(--report-only --doc)")
+    verdict, why = old[what]
+    plain = why.removesuffix(KEPT)
+    return Verdict(verdict, plain + KEPT, plain)
+
+
+def rejudge(doc, name, exp, command):
+    """--from-doc: the verdicts of `name`'s section judged again from its own tables with the current
+    rules, written back into the section and the at-a-glance table; returns the new verdicts' text."""
+    doc = Path(doc)
+    head, middle, tail = split(read_page(doc), name, doc)
+    rows = rows_from_section(middle, name, exp)
+    start, figure = _verdict_span(middle, name)
+    found = map(VERDICT_LINE.match, middle[start:figure].splitlines())
+    old = {m.group(1): (m.group(2), m.group(3)) for m in found if m}
+    rules = [("claim", exp.judge)] + list(exp.more)
+    verdicts = [(what, _again(rule, what, rows, old)) for what, rule in rules]
+    block = verdict_block(verdicts, f"judged again from the per-run figures in the tables above (as printed) by "
+                                    f"`{command}`")
+    text = with_glance(head + middle[:start] + block + "\n" + middle[figure:] + tail, name,
+                       glance_rows(name, exp, verdicts, rows))
+    with atomic_writer(doc) as f:
+        f.write(text.encode())
+    return block
