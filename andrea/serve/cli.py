@@ -5,7 +5,7 @@
 
 RUN_OR_HF_DIR is what andrea.eval and andrea.trace take (a run directory, a ckpt-* directory or a
 Hugging Face GPT-2 directory). The socket is bound before the model is read, so a port in use fails
-at once. It listens on 127.0.0.1 unless --host says otherwise; it has no authentication, so a wider
+at once (and a client that comes while it loads waits). It listens on 127.0.0.1 unless --host says otherwise; it has no authentication, so a wider
 host is refused unless a reverse proxy is meant to front it (docs/serving.md). Ctrl-C stops it: the
 requests in flight get up to 5 seconds to finish.
 """
@@ -44,6 +44,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(128)  # clients that come while the model loads wait in the backlog, not refused
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another --host or --port)") \
             from None
@@ -93,6 +94,9 @@ def parse(argv):
         raise UserError(f"--host {args.host} would serve beyond this machine without authentication: put a reverse "
                         "proxy in front (docs/serving.md) and add --allow-remote, or keep --host 127.0.0.1")
     preflight.choose_device(args.device)  # an unknown name fails here, before the model is read
+    if not Path(args.model).is_dir():
+        raise UserError(f"{args.model} does not exist or is not a directory: give a run directory, a ckpt-* "
+                        "directory or a Hugging Face GPT-2 directory")
     return args
 
 

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from optional import require
+from runs import tiny_run
 from serving import call, serving
-from test_trace import tiny_run
 
 from andrea import sample
 from andrea import trace as tracing

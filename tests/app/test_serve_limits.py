@@ -10,8 +10,8 @@ import time
 
 import pytest
 from optional import require
+from runs import tiny_run
 from serving import call, serving, wait_until
-from test_trace import tiny_run
 
 LIMITS = {"max_tokens": 200, "max_choices": 6, "max_request_bytes": 4096}
 LONG = 100_000  # max_tokens that keeps the model busy for longer than any test waits: greedy, the tiny

@@ -194,12 +194,15 @@ function colour(p) {
   return `rgb(${a.map((v, k) => Math.round(v + f * (b[k] - v))).join(",")})`;
 }
 
+// Each head's attention row as a line of cells, coloured from 0 (dark) to the largest probability in
+// the map (yellow), so that a nearly uniform head still shows its preferences; the scale is printed.
 function heatmap(rows, tokens, start) {
   const canvas = document.createElement("canvas");
   canvas.className = "heatmap";
   const label = 46;
   const cell = Math.max(2, Math.min(22, Math.floor(640 / rows[0].length)));
   const height = 14;
+  const largest = Math.max(...rows.flat(), 1e-12);
   canvas.width = label + cell * rows[0].length;
   canvas.height = height * rows.length;
   const g = canvas.getContext("2d");
@@ -209,7 +212,7 @@ function heatmap(rows, tokens, start) {
     g.fillStyle = "#333";
     g.fillText(`head ${h}`, 2, h * height + height / 2);
     row.forEach((p, j) => {
-      g.fillStyle = colour(p);
+      g.fillStyle = colour(p / largest);
       g.fillRect(label + j * cell, h * height, cell, height);
     });
   });
@@ -221,8 +224,13 @@ function heatmap(rows, tokens, start) {
     const ok = x >= 0 && rows[h] && j < rows[h].length;
     canvas.title = ok ? `head ${h} -> position ${start + j} ${JSON.stringify(tokens[j])}: ${rows[h][j].toFixed(3)}` : "";
   });
-  canvas.dataset.heads = rows.length;
-  return canvas;
+  Object.assign(canvas.dataset, { heads: rows.length, label, cell, height });
+  const figure = document.createElement("figure");
+  const caption = document.createElement("figcaption");
+  caption.textContent = `attention to positions ${start}..${start + rows[0].length - 1}; ` +
+    `yellow: ${largest.toFixed(3)}, the largest here`;
+  figure.append(canvas, caption);
+  return figure;
 }
 
 async function showModel() {
