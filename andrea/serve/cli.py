@@ -5,9 +5,10 @@
 
 RUN_OR_HF_DIR is what andrea.eval and andrea.trace take (a run directory, a ckpt-* directory or a
 Hugging Face GPT-2 directory). The socket is bound before the model is read, so a port in use fails
-at once (and a client that comes while it loads waits). It listens on 127.0.0.1 unless --host says otherwise; it has no authentication, so a wider
-host is refused unless a reverse proxy is meant to front it (docs/serving.md). Ctrl-C stops it: the
-requests in flight get up to 5 seconds to finish.
+at once (and a client that comes while it loads waits). It listens on 127.0.0.1 unless --host says
+otherwise; it has no authentication, so another host needs --allow-remote, meant for a reverse proxy
+in front (docs/serving.md). Ctrl-C stops it: the requests in flight get up to 5 seconds to finish,
+then it exits 130 as every command does.
 """
 
 from __future__ import annotations

@@ -3,13 +3,22 @@ a completion is andrea.sample's for the same seed and settings (the key/value ca
 context included), streamed or whole; n, lists of prompts and token-id prompts index their choices
 as OpenAI does; logprobs and echo are the model's own log-softmax; stop strings cut the text before
 them, also across tokens; requests made at once answer as each made alone; the page's trace is
-andrea.trace's. The bad inputs, the limits, the queue and disconnects: test_serve_limits.py.
+andrea.trace's; docs/serving.md's curl commands and Python example run as written. The bad inputs,
+the limits, the queue and disconnects: test_serve_limits.py.
 """
 
 import contextlib
 import io
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +32,7 @@ from andrea.cli import run_cli
 from andrea.serve.engine import StopText, log_softmax
 
 PROMPT = "def loads(s, *, cls=None):\n    return"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +197,24 @@ def test_the_pages_trace_is_andrea_traces(server):
         assert got["output"][0][1] == int(output.argmax())
     status, _, pieces = call(server.url, "/andrea/tokens", {"text": "def f"})
     assert status == 200 and pieces["ids"] == tok.encode("def f") and "".join(pieces["pieces"]) == "def f"
+
+
+def test_the_guides_curl_commands_and_python_example_run_as_written(server):
+    if not shutil.which("curl"):
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("no curl: apt-get install curl (.ci/run does)")
+    text, here = GUIDE.read_text(), server.url.removeprefix("http://")
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    lines = [line for block in blocks for line in block.splitlines()]
+    curls = [shlex.split(line, comments=True) for line in lines if line.startswith("curl ")]
+    assert len(curls) == 4
+    for words in curls:
+        out = subprocess.run([w.replace("127.0.0.1:8000", here) for w in words], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0 and "error" not in out.stdout, (words, out.stdout, out.stderr)
+        if "stream" in " ".join(words):
+            assert out.stdout.rstrip().endswith("data: [DONE]") and out.stdout.count("data: {") >= 8
+        else:
+            assert isinstance(json.loads(out.stdout), dict)
+    example = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[0].replace("127.0.0.1:8000", here)
+    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "completion_tokens=40" in out.stdout, out.stderr
