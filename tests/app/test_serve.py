@@ -2,11 +2,10 @@
 a completion is andrea.sample's for the same seed and settings (the key/value cache rebuilt past the
 context included), streamed or whole; n, lists of prompts and token-id prompts index their choices
 as OpenAI does; logprobs and echo are the model's own log-softmax; stop strings cut the text before
-them, also across tokens; requests made at once answer as each made alone; the page's trace is
-andrea.trace's; docs/serving.md's curl commands and Python example run as written. The bad inputs,
-the limits, the queue and disconnects: test_serve_limits.py.
+them, also across tokens, and <|endoftext|> ends a completion; requests made at once answer as each
+made alone; the page's trace is andrea.trace's; docs/serving.md's curl commands and Python example
+run as written. The bad inputs, the limits, the queue and disconnects: test_serve_limits.py.
 """
-
 import contextlib
 import io
 import json
@@ -218,3 +217,20 @@ def test_the_guides_curl_commands_and_python_example_run_as_written(server):
     example = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)[0].replace("127.0.0.1:8000", here)
     out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "completion_tokens=40" in out.stdout, out.stderr
+
+
+def test_the_end_of_a_document_ends_the_completion(server, client):
+    model, tok = server.served.model, server.served.tokenizer
+    prompt = tok.encode("def")
+    for seed in range(40):  # a seed whose draws reach <|endoftext|> within 300 tokens, found with andrea.sample
+        drawn = list(sample.generate(model, prompt, 300, temperature=1.0, seed=seed, n_ids=tok.vocab_size))
+        if tok.eot_id in drawn:
+            break
+    else:
+        pytest.fail("no seed of 40 drew <|endoftext|> within 300 tokens")
+    end = drawn.index(tok.eot_id)
+    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=300, seed=seed,
+                                     extra_body={"return_token_ids": True})
+    got = done.choices[0]
+    assert got.finish_reason == "stop" and got.token_ids == drawn[:end]   # the end token itself is not sent
+    assert got.text == tok.decode(drawn[:end]) and done.usage.completion_tokens == end + 1  # but counted
