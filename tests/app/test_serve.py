@@ -164,7 +164,7 @@ def test_requests_made_at_once_answer_as_each_made_alone(server, client):
     busiest, done = [0], threading.Event()
 
     def watch():
-        while not done.is_set():
+        while not done.wait(0.002):
             busiest[0] = max(busiest[0], server.engine.stats()["active"])
 
     watcher = threading.Thread(target=watch)
