@@ -164,3 +164,20 @@ def test_usage_errors_are_one_line_before_the_model_is_read(run, tmp_path):
                             ([str(run), "--device", "tpu"], "is not a device")]:
             code, err = serve_error(argv)
             assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
+
+
+def test_the_serving_benchmark_runs_and_counts_every_token(run, tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_serve
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    out = tmp_path / "bench.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        bench_serve.main([str(run), "--clients", "1,2", "--requests", "1", "--max-tokens", "6", "--prompt-tokens", "8",
+                          "--json", str(out)])
+    figures = json.loads(out.read_text())
+    assert [r["clients"] for r in figures["rows"]] == [1, 2] and figures["prompt_tokens"] == 8
+    for row in figures["rows"]:
+        assert row["requests"] == row["clients"] and 0 < row["tokens"] <= 6 * row["clients"]
+        assert row["tokens_per_s"] > 0 and 0 < row["ttft_median_s"] <= row["ttft_max_s"] < row["wall_s"]
