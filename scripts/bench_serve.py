@@ -14,7 +14,7 @@ carries a token), each stream's tokens/s after its first token, and the completi
 clients over the wall time from the first request sent to the last event received. A completion may
 end before --max-tokens at <|endoftext|>: only tokens received count. The clients share the
 machine with the server, as they would on one host. --threads N sets OPENBLAS_NUM_THREADS and
-ANDREA_NUM_THREADS for the server (one thread is steadier on a machine that other work shares).
+ANDREA_NUM_THREADS for the server (default: every CPU, as the server's own default).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def main(argv=None):
         finally:
             server.stop()
     head = {"model": str(args.model or f"random {args.random}"), "cpu": cpu_name(), "device": args.device,
-            "threads": args.threads or os.cpu_count(),
+            "threads": args.threads or len(os.sched_getaffinity(0)),
             "load_average": os.getloadavg(), "prompt_tokens": len(prompt), "max_tokens": args.max_tokens}
     print(json.dumps(head))
     print("| clients | completions | tokens | wall s | tokens/s, all clients | tokens/s, one stream (median) | "
