@@ -1,14 +1,15 @@
 """ANDREA: GPT-2-architecture language models trained with minitensor, on NumPy or CuPy.
 
 The commands are the modules at this level, each `python -m andrea.<name>`: train, prepare,
-sample, export, plot, experiment, bench, params, trace, eval; cli.py is the shell they share, errors.py the
-one error they turn into a one-line message, config.py the YAML configuration every part reads.
-What they are made of is grouped by concern:
+sample, export, plot, experiment, bench, params, trace, eval, and the package serve; cli.py is the
+shell they share, errors.py the one error they turn into a one-line message, config.py the YAML
+configuration every part reads. What they are made of is grouped by concern:
 
     model/     ANDREA and its AdamW
     data/      tokenizer, corpus streaming, token shards, batches
     run/       a training run's surroundings: checks, run directory, checkpoints, MPI/NCCL, timing
     interop/   Hugging Face format, the PyTorch reference model and component timings
+    serve/     the HTTP server: OpenAI's completions API and a page that traces any token
 
 As a library:
 

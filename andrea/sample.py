@@ -7,6 +7,8 @@ The prompt is encoded, run through the model once (prefill), and every new token
 position of attention over the cached keys and values. When the sequence reaches the context
 length, the cache is rebuilt from the last half of the context (positions are absolute, so the
 cached keys cannot simply slide), which keeps the amortised cost near one position per token.
+`Decoder` is that cache for one sequence; andrea.serve steps it too, so that a served completion
+and this command give the same tokens for the same seed and settings.
 """
 
 import os
@@ -32,8 +34,9 @@ from minitensor.device import GPUUnavailable, to_numpy
 from minitensor.memory import keep_freed_memory
 
 
-def sample_next(logits, rng, temperature=1.0, top_k=None):
-    """One id per row of logits (B, V): greedy at temperature 0, else softmax(logits / T) over the top k."""
+def sample_next(logits, rng, temperature=1.0, top_k=None, top_p=1.0):
+    """One id per row of logits (B, V): greedy at temperature 0, else softmax(logits / T) over the top k,
+    and of those the fewest most likely whose probabilities add up to top_p (nucleus sampling)."""
     logits = np.asarray(to_numpy(logits), dtype=np.float64)
     if temperature <= 0:
         return logits.argmax(axis=-1)
@@ -43,33 +46,57 @@ def sample_next(logits, rng, temperature=1.0, top_k=None):
         logits = np.where(logits < kth, -np.inf, logits)
     total, _ = exp_rows(logits)                         # logits <- exp(logits - max), in place
     probs = logits / total
+    if top_p < 1.0:
+        probs = nucleus(probs, top_p)
     return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])
 
 
-def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0, n_ids=None):
+def nucleus(probs, top_p):
+    """probs (B, V) kept on each row's most likely ids, down to the first whose running total reaches
+    top_p (so always at least one), and renormalised."""
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    ranked = np.take_along_axis(probs, order, axis=-1)
+    before = np.cumsum(ranked, axis=-1) - ranked        # the mass of the ids ranked above each
+    keep = np.empty(probs.shape, dtype=bool)
+    np.put_along_axis(keep, order, before < top_p, axis=-1)
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)
+
+
+class Decoder:
+    """One sequence's key/value cache: `logits` (1, V) scores the token after the ids so far, and
+    push(id) appends one. The prompt (a list of ids, at least one) runs through the model at once."""
+
+    def __init__(self, model, prompt_ids):
+        if not len(prompt_ids):
+            raise UserError("the prompt encodes to no tokens: give at least one character")
+        self.model, self.ids = model, list(prompt_ids)
+        self._prefill(self.ids[-model.cfg.context_length:])
+
+    def _prefill(self, window):
+        self.cache = self.model.new_kv_cache(1)
+        self.logits = self.model.forward_kv(np.array([window]), self.cache, 0)
+        self.pos = len(window)
+
+    def push(self, token_id):
+        self.ids.append(token_id)
+        ctx = self.model.cfg.context_length
+        if self.pos == ctx:  # full: rebuild the cache from the last half of the context
+            self._prefill(self.ids[-(ctx // 2 or 1):])
+        else:
+            self.logits = self.model.forward_kv(np.array([[token_id]]), self.cache, self.pos)
+            self.pos += 1
+
+
+def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0, n_ids=None, top_p=1.0):
     """Yields new token ids one at a time after the prompt (a list of ids, at least one), each below
     `n_ids` (the tokenizer's size; default the model's: a padded vocabulary's extra ids decode to nothing)."""
-    if not len(prompt_ids):
-        raise UserError("the prompt encodes to no tokens: give at least one character")
+    sequence = Decoder(model, prompt_ids)
     rng = np.random.default_rng(seed)
-    ctx = model.cfg.context_length
-    ids = list(prompt_ids)
-    cache = model.new_kv_cache(1)
-    window = ids[-ctx:]
-    logits = model.forward_kv(np.array([window]), cache, 0)
-    pos = len(window)
     for _ in range(max_new_tokens):
-        nxt = int(sample_next(logits[:, :n_ids], rng, temperature, top_k)[0])
-        ids.append(nxt)
+        nxt = int(sample_next(sequence.logits[:, :n_ids], rng, temperature, top_k, top_p)[0])
         yield nxt
-        if pos == ctx:  # full: rebuild the cache from the last half of the context
-            window = ids[-(ctx // 2 or 1):]
-            cache = model.new_kv_cache(1)
-            logits = model.forward_kv(np.array([window]), cache, 0)
-            pos = len(window)
-        else:
-            logits = model.forward_kv(np.array([[nxt]]), cache, pos)
-            pos += 1
+        sequence.push(nxt)
 
 
 def load_model(checkpoint, device="cpu"):
@@ -101,7 +128,7 @@ def load_model(checkpoint, device="cpu"):
     return model, tokenizer, dict(meta, checkpoint=str(path))
 
 
-def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, out=None):
+def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, out=None, top_p=1.0):
     """Writes the prompt and then each new piece of text, as soon as it is complete UTF-8, to `out`
     (default: sys.stdout as it is at the call, so a redirection made after import is followed)."""
     out = sys.stdout if out is None else out
@@ -113,7 +140,7 @@ def stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, seed, o
     out.write(prompt)
     out.flush()
     decoder = tokenizer.stream_decoder()
-    for nxt in generate(model, ids, max_new_tokens, temperature, top_k, seed, n_ids=tokenizer.vocab_size):
+    for nxt in generate(model, ids, max_new_tokens, temperature, top_k, seed, n_ids=tokenizer.vocab_size, top_p=top_p):
         piece = decoder.feed(nxt)
         if piece:
             out.write(piece)
@@ -130,6 +157,8 @@ def _check_args(args):
         raise UserError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if args.top_k < 0:
         raise UserError(f"--top-k must be >= 0 (0: no limit), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (1: no limit), got {args.top_p}")
     if not 0 <= args.seed < 2**63:
         raise UserError(f"--seed must be in [0, 2^63), got {args.seed}")
     if not args.prompt:
@@ -145,6 +174,7 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (1: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", help="cpu, gpu or auto (default: $ANDREA_DEVICE, else cpu)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -153,7 +183,8 @@ def main(argv=None):
     model, tokenizer, meta = load_model(args.checkpoint, preflight.choose_device(args.device, fallback="cpu"))
     # on stderr, so that stdout is the text alone
     print(f"sampling from {meta['checkpoint']} (step {meta.get('step', '?')})", file=sys.stderr, flush=True)
-    stream(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    stream(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+           top_p=args.top_p)
 
 
 if __name__ == "__main__":

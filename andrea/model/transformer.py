@@ -493,10 +493,10 @@ class ANDREA:
         shape = (batch_size, self.cfg.n_head, self.cfg.context_length, self.cfg.head_size)
         return [(self.xp.zeros(shape, self.dtype), self.xp.zeros(shape, self.dtype)) for _ in self.blocks]
 
-    def forward_kv(self, idx, cache, pos):
-        """Logits (B, V) of the last of the new tokens idx (B, T_new) at positions pos..pos+T_new-1.
-
-        Each new token costs one row of attention over the cached keys and values.
+    def forward_kv(self, idx, cache, pos, every=False):
+        """Logits (B, V) of the last of the new tokens idx (B, T_new) at positions pos..pos+T_new-1
+        (with `every`, (B, T_new, V) of each of them). Each new token costs one row of attention over
+        the cached keys and values.
         """
         idx = self._ids(idx, "idx")
         B, T = idx.shape
@@ -505,7 +505,7 @@ class ANDREA:
         x = self.wte.W[idx] + self.wpe.W[pos:pos + T]
         for block, kv in zip(self.blocks, cache):
             x = block.infer(x, kv, pos)
-        return self.head.infer(self.ln_f.infer(x[:, -1]))
+        return self.head.infer(self.ln_f.infer(x if every else x[:, -1]))
 
     def trace(self, idx):
         """forward_kv's computation over idx (B, T) from position 0, block by block: a list of each

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_trace import tiny_run
+from runs import tiny_run
 
 from andrea import eval as evaluation
 from andrea.cli import run_cli

@@ -14,9 +14,8 @@ import sys
 
 import numpy as np
 import pytest
-import yaml
 from optional import require
-from runs import run_main, small_config
+from runs import tiny_run
 
 from andrea import trace
 from andrea.cli import run_cli
@@ -25,19 +24,6 @@ from andrea.model.transformer import ANDREA
 from minitensor.device import to_numpy
 
 PROMPT = "def loads(s, *, cls=None):\n    return"
-
-
-def tiny_run(tmp, data_dir, steps=3):
-    """A run directory of a 2-block model trained `steps` steps on the data fixture's corpus."""
-    path = small_config(tmp, data_dir, max_steps=steps, eval_interval=steps, checkpoint_interval=steps)
-    cfg = yaml.safe_load(path.read_text())
-    cfg["model"].update(n_layer=2, n_head=2, context_length=32)
-    path.write_text(yaml.safe_dump(cfg))
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
-        assert run_main(["--config", str(path), "--out", str(tmp / "run")]) == 0
-    (tmp / "train.out").write_text(printed.getvalue())  # what training printed, beside the run
-    return tmp / "run"
 
 
 @pytest.fixture(scope="module")

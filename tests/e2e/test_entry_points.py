@@ -239,7 +239,7 @@ def test_sample_never_tracebacks(world, tmp_path, monkeypatch):
         "--temperature": flag_values(paths),
         "--top-k": flag_values(paths),
         "--seed": flag_values(paths),
-    }, optional={"--device": flag_values(paths)})
+    }, optional={"--device": flag_values(paths), "--top-p": flag_values(paths)})
     strategy = st.tuples(strategy, st.one_of(st.none(), TEXT))
 
     def check(ex):

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 DOCS = ["README.md", "docs/data.md", "docs/training.md", "docs/distributed.md", "docs/gpu.md",
         "docs/huggingface.md", "docs/architecture.md", "docs/derivations.md", "docs/experiments.md",
-        "docs/trace.md"]
+        "docs/trace.md", "docs/serving.md"]
 LINKED = DOCS + ["BENCHMARKS.md"]
 TWO_STEPS = ["--max-steps", "2", "--set", "train.eval_batches=1"]  # a training command, cheaply: ~4 s less each
 LOCAL_GPT2 = "a small random GPT-2 made by transformers"
@@ -98,6 +98,11 @@ RULES = [
     (r"mpiexec -n 2 python -m andrea\.run\.distributed --allreduce-bench \d+", []),
     (r"mpiexec .* -hosts .*", "needs a cluster of two machines"),
     (r"mpiexec -n 8 .*--device gpu.*", "needs eight GPUs"),
+    (r"(\.venv/bin/)?python -m andrea\.serve out/andrea-tiny",  # a server runs until stopped: that test starts one
+     Elsewhere("tests/e2e/test_serve_command.py", "def test_the_page_streams_a_completion_and_traces_a_clicked_token")),
+    (r"python -m andrea\.serve RUN_OR_HF_DIR .*", "a synopsis: its words in capitals name the arguments"),
+    (r"curl .*http://127\.0\.0\.1:8000/.*",  # against a running server: that test runs each against its own
+     Elsewhere("tests/app/test_serve.py", "def test_the_guides_curl_commands_and_python_example_run_as_written")),
 ]
 
 

@@ -1,12 +1,12 @@
 """The one row softmax (minitensor.backends.softmax.exp_rows) against its textbook form on every backend,
 and sampling (andrea.sample.sample_next), which draws from it: the same ids as a draw from the
-textbook probabilities with the same generator."""
+textbook probabilities with the same generator, top-k and nucleus (top-p) cuts included."""
 
 import numpy as np
 import pytest
 import reference as F
 
-from andrea.sample import sample_next
+from andrea.sample import nucleus, sample_next
 from minitensor.backends.softmax import exp_rows
 from minitensor.device import to_numpy
 
@@ -54,3 +54,15 @@ def test_sampling_draws_from_the_softmax_of_the_top_k(temperature, top_k):
 def test_sampling_at_temperature_zero_is_greedy():
     logits = np.random.default_rng(2).standard_normal((5, 30))
     assert list(sample_next(logits, np.random.default_rng(0), 0.0)) == list(logits.argmax(axis=-1))
+
+
+def test_nucleus_sampling_keeps_the_fewest_likeliest_ids_that_reach_top_p():
+    probs = np.array([[0.05, 0.5, 0.3, 0.15], [0.25, 0.25, 0.25, 0.25]])
+    # row 0: 0.5 alone falls short of 0.7, 0.5 + 0.3 reaches it; row 1: ties keep their order
+    np.testing.assert_allclose(nucleus(probs, 0.7), [[0, 0.5 / 0.8, 0.3 / 0.8, 0], [1 / 3, 1 / 3, 1 / 3, 0]])
+    np.testing.assert_allclose(nucleus(probs, 1e-9), [[0, 1, 0, 0], [1, 0, 0, 0]])  # never empty
+    logits = np.log(probs)
+    got = sample_next(logits, np.random.default_rng(3), 1.0, None, 0.7)
+    draw = np.random.default_rng(3)
+    assert list(got) == [draw.choice(4, p=row) for row in nucleus(probs, 0.7)]
+    assert set(got[:1]) <= {1, 2}

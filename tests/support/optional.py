@@ -1,4 +1,4 @@
-"""Optional dependencies of the tests (torch, transformers, mpi4py, matplotlib).
+"""Optional dependencies of the tests (torch, transformers, mpi4py, matplotlib, starlette, openai...).
 
 Outside CI a test that needs one is skipped when it is missing, with the extra to install; in CI
 (`CI` set, as `.ci/run` does) every extra is installed, so a missing one is a failure, never a
@@ -11,7 +11,7 @@ import os
 import pytest
 
 EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "matplotlib": "plot", "numba": "fast",
-         "scipy": "fast"}
+         "scipy": "fast", "starlette": "serve", "uvicorn": "serve", "openai": "test", "websockets": "test"}
 
 
 def require(name):

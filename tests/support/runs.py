@@ -1,7 +1,10 @@
 """A small training run in-process, for the tests of the app and of whole commands: the config of
-a one-layer model on the stdlib's json package, and `andrea.train`'s command run through andrea's
-command shell (its exit status; SystemExit is what the shell ends with)."""
+a one-layer model on the stdlib's json package, `andrea.train`'s command run through andrea's
+command shell (its exit status; SystemExit is what the shell ends with), and a finished run of a
+2-block model trained a few steps (`tiny_run`: trace, eval and serve read it)."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -33,3 +36,16 @@ def run_main(argv):
 
         run_cli(train.main, argv)
     return exit_info.value.code
+
+
+def tiny_run(tmp, data_dir, steps=3):
+    """A run directory of a 2-block model trained `steps` steps on the data fixture's corpus."""
+    path = small_config(tmp, data_dir, max_steps=steps, eval_interval=steps, checkpoint_interval=steps)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"].update(n_layer=2, n_head=2, context_length=32)
+    path.write_text(yaml.safe_dump(cfg))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        assert run_main(["--config", str(path), "--out", str(tmp / "run")]) == 0
+    (tmp / "train.out").write_text(printed.getvalue())  # what training printed, beside the run
+    return tmp / "run"
