@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from andrea.data.request import check_val_fraction, default_data_dir
 from andrea.errors import UserError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -170,20 +171,19 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     inputs: list = field(default_factory=list)   # files, directories or globs; empty: the Python stdlib
-    data_dir: str = ""                            # where tokens and tokenizer live; "" = data/<name>
-    val_fraction: float | None = None             # held out for validation (by block); None: the data's own, or default
+    data_dir: str = ""                            # where tokens and tokenizer live; "" = data/<name>, as prepare's
+    val_fraction: float | None = None             # held out for validation; None: the data's own, or the default
     allow_smaller_vocab: bool = False             # a small corpus may run out of merges before 8449 ids
+    text_field: str = ""                          # inputs are JSON Lines, one document a line, this field's text
 
     def validate(self):
-        _require(self.val_fraction is None or 0 < self.val_fraction < 0.5,
-                 f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        if self.val_fraction is not None:
+            check_val_fraction(self.val_fraction, "data.val_fraction")
         if isinstance(self.inputs, str):
             self.inputs = [self.inputs]
 
-    def resolved_dir(self):
-        if self.data_dir:
-            return Path(self.data_dir)
-        return Path("data") / ("stdlib" if not self.inputs else "custom")
+    def resolved_dir(self):  # data.data_dir, or the one `prepare` writes for the same inputs (andrea.data.request)
+        return Path(self.data_dir) if self.data_dir else default_data_dir(self.inputs)
 
 
 @dataclass

@@ -4,14 +4,15 @@ shards and meta.json, its manifest.
     python -m andrea.prepare                                  # Python's stdlib -> data/stdlib
     python -m andrea.prepare --input 'books/**/*.txt'         # -> data/books
     python -m andrea.prepare --input a.txt notes/ --data-dir data/mine
+    python -m andrea.prepare --input web.jsonl --text-field text   # one document a line -> data/web
 
-The preparation itself, phase by phase, is andrea.data.preparation's `prepare`: list the files,
-cut them into blocks and choose the validation blocks, train the BPE tokenizer on a sample (or use
-the directory's, or --tokenizer), encode every block on every core into shards of ~100M tokens,
-write meta.json last. An interrupted preparation continues from its last finished shard (Ctrl-C
-stops within a second in every phase, exit 130); a complete directory is kept as it is (--force
-re-encodes the corpus with the directory's tokenizer.json); `--verify` reads every shard against
-its checksum. A refused run deletes nothing.
+The preparation itself, phase by phase, is andrea.data.preparation's `prepare`: list the source's
+files (andrea.data.sources), cut them into blocks and choose the validation split, train the BPE
+tokenizer on a sample (or use the directory's, or --tokenizer), encode every block on every core
+into shards of ~100M tokens, write meta.json last. An interrupted preparation continues from its
+last finished shard (Ctrl-C stops within a second in every phase, exit 130); a complete directory
+is kept as it is (--force re-encodes the corpus with the directory's tokenizer.json); `--verify`
+reads every shard against its checksum. A refused run deletes nothing.
 
 Under `mpiexec`, `andrea.train` prepares on rank 0 while the other ranks wait; every rank then
 opens the same shards from the manifest.
@@ -41,24 +42,11 @@ from andrea.cli import ArgumentParser, run_cli
 from andrea.data.bpe_training import TOKENIZER_SAMPLE
 from andrea.data.datadir import check_intact
 from andrea.data.manifest import read_data_meta, verify_shards
-from andrea.data.preparation import STDLIB_VAL_FRACTION, VAL_FRACTION, prepare
+from andrea.data.preparation import prepare
+from andrea.data.request import MAX_VAL_FRACTION, STDLIB_VAL_FRACTION, VAL_FRACTION, default_data_dir
 from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE
 from andrea.errors import UserError
 from andrea.run.paths import check_directory
-
-
-def default_data_dir(inputs: list[str] | None) -> Path:
-    """data/stdlib for the default corpus; data/<name> for one input (its file stem or directory
-    name, up to any glob character); data/custom otherwise."""
-    if not inputs:
-        return Path("data/stdlib")
-    if len(inputs) > 1:
-        return Path("data/custom")
-    fixed = re.split(r"[*?\[]", inputs[0], maxsplit=1)[0]
-    path = Path(os.path.abspath(os.path.expanduser(fixed or ".")))
-    name = path.stem if fixed and not fixed.endswith(("/", os.sep)) and path.suffix else path.name
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")
-    return Path("data") / (name or "custom")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,8 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         action="extend",
         metavar="PATH_OR_GLOB",
-        help="files, directories or glob patterns of UTF-8 text (default: Python's stdlib)",
+        help="files, directories or glob patterns of UTF-8 text (default: Python's stdlib); with --text-field, "
+        "JSON Lines files (a directory or glob takes its .jsonl and .ndjson files)",
     )
+    p.add_argument("--text-field", metavar="NAME",
+                   help="read the inputs as JSON Lines, one document a line: the text of each is this field's "
+                        "string (e.g. text)")
     p.add_argument("--data-dir", type=Path, help="where to write (default: data/stdlib, or data/<input name>)")
     p.add_argument("--force", action="store_true", help="re-encode even if the directory is up to date")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids, EOT included (8449)")
@@ -81,9 +73,10 @@ def _parser() -> argparse.ArgumentParser:
         "Face byte-level BPE such as GPT-2's) or a directory holding one; its ids must fit uint16",
     )
     p.add_argument("--val-fraction", type=float,
-                   help=f"share of the corpus held out for validation: blocks chosen by a hash of their file's path "
-                        f"(the stdlib's files stay whole), or one file's tail ({STDLIB_VAL_FRACTION} for the stdlib, "
-                        f"else {VAL_FRACTION}); a prepared directory keeps its own unless --force is given")
+                   help=f"share of the corpus held out for validation, below {MAX_VAL_FRACTION:g}: blocks chosen by a "
+                        f"hash of their file's path (the stdlib's files stay whole), or one file's tail; with "
+                        f"--text-field, documents chosen by a hash of their file and line ({STDLIB_VAL_FRACTION} for "
+                        f"the stdlib, else {VAL_FRACTION}); a prepared directory keeps its own unless --force is given")
     p.add_argument(
         "--allow-smaller-vocab",
         action="store_true",
@@ -131,10 +124,16 @@ def verify(data_dir) -> str:
 
 
 def format_summary(stats: dict, data_dir: Path) -> str:
-    files = (
-        f"{stats['files']} ({stats['train_files']} train, {stats['val_files']} val; {stats['not_utf8_files']} "
-        f"not UTF-8, bad bytes read as U+FFFD; {stats['empty_files']} empty)"
-    )
+    if "documents" in stats:  # a records source: documents, each on one side of the split
+        docs = stats["documents"]
+        files = (f"{docs['train'] + docs['val']:,} documents ({docs['train']:,} train, {docs['val']:,} val; "
+                 f"{stats['empty_documents']:,} empty) in {stats['files']} files ({stats['not_utf8_files']} not UTF-8, "
+                 "bad bytes read as U+FFFD)")
+    else:
+        files = (
+            f"{stats['files']} ({stats['train_files']} train, {stats['val_files']} val; {stats['not_utf8_files']} "
+            f"not UTF-8, bad bytes read as U+FFFD; {stats['empty_files']} empty)"
+        )
     left_out = stats.get("left_out_generated") or {}
     if left_out.get("files"):
         files += f"; {left_out['files']} generated tables ({left_out['bytes'] / 1e6:.1f} MB) left out"
@@ -147,7 +146,7 @@ def format_summary(stats: dict, data_dir: Path) -> str:
         took = f"{s['total']:.1f} s (tokenizer {s['tokenizer']:.1f} s, encoding {s['encode']:.1f} s)"
     rows = [
         ("corpus", stats["corpus"]),
-        ("files", files),
+        ("documents" if "documents" in stats else "files", files),
         ("size", f"{stats['bytes'] / 1e6:.1f} MB"),
         ("tokens", f"{stats['train_tokens']:,} train, {stats['val_tokens']:,} val"),
         ("vocab", vocab),
@@ -206,6 +205,7 @@ def main(argv: list[str]) -> int:
         tokenizer=args.tokenizer,
         tokenizer_sample=args.tokenizer_sample,
         workers=args.workers,
+        text_field=args.text_field,
     )
     print(format_summary(stats, data_dir))
     return 0

@@ -1,8 +1,9 @@
-"""Training the BPE tokenizer on a sample of the corpus's training blocks (andrea.data.tokenizer
-holds the tokenizer itself).
+"""Training the BPE tokenizer on a sample of the corpus's training text (andrea.data.tokenizer holds
+the tokenizer itself).
 
 The sample is at most `--tokenizer-sample` bytes (100 MB: why not less, BENCHMARKS.md, "Data
-preparation"), blocks taken by a hash of (path, index) so it spreads over the whole corpus. The
+preparation"), blocks taken by a hash of (path, index) so it spreads over the whole corpus; of each,
+the training parts (a source's validation documents are never seen by the tokenizer). The
 trainer runs in a helper thread, so the main thread answers Ctrl-C at once and reports progress,
 and is fed the blocks in pieces (`trainer_pieces`) that keep its working memory small without
 changing the words it counts.
@@ -22,7 +23,6 @@ from collections.abc import Iterator
 import numpy as np
 
 from andrea.data import stream
-from andrea.data.corpus import Corpus
 from andrea.data.progress import PROGRESS_SECONDS, Log
 from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
@@ -49,7 +49,7 @@ PIECE_CUT = re.compile(
 )
 
 
-def _sample_blocks(corpus: Corpus, blocks: stream.Blocks, sample: int) -> list[int]:
+def _sample_blocks(files, blocks: stream.Blocks, sample: int) -> list[int]:
     """The training blocks the tokenizer learns from, in corpus order: all of them when they hold
     at most `sample` bytes, else blocks taken in the order of a hash of (path, index) until they do,
     which spreads the sample over the whole corpus."""
@@ -57,18 +57,19 @@ def _sample_blocks(corpus: Corpus, blocks: stream.Blocks, sample: int) -> list[i
     nbytes = blocks.nominal_end - blocks.nominal_start
     if nbytes[train].sum() <= sample:
         return train.tolist()
-    keys = np.array([stream.split_key(f"{corpus.files.relative(int(blocks.file[j]))}#tokenizer#{int(blocks.index[j])}")
+    keys = np.array([stream.split_key(f"{files.relative(int(blocks.file[j]))}#tokenizer#{int(blocks.index[j])}")
                      for j in train])
     by_key = train[np.argsort(keys, kind="stable")]
     before = np.cumsum(nbytes[by_key]) - nbytes[by_key]  # bytes chosen before each block
     return sorted(by_key[before < sample].tolist())
 
 
-def train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, log: Log) -> Tokenizer:
-    """Train on the sample in a helper thread, so that the main thread answers Ctrl-C at once (the
-    `tokenizers` trainer does not return to Python while it counts or merges) and reports progress."""
-    chosen = _sample_blocks(corpus, blocks, sample)
-    reader = stream.BlockReader(corpus.files, sizes, blocks)
+def train_tokenizer(plan, vocab_size, allow_smaller, sample, log: Log) -> Tokenizer:
+    """Train on the sample of the planned corpus `plan` (a source's, andrea.data.sources) in a helper
+    thread, so that the main thread answers Ctrl-C at once (the `tokenizers` trainer does not return
+    to Python while it counts or merges) and reports progress."""
+    blocks, files = plan.blocks, plan.source.files
+    chosen = _sample_blocks(files, blocks, sample)
     total = int((blocks.nominal_end[chosen] - blocks.nominal_start[chosen]).sum())
     log.line(f"training a {vocab_size}-id BPE tokenizer on {len(chosen)} blocks of the training files "
              f"({total / 1e6:.1f} MB)...")
@@ -81,15 +82,16 @@ def train_tokenizer(corpus, sizes, blocks, vocab_size, allow_smaller, sample, lo
         for i, j in enumerate(chosen):
             if stop.is_set():
                 return
-            n, text, valid = reader.read(j)
+            block = plan.read(j)
+            n = block.n_bytes
             seen["bytes"] += n
-            if not valid:
+            if not block.valid_utf8:
                 seen["bad"] += n
-                seen["bad_file"] = seen["bad_file"] or corpus.files[blocks[j].file]
+                seen["bad_file"] = seen["bad_file"] or files[blocks[j].file]
                 if seen["bytes"] >= (1 << 20) and 2 * seen["bad"] > seen["bytes"]:
                     return  # mostly not text: stop reading, refused below
             bar.update(i + 1, n)
-            yield from trainer_pieces(text)
+            yield from _training_pieces(block)
         read_all.set()
 
     def train():
@@ -168,6 +170,14 @@ def _exit_before_finalizing(code: int) -> None:
         os._exit(code)
 
     atexit.register(exit_now)
+
+
+def _training_pieces(block) -> Iterator[str]:
+    """The trainer's pieces of the training documents of a block read (andrea.data.sources.BlockText)."""
+    for part in block.parts:
+        if not part.val:
+            for text in part.texts:
+                yield from trainer_pieces(text)
 
 
 def trainer_pieces(text: str, limit: int = TRAINER_PIECE) -> Iterator[str]:

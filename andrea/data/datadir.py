@@ -102,7 +102,7 @@ def _check_same_request(data_dir: Path, meta: dict, wanted: dict, given, force: 
     if given is not None and meta.get("tokenizer_fingerprint") != given.fingerprint():
         raise UserError(f"{data_dir} already holds another tokenizer than the one given (its data is encoded with "
                         "it): choose another data directory (--data-dir, or --set data.data_dir=... for train)")
-    if meta.get("inputs") != wanted["inputs"] and not force:
+    if (meta.get("inputs"), meta.get("text_field")) != (wanted["inputs"], wanted.get("text_field")) and not force:
         if wanted["inputs"]:
             resolve_inputs(wanted["inputs"])  # an input that matches nothing is the first thing to say
         raise UserError(f"{data_dir} holds data prepared from another corpus ({meta.get('corpus')}): choose another "

@@ -60,7 +60,8 @@ def resolve_inputs(specs: Iterable[str], progress: Callable[[int], None] | None 
 
 
 
-def iter_input_names(specs: Iterable[str], progress: Callable[[int], None] | None = None) -> Iterator[str]:
+def iter_input_names(specs: Iterable[str], progress: Callable[[int], None] | None = None,
+                     keep: Callable[[str], bool] | None = None) -> Iterator[str]:
     """`resolve_inputs` one absolute path string at a time, without holding the list: a directory
     is walked one directory at a time (`_walk_text_files`), each spec's files come sorted, and the
     specs' streams are merged, a file named twice given once. Paths are ordered part by part, as
@@ -68,10 +69,12 @@ def iter_input_names(specs: Iterable[str], progress: Callable[[int], None] | Non
 
     A glob is the exception: its matches are expanded, sorted and held whole (the glob module
     returns them as a list anyway). A spec that yields no file raises when its stream ends.
+    `keep`, if given, chooses among the files a directory or a glob yields (a source's suffixes);
+    a file named explicitly is always taken.
     """
     progress = progress or (lambda n: None)
     previous, count = None, 0
-    for name in heapq.merge(*(_spec_names(spec) for spec in specs), key=_part_key):
+    for name in heapq.merge(*(_spec_names(spec, keep) for spec in specs), key=_part_key):
         if name != previous:
             count += 1
             progress(count)
@@ -84,7 +87,7 @@ def _part_key(name: str) -> str:
     return name.replace(os.sep, "\0")
 
 
-def _spec_names(spec: str) -> Iterator[str]:
+def _spec_names(spec: str, keep: Callable[[str], bool] | None = None) -> Iterator[str]:
     """The files of one spec in `_part_key` order; a UserError once it is clear there are none."""
     path = os.path.expanduser(spec)
     if os.path.isfile(path):
@@ -95,6 +98,8 @@ def _spec_names(spec: str) -> Iterator[str]:
         names = sorted(set(_glob_names(path)), key=_part_key)
     else:
         names = []
+    if keep is not None and not os.path.isfile(path):
+        names = filter(keep, names)
     found = False
     for name in names:
         found = True

@@ -1,11 +1,12 @@
 """Preparing a data directory from a corpus: the whole preparation, phase by phase.
 
-The steps: list the files (one file = one document; andrea.data.corpus) -> cut them into blocks and
-choose the validation blocks (andrea.data.stream: ~1% of the corpus, 5% of the stdlib, by a hash of
-each block's path and index; a single-file corpus gives its tail) -> train the BPE tokenizer on a
-sample of the training blocks (andrea.data.bpe_training), or load `tokenizer.json` if the directory
-already has one -> encode every block on every core (threads; tiktoken releases the GIL), in corpus
-order, EOT after each document -> write the ids into shards of ~100M tokens (`train-00000.bin`, ...,
+The steps: list the source's files (andrea.data.sources: text files, one a document, or records such
+as JSON Lines, one document each) -> cut them into blocks and choose the validation split (~1% of
+the corpus, 5% of the stdlib: for files by a hash of each block's path and index, andrea.data.stream;
+for records by a hash of each document's id) -> train the BPE tokenizer on a sample of the training
+text (andrea.data.bpe_training), or load `tokenizer.json` if the directory already has one -> encode
+every block on every core (threads; tiktoken releases the GIL), in corpus order, EOT after each
+document -> write the ids into shards of ~100M tokens (`train-00000.bin`, ...,
 `val-00000.bin`, ...; andrea.data.shards) -> write `meta.json` last: the manifest (each shard's token
 count, largest id and the sha256 of its ids; andrea.data.manifest), so its presence means the
 directory is complete, and training needs nothing else: not the corpus, not a scan of the ids.
@@ -35,21 +36,19 @@ from pathlib import Path
 
 import numpy as np
 
-from andrea.data import datadir, lock, stream
+from andrea.data import datadir, lock
 from andrea.data.bpe_training import TOKENIZER_SAMPLE, train_tokenizer
-from andrea.data.corpus import Corpus, corpus_signature, load_corpus
+from andrea.data.corpus import corpus_signature
 from andrea.data.manifest import DATA_FORMAT, META_VERSION
 from andrea.data.progress import Log
+from andrea.data.request import STDLIB_VAL_FRACTION, VAL_FRACTION, check_val_fraction, default_val_fraction
 from andrea.data.shards import STATE_FILE, Encoder, new_state
+from andrea.data.sources import Plan, Source, open_source
 from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer, load_tokenizer
 from andrea.errors import UserError
 from andrea.files import write_json
 
-# Validation takes the blocks whose path hashes below this share. For the stdlib, 1% of the files is
-# dominated by one file of doctests, whose loss stands well above the training windows'; 5% comes
-# much closer (BENCHMARKS.md, "The default run").
-VAL_FRACTION = 0.01
-STDLIB_VAL_FRACTION = 0.05
+__all__ = ["STDLIB_VAL_FRACTION", "VAL_FRACTION", "Preparation", "check_preparation", "prepare"]
 SHARD_TOKENS = 100_000_000  # a training shard is closed at the first block end past this (~200 MB)
 
 
@@ -64,14 +63,15 @@ def default_workers() -> int:
 class Preparation:
     """What a preparation of `data_dir` will do, decided from the request and the directory as it is,
     before anything is written (`check_preparation`): `done`, the manifest, when the directory is
-    complete and answers the request (nothing to do); else the corpus listed and planned, and what
-    the directory holds that the writing replaces or continues."""
+    complete and answers the request (nothing to do); else the corpus listed (`corpus`, the source)
+    and planned (`planned`, its blocks and split), and what the directory holds that the writing
+    replaces or continues."""
 
     data_dir: Path
     done: dict | None = None
-    corpus: Corpus | None = None
+    corpus: Source | None = None
     sizes: np.ndarray | None = None
-    blocks: stream.Blocks | None = None
+    planned: Plan | None = None
     settings: dict | None = None
     given: object = None           # the tokenizer given, loaded
     source: object = None          # where it came from
@@ -87,8 +87,9 @@ class Preparation:
 def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
             val_fraction: float | None = None, progress: bool = True, allow_smaller_vocab: bool = False,
             force: bool = False, tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE,
-            workers: int | None = None, shard_tokens: int = SHARD_TOKENS) -> dict:
+            workers: int | None = None, shard_tokens: int = SHARD_TOKENS, text_field: str | None = None) -> dict:
     """Prepare `data_dir` from `inputs` (None: the stdlib) and return the stats saved in meta.json.
+    With `text_field`, the inputs are records (JSON Lines) whose documents are that field's text.
 
     `tokenizer` (a tokenizer.json, or a directory holding one: andrea's or a Hugging Face
     byte-level BPE) is used instead of training one; `vocab_size` is then its size. The result
@@ -104,7 +105,7 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
     with lock.writing(data_dir, log.line) as created:
         try:
             plan = check_preparation(inputs, data_dir, vocab_size, val_fraction, allow_smaller_vocab, force,
-                                     tokenizer, tokenizer_sample, shard_tokens, log)
+                                     tokenizer, tokenizer_sample, shard_tokens, log, text_field)
             if plan.done is not None:
                 return {**plan.done, "skipped": True}
             return _write(plan, workers or default_workers(), t0, log)
@@ -117,7 +118,7 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
 def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
                       val_fraction: float | None = None, allow_smaller_vocab: bool = False, force: bool = False,
                       tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE, shard_tokens: int = SHARD_TOKENS,
-                      log: Log | None = None) -> Preparation:
+                      log: Log | None = None, text_field: str | None = None) -> Preparation:
     """Every check of a preparation, reading only: the request, the directory's state and tokenizer,
     the corpus (listed and cut into blocks, each split holding text). A UserError on what would fail;
     the Preparation to write otherwise. `prepare` and `train --dry-run` both call this."""
@@ -132,23 +133,23 @@ def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFA
     if val_fraction is None and meta is not None and isinstance(meta.get("val_fraction"), float):
         fraction = meta["val_fraction"]
     wanted = {"inputs": list(inputs) if inputs else None, "requested_vocab_size": vocab_size,
-              "val_fraction": fraction}
+              "val_fraction": fraction, **({"text_field": text_field} if text_field is not None else {})}
     if meta is not None and datadir.up_to_date(data_dir, meta, wanted, given, force, allow_smaller_vocab):
         return Preparation(data_dir, done=meta)
-    # the corpus listed and cut into blocks; the directory's tokenizer checked against the request
-    corpus, sizes = _list_corpus(inputs, log)
+    # the corpus listed, cut into blocks and split; the directory's tokenizer checked against the request
+    corpus, sizes = _list_corpus(inputs, text_field, log)
     existing = datadir.existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
-    blocks = stream.plan_blocks(corpus.files, sizes, corpus.root, fraction)
-    _check_splits_hold_text(corpus, sizes, blocks, fraction)
+    planned = corpus.plan(sizes, fraction, log)
+    planned.check()
     settings = {"signature": corpus_signature(corpus, sizes), **wanted, "shard_tokens": shard_tokens,
-                "blocks": len(blocks)}
-    return Preparation(data_dir, None, corpus, sizes, blocks, settings, given, tokenizer, existing, meta,
+                "blocks": len(planned.blocks)}
+    return Preparation(data_dir, None, corpus, sizes, planned, settings, given, tokenizer, existing, meta,
                        state, vocab_size, allow_smaller_vocab, tokenizer_sample, shard_tokens)
 
 
 def _write(plan: Preparation, workers: int, t0: float, log: Log) -> dict:
     """The preparation `plan` describes, written into its directory (held by the caller)."""
-    data_dir, corpus, sizes, blocks, settings = plan.data_dir, plan.corpus, plan.sizes, plan.blocks, plan.settings
+    data_dir, planned, settings = plan.data_dir, plan.planned, plan.settings
     # every check is done: from here on only files of this data directory are replaced or removed
     resumable = datadir.claim(data_dir, plan.meta, plan.state, settings, plan.existing)
     # the tokenizer: the one given, the directory's, or one trained on a sample of the training blocks
@@ -159,19 +160,18 @@ def _write(plan: Preparation, workers: int, t0: float, log: Log) -> dict:
         tok, origin = plan.existing, "loaded"
         log.line(f"using the existing tokenizer {data_dir / 'tokenizer.json'} ({tok.vocab_size} ids)")
     else:
-        tok = train_tokenizer(corpus, sizes, blocks, plan.vocab_size, plan.allow_smaller_vocab,
-                              plan.tokenizer_sample, log)
+        tok = train_tokenizer(planned, plan.vocab_size, plan.allow_smaller_vocab, plan.tokenizer_sample, log)
         tok.save(data_dir / "tokenizer.json")
         origin = "trained"
     t2 = time.perf_counter()
     # the encoding, into shards, continued after the last finished shard of an interrupted run
     settings["tokenizer_fingerprint"] = tok.fingerprint()
-    state = datadir.resumed(plan.state, len(blocks), log) if resumable else new_state(settings, tok.vocab_size)
-    counts = Encoder(tok, corpus, sizes, blocks, data_dir, state, plan.shard_tokens, log).run(workers)
+    state = datadir.resumed(plan.state, len(planned.blocks), log) if resumable else new_state(settings, tok.vocab_size)
+    counts = Encoder(tok, planned, data_dir, state, plan.shard_tokens, log).run(workers)
     t3 = time.perf_counter()
     # the manifest, written last: its presence says that the directory is complete
     seconds = {"tokenizer": round(t2 - t1, 2), "encode": round(t3 - t2, 2), "total": round(t3 - t0, 2)}
-    meta = _manifest(corpus, blocks, settings, counts, tok, origin, seconds)
+    meta = _manifest(plan.corpus, planned, settings, counts, tok, origin, seconds)
     write_json(data_dir / "meta.json", meta)
     (data_dir / STATE_FILE).unlink(missing_ok=True)  # after the manifest: a leftover beside it is ignored
     return {**meta, "skipped": False}
@@ -181,9 +181,8 @@ def _check_request(inputs: list[str] | None, val_fraction: float | None, workers
                    tokenizer_sample: int) -> float:
     """Refuse numbers out of range; return the validation fraction, fraction for the corpus."""
     if val_fraction is None:
-        val_fraction = VAL_FRACTION if inputs else STDLIB_VAL_FRACTION
-    if not 0.0 < val_fraction < 1.0:
-        raise UserError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+        val_fraction = default_val_fraction(inputs)
+    check_val_fraction(val_fraction, "--val-fraction")
     if workers is not None and workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
     if tokenizer_sample < 1:
@@ -191,10 +190,10 @@ def _check_request(inputs: list[str] | None, val_fraction: float | None, workers
     return val_fraction
 
 
-def _list_corpus(inputs: list[str] | None, log: Log) -> tuple[Corpus, np.ndarray]:
-    """The corpus and each file's size in bytes; a UserError when all of them are empty."""
-    corpus = load_corpus(inputs, log.every(lambda n: f"listing the corpus: {n} files so far"))
-    sizes = np.array([p.stat().st_size for p in corpus.files], dtype=np.int64)
+def _list_corpus(inputs: list[str] | None, text_field: str | None, log: Log) -> tuple[Source, np.ndarray]:
+    """The source the request names and each of its files' size in bytes; a UserError when all are empty."""
+    corpus = open_source(inputs, text_field, log.every(lambda n: f"listing the corpus: {n} files so far"))
+    sizes = corpus.sizes()
     # the later lines count blocks (a file of up to 1 MiB is one; empty files have none), train and val apart
     empty = int((sizes == 0).sum())
     log.line(f"corpus: {len(corpus.files)} files ({empty} empty), {sizes.sum() / 1e6:.1f} MB; later lines count "
@@ -204,54 +203,19 @@ def _list_corpus(inputs: list[str] | None, log: Log) -> tuple[Corpus, np.ndarray
     return corpus, sizes
 
 
-def _check_splits_hold_text(corpus: Corpus, sizes, blocks: stream.Blocks, val_fraction: float) -> None:
-    """Both splits hold text (a corpus of one line has no validation: a cut falls only at a line's end),
-    else a UserError with what gives them some. Only the cuts are read, and only until a block with
-    bytes is found, which is at once for all but very long lines."""
-    reader = stream.BlockReader(corpus.files, sizes, blocks)
-    for name, side in (("validation", True), ("training", False)):
-        if any(reader.n_bytes(int(j)) for j in np.flatnonzero(blocks.val == side)):
-            continue
-        nonempty = np.flatnonzero(sizes)
-        if len(nonempty) > 1:
-            raise UserError(f"the {name} split of this corpus holds no text (its blocks are empty pieces of long "
-                            "lines): give more text, more files, or another --val-fraction")
-        raise UserError(_one_file_advice(corpus.files[int(nonempty[0])], int(sizes[nonempty[0]]), name,
-                                         val_fraction))
-
-
-def _one_file_advice(path: Path, size: int, name: str, val_fraction: float) -> str:
-    """Why a one-file corpus gives the split `name` no text, and the --val-fraction that gives it some."""
-    with open(path, "rb") as f:  # the last newline with text after it
-        f.seek(max(size - (1 << 20), 0))
-        tail = f.read()
-    last = tail.rfind(b"\n", 0, len(tail) - 1)
-    line = max(size - (1 << 20), 0) + last if last >= 0 else -1
-    why = (f"the {name} split of {path} ({size} bytes) would hold no text: a one-file corpus validates on its "
-           f"last --val-fraction ({val_fraction:g}), starting at a line's start")
-    if name == "validation" and line > 0:
-        wanted = math.ceil(1000 * (1 - line / size) + 1e-9) / 1000  # moves the cut before the last line
-        if wanted < 1:
-            return f"{why}, and the last line begins before that: use --val-fraction {wanted:g} or more"
-    return f"{why}: give text of several lines (at least two), or several files"
-
-
-def _manifest(corpus: Corpus, blocks: stream.Blocks, settings: dict, counts: dict, tok: Tokenizer, origin: str,
+def _manifest(corpus: Source, planned: Plan, settings: dict, counts: dict, tok: Tokenizer, origin: str,
               seconds: dict) -> dict:
-    """meta.json: the corpus, the settings, the shards and counts the encoder made, the tokenizer."""
-    meta = {
+    """meta.json: the corpus, the settings, the source's own account of its files or documents, the
+    shards and counts the encoder made, the tokenizer."""
+    source = planned.manifest(counts)
+    counts = {k: v for k, v in counts.items() if k not in ("documents", "empty_documents")}
+    return {
         "format": DATA_FORMAT,
         "meta_version": META_VERSION,
         "corpus": corpus.description,
         "root": str(corpus.root),
         **settings,
-        "files": len(corpus.files),
-        "val_file_names": sorted({corpus.files.relative(i) for i in np.unique(blocks.file[blocks.val]).tolist()}),
-        "left_out_generated": {
-            "files": len(corpus.left_out),
-            "bytes": sum(p.stat().st_size for p in corpus.left_out),
-            "names": [p.relative_to(corpus.root).as_posix() for p in corpus.left_out],
-        },
+        **source,
         **counts,
         "vocab_size": tok.vocab_size,
         "tokenizer": origin,
@@ -259,9 +223,6 @@ def _manifest(corpus: Corpus, blocks: stream.Blocks, settings: dict, counts: dic
         "uniform_nats": math.log(tok.vocab_size),
         "seconds": seconds,
     }
-    meta["val_files"] = len(meta["val_file_names"])
-    meta["train_files"] = len(np.unique(blocks.file[~blocks.val]))
-    return meta
 
 
 def _save_given(path: Path, tok, source, log: Log):

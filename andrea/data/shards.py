@@ -1,9 +1,10 @@
 """Encoding a planned corpus (andrea/data/stream.py's blocks) into token shards, resumably.
 
 `Encoder.run` encodes blocks from `state["next_block"]` on, on several threads, and takes their ids
-in corpus order: each block's ids go to the open shard of its split (`train-NNNNN.bin` or
-`val-NNNNN.bin`), an EOT ends each document (a file, or each part of a file that the split cut
-in two), and the ids are counted per split for the unigram baseline. When the open training shard
+in corpus order: each part of a block (a source's text on one side of the split, andrea.data.sources)
+goes to the open shard of its split (`train-NNNNN.bin` or `val-NNNNN.bin`), an EOT ends each document
+(a record, a file, or each part of a file that the split cut in two), and the ids are counted per
+split for the unigram baseline. When the open training shard
 holds `shard_tokens`, both open shards are finished and the state (the next block, the finished
 shards with their counts and largest ids, the running counts) is saved to prepare-state.json: a
 later run on the same corpus and tokenizer continues from there and writes the same shards as an
@@ -13,12 +14,14 @@ uninterrupted one. Each shard goes through `token_writer`, so it appears complet
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from andrea.data import stream
 from andrea.data.manifest import DATA_FORMAT, shard_name
+from andrea.data.sources import BlockText
 from andrea.data.tokenfile import token_writer
 from andrea.files import write_json
 
@@ -48,7 +51,17 @@ def new_state(settings: dict, V: int) -> dict:
         "documents": 0,
         "open_document": None,  # the split the current file's text went to last, at a block boundary
         "file_not_utf8": False,
+        "empty_documents": 0,
     }
+
+
+@dataclass
+class Piece:
+    """A block read and encoded: the ids of each of its parts."""
+
+    block: stream.Block
+    text: BlockText
+    ids: list[np.ndarray]
 
 
 class ShardWriter:
@@ -96,19 +109,26 @@ class Encoder:
     """Encodes the planned blocks from `state["next_block"]` on, writing shards and recording
     progress in `state` (saved to prepare-state.json each time a training shard is finished)."""
 
-    def __init__(self, tok, corpus, sizes, blocks, data_dir: Path, state: dict, shard_tokens: int, log):
-        self.tok, self.corpus, self.sizes, self.blocks = tok, corpus, sizes, blocks
+    def __init__(self, tok, plan, data_dir: Path, state: dict, shard_tokens: int, log):
+        self.tok, self.plan, self.blocks = tok, plan, plan.blocks
         self.data_dir, self.state, self.shard_tokens, self.log = data_dir, state, shard_tokens, log
-        self.reader = stream.BlockReader(corpus.files, sizes, blocks)
         self.eot = np.array([tok.eot_id])
         self.counts = {k: np.array(v, dtype=np.int64) for k, v in state["counts"].items()}
         fp = tok.fingerprint()
         self.writers = {s: ShardWriter(data_dir, s, tok.vocab_size, fp, state["shards"][s]) for s in ("train", "val")}
 
-    def _work(self, j: int) -> stream.Piece:
-        n, text, valid = self.reader.read(j)
-        ids = self.tok.encode_array(text) if text else np.zeros(0, np.int64)
-        return stream.Piece(self.blocks[j], n, valid, ids)
+    def _work(self, j: int) -> Piece:
+        block = self.plan.read(j)
+        return Piece(self.blocks[j], block, [self._encode(part.texts) for part in block.parts])
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        """The ids of `texts`, an EOT between each two (a part's last document is ended by `_take`)."""
+        ids = []
+        for k, text in enumerate(texts):
+            if k:
+                ids.append(self.eot)
+            ids.append(self.tok.encode_array(text) if text else np.zeros(0, np.int64))
+        return ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.zeros(0, np.int64)
 
     def run(self, workers: int) -> dict:
         st = self.state
@@ -125,7 +145,7 @@ class Encoder:
         try:
             for j, piece in zip(todo, stream.ordered_map(self._work, todo, workers)):
                 self._take(piece)
-                bar.update(j + 1, piece.n_bytes)
+                bar.update(j + 1, piece.text.n_bytes)
                 if self.writers["train"].count >= self.shard_tokens:
                     self._checkpoint(j + 1)
             self._checkpoint(len(self.blocks))
@@ -136,22 +156,26 @@ class Encoder:
         bar.done()
         return self._stats()
 
-    def _take(self, piece: stream.Piece) -> None:
+    def _take(self, piece: Piece) -> None:
         st, b = self.state, piece.block
-        split = "val" if b.val else "train"
-        st["file_not_utf8"] = st["file_not_utf8"] or not piece.valid_utf8
-        if len(piece.ids):
-            if st["open_document"] not in (None, split):
-                self._end_document(st["open_document"])  # a file split across train and val: two documents
-            self.writers[split].write(piece.ids)
-            self.counts[split] += np.bincount(piece.ids, minlength=self.tok.vocab_size)
-            st["open_document"] = split
-        st["bytes"][split] += piece.n_bytes
-        if b.last:
-            if st["open_document"] is not None:
+        st["file_not_utf8"] = st["file_not_utf8"] or not piece.text.valid_utf8
+        st["empty_documents"] = st.get("empty_documents", 0) + piece.text.empty_documents
+        for part, ids in zip(piece.text.parts, piece.ids):
+            split = "val" if part.val else "train"
+            if len(ids):
+                if st["open_document"] not in (None, split):
+                    self._end_document(st["open_document"])  # a file split across train and val: two documents
+                self.writers[split].write(ids)
+                self.counts[split] += np.bincount(ids, minlength=self.tok.vocab_size)
+                st["documents"] += len(part.texts) - 1  # the EOTs between its documents
+                st["open_document"] = split
+            st["bytes"][split] += part.n_bytes
+            if part.ends and st["open_document"] is not None:
                 self._end_document(st["open_document"])
+                st["open_document"] = None
+        if b.last:
             st["not_utf8_files"] += st["file_not_utf8"]
-            st["open_document"], st["file_not_utf8"] = None, False
+            st["file_not_utf8"] = False
 
     def _end_document(self, split: str) -> None:
         self.writers[split].write(self.eot)
@@ -171,18 +195,20 @@ class Encoder:
         n_tokens = {k: int(c.sum()) for k, c in counts.items()}
         total_bytes = sum(st["bytes"].values())
         not_utf8 = st["not_utf8_files"]
-        if not_utf8 > max(10, len(self.corpus.files) // 10):
-            self.log.line(f"note: {not_utf8} of {len(self.corpus.files)} files are not UTF-8: is the corpus "
-                          "binary in part?")
+        n_files = len(self.plan.source.files)
+        if not_utf8 > max(10, n_files // 10):
+            self.log.line(f"note: {not_utf8} of {n_files} files are not UTF-8: is the corpus binary in part?")
         return {
             "bytes": total_bytes,
             "train_bytes": st["bytes"]["train"],
             "val_bytes": st["bytes"]["val"],
             "not_utf8_files": not_utf8,
-            "empty_files": int(np.count_nonzero(np.asarray(self.sizes) == 0)),
+            "empty_files": int(np.count_nonzero(np.asarray(self.plan.sizes) == 0)),
             "train_tokens": n_tokens["train"],
             "val_tokens": n_tokens["val"],
             "shards": st["shards"],
             "bytes_per_token": round(total_bytes / max(sum(n_tokens.values()) - st["documents"], 1), 4),
             "unigram_val_nats": round(unigram_entropy(counts["train"], counts["val"]), 4),
+            "documents": {k: int(c[self.tok.eot_id]) for k, c in counts.items()},
+            "empty_documents": st.get("empty_documents", 0),
         }

@@ -57,16 +57,6 @@ class Block:
     last: bool  # the file's last block: an EOT follows the document in each split it went to
 
 
-@dataclass
-class Piece:
-    """A block read and encoded."""
-
-    block: Block
-    n_bytes: int
-    valid_utf8: bool
-    ids: np.ndarray  # (n,) the block's token ids
-
-
 def block_size(total_bytes: int, val_fraction: float) -> int:
     return int(min(MAX_BLOCK, max(MIN_BLOCK, val_fraction * total_bytes / 4)))
 

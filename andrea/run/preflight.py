@@ -316,7 +316,7 @@ def data_request(cfg, tokenizer=None) -> dict:
     """The arguments of the run's preparation (andrea.data.preparation's prepare and check_preparation alike)."""
     return {"inputs": cfg.data.inputs or None, "data_dir": cfg.data.resolved_dir(), "vocab_size": cfg.model.vocab_size,
             "val_fraction": cfg.data.val_fraction, "allow_smaller_vocab": cfg.data.allow_smaller_vocab,
-            "tokenizer": tokenizer}
+            "tokenizer": tokenizer, "text_field": cfg.data.text_field or None}
 
 
 def check_preparation(cfg, tokenizer=None) -> str:
@@ -383,6 +383,8 @@ _TRAIN_TERMS = {
     "--vocab-size": "--set model.vocab_size",
     "--val-fraction": "--set data.val_fraction",
     "--data-dir": "--set data.data_dir",
+    "--text-field": "--set data.text_field",
+    "--input": "--set data.inputs",
     "pass --force": "run python -m andrea.prepare --force with the same inputs and --data-dir",
 }
 

@@ -8,6 +8,7 @@ import pytest
 from andrea.data import preparation
 from andrea.data.corpus import Corpus, FileList, is_generated_table, load_corpus
 from andrea.data.inputs import stdlib_corpus_files
+from andrea.data.sources import files as files_source
 
 STDLIB_JSON = Path(json.__file__).parent
 
@@ -45,7 +46,7 @@ def test_the_left_out_tables_are_counted_and_named_in_the_manifest(tmp_path, mon
     files = sorted(root.glob("*.py"))
     kept = [p for p in files if not is_generated_table(p)]
     stand_in = Corpus(FileList(root, kept), root, "stand-in", (root / "table.py",))
-    monkeypatch.setattr(preparation, "load_corpus", lambda inputs, progress=None: stand_in)
+    monkeypatch.setattr(files_source, "load_corpus", lambda inputs, progress=None: stand_in)
     out = tmp_path / "data"
     stats = preparation.prepare(None, out, progress=False, allow_smaller_vocab=True)
     assert stats["files"] == len(files) - 1

@@ -255,7 +255,10 @@ def test_a_corpus_whose_validation_split_would_be_empty_is_refused_with_advice_t
         preparation.prepare([str(one_line_file)], tmp_path / "d1", progress=False, tokenizer=tok_path)
     assert not (tmp_path / "d1").exists()
     few = tmp_path / "few.txt"
-    few.write_text("a short first line\n" + "delta epsilon zeta " * 200 + "\n")
+    few.write_text("a short first line\n" + "delta epsilon zeta " * 200 + "\n")  # the last line: 99% of it
+    with pytest.raises(UserError, match="several lines"):  # no fraction in range (below 0.5) would do
+        preparation.prepare([str(few)], tmp_path / "d2", progress=False, tokenizer=tok_path)
+    few.write_text("a short first line\n" * 100 + "delta epsilon zeta " * 50 + "\n")  # the last line: a third
     with pytest.raises(UserError, match=r"use --val-fraction (\S+) or more") as info:
         preparation.prepare([str(few)], tmp_path / "d2", progress=False, tokenizer=tok_path)
     advised = float(str(info.value).split("--val-fraction ")[-1].split()[0])

@@ -107,6 +107,10 @@ RULES = [
     (r"python -m andrea\.serve RUN_OR_HF_DIR .*", "a synopsis: its words in capitals name the arguments"),
     (r"curl .*http://127\.0\.0\.1:8000/.*",  # against a running server: that test runs each against its own
      Elsewhere("tests/app/test_serve.py", "def test_the_guides_curl_commands_and_python_example_run_as_written")),
+    (r"python -m andrea\.prepare --input web\.jsonl --text-field text",  # a JSON Lines file that test writes
+     Elsewhere("tests/app/test_sources.py", "def test_a_jsonl_corpus_prepares_then_trains_as_a_user_runs_it")),
+    (r"python -m andrea\.train --out out/web --set data\.inputs=web\.jsonl --set data\.text_field=text",
+     Elsewhere("tests/app/test_sources.py", "def test_a_jsonl_corpus_prepares_then_trains_as_a_user_runs_it")),
 ]
 
 

@@ -1,0 +1,146 @@
+"""JSON Lines: one JSON object a line, each a document whose text is the string in a named field.
+
+    {"id": 1, "text": "The first document.\\nIts second line."}
+    {"id": 2, "text": "The second."}
+
+`scan` streams a file in chunks (never whole) into blocks of whole lines; `documents` reads one
+block's lines and parses them. A line that is blank (spaces only) is no document; a line that is
+not a JSON object, lacks the field or holds something else than a string there is a one-line error
+naming the file and the line number. The text is the field's string as JSON decodes it; a lone
+surrogate escape ("\\ud800"), which UTF-8 cannot hold, becomes U+FFFD and counts the block as not UTF-8.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from andrea.data import stream
+from andrea.data.sources import Unit
+from andrea.errors import UserError
+
+CHUNK = 1 << 20  # bytes read at a time while scanning
+BLANK = np.zeros(256, dtype=bool)
+BLANK[[ord(" "), ord("\t"), ord("\r"), ord("\n")]] = True  # JSON's whitespace
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclass
+class Documents:
+    """A block's documents: their line numbers, texts and UTF-8 sizes, and the block's bytes."""
+
+    n_bytes: int
+    valid_utf8: bool
+    records: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+
+def scan(path: Path, size: int, U: int, progress: Callable[[int], None]) -> Iterator[Unit]:
+    """The blocks of the JSON Lines file at `path` (of `size` bytes): whole lines, a block starting
+    at the first line that starts at or after a multiple of `U` (a `Unit` each). `progress(n)`
+    is called with the bytes of each chunk read."""
+    unit_start, unit_first, documents = 0, 1, []  # the block being gathered: its start, first line, documents
+    for starts, numbers, full in _lines(path, size, progress):
+        taken = 0
+        for cut in np.flatnonzero(np.diff(np.concatenate([[unit_start // U], starts // U]))):
+            # line `cut` of this batch starts a new block: the gathered one ends where that line starts
+            documents.append(numbers[taken:cut][full[taken:cut]])
+            yield Unit(unit_start, int(starts[cut]), unit_first, np.concatenate(documents))
+            unit_start, unit_first, documents, taken = int(starts[cut]), int(numbers[cut]), [], cut
+        documents.append(numbers[taken:][full[taken:]])
+    if unit_start < size:
+        yield Unit(unit_start, size, unit_first, np.concatenate(documents))
+
+
+def _lines(path: Path, size: int, progress) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(starts, numbers, not blank) of the lines of the file, a batch per chunk read: the lines that
+    end in that chunk (a last line without a newline ends with the file)."""
+    start, number, seen = 0, 1, False  # the line read so far: where it starts, its number, any non-blank byte
+    try:
+        with open(path, "rb") as f:
+            pos = 0
+            while chunk := f.read(CHUNK):
+                data = np.frombuffer(chunk, dtype=np.uint8)
+                ends = np.flatnonzero(data == 0x0A)
+                begins = np.concatenate([[0], ends + 1])  # of each line's bytes in this chunk, the open one's last
+                full = _not_blank(data, begins, np.append(ends, len(data)))
+                full[0] |= seen
+                starts = np.concatenate([[start], pos + ends[:-1] + 1]) if len(ends) else np.zeros(0, np.int64)
+                if len(ends):
+                    start = pos + int(ends[-1]) + 1
+                seen = bool(full[-1])
+                yield starts.astype(np.int64), number + np.arange(len(ends), dtype=np.int64), full[:len(ends)]
+                number += len(ends)
+                pos += len(chunk)
+                progress(len(chunk))
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+    if start < size:
+        yield np.array([start], np.int64), np.array([number], np.int64), np.array([seen])
+
+
+def _not_blank(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Whether each piece data[begins[k]:ends[k]] holds a byte that is not JSON whitespace. A JSON
+    line starts with its object's brace: only a piece that starts with whitespace is looked through."""
+    nonempty = ends > begins
+    first_blank = BLANK[data[np.minimum(begins, len(data) - 1)]]
+    full = nonempty & ~first_blank
+    for k in np.flatnonzero(nonempty & first_blank).tolist():
+        full[k] = not BLANK[data[begins[k]:ends[k]]].all()
+    return full
+
+
+def documents(path: Path, start: int, end: int, first: int, text_field: str) -> Documents:
+    """The documents of the block [start, end) of the file at `path`, whose first line is line `first`."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            raw = f.read(end - start)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+    text, valid = stream.decode(raw)
+    if start == 0:
+        text = text.removeprefix("\ufeff")  # a byte-order mark some tools write before the first line
+    out = Documents(len(raw), valid)
+    for k, line in enumerate(text.split("\n")):
+        if line.strip(" \t\r"):
+            value = _field(line, path, first + k, text_field)
+            try:
+                size = len(value.encode("utf-8"))
+            except UnicodeEncodeError:  # a lone surrogate escape: not representable in UTF-8
+                value = SURROGATE.sub("\ufffd", value)
+                size, out.valid_utf8 = len(value.encode("utf-8")), False
+            out.records.append(first + k)
+            out.texts.append(value)
+            out.sizes.append(size)
+    return out
+
+
+def _field(line: str, path: Path, number: int, text_field: str) -> str:
+    """The string in `text_field` of the JSON object on line `number`; a UserError naming the line."""
+    where = f"{path}, line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not JSON ({e.msg}, column {e.colno}): a JSON Lines file holds one JSON object "
+                        "a line") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: a JSON {type(record).__name__}, not an object with a {text_field!r} field")
+    if text_field not in record:
+        fields = ", ".join(repr(k) for k in list(record)[:8]) or "none"
+        raise UserError(f"{where}: no field {text_field!r} (its fields: {fields}): name the field that holds the "
+                        "text with --text-field")
+    value = record[text_field]
+    if not isinstance(value, str):
+        raise UserError(f"{where}: the field {text_field!r} holds {_kind(value)}, not a string of text")
+    return value
+
+
+def _kind(value) -> str:
+    return "null" if value is None else f"a JSON {type(value).__name__}"
