@@ -58,11 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         action="extend",
         metavar="PATH_OR_GLOB",
         help="files, directories or glob patterns of UTF-8 text (default: Python's stdlib); with --text-field, "
-        "JSON Lines files (a directory or glob takes its .jsonl and .ndjson files)",
+        "JSON Lines or Parquet files (a directory or glob takes its .jsonl, .ndjson and .parquet files)",
     )
     p.add_argument("--text-field", metavar="NAME",
-                   help="read the inputs as JSON Lines, one document a line: the text of each is this field's "
-                        "string (e.g. text)")
+                   help="read the inputs as records, one document each (a JSON Lines line, a Parquet row): its "
+                        "text is this field's string (e.g. text)")
     p.add_argument("--data-dir", type=Path, help="where to write (default: data/stdlib, or data/<input name>)")
     p.add_argument("--force", action="store_true", help="re-encode even if the directory is up to date")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids, EOT included (8449)")

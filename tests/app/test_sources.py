@@ -24,6 +24,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from optional import require
 from test_prepare_scale import WORDS, all_ids, lines, snapshot
 
 from andrea import prepare, train
@@ -31,7 +32,7 @@ from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.data import lock, preparation, shards
 from andrea.data.request import default_data_dir
-from andrea.data.sources import jsonl
+from andrea.data.sources import jsonl, parquet
 from andrea.data.stream import MAX_BLOCK
 from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
@@ -104,7 +105,7 @@ def test_each_jsonl_document_goes_whole_to_one_split_in_order_ending_with_eot(tm
     assert val_docs == [t for t in texts if t in set(val_docs)]
     assert 0.12 < len(val_docs) / len(texts) < 0.28  # ~val_fraction of the documents
     assert meta["documents"] == {"train": len(train_docs), "val": len(val_docs)} and meta["empty_documents"] == 1
-    assert meta["files"] == 2 and meta["text_field"] == "text" and "2 JSON Lines files" in meta["corpus"]
+    assert meta["files"] == 2 and meta["text_field"] == "text" and "2 record files" in meta["corpus"]
     assert meta["bytes"] == sum(len(t.encode()) for t in texts)  # the text's bytes, not the JSON's
     assert (meta["train_tokens"], meta["val_tokens"]) == (len(all_ids(out, "train")), len(all_ids(out, "val")))
     # deterministic: one thread and small shards give the same documents on the same side
@@ -166,7 +167,7 @@ def test_a_corpus_of_fewer_than_two_documents_or_no_text_field_is_refused(tmp_pa
 
 
 def reference_units(data: bytes, U: int):
-    """(start, end, first line, non-blank line numbers) of each block, from the whole file in memory."""
+    """(start, end, first line, non-blank line numbers, lines) of each block, from the whole file in memory."""
     starts, pos = [], 0
     while pos < len(data):
         starts.append(pos)
@@ -179,10 +180,11 @@ def reference_units(data: bytes, U: int):
         if not units or start // U != units[-1][0] // U:
             if units:
                 units[-1][1] = start
-            units.append([start, len(data), number, []])
+            units.append([start, len(data), number, [], 0])
+        units[-1][4] += 1
         if not blank:
             units[-1][3].append(number)
-    return [tuple(u[:3]) + (u[3],) for u in units]
+    return [tuple(u) for u in units]
 
 
 LINE = st.one_of(st.just(""), st.just(" \t"), st.just("\r"), st.text("{}ab\" ", max_size=30))
@@ -200,7 +202,7 @@ def test_the_scan_reads_in_chunks_and_finds_blocks_of_whole_lines(tmp_path_facto
         units = list(jsonl.scan(path, len(data), U, read.append))
     finally:
         jsonl.CHUNK = original
-    assert [(u.start, u.end, u.first, u.records.tolist()) for u in units] == reference_units(data, U)
+    assert [(u.start, u.end, u.first, u.records.tolist(), u.count) for u in units] == reference_units(data, U)
     assert sum(read) == len(data) and max(read, default=0) <= chunk
 
 
@@ -239,6 +241,54 @@ def test_a_lone_surrogate_escape_is_read_as_a_replacement_character(tmp_path, to
     tok = Tokenizer.load(tok_path)
     docs = split_texts(tmp_path / "d", "train", tok) + split_texts(tmp_path / "d", "val", tok)
     assert "half \ufffd a pair" in docs and meta["not_utf8_files"] == 1
+
+
+# ----------------------------------------------------------------------------- Parquet
+
+
+def write_parquet(path, texts, row_group_size, field="text"):
+    pa, pq = require("pyarrow"), require("pyarrow.parquet")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": list(range(len(texts))), field: texts}), path, row_group_size=row_group_size)
+    return path
+
+
+def test_parquet_rows_are_documents_read_in_blocks_of_a_row_group(tmp_path, tok_path):
+    """Row groups of ~2.5 MB are read in pieces, small ones whole; beside a JSON Lines file in the same
+    directory, every document goes once, whole, to one side, in order."""
+    texts = documents(3000, seed=10, words=(150, 250))  # ~1.2 KB each
+    big = write_parquet(tmp_path / "c" / "big.parquet", texts[:2500], row_group_size=2000)
+    write_parquet(tmp_path / "c" / "small.parquet", texts[2500:2900], row_group_size=150)
+    write_jsonl(tmp_path / "c" / "rest.jsonl", texts[2900:])
+    pieces = list(parquet.scan(big, big.stat().st_size, 1 << 20, lambda n: None, "text"))
+    assert len(pieces) > 3 and sum(u.count for u in pieces) == 2500  # the 2000-row group in pieces
+    assert [u.first for u in pieces] == [0] + list(np.cumsum([u.count for u in pieces])[:-1])
+    meta = preparation.prepare([str(tmp_path / "c")], tmp_path / "d", progress=False, tokenizer=tok_path,
+                               val_fraction=0.1, text_field="text")
+    tok = Tokenizer.load(tok_path)
+    train_docs, val_docs = split_texts(tmp_path / "d", "train", tok), split_texts(tmp_path / "d", "val", tok)
+    assert sorted(train_docs + val_docs) == sorted(texts)
+    in_order = texts[:2500] + texts[2900:] + texts[2500:2900]  # big.parquet, rest.jsonl, small.parquet
+    assert train_docs == [t for t in in_order if t in set(train_docs)]
+    assert val_docs == [t for t in in_order if t in set(val_docs)]
+    assert 0.06 < len(val_docs) / len(texts) < 0.14 and meta["files"] == 3
+    assert meta["documents"] == {"train": len(train_docs), "val": len(val_docs)}
+
+
+def test_a_parquet_column_missing_or_not_text_or_null_is_one_line(tmp_path, tok_path, capsys):
+    pa, pq = require("pyarrow"), require("pyarrow.parquet")
+    texts = documents(60, seed=11)
+    cases = {
+        "missing": (pa.table({"id": list(range(60)), "body": texts}), "no column 'text' (its columns: 'id', 'body')"),
+        "numbers": (pa.table({"text": list(range(60))}), "the column 'text' holds int64, not strings"),
+        "null": (pa.table({"text": texts[:41] + [None] + texts[42:]}), "row 41: the column 'text' is null there"),
+    }
+    for name, (table, said) in cases.items():
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(table, path, row_group_size=25)
+        code, _, err = cli(prepare.main, ["--input", str(path), "--text-field", "text", "--data-dir",
+                                          str(tmp_path / name), "--tokenizer", str(tok_path), "--quiet"], capsys)
+        assert code == 2 and err.count("\n") == 1 and said in err and str(path) in err, err
 
 
 # ----------------------------------------------------------------------------- a data directory kept whole

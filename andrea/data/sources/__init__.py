@@ -20,9 +20,10 @@ The sources:
     records.py   files of records, one document each, never cut: the split by a hash of each
                  document's id (its file and record number); the formats it reads:
     jsonl.py     JSON Lines: one object a line, the text in a named field (`--text-field`)
+    parquet.py   Parquet: one row a document, the text in a named column (pyarrow, the `parquet` extra)
 
 Adding a source (docs/data.md, "Add a source"): a record format is a module like jsonl.py (`scan`
-a file into blocks of whole records, `documents` of one block) registered in `records.FORMATS`;
+a file into `Unit`s, blocks of whole records; `Documents` of one block) registered in `records.FORMATS`;
 anything else is a `Source` subclass whose `plan` returns a `Plan`.
 """
 
@@ -62,12 +63,26 @@ class BlockText:
 @dataclass
 class Unit:
     """A block of whole records as a record format's `scan` finds it (records.py): bytes [start, end)
-    of its file, the number of its first record, the numbers of the records that hold a document."""
+    of its file, the number of its first record, the numbers of the records that hold a document,
+    and how many records it holds (blank ones too)."""
 
     start: int
     end: int
     first: int
     records: np.ndarray  # (n,) int64
+    count: int
+
+
+@dataclass
+class Documents:
+    """A block's documents as a record format's `documents` reads them: their record numbers, texts
+    and UTF-8 sizes, and the block's bytes as stored."""
+
+    n_bytes: int
+    valid_utf8: bool
+    records: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
 
 
 class Plan:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from andrea.data import stream
-from andrea.data.sources import Unit
+from andrea.data.sources import Documents, Unit
 from andrea.errors import UserError
 
 CHUNK = 1 << 20  # bytes read at a time while scanning
@@ -30,32 +29,23 @@ BLANK[[ord(" "), ord("\t"), ord("\r"), ord("\n")]] = True  # JSON's whitespace
 SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-@dataclass
-class Documents:
-    """A block's documents: their line numbers, texts and UTF-8 sizes, and the block's bytes."""
-
-    n_bytes: int
-    valid_utf8: bool
-    records: list[int] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-
-
-def scan(path: Path, size: int, U: int, progress: Callable[[int], None]) -> Iterator[Unit]:
+def scan(path: Path, size: int, U: int, progress: Callable[[int], None], text_field: str = "") -> Iterator[Unit]:
     """The blocks of the JSON Lines file at `path` (of `size` bytes): whole lines, a block starting
-    at the first line that starts at or after a multiple of `U` (a `Unit` each). `progress(n)`
-    is called with the bytes of each chunk read."""
-    unit_start, unit_first, documents = 0, 1, []  # the block being gathered: its start, first line, documents
+    at the first line that starts at or after a multiple of `U` (a `Unit` each). `progress(n)` is
+    called with the bytes of each chunk read; the text field is read by `documents` only."""
+    unit_start, unit_first, documents, lines = 0, 1, [], 0  # the block being gathered; the lines so far
     for starts, numbers, full in _lines(path, size, progress):
         taken = 0
         for cut in np.flatnonzero(np.diff(np.concatenate([[unit_start // U], starts // U]))):
             # line `cut` of this batch starts a new block: the gathered one ends where that line starts
             documents.append(numbers[taken:cut][full[taken:cut]])
-            yield Unit(unit_start, int(starts[cut]), unit_first, np.concatenate(documents))
+            yield Unit(unit_start, int(starts[cut]), unit_first, np.concatenate(documents),
+                       int(numbers[cut]) - unit_first)
             unit_start, unit_first, documents, taken = int(starts[cut]), int(numbers[cut]), [], cut
         documents.append(numbers[taken:][full[taken:]])
+        lines += len(numbers)
     if unit_start < size:
-        yield Unit(unit_start, size, unit_first, np.concatenate(documents))
+        yield Unit(unit_start, size, unit_first, np.concatenate(documents), lines + 1 - unit_first)
 
 
 def _lines(path: Path, size: int, progress) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -96,7 +86,7 @@ def _not_blank(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> np.nda
     return full
 
 
-def documents(path: Path, start: int, end: int, first: int, text_field: str) -> Documents:
+def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str) -> Documents:
     """The documents of the block [start, end) of the file at `path`, whose first line is line `first`."""
     try:
         with open(path, "rb") as f:

@@ -1,5 +1,5 @@
-"""The records source: files whose records each hold one document (JSON Lines: a line; the text in
-a named field), a document never cut, the split chosen document by document.
+"""The records source: files whose records each hold one document (JSON Lines: a line; Parquet: a
+row; the text in a named field), a document never cut, the split chosen document by document.
 
 Planning scans each file once, streamed (a format's `scan`: never the whole file in memory), into
 blocks of whole records: a block starts at the first record that starts at or after a multiple of
@@ -25,12 +25,13 @@ import numpy as np
 from andrea.data import stream
 from andrea.data.corpus import FileList
 from andrea.data.inputs import iter_input_names
-from andrea.data.sources import BlockText, Part, Plan, Source, jsonl
+from andrea.data.sources import BlockText, Part, Plan, Source, jsonl, parquet
 from andrea.errors import UserError
 
 # the suffix of a file -> the module that reads it (its `scan` and `documents`); a directory or
-# glob input takes the files of these suffixes, a file named explicitly is read as JSON Lines
-FORMATS = {".jsonl": jsonl, ".ndjson": jsonl}
+# glob input takes the files of these suffixes, a file named explicitly is read by its suffix, as
+# JSON Lines when it has none of these
+FORMATS = {".jsonl": jsonl, ".ndjson": jsonl, ".parquet": parquet}
 
 
 def format_of(path) -> object:
@@ -60,13 +61,13 @@ class RecordSource(Source):
     @classmethod
     def open(cls, inputs: list[str] | None, text_field: str, progress: Callable[[int], None] | None = None):
         if not inputs:
-            raise UserError(f"a text field ({text_field!r}) reads documents from JSON Lines files: name them with "
-                            "--input, or leave --text-field unset to read the standard library's files")
+            raise UserError(f"a text field ({text_field!r}) reads documents from JSON Lines or Parquet files: name "
+                            "them with --input, or leave --text-field unset to read the standard library's files")
         if not text_field:
             raise UserError("the text field is empty: give the name of the field that holds each document's text")
         names = iter_input_names(inputs, progress, keep=lambda name: name.lower().endswith(tuple(FORMATS)))
         files = FileList.under_common_root(names)
-        return cls(files, f"{len(files)} JSON Lines files from {' '.join(inputs)}, text field {text_field!r}",
+        return cls(files, f"{len(files)} record files from {' '.join(inputs)}, text field {text_field!r}",
                    text_field)
 
     def settings(self) -> dict:
@@ -74,14 +75,15 @@ class RecordSource(Source):
 
     def plan(self, sizes: np.ndarray, val_fraction: float, log) -> RecordPlan:
         U = stream.block_size(int(sizes.sum()), val_fraction)
-        table = {k: [] for k in ("file", "index", "start", "end", "first", "documents", "val")}
+        table = {k: [] for k in ("file", "index", "start", "end", "first", "count", "documents", "val")}
         lowest, highest = (2.0, None), (-1.0, None)  # (key, (file, record)) of the extreme documents
         bar = log.progress("scanning the records", len(self.files), int(sizes.sum()), unit="files")
         for i, path in enumerate(self.files):
             seed = file_seed(self.files.relative(i))
-            for k, unit in enumerate(format_of(path).scan(path, int(sizes[i]), U, lambda n, i=i: bar.update(i, n))):
+            units = format_of(path).scan(path, int(sizes[i]), U, lambda n, i=i: bar.update(i, n), self.text_field)
+            for k, unit in enumerate(units):
                 keys = record_keys(seed, unit.records)
-                for name, value in zip(table, (i, k, unit.start, unit.end, unit.first, len(keys),
+                for name, value in zip(table, (i, k, unit.start, unit.end, unit.first, unit.count, len(keys),
                                                int((keys < val_fraction).sum()))):
                     table[name].append(value)
                 if len(keys):
@@ -102,6 +104,7 @@ class RecordPlan(Plan):
         self.blocks = stream.Blocks(file, table["index"], table["start"], table["end"], np.zeros(len(file), bool),
                                     last)
         self.first = np.asarray(table["first"], dtype=np.int64)  # each block's first record number
+        self.count = np.asarray(table["count"], dtype=np.int64)  # and how many records it holds
         self.documents = int(np.sum(table["documents"]))
         self.val_documents = int(np.sum(table["val"]))
         self.forced = {}  # (file, record) -> val, for a split that no document's key chose
@@ -122,7 +125,7 @@ class RecordPlan(Plan):
         b = self.blocks[j]
         files = self.source.files
         docs = format_of(files[b.file]).documents(files[b.file], b.nominal_start, b.nominal_end, int(self.first[j]),
-                                                  self.source.text_field)
+                                                  int(self.count[j]), self.source.text_field)
         records = np.asarray(docs.records, dtype=np.int64)
         val = record_keys(file_seed(files.relative(b.file)), records) < self.val_fraction
         for (file, record), side in self.forced.items():
