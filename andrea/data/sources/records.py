@@ -117,7 +117,7 @@ class RecordPlan(Plan):
 
     def check(self) -> None:
         if self.documents < 2:
-            what = "no document (every line is blank)" if self.documents == 0 else "one document"
+            what = "no document (every record is blank)" if self.documents == 0 else "one document"
             raise UserError(f"the corpus holds {what}: a document is never cut between training and validation, "
                             "so at least two are needed (a JSON Lines file holds one per line)")
 
