@@ -47,6 +47,7 @@ from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
 from andrea.run import distributed as dist
 from andrea.run.paths import check_directory, check_output_file  # noqa: F401 (check_output_file: the commands')
+from andrea.run.schedule import make_schedule
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
@@ -252,7 +253,7 @@ class Plan:
             ("memory", memory),
             ("tokens/step", f"{tokens:,} (batch {t.batch_size} x {T} tokens x {accum} micro-batch"
                             f"{'es' if accum != 1 else ''}{each}{ranks})"),
-            ("schedule", f"{t.max_steps:,} steps, warmup {t.warmup_steps}, lr {t.lr:g} -> {t.min_lr:g}"),
+            ("schedule", make_schedule(t).describe()),
             ("data", self.data),
             ("output", str(self.out_dir)),
         ]

@@ -107,6 +107,9 @@ RULES = [
     (r"python -m andrea\.serve RUN_OR_HF_DIR .*", "a synopsis: its words in capitals name the arguments"),
     (r"curl .*http://127\.0\.0\.1:8000/.*",  # against a running server: that test runs each against its own
      Elsewhere("tests/app/test_serve.py", "def test_the_guides_curl_commands_and_python_example_run_as_written")),
+    # a wsd trunk of 10,000 steps and its branch: that test runs the same two commands on a small model
+    (r"python -m andrea\.train (--set train\.schedule=wsd --max-steps|--resume-from \S+ --out \S+ --max-steps) .*",
+     Elsewhere("tests/e2e/test_schedule_branch.py", "def test_a_wsd_decay_branched_from_a_stable_checkpoint")),
 ]
 
 
