@@ -15,9 +15,7 @@ Under mpiexec each rank takes its share of every step's windows and the gradient
 ranks once per step (andrea.run.distributed); rank 0 alone prints, writes metrics and checkpoints.
 """
 
-import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +28,8 @@ from andrea.model.optim import AdamW
 from andrea.model.transformer import ANDREA, flops_per_token
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
-from andrea.run import gradflow, preflight, runlog
+from andrea.run import gradflow, preflight
+from andrea.run.metrics import open_metrics
 from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, NonFiniteGuard, StopVote
@@ -183,9 +182,9 @@ class Trainer:
     def run(self, stop_at_step=None):
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
-        # a failed write (full disk) warns and training goes on
-        path = self.out_dir / "metrics.jsonl" if self.world.is_main else os.devnull
-        with runlog.MetricsFile(path) as self.metrics, StopVote(self.world, self) as vote:
+        # rank 0 alone writes metrics; a failed write (full disk) warns and training goes on
+        with open_metrics(self.out_dir, self.cfg, self.world, self.step) as self.metrics, \
+                StopVote(self.world, self) as vote:
             meter = self.meter = self._throughput_meter()
             while self.step < t.max_steps:
                 # the step: forward and backward over the micro-batches, one AdamW update
@@ -269,7 +268,7 @@ class Trainer:
         if record and flow:
             record["grad_flow"] = flow.as_dict()
         if record:
-            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.log(record)
             self.metrics.flush()
 
     def _checkpoint_or_warn(self):

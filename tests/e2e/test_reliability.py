@@ -25,6 +25,7 @@ from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.data.manifest import split_counts
 from andrea.run import checkpoint as ckpt
+from andrea.run import metrics as run_metrics
 from andrea.run import preflight, runlog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,7 +157,7 @@ def test_andrea_device_for_sample_and_bench(tmp_path, monkeypatch, capsys):
 # ----------------------------------------------------------------------------------------------- full disk
 
 def test_metrics_writes_on_a_full_disk_warn_and_training_goes_on(tmp_path, data_dir, monkeypatch, capsys):
-    real = runlog._write
+    real = run_metrics._write
     state = {"n": 0}
 
     def full_after_three(fd, data):
@@ -165,7 +166,7 @@ def test_metrics_writes_on_a_full_disk_warn_and_training_goes_on(tmp_path, data_
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data)
 
-    monkeypatch.setattr(runlog, "_write", full_after_three)
+    monkeypatch.setattr(run_metrics, "_write", full_after_three)
     out = tmp_path / "run"
     assert run_main(["--config", str(small_config(tmp_path, data_dir)), "--out", str(out)]) == 0
     captured = capsys.readouterr()

@@ -11,7 +11,8 @@ import os
 import pytest
 
 EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "matplotlib": "plot", "numba": "fast",
-         "scipy": "fast", "starlette": "serve", "uvicorn": "serve", "openai": "test", "websockets": "test"}
+         "scipy": "fast", "starlette": "serve", "uvicorn": "serve", "openai": "test", "websockets": "test",
+         "tensorboardX": "tensorboard", "tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def require(name):
