@@ -13,7 +13,10 @@ left out for the rest of the run. How each sink takes a resume: andrea.run.sinks
 
 metrics.jsonl holds one JSON object per line: a step's record ({"step", "loss", ...}), a skipped
 step's ({"step", "loss", "grad_norm", "skipped": true}) or an event ({"event": "resume", ...}, no
-"step": andrea.run.runlog.drop_rows_after).
+"step": andrea.run.runlog.drop_rows_after). Every reader of it goes through `read_records`:
+
+    records = read_records(out_dir / "metrics.jsonl")   # every object, in file order
+    per_step = by_step(records)                          # {step: its last record}, skipped steps left out
 """
 
 from __future__ import annotations
@@ -124,3 +127,36 @@ class JsonlSink:
 def _write(fd: int, data: bytes) -> int:
     """The one place metrics reach the disk (a test makes it fail as a full disk would)."""
     return os.write(fd, data)
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+def read_records(path, strict: bool = False) -> list[dict]:
+    """Every JSON object of a metrics.jsonl, in file order: step records (the skipped steps' too) and
+    events. The one reader of the file: resume, plot, gradient flow and experiments read through it.
+
+    A line cut short (the start of a JSON object, which a crash or a full disk leaves; JsonlSink
+    ends it before the next line) is passed over wherever it is, and a missing file holds none.
+    Any other line that is not a JSON object is passed over too, or with `strict` (a file a user
+    named) a UserError: it is not a metrics file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif strict and line.strip() and not line.lstrip().startswith("{"):
+            raise UserError(f"{path} line {n} is not JSON: is it a metrics file of andrea.train?")
+    return records
+
+
+def by_step(records) -> dict[int, dict]:
+    """{step: record} of read_records' records, the last of a step winning (a resumed run repeats the
+    steps after its checkpoint); events and the steps the non-finite guard skipped left out."""
+    return {r["step"]: r for r in records if isinstance(r.get("step"), int) and not r.get("skipped")}

@@ -24,6 +24,7 @@ from pathlib import Path
 from andrea.errors import UserError
 from andrea.files import atomic_writer, warn
 from andrea.run import checkpoint as ckpt
+from andrea.run.metrics import read_records
 
 EXIT_SAVE_FAILED = 4
 PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
@@ -32,28 +33,11 @@ _STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.files.atomic_writer's s
 
 # ----------------------------------------------------------------------------------------------- metrics
 
-def read_rows(path) -> list[dict]:
-    """The complete JSON objects of a metrics file (a line cut short by a crash is skipped)."""
-    rows = []
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return rows
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def drop_rows_after(path, step: int, checkpoint) -> int:
     """Rewrites metrics.jsonl without the rows after `step`, plus a resume event; returns how many
     rows were dropped. Atomic: a crash leaves the old file or the new one, never a mix."""
     path = Path(path)
-    rows = read_rows(path)
+    rows = read_records(path)
     kept = [r for r in rows if not (isinstance(r.get("step"), int) and r["step"] > step)]
     event = {"event": "resume", "at_step": step, "checkpoint": str(checkpoint),
              "dropped_rows": len(rows) - len(kept), "time": time.time()}
@@ -172,24 +156,3 @@ class MicroBatchProgress:
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
-
-
-def read_metrics(path: Path) -> dict[int, dict]:
-    """{step: record}, the last record of a step winning (a resumed run repeats the steps after its
-    last checkpoint); skipped non-finite steps are left out. A line cut short (the start of a JSON
-    object, which a crash or a full disk leaves; metrics.jsonl's writer ends it before the next
-    line) is ignored wherever it is; any other line that is not JSON means it is not a metrics file."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    per_step = {}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except ValueError:
-            if line.lstrip().startswith("{"):
-                continue
-            raise UserError(f"{path} line {n} is not JSON: is it a metrics file of andrea.train?") from None
-        if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped"):
-            per_step[r["step"]] = r
-    return per_step

@@ -14,14 +14,14 @@ from runs import run_main, small_config
 
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.run import runlog, sinks
-from andrea.run.metrics import JsonlSink, Metrics, open_metrics
+from andrea.run import sinks
+from andrea.run.metrics import JsonlSink, Metrics, open_metrics, read_records
 from andrea.run.sinks import scalars
 
 
 def logged(out):
     """{step: its record} of metrics.jsonl, each step once (as a resume leaves it)."""
-    rows = [r for r in runlog.read_rows(out / "metrics.jsonl") if "step" in r]
+    rows = [r for r in read_records(out / "metrics.jsonl") if "step" in r]
     assert len({r["step"] for r in rows}) == len(rows)
     return {r["step"]: r for r in rows}
 
@@ -100,7 +100,7 @@ def test_only_rank_0_writes_and_a_failing_sink_is_left_out(tmp_path, capsys):
             metrics.flush()
     assert capsys.readouterr().err.count("the broken metrics sink failed (OSError: no space left); training goes "
                                          "on without it") == 1
-    assert [r["step"] for r in runlog.read_rows(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
 def test_scalars_are_the_finite_numbers_of_a_record():

@@ -44,7 +44,7 @@ def one_line_error(err):
 
 
 def steps(out):
-    return [r["step"] for r in runlog.read_rows(Path(out) / "metrics.jsonl") if "step" in r]
+    return [r["step"] for r in run_metrics.read_records(Path(out) / "metrics.jsonl") if "step" in r]
 
 
 # ----------------------------------------------------------------------------------------------- pre-flight
@@ -316,7 +316,7 @@ def test_after_a_resume_each_step_is_in_the_metrics_once(tmp_path, data_dir, cap
     shutil.rmtree(out / "ckpt-00000006")  # as if killed before step 6's save: steps 5-6 are redone
     assert run_main(["--out", str(out), "--resume"]) == 0
     assert "dropped 2 metrics rows" in capsys.readouterr().out
-    rows = runlog.read_rows(out / "metrics.jsonl")
+    rows = run_metrics.read_records(out / "metrics.jsonl")
     assert steps(out) == list(range(1, 9))
     events = [r for r in rows if r.get("event") == "resume"]
     assert len(events) == 1 and events[0]["at_step"] == 4 and events[0]["dropped_rows"] == 2

@@ -4,11 +4,11 @@ the schedule is refused with the change named, and goes on under the new one wit
 
 from runs import run_main, small_config
 
-from andrea.run import runlog
+from andrea.run.metrics import read_records
 
 
 def rows(out_dir):
-    return {r["step"]: r for r in runlog.read_rows(out_dir / "metrics.jsonl") if "step" in r}
+    return {r["step"]: r for r in read_records(out_dir / "metrics.jsonl") if "step" in r}
 
 
 def test_a_wsd_decay_branched_from_a_stable_checkpoint(tmp_path, data_dir, capsys):
@@ -34,7 +34,7 @@ def test_a_wsd_decay_branched_from_a_stable_checkpoint(tmp_path, data_dir, capsy
     # the branch is a run of its own: its config and checkpoints; the trunk is untouched
     assert (branch / "config.json").is_file() and (branch / "ckpt-00000010").is_dir()
     assert sorted(p.name for p in trunk.glob("ckpt-*")) == ["ckpt-00000004", "ckpt-00000008"]
-    event = runlog.read_rows(branch / "metrics.jsonl")[0]
+    event = read_records(branch / "metrics.jsonl")[0]
     assert event["event"] == "resume" and event["at_step"] == 8 and event["checkpoint"].endswith("ckpt-00000008")
 
 
