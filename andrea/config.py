@@ -19,6 +19,8 @@ import yaml
 
 from andrea.data.request import check_val_fraction, default_data_dir
 from andrea.errors import UserError
+from andrea.run.schedule import SCHEDULES
+from andrea.run.sinks import SINKS
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -112,12 +114,15 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 50
+    schedule: str = "cosine"        # cosine, wsd (warmup-stable-decay) or constant: andrea/run/schedule.py
+    decay_fraction: float = 0.2     # wsd: the share of max_steps its final linear decay takes
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0          # 0 disables clipping
     log_interval: int = 10
+    log_to: list = field(default_factory=list)  # metrics sinks beside metrics.jsonl: tensorboard, wandb
     log_grad_flow: bool = False     # per-block gradient and residual-stream norms at log steps (andrea.run.gradflow)
     eval_interval: int = 100
     eval_batches: int = 8
@@ -141,6 +146,9 @@ class TrainConfig:
                  f"train.lr {self.lr:g}: a lower train.lr needs a lower min_lr too, e.g. --set "
                  f"train.min_lr={self.lr / 10:g}")
         _require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(self.schedule in SCHEDULES, f"train.schedule must be {_one_of([*SCHEDULES])}, got {self.schedule!r}")
+        _require(set(self.log_to) <= set(SINKS), f"train.log_to may hold {_one_of([*SINKS])}, got {self.log_to}")
+        _require(0 < self.decay_fraction <= 1, f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         _require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
         _require(self.eps > 0, f"train.eps must be positive, got {self.eps}")

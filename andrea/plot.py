@@ -29,8 +29,8 @@ from andrea.config import build_config
 from andrea.errors import UserError
 from andrea.files import atomic_writer
 from andrea.run.figure import new_figure
+from andrea.run.metrics import by_step, read_records
 from andrea.run.preflight import check_output_file
-from andrea.run.runlog import read_metrics
 
 
 @dataclass
@@ -47,7 +47,7 @@ def read_run(run_dir) -> Curves:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} does not exist: give the --out directory of a training run")
-    per_step = read_metrics(path)
+    per_step = by_step(read_records(path, strict=True))
     if not per_step:
         raise UserError(f"{path} holds no loss yet: plot once training has logged a step")
     tokens_per_step, data_dir = _run_config(run_dir)

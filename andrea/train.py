@@ -3,6 +3,8 @@
     python -m andrea.train                                   # prepare data if missing, train, sample
     python -m andrea.train --config small --out runs/small --set train.lr=1e-3
     python -m andrea.train --out runs/small --resume         # continue from the newest good checkpoint
+    python -m andrea.train --resume-from runs/wsd/ckpt-00004000 --out runs/wsd-decay --max-steps 5000
+                                                             # a branch: that checkpoint goes on in a new run
     python -m andrea.train --config 120m --dry-run           # the pre-flight checks and the plan, no training
 
 A run goes through phases, each a function below, read top to bottom in `run_training`: the
@@ -27,8 +29,10 @@ if __name__ == "__main__":  # before NumPy loads OpenBLAS: its threads sleep aft
 
 import json  # after the setting above, on purpose
 import time
+from pathlib import Path
 
 from andrea.cli import ArgumentParser, run_cli
+from andrea.config import make_config
 from andrea.errors import UserError
 from andrea.model.transformer import format_breakdown
 from andrea.plot import plot_after_training
@@ -37,6 +41,7 @@ from andrea.run import distributed as dist
 from andrea.run import preflight, rundir, runlog
 from andrea.run.launch import build_run_config, require_same_launch, run_tokenizer
 from andrea.run.rundata import data_fingerprint, prepare_data, unigram_baseline
+from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED
 from andrea.run.trainer import Trainer
 from andrea.sample import stream
@@ -55,6 +60,13 @@ def parse_args(argv):
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], help="sets train.device")
     ap.add_argument("--seed", type=int, help="sets train.seed")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    ap.add_argument("--resume-from", metavar="PATH",
+                    help="continue a checkpoint (RUN/ckpt-NNNNNNNN, or a run directory's newest) as a new run in "
+                         "--out, "
+                         "e.g. a wsd decay branched from a stable-phase checkpoint (docs/training.md)")
+    ap.add_argument("--change-schedule", action="store_true",
+                    help="with --resume or --resume-from: let --set change the schedule (train.schedule, lr, min_lr, "
+                         "warmup_steps, decay_fraction); without it such a change is refused")
     ap.add_argument("--init-from", metavar="DIR",
                     help="start from the weights, model config and tokenizer of a GPT-2 directory (save_pretrained's)")
     ap.add_argument("--overwrite", action="store_true", help="start afresh in an --out that holds another run, "
@@ -98,9 +110,9 @@ def run_training(args, world):
     tokenizer, train_tokens, val_tokens = load_data(cfg, args, world, out_dir)
     # the model, optimizer and data loader, on every rank
     trainer = build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens)
-    # the state: a checkpoint's (--resume), or rank 0's fresh weights on every rank
-    if args.resume:
-        if resume(trainer, args.stop_at_step) == "finished":
+    # the state: a checkpoint's (--resume, --resume-from), or rank 0's fresh weights on every rank
+    if args.resume or args.resume_from:
+        if resume(trainer, args) == "finished":
             return 0
     else:
         share_state(trainer)
@@ -158,7 +170,8 @@ def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens
     with world.together():
         if world.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world, init_from=args.init_from)
+        trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world, init_from=args.init_from,
+                          schedule=make_schedule(cfg.train))
         if args.init_from:
             world.log(f"initialised from {args.init_from}")
     if trainer.reducer is None:
@@ -168,25 +181,26 @@ def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens
     return trainer
 
 
-def resume(trainer, stop_at_step):
-    """Rank 0 reads the newest good checkpoint; the others get it by broadcast (share_state).
+def resume(trainer, args):
+    """Rank 0 reads the checkpoint (--resume: the newest good one in --out; --resume-from: the one it
+    names, or its run's newest good one); the others get it by broadcast (share_state).
 
     Returns "finished" when that checkpoint is already at train.max_steps (nothing to train)."""
     world, out_dir = trainer.world, trainer.out_dir
     with world.together():
         meta = None
-        if world.is_main and not ckpt.list_checkpoints(out_dir):
-            raise UserError(f"nothing to resume in {out_dir}: the run there stopped before its first checkpoint; "
-                            f"start it afresh with --overwrite")
         if world.is_main:
-            path, tensors, meta = ckpt.latest_checkpoint(out_dir, validate=trainer.validate_checkpoint)
+            path, tensors, meta = read_checkpoint(trainer, args.resume_from or out_dir)
             trainer.restore(tensors, meta)
-            trainer.last_checkpoint = path
+            trainer.last_checkpoint = path if not args.resume_from else None
             meta = dict(meta, path=str(path))
     meta = world.broadcast_json(meta)
     with world.together():
         if not world.is_main:
             trainer.restore_meta(meta)
+    if trainer.step >= trainer.cfg.train.max_steps and args.resume_from:
+        raise UserError(f"{meta['path']} is step {trainer.step}, which train.max_steps "
+                        f"{trainer.cfg.train.max_steps} does not go beyond: give the branch a larger --max-steps")
     if trainer.step >= trainer.cfg.train.max_steps:
         world.log(f"the run in {out_dir} has already finished: {meta['path']} is step {trainer.step} of "
                   f"train.max_steps {trainer.cfg.train.max_steps}; nothing to do (to train longer: --resume "
@@ -196,14 +210,43 @@ def resume(trainer, stop_at_step):
     dropped = runlog.drop_rows_after(out_dir / "metrics.jsonl", trainer.step, meta["path"]) if world.is_main else 0
     world.log(f"resumed from {meta['path']} at step {trainer.step}"
               + (f"; dropped {dropped} metrics rows of later steps, which this run recomputes" if dropped else ""))
+    _note_schedule(trainer, meta)
     saved = int(meta.get("processes", 1))
     if saved != world.size:
         world.log(f"note: the checkpoint was written by {saved} process(es), this run has {world.size}: same "
                   f"batches in the same order, now {trainer.accum} micro-batch(es) per process; results match the "
                   "other count to float32 summation order, not bit for bit")
     with world.together():
-        if world.is_main and stop_at_step is not None and stop_at_step <= trainer.step:
-            raise UserError(f"--stop-at-step {stop_at_step} is not after the resumed step {trainer.step}")
+        if world.is_main and args.stop_at_step is not None and args.stop_at_step <= trainer.step:
+            raise UserError(f"--stop-at-step {args.stop_at_step} is not after the resumed step {trainer.step}")
+
+
+def read_checkpoint(trainer, where):
+    """(path, tensors, meta) of the checkpoint `where` names (a ckpt-NNNNNNNN directory), or of the
+    newest good one in the run directory `where`, checked to fit the trainer."""
+    where = Path(where)
+    if not ckpt.is_checkpoint_name(where.name) and not ckpt.list_checkpoints(where):
+        raise UserError(f"nothing to resume in {where}: the run there stopped before its first checkpoint; "
+                        f"start it afresh with --overwrite")
+    if ckpt.is_checkpoint_name(where.name):
+        tensors, meta = ckpt.load_checkpoint(where)
+        trainer.validate_checkpoint(tensors, meta)
+        return where, tensors, meta
+    return ckpt.latest_checkpoint(where, validate=trainer.validate_checkpoint)
+
+
+def _note_schedule(trainer, meta):
+    """When the learning rate from the resumed step on is not the checkpoint's run's (--change-schedule, a
+    new train.max_steps), the log says how it moves and what the schedule now is."""
+    step, schedule = trainer.step, trainer.schedule
+    try:
+        saved = make_schedule(make_config({s: meta["config"][s] for s in ("model", "train")}).train)
+    except (KeyError, TypeError, UserError):
+        return
+    before, now = saved.lr(step), schedule.lr(step)
+    if saved.describe() != schedule.describe():
+        trainer.world.log(f"note: the schedule was {saved.describe()}; it is now {schedule.describe()}. The "
+                          f"learning rate of step {step + 1} is {now:.2e} ({before:.2e} under the old one)")
 
 
 def share_state(trainer):

@@ -5,13 +5,10 @@ composition) build their rules from these; andrea.experiments.paired holds the s
 
 from __future__ import annotations
 
-import contextlib
 import io
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 from andrea.experiments import paired
@@ -154,29 +151,18 @@ def logged(records, key, kind):
     return [(s, records[s][key]) for s in sorted(records) if isinstance(records[s].get(key), kind)]
 
 
-def all_records(path):
-    """Every record of a metrics.jsonl, the steps the non-finite guard skipped included (read_metrics
-    leaves those out); a line cut short is passed over, a missing file gives none."""
-    records = []
-    with contextlib.suppress(OSError):
-        for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                r = json.loads(line)
-                if isinstance(r, dict):
-                    records.append(r)
-    return records
-
-
 def probe_counts(run_dir):
     """The run's parameter count and the first step its non-finite guard skipped (None: none did)."""
     from andrea.config import make_config
     from andrea.model.transformer import parameter_breakdown
-    from andrea.run.runlog import read_metrics, read_saved_config
+    from andrea.run.metrics import by_step, read_records
+    from andrea.run.runlog import read_saved_config
 
     cfg = make_config(read_saved_config(run_dir))
-    # read_metrics leaves the skipped steps out: their records are read here
-    first_bad = next((r.get("step") for r in all_records(run_dir / "metrics.jsonl") if r.get("skipped")), None)
-    flows = logged(read_metrics(run_dir / "metrics.jsonl"), "grad_flow", dict)
+    records = read_records(run_dir / "metrics.jsonl", strict=True)
+    # by_step leaves the skipped steps out: their records are read here
+    first_bad = next((r.get("step") for r in records if r.get("skipped")), None)
+    flows = logged(by_step(records), "grad_flow", dict)
     stream = max((v for _, f in flows[-1:] for v in f["stream_rms"] if v is not None), default=math.nan)
     return {"params": parameter_breakdown(cfg.model)["total"], "n_layer": cfg.model.n_layer,
             "first_nonfinite": first_bad, "stream_rms_last": stream}

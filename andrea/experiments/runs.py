@@ -15,7 +15,7 @@ from pathlib import Path
 
 from andrea.errors import UserError
 from andrea.experiments import EXPERIMENTS, lock, page
-from andrea.experiments.base import all_records, logged
+from andrea.experiments.base import logged
 from andrea.experiments.report import draw, report, save_results
 from andrea.run.figure import require_matplotlib
 from andrea.run.gradflow import check_flow, embedding_ratio
@@ -256,16 +256,15 @@ def arm_state(run_dir: Path, sets: list, quiet: bool = False) -> str:
 def finished(run_dir: Path) -> bool:
     """Whether run_dir holds a run that trained to its train.max_steps, or that the non-finite guard
     stopped (its last train.max_bad_steps records skipped steps): trained again, it would stop again."""
-    from andrea.run.runlog import read_metrics
+    from andrea.run.metrics import by_step, read_records
 
     try:
         train_cfg = json.loads((run_dir / "config.json").read_text())["train"]
-        if max(read_metrics(run_dir / "metrics.jsonl"), default=0) == train_cfg["max_steps"]:
+        records = read_records(run_dir / "metrics.jsonl", strict=True)
+        if max(by_step(records), default=0) == train_cfg["max_steps"]:
             return True
-        lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8", errors="replace").split("\n")
-        records = [json.loads(x) for x in lines if x.strip()]
         skipped = {r["step"] for r in records if r.get("skipped")}
-        last = max((r["step"] for r in records), default=0)
+        last = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
         bad = train_cfg["max_bad_steps"]
         return last >= bad and all(last - k in skipped for k in range(bad))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UserError):
@@ -280,9 +279,9 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
     at step 160 and came back to 7.27 by step 800, which the first rules read as a run that trained,
     only short. No run of the other experiments rises that far: the depth probe's stacks without
     skips, the nearest, stay within 0.23 nats of their first loss, and their reports are unchanged.)"""
-    from andrea.run.runlog import read_metrics
+    from andrea.run.metrics import by_step, read_records
 
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else {}
+    records = by_step(read_records(run_dir / "metrics.jsonl", strict=True))
     losses = logged(records, "loss", (int, float))
     vals = logged(records, "val_loss", (int, float))
     where = run_dir / "metrics.jsonl"
@@ -308,7 +307,9 @@ def summarise(run_dir: Path, arm: str, seed: int, code: int, target: float | Non
 def _last_step(path):
     """The last step metrics.jsonl has a record of, a step the non-finite guard skipped included; None
     without one."""
-    return max((r["step"] for r in all_records(path) if isinstance(r.get("step"), int)), default=None)
+    from andrea.run.metrics import read_records
+
+    return max((r["step"] for r in read_records(path) if isinstance(r.get("step"), int)), default=None)
 
 
 def _saved(run_dir):

@@ -346,12 +346,15 @@ def _checkpoint_dirs(out_dir) -> list[Path]:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = []
-    for path in out_dir.iterdir():
-        match = _NAME.fullmatch(path.name)
-        if match and path.name == f"ckpt-{int(match[1]):08d}" and path.is_dir():
-            found.append((int(match[1]), path))
+    found = [(int(path.name[5:]), path) for path in out_dir.iterdir()
+             if is_checkpoint_name(path.name) and path.is_dir()]
     return [path for _, path in sorted(found, reverse=True)]
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether `name` is the name save_checkpoint gives a checkpoint directory (ckpt-NNNNNNNN)."""
+    match = _NAME.fullmatch(name)
+    return bool(match) and name == f"ckpt-{int(match[1]):08d}"
 
 
 def latest_checkpoint(out_dir, validate: Validate | None = None,

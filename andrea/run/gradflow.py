@@ -74,12 +74,12 @@ def embedding_ratio(flow: dict) -> float:
 
 def read_flow(run_dir) -> list[tuple[int, dict]]:
     """[(step, grad_flow record)] of a run, in step order; a UserError when it has none."""
-    from andrea.run.runlog import read_metrics
+    from andrea.run.metrics import by_step, read_records
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"{path} does not exist: give the --out directory of a training run")
-    records = sorted(read_metrics(path).items())
+    records = sorted(by_step(read_records(path, strict=True)).items())
     flows = [(step, check_flow(r["grad_flow"], f"{path} step {step}")) for step, r in records
              if isinstance(r.get("grad_flow"), dict)]
     if not flows:

@@ -47,6 +47,8 @@ from andrea.errors import UserError
 from andrea.model.transformer import parameter_breakdown
 from andrea.run import distributed as dist
 from andrea.run.paths import check_directory, check_output_file  # noqa: F401 (check_output_file: the commands')
+from andrea.run.schedule import make_schedule
+from andrea.run.sinks import check_installed
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
@@ -252,7 +254,7 @@ class Plan:
             ("memory", memory),
             ("tokens/step", f"{tokens:,} (batch {t.batch_size} x {T} tokens x {accum} micro-batch"
                             f"{'es' if accum != 1 else ''}{each}{ranks})"),
-            ("schedule", f"{t.max_steps:,} steps, warmup {t.warmup_steps}, lr {t.lr:g} -> {t.min_lr:g}"),
+            ("schedule", make_schedule(t).describe()),
             ("data", self.data),
             ("output", str(self.out_dir)),
         ]
@@ -285,6 +287,7 @@ def check(cfg, out_dir, processes=1, init_from=None, warn=None, tokenizer=None, 
         (warn or files.warn)(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
                         f"learning rate rises to {peak:.2e} at the last step and never reaches train.lr "
                         f"({t.lr:g}); --set train.warmup_steps={t.max_steps // 10} gives warmup then decay")
+    check_installed(t.log_to)
     if t.sample_tokens > 0 and not t.sample_prompt:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
     mem = estimate_memory(cfg)

@@ -47,6 +47,7 @@ MARKER = ".andrea"
 KINDS = {"run": "andrea.train", "export": "andrea.export"}
 # what each kind writes; any of these in an unmarked directory is another program's file
 RUN_FILES = ("config.json", "tokenizer.json", "metrics.jsonl", "loss.png")
+RUN_DIRS = ("tensorboard", "wandb")  # the metrics sinks' (andrea.run.sinks), when train.log_to has them
 EXPORT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                 "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 _FILES = {"run": RUN_FILES, "export": EXPORT_FILES}
@@ -86,6 +87,7 @@ def _written_by(kind: str, directory: Path) -> list[str]:
     names = [name for name in _FILES[kind] if (directory / name).exists()]
     if kind == "run":
         names += [p.name for p in ckpt.list_checkpoints(directory)]
+        names += [name for name in RUN_DIRS if (directory / name).is_dir()]
     return names
 
 
@@ -207,6 +209,8 @@ def claim(directory, kind: str, resume: bool = False, overwrite: bool = False, s
                 shutil.rmtree(path)
             for name in RUN_FILES:
                 (directory / name).unlink(missing_ok=True)
+            for name in RUN_DIRS:
+                shutil.rmtree(directory / name, ignore_errors=True)
         marker = {"kind": kind, "written_by": KINDS[kind], "pid": os.getpid()}
         if source is not None:
             marker["source"] = _source(source)

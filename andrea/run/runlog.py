@@ -1,6 +1,6 @@
-"""A run directory that tells one story: its metrics and its last words (andrea.run.rundir claims it).
+"""A run directory that tells one story: its metrics and its last words (andrea.run.rundir claims it;
+andrea.run.metrics writes metrics.jsonl, surviving a full disk).
 
-    metrics = MetricsFile(out_dir / "metrics.jsonl")          # writes that survive a full disk
     drop_rows_after(out_dir / "metrics.jsonl", step, ...)     # on resume: each step once
     code = final_checkpoint_check(out_dir, step, last, code)  # non-zero when the last save failed
 
@@ -13,7 +13,6 @@ appends the resume event.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -25,6 +24,7 @@ from pathlib import Path
 from andrea.errors import UserError
 from andrea.files import atomic_writer, warn
 from andrea.run import checkpoint as ckpt
+from andrea.run.metrics import read_records
 
 EXIT_SAVE_FAILED = 4
 PROGRESS_AFTER_S = 5.0  # a step slower than this shows its micro-batches
@@ -33,81 +33,11 @@ _STALE_TMP = re.compile(r"^\..+\.(\d+)\.tmp$")  # andrea.files.atomic_writer's s
 
 # ----------------------------------------------------------------------------------------------- metrics
 
-class MetricsFile:
-    """Appends lines to metrics.jsonl; a failed write (full disk, ...) is a warning, not the end.
-
-    Same calls as the text file it replaces (write, flush, close). Lines are kept until flush and
-    written with os.write on an O_APPEND descriptor, so a failure loses at most those lines; a
-    line cut short by a full disk is ended before the next one, and readers skip it.
-    """
-
-    def __init__(self, path):
-        self.path = Path(path)
-        self.pending: list[str] = []
-        self.cut_short = False
-        self.failures = 0
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, text: str) -> None:
-        self.pending.append(text)
-
-    def flush(self) -> None:
-        data, self.pending = "".join(self.pending), []
-        if not data:
-            return
-        try:
-            if self.cut_short:
-                _write(self.fd, b"\n")
-                self.cut_short = False
-            raw = data.encode()
-            written = _write(self.fd, raw)
-            if written < len(raw):
-                self.cut_short = True
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        except OSError as e:
-            self.failures += 1
-            if self.failures == 1 or self.failures % 100 == 0:
-                warn(f"writing {self.path} failed ({e.strerror or e}); training goes on, these metrics are "
-                     f"lost ({self.failures} failed write{'s' if self.failures != 1 else ''} so far)")
-
-    def close(self) -> None:
-        self.flush()
-        os.close(self.fd)
-
-    def __enter__(self) -> MetricsFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _write(fd: int, data: bytes) -> int:
-    """The one place metrics reach the disk (a test makes it fail as a full disk would)."""
-    return os.write(fd, data)
-
-
-def read_rows(path) -> list[dict]:
-    """The complete JSON objects of a metrics file (a line cut short by a crash is skipped)."""
-    rows = []
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return rows
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def drop_rows_after(path, step: int, checkpoint) -> int:
     """Rewrites metrics.jsonl without the rows after `step`, plus a resume event; returns how many
     rows were dropped. Atomic: a crash leaves the old file or the new one, never a mix."""
     path = Path(path)
-    rows = read_rows(path)
+    rows = read_records(path)
     kept = [r for r in rows if not (isinstance(r.get("step"), int) and r["step"] > step)]
     event = {"event": "resume", "at_step": step, "checkpoint": str(checkpoint),
              "dropped_rows": len(rows) - len(kept), "time": time.time()}
@@ -226,24 +156,3 @@ class MicroBatchProgress:
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
-
-
-def read_metrics(path: Path) -> dict[int, dict]:
-    """{step: record}, the last record of a step winning (a resumed run repeats the steps after its
-    last checkpoint); skipped non-finite steps are left out. A line cut short (the start of a JSON
-    object, which a crash or a full disk leaves; metrics.jsonl's writer ends it before the next
-    line) is ignored wherever it is; any other line that is not JSON means it is not a metrics file."""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    per_step = {}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except ValueError:
-            if line.lstrip().startswith("{"):
-                continue
-            raise UserError(f"{path} line {n} is not JSON: is it a metrics file of andrea.train?") from None
-        if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped"):
-            per_step[r["step"]] = r
-    return per_step

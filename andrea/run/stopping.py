@@ -6,7 +6,6 @@ skips it); the guard counts them and ends the run (EXIT_NONFINITE) after max_bad
 (EXIT_INTERRUPTED).
 """
 
-import json
 import math
 import signal
 
@@ -32,7 +31,7 @@ class NonFiniteGuard:
         loss, norm = float(loss), float(norm)
         self.in_a_row += 1
         self.total += 1
-        metrics.write(json.dumps({"step": step, "loss": _num(loss), "grad_norm": _num(norm), "skipped": True}) + "\n")
+        metrics.log({"step": step, "loss": _num(loss), "grad_norm": _num(norm), "skipped": True})
         self.world.note(f"warning: step {step}: non-finite loss {loss} or gradient norm {norm}; update skipped "
                         f"({self.in_a_row} in a row, {self.total} in total)")
         return self.in_a_row < self.max_in_a_row

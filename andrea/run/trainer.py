@@ -3,20 +3,19 @@ as a whole (`Trainer`), and its loop.
 
 The loop (`Trainer.run`), per optimizer step: accumulate gradients over micro-batches, check the
 loss and gradient norm are finite (andrea.run.stopping.NonFiniteGuard: a non-finite step applies no
-update, too many in a row end the run), clip by global norm, set the learning rate (warmup then
-cosine) and take an AdamW step; log a line every log_interval steps and evaluate every
-eval_interval (andrea.run.throughput.Throughput: tokens/s, MFU and the ETA from the time of training
-steps alone); vote on stopping (StopVote: Ctrl-C or SIGTERM on any rank stops all after the same
-step); write a crash-safe checkpoint (weights, optimizer moments, data-loader and random states,
-config) every checkpoint_interval steps, at the end and when stopping, and say how to resume.
+update, too many in a row end the run), clip by global norm, take the learning rate from the
+schedule the Trainer is handed (andrea.run.schedule) and an AdamW step; log a line every
+log_interval steps and evaluate every eval_interval (andrea.run.throughput.Throughput: tokens/s, MFU
+and the ETA from the time of training steps alone); vote on stopping (StopVote: Ctrl-C or SIGTERM
+on any rank stops all after the same step); write a crash-safe checkpoint (weights, optimizer
+moments, data-loader and random states, config) every checkpoint_interval steps, at the end and when
+stopping, and say how to resume.
 
 Under mpiexec each rank takes its share of every step's windows and the gradients are summed across
 ranks once per step (andrea.run.distributed); rank 0 alone prints, writes metrics and checkpoints.
 """
 
-import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -29,20 +28,23 @@ from andrea.model.optim import AdamW
 from andrea.model.transformer import ANDREA, flops_per_token
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
-from andrea.run import gradflow, preflight, runlog
+from andrea.run import gradflow, preflight
+from andrea.run.metrics import open_metrics
 from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
+from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, NonFiniteGuard, StopVote
 from andrea.run.throughput import Throughput
 from minitensor.device import GPUUnavailable, set_tf32, to_numpy
-from minitensor.optim import cosine_lr
 
 
 class Trainer:
     """One training run: the model, optimizer, data and bookkeeping, checkpointable as a whole."""
 
-    def __init__(self, cfg, out_dir, tokens, val_tokens, tokenizer, world=None, init_from=None):
-        """`init_from`: a GPT-2 directory (save_pretrained's) whose weights the model starts from."""
+    def __init__(self, cfg, out_dir, tokens, val_tokens, tokenizer, world=None, init_from=None, schedule=None):
+        """`init_from`: a GPT-2 directory (save_pretrained's) whose weights the model starts from;
+        `schedule`: the learning rate of each step (andrea.run.schedule; default: the one cfg.train names)."""
         self.cfg, self.out_dir = cfg, Path(out_dir)
+        self.schedule = schedule or make_schedule(cfg.train)
         self.world = world = world or dist.Single()
         t = cfg.train
         device = preflight.train_device(t.device)  # "auto" lets $ANDREA_DEVICE decide
@@ -180,13 +182,13 @@ class Trainer:
     def run(self, stop_at_step=None):
         """Trains to max_steps (or stop_at_step); returns the exit code."""
         t = self.cfg.train
-        # a failed write (full disk) warns and training goes on
-        path = self.out_dir / "metrics.jsonl" if self.world.is_main else os.devnull
-        with runlog.MetricsFile(path) as self.metrics, StopVote(self.world, self) as vote:
+        # rank 0 alone writes metrics; a failed write (full disk) warns and training goes on
+        with open_metrics(self.out_dir, self.cfg, self.world, self.step) as self.metrics, \
+                StopVote(self.world, self) as vote:
             meter = self.meter = self._throughput_meter()
             while self.step < t.max_steps:
                 # the step: forward and backward over the micro-batches, one AdamW update
-                lr = cosine_lr(self.step, t.lr, t.min_lr, t.warmup_steps, t.max_steps)
+                lr = self.schedule.lr(self.step)
                 meter.start()
                 with gradflow.recording(self.model, self.step + 1, t) as flow:  # None unless a logged step
                     loss, norm, applied = self.train_step(lr)
@@ -266,7 +268,7 @@ class Trainer:
         if record and flow:
             record["grad_flow"] = flow.as_dict()
         if record:
-            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.log(record)
             self.metrics.flush()
 
     def _checkpoint_or_warn(self):

@@ -94,18 +94,18 @@ def test_after_training_says_where_or_why_not(tmp_path, monkeypatch):
 
 def test_a_line_cut_short_by_a_full_disk_is_skipped_wherever_it_is(tmp_path, monkeypatch):
     """metrics.jsonl's own writer, given a full disk once, leaves a cut line in the middle of the file."""
-    from andrea.run import runlog
+    from andrea.run import metrics as run_metrics
     run = fake_run(tmp_path, "a", [])
-    real, calls = runlog._write, []
+    real, calls = run_metrics._write, []
 
     def full_once(fd, data):
         calls.append(1)
         return real(fd, data[:10]) if len(calls) == 2 else real(fd, data)
 
-    monkeypatch.setattr(runlog, "_write", full_once)
-    metrics = runlog.MetricsFile(run / "metrics.jsonl")
+    monkeypatch.setattr(run_metrics, "_write", full_once)
+    metrics = run_metrics.JsonlSink(run / "metrics.jsonl")
     for record in ({"step": 1, "loss": 9.0}, {"step": 2, "loss": 8.0}, {"step": 3, "loss": 7.0}):
-        metrics.write(json.dumps(record) + "\n")
+        metrics.log(record)
         metrics.flush()
     metrics.close()
     lines = (run / "metrics.jsonl").read_text().splitlines()

@@ -89,12 +89,15 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, data_dir):
-    """The straight 2-process run, with each rank's weight hashes after every step."""
+    """The straight 2-process run, with each rank's weight hashes after every step, logging to
+    TensorBoard too (which rank 0 alone writes)."""
     require("mpi4py")
+    require("tensorboardX")
     tmp = tmp_path_factory.mktemp("dp2")
     out, hashes = tmp / "run", tmp / "hashes"
     hashes.mkdir()
-    r = run(["--config", str(config(tmp, data_dir)), "--out", str(out)], faults=["--hashes", str(hashes)])
+    r = run(["--config", str(config(tmp, data_dir, log_to=["tensorboard"])), "--out", str(out)],
+            faults=["--hashes", str(hashes)])
     assert r.returncode == 0, r.stderr
     return SimpleNamespace(out=out, hashes=hashes, stdout=r.stdout, stderr=r.stderr)
 
@@ -119,8 +122,10 @@ def test_two_processes_train_the_model_one_process_trains(tmp_path, data_dir, tw
           f"|weight diff| {weight_diff:.3g}")
     assert loss_diff < LOSS_TOL and val_diff < LOSS_TOL and bpb_diff < LOSS_TOL and weight_diff < WEIGHT_TOL
     assert a[-1]["loss"] < a[0]["loss"]  # it learns, so equal losses are not two dead runs
-    # only rank 0 wrote: one checkpoint per interval, and the format does not depend on N
+    # only rank 0 wrote: one checkpoint per interval (the format does not depend on N), one
+    # metrics.jsonl row per step, one TensorBoard event file
     assert [p.name for p in ckpt.list_checkpoints(two_ranks.out)] == ["ckpt-00000006", "ckpt-00000003"]
+    assert len(list((two_ranks.out / "tensorboard").glob("events.out.tfevents.*"))) == 1
     assert set(wa) == set(wb)
 
 

@@ -111,6 +111,15 @@ RULES = [
      Elsewhere("tests/app/test_sources.py", "def test_a_jsonl_corpus_prepares_then_trains_as_a_user_runs_it")),
     (r"python -m andrea\.train --out out/web --set data\.inputs=web\.jsonl --set data\.text_field=text",
      Elsewhere("tests/app/test_sources.py", "def test_a_jsonl_corpus_prepares_then_trains_as_a_user_runs_it")),
+    # a wsd trunk of 10,000 steps and its branch: that test runs the same two commands on a small model
+    (r"python -m andrea\.train (--set train\.schedule=wsd --max-steps|--resume-from \S+ --out \S+ --max-steps) .*",
+     Elsewhere("tests/e2e/test_schedule_branch.py", "def test_a_wsd_decay_branched_from_a_stable_checkpoint")),
+    # the metrics sinks: that test trains with both (W&B offline) and reads back what each wrote
+    (r"(WANDB_MODE=offline )?python -m andrea\.train --set train\.log_to=\S+ --out out/\w+",
+     Elsewhere("tests/e2e/test_metrics_sinks.py", "def test_tensorboard_and_wandb_hold_what_metrics_jsonl_holds")),
+    (r"tensorboard --logdir \S+",  # a server that runs until stopped; that test reads its files with its reader
+     Elsewhere("tests/e2e/test_metrics_sinks.py", "EventAccumulator")),
+    (r"wandb sync \S+", "uploads to W&B: needs a network and an account"),
 ]
 
 

@@ -25,6 +25,7 @@ from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.data.manifest import split_counts
 from andrea.run import checkpoint as ckpt
+from andrea.run import metrics as run_metrics
 from andrea.run import preflight, runlog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def one_line_error(err):
 
 
 def steps(out):
-    return [r["step"] for r in runlog.read_rows(Path(out) / "metrics.jsonl") if "step" in r]
+    return [r["step"] for r in run_metrics.read_records(Path(out) / "metrics.jsonl") if "step" in r]
 
 
 # ----------------------------------------------------------------------------------------------- pre-flight
@@ -156,7 +157,7 @@ def test_andrea_device_for_sample_and_bench(tmp_path, monkeypatch, capsys):
 # ----------------------------------------------------------------------------------------------- full disk
 
 def test_metrics_writes_on_a_full_disk_warn_and_training_goes_on(tmp_path, data_dir, monkeypatch, capsys):
-    real = runlog._write
+    real = run_metrics._write
     state = {"n": 0}
 
     def full_after_three(fd, data):
@@ -165,7 +166,7 @@ def test_metrics_writes_on_a_full_disk_warn_and_training_goes_on(tmp_path, data_
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data)
 
-    monkeypatch.setattr(runlog, "_write", full_after_three)
+    monkeypatch.setattr(run_metrics, "_write", full_after_three)
     out = tmp_path / "run"
     assert run_main(["--config", str(small_config(tmp_path, data_dir)), "--out", str(out)]) == 0
     captured = capsys.readouterr()
@@ -315,7 +316,7 @@ def test_after_a_resume_each_step_is_in_the_metrics_once(tmp_path, data_dir, cap
     shutil.rmtree(out / "ckpt-00000006")  # as if killed before step 6's save: steps 5-6 are redone
     assert run_main(["--out", str(out), "--resume"]) == 0
     assert "dropped 2 metrics rows" in capsys.readouterr().out
-    rows = runlog.read_rows(out / "metrics.jsonl")
+    rows = run_metrics.read_records(out / "metrics.jsonl")
     assert steps(out) == list(range(1, 9))
     events = [r for r in rows if r.get("event") == "resume"]
     assert len(events) == 1 and events[0]["at_step"] == 4 and events[0]["dropped_rows"] == 2

@@ -184,6 +184,7 @@ ONE_CONCERN = {
     "minitensor/backends/cupy_ops.py": (412, "the CuPy backend: each Ops override beside its kernel call"),
     "andrea/interop/hf.py": (411, "the Hugging Face GPT-2 format, both directions"),
     "andrea/bench.py": (402, "the benchmark command"),
+    "andrea/config.py": (408, "the config: its three sections and their checks, read from YAML and --set"),
 }
 
 

@@ -1,0 +1,131 @@
+"""The optional sinks of a run's metrics, each an extra that train.log_to turns on (none by default):
+
+    python -m andrea.train --set train.log_to=tensorboard,wandb
+
+Each takes every record andrea.run.metrics.Metrics hands it (on rank 0 alone) and plots its finite
+numbers (`scalars`: a record's keys as tags, nested ones joined with "/") at the record's step: the
+values metrics.jsonl holds, TensorBoard's as float32.
+
+- **tensorboard** (`pip install -e '.[tensorboard]'`: tensorboardX writes, TensorBoard reads): event
+  files in OUT/tensorboard/, for `tensorboard --logdir OUT/tensorboard`. A resume from step S opens a
+  new event file that starts with a SessionLog START at step S + 1 (tensorboardX's purge_step), which
+  tells TensorBoard to hide the earlier files' events from that step on: the steps the interrupted
+  run logged after its checkpoint, which the resumed run logs again (metrics.jsonl drops them too).
+- **wandb** (`pip install -e '.[wandb]'`): a W&B run named after OUT, its files in OUT/wandb/; online,
+  or with WANDB_MODE=offline on disk alone (`wandb sync OUT/wandb/offline-run-*` uploads it later).
+  W&B never rewrites a step it holds, so a resume continues the same W&B run (its id and the last
+  step logged to it are kept in OUT/wandb/andrea-run.json) and leaves out the steps up to that one:
+  those between the checkpoint and the interruption keep the interrupted run's values (on the CPU,
+  the same bits). A branch (--resume-from) into a new --out is a new W&B run. W&B does not capture
+  the console (console="off"): the log is andrea's own. WANDB_PROJECT names the project (default andrea).
+
+A new sink: a class here (`name`, `__init__(out_dir, cfg, start_step)`, `log(record)`, `flush()`,
+`close()`, `module` and `extra`: what it imports and the pyproject.toml extra that installs it),
+its entry in SINKS, and a test that reads back what it wrote.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import secrets
+from pathlib import Path
+
+from andrea.errors import UserError
+from andrea.files import atomic_writer
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The finite numbers of a record but its step, by tag: nested values joined with "/"
+    ({"grad_flow": {"grad_in": [0.1, ...]}} -> "grad_flow/grad_in/0"); flags and text left out."""
+    out = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(f"{prefix}/{i}", v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[prefix] = value
+
+    walk("", {k: v for k, v in record.items() if k != "step"})
+    return out
+
+
+class TensorBoardSink:
+    name, module, extra = "tensorboard", "tensorboardX", "tensorboard"
+
+    def __init__(self, out_dir: Path, cfg, start_step: int):
+        from tensorboardX import SummaryWriter
+
+        # a file name of its own: tensorboardX names a file by the second and the host, so two writers
+        # opened within one second (a quick resume) would write one file
+        self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None,
+                                    filename_suffix=f".{os.getpid()}.{secrets.token_hex(3)}")
+
+    def log(self, record: dict) -> None:
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    name, module, extra = "wandb", "wandb", "wandb"
+
+    def __init__(self, out_dir: Path, cfg, start_step: int):
+        import wandb
+
+        self.state_path = out_dir / "wandb" / "andrea-run.json"
+        state = _read_state(self.state_path) if start_step else {}
+        self.run_id = state.get("id") or secrets.token_hex(4)  # W&B's ids: 8 lowercase letters and digits
+        self.seen = self.last_step = int(state.get("last_step", 0))  # W&B holds the steps up to this one
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "andrea", name=out_dir.resolve().name,
+                              dir=str(out_dir), id=self.run_id, resume="allow", config=cfg.to_dict(),
+                              settings=wandb.Settings(console="off"))
+        self._save_state()
+
+    def log(self, record: dict) -> None:
+        if record["step"] > self.seen:
+            self.run.log(scalars(record), step=record["step"])
+            self.last_step = max(self.last_step, record["step"])
+
+    def flush(self) -> None:
+        self._save_state()
+
+    def close(self) -> None:
+        self._save_state()
+        self.run.finish()
+
+    def _save_state(self) -> None:
+        with atomic_writer(self.state_path) as f:
+            f.write(json.dumps({"id": self.run_id, "last_step": self.last_step}).encode())
+
+
+def _read_state(path: Path) -> dict:
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+SINKS = {cls.name: cls for cls in (TensorBoardSink, WandbSink)}
+
+
+def check_installed(names) -> None:
+    """A UserError naming the extra to install when a sink of train.log_to cannot import its library."""
+    for name in names:
+        sink = SINKS[name]
+        if importlib.util.find_spec(sink.module) is None:
+            raise UserError(f"train.log_to has {name}, whose library ({sink.module}) is not installed: "
+                            f"pip install -e '.[{sink.extra}]', or leave {name} out of train.log_to")
