@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import reference as F
 import strategies as S
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from markers import needs_cxx, needs_nvrtc
 
@@ -621,6 +621,7 @@ def test_gpu_causal_softmax(cupy, BH, T, dtype, scale, seed):
 @given(BH=st.integers(1, 3), T=st.integers(1, 130), hs=st.sampled_from([16, 32, 48, 64]), dtype=dtypes,
        seed=S.seeds)
 def test_gpu_flash_attention(cupy, BH, T, hs, dtype, seed):
+    assume(attention.flash_fits(hs, dtype))  # heads of 48 and 64 are float32's only
     rng = np.random.default_rng(seed)
     q, k, v, dy = (normal(rng, (BH, T, hs), dtype) for _ in range(4))
     scale = 1.0 / np.sqrt(hs)
