@@ -169,22 +169,20 @@ def test_every_section_of_the_kernel_files_is_a_registered_kernel():
         cuda.cu_code("layernorm.cu", "layernorm_fwdx")
 
 
-def test_the_kernels_folder_lists_each_piece_in_the_order_the_registry_fills():
-    """kernels/__init__.py names every module of the folder, each beside its .cu, in the order
-    cupy_ops imports them: the order of the fused pieces' records (the kernels line's) and of
-    every kernel's registration."""
-    import re
-
+def test_the_kernels_folder_is_loaded_whole_in_the_order_of_its_names():
+    """kernels.load imports every module of the folder (each beside its .cu) in the order of their
+    names, and every kernel is registered by the module of its .cu; the fused pieces come in the order
+    of their names (the kernels line's), whichever module a process imported first."""
     from minitensor.backends import fused_pieces, kernels
 
-    listed = re.findall(r"^    (\w+) +\S", kernels.__doc__, re.M)
     modules = sorted(p.stem for p in cuda.KERNEL_DIR.glob("*.py") if p.stem != "__init__")
-    assert sorted(listed) == modules and all((cuda.KERNEL_DIR / f"{m}.cu").exists() for m in modules)
-    declared = [piece.sample.__module__.rsplit(".", 1)[1] for piece in fused_pieces().values()]
-    assert declared == [m for m in listed if m in declared]
-    registered = [spec.file[:-3] for spec in all_kernels().values()]
-    assert sorted(set(registered)) == modules
-    assert [m for m in listed if m in registered] == list(dict.fromkeys(registered))
+    assert kernels.load() == tuple(modules) and all((cuda.KERNEL_DIR / f"{m}.cu").exists() for m in modules)
+    assert all(f"minitensor.backends.kernels.{m}" in sys.modules for m in modules)
+    assert sorted({spec.file[:-3] for spec in all_kernels().values()}) == modules
+    for spec in all_kernels().values():  # declared beside its source: kernels/NAME.py for NAME.cu
+        module = sys.modules[f"minitensor.backends.kernels.{spec.file[:-3]}"]
+        assert any(value is spec for value in vars(module).values()), spec.name
+    assert list(fused_pieces()) == sorted(fused_pieces())
 
 
 def test_the_wheel_packs_every_kernel_file():

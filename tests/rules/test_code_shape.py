@@ -193,7 +193,6 @@ LONG_MODULES = {
     "andrea/data/tokenizer.py": "the byte-level BPE tokenizer: its id layout, encode and decode",
     "minitensor/backends/cuda.py": "the kernel registry: specs, records, the sizes they run at, the .cu files",
     "andrea/run/distributed.py": "data parallelism: MPI start-up and scalars, NCCL gradients",
-    "minitensor/backends/cupy_ops.py": "the CuPy backend: each Ops override beside its kernel call",
     "andrea/interop/hf.py": "the Hugging Face GPT-2 format, both directions",
     "andrea/bench.py": "the benchmark command",
 }
