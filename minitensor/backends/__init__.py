@@ -5,8 +5,8 @@
 
     ops.py            Ops: every piece in its plainest form, the reference the others are checked against
     softmax.py        the row softmax every softmax runs
-    numpy_ops.py      NumpyOps: the CPU, work over threads; numba_kernels.py its compiled kernels,
-                      numba_jit.py how they compile (or not, without numba)
+    numpy_ops.py      NumpyOps: the CPU, work over threads; cpu/ each piece's NumPy code and compiled
+                      kernels, numba_jit.py how they compile (or not, without numba)
     cupy_ops.py       CupyOps: the GPU, CUDA kernels chosen by the start-up self-check
                       (minitensor.checks.selfcheck); cuda.py their registry and launches,
                       kernels/ each kernel's CUDA source (.cu) beside its spec, wrapper and record (.py)
