@@ -30,7 +30,7 @@ import time
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.errors import UserError
-from andrea.model.transformer import format_breakdown
+from andrea.model.sizes import format_breakdown
 from andrea.plot import plot_after_training
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist

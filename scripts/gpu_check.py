@@ -423,7 +423,7 @@ class _KernelInputs:
 
     def __init__(self, xp, dry):
         from andrea.config import load_config
-        from andrea.model.transformer import param_shapes
+        from andrea.model.sizes import param_shapes
         from minitensor.backends.blocked import BlockedOps
 
         if dry:
@@ -711,7 +711,7 @@ class _TrainingSteps:
 def _bench_result(training, cfg, mode, times, final_loss, dry):
     """The benchmark's figures: speed, FLOP/s and MFU against the datasheet peaks and the measured
     matmul peak, the step split, and memory (the GPU's pool and device, or the process's RSS)."""
-    from andrea.model.transformer import flops_per_token
+    from andrea.model.sizes import flops_per_token
     from andrea.run.perf import matmul_peak_flops, peak_rss_bytes
 
     xp, pool = training.xp, training.pool
@@ -737,7 +737,7 @@ def _bench_result(training, cfg, mode, times, final_loss, dry):
 
 
 def _log_bench(result, cfg, xp, tf32):
-    from andrea.model.transformer import flops_per_token
+    from andrea.model.sizes import flops_per_token
     from andrea.run.perf import peak_label
 
     T, n_params = result["seq_len"], result["parameters"]

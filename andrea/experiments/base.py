@@ -170,7 +170,7 @@ def all_records(path):
 def probe_counts(run_dir):
     """The run's parameter count and the first step its non-finite guard skipped (None: none did)."""
     from andrea.config import make_config
-    from andrea.model.transformer import parameter_breakdown
+    from andrea.model.sizes import parameter_breakdown
     from andrea.run.runlog import read_metrics, read_saved_config
 
     cfg = make_config(read_saved_config(run_dir))

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from andrea.config import load_config
-from andrea.model.transformer import param_shapes
+from andrea.model.sizes import param_shapes
 from minitensor.backends import get_ops
 from minitensor.layers.embedding import Embedding
 from minitensor.layers.gelu import GELU

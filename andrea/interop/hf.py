@@ -6,7 +6,7 @@
     tok = load_tokenizer("export/")                   # andrea.data.tokenizer: andrea's tokenizer.json or a HF one
 
 andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv1D (in, out) layout
-(andrea.model.transformer.param_shapes), so the weights are copied name for name. What this module adds:
+(andrea.model.sizes.param_shapes), so the weights are copied name for name. What this module adds:
 
 - the configuration: n_positions <-> context_length, n_embd <-> d_model, n_inner <-> mlp_dim,
   layer_norm_epsilon <-> ln_eps; what GPT-2's configuration can say and andrea cannot compute

@@ -49,7 +49,8 @@ import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.errors import UserError
-from andrea.model.transformer import ANDREA, flops_per_token
+from andrea.model.sizes import flops_per_token
+from andrea.model.transformer import ANDREA
 from andrea.run.pricing import COUNTS, DRIVERS, H200, LAUNCHES, op_seconds, write_counts
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -199,11 +199,11 @@ def test_the_gpu_probe_says_what_is_missing(monkeypatch, broken, reason):
 
 
 def test_the_nccl_allreduce_benchmark_runs_at_one_rank(capsys):
-    from andrea.run import distributed
+    from andrea.run import allreduce
     with standin_cupy():
-        assert distributed.main(["--allreduce-bench", "4096", "--gpu"]) == 0
+        assert allreduce.main(["--bench", "4096", "--gpu"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["backend"] == "NCCL" and result["processes"] == 1 and result["bytes"] == 4 * 4096
+    assert result["transport"] == "NCCL" and result["processes"] == 1 and result["bytes"] == 4 * 4096
 
 
 def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():

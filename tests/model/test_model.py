@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 from andrea import ANDREA, AdamW, ModelConfig
 from andrea.errors import UserError
-from andrea.model.transformer import param_shapes, parameter_breakdown
+from andrea.model.sizes import param_shapes, parameter_breakdown
 from minitensor.checks.gradcheck import check_gradients
 from minitensor.device import to_numpy
 

@@ -13,7 +13,7 @@ from test_model import assert_float32_follows_float64, whole_model_gradient_repo
 from andrea import ANDREA, ModelConfig
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.model.transformer import parameter_breakdown
+from andrea.model.sizes import parameter_breakdown
 from minitensor.device import to_numpy
 
 TINY = dict(vocab_size=13, context_length=8, d_model=6, n_layer=2, n_head=2)

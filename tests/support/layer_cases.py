@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from andrea.model.transformer import MLP
+from andrea.model.block import MLP
 from minitensor.backends import get_ops
 from minitensor.backends.ops import Ops
 from minitensor.device import to_numpy
