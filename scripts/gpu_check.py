@@ -148,10 +148,10 @@ def _one_step(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from andrea.run.perf import synchronize
     from minitensor.device import set_tf32
+    from minitensor.optim import AdamW
 
     full = load_config("tiny" if dry else "120m")
     cfg = dataclasses.replace(full.model, n_layer=1) if dry else full.model
@@ -301,9 +301,9 @@ def part_gradients(dry):
 def _train(cfg, device, dtype, data, kernels=None):
     """Per-step losses, the step-0 gradients {name: float64 NumPy array} (clipping at norm 1) and
     the line that says which kernels ran."""
-    from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from minitensor.device import to_numpy
+    from minitensor.optim import AdamW
 
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
     ops = model.ops
@@ -533,10 +533,10 @@ def part_bench(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from andrea.run.perf import synchronize
     from minitensor.device import set_tf32
+    from minitensor.optim import AdamW
 
     full = load_config("tiny" if dry else "120m")
     cfg = dataclasses.replace(full.model, n_layer=1) if dry else full.model

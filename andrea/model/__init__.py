@@ -4,5 +4,6 @@
                      tied head and the loss; training, inference with a key/value cache, the trace
     block.py         the Block and MLP composites (which own the fusion schedule) and the variants
     sizes.py         every parameter's shape, the count by part derived from them, FLOPs per token
-    optim.py         AdamW given the model: minitensor's flat-buffer AdamW over its Params
+
+Its optimizer is minitensor's AdamW (minitensor.optim), given the model: AdamW(model).
 """

@@ -7,7 +7,7 @@
 
 The residual adds run in the epilogue of each branch's last product, c_fc's bias in the
 activation's pass, and c_proj's input is recomputed in backward instead of kept. A block is built
-from views of the model's flat buffer (minitensor.params) under its GPT-2 names.
+from views of the model's flat buffer (minitensor.flat) under its GPT-2 names.
 """
 
 import math

@@ -6,7 +6,7 @@
     loss = mean cross-entropy(logits, targets)
 
 Parameters carry the key names of a Hugging Face GPT2LMHeadModel state dict, weights stored
-(in, out), all inside one flat buffer (minitensor.params), with the shapes andrea.model.sizes
+(in, out), all inside one flat buffer (minitensor.flat), with the shapes andrea.model.sizes
 writes. Backward runs the blocks in reverse, with the residual joins written out:
 dx = dx + sublayer.backward(dx).
 
@@ -41,10 +41,10 @@ from andrea.errors import UserError
 from andrea.model.block import Block, norm_layer
 from andrea.model.sizes import param_shapes, run_sizes
 from minitensor.backends import get_ops
-from minitensor.device import get_backend, resolve_dtype, to_numpy
+from minitensor.device import get_device, resolve_dtype, to_numpy
+from minitensor.flat import Params
 from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.layers.loss import SoftmaxCrossEntropy
-from minitensor.params import Params
 
 
 class ANDREA:
@@ -56,8 +56,8 @@ class ANDREA:
         (minitensor.backends.get_ops). ops: a minitensor.backends.ops backend to use instead of the device's
         (tests)."""
         self.cfg = cfg
-        self.backend = get_backend(device)
-        self.ops = ops = ops or get_ops(self.backend.xp, kernels, run_sizes(cfg, batch) if batch else None)
+        self.device = get_device(device)
+        self.ops = ops = ops or get_ops(self.device.xp, kernels, run_sizes(cfg, batch) if batch else None)
         self.xp = ops.xp
         self.dtype = resolve_dtype(dtype)
         self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops)

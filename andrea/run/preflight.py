@@ -168,7 +168,7 @@ def available_memory(device: str) -> tuple[int | None, str]:
 
 def memory_device(device: str) -> str:
     """Whose memory a run on `device` fills: "gpu" for gpu, and for auto when a GPU works (the
-    model goes there: minitensor.device.get_backend), else "cpu"."""
+    model goes there: minitensor.device.get_device), else "cpu"."""
     if device == "auto":
         from minitensor.device import gpu_available
 

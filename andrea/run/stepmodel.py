@@ -122,10 +122,10 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     import cupy
 
     from andrea.config import load_config
-    from andrea.model.optim import AdamW
     from andrea.run.trainer import Trainer
     from minitensor import device
     from minitensor.backends import cupy_ops
+    from minitensor.optim import AdamW
 
     if not getattr(cupy, "STANDIN", False):
         raise UserError("the step model records on the CuPy stand-in (tests/support/cupy_standin), not on a real CuPy")
@@ -135,7 +135,7 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     cfg, t = full.model, full.train
     B, T = batch or t.batch_size, seq or cfg.context_length
     accum = micro_batches or max(1, t.tokens_per_step // (B * T))
-    device.get_backend("gpu")  # the GPU probe computes: before recording
+    device.get_device("gpu")  # the GPU probe computes: before recording
     saved_memory, saved_ones = dict(cupy_ops._gpu_memory_bytes), dict(cupy_ops._ones_kept)
     cupy_ops._gpu_memory_bytes.clear()  # the dense core's budget: the H200's memory, not the stand-in's
     cupy_ops._ones_kept.clear()  # made in every record (its copy counted), its values never kept (not computed)

@@ -25,7 +25,6 @@ from andrea.config import saved_model_config
 from andrea.data.loader import BatchLoader, iter_eval_batches
 from andrea.errors import UserError
 from andrea.interop import hf
-from andrea.model.optim import AdamW
 from andrea.model.sizes import flops_per_token
 from andrea.model.transformer import ANDREA
 from andrea.run import checkpoint as ckpt
@@ -36,7 +35,7 @@ from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
 from andrea.run.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, NonFiniteGuard, StopVote
 from andrea.run.throughput import Throughput
 from minitensor.device import GPUUnavailable, set_tf32, to_numpy
-from minitensor.optim import cosine_lr
+from minitensor.optim import AdamW, cosine_lr
 
 
 class Trainer:

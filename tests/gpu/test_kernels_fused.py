@@ -26,10 +26,10 @@ from minitensor.backends.kernels import adamw, attention, causal_softmax, gelu, 
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import kernelcheck
+from minitensor.flat import Params
 from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.optim import AdamW
-from minitensor.params import Params
 
 # The fused pieces' kernels, read from their records, and the Linear epilogue's
 NEW_KERNELS = {**{spec.name: spec for piece in fused_pieces().values() for spec in piece.kernels},

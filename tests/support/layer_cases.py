@@ -15,6 +15,7 @@ from andrea.model.block import MLP
 from minitensor.backends import get_ops
 from minitensor.backends.ops import Ops
 from minitensor.device import to_numpy
+from minitensor.flat import Params
 from minitensor.layers.attention import CausalSelfAttention
 from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.layers.gelu import GELU
@@ -23,7 +24,6 @@ from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.layers.relu import ReLU
 from minitensor.layers.swiglu import SwiGLU
-from minitensor.params import Params
 
 
 @dataclass
