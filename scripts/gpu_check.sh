@@ -48,7 +48,7 @@
 #     PYTHONPATH=. bash scripts/gpu_check.sh              (from the repository root)
 #     bash scripts/gpu_check.sh --dry-run                 (the same phases at toy sizes: on NumPy, or on
 #                                                          the GPU if one works, e.g. the CuPy stand-in
-#                                                          of tests/support/cupy_standin; its GPU tests are
+#                                                          of minitensor/checks/cupy_standin; its GPU tests are
 #                                                          collected and a few run; 6 times the limits)
 #
 # Three files under $OUT (OUT defaults to the current directory; a lent machine returns at most 8):

@@ -1,5 +1,5 @@
 """The step model (andrea/run/stepmodel.py): one ANDREA-120M training step on a GPU, every launch
-recorded on the CuPy stand-in's recording mode (tests/support/cupy_standin/cupy/_record.py), and its time
+recorded on the CuPy stand-in's recording mode (minitensor/checks/cupy_standin/cupy/_record.py), and its time
 on an H200 estimated.
 
 - the recording mode's rules against NumPy: at a small size, each recorded operation's predicted
@@ -11,6 +11,7 @@ on an H200 estimated.
 - the estimate's arithmetic, and the command that prints the table.
 """
 
+import os
 import subprocess
 import sys
 
@@ -222,3 +223,18 @@ def test_a_recording_leaves_no_uncomputed_array_in_the_backends_caches():
         np.testing.assert_allclose(dW.get(), x.T @ dy, rtol=1e-12)
     assert [op[:2] for op in rec["ops"] if op[0] == "h2d_async" and op[5][-1] != "token ids to the device"] == [
         ["h2d_async", "asarray"]]  # the ones, made once in the record
+
+
+def test_the_stand_in_ships_with_the_package_so_the_step_model_runs_installed():
+    """The step model records on minitensor/checks/cupy_standin: pyproject's package data carries every
+    file of it into a wheel (its globs match them all), and a recording process finds it there first."""
+    import tomllib
+
+    from minitensor.checks import standin
+
+    checks = standin.FOLDER.parent
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p for pattern in globs["minitensor.checks"] for p in checks.glob(pattern)}
+    files = {p for p in standin.FOLDER.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert {p.name for p in files} >= {"_record.py", "_rules.py", "cublas.py"} and files == shipped
+    assert standin.standin_env()["PYTHONPATH"].split(os.pathsep)[0] == str(standin.FOLDER)
