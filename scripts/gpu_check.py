@@ -186,7 +186,7 @@ KEEP_PROBS = 16 << 20  # CausalSelfAttention.keep_probs_max_bytes as the layer h
 
 def _warm_cupy_kernels():
     """One tiny forward + backward + AdamW step per backend mode the GPU tests build, so that the
-    ufunc and reduction kernels they need are compiled here (~0.15 s each, cold) and found in CuPy's
+    ufunc and reduction kernels they need are compiled here (NVRTC, on the host, the first time) and found in CuPy's
     on-disk cache by the tests' process. float32 and float64 need disjoint kernels: each dtype warms
     in a process of its own, the two at once (NVRTC runs on the host's cores). (the kernel files
     added, or None if a step failed; seconds)"""
@@ -619,7 +619,7 @@ def _mma_probe(xp, dry):
 
 
 def _log_step_model(result, dry):
-    """The hook for the H200 step model (issue 26): its estimate beside the measured step, where
+    """The hook for the H200 step model: its estimate beside the measured step, where
     andrea.run.stepmodel exists (nothing is said where it does not)."""
     try:
         from andrea.run.stepmodel import estimate_step_seconds

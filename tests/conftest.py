@@ -63,7 +63,7 @@ def backends_line():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (minitensor/checks/cupy_standin), no GPU here")
+    config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (minitensor.checks.standin), no GPU here")
     config.addinivalue_line("markers", "real_gpu(reason): a GPU-marked test the stand-in cannot run (skipped there)")
 
 

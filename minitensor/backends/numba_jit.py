@@ -2,9 +2,10 @@
 
 NumPy makes one pass over memory per operation, and its float32 exp/tanh are a few ns per
 element; a compiled loop nest makes one pass per kernel and keeps the arithmetic in registers.
-The kernels themselves are plain functions decorated with `kernel(...)` in minitensor/backends/numpy_ops.py,
-beside the NumpyOps methods that run them. Whether they run is chosen once, when a model is
-built (minitensor.backends.get_ops, `mode` below):
+The kernels themselves are plain functions decorated with `kernel(...)` in
+minitensor/backends/numba_kernels.py; the NumpyOps methods of minitensor/backends/numpy_ops.py run
+them. Whether they run is chosen once, when a model is built (minitensor.backends.get_ops, `mode`
+below):
 
     ANDREA_CPU_KERNELS=numpy   NumPy only, even with numba installed
     (unset, or =numba)         numba if importable (pip install 'andrea[fast]'), else NumPy

@@ -289,7 +289,7 @@ class Ops:
 
     # --- AdamW, decoupled weight decay (Loshchilov & Hutter 2019, Algorithm 2), over the flat buffers ---
 
-    mask_dtype = None  # the decay mask's: the parameters' (NumpyOps' uint8: the bench's 120m RSS 2.40 -> 2.14 GiB)
+    mask_dtype = None  # the decay mask's: the parameters' (a backend whose step only reads it may take uint8)
 
     def decay_mask(self, params, decays):
         """The `decayed` that adamw_step takes: 1 over the tensors decays(name, shape) selects, 0
