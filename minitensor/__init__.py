@@ -2,7 +2,7 @@
 
     layers/     the layers, each file opening with its maths (Linear, LayerNorm, GELU, attention, ...)
     backends/   the arithmetic: ops.py (Ops, the reference every backend is checked against),
-                numpy_ops.py + numba_kernels.py (the CPU), cupy_ops.py + cuda.py + kernels/ (the GPU)
+                numpy_ops.py + cpu/ (the CPU), cupy_ops.py + cuda.py + kernels/ (the GPU)
     checks/     gradient checks, the GPU kernels' self-check, compile and emulation checks
     device.py   which device a model runs on (NumPy or CuPy), and moving arrays between them
     flat.py     every parameter in one flat buffer, every gradient in another of the same layout

@@ -174,11 +174,14 @@ sanitize() {  # compute-sanitizer over one training step with every fused kernel
         echo "== $sanitizer --tool $tool (kernels: $kernels)"
         SECONDS=0
         filter=(--kernel-name "regex=^($kernels)")
-        "$sanitizer" --tool "$tool" "${filter[@]}" --print-limit 20 "$PY" scripts/gpu_check.py --part sanitize \
+        # a print limit high enough that every API error is printed: they are counted from the printout
+        "$sanitizer" --tool "$tool" "${filter[@]}" --print-limit 1000 "$PY" scripts/gpu_check.py --part sanitize \
             > "$WORK/$tool.txt" 2>&1
-        if grep -q -i "unrecognized option\|invalid option\|unknown option" "$WORK/$tool.txt"; then
-            echo "this compute-sanitizer has no --kernel-name: every kernel instrumented"
-            "$sanitizer" --tool "$tool" --print-limit 20 "$PY" scripts/gpu_check.py --part sanitize > "$WORK/$tool.txt" 2>&1
+        if ! grep -q "figure: CuPy 1-layer step" "$WORK/$tool.txt"; then  # the filter refused, or the step failed
+            head -5 "$WORK/$tool.txt"
+            echo "the step did not run under --kernel-name: again, every kernel instrumented"
+            "$sanitizer" --tool "$tool" --print-limit 1000 "$PY" scripts/gpu_check.py --part sanitize \
+                > "$WORK/$tool.txt" 2>&1
         fi
         cat "$WORK/$tool.txt"
         # API errors (CuPy probing the driver) are recorded; memory errors and races fail the phase

@@ -35,25 +35,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The GPU backend (minitensor/backends/cupy_ops.py: CupyOps) and its kernels' modules
-# (minitensor/backends/kernels/): every kernel's launch wrapper and argument check, and the fused pieces'
-# samples, which the self-check runs only to build a CupyOps. Their module-level kernel specs and host
-# references (the `_reference`s, `column`, `_recompute_flat`, `_xent_bwd_flat`, `_adamw_op_reference`) run
-# without a GPU too (`python -m minitensor.checks --check | --host-check`) and are not counted.
-KERNELS = {
-    "gelu": ["bias_gelu_forward_gpu", "bias_gelu_backward_gpu", "_check_bias_gpu", "_bias_gelu_sample"],
-    "layernorm": ["layernorm_forward_gpu", "layernorm_backward_gpu", "_layernorm_sample"],
-    "causal_softmax": ["causal_softmax_forward_gpu", "causal_softmax_backward_gpu", "causal_softmax_recompute_gpu",
-                       "_causal_softmax_sample"],
-    "softmax_xent": ["softmax_xent_forward_gpu", "softmax_xent_backward_gpu", "_xent_operands", "_softmax_xent_sample"],
-    "embedding": ["scatter_add_rows_gpu"],
-    "adamw": ["adamw_step_gpu", "adamw_kernel", "_adamw_sample"],
-}
+KERNEL_DIR = ROOT / "minitensor" / "backends" / "kernels"
 
+
+def kernel_rules():
+    """{path: rules} for the GPU kernels' modules (minitensor/backends/kernels/NAME.py), derived, not
+    listed: in each, its launch wrappers and argument checks (named `*_gpu`, the convention) and the
+    functions its fused piece's record names (the self-check's sample and the functions that run the
+    methods it replaces), which run only to build or in a CupyOps. Their module-level kernel specs and
+    host references (`reference`s, `model`s, `traffic`, `column`, ...) run without a GPU too (`python -m
+    minitensor.checks --check | --host-check | --counts`) and are not counted."""
+    from minitensor.backends import fused_pieces
+
+    named = {}
+    for piece in fused_pieces().values():
+        for fn in (piece.sample, *piece.replaces.values()):
+            named.setdefault(fn.__module__.rsplit(".", 1)[1], set()).add(fn.__qualname__)
+    rules = {}
+    for path in sorted(KERNEL_DIR.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        defined = [node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)]
+        gpu = sorted({name for name in defined if name.endswith("_gpu")} | named.get(path.stem, set()))
+        rules[path.relative_to(ROOT).as_posix()] = [("def", name) for name in gpu]
+    return rules
+
+
+# The GPU backend (minitensor/backends/cupy_ops.py: CupyOps), its kernels' modules (kernel_rules above) and
+# the GPU-only parts of the modules that serve both devices.
 GPU_ONLY = {
-    "minitensor/backends/cupy_ops.py": [("def", name) for name in ("CupyOps", "_gpu_memory", "_ones")],
-    **{f"minitensor/backends/kernels/{name}.py": [("def", fn) for fn in fns] for name, fns in KERNELS.items()},
-    "minitensor/backends/cublas.py": [("def", name) for name in ("layout", "_layout", "_scalar", "gemm", "colsum")],
+    "minitensor/backends/cupy_ops.py": [("def", name) for name in ("CupyOps", "_with_piece", "_gpu_memory", "_ones")],
+    **kernel_rules(),
+    "minitensor/backends/cublas.py": [("def", name) for name in ("layout", "_layout", "_scalar", "gemm", "colsum",
+                                                                  "matmul")],
     "minitensor/backends/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch"),
                                     ("def", "draw")],
     "minitensor/device.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),

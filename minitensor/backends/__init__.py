@@ -5,13 +5,13 @@
 
     ops.py            Ops: every piece in its plainest form, the reference the others are checked against
     softmax.py        the row softmax every softmax runs
-    numpy_ops.py      NumpyOps: the CPU, work over threads; numba_kernels.py its compiled kernels,
-                      numba_jit.py how they compile (or not, without numba)
+    numpy_ops.py      NumpyOps: the CPU, work over threads; cpu/ each piece's NumPy code and compiled
+                      kernels, numba_jit.py how they compile (or not, without numba)
     cupy_ops.py       CupyOps: the GPU, CUDA kernels chosen by the start-up self-check
                       (minitensor.checks.selfcheck); cuda.py their registry and launches,
                       kernels/ each kernel's CUDA source (.cu) beside its spec, wrapper and record (.py)
     all_kernels()     every CUDA kernel (name -> spec) and fused_pieces() every fused piece's record
-                      (name -> cuda.FusedPiece), complete once cupy_ops.py has imported kernels/
+                      (name -> cuda.FusedPiece), from every module of kernels/ (kernels.load)
 
 The model builds its backend here from the device's array module (minitensor.device) and its
 kernels setting, and hands it to every layer; a layer built without one takes its arrays'. The
@@ -53,15 +53,19 @@ def get_ops(xp=np, kernels=None, sizes=None):
 
 
 def all_kernels():
-    """minitensor.backends.cuda.KERNELS (name -> spec) with every kernel in it: cupy_ops imports them all."""
-    from minitensor.backends import cuda, cupy_ops  # noqa: F401  (importing cupy_ops registers them)
+    """minitensor.backends.cuda.KERNELS (name -> spec) with every kernel in it: every module of
+    minitensor/backends/kernels/ imported (kernels.load)."""
+    from minitensor.backends import cuda, kernels
 
+    kernels.load()
     return cuda.KERNELS
 
 
 def fused_pieces():
-    """minitensor.backends.cuda.PIECES (name -> FusedPiece) with every fused piece in it, in the order
-    cupy_ops imports them; their names are what CupyOps(fused=...) and train.kernels choose from."""
-    from minitensor.backends import cuda, cupy_ops  # noqa: F401  (importing cupy_ops registers them)
+    """Every fused piece's record (name -> cuda.FusedPiece), every module of minitensor/backends/kernels/
+    imported (kernels.load), in the order of their names: what CupyOps(fused=...) and train.kernels
+    choose from, and the order of the kernels line."""
+    from minitensor.backends import cuda, kernels
 
-    return cuda.PIECES
+    kernels.load()
+    return dict(sorted(cuda.PIECES.items()))

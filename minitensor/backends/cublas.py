@@ -3,6 +3,7 @@
     gemm(a, b, out, beta)        out = a @ b + beta out     (2-D CuPy arrays, or 3-D: a strided batch;
                                                             beta 0: out is not read)
     colsum(dy, out, beta)        out = sum over rows of dy + beta out
+    matmul(a, b, out=None)       a @ b for batches of matrices, transposed operands as they are stored
 
 CuPy 14.2's 2-D matmul computes out = a @ b only (beta 0: an accumulated weight gradient needs a
 GEMM into a temporary and an add), and writes an `out` that is not C-contiguous through a
@@ -32,7 +33,7 @@ CuPy's own operations.
 
 import numpy as np
 
-from minitensor.device import math_mode
+from minitensor.device import array_module, math_mode
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1  # cublasOperation_t (cublas_api.h)
 
@@ -125,3 +126,15 @@ def colsum(dy, out, ones, beta=0.0):
     fn(cupy.cuda.device.get_cublas_handle(), CUBLAS_OP_N, C, R, one.ctypes.data, dy.data.ptr, ld[1],
        ones.data.ptr, 1, coef.ctypes.data, out.data.ptr, out.strides[0] // out.itemsize)
     return True
+
+
+def matmul(a, b, out=None):
+    """a @ b for CuPy arrays (batch, M, K) @ (batch, K, N), into out or a new C-contiguous array: one
+    strided batched GEMM, transposed operands taken as they are stored, where cuBLAS can take them;
+    else CuPy's matmul (which copies an operand that is not C-contiguous)."""
+    xp = array_module(a)
+    if out is None:
+        out = xp.empty((*a.shape[:-1], b.shape[-1]), dtype=np.result_type(a.dtype, b.dtype))
+    if not gemm(a, b, out):
+        xp.matmul(a, b, out=out)
+    return out

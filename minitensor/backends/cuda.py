@@ -1,20 +1,22 @@
 """The CUDA side of minitensor: the kernel registry, lazy CuPy builds, launches, and the switch.
 
 The CUDA kernels live in minitensor/backends/kernels/, each piece's .cu beside the .py that declares
-its specs, wrappers and record; each is run by a CupyOps method (minitensor/backends/cupy_ops.py) and
-checked against the Ops method it replaces. This module holds what they share:
+its specs, wrappers and record; each is run by a CupyOps method (minitensor/backends/cupy_ops.py: its
+own, or one its record names) and checked against the Ops method it replaces. This module holds what
+they share:
 
 - the registry `KERNELS` (name -> spec). A spec holds what CuPy needs to build the kernel (built
   lazily, once) and can produce the exact source NVRTC compiles for a dtype, which makes two
   checks possible without a GPU (`python -m minitensor.checks --check | --host-check`, see
   minitensor/checks/kernelcheck.py). The kernels' modules fill it; `minitensor.backends.all_kernels()`
-  imports cupy_ops, which imports them all, and returns it full.
+  imports them all (minitensor.backends.kernels.load) and returns it full.
 - `launch`, which runs a RawKernel after checking each argument against its C type (CuPy would
   pass a Python int as 64 bits and a Python float as a double, silently), and the argument
   checks of the wrappers.
-- the fused pieces' records `PIECES` (name -> FusedPiece: the Ops methods it replaces, its kernels,
-  how to build its sample inputs), declared in minitensor/backends/kernels/NAME.py beside their
-  wrappers, from which the start-up self-check (minitensor.checks.selfcheck), the tests and
+- the fused pieces' records `PIECES` (name -> FusedPiece: the Ops methods it replaces, each with
+  the function that runs it with the kernels; its kernels; how to build its sample inputs),
+  declared in minitensor/backends/kernels/NAME.py beside their wrappers, from which CupyOps takes
+  its overriding methods and the start-up self-check (minitensor.checks.selfcheck), the tests and
   gpu_check's kernel phase all run (`minitensor.backends.fused_pieces()` returns them all). The
   Ops code is the reference; a CupyOps runs the fused pieces it was built with (get_ops).
 - the CUDA sources' loader: each kernel is the section `// @kernel NAME` of a .cu file under
@@ -30,7 +32,8 @@ import dataclasses
 import functools
 import pathlib
 import re
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -214,13 +217,29 @@ def register(spec):
     return KERNELS.setdefault(spec.name, spec)
 
 
+class _Fallback:
+    def __repr__(self):
+        return "cuda.FALLBACK"
+
+
+# What a fused piece's function returns for arguments its kernels do not take (a dtype, a size, the
+# cache of another attention core): CupyOps then runs the method as it is without the piece.
+FALLBACK = _Fallback()
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedPiece:
     """One fused piece of CupyOps, declared once (minitensor/backends/kernels/NAME.py, beside its
-    wrappers and NAME.cu); the start-up self-check, the tests and gpu_check's kernel phase all read it.
+    wrappers and NAME.cu); CupyOps, the start-up self-check, the tests and gpu_check's kernel phase
+    all read it.
 
     name      what CupyOps(fused=...), the kernels line and train.kernels call it
-    replaces  the Ops methods CupyOps overrides with it (each runs `super()` when the piece is off)
+    replaces  {Ops method name: fn}: the methods the piece overrides, each with the function that runs
+              it with the kernels, fn(ops, *the method's own arguments) (ops the CupyOps), returning what
+              the method returns, or FALLBACK where the kernels do not take these arguments. A CupyOps
+              built with the piece binds each fn over its method (minitensor.backends.cupy_ops); where
+              fn returns FALLBACK, or the piece is not in use, the method runs as it is without the
+              piece (Ops', CupyOps' own, or another piece's)
     kernels   its kernel specs, registered in KERNELS with the piece
     sample    sample(ops, rng) -> outputs: the piece's layer forward and backward through the backend
               `ops` on small random float32 inputs drawn from the NumPy Generator rng (moved to
@@ -238,7 +257,7 @@ class FusedPiece:
     """
 
     name: str
-    replaces: tuple
+    replaces: Mapping = dataclasses.field(compare=False)
     kernels: tuple
     sample: Callable = dataclasses.field(compare=False)
     cases: Callable = dataclasses.field(default=None, compare=False)
@@ -246,15 +265,20 @@ class FusedPiece:
     timed: Callable = dataclasses.field(default=None, compare=False)
 
 
-# name -> FusedPiece, in the order they are declared
+# name -> FusedPiece, in the order they were imported (minitensor.backends.fused_pieces(): by name)
 PIECES = {}
 
 
 def fused_piece(name, replaces, kernels, sample, cases=None, rtol=None, timed=None):
     """Registers a fused piece and its kernels; returns the piece."""
+    if not isinstance(replaces, Mapping) or not replaces or not all(
+            isinstance(method, str) and callable(fn) for method, fn in replaces.items()):
+        raise ValueError(f"fused piece {name!r}: replaces must map each Ops method it overrides to the function "
+                         f"that runs it, fn(ops, *args); got {replaces!r}")
     if name in PIECES and PIECES[name].kernels != tuple(kernels):
         raise ValueError(f"a fused piece named {name!r} is already registered")
-    piece = FusedPiece(name, tuple(replaces), tuple(register(k) for k in kernels), sample, cases, rtol, timed)
+    piece = FusedPiece(name, types.MappingProxyType(dict(replaces)), tuple(register(k) for k in kernels), sample,
+                       cases, rtol, timed)
     return PIECES.setdefault(name, piece)
 
 

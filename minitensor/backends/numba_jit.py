@@ -2,10 +2,9 @@
 
 NumPy makes one pass over memory per operation, and its float32 exp/tanh are a few ns per
 element; a compiled loop nest makes one pass per kernel and keeps the arithmetic in registers.
-The kernels themselves are plain functions decorated with `kernel(...)` in
-minitensor/backends/numba_kernels.py; the NumpyOps methods of minitensor/backends/numpy_ops.py run
-them. Whether they run is chosen once, when a model is built (minitensor.backends.get_ops, `mode`
-below):
+The kernels themselves are plain functions decorated with `kernel(...)` in minitensor/backends/cpu/NAME.py,
+beside the NumpyOps methods that run them (one module per piece). Whether they run is chosen once,
+when a model is built (minitensor.backends.get_ops, `mode` below):
 
     ANDREA_CPU_KERNELS=numpy   NumPy only, even with numba installed
     (unset, or =numba)         numba if importable (pip install 'andrea[fast]'), else NumPy
@@ -54,6 +53,12 @@ def mode(kernels=None):
     if asked not in MODES:
         raise ValueError(f"ANDREA_CPU_KERNELS={asked!r}: use one of {', '.join(MODES)}")
     return "numba" if asked == "numba" and numba is not None else "numpy"
+
+
+def takes(*arrays):
+    """Whether a kernel takes these arrays: C-contiguous float32 or float64 NumPy arrays of one dtype."""
+    return all(isinstance(a, np.ndarray) and a.dtype in (np.float32, np.float64) and a.flags.c_contiguous
+               and a.dtype == arrays[0].dtype for a in arrays)
 
 
 _blas_ok = None

@@ -14,8 +14,9 @@ kernel fails to build or run, is reported in the line and the Ops code takes its
 
 Given the run's sizes (a minitensor.backends.cuda.Sizes: the trainer's batch and context), `auto` then
 times each piece that agreed at those sizes, its forward and backward through the backend with the
-piece and without it (its record's `timed`; the flash attention core against the core the backend
-takes without it, the dense one within its memory budget), the device synchronised around each run,
+piece and without it, the other pieces that agreed in use both times (its record's `timed`; the flash
+attention core against the core the backend takes without it, the dense one with the fused softmax
+within its memory budget), the device synchronised around each run,
 the median of TIMED_RUNS after one to warm up, and keeps the piece only where it is not slower; the
 line gives both times for each. On the CuPy stand-in (no GPU: the kernels run in a CPU emulation),
 times say nothing about a GPU and none are taken.
@@ -109,20 +110,22 @@ def keep_faster(chosen, refused, xp, sizes, timers=None):
     adding the slower ones to refused."""
     if timers is None:
         timers = {name: piece.timed for name, piece in fused_pieces().items() if piece.timed}
-    times = {name: time_piece(timers[name], name, xp, sizes) for name in chosen if name in timers}
+    times = {name: time_piece(timers[name], name, xp, sizes, others=[n for n in chosen if n != name])
+             for name in chosen if name in timers}
     slower = {n: t for n, t in times.items() if t[0] > t[1]}
     refused.update({n: f"slower: fused {1e3 * f:.3g} ms, generic {1e3 * g:.3g} ms" for n, (f, g) in slower.items()})
     return [n for n in chosen if n not in slower], times
 
 
-def time_piece(timed, name, xp, sizes):
-    """(seconds with the piece, seconds without) of one forward and backward at `sizes`: the median of
-    TIMED_RUNS runs each, after one to warm up (the kernels built, the memory pool grown), the device
-    synchronised before and after each."""
+def time_piece(timed, name, xp, sizes, others=()):
+    """(seconds with the piece, seconds without) of one forward and backward at `sizes`, the other
+    pieces `others` in use both times (without the flash core, the dense core runs with the fused
+    softmax where that passed): the median of TIMED_RUNS runs each, after one to warm up (the kernels
+    built, the memory pool grown), the device synchronised before and after each."""
     from minitensor.backends.cupy_ops import CupyOps
 
     seconds = []
-    for names in ((name,), ()):
+    for names in ((*others, name), tuple(others)):
         run = timed(CupyOps(xp, fused=names), sizes)
         runs = []
         for i in range(TIMED_RUNS + 1):

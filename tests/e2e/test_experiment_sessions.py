@@ -117,8 +117,8 @@ def test_an_out_that_cannot_be_made_is_said_before_any_work(tmp_path, data_dir, 
     (tmp_path / "link").symlink_to(tmp_path / "gone")  # a link to a directory that is not there
     out = tmp_path / "link" / "activation"
     assert run(argv_of("activation", out, data_dir)) == 2  # was exit 1, after "training gelu-seed0"
-    assert capsys.readouterr().err == (f"error: --out {out} cannot be created: {tmp_path / 'link'}: File exists (a "
-                                       "symbolic link to a missing directory): choose another --out\n")
+    assert capsys.readouterr().err == (f"error: --out {out} cannot be created: {tmp_path / 'link'} is a link to "
+                                       f"{tmp_path / 'gone'}, which does not exist\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
 
 

@@ -83,8 +83,12 @@ RULES = [
     (r"python -m andrea\.bench", ["--configs", "tiny", "--no-allreduce"]),
     (r"python -m andrea\.bench --components", ["--repeats", "1"]),
     (r"python -m andrea\.run\.stepmodel", []),
+    (r"python -m andrea\.run\.stepmodel --count-kernels",  # it would rewrite andrea/run/kernel_counts.json
+     Elsewhere("tests/gpu/test_stepmodel.py", "def test_the_kept_kernel_counts_are_those_of_the_present_kernels")),
+    (r"python -m minitensor\.checks --counts",  # what .ci/run runs after the compile check, before the suite
+     Elsewhere("tests/gpu/test_counts.py", "def test_counts_command_prints_every_kernel_asked")),
     (r"python -m andrea\.bench .*--device gpu", NEEDS_GPU),
-    (r"python -m minitensor\.checks --check",  # 16 s of NVRTC compiles, which .ci/run also runs before the suite
+    (r"python -m minitensor\.checks --check",  # NVRTC compiles, which .ci/run also runs before the suite
      Elsewhere("tests/gpu/test_kernels.py", "def test_every_kernel_compiles_with_nvrtc")),
     (r"bash scripts/gpu_check\.sh", NEEDS_GPU),
     (r"bash scripts/gpu_check\.sh --dry-run",

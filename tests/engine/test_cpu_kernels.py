@@ -1,4 +1,4 @@
-"""The CPU backend (minitensor.backends.numpy_ops) against the Ops code it overrides.
+"""The CPU backend (minitensor.backends.numpy_ops and its pieces, minitensor/backends/cpu/) against Ops.
 
 test_layers.py runs every gradient check and the float32-vs-float64 comparison on the default
 backend (.ci/run runs it with ANDREA_CPU_KERNELS=numba and =numpy); here each NumpyOps, with the
@@ -13,7 +13,11 @@ from layer_cases import CASES
 from optional import require
 
 from minitensor import parallel
-from minitensor.backends import get_ops, numba_jit, numpy_ops
+from minitensor.backends import get_ops, numba_jit
+from minitensor.backends.cpu import adamw as cpu_adamw
+from minitensor.backends.cpu import attention as cpu_attention
+from minitensor.backends.cpu import gelu as cpu_gelu
+from minitensor.backends.cpu import layernorm as cpu_layernorm
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.device import to_numpy
@@ -59,9 +63,9 @@ def test_attention_row_kernels_without_blas_in_kernels(monkeypatch, name, dtype,
     require("scipy")  # with it, the case above runs the fused kernels; this one must not
     calls = []
     rows = []
-    monkeypatch.setattr(numpy_ops, "attention_forward_cpu", lambda *a: calls.append(a))
-    real = numpy_ops.block_softmax_backward_cpu
-    monkeypatch.setattr(numpy_ops, "block_softmax_backward_cpu", lambda *a: (rows.append(a[0].shape), real(*a)))
+    monkeypatch.setattr(cpu_attention, "attention_forward_cpu", lambda *a: calls.append(a))
+    real = cpu_attention.block_softmax_backward_cpu
+    monkeypatch.setattr(cpu_attention, "block_softmax_backward_cpu", lambda *a: (rows.append(a[0].shape), real(*a)))
     monkeypatch.setattr(numba_jit, "blas_in_kernels", lambda: False)
     fast = run_case(name, dtype, NumpyOps(numba=True))
     ref = run_case(name, dtype, Ops(np))
@@ -74,8 +78,8 @@ def test_attention_row_kernels_without_blas_in_kernels(monkeypatch, name, dtype,
 def test_attention_runs_the_fused_kernels_with_scipy(monkeypatch):
     require("scipy")
     seen = []
-    real = numpy_ops.attention_backward_cpu
-    monkeypatch.setattr(numpy_ops, "attention_backward_cpu", lambda *a: (seen.append(a[0].shape), real(*a)))
+    real = cpu_attention.attention_backward_cpu
+    monkeypatch.setattr(cpu_attention, "attention_backward_cpu", lambda *a: (seen.append(a[0].shape), real(*a)))
     run_case("attention-blocks", np.float32, NumpyOps(numba=True))
     assert seen and all(shape == (DIMS["T"], DIMS["C"] // DIMS["n_head"]) for shape in seen)
 
@@ -141,7 +145,7 @@ def test_layernorm_parameter_gradients_add_every_row_block(backend, threads):
     threads(3)
     rng = np.random.default_rng(5)
     N, C = 300, 128
-    assert N > 9 * numpy_ops.LN_ROW_BLOCK and N * C >= numpy_ops.LN_MIN_WORK // 2  # both split, as intended
+    assert N > 9 * cpu_layernorm.LN_ROW_BLOCK and N * C >= cpu_layernorm.LN_MIN_WORK // 2  # both split, as intended
     x, dy, w, b = rng.standard_normal((N, C)), rng.standard_normal((N, C)), rng.standard_normal(C), np.zeros(C)
     out = []
     for ops in (BACKENDS[backend](), Ops(np)):
@@ -157,7 +161,7 @@ def test_gelu_pieces_cover_every_element_across_chunk_edges(monkeypatch, threads
     """The NumPy path runs GELU over CHUNK-element pieces of the flat arrays, spread over the threads:
     with CHUNK at 512, 2,100 elements are four whole pieces and a partial one, and every element
     still equals the Ops reference (forward, backward, and backward recomputing the output)."""
-    monkeypatch.setattr(numpy_ops, "CHUNK", 512)
+    monkeypatch.setattr(cpu_gelu, "CHUNK", 512)
     threads(3)
     rng = np.random.default_rng(6)
     x, dy = rng.standard_normal((7, 300)) * 3, rng.standard_normal((7, 300))
@@ -174,7 +178,7 @@ def test_adamw_cpu_backends_match_the_ops_reference(monkeypatch, eps):
     """With CHUNK at 64 each tensor is many pieces and a partial one (the decay flag changes at a
     piece's edge); with eps 0.3, far above sqrt(v), its place in the denominator is what is checked
     (its folded form eps sqrt(1 - b2^t) against the textbook's eps after the bias correction)."""
-    monkeypatch.setattr(numpy_ops, "CHUNK", 64)
+    monkeypatch.setattr(cpu_adamw, "CHUNK", 64)
     shapes = {"w": (70, 30), "b": (30,)}
     result = {}
     for mode, ops in (("numba", NumpyOps(numba=True)), ("numpy", NumpyOps(numba=False)), ("ops", Ops(np))):

@@ -292,9 +292,9 @@ def test_small_stack_end_to_end(xp, seed, d, V):
 
 
 def test_linear_epilogue_row_blocks_add_bias_and_residual(xp, monkeypatch):
-    from minitensor.backends import numpy_ops
+    from minitensor.backends.cpu import linear as cpu_linear
 
-    monkeypatch.setattr(numpy_ops, "EPILOGUE_BLOCK", 5)  # 5 // 3 = 1 row per block, and an odd count of rows
+    monkeypatch.setattr(cpu_linear, "EPILOGUE_BLOCK", 5)  # 5 // 3 = 1 row per block, and an odd count of rows
     ops = get_ops(xp)
     rng = np.random.default_rng(3)
     y, b, r = (xp.asarray(rng.standard_normal(s)) for s in ((7, 3), (3,), (7, 3)))

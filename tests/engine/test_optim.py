@@ -74,7 +74,7 @@ def test_masked_update_equals_the_textbook_step(xp, steps, eps):
 
 
 def test_numpy_chunks_equal_the_masked_update_bit_for_bit(monkeypatch):
-    monkeypatch.setattr("minitensor.backends.numpy_ops.CHUNK", 512)   # several chunks per tensor, and a partial one
+    monkeypatch.setattr("minitensor.backends.cpu.adamw.CHUNK", 512)   # several chunks per tensor, and a partial one
     params, grads = draw(1)
     params.ops = NumpyOps(numba=False)
     scales = (1.0, 0.3, 0.7)

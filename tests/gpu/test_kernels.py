@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from markers import needs_cxx, needs_nvrtc
 
-from minitensor.backends import all_kernels, cuda, cupy_ops, numpy_ops
+from minitensor.backends import all_kernels, cuda, cupy_ops
+from minitensor.backends.cpu import gelu as cpu_gelu
 from minitensor.backends.kernels import gelu
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
@@ -26,7 +27,7 @@ from minitensor.checks.__main__ import main as kernels_main
 
 DTYPES = [np.float32, np.float64]
 shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=9)
-chunks = st.sampled_from([1, 7, 64, numpy_ops.CHUNK])  # small chunks exercise the chunk edges
+chunks = st.sampled_from([1, 7, 64, cpu_gelu.CHUNK])  # small chunks exercise the chunk edges
 
 
 def assert_close(got, want, *inputs):
@@ -54,7 +55,7 @@ backends = st.sampled_from(sorted(CPU_OPS))
        backend=backends, chunk=chunks)
 def test_gelu_forward_matches_formula(shape, seed, dtype, scale, backend, chunk):
     x = sample(seed, shape, dtype, scale)
-    with mock.patch.object(numpy_ops, "CHUNK", chunk):
+    with mock.patch.object(cpu_gelu, "CHUNK", chunk):
         y = CPU_OPS[backend].gelu_forward(x)
     assert y.dtype == dtype
     assert_close(y, F.gelu(x.astype(np.float64)), x)
@@ -65,7 +66,7 @@ def test_gelu_forward_matches_formula(shape, seed, dtype, scale, backend, chunk)
 def test_gelu_backward_matches_formula(shape, seed, dtype, scale, backend, chunk, recompute):
     x, dy = sample(seed, shape, dtype, scale), sample(seed + 1, shape, dtype, 1.0)
     x64 = x.astype(np.float64)
-    with mock.patch.object(numpy_ops, "CHUNK", chunk):
+    with mock.patch.object(cpu_gelu, "CHUNK", chunk):
         got = CPU_OPS[backend].gelu_backward(x, dy, recompute_output=recompute)
     dx, y = got if recompute else (got, None)
     assert dx.dtype == dtype
@@ -81,7 +82,7 @@ def test_bias_gelu_forward_and_backward(shape, seed, dtype, backend, chunk):
     x, b, dy = sample(seed, shape, dtype), sample(seed + 1, shape[-1:], dtype), sample(seed + 2, shape, dtype)
     h = x.astype(np.float64) + b
     ops = CPU_OPS[backend]
-    with mock.patch.object(numpy_ops, "CHUNK", chunk):
+    with mock.patch.object(cpu_gelu, "CHUNK", chunk):
         y = ops.bias_gelu_forward(x, b)
         dh = ops.bias_gelu_backward(x, b, dy)
     bb = np.broadcast_to(b, shape)
@@ -92,7 +93,7 @@ def test_bias_gelu_forward_and_backward(shape, seed, dtype, backend, chunk):
 @pytest.mark.parametrize("backend", sorted(CPU_OPS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gelu_large_odd_size_in_chunks(backend, dtype):
-    n = 2 * numpy_ops.CHUNK + 13
+    n = 2 * cpu_gelu.CHUNK + 13
     x, dy = sample(0, n, dtype), sample(1, n, dtype)
     ops = CPU_OPS[backend]
     assert_close(ops.gelu_forward(x), F.gelu(x.astype(np.float64)), x)
@@ -169,27 +170,25 @@ def test_every_section_of_the_kernel_files_is_a_registered_kernel():
         cuda.cu_code("layernorm.cu", "layernorm_fwdx")
 
 
-def test_the_kernels_folder_lists_each_piece_in_the_order_the_registry_fills():
-    """kernels/__init__.py names every module of the folder, each beside its .cu, in the order
-    cupy_ops imports them: the order of the fused pieces' records (the kernels line's) and of
-    every kernel's registration."""
-    import re
-
+def test_the_kernels_folder_is_loaded_whole_in_the_order_of_its_names():
+    """kernels.load imports every module of the folder (each beside its .cu) in the order of their
+    names, and every kernel is registered by the module of its .cu; the fused pieces come in the order
+    of their names (the kernels line's), whichever module a process imported first."""
     from minitensor.backends import fused_pieces, kernels
 
-    listed = re.findall(r"^    (\w+) +\S", kernels.__doc__, re.M)
     modules = sorted(p.stem for p in cuda.KERNEL_DIR.glob("*.py") if p.stem != "__init__")
-    assert sorted(listed) == modules and all((cuda.KERNEL_DIR / f"{m}.cu").exists() for m in modules)
-    declared = [piece.sample.__module__.rsplit(".", 1)[1] for piece in fused_pieces().values()]
-    assert declared == [m for m in listed if m in declared]
-    registered = [spec.file[:-3] for spec in all_kernels().values()]
-    assert sorted(set(registered)) == modules
-    assert [m for m in listed if m in registered] == list(dict.fromkeys(registered))
+    assert kernels.load() == tuple(modules) and all((cuda.KERNEL_DIR / f"{m}.cu").exists() for m in modules)
+    assert all(f"minitensor.backends.kernels.{m}" in sys.modules for m in modules)
+    assert sorted({spec.file[:-3] for spec in all_kernels().values()}) == modules
+    for spec in all_kernels().values():  # declared beside its source: kernels/NAME.py for NAME.cu
+        module = sys.modules[f"minitensor.backends.kernels.{spec.file[:-3]}"]
+        assert any(value is spec for value in vars(module).values()), spec.name
+    assert list(fused_pieces()) == sorted(fused_pieces())
 
 
 def test_the_wheel_packs_every_kernel_file():
     """pyproject.toml's package data for minitensor.backends covers every CUDA file under kernels/, and
-    its package list the kernels' Python modules (kernels/ is a package)."""
+    its package list the kernels' Python modules (kernels/ is a package) and the CPU's pieces (cpu/)."""
     import ast
     import fnmatch
     import re
@@ -204,7 +203,7 @@ def test_the_wheel_packs_every_kernel_file():
     data = [f for f in files if not f.endswith(".py")]
     assert [f for f in data if not any(fnmatch.fnmatch(f"kernels/{f}", g) for g in globs)] == []
     include = ast.literal_eval(re.search(r'^include = (\[.*?\])', text, re.M).group(1))
-    assert "minitensor.backends.kernels" in find_packages(str(root), include=include)
+    assert {"minitensor.backends.kernels", "minitensor.backends.cpu"} <= set(find_packages(str(root), include=include))
 
 
 def test_the_gelu_kernels_constants_are_the_ops_constants():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import reference as F
 import strategies as S
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from markers import needs_cxx, needs_nvrtc
 
@@ -70,25 +70,81 @@ def test_new_kernels_are_registered():
 
 
 def test_every_fused_piece_is_one_complete_record():
-    """Each record names Ops methods that CupyOps overrides and that run the piece only when it is
-    in use, kernels registered under their names (each in one piece, its source in its .cu file), a
+    """Every module of kernels/ that declares a record has it registered (kernels.load, no list); each
+    record names Ops methods (or CupyOps' own) with a function of the method's own arguments after
+    `ops`, kernels registered under their names (each in one piece, its source in its .cu file), a
     sample and, where given, gpu_check's cases."""
     import inspect
 
+    from minitensor.backends import kernels
+
     pieces = fused_pieces()
-    assert {"bias_gelu", "layernorm", "causal_softmax", "softmax_xent", "adamw"} <= set(pieces)
+    declaring = {m for m in kernels.load() if "cuda.fused_piece(" in (cuda.KERNEL_DIR / f"{m}.py").read_text()}
+    assert {piece.sample.__module__.rsplit(".", 1)[1] for piece in pieces.values()} == declaring
+    assert len(pieces) >= 6 and list(pieces) == sorted(pieces)  # the kernels line's order: by name
     owners = {}
     for name, piece in pieces.items():
         assert piece.name == name and piece.replaces and piece.kernels and callable(piece.sample)
         assert piece.cases is None or callable(piece.cases)
-        for method in piece.replaces:
-            assert method in vars(cupy_ops.CupyOps), (name, method)  # overridden there (Ops' or the blocked core's)
-            assert f'self.fused("{name}")' in inspect.getsource(getattr(cupy_ops.CupyOps, method)), (name, method)
+        for method, run in piece.replaces.items():
+            wanted = list(inspect.signature(getattr(cupy_ops.CupyOps, method)).parameters.values())[1:]
+            got = list(inspect.signature(run).parameters.values())
+            assert got[0].name == "ops" and got[1:] == wanted, (name, method, got, wanted)
         for spec in piece.kernels:
             assert cuda.KERNELS[spec.name] is spec and owners.setdefault(spec.name, name) == name, spec.name
             assert spec.file and f"{cuda.MARK}{spec.name}" in (cuda.KERNEL_DIR / spec.file).read_text()
     with pytest.raises(ValueError, match="already registered"):
-        cuda.fused_piece("adamw", ("adamw_step",), (layernorm.LAYERNORM_FWD,), pieces["adamw"].sample)
+        cuda.fused_piece("adamw", {"adamw_step": print}, (layernorm.LAYERNORM_FWD,), pieces["adamw"].sample)
+    with pytest.raises(ValueError, match="replaces must map each Ops method"):
+        cuda.fused_piece("a_piece", ("adamw_step",), (), pieces["adamw"].sample)
+
+
+def test_a_backend_binds_the_functions_of_the_pieces_it_runs_and_falls_back_where_they_say():
+    """CupyOps binds each record's functions over the methods they replace only for the pieces it was
+    built with; a function that returns cuda.FALLBACK hands the call to the method as it was, Ops' or
+    another piece's (two pieces replace attention_backward, each for its own core's cache)."""
+    from gpu_standin import standin_cupy
+
+    with standin_cupy() as cupy:
+        every, none = cupy_ops.CupyOps(cupy, fused=tuple(fused_pieces())), cupy_ops.CupyOps(cupy)
+        for name, piece in fused_pieces().items():
+            for method, run in piece.replaces.items():
+                assert method not in vars(none), (name, method)
+                bound, seen = vars(every)[method], set()
+                while hasattr(bound, "runs"):                 # the chain of pieces over this method
+                    seen.add(bound.runs)
+                    bound = bound.without
+                assert run in seen and not hasattr(bound, "runs"), (name, method)
+        x = cupy.asarray(np.ones((2, 3 * layernorm.LN_MAX_C), np.float32))  # rows too long for the kernel
+        w, dw, db = (cupy.asarray(np.ones(x.shape[-1], np.float32)) for _ in range(3))
+        y, mean, rstd = none.layernorm_forward(x, w, w, 1e-5)
+        cupy.standin.reset()
+        every.layernorm_backward(x, x, mean, rstd, w, dw, db)
+        assert not cupy.standin.kernels                    # Ops' code ran: no layernorm_bwd launched
+
+
+def test_a_new_piece_is_its_record_alone(monkeypatch):
+    """A record registered (as a new kernels/NAME.py would register it) is chosen by name and bound by
+    CupyOps with no other change: its function runs where it takes the arguments, the method as it was
+    where it returns cuda.FALLBACK, and a backend built without the piece never calls it."""
+    from gpu_standin import standin_cupy
+
+    calls = []
+
+    def relu_forward(ops, x):
+        calls.append(x.shape)
+        return cuda.FALLBACK if x.ndim != 2 else ops.xp.full(x.shape, 7.0)
+
+    toy = cuda.FusedPiece("toy_relu", {"relu_forward": relu_forward}, (), sample=lambda ops, rng: ())
+    monkeypatch.setitem(cuda.PIECES, "toy_relu", toy)
+    with standin_cupy() as cupy:
+        assert "toy_relu" in fused_pieces()
+        ops, plain = cupy_ops.CupyOps(cupy, fused=("toy_relu",)), cupy_ops.CupyOps(cupy)
+        x = cupy.asarray(np.array([[-1.0, 2.0]]))
+        assert cupy.asnumpy(ops.relu_forward(x)).tolist() == [[7.0, 7.0]]
+        assert cupy.asnumpy(ops.relu_forward(x[0])).tolist() == [0.0, 2.0]   # FALLBACK: Ops' ReLU
+        assert cupy.asnumpy(plain.relu_forward(x)).tolist() == [[0.0, 2.0]]
+    assert calls == [(1, 2), (2,)]
 
 
 # --- The formulas against the layer code they stand for (NumPy, float64) -------------------------
@@ -621,6 +677,7 @@ def test_gpu_causal_softmax(cupy, BH, T, dtype, scale, seed):
 @given(BH=st.integers(1, 3), T=st.integers(1, 130), hs=st.sampled_from([16, 32, 48, 64]), dtype=dtypes,
        seed=S.seeds)
 def test_gpu_flash_attention(cupy, BH, T, hs, dtype, seed):
+    assume(attention.flash_fits(hs, dtype))  # heads of 48 and 64 are float32's only
     rng = np.random.default_rng(seed)
     q, k, v, dy = (normal(rng, (BH, T, hs), dtype) for _ in range(4))
     scale = 1.0 / np.sqrt(hs)
@@ -738,7 +795,7 @@ def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
         if separate:
             views, grads = [v.copy() for v in views], [xp.zeros(g.shape) for g in grads]
         if xp is not np:
-            assert (cupy_ops._stacked_heads(views) is None) == separate
+            assert (attention.stacked_heads(views) is None) == separate
         y = xp.empty((B, T, C))
         cache = ops.attention_forward(views, xp.asarray(b), CausalSelfAttention._heads(layer, y, B, T, 1)[0],
                                       dense=True)
@@ -807,11 +864,11 @@ def test_the_flash_cores_tensor_cores_follow_the_cublas_math_mode():
     with standin_cupy() as cupy:
         ops = cupy_ops.CupyOps(cupy, fused=("flash_attention",))
         set_tf32(cupy, True)
-        on = ops._tf32()
+        on = attention.tensor_cores(ops)
         set_tf32(cupy, False)
-        off = ops._tf32()
+        off = attention.tensor_cores(ops)
         ops.flash_tf32 = True
-        forced = ops._tf32()
+        forced = attention.tensor_cores(ops)
     assert (on, off, forced) == (True, False, True)
 
 
@@ -830,13 +887,13 @@ def test_a_math_mode_reset_by_another_call_is_set_back_before_a_gemm_relies_on_i
         ops = cupy_ops.CupyOps(cupy, fused=("flash_attention",))
         set_tf32(cupy, True)
         cublas.setMathMode(handle, CUBLAS_DEFAULT_MATH)  # what a float16 matmul leaves behind
-        assert ops._tf32()
+        assert attention.tensor_cores(ops)
         cublas.setMathMode(handle, CUBLAS_DEFAULT_MATH)
         a = cupy.asarray(np.ones((4, 3), np.float32))
         assert project_cublas.gemm(a, a.T, cupy.empty((4, 4), np.float32))
         assert cublas.getMathMode(handle) == CUBLAS_TF32_TENSOR_OP_MATH
         set_tf32(cupy, False)  # off stays off
-        assert not ops._tf32() and cublas.getMathMode(handle) == CUBLAS_DEFAULT_MATH
+        assert not attention.tensor_cores(ops) and cublas.getMathMode(handle) == CUBLAS_DEFAULT_MATH
 
 
 @needs_cxx

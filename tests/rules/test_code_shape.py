@@ -1,5 +1,5 @@
-"""Every function in andrea/, minitensor/ and scripts/ is short enough to read: at most 60 lines and a
-cyclomatic complexity of at most 20 (issue 18, item 4).
+"""The code's own shape: every function in andrea/, minitensor/ and scripts/ is short enough to read (at
+most 60 lines and a cyclomatic complexity of at most 20), and every module holds one concern (below).
 
 A function's lines run from its `def` to its last line, docstring and nested functions included
 (a reader reads them all). Its complexity is 1 plus its decision points, counted here from the
@@ -34,7 +34,7 @@ MAX_COMPLEXITY = 20
 # attention_backward_cpu is one numba kernel whose body is the derivation, step by step ("forward
 # was: ..."); a piece split out would have to be a numba overload (see minitensor/backends/numba_jit.py's
 # causal_exp_row), more code around less maths. It may not grow.
-LEFT_AS_THEY_ARE = {"minitensor/backends/numba_kernels.py:attention_backward_cpu": (62, 18)}
+LEFT_AS_THEY_ARE = {"minitensor/backends/cpu/attention.py:attention_backward_cpu": (62, 18)}
 
 FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 SCOPES = (*FUNCTIONS, ast.ClassDef)
@@ -171,30 +171,63 @@ def test_a_function_left_as_it_is_may_not_grow():
     assert too_big(source, "x.py", left={"x.py:f": (70, 1)}) == ["x.py:1 f: 71 lines, complexity 1"]
 
 
-# A module is short enough to find one's way in: at most MAX_MODULE_LINES lines, unless it holds one
-# concern that splitting would scatter (issue 27: "no andrea/ or minitensor/ module over ~400 lines
-# unless it is one concern"). Each one left longer, with its size when it was left, may not grow.
-MAX_MODULE_LINES = 400
-ONE_CONCERN = {
-    "minitensor/backends/numpy_ops.py": (506, "the NumPy backend: each Ops override beside its numba call"),
-    "andrea/data/tokenizer.py": (447, "the byte-level BPE tokenizer: its id layout, encode and decode"),
-    "minitensor/backends/cuda.py": (486, "the kernel registry: specs, records, the sizes they run at, the .cu files"),
-    "minitensor/backends/cupy_ops.py": (412, "the CuPy backend: each Ops override beside its kernel call"),
-    "andrea/interop/hf.py": (411, "the Hugging Face GPT-2 format, both directions"),
-    "andrea/bench.py": (403, "the benchmark command"),
+# ----------------------------------------------------------------------------- modules: one concern each
+#
+# A module holds one concern, the one thing a reader opens it for (a layer, a backend's piece, a command,
+# a file format), and the first line of its docstring names it. Its length is not the rule: a module
+# grows with its concern, and code moves to another module when a second concern appears, never to get
+# under a number. What is checked here (docs/architecture.md, "One concern a module", says how a
+# reviewer judges the rest):
+#
+#   every module of andrea/, minitensor/ and scripts/ opens with a docstring: its concern
+#   a module of andrea/ or minitensor/ over REVIEW_LINES is listed in LONG_MODULES with its concern in a
+#     phrase: the change that takes a module past REVIEW_LINES adds the line, for its reviewer to judge,
+#     and the change that brings it back removes it
+#   no module of andrea/ or minitensor/ reaches MAX_MODULE_LINES, listed or not: long before that it
+#     holds two concerns
+REVIEW_LINES = 400
+MAX_MODULE_LINES = 800
+LONG_MODULES = {
+    "andrea/data/tokenizer.py": "the byte-level BPE tokenizer: its id layout, encode and decode",
+    "minitensor/backends/cuda.py": "the kernel registry: specs, records, the sizes they run at, the .cu files",
+    "andrea/interop/hf.py": "the Hugging Face GPT-2 format, both directions",
+    "andrea/bench.py": "the benchmark command",
 }
 
 
-def module_sizes():
-    return {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
-            for p in sorted((ROOT / "andrea").rglob("*.py")) + sorted((ROOT / "minitensor").rglob("*.py"))}
+def module_sizes(folders=("andrea", "minitensor")):
+    return {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
+            for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
-def test_every_module_is_short_or_one_concern_that_does_not_grow():
-    sizes = module_sizes()
-    over = [f"{path}: {n} lines" for path, n in sizes.items()
-            if n > ONE_CONCERN.get(path, (MAX_MODULE_LINES, ""))[0]]
-    assert not over, (f"modules over {MAX_MODULE_LINES} lines (or over the size they were left at); split them "
-                      f"by concern: {over}")
-    stale = [path for path, (most, _) in ONE_CONCERN.items() if sizes.get(path, 0) <= MAX_MODULE_LINES]
-    assert not stale, f"{stale} are within {MAX_MODULE_LINES} lines now (or gone): remove them from ONE_CONCERN"
+def module_findings(sizes, listed=LONG_MODULES):
+    """One line per breach of the module rule, for {path: lines} and the listed long modules."""
+    found = [f"{path}: {n} lines; {MAX_MODULE_LINES} is the ceiling for any module: split it by concern"
+             for path, n in sizes.items() if n >= MAX_MODULE_LINES]
+    found += [f"{path}: {n} lines; over {REVIEW_LINES}, list it in LONG_MODULES with its one concern (or split "
+              f"it by concern, if it holds two)" for path, n in sizes.items()
+              if n > REVIEW_LINES and path not in listed]
+    found += [f"{path}: {sizes[path]} lines now; remove it from LONG_MODULES" if path in sizes else
+              f"{path} is gone: remove it from LONG_MODULES" for path in listed if sizes.get(path, 0) <= REVIEW_LINES]
+    return found
+
+
+def test_every_module_is_short_or_listed_with_its_one_concern():
+    found = module_findings(module_sizes())
+    assert not found, "\n".join(found)
+
+
+def test_every_module_opens_with_its_concern():
+    bare = [where for where, source in sources().items()
+            if not (ast.get_docstring(ast.parse(source)) or "").strip()]
+    assert not bare, f"modules without an opening docstring naming their concern: {bare}"
+
+
+def test_the_module_rule_reports_each_breach():
+    listed = {"long.py": "one thing", "short.py": "one thing", "gone.py": "one thing"}
+    sizes = {"long.py": REVIEW_LINES + 300, "short.py": REVIEW_LINES, "new.py": REVIEW_LINES + 1,
+             "huge.py": MAX_MODULE_LINES, "ok.py": 10}
+    found = module_findings(sizes, listed)
+    assert [line.split(":")[0].split(" ")[0] for line in found] == ["huge.py", "new.py", "huge.py", "short.py",
+                                                                     "gone.py"]
+    assert not module_findings({"long.py": MAX_MODULE_LINES - 1}, {"long.py": "one thing"})  # grows: no cap

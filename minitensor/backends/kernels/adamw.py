@@ -33,25 +33,27 @@ def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, 
     mask, mask 1 where weight decay applies, 0 elsewhere); t counts steps from 1. Equals
     Ops.adamw_step: the gradient is g * grad_scale (clipping), grad_scale a number or a
     one-element device array."""
-    if t < 1:
-        raise ValueError(f"adamw_step_gpu: t counts steps from 1, got {t}")
-    adamw_kernel(p, g, m, v, mask, beta1, beta2, grad_scale, *adamw_scalars(lr, beta1, beta2, eps, t),
-                 lr * weight_decay)
-    return p
-
-
-def adamw_kernel(p, g, m, v, mask, b1, b2, grad_scale, step_size, eps_hat, decay):
-    """Ops.adamw_step through ADAMW_STEP: in place over the flat p, m, v (mask 1 where decayed)."""
     fn = "adamw_step_gpu"
+    if t < 1:
+        raise ValueError(f"{fn}: t counts steps from 1, got {t}")
     cuda.check_operands(fn, p, None)
     for name, a in (("g", g), ("m", m), ("v", v), ("mask", mask)):
         cuda.like(fn, name, a, p, contiguous=False)
     cuda.on_cupy(fn, p, "Ops.adamw_step")
     scale = array_module(p).asarray(grad_scale, dtype=p.dtype).reshape(1)
-    ADAMW_STEP.kernel()(p, m, v, g, mask, b1, b2, scale, step_size, eps_hat, decay, p, m, v)
+    step_size, eps_hat = adamw_scalars(lr, beta1, beta2, eps, t)
+    ADAMW_STEP.kernel()(p, m, v, g, mask, beta1, beta2, scale, step_size, eps_hat, lr * weight_decay, p, m, v)
+    return p
 
 
-# --- the fused piece adamw: its record, the self-check's sample, gpu_check's cases ---
+# --- the fused piece adamw: the Ops method it replaces, the self-check's sample, gpu_check's cases, its
+# record ---
+
+
+def _fused_adamw_step(ops, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0):
+    """Ops.adamw_step in one elementwise pass, in the folded form of tricks.adamw_update."""
+    adamw_step_gpu(p, g, m, v, decayed, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, t=t,
+                   grad_scale=grad_scale)
 
 
 def _adamw_sample(ops, rng):
@@ -110,7 +112,7 @@ def _adamw_timed(ops, sizes):
 
 ADAMW = cuda.fused_piece(
     "adamw",
-    replaces=("adamw_step",),
+    replaces={"adamw_step": _fused_adamw_step},
     kernels=(ADAMW_STEP,),
     sample=_adamw_sample,
     cases=_adamw_cases,

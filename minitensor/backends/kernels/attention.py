@@ -1,12 +1,16 @@
 """Causal attention without T x T in memory on the GPU, FlashAttention-2: the RawKernels of
-kernels/attention.cu (their shared code in kernels/flash.cuh), their wrappers and the fused piece
-flash_attention's record (CupyOps.attention_forward_flash)."""
+kernels/attention.cu (their shared code in kernels/flash.cuh), their wrappers, the fused piece
+flash_attention's record, and the heads' layout both fused attention cores share (the dense one's
+in kernels/causal_softmax.py)."""
+
+import math
+from typing import NamedTuple
 
 import numpy as np
 
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
-from minitensor.device import array_module
+from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH, array_module, math_mode
 
 # The kernels' tiles (attention.cu's constants), by dtype: (query rows, keys) of the forward's and of
 # flash_attention_bwd_dq's tiles, (keys, query rows) of flash_attention_bwd_dkv's; 16 rows a warp.
@@ -156,6 +160,126 @@ def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None,
     return grads
 
 
+# --- the heads as the fused cores take them: q, k, v (B*n_head, T, hs) contiguous, c_attn's bias added ---
+
+
+def stacked_heads(views):
+    """The (3, B, nh, T, hs) view of the (B*T, 3C) array that the three (B, nh, T, hs) views were cut
+    from (CausalSelfAttention._heads: q, k, v side by side in each row), found through CuPy's public
+    `base` and `data.ptr`; None where they are not exactly that (then each is handled on its own)."""
+    base = views[0].base
+    B, nh, T, hs = views[0].shape
+    C, item = nh * hs, views[0].itemsize
+    if (base is None or base.size != B * T * 3 * C or base.dtype != views[0].dtype or not base.flags.c_contiguous
+            or len(views) != 3):
+        return None
+    strides = (T * 3 * C * item, hs * item, 3 * C * item, item)
+    for i, v in enumerate(views):
+        if v.shape != (B, nh, T, hs) or v.strides != strides or v.data.ptr != base.data.ptr + i * C * item:
+            return None
+    return base.reshape(B, T, 3, nh, hs).transpose(2, 0, 3, 1, 4)
+
+
+def split_heads(xp, qkv4, b, dtype):
+    """q, k, v, each (B*nh, T, hs) contiguous (one (3, B*nh, T, hs) array of dtype), from the heads
+    qkv4 (three (B, nh, T, hs) views) plus c_attn's bias b (3C,): one pass over all three where they
+    are views of one array, else one each."""
+    B, nh, T, hs = qkv4[0].shape
+    heads = xp.empty((3, B * nh, T, hs), dtype=dtype)
+    out = heads.reshape(3, B, nh, T, hs)
+    stacked = stacked_heads(qkv4)
+    bias = None if b is None else b.reshape(3, 1, nh, 1, hs)
+    pairs = [(stacked, bias, out)] if stacked is not None else [
+        (src, None if bias is None else bias[i], out[i]) for i, src in enumerate(qkv4)]
+    for src, add, dst in pairs:
+        if add is None:
+            dst[...] = src
+        else:
+            xp.add(src, add, out=dst)
+    return heads
+
+
+def write_heads(dqkv4, grads):
+    """grads (3, B*nh, T, hs), the gradients of q, k, v, into the views dqkv4: one copy where they are
+    the heads of one (B*T, 3C) array, else one each."""
+    B, nh, T, hs = dqkv4[0].shape
+    stacked = stacked_heads(dqkv4)
+    if stacked is not None:
+        stacked[...] = grads.reshape(3, B, nh, T, hs)
+        return
+    for g, d in zip(dqkv4, grads):
+        g[...] = d.reshape(B, nh, T, hs)
+
+
+def head_rows(xp, a4, write=False):
+    """(rows, n_head, in place) for the flash kernels from a (B, nh, T, hs) array: the (B, T, nh, hs)
+    array it is a view of, read (and written) in place, where it is one (the heads of a (B, T, C)
+    array); else a contiguous (B*nh, T, hs) copy (write: an empty one) with n_head 1."""
+    rows = a4.transpose(0, 2, 1, 3)
+    if rows.flags.c_contiguous:
+        return rows, a4.shape[1], True
+    B, nh, T, hs = a4.shape
+    if write:
+        return xp.empty((B * nh, T, hs), dtype=a4.dtype), 1, False
+    return xp.ascontiguousarray(a4).reshape(B * nh, T, hs), 1, False
+
+
+# --- the fused piece flash_attention: the Ops methods it replaces, the self-check's sample, gpu_check's
+# cases, its record ---
+#
+# No (T, T) array at all. q is kept unscaled (the kernels take the scale), y and dy are read and
+# written where they lie in the layer's (B, T, C) arrays, rowsum(dy y) is computed by the backward's
+# first kernel.
+
+
+class FlashAttentionCache(NamedTuple):
+    """What the flash core keeps: q (unscaled), k, v (B*n_head, T, hs); y4, the output as a
+    (B, n_head, T, hs) view; lse, each query row's log-sum-exp."""
+    q: object
+    k: object
+    v: object
+    y4: object
+    lse: object
+
+
+def tensor_cores(ops):
+    """Whether the flash kernels' float32 products run on TF32 tensor cores: ops.flash_tf32 where set,
+    else as the batched GEMMs do, by the cuBLAS handle's math mode (minitensor.device.set_tf32)."""
+    if ops.flash_tf32 is not None:
+        return ops.flash_tf32
+    return math_mode(ops.xp.cuda.device.get_cublas_handle()) == CUBLAS_TF32_TENSOR_OP_MATH
+
+
+def _fused_attention_forward(ops, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
+    """Ops.attention_forward by the flash kernels, unless dense or blocks are asked for or they do not
+    take the head size and dtype."""
+    B, nh, T, hs = qkv4[0].shape
+    if dense is not None or not flash_fits(hs, y4.dtype):
+        return cuda.FALLBACK
+    xp = ops.xp
+    q, k, v = split_heads(xp, qkv4, b, y4.dtype)
+    rows, n_head, in_place = head_rows(xp, y4, write=True)
+    _, lse = flash_attention_forward_gpu(q, k, v, 1.0 / math.sqrt(hs), rows, n_head=n_head, tf32=tensor_cores(ops))
+    if not in_place:                                      # y4 is not the heads of a (B, T, C) array
+        y4[...] = rows.reshape(B, nh, T, hs)
+    return FlashAttentionCache(q, k, v, y4, lse)
+
+
+def _fused_attention_backward(ops, dy4, saved, dqkv4):
+    """Ops.attention_backward from what _fused_attention_forward kept."""
+    if not isinstance(saved, FlashAttentionCache):
+        return cuda.FALLBACK
+    xp = ops.xp
+    q, k, v, y4, lse = saved
+    BH, T, hs = q.shape
+    y, n_y, _ = head_rows(xp, y4)
+    dy, n_dy, _ = head_rows(xp, dy4)
+    if n_y != n_dy:                                       # one n_head for both: both as (BH, T, hs)
+        (y, n_y), (dy, n_dy) = ((xp.ascontiguousarray(a).reshape(BH, T, hs), 1) for a in (y4, dy4))
+    write_heads(dqkv4, flash_attention_backward_gpu(q, k, v, y, dy, lse, 1.0 / math.sqrt(hs), n_head=n_y,
+                                                     tf32=tensor_cores(ops)))
+
+
 # TF32 rounds each product's operands to 11 significant bits (relative error up to 2**-11, ~5e-4): the
 # attention's outputs and gradients land within ~1e-3 of float32's; 5e-3 still refuses a wrong mask, tile
 # or fragment layout, whose errors are of the outputs' own size.
@@ -230,7 +354,7 @@ def _flash_attention_cases(k):
 
 FLASH_ATTENTION = cuda.fused_piece(
     "flash_attention",
-    replaces=("attention_forward",),
+    replaces={"attention_forward": _fused_attention_forward, "attention_backward": _fused_attention_backward},
     kernels=(FLASH_FWD, FLASH_BWD_DQ, FLASH_BWD_DKV),
     sample=_flash_attention_sample,
     cases=_flash_attention_cases,

@@ -1,11 +1,15 @@
 """The causal softmax over (..., T, T) attention scores on the GPU (forward, backward, recomputed): the
 kernels of kernels/causal_softmax.cu, their wrappers and the fused piece causal_softmax's record (the
-dense attention core's softmax, CupyOps.attention_forward_dense)."""
+dense attention core with this softmax: Ops.attention_forward_dense and its backward)."""
+
+import math
+from typing import NamedTuple
 
 import numpy as np
 
-from minitensor.backends import cuda
+from minitensor.backends import cublas, cuda
 from minitensor.backends.cuda import draw
+from minitensor.backends.kernels.attention import attention_core_timed, split_heads, stacked_heads
 
 
 def _causal_fraction(n_ctx):
@@ -98,7 +102,60 @@ def causal_softmax_recompute_gpu(s, lse, scale=1.0, out=None):
     return kern(*args) if out is None else kern(*args, cuda.out_like(fn, s, out))
 
 
-# --- the fused piece causal_softmax: its record, the self-check's sample, gpu_check's cases ---
+# --- the fused piece causal_softmax: the Ops methods it replaces, the self-check's sample, gpu_check's
+# cases, its record ---
+#
+# The dense core with the fused softmax: the 1/sqrt(hs) scale goes into the softmax kernels (forward:
+# p = softmax(scale s); backward: ds = scale p (dp - rowsum(dp p))), so q is kept unscaled and neither
+# q nor dq takes a pass of its own, and rowsum(dy y) (Ops' D) is not computed: the backward kernel
+# sums dp p itself. CuPy's batched matmul would copy an operand that is not C-contiguous (SPEC section
+# 5): k^T (forward), dy^T, v^T and q^T (backward) go to cuBLAS's strided batched GEMM with the
+# transpose flag instead (cublas.matmul); dv and dk come out transposed (dv^T = dy^T p,
+# dk^T = q^T ds), read as stored.
+
+
+class FusedAttentionCache(NamedTuple):
+    """What the fused dense core keeps: q (unscaled), k, v (B*n_head, T, hs); p (B*n_head, T, T)."""
+    q: object
+    k: object
+    v: object
+    p: object
+
+
+def _fused_attention_forward_dense(ops, qkv4, b, y4):
+    """Ops.attention_forward_dense: all heads' scores in one batched GEMM, the causal softmax in place."""
+    B, nh, T, hs = qkv4[0].shape
+    q, k, v = split_heads(ops.xp, qkv4, b, y4.dtype)     # each (BH, T, hs) contiguous
+    s = cublas.matmul(q, k.transpose(0, 2, 1))            # (BH, T, T) unscaled scores
+    p = causal_softmax_forward_gpu(s, 1.0 / math.sqrt(hs), out=s)
+    y4[...] = cublas.matmul(p, v).reshape(B, nh, T, hs)   # heads back in order
+    return FusedAttentionCache(q, k, v, p)
+
+
+def _fused_attention_backward(ops, dy4, saved, dqkv4):
+    """Ops.attention_backward from what _fused_attention_forward_dense kept."""
+    if not isinstance(saved, FusedAttentionCache):
+        return cuda.FALLBACK
+    xp = ops.xp
+    q, k, v, p = saved                                    # q unscaled (_fused_attention_forward_dense)
+    BH, T, hs = q.shape
+    B, nh = dy4.shape[:2]
+    dy = xp.ascontiguousarray(dy4).reshape(BH, T, hs)
+    dkvT = xp.empty((2, BH, hs, T), dtype=q.dtype)        # dk^T, dv^T side by side
+    cublas.matmul(dy.transpose(0, 2, 1), p, out=dkvT[1])  # forward was y = p v: dv^T = dy^T p
+    dp = cublas.matmul(dy, v.transpose(0, 2, 1))
+    # forward was p = softmax(scale q k^T): ds = scale p (dp - rowsum(dp p)), dq = ds k, dk^T = q^T ds
+    ds = causal_softmax_backward_gpu(dp, p, 1.0 / math.sqrt(hs), out=dp)
+    dq = cublas.matmul(ds, k)
+    cublas.matmul(q.transpose(0, 2, 1), ds, out=dkvT[0])
+    dkv = dkvT.transpose(0, 1, 3, 2).reshape(2, B, nh, T, hs)
+    stacked = stacked_heads(dqkv4)
+    if stacked is not None:                               # dk and dv in one copy
+        stacked[0][...] = dq.reshape(B, nh, T, hs)
+        stacked[1:][...] = dkv
+        return
+    for g, d in zip(dqkv4, (dq.reshape(B, nh, T, hs), dkv[0], dkv[1])):
+        g[...] = d
 
 
 def _causal_softmax_sample(ops, rng):
@@ -155,14 +212,13 @@ def _causal_softmax_cases(k):
 def _dense_core_timed(ops, sizes):
     """The dense attention core of every head at the run's sizes, forward and backward (the flash
     piece's timed run, the dense core asked for)."""
-    from minitensor.backends.kernels.attention import attention_core_timed  # here: the records' import order
-
     return attention_core_timed(ops, sizes, dense=True)
 
 
 CAUSAL_SOFTMAX = cuda.fused_piece(
     "causal_softmax",
-    replaces=("attention_forward_dense",),
+    replaces={"attention_forward_dense": _fused_attention_forward_dense,
+              "attention_backward": _fused_attention_backward},
     kernels=(CAUSAL_SOFTMAX_FWD, CAUSAL_SOFTMAX_BWD, CAUSAL_SOFTMAX_RECOMPUTE),
     sample=_causal_softmax_sample,
     cases=_causal_softmax_cases,

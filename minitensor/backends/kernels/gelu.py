@@ -3,7 +3,8 @@ the fused piece bias_gelu's record.
 
 gelu_fwd / gelu_bwd run whenever CupyOps.gelu_forward / _backward get a float array (always on: no
 record); bias_gelu_fwd, _bwd and _bwd_fwd (the output recomputed) are the fused piece bias_gelu,
-which replaces Ops.bias_gelu_forward / _backward when the self-check keeps it. Each kernel's host
+which replaces Ops.bias_gelu_forward / _backward (its record names the functions below that run
+them) when the self-check keeps it. Each kernel's host
 reference is the Ops code itself, on flat arrays as the kernel sees them.
 """
 
@@ -91,7 +92,20 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
     return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
 
 
-# --- the fused piece bias_gelu: its record, the self-check's sample, gpu_check's cases ---
+# --- the fused piece bias_gelu: the Ops methods it replaces, the self-check's sample, gpu_check's cases,
+# its record ---
+
+
+def _fused_bias_gelu_forward(ops, x, b):
+    """Ops.bias_gelu_forward: x is kept as it is, h = x + b never stored."""
+    return bias_gelu_forward_gpu(x, b)
+
+
+def _fused_bias_gelu_backward(ops, x, b, dy, recompute_output=False):
+    """Ops.bias_gelu_backward: dh, and with recompute_output GELU(x + b) from the same pass."""
+    if recompute_output:
+        return bias_gelu_backward_recompute_gpu(x, b, dy)
+    return bias_gelu_backward_gpu(x, b, dy)
 
 
 def _bias_gelu_sample(ops, rng):
@@ -136,7 +150,7 @@ def _bias_gelu_timed(ops, sizes):
 
 BIAS_GELU = cuda.fused_piece(
     "bias_gelu",
-    replaces=("bias_gelu_forward", "bias_gelu_backward"),
+    replaces={"bias_gelu_forward": _fused_bias_gelu_forward, "bias_gelu_backward": _fused_bias_gelu_backward},
     kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD),
     sample=_bias_gelu_sample,
     cases=_bias_gelu_cases,

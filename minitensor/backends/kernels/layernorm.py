@@ -126,7 +126,23 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     return dx
 
 
-# --- the fused piece layernorm: its record, the self-check's sample, gpu_check's cases ---
+# --- the fused piece layernorm: the Ops methods it replaces, the self-check's sample, gpu_check's
+# cases, its record ---
+
+
+def _fused_layernorm_forward(ops, x, w, b, eps):
+    """Ops.layernorm_forward, one block per row."""
+    return layernorm_forward_gpu(x, w, b, eps)
+
+
+def _fused_layernorm_backward(ops, dy, x, mean, rstd, w, dw, db, dres=None):
+    """Ops.layernorm_backward for rows of at most LN_MAX_C values, the skip gradient dres added in
+    the same pass."""
+    if x.shape[-1] > LN_MAX_C:
+        return cuda.FALLBACK
+    # the kernel reads the skip gradient and writes dx beside it: the caller's array is kept
+    residual = None if dres is None else ops.xp.ascontiguousarray(dres)
+    return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=residual)
 
 
 def _layernorm_sample(ops, rng):
@@ -203,7 +219,7 @@ def _layernorm_timed(ops, sizes):
 
 LAYERNORM = cuda.fused_piece(
     "layernorm",
-    replaces=("layernorm_forward", "layernorm_backward"),
+    replaces={"layernorm_forward": _fused_layernorm_forward, "layernorm_backward": _fused_layernorm_backward},
     kernels=(LAYERNORM_FWD, LAYERNORM_BWD, LAYERNORM_BWD_PARAMS),
     sample=_layernorm_sample,
     cases=_layernorm_cases,

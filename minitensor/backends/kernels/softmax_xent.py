@@ -82,7 +82,28 @@ def _xent_operands(fn, logits, targets):
     return logits.reshape(-1, logits.shape[-1]), t
 
 
-# --- the fused piece softmax_xent: its record, the self-check's sample, gpu_check's cases ---
+# --- the fused piece softmax_xent: the Ops methods it replaces, the self-check's sample, gpu_check's
+# cases, its record ---
+
+
+def _fused_vocab_padding(ops, V):
+    """V rounded up to a multiple of 128 (the kernels mask the padding), as llm.c pads GPT-2's 50257 to
+    50304: every leading dimension of the tied head's three GEMMs a multiple of 16 bytes (8449 -> 8576),
+    so cuBLAS can use its aligned (TMA) kernels."""
+    return -(-V // 128) * 128
+
+
+def _fused_softmax_xent_forward(ops, z, t, inplace=False, valid=None):
+    """Ops.softmax_xent_forward: the probabilities (not divided by N) over a contiguous z; with valid,
+    over its first `valid` columns, the rest given probability 0 (the tied head's padding)."""
+    z = z if inplace and z.flags.c_contiguous else ops.xp.array(z, order="C")
+    loss, _ = softmax_xent_forward_gpu(z, t, valid)
+    return loss, z
+
+
+def _fused_softmax_xent_backward(ops, saved, t, dloss=1.0):
+    """Ops.softmax_xent_backward, in place over what the forward kept: the probabilities."""
+    return softmax_xent_backward_gpu(saved, t, dloss)
 
 
 def _softmax_xent_sample(ops, rng):
@@ -150,7 +171,8 @@ def _softmax_xent_timed(ops, sizes):
 
 SOFTMAX_XENT = cuda.fused_piece(
     "softmax_xent",
-    replaces=("vocab_padding", "softmax_xent_forward", "softmax_xent_backward"),
+    replaces={"vocab_padding": _fused_vocab_padding, "softmax_xent_forward": _fused_softmax_xent_forward,
+              "softmax_xent_backward": _fused_softmax_xent_backward},
     kernels=(SOFTMAX_XENT_FWD, SOFTMAX_XENT_BWD),
     sample=_softmax_xent_sample,
     cases=_softmax_xent_cases,
