@@ -334,7 +334,8 @@ def check_exportable(cfg: ModelConfig, tokenizer=None) -> None:
     (more ids than the model has: fewer is a padded vocabulary, which transformers loads too)."""
     if not cfg.is_gpt2:
         raise UserError(f"this model is a variant ({cfg.variant()}), not GPT-2: the Hugging Face export writes "
-                        "GPT-2's block only (model.norm=pre, model.residual=true, model.activation=gelu)")
+                        "GPT-2's block only (model.norm=layernorm, model.norm_position=pre, model.residual=true, "
+                        "model.activation=gelu)")
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
 

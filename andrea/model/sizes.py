@@ -11,26 +11,32 @@ once, and what is derived from the shapes.
 import math
 from collections import defaultdict
 
+from andrea.model.block import NORMS
+
 
 def param_shapes(cfg):
-    """{GPT-2 name: shape} in the order of the flat buffer."""
+    """{GPT-2 name: shape} in the order of the flat buffer: GPT-2's, but for each norm the parameters its
+    kind has (LayerNorm's weight and bias: GPT-2's; andrea.model.block.NORMS), none with
+    norm_position=none."""
     C, V, F = cfg.d_model, cfg.vocab_size, cfg.mlp_dim
     F_in = 2 * F if cfg.activation == "swiglu" else F     # SwiGLU's gate and value halves
+    kind = () if cfg.norm_position == "none" else NORMS[cfg.norm].params
+
+    def norm(name):
+        return {f"{name}.{p}": (C,) for p in kind}
+
     shapes = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (cfg.context_length, C)}
     for i in range(cfg.n_layer):
         h = f"transformer.h.{i}."
         shapes.update({
-            h + "ln_1.weight": (C,), h + "ln_1.bias": (C,),
+            **norm(h + "ln_1"),
             h + "attn.c_attn.weight": (C, 3 * C), h + "attn.c_attn.bias": (3 * C,),
             h + "attn.c_proj.weight": (C, C), h + "attn.c_proj.bias": (C,),
-            h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
+            **norm(h + "ln_2"),
             h + "mlp.c_fc.weight": (C, F_in), h + "mlp.c_fc.bias": (F_in,),
             h + "mlp.c_proj.weight": (F, C), h + "mlp.c_proj.bias": (C,),
         })
-    shapes["transformer.ln_f.weight"] = (C,)
-    shapes["transformer.ln_f.bias"] = (C,)
-    if cfg.norm == "none":
-        return {name: shape for name, shape in shapes.items() if ".ln_" not in name}
+    shapes.update(norm("transformer.ln_f"))
     return shapes
 
 
@@ -52,11 +58,12 @@ def parameter_breakdown(cfg):
     norms, attn, mlp = (counts[part] // n for part in ("norms", "attention", "mlp"))  # every block alike
     block = norms + attn + mlp
     blocks = f"{n} {'block' if n == 1 else 'blocks'}"
+    norm = NORMS[cfg.norm].__name__
     parts = {
         "token embedding (tied with the output head)": counts["wte"],
         "position embedding": counts["wpe"],
-        f"{blocks} ({block:,} each: 2 LayerNorms {norms:,} + attention {attn:,} + MLP {mlp:,})": n * block,
-        "final LayerNorm": counts["ln_f"],
+        f"{blocks} ({block:,} each: 2 {norm}s {norms:,} + attention {attn:,} + MLP {mlp:,})": n * block,
+        f"final {norm}": counts["ln_f"],
     }
     parts["total"] = sum(parts.values())
     return parts

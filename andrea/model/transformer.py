@@ -10,21 +10,21 @@ Parameters carry the key names of a Hugging Face GPT2LMHeadModel state dict, wei
 writes. Backward runs the blocks in reverse, with the residual joins written out:
 dx = dx + sublayer.backward(dx).
 
-The design document's variants (model.norm, model.residual, model.activation, model.mlp_ratio;
-docs/experiments.md) change the Block and its MLP only (andrea.model.block), never a primitive
-layer:
+The variants (model.norm_position, model.norm, model.residual, model.activation, model.mlp_ratio;
+docs/experiments.md) change the Block and its MLP (andrea.model.block) and which norm layer
+ln_1, ln_2 and ln_f are, never a primitive layer:
 
-    norm=post:        x = ln_1(x + attn(x));  x = ln_2(x + mlp(x))    (the 2017 arrangement)
-    residual=false:   the "x +" above dropped, in either arrangement
-    activation=relu:  mlp(x) = c_proj(ReLU(c_fc(x)))
-    norm=none:        x = x + attn(x);  x = x + mlp(x);  logits = x @ wte.T    (no LayerNorm anywhere)
-    activation=swiglu: mlp(x) = c_proj(SwiGLU(c_fc(x))), c_fc (C, 2F) the gate and value halves,
-                      F = 8/3 C by default (minitensor.layers.swiglu)
+    norm_position=post: x = ln_1(x + attn(x));  x = ln_2(x + mlp(x))    (the 2017 arrangement)
+    norm_position=none: x = x + attn(x);  x = x + mlp(x);  logits = x @ wte.T    (no norm anywhere)
+    norm=KIND:          every norm (ln_1, ln_2, ln_f) of that kind (andrea.model.block.NORMS)
+    residual=false:     the "x +" above dropped, in either arrangement
+    activation=relu:    mlp(x) = c_proj(ReLU(c_fc(x)))
+    activation=swiglu:  mlp(x) = c_proj(SwiGLU(c_fc(x))), c_fc (C, 2F) the gate and value halves,
+                        F = 8/3 C by default (minitensor.layers.swiglu)
 
-They keep GPT-2's parameter names (post-norm keeps ln_f too), and, but for norm=none (which has no
-LayerNorm parameters) and swiglu (whose c_fc is twice as wide), its count, so a variant's
-checkpoint has the same layout; the Hugging Face export refuses them (transformers' GPT-2
-computes pre-norm GELU).
+They keep GPT-2's parameter names (post-norm keeps ln_f too), and, but for norm_position=none (no
+norm parameters), a norm without a bias and swiglu (whose c_fc is twice as wide), its count;
+the Hugging Face export refuses them by name (transformers' GPT-2 computes pre-norm LayerNorm GELU).
 With `record_flow(recorder)` the model reports, in the next forward and backward, the residual
 stream and its gradient at every block to the recorder (andrea.run.gradflow; train.log_grad_flow).
 
@@ -66,7 +66,7 @@ class ANDREA:
         self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), check=False, ops=ops)
         self.wpe = PositionEmbedding(p["transformer.wpe.weight"], p.grad("transformer.wpe.weight"), ops=ops)
         self.blocks = [Block(p, f"transformer.h.{i}.", cfg, ops) for i in range(cfg.n_layer)]
-        self.ln_f = norm_layer(p, "transformer.ln_f", cfg.ln_eps, ops)
+        self.ln_f = norm_layer(p, "transformer.ln_f", cfg, ops)
         self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), ops=ops)
         self.loss_fn = SoftmaxCrossEntropy(check=False, ops=ops)
         self.flow = None

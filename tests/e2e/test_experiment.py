@@ -376,20 +376,20 @@ def test_a_variant_run_logs_its_flow_resumes_and_samples(tmp_path, data_dir):
     require("matplotlib")
     out = tmp_path / "post"
     sets = []
-    for o in SMALL + corpus(data_dir) + ["model.norm=post", "model.activation=relu", "train.max_steps=4",
+    for o in SMALL + corpus(data_dir) + ["model.norm_position=post", "model.activation=relu", "train.max_steps=4",
                                         "train.log_interval=2", "train.log_grad_flow=true", "train.sample_tokens=0",
                                         "train.device=cpu", "train.checkpoint_interval=2"]:
         sets += ["--set", o]
     assert run(train.main, ["--out", str(out), "--stop-at-step", "2"] + sets) == 0
     assert run(train.main, ["--out", str(out), "--resume"]) == 0
     saved = json.loads((out / "config.json").read_text())["model"]
-    assert (saved["norm"], saved["activation"], saved["residual"]) == ("post", "relu", True)
+    assert (saved["norm_position"], saved["activation"], saved["residual"]) == ("post", "relu", True)
     flows = gradflow.read_flow(out)
     assert [s for s, _ in flows] == [1, 2, 4]
     assert all(len(f["grad_in"]) == 2 and f["grad_top"] > 0 for _, f in flows)
     model, _, _ = sample.load_model(out)
-    assert (model.cfg.norm, model.cfg.activation) == ("post", "relu")  # the checkpoint records the variant
-    assert [b.norm for b in model.blocks] == ["post", "post"]
+    assert (model.cfg.norm_position, model.cfg.activation) == ("post", "relu")  # the checkpoint records it
+    assert [b.position for b in model.blocks] == ["post", "post"]
     assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "def "]) == 0
     assert run(plot.main, ["--grad-flow", str(out), "--out", str(tmp_path / "g.png")]) == 0
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
@@ -668,23 +668,23 @@ def test_a_run_without_layernorm_with_swiglu_resumes_samples_and_traces(tmp_path
 
     out = tmp_path / "bare"
     sets = []
-    for o in SMALL + corpus(data_dir) + ["model.norm=none", "model.activation=swiglu", "train.max_steps=4",
+    for o in SMALL + corpus(data_dir) + ["model.norm_position=none", "model.activation=swiglu", "train.max_steps=4",
                                         "train.sample_tokens=0", "train.device=cpu", "train.checkpoint_interval=2"]:
         sets += ["--set", o]
     assert run(train.main, ["--out", str(out), "--stop-at-step", "2"] + sets) == 0
     assert run(train.main, ["--out", str(out), "--resume"]) == 0
     saved = json.loads((out / "config.json").read_text())["model"]
-    assert (saved["norm"], saved["activation"], saved["mlp_dim"]) == ("none", "swiglu", round(8 * 16 / 3))
+    assert (saved["norm_position"], saved["activation"], saved["mlp_dim"]) == ("none", "swiglu", round(8 * 16 / 3))
     model, _, _ = sample.load_model(out)
-    assert (model.cfg.norm, model.cfg.activation) == ("none", "swiglu")
+    assert (model.cfg.norm_position, model.cfg.activation) == ("none", "swiglu")
     assert not [n for n, _ in model.named_parameters() if ".ln_" in n]
     assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "def "]) == 0
     capsys.readouterr()
     assert run(trace.main, ["--checkpoint", str(out), "--prompt", "def f(x):"]) == 0
     printed = capsys.readouterr().out
-    assert "ln_1           none (model.norm=none" in printed and "block 1" in printed
-    assert run(train.main, ["--out", str(tmp_path / "bad")] + sets[:-2] + ["--set", "model.norm=off"]) == 2
-    assert "model.norm must be pre, post or none, got 'off'" in capsys.readouterr().err
+    assert "ln_1           none (model.norm_position=none" in printed and "block 1" in printed
+    assert run(train.main, ["--out", str(tmp_path / "bad")] + sets[:-2] + ["--set", "model.norm_position=off"]) == 2
+    assert "model.norm_position must be pre, post or none, got 'off'" in capsys.readouterr().err
 
 
 def _bands(rows):
