@@ -17,6 +17,7 @@ from minitensor.layers.attention import CausalSelfAttention
 from minitensor.layers.layer import Layer, Norm
 from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.linear import Linear
+from minitensor.layers.rmsnorm import RMSNorm
 
 
 def _linear(p, name, ops):
@@ -26,7 +27,7 @@ def _linear(p, name, ops):
 
 # model.norm -> its layer, a Norm (minitensor.layers.layer): the config's values, the parameters'
 # names and shapes (andrea.model.sizes) and the layers built below all come from here
-NORMS = {"layernorm": LayerNorm}
+NORMS = {"layernorm": LayerNorm, "rms": RMSNorm}
 
 
 def norm_layer(p, name, cfg, ops):

@@ -4,6 +4,7 @@
                   a norm's promises more (Norm: backward's skip, infer_stats, its params and stats)
     linear.py     y = x W + b
     layernorm.py  y = (x - mean) rstd w + b, by rows
+    rmsnorm.py    y = x rstd w, rstd = 1 / sqrt(mean(x^2) + eps), by rows (no mean, no bias)
     gelu.py       GPT-2's tanh GELU          relu.py   max(x, 0)
     swiglu.py     SiLU(a) * b over the two halves [a | b], the gated MLP's activation
     attention.py  causal multi-head self-attention
@@ -22,7 +23,8 @@ from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.layers.relu import ReLU
+from minitensor.layers.rmsnorm import RMSNorm
 from minitensor.layers.swiglu import SwiGLU
 
 __all__ = ["CausalSelfAttention", "Embedding", "GELU", "Layer", "LayerNorm", "Linear", "Norm", "PositionEmbedding",
-           "ReLU", "SoftmaxCrossEntropy", "SwiGLU", "TiedHead"]
+           "ReLU", "RMSNorm", "SoftmaxCrossEntropy", "SwiGLU", "TiedHead"]

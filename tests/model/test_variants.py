@@ -216,3 +216,16 @@ def test_the_old_model_norm_is_read_as_the_position_of_a_layernorm(old):
     assert load_config("tiny", [f"model.norm={old}", f"model.norm_position={old}"]).model.norm_position == old
     with pytest.raises(UserError, match=f"model.norm '{old}' is the old spelling of model.norm_position"):
         load_config("tiny", [f"model.norm={old}", f"model.norm_position={'pre' if old != 'pre' else 'post'}"])
+
+
+def test_rmsnorm_has_a_weight_and_no_bias_and_divides_by_the_root_mean_square():
+    cfg = ModelConfig(**TINY, norm="rms")
+    m = ANDREA(cfg, dtype="float64", seed=1)
+    norms = [n for n, _ in m.named_parameters() if ".ln_" in n]
+    assert norms and all(n.endswith(".weight") for n in norms) and len(norms) == 2 * 2 + 1
+    assert parameter_breakdown(cfg)["final RMSNorm"] == 6 and parameter_breakdown(cfg)["total"] == m.num_parameters()
+    x = np.random.default_rng(0).standard_normal((2, 8, 6)) * 5 + 3
+    y = m.ln_f.forward(x)                           # w = 1 at init: y = x / rms(x), its mean kept
+    np.testing.assert_allclose(np.sqrt((y * y).mean(axis=-1)), 1, rtol=1e-6)
+    np.testing.assert_allclose(y * np.sqrt((x * x).mean(axis=-1, keepdims=True) + cfg.ln_eps), x, rtol=1e-12)
+    assert type(m.blocks[0].ln_1).__name__ == "RMSNorm" and m.blocks[0].position == "pre"
