@@ -9,8 +9,9 @@ method it replaces, and falls back to `super()` where it does not apply. Its own
                                        the same adds as Ops': any float dtype)
     scatter_add_rows                   'scatter_add_rows' (deterministic where add.at's atomics are not)
     linear_weight_grads, gemm          cuBLAS's own GEMM and GEMV (minitensor.backends.cublas): beta 1
-                                       accumulates a gradient in the GEMM's output pass, transposed operands
-                                       and longer rows taken as stored
+                                       accumulates a gradient in the GEMM's output pass, beta 0 writes it
+                                       into a view nothing has written since fill_zero (tricks.GradWrites),
+                                       transposed operands and longer rows taken as stored
     attention_forward                  the dense core within a memory budget (a 64th of the GPU's memory
                                        per layer: 2.2 GB on an H200, where ANDREA-120M at 8 x 1024 needs
                                        384 MiB), else the query blocks of minitensor.backends.blocked
@@ -42,7 +43,7 @@ from minitensor.backends.kernels.embedding import scatter_add_rows_gpu
 from minitensor.backends.kernels.gelu import GELU_BWD, GELU_FWD
 from minitensor.backends.kernels.linear import BIAS_RESIDUAL_ADD, epilogue_fits
 from minitensor.backends.ops import Ops
-from minitensor.backends.tricks import FreshGrads
+from minitensor.backends.tricks import keep_grad_writes
 
 
 class CupyOps(BlockedAttention, Ops):
@@ -63,12 +64,12 @@ class CupyOps(BlockedAttention, Ops):
         if unknown:
             raise ValueError(f"unknown fused pieces {sorted(unknown)}: choose from {', '.join(pieces)}")
         self.in_use = frozenset(fused)
-        self._fresh = FreshGrads()        # the gradient views a GEMM may write (linear_weight_grads)
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
         for piece in pieces.values():
             if piece.name in self.in_use:
                 for method, run in piece.replaces.items():
                     setattr(self, method, _with_piece(self, run, getattr(self, method)))
+        keep_grad_writes(self)            # linear_weight_grads writes first gradients: every write counted
 
     def __repr__(self):
         return f"CupyOps(fused {', '.join(sorted(self.in_use)) or 'none'})"
@@ -79,7 +80,7 @@ class CupyOps(BlockedAttention, Ops):
 
     def fill_zero(self, a):
         super().fill_zero(a)
-        self._fresh.zeroed(a)
+        self.grad_writes.zeroed(a)
 
     # --- Linear ---
 
@@ -91,17 +92,18 @@ class CupyOps(BlockedAttention, Ops):
         BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)
 
     def linear_weight_grads(self, x, dy, dW, db):
-        """dW = x^T dy by cuBLAS with beta 0 the first time after fill_zero (the first micro-batch after
-        zero_grad, FreshGrads), beta 1 on later micro-batches (the gradient accumulated in the GEMM's
-        output pass: no temporary, no add); db likewise as the GEMV dy^T ones
+        """dW = x^T dy by cuBLAS with beta 0 into a view nothing has written since fill_zero (the first
+        micro-batch after zero_grad: tricks.GradWrites, self.grad_writes), else beta 1 (the gradient
+        accumulated in the GEMM's output pass: no temporary, no add); db likewise as the GEMV dy^T ones
         (minitensor.backends.cublas). Ops' code where cuBLAS cannot take an operand as it is laid out."""
-        write = self._fresh.take(dW)
-        beta = 0.0 if write else 1.0
-        if not cublas.gemm(x.T, dy, dW, beta):                # Ops adds (to zeros, when write)
-            return super().linear_weight_grads(x, dy, dW, db)
-        if db is None or cublas.colsum(dy, db, _ones(self.xp, dy.shape[0], dy.dtype), beta):
+        if not cublas.gemm(x.T, dy, dW, 0.0 if self.grad_writes.first(dW) else 1.0):
+            return super().linear_weight_grads(x, dy, dW, db)  # Ops adds (to zeros, where it was first)
+        if db is None:
             return
-        if write:
+        beta = 0.0 if self.grad_writes.first(db) else 1.0
+        if cublas.colsum(dy, db, _ones(self.xp, dy.shape[0], dy.dtype), beta):
+            return
+        if beta == 0.0:
             dy.sum(axis=0, out=db)
         else:
             db += dy.sum(axis=0)

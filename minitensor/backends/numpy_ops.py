@@ -43,7 +43,7 @@ from minitensor.backends.cpu.layernorm import LayerNormCPU
 from minitensor.backends.cpu.linear import LinearCPU
 from minitensor.backends.cpu.softmax_xent import SoftmaxXentCPU
 from minitensor.backends.ops import Ops
-from minitensor.backends.tricks import FreshGrads
+from minitensor.backends.tricks import keep_grad_writes
 from minitensor.parallel import blas_single_threaded, parallel_for
 
 
@@ -51,12 +51,12 @@ class NumpyOps(LinearCPU, LayerNormCPU, GeluCPU, AttentionCPU, SoftmaxXentCPU, E
                BlockedAttention, Ops):
     def __init__(self, numba=True):
         super().__init__(np)
-        self._fresh = FreshGrads()        # the gradient views a GEMM may write (linear_weight_grads)
         self.numba = bool(numba) and numba_jit.numba is not None
         self.name = "numba" if self.numba else "numpy"
         self.kernels_line = ("kernels: numba-compiled CPU kernels (ANDREA_CPU_KERNELS=numpy for NumPy alone)"
                              if self.numba else
                              "kernels: NumPy (pip install -e '.[fast]' adds numba's compiled CPU kernels)")
+        keep_grad_writes(self)            # linear_weight_grads writes first gradients: every write counted
 
     # --- threads ---
 
@@ -84,7 +84,7 @@ class NumpyOps(LinearCPU, LayerNormCPU, GeluCPU, AttentionCPU, SoftmaxXentCPU, E
     def fill_zero(self, a):
         # one thread's memset cannot fill the memory bandwidth (BENCHMARKS.md, "The CPU kernels")
         parallel_for(a.size, lambda s, e: a.reshape(-1)[s:e].fill(0), min_work=1 << 20)
-        self._fresh.zeroed(a)
+        self.grad_writes.zeroed(a)
 
     # --- gradient clipping ---
 

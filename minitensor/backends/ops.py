@@ -290,6 +290,11 @@ class Ops:
         `dW[idx] += rows` would not do: it keeps one of them)."""
         self.xp.add.at(dW, idx, rows)
 
+    def add_batch_sum(self, dW, dy):
+        """dW (T, C) += the sum over the batch of dy (B, T, C), or dy itself (T, C): the position
+        embedding's gradient (forward was out[b, t] = W[t] for every b)."""
+        dW += dy.sum(axis=0) if dy.ndim == 3 else dy
+
     # --- gradient clipping: the whole gradient's norm, and the scale that brings it to `clip` ---
 
     def global_norm(self, grads):

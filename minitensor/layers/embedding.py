@@ -64,7 +64,7 @@ class PositionEmbedding(Layer):
     def backward(self, dy):
         T = self._pop()
         # forward was: out[b, t] = W[t] for every b
-        self.dW[:T] += dy.sum(axis=0) if dy.ndim == 3 else dy
+        self.ops.add_batch_sum(self.dW[:T], dy)
 
 
 class TiedHeadCache(NamedTuple):

@@ -1,9 +1,10 @@
 """The contract every layer follows, and the one piece of it that is shared: the forward cache.
 
 A layer's `forward(x)` returns y and keeps what its backward needs (a named tuple); `backward(dy)`
-accumulates (`+=`) the parameter gradients into the gradient views it was given, returns dx, and
-drops the cache, so a second backward without a new forward fails at once instead of reusing
-stale state. `infer(...)` is the same forward keeping nothing (inference and sampling): one
+accumulates the parameter gradients into the gradient views it was given, through the `ops` methods
+that take them (parameters named dW, dw, db: the backends count those writes, never a layer itself),
+returns dx, and drops the cache, so a second backward without a new forward fails at once instead
+of reusing stale state. `infer(...)` is the same forward keeping nothing (inference and sampling): one
 formula per layer, and a backward still pending from a training forward keeps its cache.
 
 A norm (`Norm`, LayerNorm for one) normalises each row of x (..., C) by statistics of that row,

@@ -98,7 +98,7 @@ def test_float32_agrees_with_float64(xp, name, seed, d):
 @pytest.mark.parametrize("name", ["linear", "head"])
 def test_a_fresh_gradient_is_written_then_accumulated(xp, name):
     """After Params.zero_grad, a Linear's or TiedHead's next weight gradient is written by the GEMM
-    (the backend's FreshGrads, told by its fill_zero): it overwrites the gradient views whatever they
+    (the backend's GradWrites, told by its fill_zero): it overwrites the gradient views whatever they
     hold, and the one after adds to them. The layer itself only ever asks for `dW += x^T dy`."""
     d = {"B": 2, "T": 3, "n_in": 5, "n_out": 4, "C": 6, "V": 7}
     case = CASES[name](xp, np.float64, 0, d)
@@ -121,7 +121,7 @@ def test_a_fresh_gradient_is_written_then_accumulated(xp, name):
         # cuBLAS may pick another kernel than for a fresh array (another alignment), so another
         # summation order; the stale 7.0 would show at any tolerance
         np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15)
-    assert case.layer.ops is case.params.ops and not case.params.ops._fresh.take(case.layer.dW)
+    assert case.layer.ops is case.params.ops and not case.params.ops.grad_writes.first(case.layer.dW)
     case.forward()
     case.backward(dy)
     for got, want in zip(grads(), once):

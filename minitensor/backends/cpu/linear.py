@@ -30,15 +30,15 @@ class LinearCPU:
         parallel_for(y.shape[0], blocks, cost_per_item=y.shape[1])
 
     def linear_weight_grads(self, x, dy, dW, db):
-        """dW += x^T dy, db += sum_n dy; the first time after fill_zero (FreshGrads), the GEMM writes
-        dW itself instead of a temporary that is then added."""
-        write = self._fresh.take(dW)
-        if write:
+        """dW += x^T dy, db += sum_n dy; into a view nothing has written since fill_zero
+        (tricks.GradWrites, self.grad_writes), the GEMM writes dW itself instead of a temporary that
+        is then added, and the GEMV db."""
+        if self.grad_writes.first(dW):
             np.matmul(x.T, dy, out=dW)
         else:
             dW += x.T @ dy
         if db is not None:
-            if write:
+            if self.grad_writes.first(db):
                 db[...] = self.bias_grad(dy)
             else:
                 db += self.bias_grad(dy)
