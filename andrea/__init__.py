@@ -5,7 +5,7 @@ sample, export, plot, experiment, bench, params, trace, eval, and the package se
 shell they share, errors.py the one error they turn into a one-line message, config.py the YAML
 configuration every part reads. What they are made of is grouped by concern:
 
-    model/     ANDREA and its AdamW
+    model/     ANDREA, its blocks and its sizes (its AdamW is minitensor's)
     data/      tokenizer, corpus streaming, token shards, batches
     run/       a training run's surroundings: checks, run directory, checkpoints, MPI/NCCL, timing
     interop/   Hugging Face format, the PyTorch reference model and component timings
@@ -60,7 +60,7 @@ def __getattr__(name):
 
         return ANDREA
     if name == "AdamW":
-        from andrea.model.optim import AdamW
+        from minitensor.optim import AdamW
 
         return AdamW
     if name == "ModelConfig":

@@ -38,12 +38,13 @@ import numpy as np
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.model.optim import AdamW
-from andrea.model.transformer import ANDREA, flops_per_token
+from andrea.model.sizes import flops_per_token
+from andrea.model.transformer import ANDREA
 from andrea.run import preflight
 from andrea.run.perf import matmul_peak_flops, peak_label, peak_rss_bytes, synchronize
 from minitensor.device import set_tf32
 from minitensor.memory import keep_freed_memory
+from minitensor.optim import AdamW
 
 SHAPES = {"tiny": (16, 128), "small": (8, 256), "120m": (1, 1024)}
 STEPS = {"tiny": (3, 15), "small": (2, 8), "120m": (1, 4)}          # (warm-up, timed)
@@ -178,7 +179,7 @@ def run_one(name, device, profile):
     # the config's TF32 setting and the self-checked kernels, as training would run (GPU only)
     gpu_setup = [set_tf32(model.xp, full.train.tf32), model.ops.kernels_line]
     peak = matmul_peak_flops(model.xp, n=4096, repeats=3)
-    result = {"config": name, "device": model.backend.device, "batch": B, "seq_len": T,
+    result = {"config": name, "device": model.device.name, "batch": B, "seq_len": T,
               "parameters": model.num_parameters(), "gpu_setup": gpu_setup,
               "peak": peak_label(model.xp, full.train.tf32)}
     result.update(bench_training(model, opt, B, T, warmup, steps))
@@ -203,7 +204,7 @@ def _subprocess_json(cmd, env=None):
 
 def bench_allreduce(parameters, device):
     """The gradient all-reduce for `parameters` float32 values: 2 MPI processes, or NCCL on a GPU."""
-    cmd = [sys.executable, "-m", "andrea.run.distributed", "--allreduce-bench", str(parameters)]
+    cmd = [sys.executable, "-m", "andrea.run.allreduce", "--bench", str(parameters)]
     if device == "gpu":
         return _subprocess_json([*cmd, "--gpu"])
     mpiexec = Path(sys.executable).parent / "mpiexec"
@@ -258,7 +259,7 @@ def _print_notes(r):
         step = r["batch"] * r["seq_len"] / r["tokens_per_s_median"] if "tokens_per_s_median" in r else None
         share = f", {100 * a['seconds'] / step:.1f}% of the measured step" if step else ""
         print(f"{r['config']:<7} gradient all-reduce: {a['bytes'] / 1e6:.1f} MB over {a['processes']} "
-              f"{a['backend']} rank(s) in {1e3 * a['seconds']:.1f} ms{share}")
+              f"{a['transport']} rank(s) in {1e3 * a['seconds']:.1f} ms{share}")
     if "generation_tokens_per_s" in r:
         gen = ", ".join(f"{v:,.0f} tok/s at {k}" for k, v in r["generation_tokens_per_s"].items())
         print(f"{r['config']:<7} generation with the KV cache: {gen}")

@@ -19,14 +19,16 @@ import yaml
 
 from andrea.data.request import check_val_fraction, default_data_dir
 from andrea.errors import UserError
+from andrea.model.block import NORMS
 from andrea.run.schedule import SCHEDULES
 from andrea.run.sinks import SINKS
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-# the values model.norm and model.activation take (ModelConfig checks them)
-NORMS = ("pre", "post", "none")
+# the values model.norm_position and model.activation take (ModelConfig checks them; model.norm's are
+# the keys of andrea.model.block.NORMS)
+NORM_POSITIONS = ("pre", "post", "none")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 
 
@@ -45,8 +47,11 @@ class ModelConfig:
     mlp_dim: int | None = None      # mlp_ratio * d_model when not given
     ln_eps: float = 1e-5
     # the design document's variants (docs/experiments.md); the defaults are ANDREA, GPT-2's block
-    norm: str = "pre"               # pre: x + f(LN(x)); post: LN(x + f(x)), the 2017 arrangement;
-                                    # none: x + f(x), no LayerNorm anywhere (the final one too)
+    norm: str = "layernorm"         # the kind of norm: layernorm (GPT-2's) or another of andrea.model.block.NORMS
+    norm_position: str | None = None  # pre (the default): x + f(N(x)); post: N(x + f(x)), the 2017
+                                    # arrangement; none: x + f(x), no norm anywhere (the final one too).
+                                    # A config or checkpoint written before the two were apart says
+                                    # norm: pre, post or none, which means this with a LayerNorm
     residual: bool = True           # false: x = f(LN(x)) (pre) or LN(f(x)) (post), no skip
     activation: str = "gelu"        # gelu (GPT-2's tanh approximation), relu, or swiglu (a gated MLP)
     # the MLP's hidden width over d_model (4 unless this or mlp_dim is given; 8/3 for swiglu, rounded
@@ -64,9 +69,25 @@ class ModelConfig:
         _require(self.d_model % self.n_head == 0,
                  f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         _require(self.ln_eps > 0, f"model.ln_eps must be positive, got {self.ln_eps}")
-        _require(self.norm in NORMS, f"model.norm must be {_one_of(NORMS)}, got {self.norm!r}")
+        self._place_norm()
         _require(self.activation in ACTIVATIONS,
                  f"model.activation must be {_one_of(ACTIVATIONS)}, got {self.activation!r}")
+
+    def _place_norm(self):
+        """Checks norm and norm_position. model.norm once was the position (pre, post, none), and
+        configs and checkpoints of then say so: a norm of one of those values is read as that
+        norm_position with a LayerNorm, which is what it meant (unless norm_position says otherwise)."""
+        if self.norm in NORM_POSITIONS:
+            _require(self.norm_position in (None, self.norm),
+                     f"model.norm {self.norm!r} is the old spelling of model.norm_position, which says "
+                     f"{self.norm_position!r}: give model.norm_position alone, and model.norm as "
+                     f"{_one_of(NORMS)}")
+            self.norm, self.norm_position = "layernorm", self.norm
+        self.norm_position = self.norm_position or "pre"
+        _require(self.norm in NORMS, f"model.norm must be {_one_of(NORMS)} (where it goes is model.norm_position: "
+                 f"{_one_of(NORM_POSITIONS)}), got {self.norm!r}")
+        _require(self.norm_position in NORM_POSITIONS,
+                 f"model.norm_position must be {_one_of(NORM_POSITIONS)}, got {self.norm_position!r}")
 
     def _hidden_width(self, ratio):
         """mlp_dim: as given; else mlp_ratio x d_model (4 x when neither is given), a whole number.
@@ -90,12 +111,14 @@ class ModelConfig:
 
     @property
     def is_gpt2(self):
-        """Whether this is GPT-2's block (pre-norm, residual, GELU), which the Hugging Face export writes."""
-        return self.norm == "pre" and self.residual and self.activation == "gelu"
+        """Whether this is GPT-2's block (pre-norm LayerNorm, residual, GELU), which the Hugging Face
+        export writes."""
+        return self.variant() == ""
 
     def variant(self):
-        """The non-GPT-2 choices, e.g. "norm=post, residual=false" ("" for GPT-2's block)."""
-        changed = [f"norm={self.norm}"] if self.norm != "pre" else []
+        """The non-GPT-2 choices, e.g. "norm_position=post, residual=false" ("" for GPT-2's block)."""
+        changed = [f"norm_position={self.norm_position}"] if self.norm_position != "pre" else []
+        changed += [f"norm={self.norm}"] if self.norm != "layernorm" and self.norm_position != "none" else []
         changed += ["residual=false"] if not self.residual else []
         changed += [f"activation={self.activation}"] if self.activation != "gelu" else []
         return ", ".join(changed)
@@ -210,8 +233,9 @@ SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
 
 
 def _one_of(values):
-    """"a, b or c"."""
-    return ", ".join(values[:-1]) + " or " + values[-1]
+    """"a, b or c" ("a" alone) for values (a sequence, or a dict's keys)."""
+    *rest, last = values
+    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 def _require(ok, message):

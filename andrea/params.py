@@ -5,7 +5,7 @@ Counts from the shapes alone (nothing is allocated); the tied token matrix is co
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import load_config
-from andrea.model.transformer import format_breakdown
+from andrea.model.sizes import format_breakdown
 
 
 def main(argv=None):

@@ -7,7 +7,7 @@ the split), through ANDREA.trace (the inference path andrea.trace walks: no grad
 kept):
 
     lens_loss[k]       the logit lens's mean cross-entropy (nats/token) of the stream after k blocks
-                       (k = 0: the embeddings alone) through the final LayerNorm and the tied head,
+                       (k = 0: the embeddings alone) through the final norm and the tied head,
                        as if the model stopped there; lens_loss[n_layer] is the model's own loss
     lens_top[k]        for the prompt PROMPT's last token, the lens's top predictions after block k
                        (andrea.trace.trace, the same numbers the trace command prints)
@@ -18,6 +18,9 @@ kept):
     uniform_distance   the same two for uniform causal attention over the same windows (p_ij =
     uniform_previous   1/(i+1)): (T-1)/4 and the mean of 1/(i+1) over i >= 1, what a head that
                        has not specialised reads
+    norms[i]           block i's norms, {"ln_1": {statistic: mean over every token}, "ln_2": ...},
+                       with the statistics each norm has (minitensor.layers.layer.Norm): a
+                       LayerNorm's mean and rstd, an RMSNorm's rstd alone, none without norms
 
 Every number is computed in float64 from the model's float32 (or float64) activations.
 """
@@ -63,6 +66,12 @@ def attention_stats(model, idx) -> tuple[list[list[float]], list[list[float]]]:
     return distance, previous
 
 
+def norm_stats(model, idx) -> list[dict]:
+    """Per block, each norm's statistics averaged over every token of idx (B, T) (the docstring's norms)."""
+    return [{ln: {k: float(np.asarray(to_numpy(v), dtype=np.float64).mean()) for k, v in step[ln].items()}
+             for ln in ("ln_1", "ln_2")} for step in model.trace(idx)]
+
+
 def windows_of(ids, seq_len: int, n: int):
     """Up to n windows (x, y) of seq_len tokens, evenly spread over ids."""
     if len(ids) < seq_len + 1:
@@ -89,4 +98,5 @@ def probe_run(run_dir, windows: int = 16) -> dict:
     T = x.shape[1]
     return {"lens_loss": lens_losses(model, x, y), "distance": distance, "previous": previous,
             "uniform_distance": (T - 1) / 4, "uniform_previous": float(np.mean(1.0 / np.arange(2, T + 1)))
-            if T > 1 else 0.0, "lens_top": [tracing.top(tokenizer, b.lens, TOP) for b in blocks]}
+            if T > 1 else 0.0, "lens_top": [tracing.top(tokenizer, b.lens, TOP) for b in blocks],
+            "norms": norm_stats(model, x)}

@@ -5,24 +5,25 @@
 The design document's last section, "Rastreando Um Token Através De Um Bloco" (tracing one token
 through a block), made live. MODEL is what andrea.eval takes: a run directory, a ckpt-* directory
 or a Hugging Face GPT-2 directory with its tokenizer. The prompt runs through the model's own
-layers (ANDREA.trace: each block's `infer` path, LayerNorm's statistics and the attention
+layers (ANDREA.trace: each block's `infer` path, the norms' statistics and the attention
 probabilities kept on the way), and for one token (--position, default the last; negative counts
 from the end) it prints, per block:
 
     residual |x|   the size (L2 norm) of the token's residual stream entering the block, after
                    attention and after the MLP: x1 = x + attn(ln_1(x)), x2 = x1 + mlp(ln_2(x1))
-    ln_1, ln_2     each LayerNorm's mean and rstd = 1 / sqrt(var + eps) for this token
+    ln_1, ln_2     what each norm normalised this token by, the statistics its kind has (its
+                   `stats`): a LayerNorm's mean and rstd = 1 / sqrt(var + eps)
     attention      |attn(ln_1(x))|, the delta attention adds, and per head the positions this
                    token attends to most, with their text and probability
     MLP            |mlp(ln_2(x1))|, the MLP's delta
-    logit lens     the stream after the block through the final LayerNorm and the tied head, as if
+    logit lens     the stream after the block through the final norm and the tied head, as if
                    the model stopped there: its top predictions for the next token
 
 and last the model's own next-token distribution (its generation path, forward_kv), which the
 logit lens of the last block equals. --out DIR also draws DIR/trace.png: each head's attention
 row for the token, and the logit lens as a table of top-1 tokens by depth and position (the
-`plot` extra). Post-norm variants are traced too; there the LayerNorms follow the adds; a model
-without LayerNorms (model.norm=none) shows "none" for their statistics.
+`plot` extra). Post-norm variants are traced too; there the norms follow the adds; a model
+without norms (model.norm_position=none) shows "none" for their statistics.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ TABLE_POSITIONS = 16       # columns of the logit-lens table: the positions up t
 
 class BlockTrace(NamedTuple):
     norms: tuple[float, float, float]     # |x| entering, after attention, after the MLP
-    ln_1: tuple[float, float]             # (mean, rstd)
-    ln_2: tuple[float, float]
+    ln_1: dict[str, float]                # the norm's statistics by name (Norm.stats): mean and rstd, or rstd
+    ln_2: dict[str, float]
     attn_delta: float
     mlp_delta: float
     attention: np.ndarray                 # (n_head, t + 1): the token's attention row per head
@@ -75,8 +76,8 @@ def trace(model, ids, t: int) -> list[BlockTrace]:
         top1 = lens.argmax(axis=-1)
         blocks.append(BlockTrace(
             norms=tuple(float(np.linalg.norm(row[k])) for k in ("x", "x1", "x2")),
-            ln_1=tuple(float(to_numpy(s)[0, t, 0]) for s in step["ln_1"]),
-            ln_2=tuple(float(to_numpy(s)[0, t, 0]) for s in step["ln_2"]),
+            ln_1={k: float(to_numpy(s)[0, t, 0]) for k, s in step["ln_1"].items()},
+            ln_2={k: float(to_numpy(s)[0, t, 0]) for k, s in step["ln_2"].items()},
             attn_delta=float(np.linalg.norm(row["attn"])),
             mlp_delta=float(np.linalg.norm(row["mlp"])),
             attention=np.asarray(to_numpy(step["probs"][0, :, t, :t + 1]), dtype=np.float64),
@@ -104,11 +105,12 @@ def top(tokenizer, probs, k: int) -> str:
     return " | ".join(f"{piece(tokenizer, i)} {probs[i]:.3f}" for i in best)
 
 
-def ln_stats(stats) -> str:
-    """A LayerNorm's mean and rstd, or "none" for a model without LayerNorms (model.norm=none)."""
-    if np.isnan(stats).all():
-        return "none (model.norm=none: no LayerNorm)"
-    return f"mean {stats[0]:+.4f} | rstd {stats[1]:.4f}"
+def ln_stats(stats: dict) -> str:
+    """The statistics a norm has (its kind's `stats`: a LayerNorm's mean and rstd), or "none" without norms."""
+    if not stats:
+        return "none (model.norm_position=none: no norm)"
+    return " | ".join(f"{name} {value:+.4f}" if name == "mean" else f"{name} {value:.4f}"
+                      for name, value in stats.items())
 
 
 def block_lines(i: int, b: BlockTrace, ids, tokenizer, k: int) -> list[str]:

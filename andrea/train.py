@@ -34,7 +34,7 @@ from pathlib import Path
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import make_config
 from andrea.errors import UserError
-from andrea.model.transformer import format_breakdown
+from andrea.model.sizes import format_breakdown
 from andrea.plot import plot_after_training
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
@@ -283,7 +283,7 @@ def _header(cfg, args, trainer, n_train, n_val, out_dir):
     changed = [o for o in args.set if o.startswith("model.")]
     name = f"{cfg.name} with {', '.join(changed)}" if changed else cfg.name
     world.log(f"ANDREA {name} ({preflight.describe_model(m)}): {trainer.model.num_parameters():,} parameters on "
-              f"{trainer.model.backend.device} ({t.dtype})\n{format_breakdown(m)}")
+              f"{trainer.model.device.name} ({t.dtype})\n{format_breakdown(m)}")
     for line in trainer.startup:
         world.log(line)
     micro = "micro-batch" if trainer.accum == 1 else "micro-batches"

@@ -5,7 +5,7 @@
                 numpy_ops.py + cpu/ (the CPU), cupy_ops.py + cuda.py + kernels/ (the GPU)
     checks/     gradient checks, the GPU kernels' self-check, compile and emulation checks
     device.py   which device a model runs on (NumPy or CuPy), and moving arrays between them
-    params.py   every parameter in one flat buffer, every gradient in another of the same layout
+    flat.py     every parameter in one flat buffer, every gradient in another of the same layout
     optim.py    AdamW over those buffers
     parallel.py, memory.py   the CPU's threads and the process's allocator settings
 

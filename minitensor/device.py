@@ -1,8 +1,9 @@
-"""Backend selection: NumPy on the CPU, CuPy on an NVIDIA GPU.
+"""Device selection: NumPy on the CPU, CuPy on an NVIDIA GPU.
 
-The device is chosen once, at the entry point (`get_backend("auto" | "cpu" | "gpu")`, or the
-`ANDREA_DEVICE` environment variable when no device is given); the model then takes its compute
-backend from it (`minitensor.backends.get_ops(backend.xp)`) and hands it to every layer. Only this
+The device is chosen once, at the entry point (`get_device("auto" | "cpu" | "gpu")`, or the
+`ANDREA_DEVICE` environment variable when no device is given): a `Device` names the array module
+its arrays live in. The model then builds its compute backend (an Ops of minitensor.backends) for
+that module (`minitensor.backends.get_ops(device.xp)`) and hands it to every layer. Only this
 file and the GPU backend import CuPy, and only on demand: importing minitensor without CuPy, or
 with CuPy but no GPU, costs nothing and cannot fail.
 
@@ -26,14 +27,11 @@ class GPUUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Backend:
-    """The array module a model runs on, with its device name."""
+class Device:
+    """Where a model's arrays live: the array module, and the device's name."""
 
     xp: object
-    device: str  # "cpu" or "gpu"
-
-    def asarray(self, a, dtype=None):
-        return self.xp.asarray(a, dtype=dtype)
+    name: str  # "cpu" or "gpu"
 
 
 _gpu_probe = None  # (ok: bool, reason: str), cached after the first probe
@@ -97,8 +95,8 @@ def resolve_device(device=None):
     return device
 
 
-def get_backend(device=None, quiet=False):
-    """Returns the Backend for a device request, or raises GPUUnavailable for an unusable "gpu".
+def get_device(device=None, quiet=False):
+    """Returns the Device for a request, or raises GPUUnavailable for an unusable "gpu".
 
     "auto" uses the GPU when one works, and otherwise falls back to NumPy, saying so once on
     stderr (unless quiet).
@@ -106,22 +104,22 @@ def get_backend(device=None, quiet=False):
     global _fallback_reported
     device = resolve_device(device)
     if device == "cpu":
-        return Backend(np, "cpu")
+        return Device(np, "cpu")
     ok, why = _probe_gpu()
     if ok:
         import cupy
 
-        return Backend(cupy, "gpu")
+        return Device(cupy, "gpu")
     if device == "gpu":
         raise GPUUnavailable(f"--device gpu: no usable GPU: {why}. To use one: {INSTALL_HINT}")
     if not quiet and not _fallback_reported:
         print(f"note: no usable GPU ({why}); running on the CPU with NumPy", file=sys.stderr)
         _fallback_reported = True
-    return Backend(np, "cpu")
+    return Device(np, "cpu")
 
 
 def quiet_fallback():
-    """get_backend says its CPU-fallback note no more in this process (the ranks after the first
+    """get_device says its CPU-fallback note no more in this process (the ranks after the first
     of a data-parallel run: rank 0 says it once for all)."""
     global _fallback_reported
     _fallback_reported = True

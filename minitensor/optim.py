@@ -1,4 +1,4 @@
-"""AdamW over the flat parameter and gradient buffers (minitensor.params).
+"""AdamW over the flat parameter and gradient buffers (minitensor.flat).
 
     m = b1 m + (1 - b1) g                      g = the gradient times grad_scale (clipping)
     v = b2 v + (1 - b2) g^2
@@ -18,8 +18,9 @@ import math
 
 class AdamW:
     def __init__(self, params, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decays=None):
-        """params: a minitensor Params; decays(name, shape) -> bool says which tensors are decayed
-        (default: those of 2+ dimensions)."""
+        """params: a minitensor Params, or what holds one as `.params` (a model: AdamW(model));
+        decays(name, shape) -> bool says which tensors are decayed (default: those of 2+ dimensions)."""
+        params = getattr(params, "params", params)
         if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"invalid AdamW settings: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         self.params = params

@@ -148,10 +148,10 @@ def _one_step(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from andrea.run.perf import synchronize
     from minitensor.device import set_tf32
+    from minitensor.optim import AdamW
 
     full = load_config("tiny" if dry else "120m")
     cfg = dataclasses.replace(full.model, n_layer=1) if dry else full.model
@@ -186,7 +186,7 @@ KEEP_PROBS = 16 << 20  # CausalSelfAttention.keep_probs_max_bytes as the layer h
 
 def _warm_cupy_kernels():
     """One tiny forward + backward + AdamW step per backend mode the GPU tests build, so that the
-    ufunc and reduction kernels they need are compiled here (~0.15 s each, cold) and found in CuPy's
+    ufunc and reduction kernels they need are compiled here (NVRTC, on the host, the first time) and found in CuPy's
     on-disk cache by the tests' process. float32 and float64 need disjoint kernels: each dtype warms
     in a process of its own, the two at once (NVRTC runs on the host's cores). (the kernel files
     added, or None if a step failed; seconds)"""
@@ -301,9 +301,9 @@ def part_gradients(dry):
 def _train(cfg, device, dtype, data, kernels=None):
     """Per-step losses, the step-0 gradients {name: float64 NumPy array} (clipping at norm 1) and
     the line that says which kernels ran."""
-    from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from minitensor.device import to_numpy
+    from minitensor.optim import AdamW
 
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
     ops = model.ops
@@ -423,7 +423,7 @@ class _KernelInputs:
 
     def __init__(self, xp, dry):
         from andrea.config import load_config
-        from andrea.model.transformer import param_shapes
+        from andrea.model.sizes import param_shapes
         from minitensor.backends.blocked import BlockedOps
 
         if dry:
@@ -533,10 +533,10 @@ def part_bench(dry):
     import dataclasses
 
     from andrea.config import load_config
-    from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from andrea.run.perf import synchronize
     from minitensor.device import set_tf32
+    from minitensor.optim import AdamW
 
     full = load_config("tiny" if dry else "120m")
     cfg = dataclasses.replace(full.model, n_layer=1) if dry else full.model
@@ -619,7 +619,7 @@ def _mma_probe(xp, dry):
 
 
 def _log_step_model(result, dry):
-    """The hook for the H200 step model (issue 26): its estimate beside the measured step, where
+    """The hook for the H200 step model: its estimate beside the measured step, where
     andrea.run.stepmodel exists (nothing is said where it does not)."""
     try:
         from andrea.run.stepmodel import estimate_step_seconds
@@ -711,7 +711,7 @@ class _TrainingSteps:
 def _bench_result(training, cfg, mode, times, final_loss, dry):
     """The benchmark's figures: speed, FLOP/s and MFU against the datasheet peaks and the measured
     matmul peak, the step split, and memory (the GPU's pool and device, or the process's RSS)."""
-    from andrea.model.transformer import flops_per_token
+    from andrea.model.sizes import flops_per_token
     from andrea.run.perf import matmul_peak_flops, peak_rss_bytes
 
     xp, pool = training.xp, training.pool
@@ -737,7 +737,7 @@ def _bench_result(training, cfg, mode, times, final_loss, dry):
 
 
 def _log_bench(result, cfg, xp, tf32):
-    from andrea.model.transformer import flops_per_token
+    from andrea.model.sizes import flops_per_token
     from andrea.run.perf import peak_label
 
     T, n_params = result["seq_len"], result["parameters"]

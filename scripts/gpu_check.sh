@@ -17,7 +17,7 @@
 #                fused kernels; blocked generic core): per-step losses, step-0 gradients
 #   5 train      python -m andrea.train --device gpu for 3 steps (--stop-at-step), --resume to 6, then
 #                python -m andrea.sample --device gpu from the checkpoint
-#   6 nccl       python -m andrea.run.distributed --nccl-self-test (NCCL at one rank)
+#   6 nccl       python -m andrea.run.allreduce --nccl-self-test (NCCL at one rank)
 #   7 sanitize   compute-sanitizer (on PATH or under /usr/local/cuda*/bin) memcheck, then racecheck, over one
 #                training step of a 1-layer model with every fused kernel, only the project's kernels
 #                instrumented (--kernel-name); CUDA API errors it reports are counted, not fatal (CuPy
@@ -48,7 +48,7 @@
 #     PYTHONPATH=. bash scripts/gpu_check.sh              (from the repository root)
 #     bash scripts/gpu_check.sh --dry-run                 (the same phases at toy sizes: on NumPy, or on
 #                                                          the GPU if one works, e.g. the CuPy stand-in
-#                                                          of tests/support/cupy_standin; its GPU tests are
+#                                                          of minitensor/checks/cupy_standin; its GPU tests are
 #                                                          collected and a few run; 6 times the limits)
 #
 # Three files under $OUT (OUT defaults to the current directory; a lent machine returns at most 8):
@@ -141,10 +141,10 @@ train_stop_resume_sample() {
 
 nccl_one_rank() {  # NCCL refuses two ranks on one GPU: the communicator and an all-reduce at one rank
     if [ "$DEVICE" != gpu ]; then
-        "$PY" -m andrea.run.distributed --help > /dev/null && echo "dry run: the NCCL self-test needs a GPU (entry point found)"
+        "$PY" -m andrea.run.allreduce --help > /dev/null && echo "dry run: the NCCL self-test needs a GPU (entry point found)"
         return
     fi
-    "$PY" -m andrea.run.distributed --nccl-self-test
+    "$PY" -m andrea.run.allreduce --nccl-self-test
 }
 
 find_sanitizer() {  # compute-sanitizer on PATH, else where CUDA toolkits install it

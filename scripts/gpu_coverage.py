@@ -76,8 +76,9 @@ GPU_ONLY = {
     "minitensor/checks/selfcheck.py": [("def", "compare"), ("def", "choose"), ("unless", r"^xp is np$")],
     "andrea/run/perf.py": [("if", r"^xp is not np$"), ("if", r"^gpu$"), ("unless", r"^xp is np$")],
     "andrea/run/preflight.py": [("if", r'^device == "gpu"$')],
-    "andrea/run/distributed.py": [("def", "use_local_gpu"), ("def", "NcclReducer"), ("def", "_load_nccl"),
-                              ("def", "nccl_self_test"), ("if", r"^gpu$"), ("unless", r"^xp is np$")],
+    "andrea/run/distributed.py": [("def", "use_local_gpu"), ("unless", r"^xp is np$")],
+    "andrea/run/nccl.py": [("def", "NcclReducer"), ("def", "load_nccl")],
+    "andrea/run/allreduce.py": [("def", "nccl_self_test"), ("if", r"^gpu$")],
     "andrea/bench.py": [("if", r'^device == "gpu"$')],
 }
 

@@ -51,9 +51,9 @@ def run_case(config, kernels, dtype):
     import numpy as np
 
     from andrea.config import load_config
-    from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from minitensor.device import to_numpy
+    from minitensor.optim import AdamW
 
     cfg = load_config(config)
     model = ANDREA(cfg.model, device="cpu", dtype=dtype, seed=0)

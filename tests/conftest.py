@@ -1,7 +1,7 @@
 """Shared fixtures: the backends every engine test runs on, and CuPy for the kernel tests.
 
 NumPy is always there. The GPU-marked parameters run on CuPy: the real one when a GPU works (a
-tiny kernel and a tiny matmul ran), otherwise the CuPy stand-in (tests/support/cupy_standin, ids
+tiny kernel and a tiny matmul ran), otherwise the CuPy stand-in (minitensor/checks/cupy_standin, ids
 `cupy-standin...`, marked `gpu` and `standin`), which each such test enters for its setup, call
 and teardown (tests/support/gpu_standin.py), so the rest of the suite still sees no GPU. `pytest -m gpu`
 selects the same tests either way. The `cupy` fixture is for tests that run only on CuPy (the
@@ -63,7 +63,7 @@ def backends_line():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (tests/support/cupy_standin), no GPU here")
+    config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (minitensor.checks.standin), no GPU here")
     config.addinivalue_line("markers", "real_gpu(reason): a GPU-marked test the stand-in cannot run (skipped there)")
 
 

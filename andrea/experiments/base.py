@@ -154,7 +154,7 @@ def logged(records, key, kind):
 def probe_counts(run_dir):
     """The run's parameter count and the first step its non-finite guard skipped (None: none did)."""
     from andrea.config import make_config
-    from andrea.model.transformer import parameter_breakdown
+    from andrea.model.sizes import parameter_breakdown
     from andrea.run.metrics import by_step, read_records
     from andrea.run.runlog import read_saved_config
 

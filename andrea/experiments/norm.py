@@ -121,7 +121,8 @@ EXPERIMENTS = {
         # steps of 12 blocks 0.90 (seed 0); at 6 x 400, seed 0 ends 1.12 under without warmup, 1.60 with
         base=LEARNS + ["model.n_layer=6"],
         arms={"pre-warmup": [], "pre-no-warmup": ["train.warmup_steps=0"],
-              "post-warmup": ["model.norm=post"], "post-no-warmup": ["model.norm=post", "train.warmup_steps=0"]},
+              "post-warmup": ["model.norm_position=post"],
+              "post-no-warmup": ["model.norm_position=post", "train.warmup_steps=0"]},
         steps=400, judge=judge_norm, short="post-norm needs warmup",
         more=[("pre-norm no worse without warmup", functools.partial(judge_pre_norm_without_warmup, margin=NO_WORSE)),
               ("the conclusion (prefer pre-norm)", judge_pre_over_post)]),
@@ -135,7 +136,7 @@ EXPERIMENTS = {
         # arms train 1000. 1e-2, run at first, was dropped to keep the time: at 300 steps it left all
         # three pre-norm seeds and two without LayerNorm short of the mark, and nothing went non-finite.
         base=LEARNS + ["model.n_layer=4"],
-        arms={f"{norm}-lr{lr}": [f"model.norm={norm}", f"train.lr={lr}"]
+        arms={f"{norm}-lr{lr}": [f"model.norm_position={norm}", f"train.lr={lr}"]
               for lr in ("3e-3", "3e-2") for norm in ("pre", "none")},
         steps=SHALLOW_STEPS, arm_steps={"pre-lr3e-2": 1000, "none-lr3e-2": 1000},
         judge=functools.partial(judge_no_norm, margin=NO_WORSE), probe=probe_counts, details=details_counts,

@@ -27,15 +27,15 @@ import time
 import numpy as np
 
 from andrea.config import load_config
-from andrea.model.transformer import param_shapes
+from andrea.model.sizes import param_shapes
 from minitensor.backends import get_ops
+from minitensor.flat import Params
 from minitensor.layers.embedding import Embedding
 from minitensor.layers.gelu import GELU
 from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.optim import AdamW
 from minitensor.parallel import num_threads
-from minitensor.params import Params
 
 ENGINES = ("andrea", "numpy", "torch")
 # Each timed run follows an untimed run of the same engine. PyTorch's OpenMP threads (and

@@ -6,7 +6,7 @@
     tok = load_tokenizer("export/")                   # andrea.data.tokenizer: andrea's tokenizer.json or a HF one
 
 andrea's parameters already carry GPT2LMHeadModel's state-dict names in its Conv1D (in, out) layout
-(andrea.model.transformer.param_shapes), so the weights are copied name for name. What this module adds:
+(andrea.model.sizes.param_shapes), so the weights are copied name for name. What this module adds:
 
 - the configuration: n_positions <-> context_length, n_embd <-> d_model, n_inner <-> mlp_dim,
   layer_norm_epsilon <-> ln_eps; what GPT-2's configuration can say and andrea cannot compute
@@ -334,7 +334,8 @@ def check_exportable(cfg: ModelConfig, tokenizer=None) -> None:
     (more ids than the model has: fewer is a padded vocabulary, which transformers loads too)."""
     if not cfg.is_gpt2:
         raise UserError(f"this model is a variant ({cfg.variant()}), not GPT-2: the Hugging Face export writes "
-                        "GPT-2's block only (model.norm=pre, model.residual=true, model.activation=gelu)")
+                        "GPT-2's block only (model.norm=layernorm, model.norm_position=pre, model.residual=true, "
+                        "model.activation=gelu)")
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {cfg.vocab_size}")
 

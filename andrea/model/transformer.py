@@ -6,320 +6,45 @@
     loss = mean cross-entropy(logits, targets)
 
 Parameters carry the key names of a Hugging Face GPT2LMHeadModel state dict, weights stored
-(in, out), all inside one flat buffer (minitensor.params). Backward runs the blocks in reverse,
-with the residual joins written out: dx = dx + sublayer.backward(dx).
+(in, out), all inside one flat buffer (minitensor.flat), with the shapes andrea.model.sizes
+writes. Backward runs the blocks in reverse, with the residual joins written out:
+dx = dx + sublayer.backward(dx).
 
-The design document's variants (model.norm, model.residual, model.activation, model.mlp_ratio;
-docs/experiments.md) change the Block and its MLP only, never a primitive layer:
+The variants (model.norm_position, model.norm, model.residual, model.activation, model.mlp_ratio;
+docs/experiments.md) change the Block and its MLP (andrea.model.block) and which norm layer
+ln_1, ln_2 and ln_f are, never a primitive layer:
 
-    norm=post:        x = ln_1(x + attn(x));  x = ln_2(x + mlp(x))    (the 2017 arrangement)
-    residual=false:   the "x +" above dropped, in either arrangement
-    activation=relu:  mlp(x) = c_proj(ReLU(c_fc(x)))
-    norm=none:        x = x + attn(x);  x = x + mlp(x);  logits = x @ wte.T    (no LayerNorm anywhere)
-    activation=swiglu: mlp(x) = c_proj(SwiGLU(c_fc(x))), c_fc (C, 2F) the gate and value halves,
-                      F = 8/3 C by default (minitensor.layers.swiglu)
+    norm_position=post: x = ln_1(x + attn(x));  x = ln_2(x + mlp(x))    (the 2017 arrangement)
+    norm_position=none: x = x + attn(x);  x = x + mlp(x);  logits = x @ wte.T    (no norm anywhere)
+    norm=KIND:          every norm (ln_1, ln_2, ln_f) of that kind (andrea.model.block.NORMS)
+    residual=false:     the "x +" above dropped, in either arrangement
+    activation=relu:    mlp(x) = c_proj(ReLU(c_fc(x)))
+    activation=swiglu:  mlp(x) = c_proj(SwiGLU(c_fc(x))), c_fc (C, 2F) the gate and value halves,
+                        F = 8/3 C by default (minitensor.layers.swiglu)
 
-They keep GPT-2's parameter names (post-norm keeps ln_f too), and, but for norm=none (which has no
-LayerNorm parameters) and swiglu (whose c_fc is twice as wide), its count, so a variant's
-checkpoint has the same layout; the Hugging Face export refuses them (transformers' GPT-2
-computes pre-norm GELU).
-With `record_flow(True)` the model measures, for the next forward and backward, how the residual
-stream and its gradient change through the blocks (GradFlow; train.log_grad_flow).
+They keep GPT-2's parameter names (post-norm keeps ln_f too), and, but for norm_position=none (no
+norm parameters), a norm without a bias and swiglu (whose c_fc is twice as wide), its count;
+the Hugging Face export refuses them by name (transformers' GPT-2 computes pre-norm LayerNorm GELU).
+With `record_flow(recorder)` the model reports, in the next forward and backward, the residual
+stream and its gradient at every block to the recorder (andrea.run.gradflow; train.log_grad_flow).
 
 The backend (minitensor.backends.ops: NumPy with or without numba kernels, or CuPy) is chosen once, here,
-from the device, and handed to every layer. The Block and its MLP own the fusion schedule: the
-residual adds run in the epilogue of each branch's last product, c_fc's bias in GELU's pass,
-and c_proj's input is recomputed in backward instead of kept.
+from the device, and handed to every layer.
 """
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 
 from andrea.config import ModelConfig
 from andrea.errors import UserError
+from andrea.model.block import Block, norm_layer
+from andrea.model.sizes import param_shapes, run_sizes
 from minitensor.backends import get_ops
-from minitensor.device import get_backend, resolve_dtype, to_numpy
-from minitensor.layers.attention import CausalSelfAttention
+from minitensor.device import get_device, resolve_dtype, to_numpy
+from minitensor.flat import Params
 from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
-from minitensor.layers.layer import Layer
-from minitensor.layers.layernorm import LayerNorm
-from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
-from minitensor.params import Params
-
-
-def run_sizes(cfg, batch):
-    """The sizes the start-up self-check times the fused kernels at (minitensor.backends.cuda.Sizes):
-    batch sequences of the context length."""
-    from minitensor.backends.cuda import Sizes
-
-    return Sizes(B=batch, T=cfg.context_length, C=cfg.d_model, n_head=cfg.n_head, F=cfg.mlp_dim,
-                 V=cfg.vocab_size, P=sum(int(np.prod(shape)) for shape in param_shapes(cfg).values()))
-
-
-def param_shapes(cfg):
-    """{GPT-2 name: shape} in the order of the flat buffer."""
-    C, V, F = cfg.d_model, cfg.vocab_size, cfg.mlp_dim
-    F_in = 2 * F if cfg.activation == "swiglu" else F     # SwiGLU's gate and value halves
-    shapes = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (cfg.context_length, C)}
-    for i in range(cfg.n_layer):
-        h = f"transformer.h.{i}."
-        shapes.update({
-            h + "ln_1.weight": (C,), h + "ln_1.bias": (C,),
-            h + "attn.c_attn.weight": (C, 3 * C), h + "attn.c_attn.bias": (3 * C,),
-            h + "attn.c_proj.weight": (C, C), h + "attn.c_proj.bias": (C,),
-            h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
-            h + "mlp.c_fc.weight": (C, F_in), h + "mlp.c_fc.bias": (F_in,),
-            h + "mlp.c_proj.weight": (F, C), h + "mlp.c_proj.bias": (C,),
-        })
-    shapes["transformer.ln_f.weight"] = (C,)
-    shapes["transformer.ln_f.bias"] = (C,)
-    if cfg.norm == "none":
-        return {name: shape for name, shape in shapes.items() if ".ln_" not in name}
-    return shapes
-
-
-def parameter_breakdown(cfg):
-    """The exact count by part; the tied matrix is counted once."""
-    C, F = cfg.d_model, cfg.mlp_dim
-    F_in = 2 * F if cfg.activation == "swiglu" else F
-    ln = 0 if cfg.norm == "none" else 2 * C
-    attn = C * 3 * C + 3 * C + C * C + C
-    mlp = C * F_in + F_in + F * C + C
-    block = 2 * ln + attn + mlp
-    blocks = f"{cfg.n_layer} {'block' if cfg.n_layer == 1 else 'blocks'}"
-    parts = {
-        "token embedding (tied with the output head)": cfg.vocab_size * C,
-        "position embedding": cfg.context_length * C,
-        f"{blocks} ({block:,} each: 2 LayerNorms {2 * ln:,} + attention {attn:,} + MLP {mlp:,})":
-            cfg.n_layer * block,
-        "final LayerNorm": ln,
-    }
-    parts["total"] = sum(parts.values())
-    return parts
-
-
-def format_breakdown(cfg):
-    parts = parameter_breakdown(cfg)
-    width = max(len(k) for k in parts)
-    return "\n".join(f"  {k:<{width}}  {v:>13,}" for k, v in parts.items())
-
-
-def flops_per_token(cfg, T, n_params):
-    """Training FLOPs per token: 6 N + 12 n_layer d T (the nanoGPT/PaLM convention): 6 per
-    parameter (2 forward, 4 backward) plus the attention scores' and outputs' products."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.d_model * T
-
-
-def _linear(p, name, ops):
-    return Linear(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"),
-                  ops=ops)
-
-
-def _layernorm(p, name, eps, ops):
-    if name + ".weight" not in p.shapes:                 # model.norm=none
-        return NoNorm(ops)
-    return LayerNorm(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"), eps,
-                     ops=ops)
-
-
-class NoNorm(Layer):
-    """Where a LayerNorm would be with model.norm=none: the identity, no parameters.
-
-    forward:   y = x                     backward:  dx = dy (+ the skip's gradient, as LayerNorm's)
-    infer_stats gives NaN for the mean and rstd it does not compute (andrea.trace says "none")."""
-
-    def forward(self, x):
-        return x
-
-    def backward(self, dy, skip=None):
-        return dy if skip is None else dy + skip
-
-    def infer_stats(self, x):
-        nan = self.ops.xp.full((*x.shape[:-1], 1), math.nan, dtype=x.dtype)
-        return x, nan, nan
-
-
-class MLPCache(NamedTuple):
-    x: object          # (N, C), c_fc's input
-    h: object          # (N, 4C), c_fc's output as the activation's bias pass left it (a backend may add b in place)
-    shape: tuple
-
-
-class MLP(Layer):
-    """c_proj(act(c_fc(x))) (+ residual), act GELU (GPT-2), ReLU or SwiGLU (whose c_fc is twice as
-    wide: h (N, 2F) -> g (N, F), minitensor.layers.swiglu), in three passes over the (N, 4C) activation
-    instead of five:
-
-    forward:   h = x W_fc  (c_fc's bias is added in the activation's pass),  g = act(h + b_fc),
-               out = g W_proj + b_proj + residual  (one epilogue)
-    backward:  dg = dout W_proj^T;  the activation's backward recomputes g in the pass it makes
-               anyway (so no (N, 4C) activation per block waits from forward to backward besides h),
-               dW_proj += g^T dout;  dW_fc += x^T dh;  dx = dh W_fc^T
-    """
-
-    def __init__(self, c_fc, c_proj, ops, activation="gelu"):
-        super().__init__(ops)
-        self.c_fc, self.c_proj = c_fc, c_proj
-        pieces = {"gelu": (ops.bias_gelu_forward, ops.bias_gelu_backward),
-                  "relu": (ops.bias_relu_forward, ops.bias_relu_backward),
-                  "swiglu": (ops.bias_swiglu_forward, ops.bias_swiglu_backward)}
-        if activation not in pieces:
-            raise ValueError(f"activation must be one of {sorted(pieces)}, got {activation!r}")
-        self.act_forward, self.act_backward = pieces[activation]
-
-    def forward(self, x, residual=None):
-        C = x.shape[-1]
-        x2 = x.reshape(-1, C)
-        h = x2 @ self.c_fc.W                                 # (N, 4C)
-        g = self.act_forward(h, self.c_fc.b)
-        out = g @ self.c_proj.W                              # (N, C)
-        self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
-        self._save(MLPCache(x2, h, x.shape))
-        return out.reshape(x.shape)
-
-    def backward(self, dout):
-        x2, h, shape = self._pop()
-        dout2 = dout.reshape(-1, shape[-1])
-        dg = dout2 @ self.c_proj.W.T
-        dh, g = self.act_backward(h, self.c_fc.b, dg, recompute_output=True)
-        self.c_proj.weight_grads(g, dout2)
-        self.c_fc.weight_grads(x2, dh)
-        return (dh @ self.c_fc.W.T).reshape(shape)
-
-
-class Block:
-    """A transformer block: attention then MLP, each a sublayer f with its LayerNorm and skip.
-
-    pre-norm (ANDREA, GPT-2):  x1 = x + attn(ln_1(x)),   x2 = x1 + mlp(ln_2(x1))
-    post-norm (2017):          x1 = ln_1(x + attn(x)),   x2 = ln_2(x1 + mlp(x1))
-    norm=none:                 pre-norm's, ln_1 and ln_2 the identity (NoNorm)
-    without residuals the "x +" and "x1 +" are dropped.
-    """
-
-    def __init__(self, p, prefix, cfg, ops):
-        self.norm, self.residual = cfg.norm, cfg.residual
-        self.ln_1 = _layernorm(p, prefix + "ln_1", cfg.ln_eps, ops)
-        self.attn = CausalSelfAttention(_linear(p, prefix + "attn.c_attn", ops),
-                                        _linear(p, prefix + "attn.c_proj", ops), cfg.n_head, ops=ops)
-        self.ln_2 = _layernorm(p, prefix + "ln_2", cfg.ln_eps, ops)
-        self.mlp = MLP(_linear(p, prefix + "mlp.c_fc", ops), _linear(p, prefix + "mlp.c_proj", ops), ops,
-                       cfg.activation)
-        self.flow = None                                     # (GradFlow, this block's index) while recording
-
-    def forward(self, x):
-        skip = self.residual
-        if self.norm != "post":
-            # the residual adds run in the epilogue of each branch's last product
-            s1 = x1 = self.attn.forward(self.ln_1.forward(x), residual=x if skip else None)
-            s2 = x2 = self.mlp.forward(self.ln_2.forward(x1), residual=x1 if skip else None)
-        else:
-            s1 = self.attn.forward(x, residual=x if skip else None)          # x + attn(x)
-            x1 = self.ln_1.forward(s1)
-            s2 = self.mlp.forward(x1, residual=x1 if skip else None)         # x1 + mlp(x1)
-            x2 = self.ln_2.forward(s2)
-        if self.flow is not None:
-            flow, i = self.flow
-            flow.forward(i, x, s1, x1, s2, skip)
-        return x2
-
-    def infer(self, x, kv, pos):
-        """forward for inference at positions pos.., with this block's key/value cache kv: the same
-        layers through their cache-free `infer`."""
-        skip = self.residual
-        if self.norm != "post":
-            x1 = self.attn.forward_kv(self.ln_1.infer(x), kv, pos, residual=x if skip else None)
-            return self.mlp.infer(self.ln_2.infer(x1), residual=x1 if skip else None)
-        x1 = self.ln_1.infer(self.attn.forward_kv(x, kv, pos, residual=x if skip else None))
-        return self.ln_2.infer(self.mlp.infer(x1, residual=x1 if skip else None))
-
-    def trace(self, x, kv, pos):
-        """infer(x, kv, pos), keeping what andrea.trace shows, as a dict of arrays: "x" the stream
-        entering, "ln_1" and "ln_2" each LayerNorm's (mean, rstd) (..., 1), "probs" the attention
-        probabilities (B, nh, T, pos + T), "attn" and "mlp" each sublayer's output before its skip
-        adds it (its delta), "x1" the stream after attention, "x2" after the MLP. The skips are
-        added here after each sublayer instead of in its epilogue: the same float adds, so x2 is
-        infer's to the bit."""
-        skip, t = self.residual, {"x": x}
-        if self.norm != "post":
-            h, *t["ln_1"] = self.ln_1.infer_stats(x)
-            t["attn"] = self.attn.forward_kv(h, kv, pos, record=t)
-            t["x1"] = x + t["attn"] if skip else t["attn"]
-            h, *t["ln_2"] = self.ln_2.infer_stats(t["x1"])
-            t["mlp"] = self.mlp.infer(h)
-            t["x2"] = t["x1"] + t["mlp"] if skip else t["mlp"]
-        else:
-            t["attn"] = self.attn.forward_kv(x, kv, pos, record=t)
-            t["x1"], *t["ln_1"] = self.ln_1.infer_stats(x + t["attn"] if skip else t["attn"])
-            t["mlp"] = self.mlp.infer(t["x1"])
-            t["x2"], *t["ln_2"] = self.ln_2.infer_stats(t["x1"] + t["mlp"] if skip else t["mlp"])
-        return t
-
-    def backward(self, dx2):
-        skip = self.residual
-        if self.norm != "post":
-            # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
-            # added in the pass of the LayerNorm backward it goes around
-            dx1 = self.ln_2.backward(self.mlp.backward(dx2), skip=dx2 if skip else None)
-            dx = self.ln_1.backward(self.attn.backward(dx1), skip=dx1 if skip else None)
-        else:
-            # forward was: x2 = ln_2(s2), s2 = x1 + mlp(x1); x1 = ln_1(s1), s1 = x + attn(x): every
-            # gradient passes through a LayerNorm before it reaches the skip that goes around f
-            ds2 = self.ln_2.backward(dx2)
-            dx1 = self.mlp.backward(ds2)                     # a fresh array
-            if skip:
-                dx1 += ds2
-            ds1 = self.ln_1.backward(dx1)
-            dx = self.attn.backward(ds1)
-            if skip:
-                dx += ds1
-        if self.flow is not None:
-            flow, i = self.flow
-            flow.backward(i, dx)
-        return dx
-
-
-class GradFlow:
-    """How the residual stream and its gradient change through the blocks, in one forward and
-    backward (the last micro-batch's when there are several). Per block i, from its input x:
-
-        stream_rms[i]   sqrt(mean(x^2)), the size of the stream entering block i
-        attn_delta[i]   |attn's change to the stream| / |x|: |s1 - x| / |x| with a skip, |s1| / |x|
-                        without (s1: x + attn(...) pre-norm, before ln_1 post-norm)
-        mlp_delta[i]    the same for the MLP, relative to the stream it changes (x1)
-        grad_in[i]      |dL/dx|, the gradient reaching block i's input; grad_in[0] is the one that
-                        reaches the embeddings
-        grad_top        |dL/dx| at the top of the stack (the last block's output)
-
-    Norms are Frobenius norms over the whole (B, T, C) tensor, read to the host: a few
-    synchronisations per recorded step, none when not recording.
-    """
-
-    def __init__(self, n_layer):
-        self.stream_rms, self.attn_delta, self.mlp_delta, self.grad_in = ([None] * n_layer for _ in range(4))
-        self.grad_top = None
-
-    @staticmethod
-    def _norm(a):
-        return float(a.ravel() @ a.ravel()) ** 0.5
-
-    def forward(self, i, x, s1, x1, s2, skip):
-        nx, nx1 = self._norm(x), self._norm(x1)
-        self.stream_rms[i] = nx / x.size ** 0.5
-        self.attn_delta[i] = self._norm(s1 - x if skip else s1) / max(nx, 1e-30)
-        self.mlp_delta[i] = self._norm(s2 - x1 if skip else s2) / max(nx1, 1e-30)
-
-    def backward(self, i, dx):
-        self.grad_in[i] = self._norm(dx)
-
-    def top(self, dx):
-        self.grad_top = self._norm(dx)
-
-    def as_dict(self):
-        return {"grad_top": self.grad_top, "grad_in": self.grad_in, "stream_rms": self.stream_rms,
-                "attn_delta": self.attn_delta, "mlp_delta": self.mlp_delta}
 
 
 class ANDREA:
@@ -331,8 +56,8 @@ class ANDREA:
         (minitensor.backends.get_ops). ops: a minitensor.backends.ops backend to use instead of the device's
         (tests)."""
         self.cfg = cfg
-        self.backend = get_backend(device)
-        self.ops = ops = ops or get_ops(self.backend.xp, kernels, run_sizes(cfg, batch) if batch else None)
+        self.device = get_device(device)
+        self.ops = ops = ops or get_ops(self.device.xp, kernels, run_sizes(cfg, batch) if batch else None)
         self.xp = ops.xp
         self.dtype = resolve_dtype(dtype)
         self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops)
@@ -341,18 +66,19 @@ class ANDREA:
         self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), check=False, ops=ops)
         self.wpe = PositionEmbedding(p["transformer.wpe.weight"], p.grad("transformer.wpe.weight"), ops=ops)
         self.blocks = [Block(p, f"transformer.h.{i}.", cfg, ops) for i in range(cfg.n_layer)]
-        self.ln_f = _layernorm(p, "transformer.ln_f", cfg.ln_eps, ops)
+        self.ln_f = norm_layer(p, "transformer.ln_f", cfg, ops)
         self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), ops=ops)
         self.loss_fn = SoftmaxCrossEntropy(check=False, ops=ops)
         self.flow = None
         self.init_weights(seed)
 
-    def record_flow(self, on=True):
-        """Measure the next forward/backward(s) into a fresh GradFlow (self.flow), or stop (on=False)."""
-        self.flow = GradFlow(self.cfg.n_layer) if on else None
+    def record_flow(self, recorder):
+        """Report the next forward(s) and backward(s) to recorder, or stop (None): its forward(i, x,
+        s1, x1, s2, skip) and backward(i, dx) per block i, top(dx) at the top of the stack
+        (andrea.run.gradflow.GradFlow says what each is)."""
+        self.flow = recorder
         for i, block in enumerate(self.blocks):
-            block.flow = (self.flow, i) if on else None
-        return self.flow
+            block.flow = None if recorder is None else (recorder, i)
 
     def init_weights(self, seed):
         """GPT-2 initialisation, drawn in float64 on the CPU so every device and dtype starts alike."""

@@ -1,4 +1,4 @@
-"""Data-parallel training over MPI (start-up, scalars, CPU gradients) and NCCL (GPU gradients).
+"""The world of a data-parallel run: MPI start-up, scalars, agreement, CPU gradients; GPU gradients through NCCL.
 
     mpiexec -n 2 python -m mpi4py -m andrea.train --config tiny --out runs/dp2
 
@@ -15,7 +15,8 @@ all ranks in the same order:
 - `barrier()`; `together()`: a block every rank runs, which, if it fails on any rank, ends all
   ranks there with the lowest failing rank's message;
 - `reducer_for(xp)`: the gradient reducer for the model's array module: the world itself for
-  NumPy (MPI in-place Allreduce), `NcclReducer` for CuPy (NCCL on the current stream).
+  NumPy (MPI in-place Allreduce), `NcclReducer` for CuPy (NCCL on the current stream,
+  andrea.run.nccl).
 
 A reducer has `sum_(buf)` (in-place sum over ranks of a flat (P,) buffer, the gradient) and
 `broadcast_(buf)` (rank 0's flat buffer on every rank, for weights and optimizer moments). The
@@ -23,9 +24,8 @@ trainer scales each rank's backward by 1 / (accumulation x N), so the sum is the
 with two ranks the sum a + b is exactly the float32 sum one process accumulates over the same two
 micro-batches.
 
-`python -m andrea.run.distributed --nccl-self-test` checks the NCCL path at one rank on a GPU (the
-library loads, the id exchange, an all-reduce and a broadcast); `--allreduce-bench ELEMENTS`
-times the gradient all-reduce (MPI under mpiexec; `--gpu`: NCCL), as andrea.bench reports it.
+`guard(world)` around a whole run ends every rank when one fails. The NCCL check and the
+all-reduce timing are commands of their own (`python -m andrea.run.allreduce`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import traceback
 import numpy as np
 
 from andrea.errors import UserError
+from andrea.run.nccl import NcclReducer
 
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 MPI_HINT = "install the mpi extra: pip install -e '.[mpi]' (mpi4py and an MPICH)"
@@ -246,83 +247,6 @@ def use_local_gpu(world) -> None:
         cupy.cuda.Device(world.local_rank % count).use()
 
 
-# ----------------------------------------------------------------------------- NCCL
-
-
-def pack_unique_id(uid) -> np.ndarray:
-    """NCCL's 128-byte unique id as (129,) uint8 for MPI: a type byte, then the id.
-
-    CuPy 14 gives bytes; older CuPy gave a tuple of signed chars. The type byte lets the
-    receiving ranks hand NcclCommunicator the same type rank 0 got.
-    """
-    if isinstance(uid, bytes | bytearray):
-        body, kind = np.frombuffer(bytes(uid), dtype=np.uint8), 0
-    else:
-        body, kind = np.array(uid, dtype=np.int8).view(np.uint8), 1
-    return np.concatenate([np.array([kind], dtype=np.uint8), body])
-
-
-def unpack_unique_id(buf: np.ndarray):
-    body = np.asarray(buf[1:], dtype=np.uint8)
-    return body.tobytes() if buf[0] == 0 else tuple(int(v) for v in body.view(np.int8))
-
-
-class NcclReducer:
-    """Flat-buffer sum and broadcast between GPUs through cupy.cuda.nccl, on the current stream.
-
-    Rank 0 makes the unique id, MPI broadcasts it, and every rank joins with its GPU already
-    current (`use_local_gpu`). `nccl` can be given (a fake in the CPU tests).
-    """
-
-    name = "NCCL"
-
-    def __init__(self, world, nccl=None, cupy=None):
-        if nccl is None:
-            nccl, cupy = _load_nccl()
-        self.world, self.nccl, self.cupy = world, nccl, cupy
-        uid = pack_unique_id(nccl.get_unique_id()) if world.is_main else np.zeros(129, dtype=np.uint8)
-        world.broadcast_(uid)
-        self.comm = nccl.NcclCommunicator(world.size, unpack_unique_id(uid), world.rank)
-
-    def _call(self, buf):
-        if buf.dtype == np.float32:
-            dtype = self.nccl.NCCL_FLOAT32
-        elif buf.dtype == np.float64:
-            dtype = self.nccl.NCCL_FLOAT64
-        else:
-            raise TypeError(f"NCCL reducer: unsupported dtype {buf.dtype}")
-        if not buf.flags.c_contiguous:
-            raise ValueError("NCCL reducer needs a contiguous buffer")
-        return buf.data.ptr, buf.size, dtype, self.cupy.cuda.get_current_stream().ptr
-
-    def sum_(self, buf):
-        ptr, n, dtype, stream = self._call(buf)
-        self.comm.allReduce(ptr, ptr, n, dtype, self.nccl.NCCL_SUM, stream)
-
-    def broadcast_(self, buf):
-        ptr, n, dtype, stream = self._call(buf)
-        self.comm.bcast(ptr, n, dtype, 0, stream)
-
-
-def require_nccl() -> None:
-    """Raise the UserError _load_nccl would, without any collective (see NcclReducer)."""
-    _load_nccl()
-
-
-def _load_nccl():
-    try:
-        import cupy
-        from cupy.cuda import nccl
-    except ImportError as e:
-        raise UserError(f"GPU data parallelism needs CuPy with NCCL ({e})") from e
-    if not getattr(nccl, "available", True) or not hasattr(nccl, "NcclCommunicator"):
-        raise UserError("CuPy cannot load NCCL: install nvidia-nccl-cu12 or nvidia-nccl-cu13 "
-                        "(pip install -e '.[cuda13]' brings it)")
-    return nccl, cupy
-
-
-# ----------------------------------------------------------------------------- failures
-
 
 @contextlib.contextmanager
 def guard(world):
@@ -351,85 +275,3 @@ def guard(world):
             traceback.print_exc()
             code = 1
         world.abort(code)
-
-
-# ----------------------------------------------------------------------------- self-tests
-
-
-def nccl_self_test() -> int:
-    """One-rank NCCL on this GPU: library, id exchange, sum, broadcast; prints one line, returns 0."""
-    nccl, cupy = _load_nccl()
-    world = init()
-    if world.size != 1:
-        raise UserError("run the NCCL self-test as one process (NCCL refuses two ranks on one GPU)")
-    reducer = NcclReducer(world, nccl, cupy)
-    buf = cupy.arange(1 << 20, dtype=cupy.float32)
-    expected = buf.copy()
-    reducer.sum_(buf)
-    reducer.broadcast_(buf)
-    cupy.cuda.get_current_stream().synchronize()
-    if not bool((buf == expected).all()):
-        raise RuntimeError("NCCL all-reduce at one rank changed the buffer")
-    version = nccl.get_version() if hasattr(nccl, "get_version") else "?"
-    print(f"NCCL self-test: ok (version {version}, 1 rank, {buf.nbytes >> 20} MiB all-reduce and broadcast)")
-    return 0
-
-
-def time_allreduce(reducer, buf, repeats=5, sync=None) -> float:
-    """Median seconds of one in-place sum_ of `buf` (after one warm-up), all ranks together."""
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        reducer.sum_(buf)
-        if sync is not None:
-            sync()
-        if i:
-            times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def bench_allreduce(elements: int, gpu: bool) -> dict | None:
-    """The gradient all-reduce of a model with `elements` float32 parameters, timed on this world.
-
-    On the CPU it is MPI's in-place Allreduce between the launched processes; with `gpu` it is
-    NCCL's on this rank's GPU (one rank without mpiexec: NCCL's local pass, no transfer).
-    Returns the measurement on rank 0, None elsewhere.
-    """
-    world = init()
-    if gpu:
-        nccl, cupy = _load_nccl()
-        use_local_gpu(world)
-        reducer, buf = NcclReducer(world, nccl, cupy), cupy.ones(elements, dtype=cupy.float32)
-        sync = cupy.cuda.get_current_stream().synchronize
-    else:
-        reducer, buf, sync = world, np.ones(elements, dtype=np.float32), None
-    seconds = time_allreduce(reducer, buf, sync=sync)
-    if not world.is_main:
-        return None
-    return {"backend": reducer.name, "processes": world.size, "bytes": int(buf.nbytes), "seconds": seconds}
-
-
-def main(argv=None):
-    from andrea.cli import ArgumentParser
-
-    ap = ArgumentParser(prog="python -m andrea.run.distributed", description=__doc__.splitlines()[0])
-    ap.add_argument("--nccl-self-test", action="store_true", help="check NCCL at one rank on this GPU")
-    ap.add_argument("--allreduce-bench", type=int, metavar="ELEMENTS",
-                    help="time the in-place all-reduce of this many float32 values; prints JSON on rank 0")
-    ap.add_argument("--gpu", action="store_true", help="with --allreduce-bench: NCCL on GPUs instead of MPI")
-    args = ap.parse_args(argv)
-    if args.nccl_self_test:
-        return nccl_self_test()
-    if args.allreduce_bench:
-        result = bench_allreduce(args.allreduce_bench, args.gpu)
-        if result is not None:
-            print(json.dumps(result))
-        return 0
-    ap.print_help()
-    return 0
-
-
-if __name__ == "__main__":
-    from andrea.cli import run_cli
-
-    run_cli(main)

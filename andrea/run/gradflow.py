@@ -1,8 +1,8 @@
 """Gradient flow through the blocks, measured while training (train.log_grad_flow) and drawn.
 
-At each log step of a run with train.log_grad_flow: true, the model records one forward and
-backward (andrea.model.transformer.GradFlow, the step's last micro-batch) and metrics.jsonl's record of that
-step gets a "grad_flow" entry:
+At each log step of a run with train.log_grad_flow: true, the model reports one forward and
+backward (the step's last micro-batch) to a GradFlow (ANDREA.record_flow) and metrics.jsonl's
+record of that step gets a "grad_flow" entry:
 
     grad_top     |dL/dx| at the top of the stack (the last block's output)
     grad_in      [|dL/dx| at block 0's input (the embeddings), block 1's, ...]
@@ -29,9 +29,50 @@ from andrea.files import atomic_writer
 from andrea.run.figure import label_depth_axis, new_figure
 
 
+class GradFlow:
+    """How the residual stream and its gradient change through the blocks, in one forward and
+    backward (the last micro-batch's when there are several). Per block i, from its input x:
+
+        stream_rms[i]   sqrt(mean(x^2)), the size of the stream entering block i
+        attn_delta[i]   |attn's change to the stream| / |x|: |s1 - x| / |x| with a skip, |s1| / |x|
+                        without (s1: x + attn(...) pre-norm, before ln_1 post-norm)
+        mlp_delta[i]    the same for the MLP, relative to the stream it changes (x1)
+        grad_in[i]      |dL/dx|, the gradient reaching block i's input; grad_in[0] is the one that
+                        reaches the embeddings
+        grad_top        |dL/dx| at the top of the stack (the last block's output)
+
+    Norms are Frobenius norms over the whole (B, T, C) tensor, read to the host: a few
+    synchronisations per recorded step, none when not recording.
+    """
+
+    def __init__(self, n_layer):
+        self.stream_rms, self.attn_delta, self.mlp_delta, self.grad_in = ([None] * n_layer for _ in range(4))
+        self.grad_top = None
+
+    @staticmethod
+    def _norm(a):
+        return float(a.ravel() @ a.ravel()) ** 0.5
+
+    def forward(self, i, x, s1, x1, s2, skip):
+        nx, nx1 = self._norm(x), self._norm(x1)
+        self.stream_rms[i] = nx / x.size ** 0.5
+        self.attn_delta[i] = self._norm(s1 - x if skip else s1) / max(nx, 1e-30)
+        self.mlp_delta[i] = self._norm(s2 - x1 if skip else s2) / max(nx1, 1e-30)
+
+    def backward(self, i, dx):
+        self.grad_in[i] = self._norm(dx)
+
+    def top(self, dx):
+        self.grad_top = self._norm(dx)
+
+    def as_dict(self):
+        return {"grad_top": self.grad_top, "grad_in": self.grad_in, "stream_rms": self.stream_rms,
+                "attn_delta": self.attn_delta, "mlp_delta": self.mlp_delta}
+
+
 @contextlib.contextmanager
 def recording(model, step, train_cfg):
-    """Within the block, model records its forward/backward into a GradFlow when `step` is one the
+    """Within the block, model reports its forward/backward to a fresh GradFlow when `step` is one the
     training loop logs (step 1, every log_interval, the last) and log_grad_flow is on; yields it,
     or None."""
     t = train_cfg
@@ -39,10 +80,12 @@ def recording(model, step, train_cfg):
     if not (t.log_grad_flow and logged):
         yield None
         return
+    flow = GradFlow(model.cfg.n_layer)
+    model.record_flow(flow)
     try:
-        yield model.record_flow(True)
+        yield flow
     finally:
-        model.record_flow(False)  # evaluation's forwards are not measured
+        model.record_flow(None)  # evaluation's forwards are not measured
 
 
 FLOW_LISTS = ("grad_in", "stream_rms", "attn_delta", "mlp_delta")  # one number per block each

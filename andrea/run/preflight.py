@@ -44,7 +44,7 @@ from andrea.data.manifest import split_counts
 from andrea.data.tokenfile import MAX_VOCAB
 from andrea.data.tokenizer import Tokenizer, load_tokenizer
 from andrea.errors import UserError
-from andrea.model.transformer import parameter_breakdown
+from andrea.model.sizes import parameter_breakdown
 from andrea.run import distributed as dist
 from andrea.run.paths import check_directory, check_output_file  # noqa: F401 (check_output_file: the commands')
 from andrea.run.schedule import make_schedule
@@ -170,7 +170,7 @@ def available_memory(device: str) -> tuple[int | None, str]:
 
 def memory_device(device: str) -> str:
     """Whose memory a run on `device` fills: "gpu" for gpu, and for auto when a GPU works (the
-    model goes there: minitensor.device.get_backend), else "cpu"."""
+    model goes there: minitensor.device.get_device), else "cpu"."""
     if device == "auto":
         from minitensor.device import gpu_available
 
@@ -310,7 +310,7 @@ def check_init_from(directory, cfg) -> None:
     checks them (hf.read_state, which the run's hf.load_weights calls): files, headers, names,
     shapes against the model config, finite values."""
     from andrea.interop import hf
-    from andrea.model.transformer import param_shapes
+    from andrea.model.sizes import param_shapes
 
     hf.read_state(Path(directory), param_shapes(cfg.model))
 

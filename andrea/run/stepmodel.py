@@ -7,8 +7,9 @@
 Recorded, not guessed: the training step (andrea.run.trainer.Trainer.train_step: zero_grad, forward and
 backward over the micro-batches, the gradient norm, the clipping scale, the one host read, AdamW)
 runs with the GPU backend (`kernels='fused'`) on the CuPy stand-in in its recording mode
-(tests/support/cupy_standin/cupy/_record.py): arrays of the real size that are never computed nor touched,
-each CuPy launch recorded with its shapes, its GEMM FLOPs, its grid and the bytes it reads and writes.
+(minitensor/checks/cupy_standin/cupy/_record.py, shipped with the package: minitensor.checks.standin):
+arrays of the real size that are never computed nor touched, each CuPy launch recorded with its
+shapes, its GEMM FLOPs, its grid and the bytes it reads and writes.
 The launch count, the paths taken (the flash attention core for ANDREA's heads of 64) and every shape
 are those of the real step; only time is modelled, per launch, from what can be counted:
 
@@ -37,7 +38,6 @@ estimate beside the measured step when a GPU is lent: the first real run calibra
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -49,12 +49,10 @@ import numpy as np
 
 from andrea.cli import ArgumentParser, run_cli
 from andrea.errors import UserError
-from andrea.model.transformer import ANDREA, flops_per_token
+from andrea.model.sizes import flops_per_token
+from andrea.model.transformer import ANDREA
 from andrea.run.pricing import COUNTS, DRIVERS, H200, LAUNCHES, op_seconds, write_counts
-
-ROOT = Path(__file__).resolve().parents[2]
-STANDIN = ROOT / "tests" / "support" / "cupy_standin"
-
+from minitensor.checks.standin import standin_env
 
 # ---------------------------------------------------------------------------------------------
 # Recording (on the stand-in)
@@ -121,20 +119,20 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     import cupy
 
     from andrea.config import load_config
-    from andrea.model.optim import AdamW
     from andrea.run.trainer import Trainer
     from minitensor import device
     from minitensor.backends import cupy_ops
+    from minitensor.optim import AdamW
 
     if not getattr(cupy, "STANDIN", False):
-        raise UserError("the step model records on the CuPy stand-in (tests/support/cupy_standin), not on a real CuPy")
+        raise UserError("the step model records on the CuPy stand-in (minitensor.checks.standin), not on a real CuPy")
     from cupy import _record
 
     full = load_config(config, overrides)
     cfg, t = full.model, full.train
     B, T = batch or t.batch_size, seq or cfg.context_length
     accum = micro_batches or max(1, t.tokens_per_step // (B * T))
-    device.get_backend("gpu")  # the GPU probe computes: before recording
+    device.get_device("gpu")  # the GPU probe computes: before recording
     saved_memory, saved_ones = dict(cupy_ops._gpu_memory_bytes), dict(cupy_ops._ones_kept)
     cupy_ops._gpu_memory_bytes.clear()  # the dense core's budget: the H200's memory, not the stand-in's
     cupy_ops._ones_kept.clear()  # made in every record (its copy counted), its values never kept (not computed)
@@ -165,9 +163,6 @@ def record_anywhere(config="120m", batch=None, seq=None, micro_batches=None, ker
     """record(), in this process when `cupy` here is the stand-in, else in a child process that has it."""
     if getattr(sys.modules.get("cupy"), "STANDIN", False):
         return record(config, batch, seq, micro_batches, kernels)
-    if not (STANDIN / "cupy" / "_record.py").exists():
-        raise UserError(f"the step model records on the CuPy stand-in, which is in the source checkout only: "
-                        f"{STANDIN} not found")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "record.json"
         cmd = [sys.executable, "-m", "andrea.run.stepmodel", "--record", str(out), "--config", config,
@@ -175,9 +170,7 @@ def record_anywhere(config="120m", batch=None, seq=None, micro_batches=None, ker
         for flag, value in (("--batch", batch), ("--seq", seq), ("--micro-batches", micro_batches)):
             if value:
                 cmd += [flag, str(value)]
-        env = {k: v for k, v in os.environ.items() if k not in ("ANDREA_DEVICE", "CUPY_STANDIN_REPORT")}
-        env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT)])
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=standin_env(), capture_output=True, text=True)
         if proc.returncode:
             raise UserError(f"recording the step failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
         return json.loads(out.read_text())
@@ -301,7 +294,7 @@ def _parser():
     ap.add_argument("--json", help="also write the estimate there")
     ap.add_argument("--count-kernels", action="store_true",
                     help=f"count every project kernel at ANDREA-120M's shapes in the host emulation and keep the "
-                         f"counts in {COUNTS.relative_to(ROOT)} (what the table prices them from)")
+                         f"counts in andrea/run/{COUNTS.name} (what the table prices them from)")
     ap.add_argument("--record", help=argparse.SUPPRESS)  # internal: record on the stand-in, write it there
     return ap
 

@@ -24,17 +24,19 @@ from andrea.config import saved_model_config
 from andrea.data.loader import BatchLoader, iter_eval_batches
 from andrea.errors import UserError
 from andrea.interop import hf
-from andrea.model.optim import AdamW
-from andrea.model.transformer import ANDREA, flops_per_token
+from andrea.model.sizes import flops_per_token
+from andrea.model.transformer import ANDREA
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
 from andrea.run import gradflow, preflight
 from andrea.run.metrics import open_metrics
+from andrea.run.nccl import require_nccl
 from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, NonFiniteGuard, StopVote
 from andrea.run.throughput import Throughput
 from minitensor.device import GPUUnavailable, set_tf32, to_numpy
+from minitensor.optim import AdamW
 
 
 class Trainer:
@@ -66,7 +68,7 @@ class Trainer:
         # failed before it would meet the others in another collective): run_training connects it
         self.reducer = world.reducer_for(self.model.xp) if world.size == 1 or self.model.xp is np else None
         if self.reducer is None:
-            dist.require_nccl()
+            require_nccl()
         self.val_tokens, self.tokenizer = val_tokens, tokenizer
         self.step = 0
         self.guard = NonFiniteGuard(t.max_bad_steps, world)

@@ -281,11 +281,6 @@ def ranked(tokenizer, probs, k: int) -> list:
     return [[token_piece(tokenizer, i), int(i), float(probs[i])] for i in np.argsort(-probs, kind="stable")[:k]]
 
 
-def finite(value: float) -> float | None:
-    """JSON has no NaN: a model without LayerNorms (model.norm=none) reports none."""
-    return None if np.isnan(value) else float(value)
-
-
 def trace_steps(served, ids, t: int, k: int):
     """andrea.trace's figures for position t of ids, as the page draws them: the last context_length
     tokens up to t, per block the residual's size, each head's attention row and the logit lens."""
@@ -297,6 +292,6 @@ def trace_steps(served, ids, t: int, k: int):
     tok = served.tokenizer
     return {"position": t, "start": start, "tokens": [token_piece(tok, i) for i in window], "blocks": [
         {"residual": [float(v) for v in b.norms], "attn_delta": b.attn_delta, "mlp_delta": b.mlp_delta,
-         "ln_1": [finite(v) for v in b.ln_1], "ln_2": [finite(v) for v in b.ln_2],
+         "ln_1": b.ln_1, "ln_2": b.ln_2,
          "attention": np.round(b.attention, 5).tolist(), "lens": ranked(tok, b.lens, k)} for b in blocks],
         "output": ranked(tok, output, k)}

@@ -102,6 +102,25 @@ class Ops:
         dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
         return dx if dres is None else dx + dres
 
+    # --- RMSNorm over rows: y = w * x * rstd, rstd = 1 / sqrt(mean(x^2) + eps) ---
+
+    def rmsnorm_forward(self, x, w, eps):
+        """x (N, C) -> y (N, C), rstd (N, 1); the mean square divides by C."""
+        rstd = 1.0 / self.xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+        return x * rstd * w, rstd
+
+    def rmsnorm_backward(self, dy, x, rstd, w, dw, dres=None):
+        """dx (N, C) from dy and the forward's x, rstd; dw accumulates. dres (N, C), if given, is
+        added to dx (a skip), as in layernorm_backward."""
+        xhat = x * rstd
+        # forward was: y = w * xhat; the weight's gradient sums over rows
+        dw += (dy * xhat).sum(axis=0)
+        g = dy * w                                           # the gradient at xhat
+        # xhat = x rstd depends on x directly and through rstd (d rstd / dx = -rstd^3 x / C): the
+        # paths g rstd and -xhat mean(g xhat) rstd; no mean was subtracted, so no -mean(g) path
+        dx = rstd * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+        return dx if dres is None else dx + dres
+
     # --- GELU: y = 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3) ---
 
     def gelu_forward(self, x):
@@ -294,7 +313,7 @@ class Ops:
 
     # --- AdamW, decoupled weight decay (Loshchilov & Hutter 2019, Algorithm 2), over the flat buffers ---
 
-    mask_dtype = None  # the decay mask's: the parameters' (NumpyOps' uint8: the bench's 120m RSS 2.40 -> 2.14 GiB)
+    mask_dtype = None  # the decay mask's: the parameters' (a backend whose step only reads it may take uint8)
 
     def decay_mask(self, params, decays):
         """The `decayed` that adamw_step takes: 1 over the tensors decays(name, shape) selects, 0

@@ -7,6 +7,17 @@ returns dx, and drops the cache, so a second backward without a new forward fail
 of reusing stale state. `infer(...)` is the same forward keeping nothing (inference and sampling): one
 formula per layer, and a backward still pending from a training forward keeps its cache.
 
+A norm (`Norm`, LayerNorm for one) normalises each row of x (..., C) by statistics of that row,
+and promises two things more, which the model's blocks and andrea.trace rely on:
+
+    backward(dy, skip=None) -> dx (+ skip)   with skip (x's shape), the gradient that reaches x
+                                             around the norm (a pre-norm block's residual path) is
+                                             added in the same pass: x1 = x + f(norm(x)) gives
+                                             dx = norm.backward(f.backward(dx1), skip=dx1)
+    infer_stats(x) -> (y, {name: (..., 1)})  infer(x), and the per-row statistics it normalised by,
+                                             named by the class's `stats`: LayerNorm's mean and rstd;
+                                             a norm that subtracts no mean has no mean to report
+
 Every layer computes through `self.ops` (minitensor.backends.ops), the backend chosen when the model was
 built. A layer built without one takes, at each forward, the backend of the arrays it is given
 (`get_ops(xp)` for their module, NumPy's or CuPy's, as the model's is built); one built with a
@@ -57,3 +68,13 @@ class Layer:
     @property
     def has_cache(self):
         return self._cache is not None
+
+
+class Norm(Layer):
+    """A norm over the last axis (the module's docstring): forward, backward(dy, skip=None) and
+    infer_stats(x) -> (y, stats). `params` names its parameters, each of shape (C,), in the order its
+    constructor takes them, each followed by its gradient: Norm(w, dw, b, db, eps, ops=ops) for
+    ("weight", "bias"). `stats` names the statistics infer_stats returns."""
+
+    params = ()
+    stats = ()

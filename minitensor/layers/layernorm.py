@@ -14,7 +14,7 @@ The arithmetic is `Ops.layernorm_forward` / `layernorm_backward` (minitensor.bac
 
 from typing import NamedTuple
 
-from minitensor.layers.layer import Layer
+from minitensor.layers.layer import Norm
 
 
 class LayerNormCache(NamedTuple):
@@ -24,7 +24,10 @@ class LayerNormCache(NamedTuple):
     shape: tuple
 
 
-class LayerNorm(Layer):
+class LayerNorm(Norm):
+    params = ("weight", "bias")
+    stats = ("mean", "rstd")
+
     def __init__(self, w, dw, b, db, eps=1e-5, ops=None):
         super().__init__(ops)
         self.w, self.dw, self.b, self.db, self.eps = w, dw, b, db, eps
@@ -37,11 +40,11 @@ class LayerNorm(Layer):
         return y.reshape(x.shape)
 
     def infer_stats(self, x):
-        """infer(x) and the statistics it normalised by: (y, mean, rstd), mean and rstd (..., 1)."""
+        """infer(x) and the statistics it normalised by: (y, {"mean": (..., 1), "rstd": (..., 1)})."""
         x2 = self.ops.xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))
         y, mean, rstd = self.ops.layernorm_forward(x2, self.w, self.b, self.eps)
         rows = (*x.shape[:-1], 1)
-        return y.reshape(x.shape), mean.reshape(rows), rstd.reshape(rows)
+        return y.reshape(x.shape), {"mean": mean.reshape(rows), "rstd": rstd.reshape(rows)}
 
     def backward(self, dy, skip=None):
         """dx; plus skip (x's shape), if given, in the same pass: the gradient that reaches x

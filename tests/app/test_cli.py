@@ -125,7 +125,7 @@ def test_export_answers_a_bad_flag_in_one_line(argv, capsys):
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "usage:" not in err
 
 
-@pytest.mark.parametrize("module", ["andrea.interop.torch_reference", "andrea.run.distributed",
+@pytest.mark.parametrize("module", ["andrea.interop.torch_reference", "andrea.run.allreduce",
                                     "minitensor.checks.__main__", "andrea.trace", "andrea.eval"])
 def test_the_other_commands_answer_a_bad_flag_in_one_line(module, capsys):
     import importlib

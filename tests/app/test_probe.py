@@ -6,12 +6,13 @@ import pytest
 
 from andrea import ANDREA, ModelConfig
 from andrea.errors import UserError
-from andrea.probe import attention_stats, lens_losses, windows_of
+from andrea.model.block import NORMS
+from andrea.probe import attention_stats, lens_losses, norm_stats, windows_of
 
 TINY = dict(vocab_size=29, context_length=9, d_model=8, n_layer=3, n_head=2)
 
 
-@pytest.mark.parametrize("variant", [{}, {"norm": "none"}, {"activation": "swiglu"}])
+@pytest.mark.parametrize("variant", [{}, {"norm_position": "none"}, {"activation": "swiglu"}])
 def test_the_lens_after_the_last_block_is_the_models_loss(variant):
     m = ANDREA(ModelConfig(**TINY, **variant), dtype="float64", seed=3)
     rng = np.random.default_rng(0)
@@ -22,6 +23,24 @@ def test_the_lens_after_the_last_block_is_the_models_loss(variant):
     assert len(losses) == 4
     np.testing.assert_allclose(losses[-1], m.forward(x, y), rtol=1e-10)
     assert len(set(losses)) == 4  # each depth predicts differently
+
+
+@pytest.mark.parametrize("variant", [{}, {"norm_position": "post"}, {"norm_position": "none"},
+                                     *({"norm": kind} for kind in NORMS if kind != "layernorm")])
+def test_the_probe_reports_the_statistics_each_norm_has(variant):
+    """Per block and norm, the mean over every token of each statistic the norm's kind has: a
+    LayerNorm's mean and rstd (block 0's ln_1 by hand here: its input is the embeddings), none
+    without norms."""
+    cfg = ModelConfig(**TINY, **variant)
+    m = ANDREA(cfg, dtype="float64", seed=3)
+    x = np.random.default_rng(2).integers(0, 29, (2, 9))
+    stats = norm_stats(m, x)
+    names = [] if cfg.norm_position == "none" else list(NORMS[cfg.norm].stats)
+    assert len(stats) == 3 and all(list(s[ln]) == names for s in stats for ln in ("ln_1", "ln_2"))
+    if names == ["mean", "rstd"] and cfg.norm_position == "pre":
+        h = m.wte.W[x] + m.wpe.W[:9]
+        assert stats[0]["ln_1"]["mean"] == pytest.approx(h.mean(axis=-1).mean(), rel=1e-12)
+        assert stats[0]["ln_1"]["rstd"] == pytest.approx((1 / np.sqrt(h.var(axis=-1) + cfg.ln_eps)).mean(), rel=1e-12)
 
 
 def test_uniform_attention_has_the_distance_and_previous_share_of_a_uniform_prefix():

@@ -132,11 +132,11 @@ def test_a_refused_export_leaves_nothing_behind(run, tmp_path, capsys):
     shutil.copytree(run, variant)
     for meta_path in variant.glob("ckpt-*/meta.json"):  # the same tensors, under a post-norm config
         record = json.loads(meta_path.read_text())
-        record["meta"]["config"]["model"]["norm"] = "post"
+        record["meta"]["config"]["model"]["norm_position"] = "post"
         meta_path.write_text(json.dumps(record))
     out = tmp_path / "hf"
     code, last = cli(export.main, ["--checkpoint", str(variant), "--out", str(out)], capsys)
-    assert code == 2 and "is a variant (norm=post), not GPT-2" in last
+    assert code == 2 and "is a variant (norm_position=post), not GPT-2" in last
     assert not out.exists()
 
 

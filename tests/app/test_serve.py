@@ -190,6 +190,7 @@ def test_the_pages_trace_is_andrea_traces(server):
         assert got["start"] == start and len(got["tokens"]) == len(window) and len(got["blocks"]) == len(blocks)
         for b, want in zip(got["blocks"], blocks):
             np.testing.assert_allclose(b["residual"], want.norms, rtol=1e-6)
+            assert b["ln_1"] == pytest.approx(want.ln_1) and list(b["ln_2"]) == ["mean", "rstd"]  # the norm's stats
             np.testing.assert_allclose(b["attention"], want.attention, atol=1e-5)
             assert [e[1] for e in b["lens"]] == list(np.argsort(-want.lens, kind="stable")[:3])
         output = tracing.model_output(model, window, len(window) - 1)

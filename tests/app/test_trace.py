@@ -20,6 +20,7 @@ from runs import tiny_run
 from andrea import trace
 from andrea.cli import run_cli
 from andrea.config import ModelConfig
+from andrea.model.block import NORMS
 from andrea.model.transformer import ANDREA
 from minitensor.device import to_numpy
 
@@ -136,11 +137,14 @@ def test_attention_rows_are_distributions_over_the_past_and_the_lens_ends_at_the
     assert (trace.trace(model, ids, 0)[0].attention == 1).all()  # the first token sees itself alone
 
 
-@pytest.mark.parametrize("variant", [{}, {"norm": "post"}, {"residual": False}, {"norm": "post", "residual": False},
-                                     {"activation": "relu"}, {"activation": "swiglu"}, {"norm": "none"},
-                                     {"norm": "none", "residual": False}])
+@pytest.mark.parametrize("variant", [{}, {"norm_position": "post"}, {"residual": False},
+                                     {"norm_position": "post", "residual": False}, {"activation": "relu"},
+                                     {"activation": "swiglu"}, {"norm_position": "none"},
+                                     {"norm_position": "none", "residual": False},
+                                     *({"norm": kind, "norm_position": position} for kind in NORMS
+                                       if kind != "layernorm" for position in ("pre", "post"))])
 def test_a_blocks_trace_is_its_infer_to_the_bit(variant):
-    """The hooks (LayerNorm.infer_stats, forward_kv's record) change nothing: Block.trace's x2 is
+    """The hooks (each norm's infer_stats, forward_kv's record) change nothing: Block.trace's x2 is
     Block.infer's, and its deltas and stream add up as the block's formula says."""
     cfg = ModelConfig(vocab_size=50, context_length=12, d_model=12, n_layer=2, n_head=3, **variant)
     model = ANDREA(cfg, seed=1)
@@ -153,11 +157,15 @@ def test_a_blocks_trace_is_its_infer_to_the_bit(variant):
         t = block.trace(x, kv_a, 0)
         np.testing.assert_array_equal(t["x2"], block.infer(x, kv_b, 0))
         np.testing.assert_array_equal(kv_a[0], kv_b[0])
-        if cfg.norm == "pre":
+        if cfg.norm_position == "pre":
             np.testing.assert_array_equal(t["x1"], x + t["attn"] if cfg.residual else t["attn"])
-            h = block.ln_1.infer(x)
-            mean, rstd = t["ln_1"]
-            np.testing.assert_allclose((x - mean) * rstd * block.ln_1.w + block.ln_1.b, h, rtol=1e-5, atol=1e-5)
+            assert list(t["ln_1"]) == list(NORMS[cfg.norm].stats)
+            if cfg.norm == "layernorm":
+                mean, rstd = t["ln_1"]["mean"], t["ln_1"]["rstd"]
+                h = block.ln_1.infer(x)
+                np.testing.assert_allclose((x - mean) * rstd * block.ln_1.w + block.ln_1.b, h, rtol=1e-5, atol=1e-5)
+        elif cfg.norm_position == "none":
+            assert t["ln_1"] == {} and t["ln_2"] == {}
         assert t["probs"].shape == (2, 3, 7, 7)
         x = t["x2"]
     ids = rng.integers(0, 50, (1, 9))

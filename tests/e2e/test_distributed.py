@@ -27,6 +27,7 @@ from andrea.data.preparation import prepare
 from andrea.errors import UserError
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
+from andrea.run import nccl as nccl_transport
 from minitensor import device
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -318,9 +319,9 @@ def test_validation_batches_split_across_ranks_cover_the_single_process_list():
 
 def test_nccl_unique_id_survives_the_trip_in_both_cupy_forms():
     raw = bytes(range(128))
-    assert dist.unpack_unique_id(dist.pack_unique_id(raw)) == raw
+    assert nccl_transport.unpack_unique_id(nccl_transport.pack_unique_id(raw)) == raw
     signed = tuple(np.arange(-64, 64, dtype=np.int8).tolist())
-    assert dist.unpack_unique_id(dist.pack_unique_id(signed)) == signed
+    assert nccl_transport.unpack_unique_id(nccl_transport.pack_unique_id(signed)) == signed
 
 
 class _ThreadWorld:
@@ -389,7 +390,7 @@ def test_nccl_reducer_exchanges_the_id_and_sums_to_the_mean_with_prescaled_gradi
 
     def rank_main(rank):
         try:
-            reducer = dist.NcclReducer(_ThreadWorld(rank, size, shared), nccl, cupy)
+            reducer = nccl_transport.NcclReducer(_ThreadWorld(rank, size, shared), nccl, cupy)
             buf = grads[rank] * np.float32(1.0 / size)  # the trainer scales backward by 1 / (accum N)
             reducer.sum_(_DeviceArray(buf))
             results[rank] = buf
@@ -422,5 +423,5 @@ def test_bench_times_the_gradient_allreduce_between_two_processes():
     from andrea.bench import bench_allreduce
 
     r = bench_allreduce(100_000, "cpu")
-    assert r["backend"] == "MPI" and r["processes"] == 2 and r["bytes"] == 400_000, r
+    assert r["transport"] == "MPI" and r["processes"] == 2 and r["bytes"] == 400_000, r
     assert 0 < r["seconds"] < 5

@@ -277,10 +277,10 @@ def test_the_arms_differ_only_in_their_variant(tmp_path, data_dir):
     assert run(experiment.main, argv) == 0
     configs = {d.name: json.loads((d / "config.json").read_text()) for d in out.iterdir() if d.name.endswith("seed0")}
     pre, post = configs["pre-warmup-seed0"], configs["post-no-warmup-seed0"]
-    assert (pre["model"]["norm"], post["model"]["norm"]) == ("pre", "post")
+    assert (pre["model"]["norm_position"], post["model"]["norm_position"]) == ("pre", "post")
     assert (pre["train"]["warmup_steps"], post["train"]["warmup_steps"]) == (1, 0)
     for c in (pre, post):  # the same seed, hence the same initial draws and batches, and budget
-        c["model"].pop("norm")
+        c["model"].pop("norm_position")
         c["train"].pop("warmup_steps")
     assert pre == post
 
@@ -352,11 +352,10 @@ def test_grad_flow_is_recorded_only_when_asked_and_only_at_log_steps():
     cfg = load_config("tiny", SMALL + ["train.log_interval=3", "train.max_steps=7"]).train
 
     class Model:
-        flow = None
+        cfg, flow = load_config("tiny").model, None
 
-        def record_flow(self, on=True):
-            self.flow = object() if on else None
-            return self.flow
+        def record_flow(self, recorder):
+            self.flow = recorder
 
     m = Model()
     for step in range(1, 8):
@@ -377,20 +376,20 @@ def test_a_variant_run_logs_its_flow_resumes_and_samples(tmp_path, data_dir):
     require("matplotlib")
     out = tmp_path / "post"
     sets = []
-    for o in SMALL + corpus(data_dir) + ["model.norm=post", "model.activation=relu", "train.max_steps=4",
+    for o in SMALL + corpus(data_dir) + ["model.norm_position=post", "model.activation=relu", "train.max_steps=4",
                                         "train.log_interval=2", "train.log_grad_flow=true", "train.sample_tokens=0",
                                         "train.device=cpu", "train.checkpoint_interval=2"]:
         sets += ["--set", o]
     assert run(train.main, ["--out", str(out), "--stop-at-step", "2"] + sets) == 0
     assert run(train.main, ["--out", str(out), "--resume"]) == 0
     saved = json.loads((out / "config.json").read_text())["model"]
-    assert (saved["norm"], saved["activation"], saved["residual"]) == ("post", "relu", True)
+    assert (saved["norm_position"], saved["activation"], saved["residual"]) == ("post", "relu", True)
     flows = gradflow.read_flow(out)
     assert [s for s, _ in flows] == [1, 2, 4]
     assert all(len(f["grad_in"]) == 2 and f["grad_top"] > 0 for _, f in flows)
     model, _, _ = sample.load_model(out)
-    assert (model.cfg.norm, model.cfg.activation) == ("post", "relu")  # the checkpoint records the variant
-    assert [b.norm for b in model.blocks] == ["post", "post"]
+    assert (model.cfg.norm_position, model.cfg.activation) == ("post", "relu")  # the checkpoint records it
+    assert [b.position for b in model.blocks] == ["post", "post"]
     assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "def "]) == 0
     assert run(plot.main, ["--grad-flow", str(out), "--out", str(tmp_path / "g.png")]) == 0
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
@@ -496,7 +495,7 @@ def test_the_no_norm_probe_names_the_first_skipped_step(tmp_path, data_dir):
         argv += ["--set", o]
     assert run(experiment.main, argv) == 0
     run_dir = out / "none-lr3e-3-seed0"
-    assert json.loads((run_dir / "config.json").read_text())["model"]["norm"] == "none"
+    assert json.loads((run_dir / "config.json").read_text())["model"]["norm_position"] == "none"
     counts = base.probe_counts(run_dir)
     assert counts["first_nonfinite"] is None and counts["params"] > 0 and counts["stream_rms_last"] > 0
     with open(run_dir / "metrics.jsonl", "a") as f:  # what NonFiniteGuard writes for a skipped step
@@ -669,23 +668,23 @@ def test_a_run_without_layernorm_with_swiglu_resumes_samples_and_traces(tmp_path
 
     out = tmp_path / "bare"
     sets = []
-    for o in SMALL + corpus(data_dir) + ["model.norm=none", "model.activation=swiglu", "train.max_steps=4",
+    for o in SMALL + corpus(data_dir) + ["model.norm_position=none", "model.activation=swiglu", "train.max_steps=4",
                                         "train.sample_tokens=0", "train.device=cpu", "train.checkpoint_interval=2"]:
         sets += ["--set", o]
     assert run(train.main, ["--out", str(out), "--stop-at-step", "2"] + sets) == 0
     assert run(train.main, ["--out", str(out), "--resume"]) == 0
     saved = json.loads((out / "config.json").read_text())["model"]
-    assert (saved["norm"], saved["activation"], saved["mlp_dim"]) == ("none", "swiglu", round(8 * 16 / 3))
+    assert (saved["norm_position"], saved["activation"], saved["mlp_dim"]) == ("none", "swiglu", round(8 * 16 / 3))
     model, _, _ = sample.load_model(out)
-    assert (model.cfg.norm, model.cfg.activation) == ("none", "swiglu")
+    assert (model.cfg.norm_position, model.cfg.activation) == ("none", "swiglu")
     assert not [n for n, _ in model.named_parameters() if ".ln_" in n]
     assert run(sample.main, ["--checkpoint", str(out), "--max-new-tokens", "5", "--prompt", "def "]) == 0
     capsys.readouterr()
     assert run(trace.main, ["--checkpoint", str(out), "--prompt", "def f(x):"]) == 0
     printed = capsys.readouterr().out
-    assert "ln_1           none (model.norm=none" in printed and "block 1" in printed
-    assert run(train.main, ["--out", str(tmp_path / "bad")] + sets[:-2] + ["--set", "model.norm=off"]) == 2
-    assert "model.norm must be pre, post or none, got 'off'" in capsys.readouterr().err
+    assert "ln_1           none (model.norm_position=none" in printed and "block 1" in printed
+    assert run(train.main, ["--out", str(tmp_path / "bad")] + sets[:-2] + ["--set", "model.norm_position=off"]) == 2
+    assert "model.norm_position must be pre, post or none, got 'off'" in capsys.readouterr().err
 
 
 def _bands(rows):

@@ -21,9 +21,9 @@ from minitensor.backends.cpu import layernorm as cpu_layernorm
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.device import to_numpy
+from minitensor.flat import Params
 from minitensor.layers.layernorm import LayerNorm
 from minitensor.optim import AdamW
-from minitensor.params import Params
 
 require("numba")
 

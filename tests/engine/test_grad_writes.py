@@ -22,8 +22,8 @@ from minitensor.backends import fused_pieces
 from minitensor.backends.ops import Ops
 from minitensor.backends.tricks import GRAD_VIEWS, GradWrites, grad_writers
 from minitensor.device import to_numpy
+from minitensor.flat import Params
 from minitensor.layers.embedding import Embedding, TiedHead
-from minitensor.params import Params
 
 ROOT = Path(__file__).resolve().parents[2]
 DIMS = {"B": 2, "T": 5, "C": 8, "n_head": 2, "n_in": 5, "n_out": 6, "V": 11}

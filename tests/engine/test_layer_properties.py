@@ -13,6 +13,7 @@ from minitensor.backends import get_ops
 from minitensor.backends.cupy_ops import CupyOps
 from minitensor.checks.gradcheck import check_gradients
 from minitensor.device import to_numpy
+from minitensor.flat import Params
 from minitensor.layers.attention import CausalSelfAttention
 from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.layers.gelu import GELU
@@ -20,7 +21,6 @@ from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.layers.relu import ReLU
-from minitensor.params import Params
 
 examples = settings(max_examples=15)
 

@@ -16,8 +16,8 @@ from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.backends.tricks import adamw_update
 from minitensor.device import to_numpy
+from minitensor.flat import Params
 from minitensor.optim import AdamW, cosine_lr
-from minitensor.params import Params
 
 SHAPES = {"w": (30, 70), "b": (70,), "e": (9, 33)}   # decayed, not decayed, decayed
 

@@ -48,7 +48,7 @@ def test_only_the_tests_that_ask_see_the_standin():
     with standin_cupy() as cupy:
         assert Path(cupy.__file__).is_relative_to(STANDIN)
         assert device._probe_gpu() == (True, "")
-        assert device.get_backend("gpu").xp is cupy
+        assert device.get_device("gpu").xp is cupy
     assert device._probe_gpu() == before
     assert not getattr(sys.modules.get("cupy"), "STANDIN", False)
 
@@ -98,11 +98,11 @@ def small_model_config(**changes):
 
 def run_model(device, dtype, kernels, dense, steps=2):
     """Losses, step-0 gradients and the final weights of `steps` AdamW steps of a small ANDREA."""
-    from andrea.model.optim import AdamW
     from andrea.model.transformer import ANDREA
     from minitensor.backends import fused_pieces
     from minitensor.device import to_numpy
     from minitensor.layers.attention import CausalSelfAttention
+    from minitensor.optim import AdamW
 
     cfg = small_model_config()
     model = ANDREA(cfg, device=device, dtype=dtype, seed=0, kernels=kernels)
@@ -194,16 +194,16 @@ def test_the_gpu_probe_says_what_is_missing(monkeypatch, broken, reason):
         monkeypatch.setattr(cupy.ndarray, "sum" if broken == "sum" else "__matmul__", fails, raising=False)
         ok, why = device._probe_gpu()
         with pytest.raises(device.GPUUnavailable, match="no usable GPU"):
-            device.get_backend("gpu")
+            device.get_device("gpu")
     assert not ok and why.startswith(reason) and f"RuntimeError: {broken} failed" in why
 
 
 def test_the_nccl_allreduce_benchmark_runs_at_one_rank(capsys):
-    from andrea.run import distributed
+    from andrea.run import allreduce
     with standin_cupy():
-        assert distributed.main(["--allreduce-bench", "4096", "--gpu"]) == 0
+        assert allreduce.main(["--bench", "4096", "--gpu"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["backend"] == "NCCL" and result["processes"] == 1 and result["bytes"] == 4 * 4096
+    assert result["transport"] == "NCCL" and result["processes"] == 1 and result["bytes"] == 4 * 4096
 
 
 def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():

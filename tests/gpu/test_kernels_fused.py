@@ -22,14 +22,14 @@ from markers import needs_cxx, needs_nvrtc
 
 from minitensor.backends import all_kernels, cuda, cupy_ops, fused_pieces
 from minitensor.backends.blocked import BlockedOps
-from minitensor.backends.kernels import adamw, attention, causal_softmax, gelu, layernorm, linear, softmax_xent
+from minitensor.backends.kernels import adamw, attention, causal_softmax, gelu, layernorm, linear, rmsnorm, softmax_xent
 from minitensor.backends.numpy_ops import NumpyOps
 from minitensor.backends.ops import Ops
 from minitensor.checks import kernelcheck
+from minitensor.flat import Params
 from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.optim import AdamW
-from minitensor.params import Params
 
 # The fused pieces' kernels, read from their records, and the Linear epilogue's
 NEW_KERNELS = {**{spec.name: spec for piece in fused_pieces().values() for spec in piece.kernels},
@@ -352,6 +352,33 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     # or residual + dx into a new array, the residual kept (the skip gradient needs no copy)
     kept = r.copy()
     joined = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept)
+    assert joined is not kept and np.array_equal(kept, r)
+    assert_close(joined.reshape(-1, C), r2 + dx_ref, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 1), (2, 3, 70), (40, 300)])  # one element a row; warps; chunks of rows
+def test_rmsnorm_kernels_emulated(emulated, dtype, shape):
+    """The kernels against Ops' methods on the same inputs in float64."""
+    rng = np.random.default_rng(6)
+    C = shape[-1]
+    x, dy, r = (normal(rng, shape, dtype, 2.0, 0.5) for _ in range(3))
+    w = normal(rng, C, dtype, 0.5, 1.0)
+    x2, dy2, r2 = (f64(a).reshape(-1, C) for a in (x, dy, r))
+    y, rstd = rmsnorm.rmsnorm_forward_gpu(x, w, 1e-5)
+    y_ref, rstd_ref = Ops(np).rmsnorm_forward(x2, f64(w), 1e-5)
+    assert y.shape == x.shape and rstd.shape == (x2.shape[0], 1)
+    assert_close(y.reshape(-1, C), y_ref)
+    assert_close(rstd, rstd_ref)
+    dw, dw_ref = np.full(C, 0.5, dtype), np.full(C, 0.5)  # the gradient accumulates
+    dx = rmsnorm.rmsnorm_backward_gpu(dy, x, w, rstd, dw)
+    dx_ref = Ops(np).rmsnorm_backward(dy2, x2, rstd_ref, f64(w), dw_ref)
+    scale = float(np.max(np.abs(dy2 * f64(w) * rstd_ref)))
+    assert_close(dx.reshape(-1, C), dx_ref, scale=scale)
+    assert_close(dw, dw_ref, scale=1.0)
+    # residual + dx into a new array, the residual kept (a pre-norm block's skip gradient)
+    kept = r.copy()
+    joined = rmsnorm.rmsnorm_backward_gpu(dy, x, w, rstd, np.zeros(C, dtype), residual=kept)
     assert joined is not kept and np.array_equal(kept, r)
     assert_close(joined.reshape(-1, C), r2 + dx_ref, scale=scale)
 

@@ -95,6 +95,8 @@ def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
 @pytest.mark.parametrize("piece, spec, wrong", [
     ("layernorm", "LAYERNORM_FWD", ("* w[j] + b[j]", "* w[j] - b[j]")),
     ("layernorm", "LAYERNORM_BWD", ("- mg -", "+ mg -")),
+    ("rmsnorm", "RMSNORM_FWD", ("* r * w[j]", "* r + w[j]")),
+    ("rmsnorm", "RMSNORM_BWD", ("(g[k] - xhat[k] * mgx)", "(g[k] + xhat[k] * mgx)")),
     ("causal_softmax", "CAUSAL_SOFTMAX_BWD", ("(dpr[j] - dot)", "(dpr[j] + dot)")),
     ("flash_attention", "FLASH_BWD_DKV", ("(dpt[n][e] - delta_s[col])", "(dpt[n][e] + delta_s[col])")),
     ("flash_attention", "FLASH_FWD", ("acc[u][2 * h + 1] *= alpha", "acc[u][2 * h + 1] *= total[h]")),

@@ -1,5 +1,5 @@
 """The step model (andrea/run/stepmodel.py): one ANDREA-120M training step on a GPU, every launch
-recorded on the CuPy stand-in's recording mode (tests/support/cupy_standin/cupy/_record.py), and its time
+recorded on the CuPy stand-in's recording mode (minitensor/checks/cupy_standin/cupy/_record.py), and its time
 on an H200 estimated.
 
 - the recording mode's rules against NumPy: at a small size, each recorded operation's predicted
@@ -11,13 +11,14 @@ on an H200 estimated.
 - the estimate's arithmetic, and the command that prints the table.
 """
 
+import os
 import subprocess
 import sys
 
 import pytest
 from gpu_standin import ROOT, standin_cupy
 
-from andrea.run import perf, pricing, stepmodel
+from andrea.run import pricing, stepmodel
 
 # The estimate of 2026-12-05, ANDREA-120M, 8 x 1024, kernels fused, 8 micro-batches per optimizer step:
 # 23.6 ms per micro-batch, the project kernels priced from their counts (andrea/run/kernel_counts.json:
@@ -46,11 +47,19 @@ def launches(rec):
 
 @pytest.fixture(scope="module")
 def step_120m():
+    """The recording, and the memory it grew a process by: measured in a process of its own, since in
+    this one an earlier test's allocator settings (minitensor.memory.keep_freed_memory: every block from
+    the heap, zeroed by hand) would make the untouched buffers resident."""
     with standin_cupy():
-        before = perf.current_rss_bytes()
         rec = stepmodel.record("120m")
-        grown = perf.current_rss_bytes() - before
-    return rec, stepmodel.estimate(rec), grown
+    grow = ("import sys; sys.path[:0] = sys.argv[1:]\n"
+            "from gpu_standin import standin_cupy\nfrom andrea.run import perf, stepmodel\n"
+            "with standin_cupy():\n    before = perf.current_rss_bytes()\n    stepmodel.record('120m')\n"
+            "    print(perf.current_rss_bytes() - before)\n")
+    child = subprocess.run([sys.executable, "-c", grow, str(ROOT / "tests" / "support"), str(ROOT)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return rec, stepmodel.estimate(rec), int(child.stdout.split()[-1])
 
 
 @pytest.mark.parametrize("kernels", ["fused", "generic"])
@@ -222,3 +231,18 @@ def test_a_recording_leaves_no_uncomputed_array_in_the_backends_caches():
         np.testing.assert_allclose(dW.get(), x.T @ dy, rtol=1e-12)
     assert [op[:2] for op in rec["ops"] if op[0] == "h2d_async" and op[5][-1] != "token ids to the device"] == [
         ["h2d_async", "asarray"]]  # the ones, made once in the record
+
+
+def test_the_stand_in_ships_with_the_package_so_the_step_model_runs_installed():
+    """The step model records on minitensor/checks/cupy_standin: pyproject's package data carries every
+    file of it into a wheel (its globs match them all), and a recording process finds it there first."""
+    import tomllib
+
+    from minitensor.checks import standin
+
+    checks = standin.FOLDER.parent
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p for pattern in globs["minitensor.checks"] for p in checks.glob(pattern)}
+    files = {p for p in standin.FOLDER.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    assert {p.name for p in files} >= {"_record.py", "_rules.py", "cublas.py"} and files == shipped
+    assert standin.standin_env()["PYTHONPATH"].split(os.pathsep)[0] == str(standin.FOLDER)

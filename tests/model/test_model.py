@@ -11,7 +11,7 @@ from hypothesis import given, settings
 
 from andrea import ANDREA, AdamW, ModelConfig
 from andrea.errors import UserError
-from andrea.model.transformer import param_shapes, parameter_breakdown
+from andrea.model.sizes import param_shapes, parameter_breakdown
 from minitensor.checks.gradcheck import check_gradients
 from minitensor.device import to_numpy
 
@@ -91,13 +91,13 @@ def test_whole_model_gradients_match_finite_differences(model_backend, seed, B, 
 def test_overfits_one_batch(model_backend):
     cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, n_layer=2, n_head=2)
     m = ANDREA(cfg, **model_backend.args, seed=0)
-    opt = AdamW(m, lr=1e-2, weight_decay=0.0)
+    opt = AdamW(m, lr=2e-2, weight_decay=0.0)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (4, 17))
     first = m.forward(x[:, :-1], x[:, 1:])
-    # on NumPy the loss goes 3.944 -> 0.46 at step 20 -> 0.012 at step 40 (150 steps, to first / 10, took
-    # 22 s on the fused stand-in)
-    for _ in range(40):
+    # on NumPy the loss goes 3.944 -> 0.14 at step 20 -> 0.010 at step 30 (at lr 1e-2: 0.46, then 0.06; the
+    # fused stand-in emulates the flash kernels thread by thread, ~1 s a step, so the steps are few)
+    for _ in range(30):
         loss = m.forward(x[:, :-1], x[:, 1:])
         m.zero_grad()
         m.backward()

@@ -1,7 +1,7 @@
-"""The design document's variants of the block (model.norm, model.residual, model.activation,
+"""The variants of the block (model.norm_position, model.norm, model.residual, model.activation,
 model.mlp_ratio): each whole model against finite differences in float64 and float32 against
-float64, the key/value cache against the full forward, the defaults unchanged, and the
-Hugging Face export refusing what is not GPT-2.
+float64, the key/value cache against the full forward, the defaults unchanged, the old spelling of
+the norm's position still read, and the Hugging Face export refusing what is not GPT-2.
 """
 
 import numpy as np
@@ -13,22 +13,26 @@ from test_model import assert_float32_follows_float64, whole_model_gradient_repo
 from andrea import ANDREA, ModelConfig
 from andrea.config import load_config
 from andrea.errors import UserError
-from andrea.model.transformer import parameter_breakdown
+from andrea.model.block import NORMS
+from andrea.model.sizes import parameter_breakdown
 from minitensor.device import to_numpy
+from minitensor.layers.layernorm import LayerNorm
 
 TINY = dict(vocab_size=13, context_length=8, d_model=6, n_layer=2, n_head=2)
 VARIANTS = {
-    "post-norm": dict(norm="post"),
+    "post-norm": dict(norm_position="post"),
     "no-residual": dict(residual=False),
-    "post-norm-no-residual": dict(norm="post", residual=False),
+    "post-norm-no-residual": dict(norm_position="post", residual=False),
     "relu": dict(activation="relu"),
-    "post-norm-relu": dict(norm="post", activation="relu"),
+    "post-norm-relu": dict(norm_position="post", activation="relu"),
     "mlp-ratio-2": dict(mlp_ratio=2),
     "swiglu": dict(activation="swiglu"),
-    "post-norm-swiglu": dict(norm="post", activation="swiglu"),
-    "no-norm": dict(norm="none"),
-    "no-norm-no-residual": dict(norm="none", residual=False),
-    "no-norm-swiglu": dict(norm="none", activation="swiglu"),
+    "post-norm-swiglu": dict(norm_position="post", activation="swiglu"),
+    "no-norm": dict(norm_position="none"),
+    "no-norm-no-residual": dict(norm_position="none", residual=False),
+    "no-norm-swiglu": dict(norm_position="none", activation="swiglu"),
+    # every other kind of norm, pre-norm (the position is apart from the kind)
+    **{f"norm={kind}": dict(norm=kind) for kind in NORMS if kind != "layernorm"},
 }
 variants = pytest.mark.parametrize("variant", sorted(VARIANTS))
 # finite differences move a pre-activation by far less than this (see tests/support/layer_cases.py)
@@ -95,8 +99,10 @@ def test_variants_change_the_computation_but_not_the_parameters():
     for variant, extra in VARIANTS.items():
         m = ANDREA(ModelConfig(**TINY, **extra), dtype="float64", seed=1)
         assert not np.allclose(m.logits(idx), base.logits(idx)), variant
-        # not GPT-2's parameters: a wider MLP, SwiGLU's c_fc twice as wide, no LayerNorms
-        reshaped = "mlp_ratio" in extra or extra.get("activation") == "swiglu" or extra.get("norm") == "none"
+        # not GPT-2's parameters: a wider MLP, SwiGLU's c_fc twice as wide, no norms, a norm without a bias
+        reshaped = ("mlp_ratio" in extra or extra.get("activation") == "swiglu"
+                    or extra.get("norm_position") == "none" or NORMS[extra.get("norm", "layernorm")].params
+                    != LayerNorm.params)
         if not reshaped:
             assert m.num_parameters() == base.num_parameters()
             assert [n for n, _ in m.named_parameters()] == [n for n, _ in base.named_parameters()]
@@ -106,13 +112,14 @@ def test_variants_change_the_computation_but_not_the_parameters():
 
 def test_defaults_are_andrea():
     cfg = load_config("120m").model
-    assert (cfg.norm, cfg.residual, cfg.activation, cfg.mlp_ratio, cfg.mlp_dim) == ("pre", True, "gelu", 4, 3072)
+    assert (cfg.norm, cfg.norm_position, cfg.residual, cfg.activation, cfg.mlp_ratio, cfg.mlp_dim) == (
+        "layernorm", "pre", True, "gelu", 4, 3072)
     assert cfg.is_gpt2 and cfg.variant() == ""
     assert parameter_breakdown(cfg)["total"] == 92_331_264
 
 
 def test_a_post_norm_block_normalises_its_output():
-    m = ANDREA(ModelConfig(**TINY, norm="post"), dtype="float64", seed=1)
+    m = ANDREA(ModelConfig(**TINY, norm_position="post"), dtype="float64", seed=1)
     x = np.random.default_rng(0).standard_normal((2, 8, 6)) * 5
     y = m.blocks[0].forward(x)
     np.testing.assert_allclose(y.mean(axis=-1), 0, atol=1e-12)  # ln_2 is last, with w = 1, b = 0 at init
@@ -120,7 +127,10 @@ def test_a_post_norm_block_normalises_its_output():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.norm=middle", "model.norm must be pre, post or none, got 'middle'"),
+    ("model.norm=middle", r"model.norm must be layernorm.* \(where it goes is model.norm_position: pre, post or "
+                          r"none\), got 'middle'"),
+    ("model.norm_position=middle", "model.norm_position must be pre, post or none, got 'middle'"),
+    ("model.norm=LayerNorm", "model.norm must be layernorm"),
     ("model.activation=tanh", "model.activation must be gelu, relu or swiglu, got 'tanh'"),
     ("model.activation=SwiGLU", "model.activation must be gelu, relu or swiglu"),
     ("model.residual=maybe", "model.residual must be true or false"),
@@ -139,10 +149,13 @@ def test_mlp_ratio_and_mlp_dim_must_agree():
     assert load_config("tiny", ["model.mlp_ratio=2"]).model.mlp_dim == 2 * load_config("tiny").model.d_model
 
 
-@pytest.mark.parametrize("extra, named", [(dict(norm="post"), "norm=post"), (dict(residual=False), "residual=false"),
+@pytest.mark.parametrize("extra, named", [(dict(norm_position="post"), "norm_position=post"),
+                                          (dict(residual=False), "residual=false"),
                                           (dict(activation="relu"), "activation=relu"),
                                           (dict(activation="swiglu"), "activation=swiglu"),
-                                          (dict(norm="none"), "norm=none")])
+                                          (dict(norm_position="none"), "norm_position=none"),
+                                          *[(dict(norm=kind), rf"\(norm={kind}\), not GPT-2")
+                                            for kind in NORMS if kind != "layernorm"]])
 def test_hf_export_refuses_variants_by_name(tmp_path, extra, named):
     m = ANDREA(ModelConfig(**TINY, **extra))
     with pytest.raises(UserError, match=named):
@@ -172,7 +185,7 @@ def test_swiglu_at_8_3_matches_gelu_at_4x_in_parameters():
 
 
 def test_no_norm_has_no_layernorm_anywhere():
-    cfg = ModelConfig(**TINY, norm="none")
+    cfg = ModelConfig(**TINY, norm_position="none")
     m = ANDREA(cfg, dtype="float64", seed=1)
     assert not [n for n, _ in m.named_parameters() if ".ln_" in n]
     assert parameter_breakdown(cfg)["total"] == m.num_parameters()
@@ -190,3 +203,29 @@ def test_odd_widths_are_refused_by_swiglu():
 
     with pytest.raises(ValueError, match="even last axis"):
         SwiGLU().forward(np.ones((2, 5)))
+
+
+@pytest.mark.parametrize("old", ["pre", "post", "none"])
+def test_the_old_model_norm_is_read_as_the_position_of_a_layernorm(old):
+    """Before the kind was apart, model.norm was the position: a config (or a checkpoint's) saying
+    norm: post means norm_position post with a LayerNorm, and is saved again in the new spelling."""
+    cfg = load_config("tiny", [f"model.norm={old}"])
+    assert (cfg.model.norm, cfg.model.norm_position) == ("layernorm", old)
+    assert {k: cfg.to_dict()["model"][k] for k in ("norm", "norm_position")} == {"norm": "layernorm",
+                                                                                "norm_position": old}
+    assert load_config("tiny", [f"model.norm={old}", f"model.norm_position={old}"]).model.norm_position == old
+    with pytest.raises(UserError, match=f"model.norm '{old}' is the old spelling of model.norm_position"):
+        load_config("tiny", [f"model.norm={old}", f"model.norm_position={'pre' if old != 'pre' else 'post'}"])
+
+
+def test_rmsnorm_has_a_weight_and_no_bias_and_divides_by_the_root_mean_square():
+    cfg = ModelConfig(**TINY, norm="rms")
+    m = ANDREA(cfg, dtype="float64", seed=1)
+    norms = [n for n, _ in m.named_parameters() if ".ln_" in n]
+    assert norms and all(n.endswith(".weight") for n in norms) and len(norms) == 2 * 2 + 1
+    assert parameter_breakdown(cfg)["final RMSNorm"] == 6 and parameter_breakdown(cfg)["total"] == m.num_parameters()
+    x = np.random.default_rng(0).standard_normal((2, 8, 6)) * 5 + 3
+    y = m.ln_f.forward(x)                           # w = 1 at init: y = x / rms(x), its mean kept
+    np.testing.assert_allclose(np.sqrt((y * y).mean(axis=-1)), 1, rtol=1e-6)
+    np.testing.assert_allclose(y * np.sqrt((x * x).mean(axis=-1, keepdims=True) + cfg.ln_eps), x, rtol=1e-12)
+    assert type(m.blocks[0].ln_1).__name__ == "RMSNorm" and m.blocks[0].position == "pre"

@@ -1,4 +1,4 @@
-"""The modules of andrea and minitensor import one another without a circle (issue 18, item 4).
+"""The modules of andrea and minitensor import one another without a circle.
 
 Every import counts, at the top of a module or inside a function: an import deferred into a
 function hides a circle from Python but not from a reader, who must then know both modules to

@@ -1,4 +1,4 @@
-"""The CuPy stand-in (tests/support/cupy_standin), for the tests that run the GPU code paths without a GPU.
+"""The CuPy stand-in (minitensor/checks/cupy_standin), for the tests that run the GPU code paths without a GPU.
 
     with standin_cupy() as cupy: ...        # in this process: `import cupy` is the stand-in, and
                                             # minitensor's GPU probe finds a usable "GPU"
@@ -20,15 +20,15 @@ memory use and speed, streams overlapping, NCCL between GPUs and the driver's er
 import contextlib
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
 from minitensor import device
 from minitensor.backends import cuda
+from minitensor.checks import standin
 
-STANDIN = Path(__file__).resolve().parent / "cupy_standin"
-ROOT = STANDIN.parents[2]
+STANDIN = standin.FOLDER
+ROOT = Path(__file__).resolve().parents[2]  # the source checkout
 _PACKAGES = ("cupy", "cupyx", "cupy_backends")
 
 
@@ -89,12 +89,9 @@ def standin_module():
 def standin_env(report_dir=None, **extra):
     """The environment of a command that runs on the stand-in; with report_dir, each process of it
     writes its reads there (read them with `reports`)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ANDREA_DEVICE", "CUPY_STANDIN_REPORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), str(ROOT)])
     if report_dir is not None:
-        env["CUPY_STANDIN_REPORT"] = str(report_dir)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+        extra["CUPY_STANDIN_REPORT"] = report_dir
+    return standin.standin_env(**extra)
 
 
 def reports(report_dir):

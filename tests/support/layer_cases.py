@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from andrea.model.transformer import MLP
+from andrea.model.block import MLP
 from minitensor.backends import get_ops
 from minitensor.backends.ops import Ops
 from minitensor.device import to_numpy
+from minitensor.flat import Params
 from minitensor.layers.attention import CausalSelfAttention
 from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.layers.gelu import GELU
@@ -22,8 +23,8 @@ from minitensor.layers.layernorm import LayerNorm
 from minitensor.layers.linear import Linear
 from minitensor.layers.loss import SoftmaxCrossEntropy
 from minitensor.layers.relu import ReLU
+from minitensor.layers.rmsnorm import RMSNorm
 from minitensor.layers.swiglu import SwiGLU
-from minitensor.params import Params
 
 
 @dataclass
@@ -140,6 +141,29 @@ def layernorm_case(xp, dtype, seed, dims):
             mu = sum(row) / C
             var = sum((r - mu) ** 2 for r in row) / C
             y[i] = [(r - mu) / math.sqrt(var + 1e-5) * w[j] + b[j] for j, r in enumerate(row)]
+        return y
+
+    return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
+                reference, (B, T, C))
+
+
+def rmsnorm_case(xp, dtype, seed, dims):
+    rng = np.random.default_rng(seed)
+    B, T, C = dims["B"], dims["T"], dims["C"]
+    p = _params(xp, dtype, rng, {"w": (C,)})
+    layer = RMSNorm(p["w"], p.grad("w"), ops=_ops(xp, dims))
+    # every entry at least ~0.2 from 0, so every row's root mean square is far above sqrt(eps), where
+    # rstd -> 1/sqrt(eps) would make the row ill-conditioned; random signs, so rows keep a mean
+    magnitude = rng.permuted(np.broadcast_to(np.linspace(0.5, 2.0, C), (B, T, C)), axis=-1)
+    x = magnitude * rng.uniform(0.8, 1.2, (B, T, C)) * rng.choice([-1.0, 1.0], (B, T, C))
+    x = xp.asarray(x * rng.uniform(0.5, 3, (B, T, 1)), dtype=dtype)
+
+    def reference():
+        xs, w = _np(x), _np(p["w"])
+        y = np.zeros_like(xs)
+        for i in np.ndindex(B, T):
+            rms = math.sqrt(sum(r * r for r in xs[i]) / C + 1e-5)
+            y[i] = [r / rms * w[j] for j, r in enumerate(xs[i])]
         return y
 
     return Case(layer, p, {"x": x}, lambda: layer.forward(x), lambda dy: {"x": layer.backward(dy)},
@@ -314,6 +338,15 @@ def layernorm_skip_case(xp, dtype, seed, dims):
                 case.out_shape)
 
 
+def rmsnorm_skip_case(xp, dtype, seed, dims):
+    """y = RMSNorm(x) + x, the skip's gradient added by backward(dy, skip=dy)."""
+    case = rmsnorm_case(xp, dtype, seed, dims)
+    x = case.inputs["x"]
+    return Case(case.layer, case.params, {"x": x}, lambda: case.layer.forward(x) + x,
+                lambda dy: {"x": case.layer.backward(dy, skip=dy)}, lambda: case.reference() + _np(x),
+                case.out_shape)
+
+
 def bias_act_case(activation):
     """y = act(x + b) through ops.bias_<act>_forward / _backward (the MLP's fused piece), with
     x = h @ W so that the pass that may update x in place is differentiated through a product."""
@@ -389,6 +422,7 @@ mlp_case = mlp_case_for("gelu")
 CASES = {
     "linear": linear_case,
     "layernorm": layernorm_case,
+    "rmsnorm": rmsnorm_case,
     "gelu": gelu_case,
     "attention": attention_case,
     "attention-blocks": lambda xp, dtype, seed, dims: attention_case(xp, dtype, seed, {**dims, "block": 2}),
@@ -407,6 +441,7 @@ CASES = {
     "mlp-swiglu": mlp_case_for("swiglu"),
     "mlp-swiglu+residual": with_residual(mlp_case_for("swiglu")),
     "layernorm+residual": layernorm_skip_case,
+    "rmsnorm+residual": rmsnorm_skip_case,
     "attention+residual": with_residual(attention_case),
     "embedding": embedding_case,
     "head": head_case,

@@ -58,8 +58,8 @@ def _fused_adamw_step(ops, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t
 
 def _adamw_sample(ops, rng):
     """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
+    from minitensor.flat import Params
     from minitensor.optim import AdamW
-    from minitensor.params import Params
 
     xp = ops.xp
     params = Params({"w": (7, 33), "b": (33,)}, xp=xp, dtype=np.float32, ops=ops)
@@ -75,8 +75,8 @@ def _adamw_sample(ops, rng):
 
 def _adamw_cases(k):
     """One AdamW step over the model's parameter layout (decay on 2+-D tensors) against the optimizer."""
+    from minitensor.flat import Params
     from minitensor.optim import AdamW
-    from minitensor.params import Params
 
     hyper = dict(lr=6e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 

@@ -7,7 +7,7 @@ from minitensor import device
 
 
 def test_cpu_is_numpy():
-    assert device.get_backend("cpu").xp is np
+    assert device.get_device("cpu").xp is np
 
 
 def test_unknown_device_is_refused():
@@ -25,10 +25,10 @@ def test_device_from_environment(monkeypatch):
 @pytest.mark.skipif(device.gpu_available(), reason="this machine has a GPU")
 def test_gpu_without_gpu_explains_and_auto_falls_back(capsys, monkeypatch):
     with pytest.raises(device.GPUUnavailable, match="no usable GPU: .*pip install"):
-        device.get_backend("gpu")
+        device.get_device("gpu")
     monkeypatch.setattr(device, "_fallback_reported", False)
-    assert device.get_backend("auto").xp is np
-    assert device.get_backend("auto").xp is np
+    assert device.get_device("auto").xp is np
+    assert device.get_device("auto").xp is np
     assert capsys.readouterr().err.count("running on the CPU") == 1
 
 

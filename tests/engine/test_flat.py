@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minitensor.params import ALIGN, Params
+from minitensor.flat import ALIGN, Params
 
 
 def test_views_alias_the_flat_buffers(xp):

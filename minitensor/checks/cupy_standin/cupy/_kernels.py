@@ -87,8 +87,19 @@ class ElementwiseKernel:
             if not isinstance(o, ndarray) or o.shape != shape:
                 raise ValueError(f"{self.name}: output {p.name} must be a device array of shape {shape}")
         n = int(np.prod(shape, dtype=np.int64))
-        # a copy of each argument (a scalar as a one-element array of its C type); an argument with the
-        # same buffer as an earlier one is that one's copy
+        host, buffers = self._buffers(params, args, types, shape)
+        program = self._program(params, [k in host for k in range(len(params))], types)
+        standin.kernels.add(("elementwise", self.name, ",".join(t.name for t in types.values())))
+        _call(_build(program, self.name), ctypes.c_longlong(n), buffers)
+        for k in range(n_in, len(params)):  # the outputs, in parameter order
+            args[k]._a[...] = buffers[k].reshape(shape)
+        outs = args[n_in:]
+        return outs[0] if len(outs) == 1 and not self.return_tuple else outs
+
+    def _buffers(self, params, args, types, shape):
+        """({k: argument k's array as the kernel sees it}, a C-ordered copy of each argument): a scalar
+        as a one-element array of its C type; an argument with the same buffer as an earlier one is
+        that one's copy."""
         host, buffers = {}, []
         for k, (p, a) in enumerate(zip(params, args)):
             dtype = self._dtype(p, types)
@@ -98,13 +109,7 @@ class ElementwiseKernel:
             host[k] = a._a if p.raw else np.broadcast_to(a._a, shape)
             alias = next((j for j in host if j < k and _same(host[j], host[k])), -1)
             buffers.append(buffers[alias] if alias >= 0 else np.array(host[k], dtype=dtype, order="C"))
-        program = self._program(params, [k in host for k in range(len(params))], types)
-        standin.kernels.add(("elementwise", self.name, ",".join(t.name for t in types.values())))
-        _call(_build(program, self.name), ctypes.c_longlong(n), buffers)
-        for k in range(n_in, len(params)):  # the outputs, in parameter order
-            args[k]._a[...] = buffers[k].reshape(shape)
-        outs = args[n_in:]
-        return outs[0] if len(outs) == 1 and not self.return_tuple else outs
+        return host, buffers
 
     @staticmethod
     def _dtype(p, types):

@@ -1,0 +1,1 @@
+"""The stand-in's cupy_backends package: the CUDA library modules CuPy keeps outside cupy."""

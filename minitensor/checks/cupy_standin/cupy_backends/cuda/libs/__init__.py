@@ -1,0 +1,1 @@
+"""The stand-in's CUDA libraries (cuBLAS), computed on NumPy."""
