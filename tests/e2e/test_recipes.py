@@ -1,0 +1,392 @@
+"""docs/architecture.md's recipes followed as written, each seam given a member defined here and
+registered in its registry alone, then run as a user runs it (the commands in-process):
+
+- a schedule (a straight-line decay after the warmup) in SCHEDULES: `train --set train.schedule=linear`
+  logs its curve, across a resume, and `--dry-run` prints its describe();
+- a metrics sink (CSV rows in the run directory) in SINKS: `train --set train.log_to=csv` hands it
+  every record metrics.jsonl holds, and it writes their values;
+- a record format (tab-separated values, the text in a named column) in FORMATS: `prepare` reads a
+  directory of such files, each document whole on one side of the split, and `train` trains on it;
+- a norm (LayerNorm without its bias), its maths as two `Ops` methods and its layer a `Norm`, in
+  NORMS: `train --set model.norm=biasfree` builds and trains it, and `sample` and `trace` use it.
+
+Nothing else of the project is edited for any of them: each test fails if a seam needs more than
+its registry (a list read elsewhere, a copy taken at import).
+"""
+
+import contextlib
+import csv
+import io
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from runs import run_main, small_config
+
+import minitensor.backends
+from andrea import prepare, sample, trace, train
+from andrea.cli import run_cli
+from andrea.data import stream
+from andrea.data.manifest import open_split
+from andrea.data.sources import Documents, Unit
+from andrea.data.sources.records import FORMATS
+from andrea.data.tokenizer import Tokenizer
+from andrea.errors import UserError
+from andrea.model.block import NORMS
+from andrea.run.metrics import read_records
+from andrea.run.schedule import SCHEDULES, Cosine, Schedule
+from andrea.run.sinks import SINKS, scalars
+from minitensor.backends.ops import Ops
+from minitensor.backends.tricks import grad_writers
+from minitensor.device import to_numpy
+from minitensor.layers.layer import Norm
+
+PROMPT = "import json\n"
+
+
+def call(main, argv):
+    """(exit code, stdout, stderr) of a command run in-process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        run_cli(main, argv)
+    return e.value.code, out.getvalue(), err.getvalue()
+
+
+def step_records(out):
+    return [r for r in read_records(out / "metrics.jsonl") if "loss" in r and "step" in r]
+
+
+# ----------------------------------------------------------------------------------------------- a schedule
+
+
+class LinearDecay(Schedule):
+    """After the warmup, a straight line from train.lr down to train.min_lr at train.max_steps."""
+
+    name = "linear"
+    settings = (*Schedule.settings, "min_lr")
+
+    def after_warmup(self, step):
+        span = max(1, self.max_steps - self.warmup_steps)
+        return self.peak + (self.min_lr - self.peak) * min(1.0, (step - self.warmup_steps) / span)
+
+    def describe(self):
+        return (f"linear: {self.max_steps:,} steps, {self.warmup_words()}, then a straight line to "
+                f"{self.min_lr:g} at step {self.max_steps:,}")
+
+
+def test_a_schedule_in_SCHEDULES_is_what_train_schedule_runs(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setitem(SCHEDULES, "linear", LinearDecay)
+    config = small_config(tmp_path, data_dir, max_steps=6, warmup_steps=2, eval_interval=3, checkpoint_interval=3)
+    train_settings = SimpleNamespace(lr=3e-3, min_lr=3e-4, warmup_steps=2, max_steps=6)  # small_config's
+    expected = [LinearDecay(train_settings).lr(step) for step in range(6)]  # the rate of the update that makes step + 1
+    assert expected != [Cosine(train_settings).lr(step) for step in range(6)]
+
+    code, printed, err = call(train.main, ["--config", str(config), "--out", str(tmp_path / "dry"), "--set",
+                                           "train.schedule=linear", "--dry-run"])
+    assert code == 0, err
+    assert re.search(r"^schedule +linear: 6 steps, warmup over 2 steps to lr 0.003, then a straight line to 0.0003 "
+                     r"at step 6$", printed, re.MULTILINE), printed
+
+    out = tmp_path / "run"
+    assert run_main(["--config", str(config), "--out", str(out), "--set", "train.schedule=linear",
+                     "--stop-at-step", "3"]) == 0
+    assert run_main(["--out", str(out), "--resume"]) == 0  # the resume compares the class's settings
+    rows = step_records(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["lr"] for r in rows] == expected
+    assert json.loads((out / "config.json").read_text())["train"]["schedule"] == "linear"
+
+
+# ----------------------------------------------------------------------------------------------- a metrics sink
+
+
+class CsvSink:
+    """metrics.csv in the run directory: a row (step, tag, value) for each finite number of a record
+    (andrea.run.sinks.scalars), the value as repr writes it (a float read back is the same float);
+    the rows kept until flush, a new run's file started afresh, a resumed run's appended to."""
+
+    name, module, extra = "csv", "csv", ""  # its library: the standard library's csv
+    opened = []  # the instances, for the test to look at what each was handed
+
+    def __init__(self, out_dir, cfg, start_step):
+        self.path, self.received, self.rows = Path(out_dir) / "metrics.csv", [], []
+        if not start_step:
+            self.rows.append(["step", "tag", "value"])
+            self.path.unlink(missing_ok=True)
+        CsvSink.opened.append(self)
+
+    def log(self, record):
+        self.received.append(record)
+        self.rows += [[record["step"], tag, repr(value)] for tag, value in scalars(record).items()]
+
+    def flush(self):
+        with open(self.path, "a", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows(self.rows)
+        self.rows = []
+
+    def close(self):
+        self.flush()
+
+
+def test_a_sink_in_SINKS_receives_every_record_metrics_jsonl_holds(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setitem(SINKS, "csv", CsvSink)
+    monkeypatch.setattr(CsvSink, "opened", [])
+    config = small_config(tmp_path, data_dir, max_steps=4, eval_interval=2, checkpoint_interval=4)
+    out = tmp_path / "run"
+    assert run_main(["--config", str(config), "--out", str(out), "--set", "train.log_to=csv"]) == 0
+    records = read_records(out / "metrics.jsonl")
+    assert [r["step"] for r in step_records(out)] == [1, 2, 3, 4] and any("val_loss" in r for r in records)
+    # one sink, handed each record metrics.jsonl holds, in its order, with the same values
+    (sink,) = CsvSink.opened
+    assert [json.loads(json.dumps(r)) for r in sink.received] == records
+    # and what it wrote, read back with csv's own reader
+    with open(out / "metrics.csv", newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "tag", "value"]
+    written = [(int(step), tag, float(value)) for step, tag, value in rows[1:]]
+    assert written == [(r["step"], tag, float(v)) for r in records for tag, v in scalars(r).items()]
+    assert {"loss", "lr", "val_loss"} <= {tag for _, tag, _ in written}
+
+
+# ----------------------------------------------------------------------------------------------- a source
+
+
+def _unescape(field):
+    return re.sub(r"\\(.)", lambda m: {"t": "\t", "n": "\n", "r": "\r"}.get(m[1], m[1]), field)
+
+
+def _escape(text):
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+
+class Tsv:
+    """Tab-separated values: a header line naming the columns, then one document a line, its text in
+    the named column, tab, newline, carriage return and backslash escaped as \\t, \\n, \\r and \\\\.
+    A record is a line (numbered from 1, the header holding no document); a blank line is none."""
+
+    @staticmethod
+    def scan(path, size, U, progress, text_field=""):
+        """Blocks of whole lines, a block starting at the first line that starts at or after the next
+        multiple of U; the file read a line at a time."""
+        start, first, docs, pos, number = 0, 1, [], 0, 0
+        with open(path, "rb") as f:
+            for line in f:
+                number += 1
+                if pos >= (start // U + 1) * U:
+                    yield Unit(start, pos, first, np.array(docs, dtype=np.int64), number - first)
+                    start, first, docs = pos, number, []
+                if number > 1 and line.strip():
+                    docs.append(number)
+                pos += len(line)
+                progress(len(line))
+        if pos > start:
+            yield Unit(start, pos, first, np.array(docs, dtype=np.int64), number + 1 - first)
+
+    @staticmethod
+    def documents(path, start, end, first, count, text_field):
+        with open(path, "rb") as f:
+            header = f.readline().decode("utf-8").rstrip("\r\n").split("\t")
+            f.seek(start)
+            raw = f.read(end - start)
+        if text_field not in header:
+            raise UserError(f"{path}: no column {text_field!r} (its columns: {', '.join(header)})")
+        column = header.index(text_field)
+        text, valid = stream.decode(raw)
+        out = Documents(len(raw), valid)
+        for k, line in enumerate(text.split("\n")[:count]):
+            if first + k == 1 or not line.strip():
+                continue
+            fields = line.rstrip("\r").split("\t")
+            if len(fields) != len(header):
+                raise UserError(f"{path}, line {first + k}: {len(fields)} columns, the header names {len(header)}")
+            value = _unescape(fields[column])
+            out.records.append(first + k)
+            out.texts.append(value)
+            out.sizes.append(len(value.encode("utf-8")))
+        return out
+
+
+def write_tsv(path, texts):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = ["id\ttext\tlang"] + [f"{i}\t{_escape(t)}\ten" for i, t in enumerate(texts)]
+    rows.insert(7, "")  # a blank line: no document
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+
+
+def split_texts(data_dir, split):
+    """The documents of a split as text: its ids cut at each end-of-text id (every document ends with one)."""
+    tok = Tokenizer.load(data_dir / "tokenizer.json")
+    ids = np.concatenate([np.asarray(a) for a in open_split(data_dir, split, tok.vocab_size,
+                                                            tok.fingerprint()).shards]).tolist()
+    assert ids and ids[-1] == tok.eot_id
+    docs, current = [], []
+    for i in ids:
+        if i == tok.eot_id:
+            docs.append(tok.decode(current))
+            current = []
+        else:
+            current.append(i)
+    return docs
+
+
+def test_a_record_format_in_FORMATS_prepares_whole_documents_and_trains(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setitem(FORMATS, ".tsv", Tsv)
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "json", "import", "return", "café", "\t", "\\", "\n"]
+    texts = [f"doc {i}:\t" + " ".join(rng.choice(words, rng.integers(3, 40))) for i in range(240)]
+    corpus = tmp_path / "corpus"
+    write_tsv(corpus / "a.tsv", texts[:150])
+    write_tsv(corpus / "sub" / "b.tsv", texts[150:])
+    (corpus / "notes.txt").write_text("not a record\n")  # a directory input takes FORMATS' suffixes alone
+    prepared = tmp_path / "data"
+    code, _, err = call(prepare.main, ["--input", str(corpus), "--text-field", "text", "--data-dir", str(prepared),
+                                        "--tokenizer", str(data_dir / "tokenizer.json"), "--val-fraction", "0.2",
+                                        "--quiet"])
+    assert code == 0, err
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert meta["files"] == 2 and meta["text_field"] == "text"
+    train_docs, val_docs = split_texts(prepared, "train"), split_texts(prepared, "val")
+    # every document once, whole (its tabs, newlines and backslashes unescaped), on one side, in order
+    assert sorted(train_docs + val_docs) == sorted(texts) and train_docs and val_docs
+    assert train_docs == [t for t in texts if t in set(train_docs)]
+    assert meta["documents"] == {"train": len(train_docs), "val": len(val_docs)}
+    # and training reads it
+    config = yaml.safe_load(small_config(tmp_path, data_dir, max_steps=2, eval_interval=2,
+                                         checkpoint_interval=2).read_text())
+    config["data"] = {"inputs": [str(corpus)], "text_field": "text", "data_dir": str(prepared),
+                      "allow_smaller_vocab": True}
+    (tmp_path / "tsv.yaml").write_text(yaml.safe_dump(config))
+    code, _, err = call(train.main, ["--config", str(tmp_path / "tsv.yaml"), "--out", str(tmp_path / "run")])
+    assert code == 0, err
+    assert "preparing" not in err  # found, not prepared again
+    rows = step_records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------- a norm
+# LayerNorm without its bias (PaLM's): y = w xhat, xhat = (x - mean) rstd, rstd = 1 / sqrt(var + eps)
+#   forward:   mean, var over the row (var biased: divides by C)
+#   backward:  dw += sum over rows of dy xhat;  g = w dy, the gradient at xhat;
+#              dx = rstd (g - mean(g) - xhat mean(g xhat))  (LayerNorm's: the bias has no path to x)
+
+
+def biasfree_forward(self, x, w, eps):
+    """x (N, C) -> y (N, C), mean and rstd (N, 1)."""
+    mean = x.mean(axis=-1, keepdims=True)
+    xc = x - mean
+    rstd = 1.0 / self.xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)
+    return xc * rstd * w, mean, rstd
+
+
+def biasfree_backward(self, dy, x, mean, rstd, w, dw, dres=None):
+    """dx (N, C); dw accumulates; dres (N, C), if given, is added to dx (a skip)."""
+    xhat = (x - mean) * rstd
+    dw += (dy * xhat).sum(axis=0)
+    g = dy * w
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    return dx if dres is None else dx + dres
+
+
+class BiasFreeLayerNorm(Norm):
+    """LayerNorm without its bias, through Ops.biasfree_forward / biasfree_backward."""
+
+    params = ("weight",)
+    stats = ("mean", "rstd")
+
+    def __init__(self, w, dw, eps=1e-5, ops=None):
+        super().__init__(ops)
+        self.w, self.dw, self.eps = w, dw, eps
+
+    def _rows(self, x):
+        return self._take_ops(x).xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+
+    def forward(self, x):
+        x2 = self._rows(x)
+        y, mean, rstd = self.ops.biasfree_forward(x2, self.w, self.eps)
+        self._save((x2, mean, rstd, x.shape))
+        return y.reshape(x.shape)
+
+    def infer_stats(self, x):
+        x2 = self._rows(x)
+        y, mean, rstd = self.ops.biasfree_forward(x2, self.w, self.eps)
+        rows = (*x.shape[:-1], 1)
+        return y.reshape(x.shape), {"mean": mean.reshape(rows), "rstd": rstd.reshape(rows)}
+
+    def backward(self, dy, skip=None):
+        x2, mean, rstd, shape = self._pop()
+        dy2 = self.ops.xp.ascontiguousarray(dy.reshape(x2.shape))
+        dres = None if skip is None else skip.reshape(x2.shape)
+        return self.ops.biasfree_backward(dy2, x2, mean, rstd, self.w, self.dw, dres).reshape(shape)
+
+
+@pytest.fixture
+def biasfree(monkeypatch):
+    """The norm as the recipe adds it: its two Ops methods, its layer in NORMS; the backends built from
+    then on (as every one is, the methods being Ops' own) count its writes into dw."""
+    monkeypatch.setattr(Ops, "biasfree_forward", biasfree_forward, raising=False)
+    monkeypatch.setattr(Ops, "biasfree_backward", biasfree_backward, raising=False)
+    monkeypatch.setattr(minitensor.backends, "_ops", {})
+    monkeypatch.setitem(NORMS, "biasfree", BiasFreeLayerNorm)
+    return BiasFreeLayerNorm
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 8), st.booleans(), st.integers(0, 2**31 - 1))
+def test_the_norms_backward_is_its_forwards_derivative(rows, C, skip, seed):
+    """Against central differences in float64, with and without the skip, through a new Ops."""
+    rng = np.random.default_rng(seed)
+    x, w, r = rng.normal(size=(rows, C)), rng.normal(size=C), rng.normal(size=(rows, C))
+    res = rng.normal(size=(rows, C)) if skip else None
+    ops = Ops(np)
+    layer = BiasFreeLayerNorm(w, np.zeros(C), eps=1e-5, ops=ops)
+    ops.biasfree_forward, ops.biasfree_backward = biasfree_forward.__get__(ops), biasfree_backward.__get__(ops)
+    layer.forward(x)
+    dx = layer.backward(r, skip=res)
+
+    def loss():  # sum(r * y), plus the skip's sum(res * x) where there is one
+        return float((r * layer.infer(x)).sum() + (0.0 if res is None else (res * x).sum()))
+
+    for a, analytic in ((x, dx), (w, layer.dw)):
+        numeric = np.zeros_like(a)
+        for i in np.ndindex(a.shape):
+            keep = a[i]
+            a[i] = keep + 1e-6
+            up = loss()
+            a[i] = keep - 1e-6
+            numeric[i] = (up - loss()) / 2e-6
+            a[i] = keep
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-7)
+
+
+def test_a_norm_in_NORMS_trains_samples_and_traces(tmp_path, data_dir, biasfree):
+    assert "biasfree_backward" in grad_writers()  # its dw counted by name, no list extended
+    config = small_config(tmp_path, data_dir, max_steps=2, eval_interval=2, checkpoint_interval=2)
+    out = tmp_path / "run"
+    assert run_main(["--config", str(config), "--out", str(out), "--set", "model.norm=biasfree"]) == 0
+    assert [r["step"] for r in step_records(out)] == [1, 2]
+    model, tokenizer, _, _ = trace.load_any(out)
+    assert model.cfg.norm == "biasfree" and all(type(n) is biasfree for b in model.blocks for n in (b.ln_1, b.ln_2))
+    assert type(model.ln_f) is biasfree
+    assert model.ops.biasfree_backward.__wrapped__  # the backend counts its writes (tricks.keep_grad_writes)
+    # its parameters are the kind's: a weight each, no bias, trained away from 1 through its dw
+    norms = {n: v for n, v in model.state_dict().items() if ".ln_" in n}
+    assert sorted(norms) == ["transformer.h.0.ln_1.weight", "transformer.h.0.ln_2.weight",
+                             "transformer.ln_f.weight"]
+    assert all(not np.all(v == 1) for v in norms.values())
+    # sampled and traced from the run directory, the trace printing the statistics it has
+    code, printed, err = call(sample.main, ["--checkpoint", str(out), "--prompt", PROMPT, "--max-new-tokens", "8"])
+    assert code == 0 and printed.startswith(PROMPT), err
+    code, printed, err = call(trace.main, ["--checkpoint", str(out), "--prompt", PROMPT])
+    assert code == 0 and "logit lens" in printed, err
+    line = next(line for line in printed.splitlines() if line.startswith("  ln_1"))
+    shown = dict(re.findall(r"(\w+) ([+-]?\d+\.\d+)", line))
+    assert list(shown) == ["mean", "rstd"]
+    stats = model.trace(np.array([tokenizer.encode(PROMPT)]))[0]["ln_1"]
+    for name in ("mean", "rstd"):
+        assert float(shown[name]) == pytest.approx(float(to_numpy(stats[name])[0, -1, 0]), abs=1e-4)
