@@ -47,7 +47,12 @@ MARKER = ".andrea"
 KINDS = {"run": "andrea.train", "export": "andrea.export"}
 # what each kind writes; any of these in an unmarked directory is another program's file
 RUN_FILES = ("config.json", "tokenizer.json", "metrics.jsonl", "loss.png")
-RUN_DIRS = ("tensorboard", "wandb")  # the metrics sinks' (andrea.run.sinks), when train.log_to has them
+def run_dirs() -> list[str]:
+    """The folders a run's metrics sinks write in (andrea.run.sinks: each sink's `directory`), when
+    train.log_to has them: a run's like its files."""
+    from andrea.run.sinks import SINKS
+
+    return sorted({sink.directory for sink in SINKS.values()})
 EXPORT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
                 "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 _FILES = {"run": RUN_FILES, "export": EXPORT_FILES}
@@ -87,7 +92,7 @@ def _written_by(kind: str, directory: Path) -> list[str]:
     names = [name for name in _FILES[kind] if (directory / name).exists()]
     if kind == "run":
         names += [p.name for p in ckpt.list_checkpoints(directory)]
-        names += [name for name in RUN_DIRS if (directory / name).is_dir()]
+        names += [name for name in run_dirs() if (directory / name).is_dir()]
     return names
 
 
@@ -209,7 +214,7 @@ def claim(directory, kind: str, resume: bool = False, overwrite: bool = False, s
                 shutil.rmtree(path)
             for name in RUN_FILES:
                 (directory / name).unlink(missing_ok=True)
-            for name in RUN_DIRS:
+            for name in run_dirs():
                 shutil.rmtree(directory / name, ignore_errors=True)
         marker = {"kind": kind, "written_by": KINDS[kind], "pid": os.getpid()}
         if source is not None:

@@ -20,8 +20,10 @@ values metrics.jsonl holds, TensorBoard's as float32.
   the console (console="off"): the log is andrea's own. WANDB_PROJECT names the project (default andrea).
 
 A new sink: a class here (`name`, `__init__(out_dir, cfg, start_step)`, `log(record)`, `flush()`,
-`close()`, `module` and `extra`: what it imports and the pyproject.toml extra that installs it),
-its entry in SINKS, and a test that reads back what it wrote.
+`close()`; `module` and `extra`: what it imports and the pyproject.toml extra that installs it, or
+None for a sink that needs no library; `directory`: the folder of the run directory it writes in,
+which `train --overwrite` deletes with the rest of the run), its entry in SINKS, and a test that
+reads back what it wrote.
 """
 
 from __future__ import annotations
@@ -57,14 +59,14 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    name, module, extra = "tensorboard", "tensorboardX", "tensorboard"
+    name, module, extra, directory = "tensorboard", "tensorboardX", "tensorboard", "tensorboard"
 
     def __init__(self, out_dir: Path, cfg, start_step: int):
         from tensorboardX import SummaryWriter
 
         # a file name of its own: tensorboardX names a file by the second and the host, so two writers
         # opened within one second (a quick resume) would write one file
-        self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None,
+        self.writer = SummaryWriter(str(out_dir / self.directory), purge_step=start_step + 1 if start_step else None,
                                     filename_suffix=f".{os.getpid()}.{secrets.token_hex(3)}")
 
     def log(self, record: dict) -> None:
@@ -79,12 +81,12 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    name, module, extra = "wandb", "wandb", "wandb"
+    name, module, extra, directory = "wandb", "wandb", "wandb", "wandb"
 
     def __init__(self, out_dir: Path, cfg, start_step: int):
         import wandb
 
-        self.state_path = out_dir / "wandb" / "andrea-run.json"
+        self.state_path = out_dir / self.directory / "andrea-run.json"
         state = _read_state(self.state_path) if start_step else {}
         self.run_id = state.get("id") or secrets.token_hex(4)  # W&B's ids: 8 lowercase letters and digits
         self.seen = self.last_step = int(state.get("last_step", 0))  # W&B holds the steps up to this one
@@ -126,6 +128,6 @@ def check_installed(names) -> None:
     """A UserError naming the extra to install when a sink of train.log_to cannot import its library."""
     for name in names:
         sink = SINKS[name]
-        if importlib.util.find_spec(sink.module) is None:
+        if sink.module is not None and importlib.util.find_spec(sink.module) is None:
             raise UserError(f"train.log_to has {name}, whose library ({sink.module}) is not installed: "
                             f"pip install -e '.[{sink.extra}]', or leave {name} out of train.log_to")

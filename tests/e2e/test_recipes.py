@@ -107,15 +107,16 @@ def test_a_schedule_in_SCHEDULES_is_what_train_schedule_runs(tmp_path, data_dir,
 
 
 class CsvSink:
-    """metrics.csv in the run directory: a row (step, tag, value) for each finite number of a record
+    """csv/metrics.csv in the run directory: a row (step, tag, value) for each finite number of a record
     (andrea.run.sinks.scalars), the value as repr writes it (a float read back is the same float);
     the rows kept until flush, a new run's file started afresh, a resumed run's appended to."""
 
-    name, module, extra = "csv", "csv", ""  # its library: the standard library's csv
+    name, module, extra, directory = "csv", None, None, "csv"  # no library: the standard library's csv
     opened = []  # the instances, for the test to look at what each was handed
 
     def __init__(self, out_dir, cfg, start_step):
-        self.path, self.received, self.rows = Path(out_dir) / "metrics.csv", [], []
+        self.path, self.received, self.rows = Path(out_dir) / self.directory / "metrics.csv", [], []
+        self.path.parent.mkdir(exist_ok=True)
         if not start_step:
             self.rows.append(["step", "tag", "value"])
             self.path.unlink(missing_ok=True)
@@ -146,12 +147,15 @@ def test_a_sink_in_SINKS_receives_every_record_metrics_jsonl_holds(tmp_path, dat
     (sink,) = CsvSink.opened
     assert [json.loads(json.dumps(r)) for r in sink.received] == records
     # and what it wrote, read back with csv's own reader
-    with open(out / "metrics.csv", newline="", encoding="utf-8") as f:
+    with open(out / "csv" / "metrics.csv", newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "tag", "value"]
     written = [(int(step), tag, float(value)) for step, tag, value in rows[1:]]
     assert written == [(r["step"], tag, float(v)) for r in records for tag, v in scalars(r).items()]
     assert {"loss", "lr", "val_loss"} <= {tag for _, tag, _ in written}
+    # its folder is the run's: --overwrite deletes it with the rest, whatever the new run logs to
+    assert run_main(["--config", str(config), "--out", str(out), "--overwrite", "--max-steps", "1"]) == 0
+    assert not (out / "csv").exists() and [r["step"] for r in step_records(out)] == [1]
 
 
 # ----------------------------------------------------------------------------------------------- a source
