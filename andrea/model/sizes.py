@@ -8,6 +8,7 @@ once, and what is derived from the shapes.
     run_sizes(cfg, batch)          the sizes the GPU start-up self-check times the fused kernels at
 """
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -50,12 +51,14 @@ def _part(name):
 
 
 def parameter_breakdown(cfg):
-    """The exact count by part, summed from param_shapes; the tied matrix is counted once."""
+    """The exact count by part, summed from param_shapes; the tied matrix is counted once. The shapes are
+    those of the same model with one block, every block being alike: a config's count costs the same
+    whatever its depth (preflight refuses n_layer=1e9 from this count, before anything is allocated)."""
     counts = defaultdict(int)
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in param_shapes(dataclasses.replace(cfg, n_layer=1)).items():
         counts[_part(name)] += math.prod(shape)
     n = cfg.n_layer
-    norms, attn, mlp = (counts[part] // n for part in ("norms", "attention", "mlp"))  # every block alike
+    norms, attn, mlp = (counts[part] for part in ("norms", "attention", "mlp"))  # one block's
     block = norms + attn + mlp
     blocks = f"{n} {'block' if n == 1 else 'blocks'}"
     norm = NORMS[cfg.norm].__name__
@@ -87,4 +90,4 @@ def run_sizes(cfg, batch):
     from minitensor.backends.cuda import Sizes
 
     return Sizes(B=batch, T=cfg.context_length, C=cfg.d_model, n_head=cfg.n_head, F=cfg.mlp_dim,
-                 V=cfg.vocab_size, P=sum(math.prod(shape) for shape in param_shapes(cfg).values()))
+                 V=cfg.vocab_size, P=parameter_breakdown(cfg)["total"])
