@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from documents import split_documents
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -338,20 +339,6 @@ def corpus(tmp_path):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text, encoding="utf-8")
     return root
-
-
-def split_documents(tok, tokens):
-    """The texts between EOT ids."""
-    ids = np.asarray(tokens).tolist()
-    docs, current = [], []
-    for i in ids:
-        if i == tok.eot_id:
-            docs.append(tok.decode(current))
-            current = []
-        else:
-            current.append(i)
-    assert current == []  # every document ends with EOT
-    return docs
 
 
 def split_ids(data_dir, split):

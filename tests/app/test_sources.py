@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from documents import split_documents
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optional import require
@@ -67,16 +68,7 @@ def write_jsonl(path, texts, field="text", extra_lines=()):
 
 def split_texts(data_dir, split, tok):
     """The documents of a split, as text: its ids cut at every EOT (each document ends with one)."""
-    ids = all_ids(data_dir, split).tolist()
-    assert not ids or ids[-1] == tok.eot_id
-    docs, current = [], []
-    for i in ids:
-        if i == tok.eot_id:
-            docs.append(tok.decode(current))
-            current = []
-        else:
-            current.append(i)
-    return docs
+    return split_documents(tok, all_ids(data_dir, split))
 
 
 def cli(main, argv, capsys):

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import yaml
+from documents import split_documents
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from runs import run_main, small_config
@@ -228,15 +229,8 @@ def split_texts(data_dir, split):
     tok = Tokenizer.load(data_dir / "tokenizer.json")
     ids = np.concatenate([np.asarray(a) for a in open_split(data_dir, split, tok.vocab_size,
                                                             tok.fingerprint()).shards]).tolist()
-    assert ids and ids[-1] == tok.eot_id
-    docs, current = [], []
-    for i in ids:
-        if i == tok.eot_id:
-            docs.append(tok.decode(current))
-            current = []
-        else:
-            current.append(i)
-    return docs
+    assert ids
+    return split_documents(tok, ids)
 
 
 def test_a_record_format_in_FORMATS_prepares_whole_documents_and_trains(tmp_path, data_dir, monkeypatch):
