@@ -104,10 +104,11 @@ def _utilisation(m, n, tile, sms, batch=1, split=1):
 #   latency.cu: each load's address the previous load's value); Volta's was 19 (Jia et al. 2018,
 #   "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", arXiv:1804.06826), Hopper's
 #   pipeline is deeper (that study: 29 cycles for a dependent FADD chain, loop included).
-# - an mma.sync's latency to a dependent product: 33 cycles, the serial latency of chained HMMAs and of
-#   chained LDSMs measured alike (~33 cycles each) on sm_120 (github.com/florianmattana/sass-king, pull
-#   requests 28 and 32, RTX 5070 Ti, CUDA 13.2). No Hopper measurement of mma.sync's latency was found:
-#   this is the model's least certain constant, and the first lent GPU should measure it.
+# - an mma.sync's latency to a dependent product: 33 cycles, the serial latency of chained LDSMs measured
+#   on sm_120, which that study reports as comparable to its chained HMMAs' (github.com/florianmattana/
+#   sass-king, pull requests 28 and 32, RTX 5070 Ti, CUDA 13.2). No Hopper measurement of mma.sync's
+#   latency was found: this is the model's least certain constant (at 16 cycles today's step would price
+#   ~4 MFU points higher), and the first lent GPU should measure it.
 # - GEMM: per CTA tile, tile_efficiency() of the peak (77% by the measurements above).
 # - half that for a GEMM with a leading dimension that is not a multiple of 16 bytes: Hopper's fast GEMM
 #   kernels load tiles with TMA, whose global strides must be multiples of 16 bytes (CUDA driver API,

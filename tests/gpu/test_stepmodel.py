@@ -15,6 +15,7 @@ and its time on an H200 and an H100 SXM estimated.
 """
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -94,6 +95,9 @@ def test_the_120m_step_is_recorded_at_its_real_size_without_computing(step_120m)
     head_gemms = [op for op in rec["ops"] if op[0] == "gemm" and op[5][-1] == "head"]
     assert {(op[1], op[2]) for op in head_gemms} == {("cublas sgemm", 2 * 8192 * 768 * 8449)}
     assert len(head_gemms) == 3 * rec["micro_batches"]
+    # every GEMM with the shape of its output (what its tiles are counted from): its bytes written
+    gemms = [op for op in rec["ops"] if op[0] == "gemm"]
+    assert gemms and all(op[7] and 4 * math.prod(op[7]) == op[4] for op in gemms)
 
 
 def test_the_120m_step_does_not_regress(step_120m):
