@@ -7,6 +7,7 @@ an H100 SXM priced.
                                                        # a kernel's figures as a change expects them
     python -m andrea.bench --device gpu --model h200   # the same table
     estimate_step_seconds()          # seconds of one bench step (1 micro-batch + AdamW), for gpu_check
+    step_mfu(pricing.H100)           # the MFU of ANDREA-120M's step at 8 x 1024 on a card, against the 40% bar
     pricing.kernel_prices(hw)        # one launch of each project kernel priced, for gpu_check
 
 Recorded, not guessed: the training step (andrea.run.trainer.Trainer.train_step: zero_grad, forward and
@@ -247,6 +248,13 @@ def estimate_step_seconds(config="120m", batch=8, seq=1024, micro_batches=1, ker
     (default: the bench's and gpu_check's step, one micro-batch and AdamW) on hw (pricing.H200 or
     pricing.H100)."""
     return estimate(record_anywhere(config, batch, seq, micro_batches, kernels), hw)["step_s"]
+
+
+def step_mfu(hw=H200, works=None, config="120m"):
+    """The MFU this pricing gives a config's training step (default ANDREA-120M at 8 x 1024, 8
+    micro-batches, fused kernels) on hw, with the kept kernel counts or `works` in their place (what_if):
+    the figure the bar of >= 40% on an H100 and an H200 is read against."""
+    return estimate(record_anywhere(config), hw, works)["mfu"]
 
 
 # ---------------------------------------------------------------------------------------------

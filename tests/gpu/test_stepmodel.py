@@ -33,6 +33,7 @@ from andrea.run import pricing, stepmodel
 # launches or raises the MFU should lower or raise these with it (and say so in BENCHMARKS.md).
 LAUNCHES_PER_BLOCK = {"first": 31, "later": 31}   # the first micro-batch after zero_grad, and the others
 MFU = 0.376                                       # 37.6% of the H200's dense TF32 peak
+MFU_H100 = 0.348                                  # 34.8% of the H100 SXM's (its memory 30% slower)
 MFU_MARGIN = 0.005
 
 SMALL = ("model.d_model=32", "model.n_head=2", "model.n_layer=2", "model.context_length=16", "model.mlp_dim=64")
@@ -101,9 +102,22 @@ def test_the_120m_step_is_recorded_at_its_real_size_without_computing(step_120m)
 
 
 def test_the_120m_step_does_not_regress(step_120m):
-    _, est, _ = step_120m
+    rec, est, _ = step_120m
     assert regressions(est) == []
     assert est["launches_per_block"] == LAUNCHES_PER_BLOCK  # lower? pin the new figures
+    assert stepmodel.estimate(rec, pricing.H100)["mfu"] >= MFU_H100 - MFU_MARGIN
+
+
+def test_the_mfu_against_the_bar_is_one_call_per_card(step_120m, monkeypatch):
+    """step_mfu: the recorded 120m step's MFU on a card, the kept counts or a what-if's in their place:
+    more warps resident and loads issued ahead raise it, the H100's memory lowers it."""
+    rec, est, _ = step_120m
+    monkeypatch.setattr(stepmodel, "record_anywhere", lambda config: rec)
+    assert stepmodel.step_mfu() == pytest.approx(est["mfu"])
+    assert stepmodel.step_mfu(pricing.H100) < stepmodel.step_mfu(pricing.H200)
+    faster = stepmodel.what_if([f"{name}:loads_ahead=8" for name in
+                                ("flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkv")])
+    assert stepmodel.step_mfu(pricing.H200, faster) > est["mfu"]
 
 
 def test_an_extra_launch_per_block_is_a_regression(monkeypatch):
@@ -306,6 +320,16 @@ def test_the_kept_kernel_counts_are_those_of_the_present_kernels():
     assert stale == [], f"run: python -m andrea.run.stepmodel --count-kernels ({', '.join(stale)} changed)"
     # each with the registers ptxas gives it: its occupancy, so its latency bound, is priced
     assert all(kept[name]["work"]["registers"] > 0 and kept[name]["work"]["threads"] > 0 for name in raw)
+
+
+def test_the_command_prices_both_cards_and_a_what_if(capsys):
+    with standin_cupy():
+        assert stepmodel.main(["--config", "tiny", "--batch", "2", "--seq", "16", "--micro-batches", "1",
+                               "--what-if", "flash_attention_fwd:registers=124,loads_ahead=8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("what-if: flash_attention_fwd:registers=124,loads_ahead=8") == 2
+    assert "estimated step on an H200:" in out and "estimated step on an H100 SXM:" in out
+    assert "latency: mma steps x (unhidden load + mma latency) / resident warps" in out
 
 
 def test_the_bench_prints_the_table_by_layer_and_the_estimate(capsys):
