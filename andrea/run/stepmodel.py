@@ -1,8 +1,14 @@
-"""The step model: every launch of an ANDREA training step on a GPU, counted, and its time on an H200 priced.
+"""The step model: every launch of an ANDREA training step on a GPU, counted, and its time on an H200 and
+an H100 SXM priced.
 
     python -m andrea.run.stepmodel                     # ANDREA-120M, 8 x 1024: the table by layer, the estimate, MFU
+    python -m andrea.run.stepmodel --gpu h100          # one card only
+    python -m andrea.run.stepmodel --what-if flash_attention_fwd:registers=124,loads_ahead=8
+                                                       # a kernel's figures as a change expects them
     python -m andrea.bench --device gpu --model h200   # the same table
     estimate_step_seconds()          # seconds of one bench step (1 micro-batch + AdamW), for gpu_check
+    step_mfu(pricing.H100)           # the MFU of ANDREA-120M's step at 8 x 1024 on a card, against the 40% bar
+    pricing.kernel_prices(hw)        # one launch of each project kernel priced, for gpu_check
 
 Recorded, not guessed: the training step (andrea.run.trainer.Trainer.train_step: zero_grad, forward and
 backward over the micro-batches, the gradient norm, the clipping scale, the one host read, AdamW)
@@ -13,30 +19,38 @@ shapes, its GEMM FLOPs, its grid and the bytes it reads and writes.
 The launch count, the paths taken (the flash attention core for ANDREA's heads of 64) and every shape
 are those of the real step; only time is modelled, per launch, from what can be counted:
 
-- a cuBLAS GEMM: max(its FLOPs at cuBLAS's measured share of the TF32 peak, its bytes at the memory
-  bandwidth) + a launch;
-- a project RawKernel (the flash attention kernels, LayerNorm, the cross-entropy, ...): the largest of
-  the times its counted work takes on the SMs its grid keeps busy, each at a rate of the hardware: its
-  mma.sync steps (tensor cores), its shared-memory wavefronts (banks), its special-function calls
-  (SFU), its 32-byte L2 sectors (L2 bandwidth), its bytes to and from device memory (HBM) + a launch.
-  The counts are the host emulation's at ANDREA-120M's shapes (minitensor.checks.counts: every
-  shared-memory request priced in wavefronts as the banks serve it, every global request in
-  sectors), scaled to the recorded launch by its FLOPs (or bytes);
+- a cuBLAS GEMM, by its shape: its CTA tiles (128 x 128, 256 x 128 or 128 x 256, K split or not,
+  whichever finishes first) in waves over the 132 SMs, each wave one tile's time at cuBLAS's measured
+  per-tile rate; or its bytes at the memory bandwidth where they take longer; + a launch;
+- a project RawKernel (the flash attention kernels, LayerNorm, the cross-entropy, ...): the larger of
+  its resource time and its latency bound, + a launch. The resource time is the largest of the times
+  its counted work takes on the SM that holds the most of its blocks, each at a rate of the hardware:
+  its mma.sync steps (tensor cores), its shared-memory wavefronts (banks), its special-function calls
+  (SFU), its 32-byte L2 sectors (L2 bandwidth), its bytes to and from device memory (HBM). The latency
+  bound is that SM's mma steps times each step's dependency chain (the shared-memory load's latency
+  not hidden by loads issued ahead, plus the mma's latency) over the warps resident to hide it (its
+  occupancy, from the registers and shared memory ptxas gives it). The counts are the host emulation's
+  at ANDREA-120M's shapes (minitensor.checks.counts: every shared-memory request priced in wavefronts
+  as the banks serve it, every global request in sectors), scaled to the recorded launch by its FLOPs
+  (or bytes);
 - everything else CuPy launches (elementwise, reductions, copies): its bytes at the memory bandwidth +
   a launch; host<->device copies that the host waits for at a latency plus PCIe time, an asynchronous
   one (`cupy.asarray` of host data) at its PCIe time plus a launch.
 
-The rates are the H200's, each with its source (`H200` below). The table names, for each part of the
-step, the count that drives its time. MFU is the bench's: (6 N + 12 L d T) FLOPs per token
-(flops_per_token) over the step time and the dense TF32 peak. The model cannot see: kernels
-overlapping, latency a kernel's warps fail to hide (each resource is assumed busy for its whole
-count, the others overlapping it), cuBLAS's choice of kernel per shape, clocks under power limits,
-the host falling behind when launches are short (CuPy's Python costs ~5-10 us a call on the host;
-launches are queued asynchronously, so the host hides behind long kernels only). gpu_check prints this
-estimate beside the measured step when a GPU is lent: the first real run calibrates it.
+The rates and latencies are each card's, each with its source (andrea/run/pricing.py: `H200`, `H100`).
+The table names, for each part of the step, the bound that drives its time (a resource, or the latency
+bound) and the count it prices. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token)
+over the step time and the dense TF32 peak. The model cannot see: kernels overlapping, a kernel's
+resources overlapping one another less than perfectly, latency outside the flash kernels' mma loops,
+cuBLAS's actual choice of kernel per shape, clocks under power limits, the host falling behind when
+launches are short (CuPy's Python costs ~5-10 us a call on the host; launches are queued
+asynchronously, so the host hides behind long kernels only). gpu_check prints this estimate beside the
+measured step, and each kernel's priced time beside its measured one, when a GPU is lent: the first real
+run calibrates it.
 """
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -51,7 +65,7 @@ from andrea.cli import ArgumentParser, run_cli
 from andrea.errors import UserError
 from andrea.model.sizes import flops_per_token
 from andrea.model.transformer import ANDREA
-from andrea.run.pricing import COUNTS, DRIVERS, H200, LAUNCHES, op_seconds, write_counts
+from andrea.run.pricing import COUNTED_BY, COUNTS, DRIVERS, H200, LAUNCHES, PROFILES, op_seconds, write_counts
 from minitensor.checks.standin import standin_env
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +170,8 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     n_params = model.num_parameters()
     return {"config": config, "batch": B, "seq": T, "micro_batches": accum, "kernels": kernels,
             "n_layer": cfg.n_layer, "parameters": n_params, "flops_per_token": flops_per_token(cfg, T, n_params),
-            "ops": [[op.kind, op.name, op.flops, op.read, op.written, list(op.scope), op.blocks] for op in ops]}
+            "ops": [[op.kind, op.name, op.flops, op.read, op.written, list(op.scope), op.blocks,
+                     list(op.shapes[-1]) if op.kind == "gemm" and op.shapes else []] for op in ops]}
 
 
 def record_anywhere(config="120m", batch=None, seq=None, micro_batches=None, kernels="fused"):
@@ -186,17 +201,18 @@ def part_of(scope):
     return label, phase
 
 
-def estimate(rec, hw=H200):
+def estimate(rec, hw=H200, works=None):
     """The record's time on hw: rows by (micro-batch kind, part, pass) of [launches, tensor FLOP, bytes,
     work seconds, launch seconds, total seconds, seconds bound by each of DRIVERS], totals, launches per
-    block, MFU."""
+    block, MFU. works: {kernel name: KernelWork} priced instead of the counted ones (a what-if)."""
     width = 6 + len(DRIVERS)
     rows = defaultdict(lambda: np.zeros(width))
     per_block = defaultdict(int)
     total = np.zeros(width)
     last = f"micro-batch {rec['micro_batches'] - 1}"
-    for kind, name, flops, read, written, scope, *blocks in rec["ops"]:
-        work_s, driver, launch_s = op_seconds(kind, name, flops, read, written, (blocks or [0])[0], hw)
+    for kind, name, flops, read, written, scope, *rest in rec["ops"]:
+        blocks, shape = (rest[0] if rest else 0), tuple(rest[1] if len(rest) > 1 else ())
+        work_s, driver, launch_s = op_seconds(kind, name, flops, read, written, blocks, hw, shape, works)
         v = np.zeros(width)
         v[:6] = [kind in LAUNCHES, flops if kind in ("gemm", "kernel") else 0, read + written, work_s, launch_s,
                  work_s + launch_s]
@@ -227,10 +243,18 @@ def _per_block(per_block, n_layer):
     return out
 
 
-def estimate_step_seconds(config="120m", batch=8, seq=1024, micro_batches=1, kernels="fused"):
+def estimate_step_seconds(config="120m", batch=8, seq=1024, micro_batches=1, kernels="fused", hw=H200):
     """The model's seconds for one optimizer step of `micro_batches` micro-batches of batch x seq
-    (default: the bench's and gpu_check's step, one micro-batch and AdamW) on an H200."""
-    return estimate(record_anywhere(config, batch, seq, micro_batches, kernels))["step_s"]
+    (default: the bench's and gpu_check's step, one micro-batch and AdamW) on hw (pricing.H200 or
+    pricing.H100)."""
+    return estimate(record_anywhere(config, batch, seq, micro_batches, kernels), hw)["step_s"]
+
+
+def step_mfu(hw=H200, works=None, config="120m"):
+    """The MFU this pricing gives a config's training step (default ANDREA-120M at 8 x 1024, 8
+    micro-batches, fused kernels) on hw, with the kept kernel counts or `works` in their place (what_if):
+    the figure the bar of >= 40% on an H100 and an H200 is read against."""
+    return estimate(record_anywhere(config), hw, works)["mfu"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,12 +266,14 @@ def print_table(rec, est, hw=H200):
     print(f"{rec['config']} ({rec['parameters']:,} parameters), {rec['batch']} x {rec['seq']}, kernels "
           f"{rec['kernels']}: one optimizer step of {mb} micro-batch{'es' if mb > 1 else ''} "
           f"({est['tokens']:,} tokens), recorded on the CuPy stand-in")
-    print(f"{hw.name} model: cuBLAS GEMMs (TF32) at {100 * hw.gemm_efficiency:.0f}% of {hw.tf32_peak / 1e12:.0f} "
-          f"TFLOP/s; project kernels from their counts at ANDREA-120M's shapes: mma.sync at {hw.mma_clocks:.2f} SM "
-          f"clocks a step, {hw.wavefronts_per_clock:g} shared-memory wavefront and {hw.sfu_per_clock:g} special "
-          f"functions per SM clock, L2 at {hw.l2_bandwidth / 1e12:.1f} TB/s; {hw.sms} SMs at "
-          f"{hw.clock / 1e9:.2f} GHz; memory {hw.bandwidth / 1e12:.1f} TB/s; {1e6 * hw.launch_s:.0f} us per launch; "
-          f"time = the largest of an op's resource times + its launch")
+    print(f"{hw.name} model: cuBLAS GEMMs (TF32) in waves of CTA tiles over {hw.sms} SMs, each tile at "
+          f"{100 * hw.gemm_tile_efficiency:.0f}% of an SM's share of {hw.tf32_peak / 1e12:.0f} TFLOP/s; project kernels "
+          f"from their counts at ANDREA-120M's shapes: mma.sync at {hw.mma_clocks:.2f} SM clocks a step, "
+          f"{hw.wavefronts_per_clock:g} shared-memory wavefront and {hw.sfu_per_clock:g} special functions per SM "
+          f"clock, L2 at {hw.l2_bandwidth / 1e12:.1f} TB/s, or their latency bound (per mma step "
+          f"{hw.shared_latency:g} cycles of shared-memory load not hidden by loads issued ahead + {hw.mma_latency:g} "
+          f"of mma, over the resident warps) where larger; {hw.clock / 1e9:.2f} GHz; memory "
+          f"{hw.bandwidth / 1e12:.2f} TB/s; {1e6 * hw.launch_s:.0f} us per launch")
     head = (f"{'part':<34} {'pass':<8} {'launches':>9} {'tensor GFLOP':>12} {'GB moved':>9} {'work ms':>8} "
             f"{'launch ms':>9} {'total ms':>9}  driven by")
     which = "later" if mb > 1 else "first"
@@ -268,11 +294,13 @@ def print_table(rec, est, hw=H200):
     print(_row("optimizer step (zero_grad, clip, AdamW)", "", step))
     print(_row("whole step", "", np.array(est["total"])))
     lpb = est["launches_per_block"]
+    print("driven by: the two largest bounds of the row's ops, in ms; each prices a count: "
+          + "; ".join(f"{d}: {COUNTED_BY[d]}" for d in DRIVERS))
     print(f"\nlaunches per block: {lpb['later'] if mb > 1 else lpb['first']}"
           + (f" ({lpb['first']} in the first micro-batch after zero_grad)" if mb > 1 else " (after zero_grad)"))
-    print(f"estimated step: {1e3 * est['step_s']:.1f} ms, {1e3 * est['step_s'] / mb:.1f} ms per micro-batch of "
-          f"{rec['batch']} x {rec['seq']}; MFU {100 * est['mfu']:.1f}% of the {hw.tf32_peak / 1e12:.0f} TFLOP/s "
-          f"TF32 peak ({rec['flops_per_token']:,} FLOPs per token: 6 N + 12 L d T)")
+    print(f"estimated step on an {hw.name}: {1e3 * est['step_s']:.1f} ms, {1e3 * est['step_s'] / mb:.1f} ms per "
+          f"micro-batch of {rec['batch']} x {rec['seq']}; MFU {100 * est['mfu']:.1f}% of the "
+          f"{hw.tf32_peak / 1e12:.0f} TFLOP/s TF32 peak ({rec['flops_per_token']:,} FLOPs per token: 6 N + 12 L d T)")
 
 
 def _row(part, phase, v):
@@ -283,6 +311,31 @@ def _row(part, phase, v):
             f"{1e3 * work_s:>8.2f} {1e3 * launch_s:>9.2f} {1e3 * total_s:>9.2f}  {drivers}")
 
 
+def what_if(specs):
+    """{kernel name: KernelWork} from `NAME:field=value,...` strings: the kernel's counted work with the
+    figures named replaced (registers, shared, threads, loads_ahead), to price a change before it exists."""
+    from andrea.run.pricing import kernel_work
+
+    works = {}
+    for spec in specs:
+        name, _, fields = spec.partition(":")
+        work = works.get(name) or kernel_work(name)
+        if work is None:
+            raise UserError(f"--what-if {spec}: {name!r} is not a counted project kernel (see andrea/run/{COUNTS.name})")
+        try:
+            changes = {key: type(getattr(work, key))(float(value)) for key, value in
+                       (item.split("=") for item in fields.split(",")) if key in WHAT_IF}
+        except ValueError:
+            changes = None
+        if not changes or len(changes) != len(fields.split(",")):
+            raise UserError(f"--what-if {spec}: write NAME:field=number,... with fields among {', '.join(WHAT_IF)}")
+        works[name] = dataclasses.replace(work, **changes)
+    return works
+
+
+WHAT_IF = ("registers", "shared", "threads", "loads_ahead")
+
+
 def _parser():
     ap = ArgumentParser(prog="python -m andrea.run.stepmodel", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="120m", help="a config name or YAML file (default 120m)")
@@ -291,7 +344,12 @@ def _parser():
     ap.add_argument("--micro-batches", type=int,
                     help="micro-batches per optimizer step (default: the config's tokens_per_step)")
     ap.add_argument("--kernels", default="fused", choices=["fused", "generic"])
-    ap.add_argument("--json", help="also write the estimate there")
+    ap.add_argument("--gpu", nargs="+", default=["h200", "h100"], choices=sorted(PROFILES),
+                    help="the cards to price the step on (default: both)")
+    ap.add_argument("--what-if", action="append", default=[], metavar="NAME:FIELD=N,...",
+                    help=f"price kernel NAME with figures a change expects instead of its counted ones "
+                         f"({', '.join(WHAT_IF)}), e.g. flash_attention_fwd:registers=124,loads_ahead=8; repeatable")
+    ap.add_argument("--json", help="also write the estimate there (one entry per card)")
     ap.add_argument("--count-kernels", action="store_true",
                     help=f"count every project kernel at ANDREA-120M's shapes in the host emulation and keep the "
                          f"counts in andrea/run/{COUNTS.name} (what the table prices them from)")
@@ -316,11 +374,16 @@ def main(argv=None):
         rec = record(args.config, args.batch, args.seq, args.micro_batches, args.kernels)
         Path(args.record).write_text(json.dumps(rec))
         return 0
+    works = what_if(args.what_if)
     rec = record_anywhere(args.config, args.batch, args.seq, args.micro_batches, args.kernels)
-    est = estimate(rec)
-    print_table(rec, est)
+    out = {}
+    for i, gpu in enumerate(dict.fromkeys(args.gpu)):
+        est = estimate(rec, PROFILES[gpu], works)
+        print("\n" * (i > 0) + ("what-if: " + "; ".join(args.what_if) + "\n" if works else ""), end="")
+        print_table(rec, est, PROFILES[gpu])
+        out[gpu] = {k: v for k, v in est.items() if k != "rows"}
     if args.json:
-        Path(args.json).write_text(json.dumps({k: v for k, v in est.items() if k != "rows"}, indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 
 

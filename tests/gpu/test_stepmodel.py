@@ -1,6 +1,6 @@
-"""The step model (andrea/run/stepmodel.py): one ANDREA-120M training step on a GPU, every launch
-recorded on the CuPy stand-in's recording mode (minitensor/checks/cupy_standin/cupy/_record.py), and its time
-on an H200 estimated.
+"""The step model (andrea/run/stepmodel.py, andrea/run/pricing.py): one ANDREA-120M training step on a GPU,
+every launch recorded on the CuPy stand-in's recording mode (minitensor/checks/cupy_standin/cupy/_record.py),
+and its time on an H200 and an H100 SXM estimated.
 
 - the recording mode's rules against NumPy: at a small size, each recorded operation's predicted
   result (shape, dtype, contiguity) is what the stand-in computes, and recording without computing
@@ -8,9 +8,14 @@ on an H200 estimated.
 - ANDREA-120M at 8 x 1024 (8 micro-batches per optimizer step, fused kernels): the launches per
   block and the estimated MFU do not regress from the values pinned here, and an extra launch per
   block shows;
-- the estimate's arithmetic, and the command that prints the table.
+- the estimate's arithmetic: a kernel's latency bound binds when few warps are resident and its loads
+  are not issued ahead, its resources otherwise; a GEMM's time steps at the tile counts where a wave is
+  added; memory-bound ops are slower on the H100 by its bandwidth; each kernel's priced launch for
+  gpu_check; the what-if figures; the command that prints the table.
 """
 
+import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -18,15 +23,17 @@ import sys
 import pytest
 from gpu_standin import ROOT, standin_cupy
 
+from andrea.errors import UserError
 from andrea.run import pricing, stepmodel
 
-# The estimate of 2026-12-05, ANDREA-120M, 8 x 1024, kernels fused, 8 micro-batches per optimizer step:
-# 23.6 ms per micro-batch, the project kernels priced from their counts (andrea/run/kernel_counts.json:
-# mma.sync steps, shared-memory wavefronts, L2 sectors, special functions) where it had been 27.4 ms with
-# the flash kernels at an assumed 20% of the TF32 peak (the changes between are in git log). A change that
-# lowers the launches or raises the MFU should lower or raise these with it (and say so in BENCHMARKS.md).
+# The estimate of 2026-12-07, ANDREA-120M, 8 x 1024, kernels fused, 8 micro-batches per optimizer step, on
+# the H200: 29.4 ms per micro-batch, the flash kernels priced with their latency bound (158 / 168 / 228
+# registers: 8 / 12 / 8 warps per SM, loads issued just before each mma) and the GEMMs in waves of tiles,
+# where the pricing without latency had given 23.6 ms (46.8%: an upper bound). A change that lowers the
+# launches or raises the MFU should lower or raise these with it (and say so in BENCHMARKS.md).
 LAUNCHES_PER_BLOCK = {"first": 31, "later": 31}   # the first micro-batch after zero_grad, and the others
-MFU = 0.468                                       # 46.8% of the H200's dense TF32 peak
+MFU = 0.376                                       # 37.6% of the H200's dense TF32 peak
+MFU_H100 = 0.348                                  # 34.8% of the H100 SXM's (its memory 30% slower)
 MFU_MARGIN = 0.005
 
 SMALL = ("model.d_model=32", "model.n_head=2", "model.n_layer=2", "model.context_length=16", "model.mlp_dim=64")
@@ -89,12 +96,28 @@ def test_the_120m_step_is_recorded_at_its_real_size_without_computing(step_120m)
     head_gemms = [op for op in rec["ops"] if op[0] == "gemm" and op[5][-1] == "head"]
     assert {(op[1], op[2]) for op in head_gemms} == {("cublas sgemm", 2 * 8192 * 768 * 8449)}
     assert len(head_gemms) == 3 * rec["micro_batches"]
+    # every GEMM with the shape of its output (what its tiles are counted from): its bytes written
+    gemms = [op for op in rec["ops"] if op[0] == "gemm"]
+    assert gemms and all(op[7] and 4 * math.prod(op[7]) == op[4] for op in gemms)
 
 
 def test_the_120m_step_does_not_regress(step_120m):
-    _, est, _ = step_120m
+    rec, est, _ = step_120m
     assert regressions(est) == []
     assert est["launches_per_block"] == LAUNCHES_PER_BLOCK  # lower? pin the new figures
+    assert stepmodel.estimate(rec, pricing.H100)["mfu"] >= MFU_H100 - MFU_MARGIN
+
+
+def test_the_mfu_against_the_bar_is_one_call_per_card(step_120m, monkeypatch):
+    """step_mfu: the recorded 120m step's MFU on a card, the kept counts or a what-if's in their place:
+    more warps resident and loads issued ahead raise it, the H100's memory lowers it."""
+    rec, est, _ = step_120m
+    monkeypatch.setattr(stepmodel, "record_anywhere", lambda config: rec)
+    assert stepmodel.step_mfu() == pytest.approx(est["mfu"])
+    assert stepmodel.step_mfu(pricing.H100) < stepmodel.step_mfu(pricing.H200)
+    faster = stepmodel.what_if([f"{name}:loads_ahead=8" for name in
+                                ("flash_attention_fwd", "flash_attention_bwd_dq", "flash_attention_bwd_dkv")])
+    assert stepmodel.step_mfu(pricing.H200, faster) > est["mfu"]
 
 
 def test_an_extra_launch_per_block_is_a_regression(monkeypatch):
@@ -119,19 +142,20 @@ def test_an_extra_launch_per_block_is_a_regression(monkeypatch):
 
 
 def test_each_op_costs_its_bound_side_and_a_launch(monkeypatch):
-    """A cuBLAS GEMM: max(GEMM, memory) and its launch; a project kernel: the largest of its counted
-    resources' times (scaled from its counts at the model's shapes by its FLOPs or bytes) and of its
-    memory time, on the SMs its grid keeps busy, and its launch; an asynchronous copy to the device its
-    PCIe time and a submission; a copy the host waits for its latency and PCIe time."""
+    """A cuBLAS GEMM recorded without its shape: max(its FLOPs at the per-tile rate, its bytes) and its
+    launch; a project kernel whose registers are not known (no latency priced): the largest of its counted
+    resources' times (scaled from its counts at the model's shapes by its FLOPs or bytes) and of its memory
+    time, on the SMs its grid keeps busy, and its launch; an asynchronous copy to the device its PCIe time
+    and a submission; a copy the host waits for its latency and PCIe time."""
     hw = pricing.H200
     clocks = hw.sms * hw.clock
     works = {  # per launch at the model's shapes, each bound by one resource
         "flash_attention_fwd": pricing.KernelWork(mma=1e9, wavefronts=1e8, sfu=1e8, sectors=1e6, blocks=768,
-                                                    resident=1, per=2048e9, by_flops=True),
+                                                    per=2048e9, by_flops=True),
         "flash_attention_bwd_dq": pricing.KernelWork(mma=1e6, wavefronts=5e9, sfu=0, sectors=0, blocks=1536,
-                                                       resident=3, per=2048e6, by_flops=True),
-        "layernorm_fwd": pricing.KernelWork(mma=0, wavefronts=0, sfu=2e9, sectors=1e9, blocks=64, resident=16,
-                                              per=2e8, by_flops=False)}
+                                                       per=2048e6, by_flops=True),
+        "layernorm_fwd": pricing.KernelWork(mma=0, wavefronts=0, sfu=2e9, sectors=1e9, blocks=64, per=2e8,
+                                              by_flops=False)}
     monkeypatch.setattr(pricing, "kernel_work", works.get)
     gemm = 2 * 8192 * 768 * 3072
     rec = {"batch": 8, "seq": 1024, "micro_batches": 1, "n_layer": 0, "flops_per_token": 1,
@@ -146,15 +170,129 @@ def test_each_op_costs_its_bound_side_and_a_launch(monkeypatch):
     est = stepmodel.estimate(rec)
     layernorm = 1e9 * 32 / hw.l2_bandwidth  # its L2 sectors: more than its SFU calls on 64 SMs take
     assert layernorm > 2e9 / (hw.sfu_per_clock * 64 * hw.clock)
-    expected = (gemm / (hw.tf32_peak * hw.gemm_efficiency) + 8e8 / hw.bandwidth + layernorm
+    expected = (gemm / (hw.tf32_peak * hw.gemm_tile_efficiency) + 8e8 / hw.bandwidth + layernorm
                 + 2 * 1e9 * hw.mma_clocks / clocks + 5e9 / clocks + 2e9 / hw.bandwidth + 6 * hw.launch_s
                 + (131072 / hw.pcie + hw.launch_s) + (hw.copy_latency_s + 1 / hw.pcie))
     assert est["step_s"] == pytest.approx(expected)
     bound = est["bound_by"]
     assert bound["mma.sync"] == pytest.approx(2 * 1e9 * hw.mma_clocks / clocks)
     assert bound["shared memory"] == pytest.approx(5e9 / clocks) and bound["L2"] == pytest.approx(layernorm)
+    assert bound["latency"] == 0
     assert est["launches"] == 6
     assert est["mfu"] == pytest.approx(8192 / (expected * hw.tf32_peak))
+
+
+# A flash forward kernel as counted at the model's shapes (6.68 M mma steps, 15.5 M wavefronts, 768 blocks of
+# 256 threads), with the registers and loads-ahead of a compiled build
+FLASH_FWD = dict(mma=6684672.0, wavefronts=15532032.0, sfu=53821440.0, sectors=8663040.0, blocks=768.0,
+                 per=13690208256.0, by_flops=True, moved=101056512.0, threads=256, shared=34816)
+
+
+@pytest.mark.parametrize("hw", [pricing.H200, pricing.H100], ids=["h200", "h100"])
+def test_the_latency_bound_binds_when_few_warps_hide_loads_not_issued_ahead(hw):
+    """At 158 registers a block of 8 warps fills an SM's registers (one block, 8 warps resident), and with
+    each step's loads issued just before its mma every step waits a load and an mma: the SM's 6 blocks of
+    the 768 take steps x (28.6 + 33) cycles over 8 warps, more than any resource. With the loads issued 8
+    steps ahead the chain is the mma's 33 cycles; at 124 registers two blocks fit (16 warps) and the
+    shared-memory wavefronts bind instead."""
+    today = pricing.KernelWork(**FLASH_FWD, registers=158, loads_ahead=0)
+    assert (today.resident, today.warps) == (1, 8)
+    times = pricing.kernel_times(today, today.per, today.blocks, 0.0, hw)
+    steps = today.mma * 6 / 768  # the busiest SM runs 6 blocks: 5 full waves of 132 and one of the last 108
+    assert times["latency"] == pytest.approx(steps * (hw.shared_latency + hw.mma_latency) / 8 / hw.clock)
+    assert max(times, key=times.get) == "latency"
+    assert pricing.counted_seconds(today, today.per, today.blocks, 0.0, hw) == (times["latency"], "latency")
+
+    ahead = dataclasses.replace(today, loads_ahead=8)
+    assert pricing.chain_cycles(ahead, hw) == hw.mma_latency < pricing.chain_cycles(today, hw)
+    assert pricing.kernel_times(ahead, ahead.per, ahead.blocks, 0.0, hw)["latency"] == pytest.approx(
+        times["latency"] * hw.mma_latency / (hw.shared_latency + hw.mma_latency))
+
+    fewer = dataclasses.replace(ahead, registers=124)
+    assert fewer.resident == 2
+    seconds, bound = pricing.counted_seconds(fewer, fewer.per, fewer.blocks, 0.0, hw)
+    assert bound == "shared memory" and seconds == pytest.approx(today.wavefronts * 6 / 768 / hw.clock)
+    # one load ahead already hides the 28.6 cycles behind the 33 of an mma; none ahead hides nothing
+    assert pricing.chain_cycles(dataclasses.replace(today, loads_ahead=1), hw) == hw.mma_latency
+    # a kernel without mma steps, or whose registers are not known, has no latency priced
+    assert pricing.latency_seconds(dataclasses.replace(today, mma=0), 1e6, 6, hw) == 0
+    assert pricing.latency_seconds(dataclasses.replace(today, registers=0), 1e6, 6, hw) == 0
+
+
+def test_a_gemm_costs_waves_of_tiles_and_steps_where_a_wave_is_added(monkeypatch):
+    """132 tiles of 128 x 128 are one wave on 132 SMs; one row of tiles more (133) is a second wave: with
+    one tile and no split of K the time doubles for 0.8% more FLOPs. Splitting K (cuBLAS's segment-K
+    kernels) softens the step where K is long enough that the partial sums' bytes cost little: 9 waves of
+    an eighth of K; the batch multiplies the tiles."""
+    hw = pricing.H200
+    per_tile = 2 * 128 * 128 * 1024 / (hw.tf32_peak * hw.gemm_tile_efficiency / hw.sms)
+
+    def gemm(rows, batch=1, K=1024):
+        return pricing.gemm_seconds(2 * batch * rows * 128 * K, (batch, rows, 128), 0, hw)
+
+    monkeypatch.setattr(pricing, "GEMM_TILES", ((128, 128),))
+    monkeypatch.setattr(pricing, "GEMM_SPLITS", (1,))
+    assert gemm(128 * 132) == (pytest.approx(per_tile), "GEMM")
+    assert gemm(128 * 133)[0] == pytest.approx(2 * per_tile)
+    assert gemm(128 * 264)[0] == pytest.approx(2 * per_tile)
+    assert gemm(128 * 66, batch=2)[0] == pytest.approx(per_tile)
+    assert gemm(128 * 67, batch=2)[0] == pytest.approx(2 * per_tile)
+    monkeypatch.setattr(pricing, "GEMM_SPLITS", range(1, 9))
+    assert gemm(128 * 132)[0] == pytest.approx(per_tile)
+    assert gemm(128 * 133, K=16 * 1024)[0] == pytest.approx(16 * 9 / 8 * per_tile)  # 1064 tiles of K / 8: 9 waves
+    assert per_tile < gemm(128 * 133)[0] < 2 * per_tile  # K 1024: a split's partial sums cost more
+    # bytes that take longer than the waves bound it: a GEMV
+    assert pricing.gemm_seconds(2 * 8192 * 768, (8192,), 4 * 8192 * 769, hw)[1] == "HBM"
+
+
+def test_the_per_tile_rate_is_the_median_of_cublas_measured_ones():
+    """Each measured GEMM at 8192 x 8192 or 4096 x 8192 fills 97% of its waves (2048 or 1024 tiles of
+    256 x 128 in 16 or 8 waves of 132): the per-tile rate is the median measured rate over that."""
+    waves = 2048 / (16 * 132)
+    assert pricing.tile_efficiency() == pytest.approx(372e12 / (495e12 * waves))
+    assert pricing.H200.gemm_tile_efficiency == pricing.H100.gemm_tile_efficiency == pricing.tile_efficiency()
+
+
+def test_memory_bound_rows_are_slower_on_the_h100_by_its_bandwidth():
+    """The same record on both cards: an elementwise pass by the ratio of their bandwidths (3.35 against
+    4.8 TB/s nominal), a large GEMM not at all (the same SMs and clocks)."""
+    rec = {"batch": 8, "seq": 1024, "micro_batches": 1, "n_layer": 0, "flops_per_token": 1,
+           "ops": [["elementwise", "bias_gelu_fwd", 0, 10**9, 10**9, ["block 0", "mlp"], 0, []],
+                   ["gemm", "cublas sgemm", 2 * 8192 * 3072 * 768, 10**6, 10**6, ["block 0", "mlp"], 0, [8192, 3072]]]}
+    h200, h100 = (stepmodel.estimate(rec, hw) for hw in (pricing.H200, pricing.H100))
+    assert h100["bound_by"]["HBM"] / h200["bound_by"]["HBM"] == pytest.approx(4.8 / 3.35)
+    assert h100["bound_by"]["GEMM"] == pytest.approx(h200["bound_by"]["GEMM"]) and h200["bound_by"]["GEMM"] > 0
+    assert pricing.H100.bandwidth < pricing.H200.bandwidth and pricing.H100.tf32_peak == pricing.H200.tf32_peak
+
+
+def test_each_kernel_has_its_priced_launch_for_gpu_check():
+    """kernel_prices: every counted project kernel, one launch at the model's shapes, its work seconds the
+    largest of its bounds, as a step prices a launch of that size; a what-if's work priced in its place."""
+    from minitensor.backends import all_kernels, cuda
+
+    counted = {n for n, s in all_kernels().items() if isinstance(s, cuda.RawSpec) and s.model is not None}
+    for hw in (pricing.H200, pricing.H100):
+        prices = pricing.kernel_prices(hw)
+        assert set(prices) == counted
+        for name, p in prices.items():
+            work = pricing.kernel_work(name)
+            assert (p.seconds, p.bound) == pricing.counted_seconds(work, work.per, work.blocks,
+                                                                   work.moved / hw.bandwidth, hw)
+            assert p.seconds == max(p.times.values()) > 0 and p.launch_s == hw.launch_s
+    fast = pricing.KernelWork(**FLASH_FWD, registers=124, loads_ahead=8)
+    price = pricing.kernel_prices(pricing.H200, {"flash_attention_fwd": fast})["flash_attention_fwd"]
+    assert (price.bound, price.resident_warps, price.chain_cycles) == ("shared memory", 16, pricing.H200.mma_latency)
+    assert price.flops == fast.per
+
+
+def test_what_if_replaces_a_kernels_figures_and_refuses_what_it_cannot_read():
+    works = stepmodel.what_if(["flash_attention_fwd:registers=124,loads_ahead=8"])
+    counted = pricing.kernel_work("flash_attention_fwd")
+    assert works["flash_attention_fwd"] == dataclasses.replace(counted, registers=124, loads_ahead=8.0)
+    for bad in ("nope:registers=1", "flash_attention_fwd:registers=lots", "flash_attention_fwd:colour=3",
+                "flash_attention_fwd"):
+        with pytest.raises(UserError, match="--what-if"):
+            stepmodel.what_if([bad])
 
 
 def test_the_busiest_sm_runs_its_waves_and_a_share_of_the_last():
@@ -177,8 +315,21 @@ def test_the_kept_kernel_counts_are_those_of_the_present_kernels():
     kept = pricing._kept_works()
     raw = {name: spec for name, spec in all_kernels().items() if isinstance(spec, cuda.RawSpec)}
     assert set(kept) == set(raw)
-    stale = [name for name, spec in raw.items() if kept[name]["key"] != pricing.work_key(spec)]
+    stale = [name for name, spec in raw.items()
+             if kept[name]["key"] != pricing.work_key(spec) or set(kept[name]["work"]) != pricing.FIELDS]
     assert stale == [], f"run: python -m andrea.run.stepmodel --count-kernels ({', '.join(stale)} changed)"
+    # each with the registers ptxas gives it: its occupancy, so its latency bound, is priced
+    assert all(kept[name]["work"]["registers"] > 0 and kept[name]["work"]["threads"] > 0 for name in raw)
+
+
+def test_the_command_prices_both_cards_and_a_what_if(capsys):
+    with standin_cupy():
+        assert stepmodel.main(["--config", "tiny", "--batch", "2", "--seq", "16", "--micro-batches", "1",
+                               "--what-if", "flash_attention_fwd:registers=124,loads_ahead=8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("what-if: flash_attention_fwd:registers=124,loads_ahead=8") == 2
+    assert "estimated step on an H200:" in out and "estimated step on an H100 SXM:" in out
+    assert "latency: mma steps x (unhidden load + mma latency) / resident warps" in out
 
 
 def test_the_bench_prints_the_table_by_layer_and_the_estimate(capsys):

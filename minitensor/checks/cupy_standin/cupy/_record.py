@@ -374,8 +374,9 @@ def _cublas_rule(name):
             lds, flops, read, out = (lda,), 2 * m * n, item * (m * n + nx), item * ny
         beta_value = cublas.host_scalar(beta, np.float32 if item == 4 else np.float64)
         aligned = all(ld * item % 16 == 0 for ld in lds)
+        shape = ((count, m, n) if name.endswith("Batched") else (m, n)) if "gemm" in name else (ny,)
         _active.add("gemm", f"cublas {name}" + ("" if aligned else " (unaligned)"), flops,
-                    read + (out if beta_value != 0 else 0), out)
+                    read + (out if beta_value != 0 else 0), out, [shape])  # the output's shape: its tiles
         if _active.verify:
             _original(cublas, name)(handle, *args)
 
