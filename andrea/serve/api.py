@@ -4,10 +4,11 @@
 
 OpenAI's fields, with its defaults: `prompt` (a string, a list of strings, a list of token ids or a
 list of such lists; none or "" starts a new document: the model sees <|endoftext|> alone, as it does
-at each document's start in training), `max_tokens` (16), `temperature` (1, in [0, 2]; 0: greedy),
-`top_p` (1), `n` (1), `stop` (up to 4 strings), `seed`, `stream` (and `stream_options.include_usage`),
-`echo`, `logprobs` (0 to 5), `user` (accepted, unused), `model` (this server's one model; may be
-left out). Extensions: `top_k` (0 or none: no limit), as andrea.sample's --top-k, and
+at each document's start in training), `max_tokens` (16), `temperature` (1, in [0, 2]; 0: greedy;
+any positive value samples, down to 5e-324), `top_p` (1), `n` (1), `stop` (up to 4 strings), `seed`,
+`stream` (and `stream_options.include_usage`), `echo`, `logprobs` (0 to 5; `text_offset` counts from
+the prompt's start, echoed or not), `user` (accepted, unused), `model` (this server's one model; may
+be left out). Extensions: `top_k` (0 or none: no limit), as andrea.sample's --top-k, and
 `return_token_ids` (the ids of the prompt and of the completion, as vLLM names them).
 
 What a base model served this way cannot honour is refused with the reason: `suffix` (no
