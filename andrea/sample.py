@@ -36,16 +36,23 @@ from minitensor.memory import keep_freed_memory
 
 def sample_next(logits, rng, temperature=1.0, top_k=None, top_p=1.0):
     """One id per row of logits (B, V): greedy at temperature 0, else softmax(logits / T) over the top k,
-    and of those the fewest most likely whose probabilities add up to top_p (nucleus sampling)."""
+    and of those the fewest most likely whose probabilities add up to top_p (nucleus sampling).
+
+    Any positive temperature is safe, down to the smallest double (5e-324): the largest logit comes off
+    before the division, so every scaled logit is <= 0 (an overflow is -inf, probability 0) and the
+    largest is exactly 0. A tiny T leaves only the ids within ~745 T of the largest: greedy, but that
+    ids tied for the largest are drawn among rather than the lowest taken."""
     logits = np.asarray(to_numpy(logits), dtype=np.float64)
     if temperature <= 0:
         return logits.argmax(axis=-1)
-    logits = logits / temperature
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = np.partition(logits, -top_k, axis=-1)[:, -top_k][:, None]
         logits = np.where(logits < kth, -np.inf, logits)
-    total, _ = exp_rows(logits)                         # logits <- exp(logits - max), in place
-    probs = logits / total
+    z = logits - logits.max(axis=-1, keepdims=True)
+    with np.errstate(over="ignore"):
+        z /= temperature
+    total, _ = exp_rows(z)                              # z <- exp(z - max) = exp(z), in place
+    probs = z / total
     if top_p < 1.0:
         probs = nucleus(probs, top_p)
     return np.array([rng.choice(probs.shape[-1], p=row) for row in probs])
@@ -53,7 +60,9 @@ def sample_next(logits, rng, temperature=1.0, top_k=None, top_p=1.0):
 
 def nucleus(probs, top_p):
     """probs (B, V) kept on each row's most likely ids, down to the first whose running total reaches
-    top_p (so always at least one), and renormalised."""
+    top_p (so always at least one), and renormalised. Ids of equal probability rank by id, the lower
+    first: a cut among tied ids keeps the lower ones, and an id whose predecessors' total is exactly
+    top_p is not kept (the total was reached before it)."""
     order = np.argsort(-probs, axis=-1, kind="stable")
     ranked = np.take_along_axis(probs, order, axis=-1)
     before = np.cumsum(ranked, axis=-1) - ranked        # the mass of the ids ranked above each

@@ -4,10 +4,11 @@
 
 OpenAI's fields, with its defaults: `prompt` (a string, a list of strings, a list of token ids or a
 list of such lists; none or "" starts a new document: the model sees <|endoftext|> alone, as it does
-at each document's start in training), `max_tokens` (16), `temperature` (1, in [0, 2]; 0: greedy),
-`top_p` (1), `n` (1), `stop` (up to 4 strings), `seed`, `stream` (and `stream_options.include_usage`),
-`echo`, `logprobs` (0 to 5), `user` (accepted, unused), `model` (this server's one model; may be
-left out). Extensions: `top_k` (0 or none: no limit), as andrea.sample's --top-k, and
+at each document's start in training), `max_tokens` (16), `temperature` (1, in [0, 2]; 0: greedy;
+any positive value samples, down to 5e-324), `top_p` (1), `n` (1), `stop` (up to 4 strings), `seed`,
+`stream` (and `stream_options.include_usage`), `echo`, `logprobs` (0 to 5; `text_offset` counts from
+the prompt's start, echoed or not), `user` (accepted, unused), `model` (this server's one model; may
+be left out). Extensions: `top_k` (0 or none: no limit), as andrea.sample's --top-k, and
 `return_token_ids` (the ids of the prompt and of the completion, as vLLM names them).
 
 What a base model served this way cannot honour is refused with the reason: `suffix` (no
@@ -15,6 +16,9 @@ fill-in-the-middle training), `best_of` other than n (no server-side ranking), p
 frequency penalties and `logit_bias` (sampling here is andrea.sample's, which has none of them).
 An unknown field is refused by name, so a typo is not silently ignored. Limits: a prompt of at most
 the context length, max_tokens and n x prompts at most the server's, each refusal naming its limit.
+A string that UTF-8 cannot represent (a lone surrogate, such as JSON's "\ud800") is refused where
+it would be read as text (a prompt, a stop string); a refusal quotes a value shortened (reprlib), so
+that neither a huge nor a deeply nested one is copied into the error.
 
 Seeds are andrea.sample's: choice j of a request with seed s draws from numpy's default_rng(s + j),
 so choice 0 gives `python -m andrea.sample --seed s` with the same settings; without a seed each
@@ -24,6 +28,7 @@ request draws a fresh one.
 from __future__ import annotations
 
 import math
+import reprlib
 import secrets
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,7 +50,11 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        """The error object; a lone surrogate of the request quoted in it is written as its escape,
+        so that the answer is always UTF-8."""
+        message, param = (None if v is None else v.encode("utf-8", "backslashreplace").decode("utf-8")
+                          for v in (self.message, self.param))
+        return {"error": {"message": message, "type": self.kind, "param": param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,26 @@ def bad(field: str, message: str) -> ApiError:
     return ApiError(400, f"`{field}` {message}", param=field)
 
 
+QUOTE = reprlib.Repr()
+QUOTE.maxlevel, QUOTE.maxstring, QUOTE.maxother = 3, 60, 60
+
+
+def shown(value) -> str:
+    """A request's value as a refusal quotes it: Python's repr, cut short past 60 characters or 3 levels."""
+    return QUOTE.repr(value)
+
+
+def text(field: str, value: str, where: str = "") -> str:
+    """`value` if UTF-8 can represent it; a lone surrogate (half of a UTF-16 pair, alone) is refused."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(field, f"{where}holds a lone surrogate (U+{ord(value[e.start]):04X} at character {e.start}), "
+                  "which is not Unicode text: send each surrogate as half of a pair (or the character itself)") \
+            from None
+    return value
+
+
 # ----------------------------------------------------------------------------- one field each
 
 
@@ -105,7 +134,7 @@ def integer(body, field, default, low, high=None):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(field, f"must be a whole number, got {value!r}")
+        raise bad(field, f"must be a whole number, got {shown(value)}")
     if value < low or (high is not None and value > high):
         raise bad(field, f"must be in [{low}, {high}], got {value}" if high is not None
                   else f"must be at least {low}, got {value}")
@@ -117,7 +146,7 @@ def number(body, field, default, low, high, low_open=False):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad(field, f"must be a number, got {value!r}")
+        raise bad(field, f"must be a number, got {shown(value)}")
     if value > high or value < low or (low_open and value == low):
         raise bad(field, f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
     return float(value)
@@ -128,7 +157,7 @@ def flag(body, field):
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad(field, f"must be true or false, got {value!r}")
+        raise bad(field, f"must be true or false, got {shown(value)}")
     return value
 
 
@@ -138,10 +167,10 @@ def stops(body) -> tuple[str, ...]:
         return ()
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not all(isinstance(s, str) and s for s in values):
-        raise bad("stop", f"must be a non-empty string or a list of them, got {value!r}")
+        raise bad("stop", f"must be a non-empty string or a list of them, got {shown(value)}")
     if len(values) > MAX_STOPS:
         raise bad("stop", f"holds {len(values)} strings, more than the {MAX_STOPS} allowed")
-    return tuple(values)
+    return tuple(text("stop", s, f"[{i}] " if len(values) > 1 else "") for i, s in enumerate(values))
 
 
 def include_usage(body, stream: bool) -> bool:
@@ -151,7 +180,7 @@ def include_usage(body, stream: bool) -> bool:
     if not stream:
         raise bad("stream_options", "is only allowed with stream: true")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise bad("stream_options", f"takes only include_usage, got {options!r}")
+        raise bad("stream_options", f"takes only include_usage, got {shown(options)}")
     return flag(options, "include_usage")
 
 
@@ -170,7 +199,9 @@ def id_list(value, n_ids: int, what: str) -> list[int]:
 def prompt_list(value, tok) -> list[Prompt]:
     """A list of strings, a list of ids or a list of lists of ids as prompts (ids' text decoded)."""
     if all(isinstance(v, str) for v in value):
-        return [Prompt(tok.encode(v) or [tok.eot_id], v) for v in value]  # "": a new document
+        where = (lambda i: f"[{i}] ") if len(value) > 1 else (lambda i: "")
+        texts = [text("prompt", v, where(i)) for i, v in enumerate(value)]
+        return [Prompt(tok.encode(v) or [tok.eot_id], v) for v in texts]  # "": a new document
     if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         ids = [id_list(value, tok.vocab_size, "a list of ids")]
     elif all(isinstance(v, list) for v in value):
@@ -180,13 +211,18 @@ def prompt_list(value, tok) -> list[Prompt]:
     return [Prompt(i, tok.decode(i)) for i in ids]
 
 
-def prompts(body, served: Served) -> list[Prompt]:
-    """Each prompt as ids and text; a string, [strings], [ids] or [[ids]]; none is a new document."""
+def prompts(body, served: Served, n: int) -> list[Prompt]:
+    """Each prompt as ids and text; a string, [strings], [ids] or [[ids]]; none is a new document.
+    The count of completions (n x prompts) is checked before any prompt is encoded."""
     value = body.get("prompt")
     if value is None or isinstance(value, str):
         value = [value or ""]
     if not isinstance(value, list) or not value:
         raise bad("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
+    count = 1 if all(isinstance(v, int) for v in value) else len(value)
+    if n * count > served.limits.max_choices:
+        raise bad("n", f"x prompts is {n} x {count} = {n * count} completions, over this server's "
+                  f"limit of {served.limits.max_choices} (andrea.serve --max-choices)")
     found = prompt_list(value, served.tokenizer)
     for p in found:
         if len(p.ids) > served.context:
@@ -216,6 +252,8 @@ def refuse_unsupported(body, n: int) -> None:
 
 def check_model(body, served: Served) -> None:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"must be the model's id, a string (GET /v1/models), got {shown(model)}")
     if model is not None and model != served.name:
         raise ApiError(404, f"The model `{model}` does not exist: this server serves `{served.name}` "
                        "(GET /v1/models)", param="model", code="model_not_found")
@@ -234,10 +272,7 @@ def parse_completion(body: dict, served: Served) -> Completion:
     if max_tokens > limits.max_tokens:
         raise bad("max_tokens", f"is {max_tokens}, over this server's limit of {limits.max_tokens} "
                   "(andrea.serve --max-tokens-limit)")
-    found = prompts(body, served)
-    if n * len(found) > limits.max_choices:
-        raise bad("n", f"x prompts is {n} x {len(found)} = {n * len(found)} completions, over this server's "
-                  f"limit of {limits.max_choices} (andrea.serve --max-choices)")
+    found = prompts(body, served, n)
     stream = flag(body, "stream")
     top_k = integer(body, "top_k", 0, 0)
     seed = integer(body, "seed", None, 0, SEED_LIMIT - 1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -73,9 +74,11 @@ async def read_json(request: Request) -> dict:
         if len(body) > limit:
             raise too_big
     try:
-        data = json.loads(body, parse_constant=lambda name: _no_constant(name))
+        data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise too_deep(body) from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     return data
@@ -83,6 +86,36 @@ async def read_json(request: Request) -> dict:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def too_deep(body: bytes) -> ApiError:
+    """The 400 for a body whose arrays or objects nest deeper than Python's JSON decoder goes (its
+    recursion limit, ~1000 levels), naming the field they are in: the object's fields are decoded one
+    by one until one fails the same way (only on this path: a request never nests past 2 levels)."""
+    field = None
+    try:
+        doc, decoder = body.decode(json.detect_encoding(body), "surrogatepass"), json.JSONDecoder()
+        at = SPACE.match(doc).end() + 1
+        while doc[at - 1] in "{,":
+            name, at = decoder.raw_decode(doc, SPACE.match(doc, at).end())
+            at = SPACE.match(doc, at).end()
+            if doc[at] != ":":
+                break
+            try:
+                _, at = decoder.raw_decode(doc, SPACE.match(doc, at + 1).end())
+            except RecursionError:
+                field = name if isinstance(name, str) else None
+                break
+            at = SPACE.match(doc, at).end() + 1
+    except (ValueError, IndexError):
+        pass
+    where = f"`{field}`" if field is not None else "the request body"
+    return ApiError(400, f"{where} nests arrays or objects too deeply to decode (Python's JSON decoder stops at "
+                    "~1000 levels): no field of a request nests more than 2 (a prompt as lists of token ids)",
+                    param=field)
 
 
 async def events(job: Job):
@@ -272,7 +305,7 @@ async def tokens(request: Request) -> Response:
     if "text" in body:
         if not isinstance(body["text"], str):
             raise api.bad("text", "must be a string")
-        ids = await run_in_threadpool(served.tokenizer.encode, body["text"])
+        ids = await run_in_threadpool(served.tokenizer.encode, api.text("text", body["text"]))
     else:
         ids = api.parse_ids(body, served, most=served.limits.max_tokens + served.context)
     return JSONResponse({"ids": ids, "pieces": [token_piece(served.tokenizer, i) for i in ids]})

@@ -19,9 +19,8 @@ so a request's tokens are the same whether it runs alone or beside others.
 from __future__ import annotations
 
 import asyncio
-import sys
+import logging
 import threading
-import traceback
 from collections import deque
 
 import numpy as np
@@ -29,6 +28,8 @@ import numpy as np
 from andrea import trace as tracing
 from andrea.sample import Decoder, sample_next
 from minitensor.device import to_numpy
+
+log = logging.getLogger("andrea.serve")
 
 
 class Busy(Exception):
@@ -142,7 +143,7 @@ class Engine:
         try:
             done = job.step()
         except Exception as e:  # a bug, not the request's fault: report it and keep serving others
-            traceback.print_exc(file=sys.stderr)
+            log.exception("a request failed on the model's thread (a bug, not the request's fault)")
             job.emit(("error", e))
             done = True
         self.steps += 1
@@ -168,25 +169,69 @@ def log_softmax(logits) -> np.ndarray:
 
 
 def top_logprobs(tokenizer, logp, chosen: int, k: int) -> dict:
-    """The k most likely tokens and the chosen one, text -> log probability."""
-    best = np.argsort(-logp, kind="stable")[:k].tolist()
+    """The k most likely tokens and the chosen one, text -> log probability (ties: the lower id first).
+    O(V): only the ids at or above the k-th largest are sorted, not the whole vocabulary."""
+    if k == 0:
+        return {token_text(tokenizer, chosen): float(logp[chosen])}
+    kth = np.partition(logp, -k)[-k] if k < len(logp) else logp.min()
+    near = np.flatnonzero(logp >= kth)
+    best = near[np.argsort(-logp[near], kind="stable")][:k].tolist()
     return {token_text(tokenizer, i): float(logp[i]) for i in [*best, chosen]}
 
 
+class StopMatch:
+    """How far the text so far goes into one stop string: `matched`, the length of the longest end of
+    the text that begins the stop string (Knuth-Morris-Pratt), moved on a character at a time.
+
+    Its table of borders (border(q): the longest proper prefix of stop[:q] that is also its suffix) is
+    built only as far as a match has reached, so a stop string costs only what the text matches of it:
+    over a whole completion the checks cost O(characters generated), amortised, whatever the stop
+    strings' lengths (a request's stop strings are up to 1 MiB; generated text is max_tokens tokens).
+    """
+
+    def __init__(self, stop: str):
+        self.stop, self.matched, self._borders = stop, 0, [0]
+
+    def border(self, q: int) -> int:
+        s, table = self.stop, self._borders
+        while len(table) < q:          # table[i]: the border of stop[:i + 1]
+            i, k = len(table), table[-1]
+            while k and s[i] != s[k]:
+                k = table[k - 1]
+            table.append(k + (s[i] == s[k]))
+        return table[q - 1]
+
+    def feed(self, char: str) -> bool:
+        """One more character of text; True when the text now ends with the whole stop string."""
+        q, s = self.matched, self.stop
+        while q and s[q] != char:
+            q = self.border(q)
+        self.matched = q = q + (s[q] == char)
+        return q == len(s)
+
+
 class StopText:
-    """A completion's text, sent as soon as no stop string can still begin in it."""
+    """A completion's text, sent as soon as no stop string can still begin in it.
+
+    Each new piece is read once per stop string (StopMatch): the text held back is the longest end of
+    it that begins a stop string, and a stop string found ends the text at the earliest place one starts."""
 
     def __init__(self, stops):
-        self.stops, self.text, self.sent = stops, "", 0
+        self.matches, self.text, self.sent = [StopMatch(s) for s in stops], "", 0
 
     def add(self, piece: str) -> tuple[str, bool]:
         """(the text now safe to send, whether a stop string ended the completion)."""
+        start = len(self.text)
         self.text += piece
-        found = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        found = []
+        for m in self.matches:
+            end = next((end for end, c in enumerate(piece, start + 1) if m.feed(c)), None)
+            if end is not None:
+                found.append(end - len(m.stop))
         if found:
             self.text = self.text[:min(found)]
             return self._send(len(self.text)), True
-        held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+        held = max((m.matched for m in self.matches), default=0)
         return self._send(max(self.sent, len(self.text) - held)), False
 
     def finish(self, piece: str) -> tuple[str, bool]:
@@ -234,7 +279,7 @@ def choice_steps(served, request, index: int, prompt, seed: int):
     yield ("delta", echo_delta(served, request, index, prompt))
     rng = np.random.default_rng(seed)
     text, decoder = StopText(request.stop), tok.stream_decoder()
-    offset = len(prompt.text) if request.echo else 0
+    offset = len(prompt.text)          # OpenAI's text_offset counts from the prompt's start, echoed or not
     count, stopped, eot = 0, False, False
     while count < request.max_tokens and not stopped:
         logits = sequence.logits[:, :tok.vocab_size]

@@ -1,7 +1,8 @@
 """andrea.serve's API through OpenAI's own Python client, against a tiny model trained a few steps:
 a completion is andrea.sample's for the same seed and settings (the key/value cache rebuilt past the
 context included), streamed or whole; n, lists of prompts and token-id prompts index their choices
-as OpenAI does; logprobs and echo are the model's own log-softmax; stop strings cut the text before
+as OpenAI does; logprobs and echo are the model's own log-softmax, each token's text_offset counted
+from the prompt's start, echoed or not (as OpenAI counts it); stop strings cut the text before
 them, also across tokens, and <|endoftext|> ends a completion; requests made at once answer as each
 made alone; the page's trace is andrea.trace's; docs/serving.md's curl commands and Python example
 run as written. The bad inputs, the limits, the queue and disconnects: test_serve_limits.py.
@@ -115,9 +116,25 @@ def test_logprobs_and_echo_are_the_models_log_softmax(server, client):
     assert choice.logprobs.text_offset == [len(p) for p in pieces]
 
 
+def test_text_offset_counts_from_the_prompts_start_with_or_without_echo(server, client):
+    tok, prompt = server.served.tokenizer, "def f(x):"
+    for echo in (False, True):
+        for stream in (False, True):
+            got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, seed=2, logprobs=0, echo=echo,
+                                            stream=stream, extra_body={"return_token_ids": True})
+            chunks = list(got) if stream else [got]
+            offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+            ids = [i for c in chunks for i in (getattr(c.choices[0], "token_ids", None) or [])]
+            prompt_ids = tok.encode(prompt)
+            at = [len(tok.decode(prompt_ids[:t])) for t in range(len(prompt_ids))] if echo else []
+            at += [len(prompt) + len(tok.decode(ids[:t])) for t in range(len(ids))]
+            assert len(ids) == 8 and offsets == at, (echo, stream)
+
+
 def test_stop_strings_end_the_text_before_them_even_across_tokens(client):
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, seed=5, logprobs=0)
-    text, offsets = plain.choices[0].text, plain.choices[0].logprobs.text_offset
+    text = plain.choices[0].text
+    offsets = [o - len(PROMPT) for o in plain.choices[0].logprobs.text_offset]  # from the completion's start
     edge = next(o for o in offsets[4:] if 0 < o < len(text) - 1 and text[o - 1:o + 1].strip())
     stop = text[edge - 1:edge + 1]                 # the last character of a token and the first of the next
     expected = text[:text.index(stop)]

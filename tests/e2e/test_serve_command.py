@@ -2,8 +2,9 @@
 run; its page, in a headless Chromium (Debian's package), streams a completion that is the API's own
 for the same settings, and a click on a token draws each block's attention heat map, residual sizes
 and logit lens from /andrea/trace, with no console error and no request beyond the server (a
-screenshot is kept in test-artifacts/serve-page.png); Ctrl-C stops it. Usage errors are one line
-and exit 2, before any model is read.
+screenshot is kept in test-artifacts/serve-page.png); requests that are the client's fault leave no
+traceback in its log; Ctrl-C stops it. Usage errors are one line and exit 2, before any model is
+read, and so is a missing serve extra.
 """
 
 import contextlib
@@ -136,6 +137,19 @@ def test_the_page_streams_a_completion_and_traces_a_clicked_token(server, run, t
         browser.close()
 
 
+def test_bad_requests_leave_no_traceback_in_the_commands_log(server):
+    nested = b'{"prompt": "x", "stop": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for body, raw in [(None, nested), ({"prompt": "a\ud800"}, None), ({"stop": ["\udfff"]}, None),
+                      ({"model": "\ud800"}, None), ({"\ud800": 1}, None), ({"temperature": [[[[1]]]]}, None)]:
+        status, _, got = call(server.url, "/v1/completions", body, raw=raw)
+        assert status in (400, 404) and set(got["error"]) == {"message", "type", "param", "code"}, (body, got)
+    status, _, got = call(server.url, "/v1/completions", {"prompt": "def", "temperature": 5e-324, "max_tokens": 3})
+    assert status == 200 and got["usage"]["completion_tokens"] == 3
+    time.sleep(0.5)  # uvicorn writes a request's line after its answer
+    assert server.output().count('"POST /v1/completions HTTP/1.1" 400') >= 5   # the log is the one read here
+    assert "Traceback" not in server.output() and "ERROR" not in server.output(), server.output()
+
+
 def test_ctrl_c_stops_the_command(server):
     server.proc.send_signal(signal.SIGINT)
     code = server.proc.wait(timeout=30)
@@ -151,22 +165,38 @@ def serve_error(argv):
 
 
 def test_usage_errors_are_one_line_before_the_model_is_read(run, tmp_path):
+    for argv, words in [([str(tmp_path / "missing"), "--port", "0"], "does not exist"),
+                        ([str(run), "--host", "0.0.0.0"], "--allow-remote"),
+                        ([str(run), "--slots", "0"], "--slots must be at least 1"),
+                        ([str(run), "--port", "70000"], "--port must be in 0..65535"),
+                        ([str(run), "--device", "tpu"], "is not a device")]:
+        code, err = serve_error(argv)
+        assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
+
+
+def test_a_port_in_use_is_one_line(run):
+    require("starlette")
+    require("uvicorn")
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
     with taken:
-        for argv, words in [([str(tmp_path / "missing"), "--port", "0"], "does not exist"),
-                            ([str(run), "--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
-                            ([str(run), "--host", "0.0.0.0"], "--allow-remote"),
-                            ([str(run), "--slots", "0"], "--slots must be at least 1"),
-                            ([str(run), "--port", "70000"], "--port must be in 0..65535"),
-                            ([str(run), "--device", "tpu"], "is not a device")]:
-            code, err = serve_error(argv)
-            assert code == 2 and words in err and err.count("\n") == 1, (argv, err)
+        code, err = serve_error([str(run), "--port", str(port)])
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("missing", ["starlette", "uvicorn"])
+def test_without_the_serve_extra_the_command_says_which_to_install(run, monkeypatch, missing):
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed: importing it fails
+    code, err = serve_error([str(run), "--port", "0"])
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"needs the serve extra ({missing} is missing): pip install -e '.[serve]'" in err
 
 
 def test_the_serving_benchmark_runs_and_counts_every_token(run, tmp_path):
+    require("starlette")
+    require("uvicorn")
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import bench_serve

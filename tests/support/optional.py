@@ -17,7 +17,9 @@ EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "ma
 
 
 def require(name):
-    """The module `name`, or a skip naming its extra (a hard error when CI is set)."""
+    """The module `name` (a submodule too: "pyarrow.parquet"), or a skip naming its extra (a hard error
+    when CI is set)."""
     if os.environ.get("CI"):
         return importlib.import_module(name)
-    return pytest.importorskip(name, reason=f"{name} is not installed (pip install -e '.[{EXTRA.get(name, name)}]')")
+    top = name.split(".")[0]
+    return pytest.importorskip(name, reason=f"{name} is not installed (pip install -e '.[{EXTRA.get(top, top)}]')")
