@@ -134,6 +134,9 @@ def format_summary(stats: dict, data_dir: Path) -> str:
             f"{stats['files']} ({stats['train_files']} train, {stats['val_files']} val; {stats['not_utf8_files']} "
             f"not UTF-8, bad bytes read as U+FFFD; {stats['empty_files']} empty)"
         )
+    if stats.get("not_utf8_lines"):
+        n = stats["not_utf8_lines"]
+        files += f"; {n:,} line{'s' if n > 1 else ''} not UTF-8 (the first: {stats['first_not_utf8_line']})"
     left_out = stats.get("left_out_generated") or {}
     if left_out.get("files"):
         files += f"; {left_out['files']} generated tables ({left_out['bytes'] / 1e6:.1f} MB) left out"

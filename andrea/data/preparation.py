@@ -44,6 +44,7 @@ from andrea.data.progress import Log
 from andrea.data.request import STDLIB_VAL_FRACTION, VAL_FRACTION, check_val_fraction, default_val_fraction
 from andrea.data.shards import STATE_FILE, Encoder, new_state
 from andrea.data.sources import Plan, Source, open_source
+from andrea.data.sources.records import default_text_field
 from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer, load_tokenizer
 from andrea.errors import UserError
 from andrea.files import write_json
@@ -123,6 +124,7 @@ def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFA
     the corpus (listed and cut into blocks, each split holding text). A UserError on what would fail;
     the Preparation to write otherwise. `prepare` and `train --dry-run` both call this."""
     data_dir, log = Path(data_dir), log or Log(False)
+    text_field = default_text_field(inputs, text_field)  # `text` for inputs of records given without one
     # the request: its numbers in range; a tokenizer given is loaded and sets the vocabulary
     fraction = _check_request(inputs, val_fraction, None, tokenizer_sample)
     given = load_tokenizer(tokenizer) if tokenizer is not None else None

@@ -328,8 +328,8 @@ def test_a_second_jsonl_preparation_waits_then_finds_the_directory_complete(tmp_
     before = snapshot(other)
     with pytest.raises(UserError, match="another corpus"):  # another text field is another corpus
         preparation.prepare([str(path)], other, progress=False, tokenizer=tok_path, text_field="body")
-    with pytest.raises(UserError, match="another corpus"):  # and the same file read as text too
-        preparation.prepare([str(path)], other, progress=False, tokenizer=tok_path)
+    # a .jsonl named without a text field is read as records of `text`: the same corpus, kept
+    assert preparation.prepare([str(path)], other, progress=False, tokenizer=tok_path)["skipped"]
     assert snapshot(other) == before
 
 
