@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--text-field", metavar="NAME",
                    help="read the inputs as records, one document each (a JSON Lines line, a Parquet row): its "
-                        "text is this field's string (e.g. text)")
+                        "text is this field's string (default: text when every input is a .jsonl, .ndjson or "
+                        ".parquet file or glob, else the inputs are text files)")
     p.add_argument("--data-dir", type=Path, help="where to write (default: data/stdlib, or data/<input name>)")
     p.add_argument("--force", action="store_true", help="re-encode even if the directory is up to date")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids, EOT included (8449)")

@@ -90,7 +90,8 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
             force: bool = False, tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE,
             workers: int | None = None, shard_tokens: int = SHARD_TOKENS, text_field: str | None = None) -> dict:
     """Prepare `data_dir` from `inputs` (None: the stdlib) and return the stats saved in meta.json.
-    With `text_field`, the inputs are records (JSON Lines) whose documents are that field's text.
+    With `text_field`, the inputs are records (JSON Lines, Parquet) whose documents are that field's
+    text; without it, inputs that are all `.jsonl`, `.ndjson` or `.parquet` are records of `text`.
 
     `tokenizer` (a tokenizer.json, or a directory holding one: andrea's or a Hugging Face
     byte-level BPE) is used instead of training one; `vocab_size` is then its size. The result
