@@ -95,7 +95,7 @@ RULES = [
      Elsewhere("tests/gpu/test_gpu_check.py", 'subprocess.run(["bash", str(SCRIPT), "--dry-run"]')),
     (r"python -m andrea\.run\.allreduce --nccl-self-test", NEEDS_GPU),
     (r"python -c .*from_pretrained\('gpt2'\).*", LOCAL_GPT2),
-    (r"python -c .*pipeline\('text-generation', model='andrea-tiny-hf'\).*", []),
+    (r"python -c .*pipeline\('text-generation', model='out/andrea-tiny-hf'\).*", []),
     (r"python -m andrea\.train --init-from gpt2 .*", TWO_STEPS),
     (r"(\w+=\S+ )*mpiexec -n 4 python -m mpi4py -m andrea\.train .*", TWO_STEPS),
     (r"mpiexec -n 2 python -m mpi4py -m andrea\.train .* --dry-run", []),
@@ -376,7 +376,36 @@ def test_every_documented_command_runs_as_written(tmp_path):
     assert (tmp_path / "out" / "small" / "ckpt-00000004").is_dir()  # the resume went on from step 2
     assert (tmp_path / "out" / "notes-gpt2" / "ckpt-00000002").is_dir()
     assert (tmp_path / "out" / "small-dp4" / "ckpt-00000002").is_dir()
-    assert json.loads((tmp_path / "andrea-tiny-hf" / "config.json").read_text())["model_type"] == "gpt2"
-    assert (tmp_path / "notes-gpt2-hf" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "out" / "andrea-tiny-hf" / "config.json").read_text())["model_type"] == "gpt2"
+    assert (tmp_path / "out" / "notes-gpt2-hf" / "model.safetensors").is_file()  # export's default --out
+    assert not list(tmp_path.glob("*-hf")), "an export outside out/, which git ignores"
     assert (tmp_path / "data" / "tests" / "meta.json").is_file()
     assert (tmp_path / "out" / "loss.png").stat().st_size > 0  # under out/, which git ignores
+
+
+def test_an_export_goes_under_out_by_default(tmp_path):
+    """`export --checkpoint out/andrea-tiny` wrote nothing into the repository's root: out/andrea-tiny-hf,
+    under out/, which git ignores."""
+    from andrea.export import default_out
+
+    run = tmp_path / "out" / "andrea-tiny"
+    (run / "ckpt-00000002").mkdir(parents=True)
+    assert default_out(run) == default_out(run / "ckpt-00000002") == Path("out") / "andrea-tiny-hf"
+    assert "/out/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_readme_says_to_activate_the_venv_before_its_bare_python():
+    readme = (ROOT / "README.md").read_text()
+    first_bare = readme.index("\npython -m ")
+    assert ".venv/bin/python" in readme[:first_bare] and "source .venv/bin/activate" in readme[:first_bare]
+
+
+def test_the_serving_guide_installs_what_its_python_example_imports():
+    """The `openai` example once needed a package that no serving instruction installed."""
+    page = (ROOT / "docs" / "serving.md").read_text()
+    installed = " ".join(" ".join(words) for words in readme_commands(page) if words[:2] == ["pip", "install"])
+    imported = {m for block in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
+                for m in re.findall(r"^(?:from|import) (\w+)", block, re.M)}
+    assert imported and "openai" in imported
+    for module in imported - {"andrea", "json", "sys"}:
+        assert re.search(rf"\b{module}\b", installed), f"docs/serving.md imports {module}; no pip install there has it"
