@@ -2,8 +2,9 @@
 
 --checkpoint takes a run directory (its newest good checkpoint) or one ckpt-* directory, as
 andrea.sample does. DIR (by default out/<the run's name>-hf, beside the runs under out/, which git
-ignores: `--checkpoint out/andrea-tiny` writes out/andrea-tiny-hf) gets config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-special_tokens_map.json and generation_config.json (andrea.interop.hf), which transformers loads offline:
+ignores: `--checkpoint out/andrea-tiny` writes out/andrea-tiny-hf) gets config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json and
+generation_config.json (andrea.interop.hf), which transformers loads offline:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(DIR)

@@ -409,3 +409,22 @@ def test_the_serving_guide_installs_what_its_python_example_imports():
     assert imported and "openai" in imported
     for module in imported - {"andrea", "json", "sys"}:
         assert re.search(rf"\b{module}\b", installed), f"docs/serving.md imports {module}; no pip install there has it"
+
+
+def test_the_fast_tier_holds_andreas_own_logic_and_never_shrinks():
+    """The fast tier was tests/engine alone (16 of 67 mutants of andrea's newer code caught), and shrinking
+    made one fast failure a 5-minute one: the tier takes the schedules, sources, paired statistics and
+    the server's engine too, without their slow tests, in the dev profile, which does not shrink."""
+    from hypothesis import Phase, settings
+
+    assert Phase.shrink not in settings.get_profile("dev").phases
+    assert "python -m pytest -q --fast" in (ROOT / "README.md").read_text()
+    command = [sys.executable, "-m", "pytest", "-q", "--fast", "--collect-only", "-p", "no:cacheprovider"]
+    listed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stdout[-2000:] + listed.stderr[-2000:]
+    files = {line.split("::")[0] for line in listed.stdout.splitlines() if "::" in line}
+    for part in ("tests/engine/", "tests/app/test_schedule.py", "tests/app/test_sources.py",
+                 "tests/app/test_paired.py", "tests/app/test_serve.py"):
+        assert any(name.startswith(part) for name in files), part
+    assert not any(name.startswith(("tests/e2e/", "tests/model/", "tests/gpu/")) for name in files)
+    assert "test_a_jsonl_corpus_prepares_then_trains_as_a_user_runs_it" not in listed.stdout  # slow: left out
