@@ -159,3 +159,29 @@ def test_jsonl_and_parquet_given_without_a_text_field_are_records_of_the_text_fi
     code, err = cli(["--input", str(path), str(tmp_path / "notes.txt"), "--data-dir", str(tmp_path / "m"),
                      "--quiet"], capsys)
     assert code == 2 and "files of records" in err and "--text-field" in err, err
+
+
+# ----------------------------------------------------------------------------- bad records left out, when asked
+
+
+def test_records_that_cannot_be_read_are_left_out_and_counted_when_asked(tmp_path, capsys):
+    texts = text_lines(80, seed=5)
+    rows = jsonl_rows(texts)
+    rows.insert(30, b'{"text": "unfinished')
+    rows.insert(61, b'{"body": "no text field"}')
+    path = tmp_path / "web.jsonl"
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    argv = ["--input", str(path), "--data-dir", str(tmp_path / "d"), "--allow-smaller-vocab", "--vocab-size", "300"]
+    code, err = cli(argv + ["--quiet"], capsys)
+    assert code == 2 and f"{path}, line 31: not JSON" in err and "--skip-bad-records" in err, err
+    code, err = cli(argv + ["--skip-bad-records"], capsys)
+    assert code == 0, err
+    assert f"note: 2 records left out (--skip-bad-records), the first: {path}, line 31: not JSON" in err
+    meta = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert meta["skipped_records"] == 2 and meta["first_skipped_record"].startswith(f"{path}, line 31: ")
+    assert sorted(documents_of(tmp_path / "d")) == sorted(texts)  # every good record, none of the bad
+    pa, pq = require("pyarrow"), require("pyarrow.parquet")
+    pq.write_table(pa.table({"text": texts[:40] + [None] + texts[40:]}), tmp_path / "rows.parquet")
+    meta = preparation.prepare([str(tmp_path / "rows.parquet")], tmp_path / "p", skip_bad_records=True, **SMALL)
+    assert meta["skipped_records"] == 1 and "row 40: the column 'text' is null" in meta["first_skipped_record"]
+    assert sorted(documents_of(tmp_path / "p")) == sorted(texts)

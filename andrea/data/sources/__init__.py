@@ -85,6 +85,8 @@ class BlockText:
     bad_lines: int = 0
     bad_bytes: int = 0
     first_bad: Place | None = None
+    skipped: int = 0  # records that could not be read, left out (Source.skip_bad_records)
+    first_skipped: str | None = None  # what was wrong with the first of them
 
 
 @dataclass
@@ -114,6 +116,7 @@ class Documents:
     sizes: list[int] = field(default_factory=list)
     bad_records: list[int] = field(default_factory=list)
     bad_bytes: int = 0
+    skipped: list[str] = field(default_factory=list)  # with skip_bad: why each record left out was
 
 
 class Plan:
@@ -139,7 +142,10 @@ class Plan:
 class Source:
     """A corpus listed: its files under `files.root`, a one-line description, the files of its
     default that were left out. `settings()` is what a data directory records of the source beside
-    the inputs (a different value is a different corpus)."""
+    the inputs (a different value is a different corpus). With `skip_bad_records`, a record that cannot
+    be read is left out and counted instead of stopping the preparation (a records source's)."""
+
+    skip_bad_records = False
 
     def __init__(self, files: FileList, description: str, left_out: tuple[Path, ...] = ()):
         self.files, self.description, self.left_out = files, description, left_out

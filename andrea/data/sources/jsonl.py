@@ -106,8 +106,10 @@ def _not_blank(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> np.nda
     return full
 
 
-def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str) -> Documents:
-    """The documents of the block [start, end) of the file at `path`, whose first line is line `first`."""
+def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str,
+              skip_bad: bool = False) -> Documents:
+    """The documents of the block [start, end) of the file at `path`, whose first line is line `first`;
+    with `skip_bad`, a line that cannot be read is left out, its error kept in `skipped`."""
     try:
         with open(path, "rb") as f:
             f.seek(start)
@@ -121,7 +123,14 @@ def documents(path: Path, start: int, end: int, first: int, count: int, text_fie
     out = Documents(len(raw), True)
     for k, line in enumerate(text.split("\n")):
         if line.strip(" \t\r"):
-            value = _field(line, path, first + k, text_field)
+            try:
+                value = _field(line, path, first + k, text_field)
+            except UserError as e:
+                if not skip_bad:
+                    raise UserError(f"{e}; or leave out every such line, counted, with prepare --skip-bad-records") \
+                        from None
+                out.skipped.append(str(e))
+                continue
             try:
                 size = len(value.encode("utf-8"))
             except UnicodeEncodeError:  # a lone surrogate escape: not representable in UTF-8

@@ -76,8 +76,10 @@ def scan(path: Path, size: int, U: int, progress: Callable[[int], None], text_fi
     progress(size)  # the metadata alone was read
 
 
-def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str) -> Documents:
-    """The `count` rows of the file at `path` from row `first` on (one block of `scan`)."""
+def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str,
+              skip_bad: bool = False) -> Documents:
+    """The `count` rows of the file at `path` from row `first` on (one block of `scan`); with
+    `skip_bad`, a null is left out, its error kept in `skipped`."""
     table = _open(path, text_field)
     meta = table.metadata
     begins = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
@@ -89,7 +91,11 @@ def documents(path: Path, start: int, end: int, first: int, count: int, text_fie
     out = Documents(end - start, True)
     for row, text in enumerate(texts, first):
         if text is None:
-            raise UserError(f"{path}, row {row}: the column {text_field!r} is null there, not a string of text")
+            error = f"{path}, row {row}: the column {text_field!r} is null there, not a string of text"
+            if not skip_bad:
+                raise UserError(f"{error}; or leave out every such row, counted, with prepare --skip-bad-records")
+            out.skipped.append(error)
+            continue
         out.records.append(row)
         out.texts.append(text)
         out.sizes.append(len(text.encode("utf-8")))

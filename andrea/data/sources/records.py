@@ -18,6 +18,7 @@ training when all did).
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Callable
 
 import numpy as np
@@ -143,8 +144,12 @@ class RecordPlan(Plan):
     def read(self, j: int) -> BlockText:
         b = self.blocks[j]
         files = self.source.files
+        skip = {"skip_bad": True} if self.source.skip_bad_records else {}
+        if skip and "skip_bad" not in inspect.signature(format_of(files[b.file]).documents).parameters:
+            raise UserError(f"--skip-bad-records: the reader of {files[b.file]}'s format cannot leave records out: "
+                            "fix the file, or prepare without the option")
         docs = format_of(files[b.file]).documents(files[b.file], b.nominal_start, b.nominal_end, int(self.first[j]),
-                                                  int(self.count[j]), self.source.text_field)
+                                                  int(self.count[j]), self.source.text_field, **skip)
         records = np.asarray(docs.records, dtype=np.int64)
         val = record_keys(file_seed(files.relative(b.file)), records) < self.val_fraction
         for (file, record), side in self.forced.items():
@@ -162,6 +167,8 @@ class RecordPlan(Plan):
             out.first_bad = Place(files[b.file], line=docs.bad_records[0])
         elif not docs.valid_utf8:  # a format that does not say which records: its whole block
             out.bad_lines, out.bad_bytes, out.first_bad = 1, docs.n_bytes, Place(files[b.file], line=int(self.first[j]))
+        if docs.skipped:
+            out.skipped, out.first_skipped = len(docs.skipped), docs.skipped[0]
         return out
 
     def manifest(self, stats: dict) -> dict:
