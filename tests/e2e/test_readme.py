@@ -428,3 +428,12 @@ def test_the_fast_tier_holds_andreas_own_logic_and_never_shrinks():
         assert any(name.startswith(part) for name in files), part
     assert not any(name.startswith(("tests/e2e/", "tests/model/", "tests/gpu/")) for name in files)
     assert "test_a_jsonl_corpus_prepares_then_trains_as_a_user_runs_it" not in listed.stdout  # slow: left out
+
+
+def test_the_readme_says_how_long_its_long_commands_take():
+    """The mpiexec example (a whole ANDREA-small run) and the experiments once came with no duration."""
+    readme = (ROOT / "README.md").read_text()
+    several = readme[readme.index("## Several processes or machines"):].split("\n## ")[0]
+    assert re.search(r"about \d+ hours on 2 CPU cores", several) and "16.4M tokens" in several
+    learn = readme[readme.index("## Learn the maths"):].split("\n## ")[0]
+    assert re.search(r"\d+ min for all eight, so about \d+ min on 2 idle cores", learn)
