@@ -1,8 +1,10 @@
 """Export a trained ANDREA as a Hugging Face GPT-2 directory: `python -m andrea.export --checkpoint RUN --out DIR`.
 
 --checkpoint takes a run directory (its newest good checkpoint) or one ckpt-* directory, as
-andrea.sample does. DIR gets config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-special_tokens_map.json and generation_config.json (andrea.interop.hf), which transformers loads offline:
+andrea.sample does. DIR (by default out/<the run's name>-hf, beside the runs under out/, which git
+ignores: `--checkpoint out/andrea-tiny` writes out/andrea-tiny-hf) gets config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json and
+generation_config.json (andrea.interop.hf), which transformers loads offline:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(DIR)
@@ -31,13 +33,19 @@ def run_directory(checkpoint) -> Path:
     return path.parent if path.name.startswith("ckpt-") or (path / "meta.json").exists() else path
 
 
+def default_out(checkpoint) -> Path:
+    """out/<run name>-hf: where an export goes when --out is not given."""
+    return Path("out") / f"{run_directory(checkpoint).resolve().name}-hf"
+
+
 def main(argv=None):
     ap = ArgumentParser(prog="python -m andrea.export", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a run directory or a ckpt-* directory")
-    ap.add_argument("--out", required=True, help="the directory to write (created if missing; an earlier "
-                                                 "export of the same run there is replaced)")
+    ap.add_argument("--out", help="the directory to write (created if missing; an earlier export of the same run "
+                                  "there is replaced); default: out/<run name>-hf")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
+    args.out = str(args.out or default_out(args.checkpoint))
     check_directory(args.out, "--out")
     rundir.check(args.out, "export", source=run_directory(args.checkpoint))
     model, tokenizer, meta = load_model(args.checkpoint, device="cpu")

@@ -62,7 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--text-field", metavar="NAME",
                    help="read the inputs as records, one document each (a JSON Lines line, a Parquet row): its "
-                        "text is this field's string (e.g. text)")
+                        "text is this field's string (default: text when every input is a .jsonl, .ndjson or "
+                        ".parquet file or glob, else the inputs are text files)")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="records only: leave out a JSON Lines line that cannot be read (not JSON, no text field, not "
+                        "a string), counted and the first named, instead of stopping at it")
     p.add_argument("--data-dir", type=Path, help="where to write (default: data/stdlib, or data/<input name>)")
     p.add_argument("--force", action="store_true", help="re-encode even if the directory is up to date")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="token ids, EOT included (8449)")
@@ -134,6 +138,11 @@ def format_summary(stats: dict, data_dir: Path) -> str:
             f"{stats['files']} ({stats['train_files']} train, {stats['val_files']} val; {stats['not_utf8_files']} "
             f"not UTF-8, bad bytes read as U+FFFD; {stats['empty_files']} empty)"
         )
+    if stats.get("skipped_records"):
+        files += f"; {stats['skipped_records']:,} records left out (the first: {stats['first_skipped_record']})"
+    if stats.get("not_utf8_lines"):
+        n = stats["not_utf8_lines"]
+        files += f"; {n:,} line{'s' if n > 1 else ''} not UTF-8 (the first: {stats['first_not_utf8_line']})"
     left_out = stats.get("left_out_generated") or {}
     if left_out.get("files"):
         files += f"; {left_out['files']} generated tables ({left_out['bytes'] / 1e6:.1f} MB) left out"
@@ -206,6 +215,7 @@ def main(argv: list[str]) -> int:
         tokenizer_sample=args.tokenizer_sample,
         workers=args.workers,
         text_field=args.text_field,
+        skip_bad_records=args.skip_bad_records,
     )
     print(format_summary(stats, data_dir))
     return 0

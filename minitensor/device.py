@@ -20,6 +20,9 @@ import numpy as np
 
 DEVICES = ("auto", "cpu", "gpu")
 INSTALL_HINT = "pip install 'andrea[cuda12]' or 'andrea[cuda13]' (matching your CUDA driver)"
+NO_DRIVER_HINT = ("CuPy is installed, but no NVIDIA driver or GPU answers here (`nvidia-smi` shows what the "
+                  "machine has): run on a machine with an NVIDIA GPU and its driver, with the cuda extra that "
+                  "matches the driver's CUDA version, or leave --device unset to run on the CPU")
 
 
 class GPUUnavailable(RuntimeError):
@@ -78,6 +81,14 @@ def _first_line(e):
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
+def unavailable(why: str, option: str = "--device gpu") -> str:
+    """The message for a GPU asked for by `option` that the probe found unusable for the reason `why`,
+    with what to do: install CuPy when it is missing, find a GPU and its driver when CuPy is there
+    but no device answers, install the cuda extra's libraries when a kernel or a GEMM fails."""
+    no_driver = "InsufficientDriver" in why or "NoDevice" in why or "no CUDA device" in why
+    return f"{option}: no usable GPU: {why}. {NO_DRIVER_HINT if no_driver else 'To use one: ' + INSTALL_HINT}"
+
+
 def gpu_available():
     """True if a GPU is usable through CuPy; never raises."""
     return _probe_gpu()[0]
@@ -111,7 +122,7 @@ def get_device(device=None, quiet=False):
 
         return Device(cupy, "gpu")
     if device == "gpu":
-        raise GPUUnavailable(f"--device gpu: no usable GPU: {why}. To use one: {INSTALL_HINT}")
+        raise GPUUnavailable(unavailable(why))
     if not quiet and not _fallback_reported:
         print(f"note: no usable GPU ({why}); running on the CPU with NumPy", file=sys.stderr)
         _fallback_reported = True

@@ -8,14 +8,20 @@ selects the same tests either way. The `cupy` fixture is for tests that run only
 CUDA kernels). `model_backend` runs a whole-model test on every backend, and on CuPy twice: with
 the generic kernels and with every fused one in use (`ANDREA(cfg, **model_backend.args)`).
 
+The fast tier, `python -m pytest -q --fast`, is the one a newcomer runs first: the files of
+FAST_TIER (the engine's maths and sampling, and andrea's own logic: the LR schedules, the sources,
+the experiments' paired statistics, the server's engine), their tests not marked `slow` or `gpu`,
+in the `dev` profile; every other file is not even collected.
+
 The hypothesis profiles, registered here once and chosen by ANDREA_TEST_PROFILE or pytest's
 --hypothesis-profile: `ci` (the default) runs each test's own count, the max_examples of its
-@settings (hypothesis' 100 where it sets none); `dev` (the fast tier a newcomer runs first) and `gpu`
+@settings (hypothesis' 100 where it sets none); `dev` (the fast tier's) and `gpu`
 (scripts/gpu_check.sh: the lent GPU's minutes go to more kinds of checks rather than more draws of
 each) cap every test at a few examples. No profile has a deadline: a loaded machine is not a
-failure. The stand-in's parameters always run the gpu profile's count (the NumPy parameters of the
-same tests keep theirs): they check that the CuPy code paths run and agree with NumPy, not more
-draws of the same maths.
+failure. `dev` does not shrink a failing example either: shrinking turned one fast failure into
+five minutes, and the fast tier is for finding out, at once, that something fails. The stand-in's
+parameters always run the gpu profile's count (the NumPy parameters of the same tests keep theirs):
+they check that the CuPy code paths run and agree with NumPy, not more draws of the same maths.
 """
 
 import json
@@ -26,15 +32,49 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 from gpu_standin import standin_cupy, standin_module
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from andrea.data.preparation import prepare
 from minitensor import device
 
 PROFILES = {"ci": None, "dev": 2, "gpu": 3}  # the most examples a test draws (None: its own count)
+NO_SHRINKING = tuple(phase for phase in Phase if phase is not Phase.shrink)
 for _name, _cap in PROFILES.items():
-    settings.register_profile(_name, deadline=None, **({} if _cap is None else {"max_examples": _cap}))
+    settings.register_profile(_name, deadline=None, **({} if _cap is None else {"max_examples": _cap}),
+                              **({"phases": NO_SHRINKING} if _name == "dev" else {}))
 settings.load_profile(os.environ.get("ANDREA_TEST_PROFILE", "ci"))
+
+ROOT = Path(__file__).resolve().parents[1]
+# The fast tier (`--fast`): these folders and files, their tests not marked slow or gpu (README: its time).
+FAST_TIER = (
+    "tests/engine/",                    # every layer, the ops, the optimizer, the flat buffers, sampling
+    "tests/app/test_schedule.py",       # the LR schedules
+    "tests/app/test_sources.py",        # the sources: documents, the split, bad records
+    "tests/app/test_data_documents.py",
+    "tests/app/test_data_split_edges.py",
+    "tests/app/test_paired.py",         # the experiments' paired statistics
+    "tests/app/test_serve.py",          # the server's engine: completions against andrea.sample, stops, logprobs
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier: FAST_TIER of tests/conftest.py, without slow or gpu tests, 'dev' profile")
+
+
+def _in_fast_tier(path: Path) -> bool:
+    """Whether the file or folder `path` is, holds or lies in a part of FAST_TIER."""
+    try:
+        rel = path.resolve().relative_to(ROOT).as_posix() + ("/" if path.is_dir() else "")
+    except ValueError:
+        return False
+    return any(rel.startswith(part) or part.startswith(rel) for part in FAST_TIER)
+
+
+def pytest_ignore_collect(collection_path, config):
+    if config.getoption("fast") and not _in_fast_tier(Path(collection_path)):
+        return True
+    return None
 
 
 def _gpu():
@@ -62,9 +102,17 @@ def backends_line():
     return f"andrea backends: numpy, cupy stand-in for the GPU-marked tests (no usable GPU: {why})"
 
 
+def _profile(config) -> str:
+    """The hypothesis profile of this session: the one named, else `dev` for --fast, else ci."""
+    named = config.getoption("hypothesis_profile", None) or os.environ.get("ANDREA_TEST_PROFILE")
+    return named or ("dev" if config.getoption("fast") else "ci")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "standin: runs on the CuPy stand-in (minitensor.checks.standin), no GPU here")
     config.addinivalue_line("markers", "real_gpu(reason): a GPU-marked test the stand-in cannot run (skipped there)")
+    if config.getoption("fast") and not config.getoption("hypothesis_profile", None):
+        settings.load_profile(_profile(config))
 
 
 def pytest_report_header(config):
@@ -129,7 +177,13 @@ def pytest_collection_modifyitems(config, items):
         # the stand-in's params, or the stand-in first on PYTHONPATH (which the probe takes for a GPU)
         if real and (item.get_closest_marker("standin") or getattr(GPU_CUPY, "STANDIN", False)):
             item.add_marker(pytest.mark.skip(reason=f"needs a real GPU: {real.args[0]}"))
-    profile = config.getoption("hypothesis_profile", None) or os.environ.get("ANDREA_TEST_PROFILE", "ci")
+    if config.getoption("fast"):  # the tier's files only were collected: now its quick tests
+        slow = [item for item in items if item.get_closest_marker("slow") or item.get_closest_marker("gpu")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            left_out = set(slow)
+            items[:] = [item for item in items if item not in left_out]
+    profile = _profile(config)
     for item in items:
         test = getattr(item, "obj", None)
         few = _few_examples(test, PROFILES.get(profile))

@@ -75,7 +75,7 @@ def train_tokenizer(plan, vocab_size, allow_smaller, sample, log: Log) -> Tokeni
              f"({total / 1e6:.1f} MB)...")
     bar = log.progress("tokenizer: reading", len(chosen), total, unit="blocks")
     stop, read_all = threading.Event(), threading.Event()
-    seen = {"bytes": 0, "bad": 0, "bad_file": None}
+    seen = {"bytes": 0, "bad": 0, "bad_lines": 0, "first_bad": None}
     result = {}
 
     def texts():
@@ -85,9 +85,10 @@ def train_tokenizer(plan, vocab_size, allow_smaller, sample, log: Log) -> Tokeni
             block = plan.read(j)
             n = block.n_bytes
             seen["bytes"] += n
-            if not block.valid_utf8:
-                seen["bad"] += n
-                seen["bad_file"] = seen["bad_file"] or files[blocks[j].file]
+            if block.bad_lines:  # counted line by line: one bad line is that line, not its block
+                seen["bad"] += block.bad_bytes
+                seen["bad_lines"] += block.bad_lines
+                seen["first_bad"] = seen["first_bad"] or block.first_bad
                 if seen["bytes"] >= (1 << 20) and 2 * seen["bad"] > seen["bytes"]:
                     return  # mostly not text: stop reading, refused below
             bar.update(i + 1, n)
@@ -126,8 +127,9 @@ def _trained(result: dict, seen: dict, blocks, vocab_size: int, allow_smaller: b
     """The tokenizer the trainer's thread made, or what went wrong: text that is not UTF-8, the
     trainer's error, or fewer ids than asked for (the sample's fault, or the corpus's)."""
     if seen["bytes"] and 2 * seen["bad"] > seen["bytes"]:
-        raise UserError(f"the corpus does not look like text: {seen['bad'] / 1e6:.1f} of the first "
-                        f"{seen['bytes'] / 1e6:.1f} MB read are not UTF-8 (e.g. {seen['bad_file']}): give text files")
+        raise UserError(f"the corpus does not look like text: {seen['bad_lines']:,} lines of {byte_size(seen['bad'])}, "
+                        f"most of the {byte_size(seen['bytes'])} read, are not UTF-8 (the first: {seen['first_bad']}): "
+                        "give text files, or convert them to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
     if "error" in result:
         raise result["error"]
     tok = result["tok"]
@@ -137,6 +139,11 @@ def _trained(result: dict, seen: dict, blocks, vocab_size: int, allow_smaller: b
     if tok.vocab_size < vocab_size:
         log.line(f"note: the corpus is too small for {vocab_size} ids; the tokenizer has {tok.vocab_size}")
     return tok
+
+
+def byte_size(n: int) -> str:
+    """`n` bytes for a message: 312 bytes, 38.1 kB, 2.5 MB."""
+    return f"{n} bytes" if n < 1000 else f"{n / 1e3:.1f} kB" if n < 1_000_000 else f"{n / 1e6:.1f} MB"
 
 
 def _too_few_ids(found: int, wanted: int, read: int, train_bytes: int, sample: int) -> str:

@@ -61,7 +61,7 @@ def resolve_inputs(specs: Iterable[str], progress: Callable[[int], None] | None 
 
 
 def iter_input_names(specs: Iterable[str], progress: Callable[[int], None] | None = None,
-                     keep: Callable[[str], bool] | None = None) -> Iterator[str]:
+                     keep: Callable[[str], bool] | None = None, looked_for: str = "") -> Iterator[str]:
     """`resolve_inputs` one absolute path string at a time, without holding the list: a directory
     is walked one directory at a time (`_walk_text_files`), each spec's files come sorted, and the
     specs' streams are merged, a file named twice given once. Paths are ordered part by part, as
@@ -69,12 +69,12 @@ def iter_input_names(specs: Iterable[str], progress: Callable[[int], None] | Non
 
     A glob is the exception: its matches are expanded, sorted and held whole (the glob module
     returns them as a list anyway). A spec that yields no file raises when its stream ends.
-    `keep`, if given, chooses among the files a directory or a glob yields (a source's suffixes);
-    a file named explicitly is always taken.
+    `keep`, if given, chooses among the files a directory or a glob yields (a source's suffixes,
+    which `looked_for` names for the error when none is found); a file named explicitly is always taken.
     """
     progress = progress or (lambda n: None)
     previous, count = None, 0
-    for name in heapq.merge(*(_spec_names(spec, keep) for spec in specs), key=_part_key):
+    for name in heapq.merge(*(_spec_names(spec, keep, looked_for) for spec in specs), key=_part_key):
         if name != previous:
             count += 1
             progress(count)
@@ -87,7 +87,7 @@ def _part_key(name: str) -> str:
     return name.replace(os.sep, "\0")
 
 
-def _spec_names(spec: str, keep: Callable[[str], bool] | None = None) -> Iterator[str]:
+def _spec_names(spec: str, keep: Callable[[str], bool] | None = None, looked_for: str = "") -> Iterator[str]:
     """The files of one spec in `_part_key` order; a UserError once it is clear there are none."""
     path = os.path.expanduser(spec)
     if os.path.isfile(path):
@@ -105,7 +105,17 @@ def _spec_names(spec: str, keep: Callable[[str], bool] | None = None) -> Iterato
         found = True
         yield name
     if not found:
-        raise UserError(f"input {spec!r} matches no file")
+        raise UserError(_nothing_found(spec, path, looked_for if keep is not None else ""))
+
+
+def _nothing_found(spec: str, path: str, looked_for: str) -> str:
+    """What a spec that yields no file did look for."""
+    if not (os.path.isdir(path) or any(ch in spec for ch in "*?[")):
+        return f"input {spec!r} matches no file: no such file or directory"
+    what = "the directory holds" if os.path.isdir(path) else "the glob pattern matches"
+    wanted = looked_for or ("text file (hidden files and binary or compressed formats, .gz, .zip, .png, .pyc, ..., "
+                            "are left out)")
+    return f"input {spec!r} matches no file: {what} no {wanted}; a file named by itself is always read"
 
 
 def _glob_names(pattern: str) -> Iterator[str]:

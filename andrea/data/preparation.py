@@ -44,6 +44,7 @@ from andrea.data.progress import Log
 from andrea.data.request import STDLIB_VAL_FRACTION, VAL_FRACTION, check_val_fraction, default_val_fraction
 from andrea.data.shards import STATE_FILE, Encoder, new_state
 from andrea.data.sources import Plan, Source, open_source
+from andrea.data.sources.records import default_text_field
 from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer, load_tokenizer
 from andrea.errors import UserError
 from andrea.files import write_json
@@ -87,9 +88,12 @@ class Preparation:
 def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
             val_fraction: float | None = None, progress: bool = True, allow_smaller_vocab: bool = False,
             force: bool = False, tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE,
-            workers: int | None = None, shard_tokens: int = SHARD_TOKENS, text_field: str | None = None) -> dict:
+            workers: int | None = None, shard_tokens: int = SHARD_TOKENS, text_field: str | None = None,
+            skip_bad_records: bool = False) -> dict:
     """Prepare `data_dir` from `inputs` (None: the stdlib) and return the stats saved in meta.json.
-    With `text_field`, the inputs are records (JSON Lines) whose documents are that field's text.
+    With `text_field`, the inputs are records (JSON Lines, Parquet) whose documents are that field's
+    text; without it, inputs that are all `.jsonl`, `.ndjson` or `.parquet` are records of `text`.
+    With `skip_bad_records`, a record that cannot be read is left out and counted instead of stopping.
 
     `tokenizer` (a tokenizer.json, or a directory holding one: andrea's or a Hugging Face
     byte-level BPE) is used instead of training one; `vocab_size` is then its size. The result
@@ -105,7 +109,7 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
     with lock.writing(data_dir, log.line) as created:
         try:
             plan = check_preparation(inputs, data_dir, vocab_size, val_fraction, allow_smaller_vocab, force,
-                                     tokenizer, tokenizer_sample, shard_tokens, log, text_field)
+                                     tokenizer, tokenizer_sample, shard_tokens, log, text_field, skip_bad_records)
             if plan.done is not None:
                 return {**plan.done, "skipped": True}
             return _write(plan, workers or default_workers(), t0, log)
@@ -118,11 +122,13 @@ def prepare(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_
 def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFAULT_VOCAB_SIZE,
                       val_fraction: float | None = None, allow_smaller_vocab: bool = False, force: bool = False,
                       tokenizer=None, tokenizer_sample: int = TOKENIZER_SAMPLE, shard_tokens: int = SHARD_TOKENS,
-                      log: Log | None = None, text_field: str | None = None) -> Preparation:
+                      log: Log | None = None, text_field: str | None = None,
+                      skip_bad_records: bool = False) -> Preparation:
     """Every check of a preparation, reading only: the request, the directory's state and tokenizer,
     the corpus (listed and cut into blocks, each split holding text). A UserError on what would fail;
     the Preparation to write otherwise. `prepare` and `train --dry-run` both call this."""
     data_dir, log = Path(data_dir), log or Log(False)
+    text_field = default_text_field(inputs, text_field)  # `text` for inputs of records given without one
     # the request: its numbers in range; a tokenizer given is loaded and sets the vocabulary
     fraction = _check_request(inputs, val_fraction, None, tokenizer_sample)
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
@@ -138,6 +144,7 @@ def check_preparation(inputs: list[str] | None, data_dir, vocab_size: int = DEFA
         return Preparation(data_dir, done=meta)
     # the corpus listed, cut into blocks and split; the directory's tokenizer checked against the request
     corpus, sizes = _list_corpus(inputs, text_field, log)
+    corpus.skip_bad_records = skip_bad_records
     existing = datadir.existing_tokenizer(data_dir, vocab_size, allow_smaller_vocab, given)
     planned = corpus.plan(sizes, fraction, log)
     planned.check()

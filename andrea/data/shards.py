@@ -160,6 +160,12 @@ class Encoder:
         st, b = self.state, piece.block
         st["file_not_utf8"] = st["file_not_utf8"] or not piece.text.valid_utf8
         st["empty_documents"] = st.get("empty_documents", 0) + piece.text.empty_documents
+        if piece.text.skipped:
+            st["skipped_records"] = st.get("skipped_records", 0) + piece.text.skipped
+            st["first_skipped_record"] = st.get("first_skipped_record") or piece.text.first_skipped
+        if piece.text.bad_lines:
+            st["not_utf8_lines"] = st.get("not_utf8_lines", 0) + piece.text.bad_lines
+            st["first_not_utf8_line"] = st.get("first_not_utf8_line") or str(piece.text.first_bad)
         for part, ids in zip(piece.text.parts, piece.ids):
             split = "val" if part.val else "train"
             if len(ids):
@@ -198,11 +204,23 @@ class Encoder:
         n_files = len(self.plan.source.files)
         if not_utf8 > max(10, n_files // 10):
             self.log.line(f"note: {not_utf8} of {n_files} files are not UTF-8: is the corpus binary in part?")
+        bad_lines, skipped = st.get("not_utf8_lines", 0), st.get("skipped_records", 0)
+        if skipped:
+            self.log.line(f"note: {skipped:,} record{'s' if skipped > 1 else ''} left out (--skip-bad-records), "
+                          f"the first: {st['first_skipped_record']}")
+        if bad_lines:
+            self.log.line(f"note: {bad_lines:,} line{'s' if bad_lines > 1 else ''} not UTF-8 (the first: "
+                          f"{st['first_not_utf8_line']}), read with U+FFFD for the bytes that are not: convert the "
+                          "file to UTF-8 to keep its text as written (e.g. iconv -f latin1 -t utf-8)")
         return {
             "bytes": total_bytes,
             "train_bytes": st["bytes"]["train"],
             "val_bytes": st["bytes"]["val"],
             "not_utf8_files": not_utf8,
+            "not_utf8_lines": bad_lines,
+            "skipped_records": skipped,
+            "first_skipped_record": st.get("first_skipped_record"),
+            "first_not_utf8_line": st.get("first_not_utf8_line"),
             "empty_files": int(np.count_nonzero(np.asarray(self.plan.sizes) == 0)),
             "train_tokens": n_tokens["train"],
             "val_tokens": n_tokens["val"],

@@ -181,16 +181,18 @@ def block_span(f, block: Block, size: int, next_nominal_end: int) -> tuple[int, 
     return start, max(start, end)
 
 
-def read_block(path: Path, block: Block, size: int, next_nominal_end: int, span_only: bool = False):
+def read_block(path: Path, block: Block, size: int, next_nominal_end: int, span_only: bool = False,
+               with_start: bool = False):
     """The bytes of `block` of the file at `path` (of `size` bytes when planned); with `span_only`,
-    how many they are, found by reading only around the cuts."""
+    how many they are, found by reading only around the cuts; with `with_start`, (where they start
+    in the file, the bytes)."""
     try:
         with open(path, "rb") as f:
             start, end = block_span(f, block, size, next_nominal_end)
             if span_only:
                 return end - start
             f.seek(start)
-            return f.read(end - start)
+            return (start, f.read(end - start)) if with_start else f.read(end - start)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from e
 
@@ -201,6 +203,28 @@ def decode(raw: bytes) -> tuple[str, bool]:
         return raw.decode("utf-8"), True
     except UnicodeDecodeError:
         return raw.decode("utf-8", errors="replace"), False
+
+
+def decode_lines(raw: bytes) -> tuple[str, list[int], int]:
+    """(text, where, n): `raw` decoded as `decode` does it, with the offsets in `raw` of the lines that
+    hold bytes that are not UTF-8 and the bytes of those lines (newlines included), so that one bad
+    line counts as that line, never as its whole block. A newline is never part of a multi-byte
+    character, so decoding line by line gives the same text as decoding the block at once."""
+    try:
+        return raw.decode("utf-8"), [], 0
+    except UnicodeDecodeError as e:
+        first = raw.rfind(b"\n", 0, e.start) + 1  # every line before the first error is UTF-8
+    where, n, start = [], 0, first
+    while start < len(raw):
+        end = raw.find(b"\n", start)
+        end = len(raw) if end < 0 else end + 1
+        try:
+            raw[start:end].decode("utf-8")
+        except UnicodeDecodeError:
+            where.append(start)
+            n += end - start
+        start = end
+    return raw.decode("utf-8", errors="replace"), where, n
 
 
 class BlockReader:
@@ -214,16 +238,23 @@ class BlockReader:
         text, valid = decode(raw)
         return len(raw), text, valid
 
+    def read_lines(self, j: int) -> tuple[int, str, list[int], int]:
+        """Block j's (bytes, text, where, n): `where` the offsets in its file of the lines that hold
+        bytes that are not UTF-8, `n` the bytes of those lines (`decode_lines`)."""
+        start, raw = self._read(j, span_only=False, with_start=True)
+        text, where, n = decode_lines(raw)
+        return len(raw), text, [start + k for k in where], n
+
     def n_bytes(self, j: int) -> int:
         """How many bytes block j holds, its cuts found without reading the rest of it."""
         return self._read(j, span_only=True)
 
-    def _read(self, j: int, span_only: bool):
+    def _read(self, j: int, span_only: bool, with_start: bool = False):
         b = self.blocks[j]
         following = self.blocks[j + 1] if j + 1 < len(self.blocks) else None
         size = int(self.sizes[b.file])
         limit = following.nominal_end if following is not None and following.file == b.file else size
-        return read_block(self.paths[b.file], b, size, limit, span_only)
+        return read_block(self.paths[b.file], b, size, limit, span_only, with_start)
 
 
 def ordered_map(

@@ -99,7 +99,7 @@ def probe_device(device: str) -> tuple[str, str]:
     if ok:
         return "gpu", ""
     if device == "gpu":
-        raise UserError(f"--device gpu: no usable GPU: {why}. To use one: {minitensor.device.INSTALL_HINT}")
+        raise UserError(minitensor.device.unavailable(why))
     if "InsufficientDriver" in why or "NoDevice" in why or "no CUDA device found" in why:
         why = "CuPy is installed, but this machine has no CUDA driver or GPU"
     return "cpu", f"no usable GPU ({why}): training on the CPU; --device cpu skips the GPU probe"

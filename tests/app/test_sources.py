@@ -131,6 +131,7 @@ def test_the_split_is_a_function_of_each_documents_file_and_line(tmp_path, tok_p
     assert meta["documents"] == {"train": 1, "val": 1}
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier (tests/conftest.py)
 def test_a_document_larger_than_a_block_stays_whole_in_one_split(tmp_path, tok_path):
     huge = "doc huge: " + lines(np.random.default_rng(7), MAX_BLOCK + 300_000)  # 1.3 MB of text in one line
     texts = documents(30, seed=2)
@@ -245,6 +246,7 @@ def write_parquet(path, texts, row_group_size, field="text"):
     return path
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier (tests/conftest.py)
 def test_parquet_rows_are_documents_read_in_blocks_of_a_row_group(tmp_path, tok_path):
     """Row groups of ~2.5 MB are read in pieces, small ones whole; beside a JSON Lines file in the same
     directory, every document goes once, whole, to one side, in order."""
@@ -286,6 +288,7 @@ def test_a_parquet_column_missing_or_not_text_or_null_is_one_line(tmp_path, tok_
 # ----------------------------------------------------------------------------- a data directory kept whole
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier (tests/conftest.py)
 def test_an_interrupted_jsonl_preparation_resumes_to_what_an_uninterrupted_one_writes(tmp_path, tok_path,
                                                                                     monkeypatch):
     path = write_jsonl(tmp_path / "r.jsonl", documents(3000, seed=5))
@@ -328,8 +331,8 @@ def test_a_second_jsonl_preparation_waits_then_finds_the_directory_complete(tmp_
     before = snapshot(other)
     with pytest.raises(UserError, match="another corpus"):  # another text field is another corpus
         preparation.prepare([str(path)], other, progress=False, tokenizer=tok_path, text_field="body")
-    with pytest.raises(UserError, match="another corpus"):  # and the same file read as text too
-        preparation.prepare([str(path)], other, progress=False, tokenizer=tok_path)
+    # a .jsonl named without a text field is read as records of `text`: the same corpus, kept
+    assert preparation.prepare([str(path)], other, progress=False, tokenizer=tok_path)["skipped"]
     assert snapshot(other) == before
 
 
@@ -337,6 +340,7 @@ def _sigint_as_from_a_terminal():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier (tests/conftest.py)
 def test_ctrl_c_while_encoding_a_jsonl_corpus_exits_130_leaving_nothing_half_written(tmp_path, tok_path):
     path = write_jsonl(tmp_path / "big.jsonl", documents(40_000, seed=8, words=(20, 80)))  # ~8 MB
     out = tmp_path / "d"
@@ -379,6 +383,7 @@ def test_prepare_and_train_find_the_same_data_directory_and_take_the_same_fracti
     assert load_config("tiny", ["data.val_fraction=0.49"]).data.val_fraction == 0.49
 
 
+@pytest.mark.slow  # seconds: left out of the fast tier (tests/conftest.py)
 def test_a_jsonl_corpus_prepares_then_trains_as_a_user_runs_it(tmp_path, monkeypatch, capsys):
     """`prepare --input web.jsonl --text-field text` writes data/web; `train` with the same inputs and
     text field finds it there (the one rule) and trains a tiny model a few steps on it."""

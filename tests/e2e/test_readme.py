@@ -95,7 +95,7 @@ RULES = [
      Elsewhere("tests/gpu/test_gpu_check.py", 'subprocess.run(["bash", str(SCRIPT), "--dry-run"]')),
     (r"python -m andrea\.run\.allreduce --nccl-self-test", NEEDS_GPU),
     (r"python -c .*from_pretrained\('gpt2'\).*", LOCAL_GPT2),
-    (r"python -c .*pipeline\('text-generation', model='andrea-tiny-hf'\).*", []),
+    (r"python -c .*pipeline\('text-generation', model='out/andrea-tiny-hf'\).*", []),
     (r"python -m andrea\.train --init-from gpt2 .*", TWO_STEPS),
     (r"(\w+=\S+ )*mpiexec -n 4 python -m mpi4py -m andrea\.train .*", TWO_STEPS),
     (r"mpiexec -n 2 python -m mpi4py -m andrea\.train .* --dry-run", []),
@@ -376,7 +376,64 @@ def test_every_documented_command_runs_as_written(tmp_path):
     assert (tmp_path / "out" / "small" / "ckpt-00000004").is_dir()  # the resume went on from step 2
     assert (tmp_path / "out" / "notes-gpt2" / "ckpt-00000002").is_dir()
     assert (tmp_path / "out" / "small-dp4" / "ckpt-00000002").is_dir()
-    assert json.loads((tmp_path / "andrea-tiny-hf" / "config.json").read_text())["model_type"] == "gpt2"
-    assert (tmp_path / "notes-gpt2-hf" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "out" / "andrea-tiny-hf" / "config.json").read_text())["model_type"] == "gpt2"
+    assert (tmp_path / "out" / "notes-gpt2-hf" / "model.safetensors").is_file()  # export's default --out
+    assert not list(tmp_path.glob("*-hf")), "an export outside out/, which git ignores"
     assert (tmp_path / "data" / "tests" / "meta.json").is_file()
     assert (tmp_path / "out" / "loss.png").stat().st_size > 0  # under out/, which git ignores
+
+
+def test_an_export_goes_under_out_by_default(tmp_path):
+    """`export --checkpoint out/andrea-tiny` wrote nothing into the repository's root: out/andrea-tiny-hf,
+    under out/, which git ignores."""
+    from andrea.export import default_out
+
+    run = tmp_path / "out" / "andrea-tiny"
+    (run / "ckpt-00000002").mkdir(parents=True)
+    assert default_out(run) == default_out(run / "ckpt-00000002") == Path("out") / "andrea-tiny-hf"
+    assert "/out/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_readme_says_to_activate_the_venv_before_its_bare_python():
+    readme = (ROOT / "README.md").read_text()
+    first_bare = readme.index("\npython -m ")
+    assert ".venv/bin/python" in readme[:first_bare] and "source .venv/bin/activate" in readme[:first_bare]
+
+
+def test_the_serving_guide_installs_what_its_python_example_imports():
+    """The `openai` example once needed a package that no serving instruction installed."""
+    page = (ROOT / "docs" / "serving.md").read_text()
+    installed = " ".join(" ".join(words) for words in readme_commands(page) if words[:2] == ["pip", "install"])
+    imported = {m for block in re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
+                for m in re.findall(r"^(?:from|import) (\w+)", block, re.M)}
+    assert imported and "openai" in imported
+    for module in imported - {"andrea", "json", "sys"}:
+        assert re.search(rf"\b{module}\b", installed), f"docs/serving.md imports {module}; no pip install there has it"
+
+
+def test_the_fast_tier_holds_andreas_own_logic_and_never_shrinks():
+    """The fast tier was tests/engine alone (16 of 67 mutants of andrea's newer code caught), and shrinking
+    made one fast failure a 5-minute one: the tier takes the schedules, sources, paired statistics and
+    the server's engine too, without their slow tests, in the dev profile, which does not shrink."""
+    from hypothesis import Phase, settings
+
+    assert Phase.shrink not in settings.get_profile("dev").phases
+    assert "python -m pytest -q --fast" in (ROOT / "README.md").read_text()
+    command = [sys.executable, "-m", "pytest", "-q", "--fast", "--collect-only", "-p", "no:cacheprovider"]
+    listed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stdout[-2000:] + listed.stderr[-2000:]
+    files = {line.split("::")[0] for line in listed.stdout.splitlines() if "::" in line}
+    for part in ("tests/engine/", "tests/app/test_schedule.py", "tests/app/test_sources.py",
+                 "tests/app/test_paired.py", "tests/app/test_serve.py"):
+        assert any(name.startswith(part) for name in files), part
+    assert not any(name.startswith(("tests/e2e/", "tests/model/", "tests/gpu/")) for name in files)
+    assert "test_a_jsonl_corpus_prepares_then_trains_as_a_user_runs_it" not in listed.stdout  # slow: left out
+
+
+def test_the_readme_says_how_long_its_long_commands_take():
+    """The mpiexec example (a whole ANDREA-small run) and the experiments once came with no duration."""
+    readme = (ROOT / "README.md").read_text()
+    several = readme[readme.index("## Several processes or machines"):].split("\n## ")[0]
+    assert re.search(r"about \d+ hours on 2 CPU cores", several) and "16.4M tokens" in several
+    learn = readme[readme.index("## Learn the maths"):].split("\n## ")[0]
+    assert re.search(r"\d+ min for all eight, so about \d+ min on 2 idle cores", learn)

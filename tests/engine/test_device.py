@@ -24,7 +24,8 @@ def test_device_from_environment(monkeypatch):
 
 @pytest.mark.skipif(device.gpu_available(), reason="this machine has a GPU")
 def test_gpu_without_gpu_explains_and_auto_falls_back(capsys, monkeypatch):
-    with pytest.raises(device.GPUUnavailable, match="no usable GPU: .*pip install"):
+    # what to do: install CuPy when it is missing, else find the driver or GPU (never CuPy again)
+    with pytest.raises(device.GPUUnavailable, match="no usable GPU: .*(pip install|no NVIDIA driver or GPU answers)"):
         device.get_device("gpu")
     monkeypatch.setattr(device, "_fallback_reported", False)
     assert device.get_device("auto").xp is np
@@ -54,3 +55,18 @@ def test_array_module_and_to_numpy():
     assert device.to_numpy(a) is a
     with pytest.raises(ValueError, match="unsupported dtype"):
         device.resolve_dtype("float16")
+
+
+@pytest.mark.parametrize("why, said, not_said", [
+    ("no CUDA device (CUDARuntimeError: cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA "
+     "runtime version)", "CuPy is installed, but no NVIDIA driver or GPU answers here", "pip install"),
+    ("no CUDA device found", "CuPy is installed, but no NVIDIA driver or GPU answers here", "pip install"),
+    ("CuPy is not installed", "To use one: pip install 'andrea[cuda12]'", "driver or GPU answers"),
+])
+def test_gpu_asked_for_says_what_is_missing_cupy_or_the_driver(monkeypatch, why, said, not_said):
+    """CuPy installed without a driver was told to install CuPy (issue 48): now the driver or GPU."""
+    monkeypatch.setattr(device, "_probe_gpu", lambda: (False, why))
+    with pytest.raises(device.GPUUnavailable) as info:
+        device.get_device("gpu")
+    assert str(info.value).startswith(f"--device gpu: no usable GPU: {why}. ")
+    assert said in str(info.value) and not_said not in str(info.value)

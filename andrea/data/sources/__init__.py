@@ -37,6 +37,9 @@ import numpy as np
 
 from andrea.data.corpus import FileList
 from andrea.data.stream import Blocks
+from andrea.errors import UserError
+
+COMPRESSED_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".zip", ".7z"}
 
 
 @dataclass
@@ -50,14 +53,40 @@ class Part:
     ends: bool = True
 
 
+@dataclass(frozen=True)
+class Place:
+    """A line of a file, to name in a message: its number (from 1), or its byte offset when the number
+    is not known (a text file's block does not know its first line's): counted when it is named."""
+
+    path: Path
+    line: int | None = None
+    offset: int = 0
+
+    def __str__(self) -> str:
+        line = self.line
+        if line is None:
+            line = 1
+            with open(self.path, "rb") as f:
+                for chunk in iter(lambda: f.read(min(1 << 20, self.offset - f.tell())), b""):
+                    line += chunk.count(b"\n")
+        return f"{self.path}, line {line}"
+
+
 @dataclass
 class BlockText:
-    """Block j read: its bytes as stored, whether they were all UTF-8, its parts in corpus order."""
+    """Block j read: its bytes as stored, whether they were all UTF-8, its parts in corpus order. A
+    line (a record) holding bytes that are not UTF-8 is read with U+FFFD in their place and counted
+    here by itself: `bad_lines` of them, `bad_bytes` their bytes, `first_bad` where the first is."""
 
     n_bytes: int
     valid_utf8: bool
     parts: list[Part] = field(default_factory=list)
     empty_documents: int = 0  # documents of the block that hold no text (written as nothing)
+    bad_lines: int = 0
+    bad_bytes: int = 0
+    first_bad: Place | None = None
+    skipped: int = 0  # records that could not be read, left out (Source.skip_bad_records)
+    first_skipped: str | None = None  # what was wrong with the first of them
 
 
 @dataclass
@@ -76,13 +105,18 @@ class Unit:
 @dataclass
 class Documents:
     """A block's documents as a record format's `documents` reads them: their record numbers, texts
-    and UTF-8 sizes, and the block's bytes as stored."""
+    and UTF-8 sizes, and the block's bytes as stored; the numbers of the records that were not
+    UTF-8 (read with U+FFFD) and their bytes. A format that sets only `valid_utf8` False has its
+    whole block counted as not UTF-8."""
 
     n_bytes: int
     valid_utf8: bool
     records: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
+    bad_records: list[int] = field(default_factory=list)
+    bad_bytes: int = 0
+    skipped: list[str] = field(default_factory=list)  # with skip_bad: why each record left out was
 
 
 class Plan:
@@ -108,7 +142,10 @@ class Plan:
 class Source:
     """A corpus listed: its files under `files.root`, a one-line description, the files of its
     default that were left out. `settings()` is what a data directory records of the source beside
-    the inputs (a different value is a different corpus)."""
+    the inputs (a different value is a different corpus). With `skip_bad_records`, a record that cannot
+    be read is left out and counted instead of stopping the preparation (a records source's)."""
+
+    skip_bad_records = False
 
     def __init__(self, files: FileList, description: str, left_out: tuple[Path, ...] = ()):
         self.files, self.description, self.left_out = files, description, left_out
@@ -129,9 +166,15 @@ class Source:
 
 def open_source(inputs: list[str] | None, text_field: str | None = None,
                 progress: Callable[[int], None] | None = None) -> Source:
-    """The source the request names: records read from `text_field` when one is given, else files."""
+    """The source the request names: records read from `text_field` when one is given, else files.
+    A compressed file named as an input is refused with what to do (none is read)."""
     from andrea.data.sources import files, records
 
+    for spec in inputs or ():
+        suffix = Path(spec).suffix.lower()
+        if suffix in COMPRESSED_SUFFIXES and Path(spec).expanduser().is_file():
+            raise UserError(f"{spec} is compressed ({suffix}): andrea reads files as stored; decompress it first "
+                            "and give the decompressed file (a directory or glob input leaves such files out)")
     if text_field is None:
         return files.FilesSource.open(inputs, progress)
     return records.RecordSource.open(inputs, text_field, progress)

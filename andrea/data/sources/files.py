@@ -19,7 +19,7 @@ import numpy as np
 from andrea.data import stream
 from andrea.data.corpus import load_corpus
 from andrea.data.request import MAX_VAL_FRACTION
-from andrea.data.sources import BlockText, Part, Plan, Source
+from andrea.data.sources import BlockText, Part, Place, Plan, Source
 from andrea.errors import UserError
 
 
@@ -39,9 +39,10 @@ class FilesPlan(Plan):
         self.reader = stream.BlockReader(source.files, sizes, blocks)
 
     def read(self, j: int) -> BlockText:
-        n, text, valid = self.reader.read(j)
+        n, text, bad, bad_bytes = self.reader.read_lines(j)
         b = self.blocks[j]
-        return BlockText(n, valid, [Part(b.val, [text], n, ends=b.last)])
+        first_bad = Place(self.source.files[b.file], offset=bad[0]) if bad else None
+        return BlockText(n, not bad, [Part(b.val, [text], n, ends=b.last)], 0, len(bad), bad_bytes, first_bad)
 
     def check(self) -> None:
         """Both splits hold text (a corpus of one line has no validation: a cut falls only at a line's

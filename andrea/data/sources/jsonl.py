@@ -6,8 +6,11 @@
 `scan` streams a file in chunks (never whole) into blocks of whole lines; `documents` reads one
 block's lines and parses them. A line that is blank (spaces only) is no document; a line that is
 not a JSON object, lacks the field or holds something else than a string there is a one-line error
-naming the file and the line number. The text is the field's string as JSON decodes it; a lone
-surrogate escape ("\\ud800"), which UTF-8 cannot hold, becomes U+FFFD and counts the block as not UTF-8.
+naming the file and the line number, and so is a line nested too deeply to decode. The text is the
+field's string as JSON decodes it; a line holding bytes that are not UTF-8, or a lone surrogate escape
+("\\ud800", which UTF-8 cannot hold), is read with U+FFFD in their place and counted as that one line
+not UTF-8 (andrea.data.sources.Documents), never as its block. A compressed file (gzip, bzip2, xz,
+zstd: told by its first bytes) is refused with what to do: decompress it first.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def scan(path: Path, size: int, U: int, progress: Callable[[int], None], text_fi
     """The blocks of the JSON Lines file at `path` (of `size` bytes): whole lines, a block starting
     at the first line that starts at or after a multiple of `U` (a `Unit` each). `progress(n)` is
     called with the bytes of each chunk read; the text field is read by `documents` only."""
+    _not_compressed(path)
     unit_start, unit_first, documents, lines = 0, 1, [], 0  # the block being gathered; the lines so far
     for starts, numbers, full in _lines(path, size, progress):
         taken = 0
@@ -46,6 +50,22 @@ def scan(path: Path, size: int, U: int, progress: Callable[[int], None], text_fi
         lines += len(numbers)
     if unit_start < size:
         yield Unit(unit_start, size, unit_first, np.concatenate(documents), lines + 1 - unit_first)
+
+
+COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+def _not_compressed(path: Path) -> None:
+    """A UserError when the file at `path` starts as a compressed file does: JSON Lines are read as stored."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from e
+    for magic, kind in COMPRESSED.items():
+        if head.startswith(magic):
+            raise UserError(f"{path} is compressed ({kind}): JSON Lines files are read uncompressed; decompress it "
+                            "first (gzip -dk, bunzip2 -k, xz -dk or zstd -d) and give the decompressed file")
 
 
 def _lines(path: Path, size: int, progress) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -86,29 +106,43 @@ def _not_blank(data: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> np.nda
     return full
 
 
-def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str) -> Documents:
-    """The documents of the block [start, end) of the file at `path`, whose first line is line `first`."""
+def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str,
+              skip_bad: bool = False) -> Documents:
+    """The documents of the block [start, end) of the file at `path`, whose first line is line `first`;
+    with `skip_bad`, a line that cannot be read is left out, its error kept in `skipped`."""
     try:
         with open(path, "rb") as f:
             f.seek(start)
             raw = f.read(end - start)
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}") from e
-    text, valid = stream.decode(raw)
+    text, where, bad_bytes = stream.decode_lines(raw)
+    bad = {raw.count(b"\n", 0, k) for k in where}  # the block's lines that are not UTF-8
     if start == 0:
         text = text.removeprefix("\ufeff")  # a byte-order mark some tools write before the first line
-    out = Documents(len(raw), valid)
+    out = Documents(len(raw), True)
     for k, line in enumerate(text.split("\n")):
         if line.strip(" \t\r"):
-            value = _field(line, path, first + k, text_field)
+            try:
+                value = _field(line, path, first + k, text_field)
+            except UserError as e:
+                if not skip_bad:
+                    raise UserError(f"{e}; or leave out every such line, counted, with prepare --skip-bad-records") \
+                        from None
+                out.skipped.append(str(e))
+                continue
             try:
                 size = len(value.encode("utf-8"))
             except UnicodeEncodeError:  # a lone surrogate escape: not representable in UTF-8
                 value = SURROGATE.sub("\ufffd", value)
-                size, out.valid_utf8 = len(value.encode("utf-8")), False
+                size = len(value.encode("utf-8"))
+                if k not in bad:
+                    bad.add(k)
+                    bad_bytes += len(line.encode("utf-8", errors="replace")) + 1
             out.records.append(first + k)
             out.texts.append(value)
             out.sizes.append(size)
+    out.bad_records, out.bad_bytes, out.valid_utf8 = [first + k for k in sorted(bad)], bad_bytes, not bad
     return out
 
 
@@ -119,7 +153,11 @@ def _field(line: str, path: Path, number: int, text_field: str) -> str:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not JSON ({e.msg}, column {e.colno}): a JSON Lines file holds one JSON object "
-                        "a line") from None
+                        "a line; fix or remove that line") from None
+    except RecursionError:
+        raise UserError(f"{where}: nested too deeply to read (arrays or objects inside each other beyond "
+                        f"Python's recursion limit): a record holds its text in a string field; fix or remove "
+                        "that line") from None
     if not isinstance(record, dict):
         raise UserError(f"{where}: a JSON {type(record).__name__}, not an object with a {text_field!r} field")
     if text_field not in record:

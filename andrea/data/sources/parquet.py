@@ -49,10 +49,12 @@ def _open(path: Path, text_field: str):
 
 
 def _pieces(meta, group: int) -> tuple[int, int]:
-    """(blocks, rows per block) of row group `group`."""
+    """(blocks, rows per block) of row group `group`: every block holds a row at least (a few large
+    rows, 10 of 9 MiB: 5 blocks of 2, not 8 of which 3 would be empty), an empty group none."""
     rows, nbytes = meta.row_group(group).num_rows, meta.row_group(group).total_byte_size
     pieces = min(MAX_PIECES, max(1, math.ceil(nbytes / MAX_BLOCK)), max(rows, 1))
-    return pieces, max(1, math.ceil(rows / pieces))
+    per = max(1, math.ceil(rows / pieces))
+    return math.ceil(rows / per), per
 
 
 def scan(path: Path, size: int, U: int, progress: Callable[[int], None], text_field: str) -> Iterator[Unit]:
@@ -65,7 +67,7 @@ def scan(path: Path, size: int, U: int, progress: Callable[[int], None], text_fi
         rows, nbytes = meta.row_group(group).num_rows, meta.row_group(group).total_byte_size
         pieces, per = _pieces(meta, group)
         for k in range(pieces):
-            count = max(0, min(per, rows - k * per))
+            count = min(per, rows - k * per)
             start = position + nbytes * k * per // max(rows, 1)
             end = position + nbytes * min(rows, (k + 1) * per) // max(rows, 1)
             yield Unit(start, end, first, np.arange(first, first + count, dtype=np.int64), count)
@@ -74,8 +76,10 @@ def scan(path: Path, size: int, U: int, progress: Callable[[int], None], text_fi
     progress(size)  # the metadata alone was read
 
 
-def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str) -> Documents:
-    """The `count` rows of the file at `path` from row `first` on (one block of `scan`)."""
+def documents(path: Path, start: int, end: int, first: int, count: int, text_field: str,
+              skip_bad: bool = False) -> Documents:
+    """The `count` rows of the file at `path` from row `first` on (one block of `scan`); with
+    `skip_bad`, a null is left out, its error kept in `skipped`."""
     table = _open(path, text_field)
     meta = table.metadata
     begins = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
@@ -87,7 +91,11 @@ def documents(path: Path, start: int, end: int, first: int, count: int, text_fie
     out = Documents(end - start, True)
     for row, text in enumerate(texts, first):
         if text is None:
-            raise UserError(f"{path}, row {row}: the column {text_field!r} is null there, not a string of text")
+            error = f"{path}, row {row}: the column {text_field!r} is null there, not a string of text"
+            if not skip_bad:
+                raise UserError(f"{error}; or leave out every such row, counted, with prepare --skip-bad-records")
+            out.skipped.append(error)
+            continue
         out.records.append(row)
         out.texts.append(text)
         out.sizes.append(len(text.encode("utf-8")))

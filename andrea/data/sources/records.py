@@ -18,6 +18,7 @@ training when all did).
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Callable
 
 import numpy as np
@@ -25,13 +26,31 @@ import numpy as np
 from andrea.data import stream
 from andrea.data.corpus import FileList
 from andrea.data.inputs import iter_input_names
-from andrea.data.sources import BlockText, Part, Plan, Source, jsonl, parquet
+from andrea.data.sources import BlockText, Part, Place, Plan, Source, jsonl, parquet
 from andrea.errors import UserError
 
 # the suffix of a file -> the module that reads it (its `scan` and `documents`); a directory or
 # glob input takes the files of these suffixes, a file named explicitly is read by its suffix, as
 # JSON Lines when it has none of these
 FORMATS = {".jsonl": jsonl, ".ndjson": jsonl, ".parquet": parquet}
+DEFAULT_TEXT_FIELD = "text"  # the field read when inputs of records come without one
+
+
+def default_text_field(inputs: list[str] | None, text_field: str | None) -> str | None:
+    """The text field a request reads: the one given; else DEFAULT_TEXT_FIELD when every input names
+    files of records by its suffix (`web.jsonl`, `'shards/*.parquet'`), as Hugging Face's datasets
+    name their text column; else None, text files. Inputs that mix the two are a UserError."""
+    if text_field is not None or not inputs:
+        return text_field
+    records = [spec for spec in inputs if spec.lower().endswith(tuple(FORMATS))]
+    if not records:
+        return None
+    if len(records) < len(inputs):
+        other = next(spec for spec in inputs if spec not in records)
+        raise UserError(f"the inputs name files of records ({records[0]}) and text ({other}): give a text field "
+                        "(--text-field NAME, data.text_field) to read every input as records, or prepare the text "
+                        "apart")
+    return DEFAULT_TEXT_FIELD
 
 
 def format_of(path) -> object:
@@ -65,7 +84,8 @@ class RecordSource(Source):
                             "them with --input, or leave --text-field unset to read the standard library's files")
         if not text_field:
             raise UserError("the text field is empty: give the name of the field that holds each document's text")
-        names = iter_input_names(inputs, progress, keep=lambda name: name.lower().endswith(tuple(FORMATS)))
+        names = iter_input_names(inputs, progress, keep=lambda name: name.lower().endswith(tuple(FORMATS)),
+                                 looked_for=f"{', '.join(sorted(FORMATS))} file (a source of records takes those)")
         files = FileList.under_common_root(names)
         return cls(files, f"{len(files)} record files from {' '.join(inputs)}, text field {text_field!r}",
                    text_field)
@@ -124,8 +144,12 @@ class RecordPlan(Plan):
     def read(self, j: int) -> BlockText:
         b = self.blocks[j]
         files = self.source.files
+        skip = {"skip_bad": True} if self.source.skip_bad_records else {}
+        if skip and "skip_bad" not in inspect.signature(format_of(files[b.file]).documents).parameters:
+            raise UserError(f"--skip-bad-records: the reader of {files[b.file]}'s format cannot leave records out: "
+                            "fix the file, or prepare without the option")
         docs = format_of(files[b.file]).documents(files[b.file], b.nominal_start, b.nominal_end, int(self.first[j]),
-                                                  int(self.count[j]), self.source.text_field)
+                                                  int(self.count[j]), self.source.text_field, **skip)
         records = np.asarray(docs.records, dtype=np.int64)
         val = record_keys(file_seed(files.relative(b.file)), records) < self.val_fraction
         for (file, record), side in self.forced.items():
@@ -137,7 +161,15 @@ class RecordPlan(Plan):
                 parts[is_val].texts.append(text)
                 parts[is_val].n_bytes += size
         empty = sum(1 for text in docs.texts if not text)
-        return BlockText(docs.n_bytes, docs.valid_utf8, [p for p in parts if p.texts], empty)
+        out = BlockText(docs.n_bytes, docs.valid_utf8 and not docs.bad_records, [p for p in parts if p.texts], empty)
+        if docs.bad_records:
+            out.bad_lines, out.bad_bytes = len(docs.bad_records), docs.bad_bytes
+            out.first_bad = Place(files[b.file], line=docs.bad_records[0])
+        elif not docs.valid_utf8:  # a format that does not say which records: its whole block
+            out.bad_lines, out.bad_bytes, out.first_bad = 1, docs.n_bytes, Place(files[b.file], line=int(self.first[j]))
+        if docs.skipped:
+            out.skipped, out.first_skipped = len(docs.skipped), docs.skipped[0]
+        return out
 
     def manifest(self, stats: dict) -> dict:
         return {"files": len(self.source.files), "documents": stats["documents"],
