@@ -151,6 +151,7 @@ def keep_faster(chosen, refused, xp, sizes, timers=None):
             times[name] = time_piece(timers[name], name, xp, sizes, others=[n for n in chosen if n != name])
         except Exception as e:  # out of memory, a launch error: this piece runs the generic code
             refused[name] = f"timing failed at the run's sizes, {_first_line(e)}"
+            _free_pool(xp)  # what the failed run held, so that the next piece's timing has it
     slower = {n for n, (fused, generic) in times.items() if fused > generic}
     refused.update({n: f"slower: fused {1e3 * times[n][0]:.3g} ms, generic {1e3 * times[n][1]:.3g} ms"
                     for n in slower})
@@ -184,6 +185,12 @@ def time_piece(timed, name, xp, sizes, others=()):
         seconds.append(statistics.median(runs))
         del run
     return tuple(seconds)
+
+
+def _free_pool(xp):
+    pool = getattr(xp, "get_default_memory_pool", None)
+    if pool is not None:
+        pool().free_all_blocks()
 
 
 def _synchronize(xp):

@@ -279,6 +279,28 @@ def test_the_attention_sample_runs_at_the_runs_head_size():
     assert selfcheck.at_sizes(plain, Sizes()) is plain  # a sample that takes no sizes runs as it is
 
 
+def test_auto_with_the_runs_sizes_checks_each_sample_at_them(cupy, monkeypatch):
+    """select_kernels hands the run's sizes to every sample that takes them (the flash core's at the
+    run's head size), and runs the others as they are."""
+    from minitensor.backends.cuda import Sizes
+
+    seen = []
+
+    def sized(ops, rng, sizes=None):
+        seen.append(None if sizes is None else sizes.hs)
+        return stand_in_check(0.0)(ops, rng)
+
+    real = fused_pieces()
+    pieces = {"layernorm": dataclasses.replace(real["layernorm"], sample=sized),
+              "bias_gelu": dataclasses.replace(real["bias_gelu"], sample=stand_in_check(0.0))}
+    monkeypatch.setattr(selfcheck, "fused_pieces", lambda: pieces)
+    fused, _ = selfcheck.select_kernels("auto", cupy, sizes=Sizes())  # on the stand-in: checked, not timed
+    assert fused == ("layernorm", "bias_gelu") and seen == [64, 64]  # the piece off, then on
+    seen.clear()
+    selfcheck.select_kernels("auto", cupy)
+    assert seen == [None, None]
+
+
 def test_a_choice_made_elsewhere_builds_the_backend_unchecked(cupy, monkeypatch):
     """get_ops with rank 0's Choice runs exactly its pieces, logs its line, and runs no self-check."""
     monkeypatch.setattr(selfcheck, "select_kernels", lambda *a, **k: pytest.fail("a Choice is not re-checked"))
