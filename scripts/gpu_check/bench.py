@@ -134,6 +134,15 @@ extern "C" __global__ void mma_probe(const T *seed, T *out, const int steps) {
 """
 
 
+def mma_probe_spec():
+    """The probe's kernel, float32 only: flash.cuh's to_tf32 and mma_tf32 around MMA_PROBE (the
+    preflight compiles it with the project's kernels)."""
+    from minitensor.backends import cuda
+
+    headers = cuda.cu_code("attention.cu", "flash_attention_fwd")[0]  # to_tf32 and mma_tf32 (flash.cuh)
+    return cuda.RawSpec("mma_probe", inline=headers + MMA_PROBE)
+
+
 def _mma_probe(xp, dry):
     """mma.sync.m16n8k8 (TF32) throughput, measured: 8 warps a block, 4 blocks an SM, four independent
     accumulators a warp, random operands. The step model takes it as 1.59 SM clocks a step (63% of the
@@ -143,8 +152,7 @@ def _mma_probe(xp, dry):
     if xp is np:
         log("dry run on NumPy: no mma.sync to measure")
         return False
-    headers = cuda.cu_code("attention.cu", "flash_attention_fwd")[0]  # to_tf32 and mma_tf32 (flash.cuh)
-    spec = cuda.RawSpec("mma_probe", inline=headers + MMA_PROBE)
+    spec = mma_probe_spec()
     sms = xp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
     blocks, threads, steps = (1, 32, 2) if dry else (4 * sms, 256, 1 << 14)
     seed = xp.asarray(np.random.default_rng(0).standard_normal(256).astype(np.float32))

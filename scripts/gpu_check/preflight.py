@@ -17,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+from gpu_check.bench import mma_probe_spec
 from gpu_check.common import KEEP_PROBS, first_line, gpu_here, log
 from gpu_check.steps import TrainingSteps, train
 
@@ -41,19 +42,20 @@ def _compile_kernels(dry):
     import cupy
 
     start, failed, count = time.perf_counter(), False, 0
-    for spec in all_kernels().values():
-        for dtype in cuda.DTYPES:
-            t0 = time.perf_counter()
-            try:
-                _build(cupy, spec, np.dtype(dtype))
-                count += 1
-            except Exception as e:  # every kernel is tried; the failures are listed
-                failed = True
-                log(f"FAIL compile {spec.name} {dtype}: {first_line(e)}")
-                continue
-            log(f"ok   compiled {spec.name:<26} {dtype}  {time.perf_counter() - t0:.2f} s")
+    builds = [(spec, dtype) for spec in all_kernels().values() for dtype in cuda.DTYPES]
+    for spec, dtype in builds + [(mma_probe_spec(), "float32")]:  # the bench's probe too: no compile after this
+        t0 = time.perf_counter()
+        try:
+            _build(cupy, spec, np.dtype(dtype))
+            count += 1
+        except Exception as e:  # every kernel is tried; the failures are listed
+            failed = True
+            log(f"FAIL compile {spec.name} {dtype}: {first_line(e)}")
+            continue
+        log(f"ok   compiled {spec.name:<26} {dtype}  {time.perf_counter() - t0:.2f} s")
     seconds = time.perf_counter() - start
-    log(f"compiled {count} kernels (every kernel x float32, float64) in {seconds:.1f} s")
+    log(f"compiled {count} kernels (every kernel x float32, float64, and the bench's mma.sync probe) in "
+        f"{seconds:.1f} s")
     cupy.cuda.get_current_stream().synchronize()
     log(f"figure: {count} project kernels compiled in {seconds:.1f} s" + ("; some FAILED" if failed else ""))
     return failed

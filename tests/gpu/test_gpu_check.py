@@ -129,7 +129,8 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     from minitensor.backends import all_kernels, fused_pieces
 
     preflight = phases["preflight"]
-    assert f"compiled {2 * len(all_kernels())} kernels (every kernel x float32, float64)" in preflight
+    assert f"compiled {2 * len(all_kernels()) + 1} kernels (every kernel x float32, float64, and the bench's " \
+           "mma.sync probe)" in preflight
     assert "kernels: fused " in preflight and "not timed: the CuPy stand-in" in preflight
     # every compile in the preflight, CuPy's own kernels warmed there for the tests
     assert preflight.index("CuPy's own kernels warmed") < preflight.index("model built and its kernels chosen")
