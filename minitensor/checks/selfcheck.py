@@ -8,12 +8,13 @@
 built, and hands the pieces to `CupyOps`; nothing reads the choice later. `auto` (the default on
 a GPU) runs each fused piece's sample (its record's, minitensor.backends.fused_pieces(),
 declared in minitensor/backends/kernels/: the piece forward and backward on small random float32
-inputs, a few milliseconds; with the run's sizes, a sample that takes them runs at the run's
-head size, so that the flash kernels' tensor-core path at head size 64 is compared) through a CupyOps without the piece (the Ops code) and one with it (the fused
-kernel), and keeps only the pieces whose outputs agree to float32 precision: max |fused -
-generic| <= RTOL * max(1, max |generic|) over every output (TF32 precision for a piece whose products
-run on tensor cores: its record's rtol). A piece that disagrees, or whose
-kernel fails to build or run, is reported in the line and the Ops code takes its place.
+inputs, a few milliseconds; given the run's sizes, a sample that takes them runs at the run's head
+size, so that ANDREA-120M compares the flash kernels' tensor-core path at 64) through a CupyOps
+without the piece (the Ops code) and one with it (the fused kernel), and keeps only the pieces whose
+outputs agree to float32 precision: max |fused - generic| <= RTOL * max(1, max |generic|) over every
+output (TF32 precision for a piece whose products run on tensor cores: its record's rtol). A piece
+that disagrees, or whose kernel fails to build or run, is reported in the line and the Ops code
+takes its place.
 
 Given the run's sizes (a minitensor.backends.cuda.Sizes: the trainer's batch and context), `auto` then
 times each piece that agreed at those sizes, its forward and backward through the backend with the
@@ -23,8 +24,8 @@ within its memory budget), the device synchronised around each run,
 the median of TIMED_RUNS after one to warm up, and keeps the piece only where it is not slower (a
 tie keeps the fused piece); the line gives both times for each. A timing that raises (out of memory
 at the run's sizes, a launch error) falls back to the generic code for that piece, the line saying
-why, rather than ending the model's construction. On the CuPy stand-in (no GPU: the kernels run in a CPU emulation),
-times say nothing about a GPU and none are taken.
+why, rather than ending the model's construction. On the CuPy stand-in (no GPU: the kernels run in
+a CPU emulation), times say nothing about a GPU and none are taken.
 
 `fused` uses every piece unchecked and untimed, `generic` none; on NumPy there is nothing to choose.
 
@@ -159,9 +160,9 @@ def keep_faster(chosen, refused, xp, sizes, timers=None):
 
 
 def _first_line(e):
-    """'Type: the first line of its message', for a line of the log."""
+    """'Type: the first line of its message' (or 'Type' where it has none), for a line of the log."""
     text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def time_piece(timed, name, xp, sizes, others=()):
