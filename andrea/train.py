@@ -34,7 +34,7 @@ from pathlib import Path
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import make_config
 from andrea.errors import UserError
-from andrea.model.sizes import format_breakdown
+from andrea.model.sizes import format_breakdown, run_sizes
 from andrea.plot import plot_after_training
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
@@ -43,7 +43,7 @@ from andrea.run.launch import build_run_config, require_same_launch, run_tokeniz
 from andrea.run.rundata import data_fingerprint, prepare_data, unigram_baseline
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED
-from andrea.run.trainer import Trainer
+from andrea.run.trainer import Trainer, agreed_kernels
 from andrea.sample import stream
 from minitensor.device import quiet_fallback
 from minitensor.memory import keep_freed_memory
@@ -167,11 +167,13 @@ def load_data(cfg, args, world, out_dir):
 def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens):
     """The Trainer on every rank, its gradients summed over NCCL on GPUs (connected here, outside
     any `together` block: NCCL's set-up is a collective)."""
+    # the fused GPU kernels: rank 0's choice on every rank (a collective, so outside `together`)
+    kernels = agreed_kernels(world, cfg.train, run_sizes(cfg.model, cfg.train.batch_size))
     with world.together():
         if world.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
         trainer = Trainer(cfg, out_dir, train_tokens, val_tokens, tokenizer, world, init_from=args.init_from,
-                          schedule=make_schedule(cfg.train))
+                          schedule=make_schedule(cfg.train), kernels=kernels)
         if args.init_from:
             world.log(f"initialised from {args.init_from}")
     if trainer.reducer is None:

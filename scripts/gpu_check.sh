@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine without network: every phase within 8 minutes on an H200 from
-# a cold kernel cache at the worst, about 3 minutes as estimated. The machine already has what it needs
-# (cupy-cuda13x 14.2, PyTorch, compute-sanitizer: SPEC.md section 5): nothing is installed. Phases, in
-# this order (the cheapest failures first), each with its own time limit:
+# One command for a lent GPU machine without network: every phase within 7 minutes of limits (each
+# limit three times its estimate), so that a rerun fits the same 15-minute lease. The machine already
+# has what it needs (CuPy, PyTorch, compute-sanitizer): nothing is installed. Phases, in this order (the
+# cheapest failures first), each with its own time limit:
 #
-#   0 device     Python, NumPy, CuPy, the CUDA runtime and driver, NCCL, the GPU's name and memory
-#   1 preflight  every project kernel compiled (float32, float64), the start-up self-check with each fused
-#                piece timed against the generic code at ANDREA-120M's sizes, one ANDREA-120M training
-#                step at 8 x 1024 (TF32) timed (gpu_check.py --part preflight)
-#   2 tests      CuPy's own kernels warmed by tiny training steps (gpu_check.py --part warm; pytest runs
-#                whatever it says), then the GPU-marked tests with the GPU hypothesis profile; -v names
-#                each test as it starts, --durations where time went
+#   0 device     Python, NumPy, CuPy, the CUDA runtime and driver, NCCL, the GPU's name and memory; with
+#                no usable GPU the check stops here and says so (every later phase needs one)
+#   1 preflight  every compile of the check, once: every project kernel (float32, float64), CuPy's own
+#                kernels warmed by tiny training steps of each backend the tests build, the start-up
+#                self-check with each fused piece timed against the generic code at ANDREA-120M's sizes,
+#                one ANDREA-120M training step at 8 x 1024 (TF32) timed (scripts/gpu_check --part preflight)
+#   2 tests      the GPU-marked tests with the GPU hypothesis profile against a measured budget
+#                (scripts/gpu_check/budget.py: no test started that would end past the phase's deadline;
+#                a partial run says "partial: N of M ran in the budget"); -v names each test as it
+#                starts, --durations lists each test's time, the slowest first
 #   3 kernels    each fused kernel against the generic code at ANDREA-120M shapes, compared on the device,
-#                timed
+#                timed; the flash kernels' TF32 path at head size 64 against a float64 reference
 #   4 gradients  a small ANDREA trained on CuPy in float32 against NumPy float64 at T = 256 (dense core and
 #                fused kernels; blocked generic core): per-step losses, step-0 gradients
 #   5 train      python -m andrea.train --device gpu for 3 steps (--stop-at-step), --resume to 6, then
@@ -22,43 +25,50 @@
 #                training step of a 1-layer model with every fused kernel, only the project's kernels
 #                instrumented (--kernel-name); CUDA API errors it reports are counted, not fatal (CuPy
 #                probes the driver); memory errors and races fail the phase
-#   8 bench      ANDREA-120M at 8 x 1024, tf32: true: tokens/s, MFU, peak memory; mma.sync's TF32 rate
-#                (the step model's 1.59 clocks a step, measured); PyTorch's GPT-2 of the same shape
-#                on the same GPU (TF32, scaled_dot_product_attention): the ratio; the step model's
-#                estimate beside the measured step
+#   8 bench      ANDREA-120M at 8 x 1024, tf32: true: tokens/s, MFU, peak memory; each project kernel's
+#                time in one step (beside the step model's price where it gives one); mma.sync's TF32
+#                rate; PyTorch's GPT-2 of the same shape on the same GPU (TF32,
+#                scaled_dot_product_attention): the ratio; the step model's estimate beside the measured step
 #
-# Limits (s) against estimates on an H200 from a cold cache, each limit at least 3x its estimate. The
-# estimates are counted, not measured (no GPU has run this yet), from: ~3 s a process for imports and
-# CUDA's start; NVRTC ~0.3 s a project kernel (19 kernels x 2 dtypes) and ~0.15 s a CuPy ufunc or
-# reduction (~100 distinct in a training step, ~200 in the tests), two dtypes compiled by two processes at
-# once; ~7 us a CuPy call (the GPU tests issue ~3.5 M, counted on the stand-in); NumPy references in
-# NumPy alone (ANDREA_CPU_KERNELS=numpy: numba's cold compile is the CPU suite's business); the
-# sanitizer ~8 s a tool (its start, a process's start under it, the project's kernels instrumented,
-# ~500 launches); 120M steps at the step model's ~25 ms, PyTorch's at most twice that, torch's import
-# ~3 s; the step model's kernel counts read from andrea/run/kernel_counts.json.
-#   preflight: process 3 + project kernels 6 + self-check (6 pieces, their ufuncs 40 x 0.15) 8 + timing
-#   at 120M (6 pieces x 8 runs) 2 + model init 2 + the step's ufuncs (~100 x 0.15) 15 + the step 1 = 37 s.
-#   tests: warm-up 2 processes x (3 + ~100 ufuncs x 0.15) = 18 + pytest's start 5 + the tests' calls 25 +
-#   kernels the warm-up missed 2 = 50 s.
-#   device 3 -> 9, preflight 37 -> 120, tests 50 -> 150, kernels 8 -> 24, gradients 6 -> 18, train 12 -> 36,
-#   nccl 3 -> 9, sanitize 20 -> 60, bench 18 -> 54: 157 s estimated, 480 s of limits.
+# Every phase sees one CUPY_CACHE_DIR (default: a folder under $TMPDIR, kept between runs): the
+# preflight compiles into it, and the summary says how many files each later phase added (none, when
+# the preflight compiled everything a phase runs).
+#
+# Limits (s) against estimates on an H200, each limit three times its estimate. The estimates are
+# counted, not measured (no GPU has run this yet), from: ~3 s a process for imports and CUDA's start;
+# NVRTC ~0.3 s a project kernel (19 kernels x 2 dtypes, 6 s) and ~0.15 s a CuPy ufunc or reduction
+# (~100 distinct in a training step, ~200 in the tests), all compiled in the preflight, two dtypes by two
+# processes at once; ~7 us a CuPy call; NumPy references in NumPy alone (ANDREA_CPU_KERNELS=numpy:
+# numba's cold compile is the CPU suite's business); the sanitizer ~8 s a tool (its start, a process's
+# start under it, the project's kernels instrumented, ~500 launches); 120M steps at the step model's
+# ~25 ms, PyTorch's at most twice that, torch's import ~3 s.
+#   preflight: process 3 + project kernels 6 + warm-up 2 processes x (3 + ~100 ufuncs x 0.15) = 18 +
+#   self-check at head size 64 (7 pieces) 8 + timing at 120M (7 pieces x 8 runs) 2 + model init 2 + the
+#   step's ufuncs the warm-up missed (~20 x 0.15) 3 + the step 1 = 43 s.
+#   tests: pytest's start 5 + 20 s of tests (the budget stops them at the phase's deadline less 15 s) = 25 s.
+#   kernels: process 3 + self-check 2 + ~20 comparisons at 120M 3 + the TF32 flash case against float64 1 = 9 s.
+#   bench: 18 s as before, + one step with each launch timed alone 1 = 19 s.
+#   device 3 -> 9, preflight 43 -> 129, tests 25 -> 75, kernels 9 -> 27, gradients 6 -> 18, train 12 -> 36,
+#   nccl 3 -> 9, sanitize 20 -> 60, bench 19 -> 57: 140 s estimated, 420 s of limits.
 # On a timeout a phase gets SIGINT (Python raises KeyboardInterrupt where it is: pytest still prints
 # its summary, --durations and the test it was in) and SIGKILL GRACE s later.
 #
-#     PYTHONPATH=. bash scripts/gpu_check.sh              (from the repository root)
+#     bash scripts/gpu_check.sh                           (from anywhere)
 #     bash scripts/gpu_check.sh --dry-run                 (the same phases at toy sizes: on NumPy, or on
 #                                                          the GPU if one works, e.g. the CuPy stand-in
 #                                                          of minitensor/checks/cupy_standin; its GPU tests are
 #                                                          collected and a few run; 6 times the limits)
 #
-# Three files under $OUT (OUT defaults to the current directory; a lent machine returns at most 8):
-# $OUT/gpu_check/phases.log, every phase's output under its "== phase N name" line as it ends;
+# Three files under $OUT (default: out/ in the repository, which git ignores; a lent machine returns at
+# most 8): $OUT/gpu_check/phases.log, every phase's output under its "== phase N name" line as it ends;
 # $OUT/gpu_check/summary.txt, each phase's verdict, time and figures the moment it ends (a machine taken
 # back mid-run still reports every phase that finished); $OUT/gpu_check_results.txt, the whole
 # transcript. Exit status 0 only if every phase passed.
 # `source scripts/gpu_check.sh` defines the functions without running anything (tests use `phase`).
 
 GRACE=10         # s between SIGINT and SIGKILL
+BUDGET_MARGIN=15 # s of the tests phase kept for pytest's summary after the last test it starts
+DEFAULT_OUT=out  # the results' folder without $OUT, in the repository: git ignores it
 DRY_SCALE=6      # a dry run runs on a CPU (2 shared cores in CI), maybe under the CuPy stand-in
 
 phase() {  # phase <number> <name> <time limit in s> <command...>
@@ -68,13 +78,22 @@ phase() {  # phase <number> <name> <time limit in s> <command...>
     file="${WORK:-$RESULTS_DIR}/$n-$name.txt"
     echo "== phase $n: $name (at most $limit s)"
     start=$(date +%s)
+    cached=$(cache_files)
     # through bash -c, so a phase may be one of the functions below (exported); unbuffered, so what a
-    # phase printed is in its file even if it is killed
-    PYTHONUNBUFFERED=1 timeout -s INT -k "$GRACE" "$limit" bash -c '"$@"' phase "$@" > "$file" 2>&1
+    # phase printed is in its file even if it is killed; PHASE_DEADLINE for a budget inside the phase
+    PHASE_DEADLINE=$((start + limit)) PYTHONUNBUFFERED=1 \
+        timeout -s INT -k "$GRACE" "$limit" bash -c '"$@"' phase "$@" > "$file" 2>&1
     status=$?
+    [ -n "$cached" ] && [ "$n" -gt 0 ] && [ "$DEVICE" = gpu ] \
+        && echo "figure: kernel cache: $(( $(cache_files) - cached )) files added" >> "$file"
     cat "$file"
     { echo "== phase $n $name"; cat "$file"; } >> "$RESULTS_DIR/phases.log"
     record "$n" "$name" "$status" "$(( $(date +%s) - start ))" "$limit" "$file"
+    return "$status"
+}
+
+cache_files() {  # how many files CuPy's kernel cache holds (nothing where there is no cache folder)
+    [ -d "${CUPY_CACHE_DIR:-}" ] && find "$CUPY_CACHE_DIR" -type f | wc -l
 }
 
 record() {  # the verdict line and the phase's figures, appended to summary.txt (and printed)
@@ -94,11 +113,12 @@ figures() {  # figures <phase file> <status>: the lines worth keeping from a pha
     local file="$1" status="$2"
     sed -n 's/^figure: //p' "$file"
     grep -E '^[0-9/]+ tests? collected' "$file" | tail -1  # pytest --collect-only -q
+    grep -E '^partial: [0-9]+ of [0-9]+ ran in the budget' "$file" | tail -1  # gpu_check/budget.py
     grep -E '^(done: step|NCCL self-test: )' "$file" | cut -d'|' -f1-3  # andrea.train's last line, NCCL's
     # pytest's closing line ("= 148 passed, 2 failed in 51.2s =") and its three slowest tests
     grep -E '^=+ .*[0-9]+ (passed|failed|error|errors|skipped|deselected).* in [0-9.]+s' "$file" | tail -1 \
         | sed -E 's/^=+ //; s/ =+$//'
-    grep -A3 -E '^=+ slowest [0-9]+ durations' "$file" | grep -E '^[0-9.]+s ' | sed 's/^/slow: /'
+    grep -A3 -E '^=+ slowest ([0-9]+ )?durations' "$file" | grep -E '^[0-9.]+s ' | sed 's/^/slow: /'
     if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then  # pytest -v names each test as it starts
         grep -E '^[^ ]+\.py::[^ ]+' "$file" | tail -1 | sed -E 's/^/last test started: /; s/ +$//'
     fi
@@ -114,8 +134,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.exit(pytest.main(sys.argv[1:]))' "$@"
 }
 
-gpu_tests() {
-    "$PY" scripts/gpu_check.py --part warm $DRY  # a failed warm-up is in the output; the tests run anyway
+gpu_tests() {  # CuPy's kernels are in the cache already: the preflight warmed them
     local select=(tests)
     if [ -n "$DRY" ]; then  # every GPU-marked test collected (none without a GPU: pytest's status 5)...
         ANDREA_TEST_PROFILE=gpu run_pytest -m gpu -q -p no:cacheprovider --collect-only tests
@@ -124,7 +143,9 @@ gpu_tests() {
         [ "$DEVICE" = gpu ] || return 0  # with no GPU (not even the stand-in) they would only skip
         select=(tests/engine/test_optim.py tests/engine/test_softmax.py)  # ... and 3 run, as the real check runs all
     fi
-    ANDREA_TEST_PROFILE=gpu run_pytest -m gpu -v -rfE -p no:cacheprovider --durations=15 "${select[@]}"
+    # each test's time (those over 0.1 s), the slowest first; none started past the deadline
+    ANDREA_TEST_PROFILE=gpu run_pytest -m gpu -v -rfE -p no:cacheprovider -p gpu_check.budget \
+        --budget-deadline "$((PHASE_DEADLINE - BUDGET_MARGIN))" --durations=0 --durations-min=0.1 "${select[@]}"
 }
 
 train_stop_resume_sample() {
@@ -161,11 +182,11 @@ sanitize() {  # compute-sanitizer over one training step with every fused kernel
     local tool status=0 sanitizer kernels filter errors api
     if [ -n "$DRY" ]; then
         echo "figure: compute-sanitizer skipped (dry run: it needs a real GPU); the step it checks ran bare"
-        "$PY" scripts/gpu_check.py --part sanitize $DRY
+        "$PY" scripts/gpu_check --part sanitize $DRY
         return
     fi
     if ! sanitizer=$(find_sanitizer); then
-        echo "FAIL compute-sanitizer is neither on PATH nor under /usr/local/cuda*/bin (SPEC.md section 5 says the lent machine has it)"
+        echo "FAIL compute-sanitizer is neither on PATH nor under /usr/local/cuda*/bin (a CUDA toolkit brings it)"
         return 1
     fi
     # only the project's kernels instrumented: cuBLAS's and CuPy's own are not ours to check
@@ -175,12 +196,12 @@ sanitize() {  # compute-sanitizer over one training step with every fused kernel
         SECONDS=0
         filter=(--kernel-name "regex=^($kernels)")
         # a print limit high enough that every API error is printed: they are counted from the printout
-        "$sanitizer" --tool "$tool" "${filter[@]}" --print-limit 1000 "$PY" scripts/gpu_check.py --part sanitize \
+        "$sanitizer" --tool "$tool" "${filter[@]}" --print-limit 1000 "$PY" scripts/gpu_check --part sanitize \
             > "$WORK/$tool.txt" 2>&1
         if ! grep -q "figure: CuPy 1-layer step" "$WORK/$tool.txt"; then  # the filter refused, or the step failed
             head -5 "$WORK/$tool.txt"
             echo "the step did not run under --kernel-name: again, every kernel instrumented"
-            "$sanitizer" --tool "$tool" --print-limit 1000 "$PY" scripts/gpu_check.py --part sanitize \
+            "$sanitizer" --tool "$tool" --print-limit 1000 "$PY" scripts/gpu_check --part sanitize \
                 > "$WORK/$tool.txt" 2>&1
         fi
         cat "$WORK/$tool.txt"
@@ -222,9 +243,17 @@ PYEOF
 }
 
 setup() {  # the environment every phase sees
-    cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
-    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
-    export GPU_CHECK_TEED=1  # this script keeps the results files, not gpu_check.py
+    local root
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" || exit 2
+    # the results: $OUT as given (relative to where the check was started), else out/, which git ignores
+    OUT="$(mkdir -p "${OUT:-$root/$DEFAULT_OUT}" && cd "${OUT:-$root/$DEFAULT_OUT}" && pwd)" || exit 2
+    cd "$root" || exit 2
+    # the repository for andrea, scripts/ for the check's own package (gpu_check/: its parts and pytest plugin)
+    export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/scripts"
+    export GPU_CHECK_TEED=1  # this script keeps the results files, not scripts/gpu_check
+    # one kernel cache for every phase, kept between runs: the preflight compiles, the others reuse
+    export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-${TMPDIR:-/tmp}/andrea-gpu-check-kernel-cache}"
+    mkdir -p "$CUPY_CACHE_DIR"
     PY="${PYTHON:-$(command -v python3 || command -v python)}"
     DEVICE=gpu
     if [ -n "$DRY" ]; then
@@ -234,11 +263,11 @@ setup() {  # the environment every phase sees
     # the GPU check's NumPy references run NumPy alone: numba's kernels are the CPU suite's, and their
     # cold compile on a fresh tree (~1 min) would eat the lent minutes
     [ "$DEVICE" = gpu ] && export ANDREA_CPU_KERNELS="${ANDREA_CPU_KERNELS:-numpy}"
-    RESULTS_DIR="${OUT:-.}/gpu_check"
+    RESULTS_DIR="$OUT/gpu_check"
     mkdir -p "$RESULTS_DIR"
     WORK="$(mktemp -d)"
-    export -f gpu_tests run_pytest train_stop_resume_sample nccl_one_rank sanitize find_sanitizer
-    export PY DRY DEVICE WORK RESULTS_DIR
+    export -f gpu_tests run_pytest train_stop_resume_sample nccl_one_rank sanitize find_sanitizer cache_files
+    export PY DRY DEVICE WORK RESULTS_DIR OUT BUDGET_MARGIN
 }
 
 main() {
@@ -246,19 +275,26 @@ main() {
     : > "$RESULTS_DIR/summary.txt"
     : > "$RESULTS_DIR/phases.log"
     echo "== gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)${DRY:+ (dry run at toy sizes, device $DEVICE)}"
+    echo "== results in $RESULTS_DIR/ and $OUT/gpu_check_results.txt; kernel cache $CUPY_CACHE_DIR"
     export -f device_line
-    phase 0 device 9 device_line
-    phase 1 preflight 120 "$PY" scripts/gpu_check.py --part preflight $DRY
-    phase 2 tests 150 gpu_tests
-    phase 3 kernels 24 "$PY" scripts/gpu_check.py --part kernels $DRY
-    phase 4 gradients 18 "$PY" scripts/gpu_check.py --part gradients $DRY
+    if ! phase 0 device 9 device_line && [ -z "$DRY" ]; then
+        echo "== gpu_check: no usable GPU (phase 0 says why): stopped after the device phase, as every other" \
+             "phase needs one; bash scripts/gpu_check.sh --dry-run runs them at toy sizes without a GPU" \
+            | tee -a "$RESULTS_DIR/summary.txt"
+        return 1
+    fi
+    phase 1 preflight 129 "$PY" scripts/gpu_check --part preflight $DRY
+    phase 2 tests 75 gpu_tests
+    phase 3 kernels 27 "$PY" scripts/gpu_check --part kernels $DRY
+    phase 4 gradients 18 "$PY" scripts/gpu_check --part gradients $DRY
     phase 5 train 36 train_stop_resume_sample
     phase 6 nccl 9 nccl_one_rank
     phase 7 sanitize 60 sanitize
-    phase 8 bench 54 "$PY" scripts/gpu_check.py --part bench $DRY
+    phase 8 bench 57 "$PY" scripts/gpu_check --part bench $DRY
     echo "== summary"
     cat "$RESULTS_DIR/summary.txt"
     if [ "$FAILED" -eq 0 ]; then echo "== gpu_check: every phase passed"; else echo "== gpu_check: SOME PHASES FAILED"; fi
+    echo "== results in $RESULTS_DIR/ and $OUT/gpu_check_results.txt"
     return "$FAILED"
 }
 
@@ -268,6 +304,6 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # run, not sourced
     [ "${1:-}" = "--dry-run" ] && DRY="--dry-run"
     setup
     trap 'rm -rf "$WORK"' EXIT
-    main 2>&1 | tee "${OUT:-.}/gpu_check_results.txt"
+    main 2>&1 | tee "$OUT/gpu_check_results.txt"
     exit "${PIPESTATUS[0]}"
 fi

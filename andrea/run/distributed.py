@@ -11,7 +11,8 @@ all ranks in the same order:
 - `sum_scalars(values)`: float64 all-reduce of a few numbers (loss, validation sums, stop flag);
 - `broadcast_json(obj)`: rank 0's JSON-safe value on every rank (checkpoint metadata, no pickle),
   and on it `require_same(world, values, ...)`: one error for all when a rank's values (its
-  arguments, the fingerprints of its tokenizer and data) differ from rank 0's;
+  arguments, the fingerprints of its tokenizer and data) differ from rank 0's, and `agree(world,
+  decide)`: rank 0's decision on every rank (the fused GPU kernels, andrea.run.trainer.agreed_kernels);
 - `barrier()`; `together()`: a block every rank runs, which, if it fails on any rank, ends all
   ranks there with the lowest failing rank's message;
 - `reducer_for(xp)`: the gradient reducer for the model's array module: the world itself for
@@ -126,6 +127,18 @@ class _World:
             where = "" if len(failed) == self.size else f" (rank {self.rank} of {self.size})"
             raise AgreedError(f"{error}{where}") from error
         raise error
+
+
+def agree(world, decide):
+    """decide() run on rank 0 alone, its JSON-safe result on every rank (the others wait in the
+    broadcast): one decision for the whole run where each rank deciding alone could differ (the fused
+    GPU kernels, timed). If decide raises, every rank stops with its error (`together`). A
+    collective: every rank calls it, at the same place, outside any `together` block."""
+    value = None
+    with world.together():
+        if world.is_main:
+            value = decide()
+    return world.broadcast_json(value)
 
 
 def require_same(world, mine: dict, what: str, advice: str) -> None:

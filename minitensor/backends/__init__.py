@@ -32,12 +32,14 @@ def get_ops(xp=np, kernels=None, sizes=None):
     (minitensor.backends.numba_jit.mode). On CuPy: CupyOps with the fused kernels kernels says, 'auto' (the
     default: those that pass the start-up self-check, run here once), 'fused' (all, unchecked)
     or 'generic' (none; minitensor.checks.selfcheck); with the run's sizes (minitensor.backends.cuda.Sizes),
-    'auto' also times each piece against the generic code there and keeps the faster."""
+    'auto' also times each piece against the generic code there and keeps the faster. A
+    selfcheck.Choice (rank 0's, on every rank of a data-parallel run) is used as it is, unchecked here."""
     from minitensor.backends import numba_jit
     from minitensor.checks import selfcheck
 
     if xp is np:
-        key = ("numpy", numba_jit.mode(None if kernels in selfcheck.MODES else kernels))
+        gpu_choice = kernels in selfcheck.MODES or isinstance(kernels, selfcheck.Choice)
+        key = ("numpy", numba_jit.mode(None if gpu_choice else kernels))
         if key not in _ops:
             from minitensor.backends.numpy_ops import NumpyOps
 
@@ -47,7 +49,10 @@ def get_ops(xp=np, kernels=None, sizes=None):
     if key not in _ops:
         from minitensor.backends.cupy_ops import CupyOps
 
-        fused, line = selfcheck.select_kernels(key[2], xp, sizes=key[3])
+        if isinstance(key[2], selfcheck.Choice):
+            fused, line = key[2].fused, key[2].line
+        else:
+            fused, line = selfcheck.select_kernels(key[2], xp, sizes=key[3])
         _ops[key] = CupyOps(xp, fused, line)
     return _ops[key]
 

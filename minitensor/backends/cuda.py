@@ -244,10 +244,12 @@ class FusedPiece:
     sample    sample(ops, rng) -> outputs: the piece's layer forward and backward through the backend
               `ops` on small random float32 inputs drawn from the NumPy Generator rng (moved to
               ops.xp: `draw` below); the self-check runs it with the piece off and on and compares
-              (minitensor.checks.selfcheck)
+              (minitensor.checks.selfcheck). A sample whose shapes matter to its kernels takes a
+              keyword `sizes` (a Sizes, or None): given the run's, it runs at them where they count
+              (the attention's: the run's head size)
     cases     None, or cases(k) -> [(name, setup, fused, generic, uses an ElementwiseKernel), ...]:
               gpu_check's comparisons of each kernel's wrapper with the Ops code at ANDREA-120M
-              shapes (k: the sizes and inputs of scripts/gpu_check.py's _KernelInputs); without
+              shapes (k: the sizes and inputs of scripts/gpu_check/kernels.py's KernelInputs); without
               them gpu_check compares `sample` off and on
     rtol      the self-check's tolerance where it is not its own (minitensor.checks.selfcheck.RTOL):
               a piece whose float32 products run on TF32 tensor cores

@@ -9,13 +9,19 @@ stand-in checks here.
 """
 
 import dataclasses
+import json
+import os
 import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import reference as F
 from gpu_standin import standin_cupy
 from markers import needs_cxx
+from optional import require
+from procs import run_in_own_session
 
 from minitensor.backends import fused_pieces, get_ops
 from minitensor.backends.cupy_ops import CupyOps
@@ -188,37 +194,55 @@ def tiny_sizes():
     return Sizes(B=2, T=16, C=32, n_head=2, F=64, V=50, P=300)
 
 
-def sleeper(name, fused_ms, generic_ms):
-    """A timed record whose run sleeps fused_ms with its piece `name` in use, generic_ms without (the
-    other pieces in use both times)."""
-    import time
+class Clock:
+    """time.perf_counter as the timing reads it, advanced by the timed runs alone: each run takes
+    exactly what it says, however loaded the machine is."""
 
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    ticks = Clock()
+    monkeypatch.setattr(selfcheck, "time", types.SimpleNamespace(perf_counter=ticks))
+    return ticks
+
+
+def sleeper(name, fused_ms, generic_ms, clock):
+    """A timed record whose run takes fused_ms on `clock` with its piece `name` in use, generic_ms
+    without (the other pieces in use both times)."""
     def timed(ops, sizes):
-        return lambda: time.sleep((fused_ms if ops.fused(name) else generic_ms) / 1e3)
+        def run():
+            clock.now += (fused_ms if ops.fused(name) else generic_ms) / 1e3
+        return run
     return timed
 
 
-def test_a_fused_piece_slower_than_the_generic_code_is_not_chosen(cupy, monkeypatch):
+def test_a_fused_piece_slower_than_the_generic_code_is_not_chosen(cupy, monkeypatch, clock):
     """With the run's sizes, `auto` times each piece that passed its check with it on and off and keeps
     it only where it is not slower; the line gives both times (on a GPU: the stand-in's times are the
     CPU's, so this one is told it is a GPU)."""
     monkeypatch.setattr(cupy, "STANDIN", False)
     checks = {"layernorm": stand_in_check(0.0), "bias_gelu": stand_in_check(0.0)}
-    timers = {"layernorm": sleeper("layernorm", fused_ms=30, generic_ms=2),
-              "bias_gelu": sleeper("bias_gelu", fused_ms=2, generic_ms=30)}
+    timers = {"layernorm": sleeper("layernorm", fused_ms=30, generic_ms=2, clock=clock),
+              "bias_gelu": sleeper("bias_gelu", fused_ms=2, generic_ms=30, clock=clock)}
     fused, line = selfcheck.select_kernels("auto", cupy, checks, sizes=tiny_sizes(), timers=timers)
     assert fused == ("bias_gelu",)
-    assert line.startswith("kernels: fused bias_gelu (2"), line
-    assert "ms against 3" in line and "generic for layernorm (slower: fused 3" in line, line
+    assert line == "kernels: fused bias_gelu (2 ms against 30); generic for layernorm (slower: fused 30 ms, generic 2 ms)"
     # without the run's sizes (a model built outside training), nothing is timed
     assert selfcheck.select_kernels("auto", cupy, checks, timers=timers)[0] == ("layernorm", "bias_gelu")
 
 
-def test_on_the_standin_nothing_is_timed_and_the_line_says_so(cupy):
+def test_on_the_standin_nothing_is_timed_and_the_line_says_so(cupy, clock):
     checks = {"layernorm": stand_in_check(0.0)}
     fused, line = selfcheck.select_kernels("auto", cupy, checks, sizes=tiny_sizes(),
-                                           timers={"layernorm": sleeper("layernorm", 30, 2)})
+                                           timers={"layernorm": sleeper("layernorm", 30, 2, clock)})
     assert fused == ("layernorm",) and line.endswith("(not timed: the CuPy stand-in runs the kernels on the CPU)")
+    assert clock.now == 0.0
 
 
 @needs_cxx
@@ -230,3 +254,110 @@ def test_every_pieces_timed_run_runs_with_the_piece_and_without(cupy, name):
     assert piece.timed is not None, f"{name}: its record has no timed run"
     with_piece, without = selfcheck.time_piece(piece.timed, name, cupy, tiny_sizes())
     assert with_piece > 0 and without > 0
+
+
+def test_a_piece_whose_timing_raises_runs_the_generic_code_and_the_line_says_why(cupy, monkeypatch, clock):
+    """An out-of-memory or launch error while timing at the run's sizes is one piece's fallback, not
+    the end of the model's construction; the pieces timed without error keep their verdict."""
+    monkeypatch.setattr(cupy, "STANDIN", False)
+
+    def out_of_memory(ops, sizes):
+        raise MemoryError("Out of memory allocating 4,294,967,296 bytes\n(allocated so far: 77 GiB)")
+
+    checks = {"layernorm": stand_in_check(0.0), "bias_gelu": stand_in_check(0.0)}
+    timers = {"layernorm": out_of_memory, "bias_gelu": sleeper("bias_gelu", fused_ms=1, generic_ms=20, clock=clock)}
+    fused, line = selfcheck.select_kernels("auto", cupy, checks, sizes=tiny_sizes(), timers=timers)
+    assert fused == ("bias_gelu",)
+    assert line.endswith("; generic for layernorm (timing failed at the run's sizes, MemoryError: Out of memory "
+                         "allocating 4,294,967,296 bytes)"), line
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize("fused_s, generic_s, kept", [(2e-3, 2e-3, True), (2e-3 + 1e-9, 2e-3, False),
+                                                      (2e-3 - 1e-9, 2e-3, True)])
+def test_the_timing_tie_rule_keeps_the_fused_piece_only_when_it_is_not_slower(cupy, monkeypatch,
+                                                                              fused_s, generic_s, kept):
+    """Equal times keep the fused piece; a nanosecond slower refuses it."""
+    monkeypatch.setattr(selfcheck, "time_piece", lambda *a, **k: (fused_s, generic_s))
+    refused = {}
+    chosen, times = selfcheck.keep_faster(["layernorm"], refused, cupy, tiny_sizes(), {"layernorm": None})
+    assert times == {"layernorm": (fused_s, generic_s)}
+    assert chosen == (["layernorm"] if kept else []) and ("layernorm" in refused) is not kept
+
+
+def test_the_attention_sample_runs_at_the_runs_head_size():
+    """With the run's sizes the self-check compares the flash core at the run's head size (64 for
+    ANDREA-120M, the tensor-core path a run takes); without, or at one the kernels do not take, at 16."""
+    from minitensor.backends.cuda import Sizes
+
+    sample = fused_pieces()["flash_attention"].sample
+    for sizes, width in ((Sizes(), 4 * 64), (None, 4 * 16), (tiny_sizes(), 4 * 16)):
+        y = selfcheck.at_sizes(sample, sizes)(Ops(np), np.random.default_rng(0))[0]
+        assert y.shape == (2, 72, width), (sizes, y.shape)
+    plain = stand_in_check(0.0)
+    assert selfcheck.at_sizes(plain, Sizes()) is plain  # a sample that takes no sizes runs as it is
+
+
+def test_auto_with_the_runs_sizes_checks_each_sample_at_them(cupy, monkeypatch):
+    """select_kernels hands the run's sizes to every sample that takes them (the flash core's at the
+    run's head size), and runs the others as they are."""
+    from minitensor.backends.cuda import Sizes
+
+    seen = []
+
+    def sized(ops, rng, sizes=None):
+        seen.append(None if sizes is None else sizes.hs)
+        return stand_in_check(0.0)(ops, rng)
+
+    real = fused_pieces()
+    pieces = {"layernorm": dataclasses.replace(real["layernorm"], sample=sized),
+              "bias_gelu": dataclasses.replace(real["bias_gelu"], sample=stand_in_check(0.0))}
+    monkeypatch.setattr(selfcheck, "fused_pieces", lambda: pieces)
+    fused, _ = selfcheck.select_kernels("auto", cupy, sizes=Sizes())  # on the stand-in: checked, not timed
+    assert fused == ("layernorm", "bias_gelu") and seen == [64, 64]  # the piece off, then on
+    seen.clear()
+    selfcheck.select_kernels("auto", cupy)
+    assert seen == [None, None]
+
+
+def test_a_choice_made_elsewhere_builds_the_backend_unchecked(cupy, monkeypatch):
+    """get_ops with rank 0's Choice runs exactly its pieces, logs its line, and runs no self-check."""
+    monkeypatch.setattr(selfcheck, "select_kernels", lambda *a, **k: pytest.fail("a Choice is not re-checked"))
+    choice = selfcheck.Choice(("layernorm",), "kernels: fused layernorm (rank 0's choice)")
+    ops = get_ops(cupy, choice)
+    assert ops.in_use == frozenset({"layernorm"}) and ops.kernels_line == choice.line
+    assert get_ops(cupy, choice) is ops
+    assert selfcheck.Choice.from_json(json.loads(json.dumps(choice.to_json()))) == choice
+    assert get_ops(np, choice) is get_ops(np)  # on the CPU a GPU choice leaves the CPU's kernels alone
+
+
+def agree_on_two_ranks(tmp_path, *extra):
+    """tests/support/kernels_driver.py under `mpiexec -n 2`: each rank's {own, agreed} choice."""
+    require("mpi4py")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (root, root / "tests" / "support"))),
+               OPENBLAS_NUM_THREADS="1", ANDREA_NUM_THREADS="1")
+    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", sys.executable, "-m", "mpi4py",
+           str(root / "tests" / "support" / "kernels_driver.py"), str(tmp_path), *extra]
+    r = run_in_own_session(cmd, env, root, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1)]
+
+
+def test_two_ranks_whose_timings_disagree_use_rank_0s_choice(tmp_path):
+    rank0, rank1 = agree_on_two_ranks(tmp_path)
+    assert rank0["own"][0] == ["layernorm"] and rank1["own"][0] == []  # alone, they would differ
+    assert rank0["agreed"] == rank1["agreed"]
+    pieces, line = rank0["agreed"]
+    assert pieces == ["layernorm"]
+    assert line == "kernels: fused layernorm (1 ms against 2) (rank 0's choice, on all 2 processes)"
+
+
+def test_a_timing_failure_on_rank_0_falls_back_on_every_rank(tmp_path):
+    rank0, rank1 = agree_on_two_ranks(tmp_path, "--raise-on", "0")
+    assert rank0["agreed"] == rank1["agreed"]
+    pieces, line = rank0["agreed"]
+    assert pieces == []
+    assert line.startswith("kernels: fused none; generic for layernorm (timing failed at the run's sizes, "
+                           "MemoryError: Out of memory allocating"), line
+    assert rank1["own"][0] == []  # rank 1 timed it slower by itself: refused for another reason

@@ -286,17 +286,21 @@ def _fused_attention_backward(ops, dy4, saved, dqkv4):
 FLASH_RTOL = 5e-3
 
 
-def _flash_attention_sample(ops, rng):
-    """A 4-head attention layer (head size 16), forward and backward, over 2 x 72 positions: three
-    query tiles, the last one partial, a full one over two key tiles (its running max and sum
-    rescaled); the core as the backend chooses it (flash with the piece, else the Ops code), its
-    float32 products once on TF32 tensor cores and once by FMAs, whatever train.tf32 will say."""
+def _flash_attention_sample(ops, rng, sizes=None):
+    """A 4-head attention layer, forward and backward, over 2 x 72 positions: three query tiles, the
+    last one partial, a full one over two key tiles (its running max and sum rescaled); the core as
+    the backend chooses it (flash with the piece, else the Ops code), its float32 products once on
+    TF32 tensor cores and once by FMAs, whatever train.tf32 will say. Heads of the run's size where
+    sizes (a cuda.Sizes) gives one the kernels take (64 for ANDREA-120M: the tensor-core path a run
+    uses), else of 16."""
     from minitensor.layers.attention import CausalSelfAttention
     from minitensor.layers.linear import Linear
 
     xp = ops.xp
-    B, T, C, nh = 2, 72, 64, 4
-    weights = [draw(xp, rng, C, 3 * C, scale=0.3), draw(xp, rng, 3 * C), draw(xp, rng, C, C, scale=0.3),
+    hs = sizes.hs if sizes is not None and flash_fits(sizes.hs, np.dtype(np.float32)) else 16
+    B, T, nh = 2, 72, 4
+    C, scale = nh * hs, 2.4 / math.sqrt(nh * hs)  # 0.3 at C = 64: pre-activations of the same size at any hs
+    weights = [draw(xp, rng, C, 3 * C, scale=scale), draw(xp, rng, 3 * C), draw(xp, rng, C, C, scale=scale),
                draw(xp, rng, C)]
     x, dy = draw(xp, rng, B, T, C), draw(xp, rng, B, T, C)
     outputs = []
