@@ -65,7 +65,8 @@ from andrea.cli import ArgumentParser, run_cli
 from andrea.errors import UserError
 from andrea.model.sizes import flops_per_token
 from andrea.model.transformer import ANDREA
-from andrea.run.pricing import COUNTED_BY, COUNTS, DRIVERS, H200, LAUNCHES, PROFILES, op_seconds, write_counts
+from andrea.run.pricing import (COUNTED_BY, COUNTS, DRIVERS, H100, H200, LAUNCHES, PROFILES, kernel_prices, op_seconds,
+                                write_counts)
 from minitensor.checks.standin import standin_env
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +249,19 @@ def estimate_step_seconds(config="120m", batch=8, seq=1024, micro_batches=1, ker
     (default: the bench's and gpu_check's step, one micro-batch and AdamW) on hw (pricing.H200 or
     pricing.H100)."""
     return estimate(record_anywhere(config, batch, seq, micro_batches, kernels), hw)["step_s"]
+
+
+def profile_for(device_name):
+    """The pricing profile of a card by its CUDA device name ("NVIDIA H100 80GB HBM3" -> pricing.H100),
+    the H200's for any other card (named so in what prints it)."""
+    return H100 if "H100" in str(device_name).upper() else H200
+
+
+def priced_kernel_seconds(hw=H200):
+    """{kernel name: seconds} of one launch of each project kernel at ANDREA-120M's shapes on hw, its
+    work and the launch's cost (pricing.kernel_prices): the column gpu_check prints beside the
+    measured times, so that the first lent GPU calibrates the model kernel by kernel."""
+    return {name: price.seconds + price.launch_s for name, price in kernel_prices(hw).items()}
 
 
 def step_mfu(hw=H200, works=None, config="120m"):

@@ -55,12 +55,13 @@ def part_bench(dry):
     log(f"figure: andrea {result['tokens_per_s']:,.0f} tokens/s, step {result['step_ms_median']:.1f} ms median, "
         f"MFU {100 * result['mfu_tf32_peak']:.1f}% of the TF32 peak"
         + (f", pool peak {result['pool_used_peak_gib']:.2f} GiB" if "pool_used_peak_gib" in result else ""))
-    log_kernel_seconds(measured_kernel_seconds(training), priced_kernel_seconds())
+    card = card_name(xp)
+    log_kernel_seconds(measured_kernel_seconds(training), priced_kernel_seconds(card))
     del training, model
     free_pool(xp)
     probe_failed = _mma_probe(xp, dry)
     torch_failed = _bench_torch(cfg, B, T, warmup, steps, full.train.tf32, result["tokens_per_s"], dry)
-    _log_step_model(result, dry)  # last: were it slow, every measured figure is out already
+    _log_step_model(result, dry, card)  # last: were it slow, every measured figure is out already
     return not np.isfinite(final_loss) or torch_failed or probe_failed
 
 
@@ -89,16 +90,26 @@ def measured_kernel_seconds(training):
     return seconds
 
 
-def priced_kernel_seconds():
-    """THE HOOK for the priced column: {kernel name: seconds} the step model prices each project
-    kernel at in ANDREA-120M's step (andrea.run.pricing, issue 45 item 3), printed beside the measured
-    times; {} while andrea.run.stepmodel has no priced_kernel_seconds() (the measured column alone)."""
+def card_name(xp):
+    """The CUDA device's name ("NVIDIA H100 80GB HBM3"); "" on NumPy (the dry run's CPU)."""
     try:
-        from andrea.run.stepmodel import priced_kernel_seconds as priced
+        name = xp.cuda.runtime.getDeviceProperties(0)["name"]
+    except AttributeError:
+        return ""
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def priced_kernel_seconds(card=""):
+    """The priced column: {kernel name: seconds} the step model prices one launch of each project
+    kernel at, at ANDREA-120M's shapes, on the profile of the card named (andrea.run.stepmodel:
+    profile_for, priced_kernel_seconds), printed beside the measured times; {} where the step model
+    cannot be imported (the measured column alone)."""
+    try:
+        from andrea.run.stepmodel import priced_kernel_seconds as priced, profile_for
     except ImportError:
         return {}
     try:
-        return dict(priced())
+        return dict(priced(profile_for(card)))
     except Exception as e:  # a broken price is reported, not a failed benchmark
         log(f"step model: priced_kernel_seconds() raised {first_line(e)}")
         return {}
@@ -170,19 +181,20 @@ def _mma_probe(xp, dry):
     return False
 
 
-def _log_step_model(result, dry):
-    """The hook for the H200 step model: its estimate beside the measured step, where
-    andrea.run.stepmodel exists (nothing is said where it does not)."""
+def _log_step_model(result, dry, card=""):
+    """The step model's estimate on the card's profile (an H100's or the H200's) beside the measured
+    step, where andrea.run.stepmodel exists (nothing is said where it does not)."""
     try:
-        from andrea.run.stepmodel import estimate_step_seconds
+        from andrea.run.stepmodel import estimate_step_seconds, profile_for
     except ImportError:
         return
+    hw = profile_for(card)
     try:
-        estimate = estimate_step_seconds()  # ANDREA-120M at 8 x 1024 on an H200, in seconds
+        estimate = estimate_step_seconds(hw=hw)  # ANDREA-120M at 8 x 1024 on the card, in seconds
     except Exception as e:  # a broken model is reported, not a failed benchmark
         log(f"step model: estimate_step_seconds() raised {type(e).__name__}: {e}")
         return
-    log(f"figure: step model {1e3 * estimate:.1f} ms estimated (ANDREA-120M, 8 x 1024, H200), "
+    log(f"figure: step model {1e3 * estimate:.1f} ms estimated (ANDREA-120M, 8 x 1024, {hw.name}), "
         f"{result['step_ms_median']:.1f} ms measured{' (dry run: the toy model)' if dry else ''}: "
         f"measured / estimated {result['step_ms_median'] / (1e3 * estimate):.2f}")
 

@@ -227,16 +227,34 @@ def _gpu_check_module(name):
 
 
 def test_the_step_models_estimate_is_printed_beside_the_measured_step(monkeypatch, capsys):
+    from andrea.run import stepmodel
     gpu_check = _gpu_check_module("bench")
     monkeypatch.setenv("GPU_CHECK_TEED", "1")
     monkeypatch.setitem(sys.modules, "andrea.run.stepmodel", None)  # absent: nothing said
     gpu_check._log_step_model({"step_ms_median": 50.0}, dry=False)
     assert capsys.readouterr().out == ""
-    fake = types.SimpleNamespace(estimate_step_seconds=lambda: 0.04)
+    fake = types.SimpleNamespace(estimate_step_seconds=lambda hw: {"H200": 0.04, "H100 SXM": 0.05}[hw.name],
+                                 profile_for=stepmodel.profile_for)
     monkeypatch.setitem(sys.modules, "andrea.run.stepmodel", fake)
-    gpu_check._log_step_model({"step_ms_median": 50.0}, dry=False)
+    gpu_check._log_step_model({"step_ms_median": 50.0}, dry=False, card="NVIDIA H200")
     assert capsys.readouterr().out == ("figure: step model 40.0 ms estimated (ANDREA-120M, 8 x 1024, H200), "
                                        "50.0 ms measured: measured / estimated 1.25\n")
+    gpu_check._log_step_model({"step_ms_median": 50.0}, dry=False, card="NVIDIA H100 80GB HBM3")
+    assert capsys.readouterr().out == ("figure: step model 50.0 ms estimated (ANDREA-120M, 8 x 1024, H100 SXM), "
+                                       "50.0 ms measured: measured / estimated 1.00\n")
+
+
+def test_the_priced_column_is_the_step_models_price_of_each_kernel_on_the_cards_profile():
+    gpu_check = _gpu_check_module("bench")
+    from andrea.run import pricing, stepmodel
+    assert stepmodel.profile_for("NVIDIA H100 80GB HBM3") is pricing.H100
+    assert stepmodel.profile_for("NVIDIA H200") is pricing.H200
+    h100, h200 = gpu_check.priced_kernel_seconds("NVIDIA H100 80GB HBM3"), gpu_check.priced_kernel_seconds("NVIDIA H200")
+    prices = pricing.kernel_prices(pricing.H100)
+    assert set(h100) == set(prices) and "flash_attention_fwd" in h100
+    assert all(h100[k] == prices[k].seconds + prices[k].launch_s for k in h100)
+    # a memory-bound kernel costs more on the H100's slower memory; none costs less
+    assert all(h100[k] >= h200[k] for k in h100) and any(h100[k] > h200[k] for k in h100)
 
 
 def test_kernels_are_compared_on_the_device_two_scalars_read_back(tmp_path):
