@@ -2,6 +2,7 @@
 (--resume-from), bit-identical to a run that had that schedule from the start; a resume that changes
 the schedule is refused with the change named, and goes on under the new one with --change-schedule."""
 
+import pytest
 from runs import run_main, small_config
 
 from andrea.run.metrics import read_records
@@ -30,7 +31,9 @@ def test_a_wsd_decay_branched_from_a_stable_checkpoint(tmp_path, data_dir, capsy
     assert sorted(b) == [9, 10] and sorted(t) == list(range(1, 9))
     assert {k: (r["loss"], r["lr"]) for k, r in {**t, **b}.items()} == \
         {k: (r["loss"], r["lr"]) for k, r in s.items()}
-    assert [s[k]["lr"] for k in (8, 9, 10)] == [3e-3, 3e-3, 3e-3 - 2.7e-3 / 2]  # the decay starts at step 9
+    # the decay's 2 steps are 9 and 10, the last at min_lr as the plan line promised (issue 48: this
+    # assertion pinned the decay one step short, the midpoint at step 10)
+    assert [s[k]["lr"] for k in (8, 9, 10)] == [3e-3, pytest.approx(3e-3 - 2.7e-3 / 2, rel=1e-15), 3e-4]
     # the branch is a run of its own: its config and checkpoints; the trunk is untouched
     assert (branch / "config.json").is_file() and (branch / "ckpt-00000010").is_dir()
     assert sorted(p.name for p in trunk.glob("ckpt-*")) == ["ckpt-00000004", "ckpt-00000008"]
