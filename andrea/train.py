@@ -15,8 +15,9 @@ the run directory, the data (andrea.run.rundata), the model (andrea.run.trainer.
 the run directory is written, so that one that cannot start leaves no half-made run), the loop
 (`Trainer.run`: steps, logging, evaluation, the non-finite guard, the stop vote, checkpoints), the end
 (the last save checked, the plot, the summary, a sample). andrea.run.rundir claims --out for this run
-alone (a marker of what wrote it, a lock held until the run ends); andrea.run.runlog keeps it to one story (metrics that survive a full disk, each step once
-after a resume, exit code 4 when the last save failed).
+alone (a marker of what wrote it, a lock held until the run ends); andrea.run.runlog keeps it to one
+story (metrics that survive a full disk, each step once after a resume, exit code 4 when the last
+save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see

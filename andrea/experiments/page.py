@@ -148,7 +148,8 @@ def _run_row(cells, exp, name):
     """One row of the table of runs, read; a one-line error naming the row and what is wrong with it."""
     where = f"the section for {name}: the row of run {cells[0] if cells else ''!r}"
     if len(cells) != len(RUN_COLUMNS):
-        raise UserError(f"{where} has {len(cells)} cells, not the table's {len(RUN_COLUMNS)} ({', '.join(RUN_COLUMNS)})")
+        raise UserError(f"{where} has {len(cells)} cells, not the table's {len(RUN_COLUMNS)} "
+                        f"({', '.join(RUN_COLUMNS)})")
     run, val, below, r0, r1, to, diverged, seconds = cells
     arm, _, seed = run.rpartition("-seed")
     if arm not in exp.arms:

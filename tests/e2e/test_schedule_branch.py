@@ -80,3 +80,17 @@ def test_resume_from_mistakes_are_one_line_errors(tmp_path, data_dir, capsys):
     for argv, message in cases:
         assert run_main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_a_one_step_decay_ends_the_run_where_the_dry_run_says(tmp_path, data_dir, capsys):
+    """5 steps, decay_fraction 0.2 (issue 48: every step at the peak, while --dry-run promised a decay
+    to min_lr): the plan's schedule line says one decay step to 0.0003, and the run's step 5 is at it."""
+    cfg = small_config(tmp_path, data_dir, schedule="wsd", max_steps=5, warmup_steps=0, eval_interval=5,
+                       checkpoint_interval=5)
+    out = tmp_path / "run"
+    assert run_main(["--config", str(cfg), "--out", str(out), "--dry-run"]) == 0
+    plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("schedule"))
+    assert plan.endswith("stable to step 4, then a linear decay to 0.0003 over the last 1 steps "
+                         "(train.decay_fraction 0.2)")
+    assert run_main(["--config", str(cfg), "--out", str(out)]) == 0
+    assert [r["lr"] for _, r in sorted(rows(out).items())] == [3e-3] * 4 + [3e-4]
