@@ -11,11 +11,13 @@ A run goes through phases, each a function below, read top to bottom in `run_tra
 checks (andrea.run.launch: the config from the arguments, the same on every rank; andrea.run.preflight:
 device, paths, step shape, --init-from's weights, memory, data; the same with and without --dry-run),
 the run directory, the data (andrea.run.rundata), the model (andrea.run.trainer.Trainer), the state
-(a checkpoint's or a fresh one), the loop (`Trainer.run`: steps, logging, evaluation, the non-finite
-guard, the stop vote, checkpoints), the end (the last save checked, the plot, the summary, a sample).
-andrea.run.rundir claims --out for this run alone (a marker of what wrote it, a lock held until the
-run ends); andrea.run.runlog keeps it to one story (metrics that survive a full disk, each step once
-after a resume, exit code 4 when the last save failed).
+(a checkpoint's or a fresh one), the metrics sinks (andrea.run.metrics.open_sinks: opened before
+the run directory is written, so that one that cannot start leaves no half-made run), the loop
+(`Trainer.run`: steps, logging, evaluation, the non-finite guard, the stop vote, checkpoints), the end
+(the last save checked, the plot, the summary, a sample). andrea.run.rundir claims --out for this run
+alone (a marker of what wrote it, a lock held until the run ends); andrea.run.runlog keeps it to one
+story (metrics that survive a full disk, each step once after a resume, exit code 4 when the last
+save failed).
 
 Under mpiexec (`mpiexec -n N python -m mpi4py -m andrea.train ...`) each of the N processes takes
 its share of every step's windows and the gradients are summed across them once per step (see
@@ -40,6 +42,7 @@ from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
 from andrea.run import preflight, rundir, runlog
 from andrea.run.launch import build_run_config, require_same_launch, run_tokenizer
+from andrea.run.metrics import Metrics, open_sinks
 from andrea.run.rundata import data_fingerprint, prepare_data, unigram_baseline
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED
@@ -111,18 +114,29 @@ def run_training(args, world):
     # the model, optimizer and data loader, on every rank
     trainer = build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens)
     # the state: a checkpoint's (--resume, --resume-from), or rank 0's fresh weights on every rank
+    meta = None
     if args.resume or args.resume_from:
-        if resume(trainer, args) == "finished":
-            return 0
+        meta = resume(trainer, args)
+        if meta is None:
+            return 0  # finished already
     else:
         share_state(trainer)
-    if world.is_main:
-        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        tokenizer.save(out_dir / "tokenizer.json")
-    _header(cfg, args, trainer, len(train_tokens), len(val_tokens), out_dir)
+    # the metrics sinks, opened before the run directory is written: one that cannot start leaves it as it was
+    with world.together():
+        sinks = open_sinks(out_dir, cfg, world, trainer.step)
+    try:
+        if meta is not None:
+            record_resume(trainer, meta)
+        if world.is_main:
+            (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            tokenizer.save(out_dir / "tokenizer.json")
+        _header(cfg, args, trainer, len(train_tokens), len(val_tokens), out_dir)
+    except BaseException:
+        Metrics(sinks).close()
+        raise
     # the loop
     start_step, started = trainer.step, time.perf_counter()
-    code = trainer.run(stop_at_step=args.stop_at_step)
+    code = trainer.run(stop_at_step=args.stop_at_step, sinks=sinks)
     # the end: the last save checked, the plot, the summary and a sample
     return finish(trainer, code, start_step, time.perf_counter() - started)
 
@@ -185,9 +199,11 @@ def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens
 
 def resume(trainer, args):
     """Rank 0 reads the checkpoint (--resume: the newest good one in --out; --resume-from: the one it
-    names, or its run's newest good one); the others get it by broadcast (share_state).
+    names, or its run's newest good one); the others get it by broadcast (share_state). Writes
+    nothing: record_resume does, once the metrics sinks have started.
 
-    Returns "finished" when that checkpoint is already at train.max_steps (nothing to train)."""
+    Returns the checkpoint's meta (its "path" added), or None when it is already at train.max_steps
+    (nothing to train)."""
     world, out_dir = trainer.world, trainer.out_dir
     with world.together():
         meta = None
@@ -207,8 +223,17 @@ def resume(trainer, args):
         world.log(f"the run in {out_dir} has already finished: {meta['path']} is step {trainer.step} of "
                   f"train.max_steps {trainer.cfg.train.max_steps}; nothing to do (to train longer: --resume "
                   "--max-steps N)")
-        return "finished"
+        return None
     share_state(trainer)
+    with world.together():
+        if world.is_main and args.stop_at_step is not None and args.stop_at_step <= trainer.step:
+            raise UserError(f"--stop-at-step {args.stop_at_step} is not after the resumed step {trainer.step}")
+    return meta
+
+
+def record_resume(trainer, meta):
+    """metrics.jsonl without the rows after the checkpoint, and a resume record (rank 0); the log's lines."""
+    world, out_dir = trainer.world, trainer.out_dir
     dropped = runlog.drop_rows_after(out_dir / "metrics.jsonl", trainer.step, meta["path"]) if world.is_main else 0
     world.log(f"resumed from {meta['path']} at step {trainer.step}"
               + (f"; dropped {dropped} metrics rows of later steps, which this run recomputes" if dropped else ""))
@@ -218,9 +243,6 @@ def resume(trainer, args):
         world.log(f"note: the checkpoint was written by {saved} process(es), this run has {world.size}: same "
                   f"batches in the same order, now {trainer.accum} micro-batch(es) per process; results match the "
                   "other count to float32 summation order, not bit for bit")
-    with world.together():
-        if world.is_main and args.stop_at_step is not None and args.stop_at_step <= trainer.step:
-            raise UserError(f"--stop-at-step {args.stop_at_step} is not after the resumed step {trainer.step}")
 
 
 def read_checkpoint(trainer, where):

@@ -29,12 +29,16 @@ from pathlib import Path
 @contextlib.contextmanager
 def writing(data_dir, say: Callable[[str], None] | None = None) -> Iterator[bool]:
     """Hold `data_dir` (made if missing) for writing until the block ends; yields True when this call
-    created it. A directory that another process removed while this one waited is made again."""
+    created it. A directory that another process removed while this one waited, or before this one
+    could open it, is made again: what the block reads and writes is the directory this one locked."""
     data_dir = Path(data_dir)
     while True:
         created = not data_dir.exists()
         data_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(data_dir, os.O_RDONLY)
+        try:
+            fd = os.open(data_dir, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # removed between the two calls (another command's check made it and removed it): made again
         try:
             _wait_for(fd, data_dir, say)
             if _same_directory(fd, data_dir):

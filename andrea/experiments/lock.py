@@ -38,12 +38,23 @@ def _byte(exp, arm: str, seed: int) -> int:
     return (seed % 2**48) * MAX_ARMS + list(exp.arms).index(arm)
 
 
+def _open_lock_file(out: Path) -> int:
+    """out's lock file, created if missing. A new --out that another command's check of the path made
+    and removed again (andrea.run.paths.check_directory) between this session's making it and opening
+    the file is made again: once the file is in it, no such check removes it."""
+    while True:
+        try:
+            return os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            out.mkdir(parents=True, exist_ok=True)
+
+
 @contextlib.contextmanager
 def holding(out: Path, exp, runs) -> Iterator[None]:
     """Lock each (arm, seed) of `runs` in out's lock file until the block ends; a one-line UserError
     naming the first run another process holds, before anything is written (the lock file itself is
     created if missing: empty, and never written)."""
-    fd = os.open(Path(out) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock_file(Path(out))
     try:
         for arm, seed in runs:
             try:

@@ -14,6 +14,9 @@ the at-a-glance rows, and leaves the tables and the figure as the runs wrote the
 the rules that compare arms by their final validation losses, which the tables print as the rules
 read them (to 3 decimals); a rule reading a threshold in each run (base.kept_from_page: gradient
 ratios, the logit lens, attention, printed rounded) keeps its verdict as the runs' report wrote it.
+A page a person edited is read as strictly as the report writes it: a figure deleted, a word where a
+number goes, a row with a cell too few, a seed that is not a number, or one run given twice with
+different figures is one line naming the row and what is wrong (the same row twice is read once).
 """
 
 from __future__ import annotations
@@ -108,12 +111,24 @@ def with_glance(text, name, lines):
 
 # ----------------------------------------------------------------------------------------------- --from-doc
 
-def _number(cell):
-    """A table cell as report.table and base.fmt print it: a float, nan, or None ("never", "not logged")."""
+_NONE = ("never", "not logged")  # what report.table and base.fmt print for a figure that is not there
+RUN_COLUMNS = ("run", "final val loss", "unigram baseline - val loss", "|dL/dx| embeddings / top, step 1",
+               "same, last step", "steps to train loss", "diverged", "time (s)")
+
+
+def _number(cell, what="", may_be_none=True):
+    """A table cell as report.table and base.fmt print it: a float, nan, or None ("never", "not
+    logged" where `may_be_none`). `what` names the row and column for the one-line error on any other
+    cell: an empty one (a figure deleted), words."""
     cell = cell.strip()
-    if cell in ("never", "not logged", ""):
+    if cell in _NONE and may_be_none:
         return None
-    return float(cell.replace(",", ""))
+    try:
+        return float(cell.replace(",", ""))
+    except ValueError:
+        said = "is empty" if not cell else f"is {cell!r}, not a number"
+        raise UserError(f"{what} {said}: put back the figure the runs' report wrote (--report-only --doc writes the "
+                        "section again from the runs)") from None
 
 
 def _table(lines, header):
@@ -129,20 +144,57 @@ def _table(lines, header):
     return []
 
 
+def _run_row(cells, exp, name):
+    """One row of the table of runs, read; a one-line error naming the row and what is wrong with it."""
+    where = f"the section for {name}: the row of run {cells[0] if cells else ''!r}"
+    if len(cells) != len(RUN_COLUMNS):
+        raise UserError(f"{where} has {len(cells)} cells, not the table's {len(RUN_COLUMNS)} "
+                        f"({', '.join(RUN_COLUMNS)})")
+    run, val, below, r0, r1, to, diverged, seconds = cells
+    arm, _, seed = run.rpartition("-seed")
+    if arm not in exp.arms:
+        raise UserError(f"the section for {name} names a run {run!r} of no arm of {name}: is it its section?")
+    if not seed.isdigit():
+        raise UserError(f"{where}: its seed {seed!r} is not a number (a run is named ARM-seedN, e.g. {arm}-seed0)")
+    if diverged not in ("yes", "no"):
+        raise UserError(f"{where}: diverged is {diverged!r}, not yes or no")
+    column = dict(zip(RUN_COLUMNS, cells))
+
+    def figure(key, may_be_none=True):
+        return _number(column[key], f"{where}: its {key!r}", may_be_none)
+
+    val, below = figure("final val loss", False), figure("unigram baseline - val loss", False)
+    return {"run": run, "arm": arm, "seed": int(seed), "val_loss": val, "ratio_init": figure(RUN_COLUMNS[3]),
+            "ratio_final": figure(RUN_COLUMNS[4]), "steps_to_target": figure(RUN_COLUMNS[5]),
+            "diverged": diverged == "yes", "seconds": figure("time (s)"), "exit_code": 0,
+            "unigram_baseline": val + below if math.isfinite(val + below) else None}
+
+
 def _run_rows(lines, exp, name):
-    """A row per run of the section's first table, with the figures it prints."""
-    rows = []
+    """A row per run of the section's first table, with the figures it prints. A run given twice is
+    read once when its rows are the same (a line pasted twice), refused when their figures differ
+    (which of them the runs wrote is not for --from-doc to guess)."""
+    rows = {}
     for cells in _table(lines, "| run | final val loss |"):
-        run, val, below, r0, r1, to, diverged, seconds = cells
-        arm, _, seed = run.rpartition("-seed")
-        if arm not in exp.arms:
-            raise UserError(f"the section for {name} names a run {run!r} of no arm of {name}: is it its section?")
-        val, below = _number(val), _number(below)
-        rows.append({"run": run, "arm": arm, "seed": int(seed), "val_loss": val, "ratio_init": _number(r0),
-                     "ratio_final": _number(r1), "steps_to_target": _number(to), "diverged": diverged == "yes",
-                     "seconds": _number(seconds), "exit_code": 0,
-                     "unigram_baseline": val + below if math.isfinite(val + below) else None})
-    return rows
+        row = _run_row(cells, exp, name)
+        earlier = rows.get(row["run"])
+        if earlier is not None and not _same(earlier, row):
+            raise UserError(f"the section for {name} has two rows for run {row['run']} (seed {row['seed']}) with "
+                            "different figures: keep the one the runs' report wrote and delete the other")
+        rows.setdefault(row["run"], row)
+    return list(rows.values())
+
+
+def _same(a, b):
+    """Two rows of one run with the same figures (nan equal to nan)."""
+    return all(a[k] == b[k] or (isinstance(a[k], float) and isinstance(b[k], float) and math.isnan(a[k])
+                                and math.isnan(b[k])) for k in a)
+
+
+def _cell_error(what):
+    """A UserError for a table of the details that cannot be read (a cell cut, a word for a number)."""
+    return UserError(f"{what} cannot be read (a cell missing or not a number): put back what the runs' report "
+                     "wrote (--report-only --doc writes the section again from the runs)")
 
 
 def _composition(lines, rows):
@@ -152,13 +204,16 @@ def _composition(lines, rows):
         if head is None:
             continue
         cells = _table(lines[head + 1:], "| depth |")
-        blocks = [c for c in cells if c[0].startswith("block ")]
-        uniform = next(c for c in cells if c[0] == "uniform attention")
-        r.update(n_layer=len(blocks), lens_loss=[float(next(c for c in cells if c[0] == "embeddings")[1])] +
-                 [float(c[1]) for c in blocks], lens_top=[c[2] for c in blocks],
-                 distance=[[float(x) for x in c[3].split()] for c in blocks],
-                 previous=[[float(x) for x in c[4].split()] for c in blocks],
-                 uniform_distance=float(uniform[3]), uniform_previous=float(uniform[4]))
+        try:
+            blocks = [c for c in cells if c[0].startswith("block ")]
+            uniform = next(c for c in cells if c[0] == "uniform attention")
+            r.update(n_layer=len(blocks), lens_loss=[float(next(c for c in cells if c[0] == "embeddings")[1])] +
+                     [float(c[1]) for c in blocks], lens_top=[c[2] for c in blocks],
+                     distance=[[float(x) for x in c[3].split()] for c in blocks],
+                     previous=[[float(x) for x in c[4].split()] for c in blocks],
+                     uniform_distance=float(uniform[3]), uniform_previous=float(uniform[4]))
+        except (ValueError, IndexError, StopIteration):
+            raise _cell_error(f"{r['run']}'s table of the logit lens and attention") from None
 
 
 def rows_from_section(middle, name, exp):
@@ -182,9 +237,13 @@ def rows_from_section(middle, name, exp):
             r["unigram_baseline"] = float(baseline.group(1))
         r["n_layer"] = load_config("tiny", exp.base + exp.arms[r["arm"]] + sets).model.n_layer
         if r["run"] in counts:
-            _, params, first, stream = counts[r["run"]]
-            r.update(params=int(params.replace(",", "")), first_nonfinite=None if first == "never" else int(first),
-                     stream_rms_last=_number(stream))
+            try:
+                _, params, first, stream = counts[r["run"]]
+                r.update(params=int(params.replace(",", "")), first_nonfinite=None if first == "never" else int(first),
+                         stream_rms_last=_number(stream))
+            except (ValueError, UserError):
+                raise _cell_error(f"the section for {name}: the row of run {r['run']!r} in the table of parameters"
+                                  ) from None
     _composition(lines, rows)
     return rows
 

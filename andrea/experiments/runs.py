@@ -166,8 +166,13 @@ def _check_out(name, out, doc, create):
         require_matplotlib("andrea.experiment --doc")
         page.doc_section(doc, name)
     check_directory(out, "--out")
-    ours = (out / "results.json").exists() or (out / "logs").exists() or (out / lock.LOCK_FILE).exists()
-    if out.is_dir() and any(out.iterdir()) and not ours:
+    # one listing: what it holds and whether any of it is ours, read together (another session of this
+    # experiment starting into the same new --out may add its lock file at any moment)
+    try:
+        names = set(os.listdir(out))
+    except (FileNotFoundError, NotADirectoryError):
+        names = set()
+    if names and not names & {"results.json", "logs", lock.LOCK_FILE}:
         raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
     if create:
         try:

@@ -1,7 +1,8 @@
 """What a run records and where it goes: the Metrics object the Trainer logs each record to (a dict),
 which hands it to every sink, and the sink that is always there, metrics.jsonl.
 
-    with open_metrics(out_dir, cfg, world, start_step) as metrics:
+    sinks = open_sinks(out_dir, cfg, world, start_step)     # train.log_to's, before the run writes anything
+    with open_metrics(out_dir, cfg, world, start_step, sinks) as metrics:
         metrics.log({"step": 20, "loss": 7.65, "lr": 1.2e-3, ...})   # a dict, never a string
         metrics.flush()                                             # at the end of a log step
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 from andrea.errors import UserError
@@ -62,19 +64,34 @@ class Metrics:
         self.close()
 
 
-def open_metrics(out_dir, cfg, world, start_step: int) -> Metrics:
-    """The run's Metrics: on rank 0 metrics.jsonl and each sink of train.log_to (resuming after
-    `start_step`, the checkpoint's step, 0 for a new run); on the other ranks, none."""
+def open_sinks(out_dir, cfg, world, start_step: int) -> list:
+    """The optional sinks of train.log_to, opened (resuming after `start_step`, the checkpoint's step, 0
+    for a new run) on rank 0 alone, before the run writes anything in `out_dir`: one that cannot start
+    is a UserError that leaves `out_dir` as it was (the sinks opened before it closed, the folders
+    this call made removed), so that the same command, once fixed, starts the run."""
     if not world.is_main:
-        return Metrics()
-    metrics = Metrics([JsonlSink(Path(out_dir) / "metrics.jsonl")])
+        return []
+    folders = [Path(out_dir) / SINKS[name].directory for name in cfg.train.log_to]
+    made = [folder for folder in folders if not os.path.lexists(folder)]
+    opened = []
     for name in cfg.train.log_to:
         try:
-            metrics.sinks.append(SINKS[name](Path(out_dir), cfg, start_step))
-        except Exception as e:  # W&B not logged in, a directory it cannot write...: before any step
-            metrics.close()
+            opened.append(SINKS[name](Path(out_dir), cfg, start_step))
+        except Exception as e:  # W&B not logged in, a library's own failure...: before any step
+            Metrics(opened).close()
+            for folder in made:
+                shutil.rmtree(folder, ignore_errors=True)
             raise UserError(f"the {name} metrics sink (train.log_to) could not start: {type(e).__name__}: {e}") from e
-    return metrics
+    return opened
+
+
+def open_metrics(out_dir, cfg, world, start_step: int, sinks=None) -> Metrics:
+    """The run's Metrics: on rank 0 metrics.jsonl and each sink of train.log_to (`sinks`, opened by
+    open_sinks; opened here when None); on the other ranks, none."""
+    if not world.is_main:
+        return Metrics()
+    sinks = open_sinks(out_dir, cfg, world, start_step) if sinks is None else sinks
+    return Metrics([JsonlSink(Path(out_dir) / "metrics.jsonl"), *sinks])
 
 
 # ----------------------------------------------------------------------------------------------- metrics.jsonl

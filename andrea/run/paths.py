@@ -4,7 +4,10 @@ both use them (prepare is itself called by preflight's data check).
 """
 
 import contextlib
+import errno
+import fcntl
 import os
+import stat
 from pathlib import Path
 
 from andrea.errors import UserError
@@ -19,7 +22,7 @@ def check_directory(path, what: str, writable: bool = True) -> None:
         if not os.access(path, os.R_OK | os.X_OK):
             raise UserError(f"{what} {path} cannot be read: no permission to read it")
         return
-    if path.exists() and not path.is_dir():
+    if _is_file(path):
         raise UserError(f"{what} {path} is a file, not a directory: choose a directory")
     ancestor = path
     while not ancestor.exists():
@@ -29,9 +32,20 @@ def check_directory(path, what: str, writable: bool = True) -> None:
     if ancestor.exists() and not ancestor.is_dir():
         raise UserError(f"{what} {path} cannot be created: {ancestor} is a file")
     if ancestor.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
+        if not ancestor.exists():  # removed meanwhile (another command's check of the same new path): again
+            return check_directory(path, what, writable)
         raise UserError(f"{what} {path} cannot be written: no permission to write in {ancestor}")
     if not path.is_dir():
         _try_creating(path, what)
+
+
+def _is_file(path: Path) -> bool:
+    """Something that is not a directory at `path`, in one look (another process may make and remove
+    a directory there between two)."""
+    try:
+        return not stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def _try_creating(path: Path, what: str) -> None:
@@ -51,16 +65,39 @@ def _try_creating(path: Path, what: str) -> None:
             try:
                 os.mkdir(directory)
             except FileExistsError:
-                if not directory.is_dir():
+                if _is_file(directory):
                     raise
-                continue  # made meanwhile by another process: its, not ours to remove
+                continue  # made meanwhile by another process (and maybe removed again): its, not ours to remove
             made.append(directory)
     except OSError as e:
         raise UserError(f"{what} {missing[0]} cannot be created: {e.strerror or e} ({e.filename})") from None
     finally:
         for directory in reversed(made):
-            with contextlib.suppress(OSError):  # only if still empty: another process may have begun using it
-                os.rmdir(directory)
+            _remove_if_unused(directory)
+
+
+def _remove_if_unused(directory: Path) -> None:
+    """Removes a directory the check made, unless another process has begun using it: put a file in
+    it (rmdir fails), or claimed it, which locks it (andrea.data.lock, andrea.run.rundir). The lock is
+    taken for the removal, so a claim made meanwhile either holds it first (the directory is left to
+    it) or waits and finds the directory gone (and makes its own): never a lock on a removed one while
+    another process writes into a new one at the same path."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # claimed by another process: its directory now
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return  # a file system that cannot lock: removed as before, if still empty
+        with contextlib.suppress(OSError):  # only if still empty: another process may have begun using it
+            os.rmdir(directory)
+    finally:
+        os.close(fd)
 
 
 def check_output_file(path, what: str) -> None:

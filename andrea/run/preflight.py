@@ -48,7 +48,7 @@ from andrea.model.sizes import parameter_breakdown
 from andrea.run import distributed as dist
 from andrea.run.paths import check_directory, check_output_file  # noqa: F401 (check_output_file: the commands')
 from andrea.run.schedule import make_schedule
-from andrea.run.sinks import check_installed
+from andrea.run.sinks import check_sinks
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
@@ -285,9 +285,9 @@ def check(cfg, out_dir, processes=1, init_from=None, warn=None, tokenizer=None, 
         # refusing would break quick runs (`--max-steps 10` on a config warming up for 50): say what happens
         peak = t.lr * t.max_steps / t.warmup_steps
         (warn or files.warn)(f"train.warmup_steps ({t.warmup_steps}) exceeds train.max_steps ({t.max_steps}): the "
-                        f"learning rate rises to {peak:.2e} at the last step and never reaches train.lr "
+                        f"warmup's rate rises to {peak:.2e} at the last step and never reaches train.lr "
                         f"({t.lr:g}); --set train.warmup_steps={t.max_steps // 10} gives warmup then decay")
-    check_installed(t.log_to)
+    check_sinks(t.log_to, out_dir)  # each named once, its library, its folder: before anything is written
     if t.sample_tokens > 0 and not t.sample_prompt:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
     mem = estimate_memory(cfg)

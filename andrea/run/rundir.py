@@ -34,6 +34,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 from andrea.data.lock import flock
@@ -152,14 +153,28 @@ _held: list[Claim] = []
 
 
 class Claim:
-    """A directory claimed by this process: its lock (flock on the directory) until release()."""
+    """A directory claimed by this process (made if missing): its lock (flock on the directory) until
+    release().
 
-    def __init__(self, directory: Path, kind: str):
+    Another command's check of the same new path (andrea.run.paths.check_directory: made, locked for
+    a moment and removed again) may remove the directory before this one opens or locks it: the lock
+    is then on a removed directory, which the path no longer names, so it is taken again on the
+    directory at the path (a few tries, as that check holds its lock only while it removes)."""
+
+    def __init__(self, directory: Path, kind: str, tries: int = 3):
         self.directory, self.kind = directory, kind
-        self.fd = os.open(directory, os.O_RDONLY)
-        if not flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, directory, WRITERS):
+        for _ in range(tries):
+            directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self.fd = os.open(directory, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            if flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, directory, WRITERS) and _still_at(self.fd, directory):
+                return
             os.close(self.fd)
-            raise _in_use(directory, kind)
+            time.sleep(0.05)
+        self.fd = None
+        raise _in_use(directory, kind)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -173,6 +188,14 @@ class Claim:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _still_at(fd: int, directory: Path) -> bool:
+    """The directory `fd` holds is still the one at `directory` (not removed, nor replaced)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(directory))
+    except FileNotFoundError:
+        return False
 
 
 def _refuse_if_in_use(directory: Path, kind: str) -> None:
@@ -205,7 +228,6 @@ def claim(directory, kind: str, resume: bool = False, overwrite: bool = False, s
     """
     directory = Path(directory)
     check(directory, kind, resume, overwrite, source)
-    directory.mkdir(parents=True, exist_ok=True)
     held = Claim(directory, kind)
     try:
         _refuse_what_is_not_ours(directory, kind, resume, overwrite, source)  # again, holding the lock

@@ -10,7 +10,11 @@ warmup_steps is 0), and then:
 - **cosine**: half a cosine from train.lr down to train.min_lr at train.max_steps (GPT-2's, as in
   nanoGPT: minitensor.optim.cosine_lr, which this calls).
 - **wsd**, warmup-stable-decay: train.lr until the last train.decay_fraction of the steps, then a
-  straight line down to train.min_lr at train.max_steps. From MiniCPM (Hu et al. 2024, "MiniCPM:
+  straight line down to train.min_lr at train.max_steps: a decay of D steps (decay_fraction x
+  max_steps, rounded to the nearest step, at least 1) lowers the rate at each of them, the last step
+  of the run (step max_steps - 1, counted from 0) being at min_lr. A warmup that runs into the decay
+  takes the lower of the two rates at each step (so a warmup that ends within the run still ends it
+  at min_lr). From MiniCPM (Hu et al. 2024, "MiniCPM:
   Unveiling the Potential of Small Language Models with Scalable Training Strategies",
   arXiv:2404.06395, section 4); Hägele et al. 2024 ("Scaling Laws and Compute-Optimal Training Beyond
   Fixed Training Durations", arXiv:2405.18392) found a linear cooldown over about the last 20% of the
@@ -77,16 +81,23 @@ class WarmupStableDecay(Schedule):
         self.decay_steps = max(1, round(train.decay_fraction * train.max_steps))
         self.decay_start = train.max_steps - self.decay_steps  # the first step of the decay (0-based)
 
+    def lr(self, step: int) -> float:
+        # a warmup longer than the stable phase meets the decay: the lower rate, so that the run still ends at min_lr
+        return min(super().lr(step), self.after_warmup(step))
+
     def after_warmup(self, step: int) -> float:
         if step < self.decay_start:
             return self.peak
-        progress = min(1.0, (step - self.decay_start) / self.decay_steps)
-        return self.peak + (self.min_lr - self.peak) * progress
+        # step decay_start is the decay's first of decay_steps updates, step max_steps - 1 its last, at min_lr
+        progress = min(1.0, (step + 1 - self.decay_start) / self.decay_steps)
+        return self.min_lr + (self.peak - self.min_lr) * (1.0 - progress)  # min_lr exactly at the end
 
     def describe(self) -> str:
         return (f"wsd: {self.max_steps:,} steps, {self.warmup_words()}, stable to step {self.decay_start:,}, "
                 f"then a linear decay to {self.min_lr:g} over the last {self.decay_steps:,} steps "
-                f"(train.decay_fraction {self.decay_fraction:g})")
+                f"(train.decay_fraction {self.decay_fraction:g})"
+                + ("; the warmup runs into the decay: each step takes the lower of the two rates"
+                   if self.warmup_steps > self.decay_start else ""))
 
 
 class Constant(Schedule):

@@ -19,6 +19,10 @@ values metrics.jsonl holds, TensorBoard's as float32.
   the same bits). A branch (--resume-from) into a new --out is a new W&B run. W&B does not capture
   the console (console="off"): the log is andrea's own. WANDB_PROJECT names the project (default andrea).
 
+Every check that can be made before the run writes anything is `check_sinks` (preflight: the names,
+the libraries, each sink's folder); a sink that still fails as it opens (W&B not logged in) is opened
+before the run directory is written (andrea.run.metrics.open_sinks), and leaves nothing behind.
+
 A new sink: a class here (`name`, `__init__(out_dir, cfg, start_step)`, `log(record)`, `flush()`,
 `close()`; `module` and `extra`: what it imports and the pyproject.toml extra that installs it, or
 None for a sink that needs no library; `directory`: the folder of the run directory it writes in,
@@ -122,6 +126,29 @@ def _read_state(path: Path) -> dict:
 
 
 SINKS = {cls.name: cls for cls in (TensorBoardSink, WandbSink)}
+
+
+def check_sinks(names, out_dir) -> None:
+    """Every check of train.log_to's sinks that can be made before anything is written (preflight, on
+    --dry-run too): each named once, its library installed, and the folder it writes in (`directory`
+    in out_dir) absent or a directory it can write in. A one-line UserError on the first that fails."""
+    twice = sorted({name for name in names if list(names).count(name) > 1})
+    if twice:
+        raise UserError(f"train.log_to names {twice[0]} twice: name each sink once, e.g. "
+                        f"--set train.log_to={','.join(dict.fromkeys(names))}")
+    check_installed(names)
+    for name in names:
+        folder = Path(out_dir) / SINKS[name].directory
+        if folder.is_symlink() and not folder.exists():
+            raise UserError(f"train.log_to has {name}, which writes in {folder}: a link to nothing; remove it, or "
+                            f"leave {name} out of train.log_to")
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"train.log_to has {name}, which writes in {folder}: that is a file; move it away, or "
+                            f"leave {name} out of train.log_to")
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+            raise UserError(f"train.log_to has {name}, which writes in {folder}: it cannot be written (no "
+                            f"permission, or a read-only file system); choose another --out, or leave {name} out "
+                            "of train.log_to")
 
 
 def check_installed(names) -> None:

@@ -184,11 +184,12 @@ class Trainer:
 
     # --- the loop ---
 
-    def run(self, stop_at_step=None):
-        """Trains to max_steps (or stop_at_step); returns the exit code."""
+    def run(self, stop_at_step=None, sinks=None):
+        """Trains to max_steps (or stop_at_step); returns the exit code. `sinks`: train.log_to's, opened
+        already (andrea.run.metrics.open_sinks), or None to open them here."""
         t = self.cfg.train
         # rank 0 alone writes metrics; a failed write (full disk) warns and training goes on
-        with open_metrics(self.out_dir, self.cfg, self.world, self.step) as self.metrics, \
+        with open_metrics(self.out_dir, self.cfg, self.world, self.step, sinks) as self.metrics, \
                 StopVote(self.world, self) as vote:
             meter = self.meter = self._throughput_meter()
             while self.step < t.max_steps:

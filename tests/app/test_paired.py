@@ -92,3 +92,17 @@ def test_seeds_to_settle_is_the_least_n_whose_half_width_clears_the_bound():
     assert f"more than {paired.MOST_SEEDS} seeds" in paired.settle_words(tiny)
     flat = paired.interval("b - a", [0, 1, 2], [0.0, 0.0, 0.0])
     assert paired.seeds_to_settle(flat) is None and "the mean lies on it" in paired.settle_words(flat)
+
+
+def test_seeds_to_settle_a_mean_below_its_bound_is_counted_as_one_above_it():
+    """The distance from the mean to the bound, on either side (issue 48: a mutant that read only a
+    mean above its bound survived every test): the mirror image of the differences needs as many
+    seeds, and a mean under a margin gets the least n whose half-width clears the margin."""
+    iv = paired.interval("b - a", [0, 1, 2], [0.340, 0.110, 0.048])
+    mirrored = paired.interval("a - b", [0, 1, 2], [-0.340, -0.110, -0.048])
+    assert paired.seeds_to_settle(mirrored) == paired.seeds_to_settle(iv) == 6
+    assert "about 6 seeds in all would clear 0" in paired.settle_words(mirrored)
+    n = paired.seeds_to_settle(iv, 0.3)  # the mean 0.166 lies 0.134 under the margin 0.3
+    half = [paired.t_quantile(0.95, k - 1) * iv.sd / math.sqrt(k) for k in (n - 1, n)]
+    assert half[0] >= 0.3 - iv.mean > half[1] and n == 8
+    assert paired.seeds_to_settle(mirrored, -0.3) == 8

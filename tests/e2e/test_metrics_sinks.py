@@ -4,7 +4,9 @@ TensorBoard's own reader) and an offline W&B run (its run files read back) holdi
 with the values metrics.jsonl holds; and the Metrics object's rules: rank 0 alone writes, a sink
 that fails is left out, a sink whose library is missing is named before any work."""
 
+import os
 import shutil
+import subprocess
 from types import SimpleNamespace
 
 import numpy as np
@@ -117,3 +119,109 @@ def test_log_to_is_checked_before_any_work(monkeypatch):
     with pytest.raises(UserError, match=r"^train.log_to has wandb, whose library \(andrea_no_such_module\) is not "
                                         r"installed: pip install -e '.\[wandb\]', or leave wandb out of train.log_to$"):
         sinks.check_installed(["wandb"])  # alone: tensorboard's library may be missing too (the test extra alone)
+
+
+# ----------------------------------------------------------------------------------------------- issue 48, class 4
+
+def sink_run(tmp_path, data_dir, out, *more):
+    cfg = small_config(tmp_path, data_dir, log_to=["tensorboard"], max_steps=4, eval_interval=4,
+                       checkpoint_interval=2)
+    return run_main(["--config", str(cfg), "--out", str(out), *more])
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_sink_named_twice_is_refused_in_one_line_before_any_work(tmp_path, data_dir, capsys):
+    with pytest.raises(UserError, match=r"^train.log_to names tensorboard twice: name each sink once, e.g. --set "
+                                        r"train.log_to=tensorboard,wandb$"):
+        sinks.check_sinks(["tensorboard", "wandb", "tensorboard"], tmp_path)
+    out = tmp_path / "run"
+    cfg = small_config(tmp_path, data_dir, max_steps=2)
+    assert run_main(["--config", str(cfg), "--out", str(out), "--set", "train.log_to=tensorboard,tensorboard"]) == 2
+    assert "train.log_to names tensorboard twice" in one_error_line(capsys) and not out.exists()
+
+
+def test_a_sink_folder_that_is_a_file_is_refused_before_anything_is_written(tmp_path, data_dir, capsys):
+    """A new run and a resume alike: nothing written (no config.json, metrics.jsonl, tokenizer, sink
+    folder, marker, nor a resume record), and the same command runs once the file is moved away."""
+    require("tensorboardX")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").write_text("a user's notes\n")
+    assert sink_run(tmp_path, data_dir, out) == 2
+    assert one_error_line(capsys) == (f"error: train.log_to has tensorboard, which writes in {out / 'tensorboard'}: "
+                                      "that is a file; move it away, or leave tensorboard out of train.log_to")
+    assert os.listdir(out) == ["tensorboard"]
+    (out / "tensorboard").unlink()
+    assert sink_run(tmp_path, data_dir, out, "--stop-at-step", "2") == 0
+    capsys.readouterr()
+    # a resume refused for the same reason leaves metrics.jsonl as it was: no resume record
+    shutil.rmtree(out / "tensorboard")
+    (out / "tensorboard").write_text("a user's notes\n")
+    before = (out / "metrics.jsonl").read_bytes()
+    assert run_main(["--out", str(out), "--resume"]) == 2
+    assert "that is a file; move it away" in one_error_line(capsys)
+    assert (out / "metrics.jsonl").read_bytes() == before
+    (out / "tensorboard").unlink()
+    assert run_main(["--out", str(out), "--resume"]) == 0
+    events = [r for r in read_records(out / "metrics.jsonl") if r.get("event") == "resume"]
+    assert len(events) == 1 and events[0]["at_step"] == 2
+    assert sorted(logged(out)) == [1, 2, 3, 4]
+
+
+def test_a_sink_folder_that_cannot_be_written_is_refused_before_anything_is_written(tmp_path, data_dir, capsys):
+    """A resume whose sink folder is on a read-only file system: refused with metrics.jsonl as it was,
+    and resumed once the folder can be written again."""
+    require("tensorboardX")
+    out = tmp_path / "run"
+    folder = out / "tensorboard"
+    assert sink_run(tmp_path, data_dir, out, "--stop-at-step", "2") == 0
+    capsys.readouterr()
+    before = (out / "metrics.jsonl").read_bytes()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(folder)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        assert run_main(["--out", str(out), "--resume"]) == 2
+        assert one_error_line(capsys) == (
+            f"error: train.log_to has tensorboard, which writes in {folder}: it cannot be written (no permission, "
+            "or a read-only file system); choose another --out, or leave tensorboard out of train.log_to")
+        assert (out / "metrics.jsonl").read_bytes() == before
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+    assert run_main(["--out", str(out), "--resume"]) == 0
+    assert sorted(logged(out)) == [1, 2, 3, 4]
+
+
+def test_a_sink_that_fails_as_it_opens_leaves_no_half_made_run(tmp_path, data_dir, monkeypatch, capsys):
+    """A failure no check can foresee (W&B not logged in), at a start and at a resume: the run directory
+    is left as it was, and the same command, once the sink works, runs."""
+    require("tensorboardX")
+    real = sinks.TensorBoardSink.__init__
+
+    def fails(self, out_dir, cfg, start_step):
+        (out_dir / self.directory).mkdir(exist_ok=True)  # as a library would, before it fails
+        raise RuntimeError("not logged in")
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(sinks.TensorBoardSink, "__init__", fails)
+    assert sink_run(tmp_path, data_dir, out) == 2
+    assert one_error_line(capsys) == ("error: the tensorboard metrics sink (train.log_to) could not start: "
+                                      "RuntimeError: not logged in")
+    assert [p.name for p in out.iterdir() if p.name != ".andrea"] == []  # the marker alone: no run in it
+    monkeypatch.setattr(sinks.TensorBoardSink, "__init__", real)
+    assert sink_run(tmp_path, data_dir, out, "--stop-at-step", "2") == 0
+    capsys.readouterr()
+    before = (out / "metrics.jsonl").read_bytes()
+    monkeypatch.setattr(sinks.TensorBoardSink, "__init__", fails)
+    assert run_main(["--out", str(out), "--resume"]) == 2
+    assert "could not start: RuntimeError: not logged in" in one_error_line(capsys)
+    assert (out / "metrics.jsonl").read_bytes() == before and (out / "tensorboard").is_dir()  # the run's own
+    monkeypatch.setattr(sinks.TensorBoardSink, "__init__", real)
+    assert run_main(["--out", str(out), "--resume"]) == 0
+    assert sorted(logged(out)) == [1, 2, 3, 4]

@@ -2,6 +2,7 @@
 (--resume-from), bit-identical to a run that had that schedule from the start; a resume that changes
 the schedule is refused with the change named, and goes on under the new one with --change-schedule."""
 
+import pytest
 from runs import run_main, small_config
 
 from andrea.run.metrics import read_records
@@ -30,7 +31,9 @@ def test_a_wsd_decay_branched_from_a_stable_checkpoint(tmp_path, data_dir, capsy
     assert sorted(b) == [9, 10] and sorted(t) == list(range(1, 9))
     assert {k: (r["loss"], r["lr"]) for k, r in {**t, **b}.items()} == \
         {k: (r["loss"], r["lr"]) for k, r in s.items()}
-    assert [s[k]["lr"] for k in (8, 9, 10)] == [3e-3, 3e-3, 3e-3 - 2.7e-3 / 2]  # the decay starts at step 9
+    # the decay's 2 steps are 9 and 10, the last at min_lr as the plan line promised (issue 48: this
+    # assertion pinned the decay one step short, the midpoint at step 10)
+    assert [s[k]["lr"] for k in (8, 9, 10)] == [3e-3, pytest.approx(3e-3 - 2.7e-3 / 2, rel=1e-15), 3e-4]
     # the branch is a run of its own: its config and checkpoints; the trunk is untouched
     assert (branch / "config.json").is_file() and (branch / "ckpt-00000010").is_dir()
     assert sorted(p.name for p in trunk.glob("ckpt-*")) == ["ckpt-00000004", "ckpt-00000008"]
@@ -77,3 +80,17 @@ def test_resume_from_mistakes_are_one_line_errors(tmp_path, data_dir, capsys):
     for argv, message in cases:
         assert run_main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+
+
+def test_a_one_step_decay_ends_the_run_where_the_dry_run_says(tmp_path, data_dir, capsys):
+    """5 steps, decay_fraction 0.2 (issue 48: every step at the peak, while --dry-run promised a decay
+    to min_lr): the plan's schedule line says one decay step to 0.0003, and the run's step 5 is at it."""
+    cfg = small_config(tmp_path, data_dir, schedule="wsd", max_steps=5, warmup_steps=0, eval_interval=5,
+                       checkpoint_interval=5)
+    out = tmp_path / "run"
+    assert run_main(["--config", str(cfg), "--out", str(out), "--dry-run"]) == 0
+    plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("schedule"))
+    assert plan.endswith("stable to step 4, then a linear decay to 0.0003 over the last 1 steps "
+                         "(train.decay_fraction 0.2)")
+    assert run_main(["--config", str(cfg), "--out", str(out)]) == 0
+    assert [r["lr"] for _, r in sorted(rows(out).items())] == [3e-3] * 4 + [3e-4]
