@@ -194,6 +194,7 @@ LONG_MODULES = {
     "minitensor/backends/cuda.py": "the kernel registry: specs, records, the sizes they run at, the .cu files",
     "andrea/interop/hf.py": "the Hugging Face GPT-2 format, both directions",
     "andrea/bench.py": "the benchmark command",
+    "andrea/run/stepmodel.py": "the step model: a step recorded on the stand-in, priced per card, and its table",
 }
 
 
