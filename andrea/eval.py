@@ -166,7 +166,7 @@ def evaluate(model, tokenizer, ids, seq_len: int, batch_size: int) -> Result:
 
 def _check_args(args, ap):
     if sum(v is not None for v in (args.data_dir, args.input, args.task)) != 1:
-        ap.error("give exactly one of --data-dir DIR, --input FILES and --task NAME --data PATH")
+        ap.error("give exactly one of --data-dir DIR and --input FILES (or --task NAME --data PATH)")
     if (args.task is None) != (args.data is None):
         ap.error("--task and --data go together: --task hellaswag --data FILE.jsonl, --task core --data DIR")
     for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size),
