@@ -1,5 +1,5 @@
-"""Loss of any model on any text, in nats per token and bits per byte, and its multiple-choice
-benchmark scores: `python -m andrea.eval MODEL (--data-dir DIR | --input FILES | --task NAME --data PATH)`.
+"""Loss of any model on any text (nats per token, bits per byte), and multiple-choice benchmarks:
+`python -m andrea.eval MODEL (--data-dir DIR | --input FILES | --task NAME --data PATH)`.
 
     python -m andrea.eval out/andrea-tiny --data-dir data/stdlib          # its validation split
     python -m andrea.eval export/gpt2 --input notes/*.md                   # text, encoded here
@@ -8,7 +8,8 @@ benchmark scores: `python -m andrea.eval MODEL (--data-dir DIR | --input FILES |
 
 --task scores a multiple-choice benchmark from the user's files (andrea.tasks says how): HellaSwag's
 JSON Lines (acc, acc_norm and acc_token, each with a 95% interval) or DCLM's CORE bundle (each
-task's accuracy and centred accuracy, and CORE); --max-items keeps the first N items (of each task).
+task's accuracy and centred accuracy, and CORE); --max-items keeps the first N items (of each
+task, after CORE's shuffle).
 
 MODEL is a training run directory (its newest good checkpoint), one of its ckpt-* directories, or
 a Hugging Face GPT-2 directory (andrea's export or transformers' save_pretrained, with the
@@ -187,7 +188,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     ap.add_argument("--task", choices=("hellaswag", "core"), help="a multiple-choice benchmark read from --data")
     ap.add_argument("--data", help="the benchmark's file (hellaswag: JSON Lines) or directory (core: the bundle)")
-    ap.add_argument("--max-items", type=int, help="score only the first N items (of each task)")
+    ap.add_argument("--max-items", type=int, help="score only the first N items (of each CORE task, after its shuffle)")
     ap.add_argument("--device", help="cpu, gpu or auto (default: $ANDREA_DEVICE, else cpu)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)

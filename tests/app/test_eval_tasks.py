@@ -16,8 +16,7 @@ import pytest
 from runs import STDLIB_JSON, tiny_run
 
 from andrea import eval as evaluation
-from andrea import sample
-from andrea import tasks
+from andrea import sample, tasks
 from andrea.cli import run_cli
 
 METRIC = re.compile(r"^(acc|acc_norm|acc_token) +(\S+)  95% interval \[(\S+), (\S+)\]$", re.M)
