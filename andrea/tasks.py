@@ -6,7 +6,7 @@ choice: HellaSwag's JSON Lines and DCLM's CORE bundle (`python -m andrea.eval RU
 
 An item is a context and k continuations, one of them right (`gold`). Each continuation is scored by
 the sum of its tokens' log probabilities given the context and the tokens before it (one forward
-over context + continuation, float64 log-softmax), and an item's three credits pick the best choice by
+over each context + continuation, an item's choices batched; float64 log-softmax), and an item's three credits pick the best choice by
     acc        the sum (lm-evaluation-harness's acc)
     acc_norm   the sum / the ending's length in characters (the harness's acc_norm, api/task.py; for
                ASCII text, such as nearly all of HellaSwag, the same as per byte, its acc_bytes)
@@ -100,7 +100,8 @@ def log_softmax(logits) -> np.ndarray:
 
 
 class Scorer:
-    """Each continuation's log-likelihood given its context, from one forward over both."""
+    """Each continuation's log-likelihood given its context; an item's choices in one forward, its
+    rows padded on the right (a causal model's earlier positions never see the padding)."""
 
     def __init__(self, model, tokenizer):
         self.model, self.n_ids = model, tokenizer.vocab_size
@@ -110,24 +111,34 @@ class Scorer:
     def continuation(self, context, continuation) -> tuple[float, bool]:
         """(sum of the continuation's log probabilities, whether each token is the argmax). The
         context is cut on the left to fit the model's context length."""
-        key = (context, continuation)
-        if key not in self._seen:
-            self._seen[key] = self._score(list(context) or [self.eot], list(continuation))
-        return self._seen[key]
+        self._score([(tuple(context), tuple(continuation))])
+        return self._seen[(tuple(context), tuple(continuation))]
 
-    def _score(self, context, continuation):
-        n, room = len(continuation), self.model.cfg.context_length + 1
-        if n >= room:
-            raise UserError(f"a continuation of {n} tokens does not fit the model's context length "
-                            f"{self.model.cfg.context_length} with a token of context before it")
-        ids = (context + continuation)[-room:]
-        logits = self.model.forward_kv(np.array([ids[:-1]]), self.model.new_kv_cache(1), 0, every=True)[0]
-        logp = log_softmax(logits[-n:, :self.n_ids])
-        picked = logp[np.arange(n), continuation]
-        return float(picked.sum()), bool((logp.argmax(axis=-1) == np.array(continuation)).all())
+    def _score(self, pairs) -> None:
+        todo = list(dict.fromkeys(p for p in pairs if p not in self._seen))
+        if not todo:
+            return
+        room = self.model.cfg.context_length + 1
+        rows = []
+        for context, continuation in todo:
+            if len(continuation) >= room:
+                raise UserError(f"a continuation of {len(continuation)} tokens does not fit the model's context "
+                                f"length {self.model.cfg.context_length} with a token of context before it")
+            rows.append((list(context) or [self.eot]) + list(continuation))
+            rows[-1] = rows[-1][-room:]
+        T = max(len(r) for r in rows) - 1
+        x = np.array([r[:-1] + [self.eot] * (T + 1 - len(r)) for r in rows])
+        logits = to_numpy(self.model.logits(x))
+        for (context, continuation), row, z in zip(todo, rows, logits):
+            n, end = len(continuation), len(row) - 1
+            logp = log_softmax(z[end - n:end, :self.n_ids])
+            picked = logp[np.arange(n), list(continuation)]
+            greedy = bool((logp.argmax(axis=-1) == np.array(continuation)).all())
+            self._seen[(context, continuation)] = (float(picked.sum()), greedy)
 
     def item(self, item: Item) -> Credits:
-        scored = [self.continuation(c.context, c.continuation) for c in item.choices]
+        self._score([(c.context, c.continuation) for c in item.choices])
+        scored = [self._seen[(c.context, c.continuation)] for c in item.choices]
         if item.greedy:
             right = float(scored[0][1])
             return Credits(right, right, right)

@@ -84,6 +84,17 @@ def test_a_choices_log_likelihood_is_andrea_evals_loss_with_and_without_it(loade
         assert got == pytest.approx(expected, rel=1e-4, abs=1e-4)
 
 
+def test_an_items_choices_scored_together_are_each_scored_alone(loaded, tmp_path):
+    """One forward over the choices, padded on the right: the padding changes no choice's figure."""
+    item = tasks.hellaswag_items(write_jsonl(tmp_path / "h.jsonl", easy_rows(4)), loaded.tokenizer)[3]
+    assert len({len(c.context) + len(c.continuation) for c in item.choices}) > 1   # rows of several lengths
+    together = tasks.Scorer(loaded.model, loaded.tokenizer)
+    together.item(item)
+    for c in item.choices:
+        alone = tasks.Scorer(loaded.model, loaded.tokenizer).continuation(c.context, c.continuation)
+        assert together.continuation(c.context, c.continuation) == (pytest.approx(alone[0], rel=1e-6), alone[1])
+
+
 def test_a_trained_model_scores_above_chance_on_an_easy_fixture(run, loaded, tmp_path):
     path = write_jsonl(tmp_path / "hellaswag_val.jsonl", easy_rows())
     code, out, err = call([str(run), "--task", "hellaswag", "--data", str(path)])
