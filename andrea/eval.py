@@ -1,8 +1,15 @@
-"""Loss of any model on any text, in nats per token and bits per byte:
-`python -m andrea.eval MODEL (--data-dir DIR | --input FILES)`.
+"""Loss of any model on any text (nats per token, bits per byte), and multiple-choice benchmarks:
+`python -m andrea.eval MODEL (--data-dir DIR | --input FILES | --task NAME --data PATH)`.
 
     python -m andrea.eval out/andrea-tiny --data-dir data/stdlib          # its validation split
     python -m andrea.eval export/gpt2 --input notes/*.md                   # text, encoded here
+    python -m andrea.eval out/andrea-tiny --task hellaswag --data hellaswag_val.jsonl
+    python -m andrea.eval out/andrea-tiny --task core --data eval_bundle    # DCLM's CORE
+
+--task scores a multiple-choice benchmark from the user's files (andrea.tasks says how): HellaSwag's
+JSON Lines (acc, acc_norm and acc_token, each with a 95% interval) or DCLM's CORE bundle (each
+task's accuracy and centred accuracy, and CORE); --max-items keeps the first N items (of each
+task, after CORE's shuffle).
 
 MODEL is a training run directory (its newest good checkpoint), one of its ckpt-* directories, or
 a Hugging Face GPT-2 directory (andrea's export or transformers' save_pretrained, with the
@@ -30,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from andrea import tasks as benchmarks
 from andrea.cli import ArgumentParser, run_cli
 from andrea.config import make_config
 from andrea.data.inputs import resolve_inputs
@@ -158,10 +166,12 @@ def evaluate(model, tokenizer, ids, seq_len: int, batch_size: int) -> Result:
 
 
 def _check_args(args, ap):
-    if (args.data_dir is None) == (args.input is None):
-        ap.error("give exactly one of --data-dir DIR and --input FILES")
+    if sum(v is not None for v in (args.data_dir, args.input, args.task)) != 1:
+        ap.error("give exactly one of --data-dir DIR and --input FILES (or --task NAME --data PATH)")
+    if (args.task is None) != (args.data is None):
+        ap.error("--task and --data go together: --task hellaswag --data FILE.jsonl, --task core --data DIR")
     for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size),
-                        ("--max-tokens", args.max_tokens)):
+                        ("--max-tokens", args.max_tokens), ("--max-items", args.max_items)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be a positive whole number, got {value}")
     preflight.choose_device(args.device)  # an unknown name fails here, before the model is read
@@ -176,6 +186,9 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, help="tokens per window (default: the run's, else the context)")
     ap.add_argument("--batch-size", type=int, help="windows per forward (default: as many as fit 256 MiB of logits)")
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
+    ap.add_argument("--task", choices=("hellaswag", "core"), help="a multiple-choice benchmark read from --data")
+    ap.add_argument("--data", help="the benchmark's file (hellaswag: JSON Lines) or directory (core: the bundle)")
+    ap.add_argument("--max-items", type=int, help="score only the first N items (of each CORE task, after its shuffle)")
     ap.add_argument("--device", help="cpu, gpu or auto (default: $ANDREA_DEVICE, else cpu)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
@@ -183,6 +196,8 @@ def main(argv=None):
     model, tokenizer, source, seq_len = load_any(args.model, preflight.choose_device(args.device, fallback="cpu"))
     if args.seq_len is not None and args.seq_len > model.cfg.context_length:
         raise UserError(f"--seq-len {args.seq_len} exceeds the model's context length {model.cfg.context_length}")
+    if args.task is not None:
+        return run_task(args, model, tokenizer, source)
     seq_len = args.seq_len or seq_len
     batch_size = args.batch_size or max(1, min(64, LOGIT_FLOATS // (seq_len * model.cfg.vocab_size)))
     if args.data_dir is not None:
@@ -197,6 +212,24 @@ def main(argv=None):
     r = evaluate(model, tokenizer, ids, seq_len, batch_size)
     print(f"loss {r.loss:.4f} nats/token | {r.bpb:.4f} bits/byte | {r.targets:,} tokens predicted "
           f"({r.text_bytes:,} bytes of text) in {r.windows:,} windows of up to {seq_len}")
+    return 0
+
+
+def run_task(args, model, tokenizer, source) -> int:
+    """--task: the benchmark's items read (every error before any scoring), then scored."""
+    if args.task == "hellaswag":
+        items = benchmarks.hellaswag_items(args.data, tokenizer, args.max_items)
+        what = f"{len(items):,} HellaSwag items of {args.data}"
+    else:
+        found = benchmarks.core_tasks(args.data, tokenizer, args.max_items)
+        what = f"{len(found)} CORE tasks of {args.data}, {sum(len(t.items) for t in found):,} items"
+    print(f"model  {source}: {model.num_parameters():,} parameters", file=sys.stderr)
+    print(f"data   {what}", file=sys.stderr, flush=True)
+    scorer = benchmarks.Scorer(model, tokenizer)
+    if args.task == "hellaswag":
+        benchmarks.report_hellaswag(scorer, items, sys.stdout, sys.stderr)
+    else:
+        benchmarks.report_core(scorer, found, sys.stdout, sys.stderr)
     return 0
 
 

@@ -8,6 +8,8 @@
     POST /andrea/trace          {"ids": [...], "position": t, "top": k}: andrea.trace's figures for
                                 position t (each block's residual, attention rows, logit lens)
     POST /andrea/tokens         {"ids": [...]} or {"text": "..."}: each token's text, for the page
+    GET  /tokenizer_info        the tokenizer, and POST /tokenize, POST /detokenize: vLLM's routes,
+                                which lm-evaluation-harness's remote tokenizer calls (vocab.py)
     GET  /                      the page (page/index.html, page.js, page.css: no other resource)
 
 Every refusal has OpenAI's error shape. The work runs on the engine's thread; a handler waits for
@@ -32,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from andrea.serve import api
+from andrea.serve import api, vocab
 from andrea.serve.api import ApiError
 from andrea.serve.engine import Busy, Engine, Job, completion_steps, token_piece, trace_steps
 
@@ -311,6 +313,20 @@ async def tokens(request: Request) -> Response:
     return JSONResponse({"ids": ids, "pieces": [token_piece(served.tokenizer, i) for i in ids]})
 
 
+async def tokenizer_info(request: Request) -> Response:
+    return JSONResponse(vocab.tokenizer_info(request.app.state.served))
+
+
+async def tokenize(request: Request) -> Response:
+    body = await read_json(request)
+    return JSONResponse(await run_in_threadpool(vocab.tokenize, body, request.app.state.served))
+
+
+async def detokenize(request: Request) -> Response:
+    body = await read_json(request)
+    return JSONResponse(await run_in_threadpool(vocab.detokenize, body, request.app.state.served))
+
+
 async def asset(request: Request) -> Response:
     name, media_type = ASSETS[request.url.path]
     return Response((PAGE / name).read_bytes(), media_type=media_type, headers=PAGE_HEADERS)
@@ -328,7 +344,7 @@ async def gone(request: Request, error: ClientGone) -> Response:
 async def http_error(request: Request, error: HTTPException) -> Response:
     status = error.status_code
     message = (f"{'no such route' if status == 404 else error.detail}: {request.method} {request.url.path} "
-               "(the API: POST /v1/completions, GET /v1/models, GET /health)")
+               "(the API: POST /v1/completions, GET /v1/models, GET /health, POST /tokenize)")
     body = ApiError(status, message, code="not_found" if status == 404 else None).body()
     return JSONResponse(body, status_code=status)
 
@@ -347,7 +363,9 @@ def create_app(served: api.Served, engine: Engine) -> Starlette:
     routes = [Route(path, asset) for path in ASSETS] + [
         Route("/health", health), Route("/v1/models", models), Route("/v1/models/{model:path}", one_model),
         Route("/v1/completions", completions, methods=["POST"]), Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/andrea/trace", trace, methods=["POST"]), Route("/andrea/tokens", tokens, methods=["POST"])]
+        Route("/andrea/trace", trace, methods=["POST"]), Route("/andrea/tokens", tokens, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info), Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: api_error, Busy: api_error, ClientGone: gone,
                                         HTTPException: http_error, Exception: api_error})

@@ -244,6 +244,13 @@ class StopText:
         return out
 
 
+def token_logprobs(tok, logits, chosen: int, k: int, offset: int) -> dict:
+    """OpenAI's logprobs of one generated token, from its position's logits."""
+    logp = log_softmax(logits)
+    return {"tokens": [token_text(tok, chosen)], "token_logprobs": [float(logp[chosen])],
+            "top_logprobs": [top_logprobs(tok, logp, chosen, k)], "text_offset": [offset]}
+
+
 def prompt_logprobs(served, prompt, k: int) -> dict:
     """OpenAI's echo logprobs: each prompt token's log probability given the ones before it (the
     first has none), from one forward over the prompt."""
@@ -273,7 +280,8 @@ def echo_delta(served, request, index: int, prompt) -> dict:
 def choice_steps(served, request, index: int, prompt, seed: int):
     """One choice's events: a first delta (the echo, the prompt's ids), a delta per token, a finish.
     Returns the tokens it generated. Sampling is andrea.sample.generate's, step for step, until the
-    completion ends: max_tokens, a stop string, or <|endoftext|> (the document's end, not sent)."""
+    completion ends: max_tokens, a stop string, or <|endoftext|> (the document's end: not sent as
+    text or id, but its log probability is, when logprobs are asked, as OpenAI's legacy API did)."""
     tok = served.tokenizer
     sequence = Decoder(served.model, prompt.ids)                    # the prefill
     yield ("delta", echo_delta(served, request, index, prompt))
@@ -285,15 +293,14 @@ def choice_steps(served, request, index: int, prompt, seed: int):
         logits = sequence.logits[:, :tok.vocab_size]
         nxt = int(sample_next(logits, rng, request.temperature, request.top_k, request.top_p)[0])
         count += 1
-        if nxt == tok.eot_id:
-            eot = True
-            break
-        delta = {"index": index, "token_ids": [nxt]}
+        delta = {"index": index, "token_ids": [] if nxt == tok.eot_id else [nxt]}
         if request.logprobs is not None:
-            logp = log_softmax(logits[0])
-            delta["logprobs"] = {"tokens": [token_text(tok, nxt)], "token_logprobs": [float(logp[nxt])],
-                                 "top_logprobs": [top_logprobs(tok, logp, nxt, request.logprobs)],
-                                 "text_offset": [offset + len(text.text)]}
+            delta["logprobs"] = token_logprobs(tok, logits[0], nxt, request.logprobs, offset + len(text.text))
+        if nxt == tok.eot_id:   # the end: its log probability is sent (a scoring client counts on one
+            eot = True          # token after the echo), its text and id are not
+            if request.logprobs is not None:
+                yield ("delta", {**delta, "text": ""})
+            break
         delta["text"], stopped = text.add(decoder.feed(nxt))
         yield ("delta", delta)
         if count < request.max_tokens and not stopped:

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 DOCS = ["README.md", "docs/data.md", "docs/training.md", "docs/distributed.md", "docs/gpu.md",
         "docs/huggingface.md", "docs/architecture.md", "docs/derivations.md", "docs/experiments.md",
-        "docs/trace.md", "docs/serving.md"]
+        "docs/trace.md", "docs/serving.md", "docs/evaluation.md"]
 LINKED = DOCS + ["BENCHMARKS.md"]
 TWO_STEPS = ["--max-steps", "2", "--set", "train.eval_batches=1"]  # a training command, cheaply: ~4 s less each
 LOCAL_GPT2 = "a small random GPT-2 made by transformers"
@@ -120,6 +120,13 @@ RULES = [
     (r"tensorboard --logdir \S+",  # a server that runs until stopped; that test reads its files with its reader
      Elsewhere("tests/e2e/test_metrics_sinks.py", "EventAccumulator")),
     (r"wandb sync \S+", "uploads to W&B: needs a network and an account"),
+    # the benchmarks read the user's files: those tests write them in the published formats and run the command
+    (r"python -m andrea\.eval out/andrea-tiny --task hellaswag --data \S+( --max-items \d+)?",
+     Elsewhere("tests/app/test_eval_tasks.py", "def test_a_trained_model_scores_above_chance_on_an_easy_fixture")),
+    (r"python -m andrea\.eval out/andrea-tiny --task core --data \S+",
+     Elsewhere("tests/app/test_eval_tasks.py", "def test_core_reports_each_tasks_accuracy_its_centred_accuracy_and_core")),
+    (r"lm_eval --model local-completions .*",  # against a running server, on a task of the user's: that test writes one
+     Elsewhere("tests/app/test_serve_harness.py", "def test_lm_eval_local_completions_scores_a_local_task_through_the_server")),
 ]
 
 

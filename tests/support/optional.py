@@ -12,7 +12,7 @@ import pytest
 
 EXTRA = {"torch": "reference", "transformers": "reference", "mpi4py": "mpi", "matplotlib": "plot", "numba": "fast",
          "scipy": "fast", "starlette": "serve", "uvicorn": "serve", "openai": "test", "websockets": "test",
-         "pyarrow": "parquet",
+         "pyarrow": "parquet", "lm_eval": "eval",
          "tensorboardX": "tensorboard", "tensorboard": "tensorboard", "wandb": "wandb"}
 
 
