@@ -250,10 +250,11 @@ def _note_schedule(trainer, meta):
 
 
 def share_state(trainer):
-    """Rank 0's weights and optimizer moments on every rank (a no-op for one process)."""
+    """Rank 0's weights and optimizer state (every tensor the optimizer names) on every rank (a no-op
+    for one process)."""
     if trainer.world.size == 1:
         return
-    for buf in (trainer.model.params.data, trainer.opt.m, trainer.opt.v):
+    for buf in (trainer.model.params.data, *trainer.opt.named_state().values()):
         trainer.reducer.broadcast_(buf)
 
 

@@ -38,6 +38,10 @@ from andrea.run.throughput import Throughput
 from minitensor.device import GPUUnavailable, set_tf32, to_numpy
 from minitensor.optim import AdamW
 
+# a checkpoint holds each of the optimizer's state tensors (AdamW.STATE) as optimizer.<name>, over the
+# whole flat buffer, and its step count as meta["optimizer_t"]
+OPTIMIZER_PREFIX = "optimizer."
+
 
 class Trainer:
     """One training run: the model, optimizer, data and bookkeeping, checkpointable as a whole."""
@@ -85,8 +89,8 @@ class Trainer:
         # views into the flat buffers, not copies: a checkpoint of ANDREA-120M would otherwise
         # hold a second 370 MB of weights in memory while it is written
         tensors = {name: to_numpy(view) for name, view in self.model.named_parameters()}
-        tensors["optimizer.m"] = to_numpy(self.opt.m)
-        tensors["optimizer.v"] = to_numpy(self.opt.v)
+        for name, state in self.opt.named_state().items():  # optimizer.m, optimizer.v
+            tensors[OPTIMIZER_PREFIX + name] = to_numpy(state)
         meta = {
             "config": self.cfg.to_dict(),
             "step": self.step,
@@ -118,12 +122,15 @@ class Trainer:
             raise ckpt.CheckpointError(f"its model config differs from this run's in {', '.join(diff)}")
         if meta.get("tokenizer_fingerprint") != self.tokenizer.fingerprint():
             raise ckpt.CheckpointError("it was trained with a different tokenizer")
-        if tensors.get("optimizer.m") is None or tensors["optimizer.m"].shape != self.opt.m.shape:
-            raise ckpt.CheckpointError("its optimizer state does not fit this model")
+        for name in self.opt.STATE:
+            saved = tensors.get(OPTIMIZER_PREFIX + name)
+            if saved is None or saved.shape != (self.model.params.size,):
+                raise ckpt.CheckpointError(f"its optimizer state ({OPTIMIZER_PREFIX}{name}) does not fit this model")
 
     def restore(self, tensors, meta):
         self.model.load_state_dict({k: v for k, v in tensors.items() if k.startswith("transformer.")})
-        self.opt.load_state_dict({"m": tensors["optimizer.m"], "v": tensors["optimizer.v"], "t": meta["optimizer_t"]})
+        state = {name: tensors[OPTIMIZER_PREFIX + name] for name in self.opt.STATE}
+        self.opt.load_state_dict({**state, "t": meta["optimizer_t"]})
         self.restore_meta(meta)
 
     def restore_meta(self, meta):

@@ -1,0 +1,97 @@
+"""The optimizer's state between the Trainer, checkpoints and the start-up broadcast: everything goes
+through AdamW's own names (`named_state`, `STATE`), so a checkpoint written before the state was
+named still restores bit for bit, and a state tensor added to the optimizer is saved, checked,
+restored and broadcast without another edit (issue 46)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from andrea import train
+from andrea.data.preparation import prepare
+from andrea.run import checkpoint as ckpt
+from andrea.run import trainer as trainer_module
+from minitensor.optim import AdamW
+
+STDLIB_JSON = Path(json.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    prepare([str(STDLIB_JSON)], d, allow_smaller_vocab=True, progress=False)
+    return d
+
+
+def make_trainer(data_dir, out):
+    sets = ["model.vocab_size=8449", "model.context_length=16", "model.d_model=16", "model.n_layer=1",
+            "model.n_head=2", "train.batch_size=2", "train.tokens_per_step=32", "train.device=cpu",
+            f"data.inputs={STDLIB_JSON}", f"data.data_dir={data_dir}", "data.allow_smaller_vocab=true"]
+    cfg, out = train.build_run_config(train.parse_args(["--out", str(out), *[a for s in sets for a in ("--set", s)]]))
+    tokenizer, tokens, val_tokens = train.prepare_data(cfg)
+    return train.Trainer(cfg, out, tokens, val_tokens, tokenizer)
+
+
+def trained(data_dir, out, steps=2):
+    t = make_trainer(data_dir, out)
+    for _ in range(steps):
+        t.train_step(1e-3)
+        t.step += 1
+    return t
+
+
+def test_a_checkpoint_in_the_format_written_before_the_state_was_named_restores_bit_for_bit(data_dir, tmp_path):
+    t = trained(data_dir, tmp_path / "a")
+    m, v = (np.array(s) for s in t.opt.named_state().values())
+    # what Trainer.state() wrote before issue 46, spelled out: the weights, optimizer.m, optimizer.v over
+    # the whole flat buffer, and the step count as meta["optimizer_t"]
+    tensors = {name: np.array(view) for name, view in t.model.named_parameters()}
+    tensors.update({"optimizer.m": m, "optimizer.v": v})
+    meta = {**t.state()[1], "optimizer_t": 2}
+    path = ckpt.save_checkpoint(tmp_path / "old", 2, tensors, meta)
+    assert set(t.state()[0]) == set(tensors)  # the format written today is the same
+    fresh = make_trainer(data_dir, tmp_path / "b")
+    _, loaded, loaded_meta = train.read_checkpoint(fresh, path)
+    fresh.restore(loaded, loaded_meta)
+    assert fresh.opt.t == 2 and fresh.step == 2
+    np.testing.assert_array_equal(fresh.model.params.data, t.model.params.data)
+    np.testing.assert_array_equal(fresh.opt.named_state()["m"], m)
+    np.testing.assert_array_equal(fresh.opt.named_state()["v"], v)
+    # and the next step of each is the same step
+    assert float(fresh.train_step(1e-3)[0]) == float(t.train_step(1e-3)[0])
+    np.testing.assert_array_equal(fresh.model.params.data, t.model.params.data)
+
+
+class WithPeak(AdamW):
+    """AdamW with one more state tensor: the one line a new state tensor takes."""
+
+    STATE = (*AdamW.STATE, "peak")
+
+
+def test_a_state_tensor_added_to_the_optimizer_is_saved_checked_restored_and_broadcast(data_dir, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(trainer_module, "AdamW", WithPeak)
+    t = trained(data_dir, tmp_path / "a", steps=1)
+    peak = t.opt.named_state()["peak"]
+    peak[...] = np.random.default_rng(0).standard_normal(peak.shape)
+    tensors, meta = t.state()
+    assert {k for k in tensors if k.startswith("optimizer.")} == {"optimizer.m", "optimizer.v", "optimizer.peak"}
+    path = ckpt.save_checkpoint(tmp_path / "run", 1, tensors, meta)
+
+    fresh = make_trainer(data_dir, tmp_path / "b")
+    _, loaded, loaded_meta = train.read_checkpoint(fresh, path)
+    fresh.restore(loaded, loaded_meta)
+    np.testing.assert_array_equal(fresh.opt.named_state()["peak"], peak)
+
+    without = {k: v for k, v in loaded.items() if k != "optimizer.peak"}  # a checkpoint from before the tensor
+    with pytest.raises(ckpt.CheckpointError, match=r"optimizer state \(optimizer.peak\) does not fit"):
+        fresh.validate_checkpoint(without, loaded_meta)
+
+    sent = []
+    fresh.world = type("TwoRanks", (), {"size": 2})()
+    fresh.reducer = type("Recorder", (), {"broadcast_": lambda self, buf: sent.append(buf)})()
+    train.share_state(fresh)
+    assert [id(b) for b in sent] == [id(fresh.model.params.data), *map(id, fresh.opt.named_state().values())]
+    assert len(sent) == 4
