@@ -152,6 +152,7 @@ class TrainConfig:
     checkpoint_interval: int = 200
     keep_last: int = 3
     max_bad_steps: int = 5          # non-finite steps in a row before training stops
+    check_collectives: bool = False  # debugging several processes: compare each collective across ranks first
     seed: int = 0
     device: str = "auto"
     dtype: str = "float32"

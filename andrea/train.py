@@ -255,7 +255,7 @@ def share_state(trainer):
     if trainer.world.size == 1:
         return
     for buf in (trainer.model.params.data, *trainer.opt.named_state().values()):
-        trainer.reducer.broadcast_(buf)
+        trainer.reducer.broadcast(buf)
 
 
 def finish(trainer, code, start_step, seconds):

@@ -68,6 +68,8 @@ class Trainer:
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
         self.loader = BatchLoader(tokens, t.batch_size, self.T, seed=t.seed,
                                   accum=self.accum, rank=world.rank, world=world.size)
+        if t.check_collectives:  # from here on (the config is the same on every rank, so is this point)
+            world.check_collectives()
         # NCCL's set-up is a collective, which must not run inside a `together` block (a rank that
         # failed before it would meet the others in another collective): run_training connects it
         self.reducer = world.reducer_for(self.model.xp) if world.size == 1 or self.model.xp is np else None

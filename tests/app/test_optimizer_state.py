@@ -91,7 +91,7 @@ def test_a_state_tensor_added_to_the_optimizer_is_saved_checked_restored_and_bro
 
     sent = []
     fresh.world = type("TwoRanks", (), {"size": 2})()
-    fresh.reducer = type("Recorder", (), {"broadcast_": lambda self, buf: sent.append(buf)})()
+    fresh.reducer = type("Recorder", (), {"broadcast": lambda self, buf: sent.append(buf)})()
     train.share_state(fresh)
     assert [id(b) for b in sent] == [id(fresh.model.params.data), *map(id, fresh.opt.named_state().values())]
     assert len(sent) == 4

@@ -1,17 +1,16 @@
 """Data-parallel training: 2 MPI processes train the model 1 process does, resume exactly, fail together.
 
 The runs launch `mpiexec -n 2` (the one beside this Python, from the mpi extra) with one BLAS and
-one minitensor thread per rank; tests/support/mpi_driver.py injects the faults. The NCCL reducer is
-checked here with a fake NCCL on threads (id exchange, pointers, sum); the real library runs in
-scripts/gpu_check.sh at one rank.
+one minitensor thread per rank; tests/support/mpi_driver.py injects the faults. The reducers'
+collectives themselves (MPI's, NCCL's with a fake NCCL on threads) are checked in test_reducer.py; the
+real NCCL runs in scripts/gpu_check.sh at one rank.
 """
 
-import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +26,6 @@ from andrea.data.preparation import prepare
 from andrea.errors import UserError
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
-from andrea.run import nccl as nccl_transport
 from minitensor import device
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,6 +198,19 @@ def test_a_signal_on_one_rank_stops_all_after_the_same_step(tmp_path, data_dir):
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["ckpt-00000002"]
 
 
+def test_the_collective_order_check_names_a_collective_one_rank_adds_in_training(tmp_path, data_dir):
+    require("mpi4py")
+    r = run(["--config", str(config(tmp_path, data_dir, max_steps=4, check_collectives=True)), "--out",
+             str(tmp_path / "o")], faults=["--extra-collective", "1", "2"], timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "step      1/" in r.stdout  # the checked collectives of step 1 agreed
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, r.stderr
+    assert re.fullmatch(r"error: collective \d+ differs across ranks: rank 0 all_reduce of [\d,]+ float32, rank 1 "
+                        r"broadcast of 16 float32; every rank must issue the same collectives in the same order "
+                        r"\(a collective under a test of the rank hangs\)", errors[0]), errors[0]
+
+
 def test_data_is_prepared_once_by_rank_0(tmp_path, data_dir):
     require("mpi4py")
     fresh = tmp_path / "fresh"
@@ -315,100 +326,6 @@ def test_validation_batches_split_across_ranks_cover_the_single_process_list():
     split = [[x for x, _ in iter_eval_batches(tokens, 4, 16, 5, rank=r, world=2)] for r in (0, 1)]
     assert len(split[0]) == 3 and len(split[1]) == 2
     assert all(np.array_equal(a, b) for a, b in zip(single, [split[i % 2][i // 2] for i in range(5)]))
-
-
-def test_nccl_unique_id_survives_the_trip_in_both_cupy_forms():
-    raw = bytes(range(128))
-    assert nccl_transport.unpack_unique_id(nccl_transport.pack_unique_id(raw)) == raw
-    signed = tuple(np.arange(-64, 64, dtype=np.int8).tolist())
-    assert nccl_transport.unpack_unique_id(nccl_transport.pack_unique_id(signed)) == signed
-
-
-class _ThreadWorld:
-    """Rank `rank` of `size` threads: broadcast through a shared slot, as MPI would."""
-
-    def __init__(self, rank, size, shared):
-        self.rank, self.size, self.shared = rank, size, shared
-        self.is_main = rank == 0
-
-    def broadcast_(self, buf):
-        if self.is_main:
-            self.shared["bcast"] = buf.copy()
-        self.shared["barrier"].wait()
-        buf[...] = self.shared["bcast"]
-        self.shared["barrier"].wait()
-
-
-class _DeviceArray:
-    """A NumPy array dressed as a CuPy one: .data.ptr, .size, .dtype, .flags."""
-
-    def __init__(self, a):
-        self.a = a
-        self.data = SimpleNamespace(ptr=a.ctypes.data)
-        self.size, self.dtype, self.flags = a.size, a.dtype, a.flags
-
-
-class _FakeNccl:
-    """NCCL's calls as CuPy exposes them, summing host memory behind the pointers across threads."""
-
-    NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
-
-    def __init__(self, size):
-        self.ids, self.calls = [], []
-        self.barrier = threading.Barrier(size)
-        self.pointers = {}
-        fake = self
-
-        class NcclCommunicator:
-            def __init__(self, n, uid, rank):
-                fake.ids.append((rank, uid))
-                self.n, self.rank = n, rank
-
-            def allReduce(self, send, recv, count, dtype, op, stream):  # noqa: N802 (CuPy's name)
-                assert send == recv and op == fake.NCCL_SUM and dtype == fake.NCCL_FLOAT32 and stream == 0
-                fake.calls.append((self.rank, count))
-                view = np.ctypeslib.as_array(ctypes.cast(send, ctypes.POINTER(ctypes.c_float)), (count,))
-                fake.pointers[self.rank] = view
-                fake.barrier.wait()
-                total = sum(v.copy() for v in fake.pointers.values())
-                fake.barrier.wait()
-                view[:] = total
-                fake.barrier.wait()
-
-        self.NcclCommunicator = NcclCommunicator
-
-    def get_unique_id(self):
-        return bytes(np.random.default_rng(1).integers(0, 256, 128, dtype=np.uint8))
-
-
-def test_nccl_reducer_exchanges_the_id_and_sums_to_the_mean_with_prescaled_gradients():
-    size, nccl = 2, _FakeNccl(2)
-    cupy = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0)))
-    shared = {"barrier": threading.Barrier(size)}
-    grads = [np.array([1.0, 2.0, 3.0], np.float32), np.array([3.0, 6.0, -1.0], np.float32)]
-    results, errors = {}, []
-
-    def rank_main(rank):
-        try:
-            reducer = nccl_transport.NcclReducer(_ThreadWorld(rank, size, shared), nccl, cupy)
-            buf = grads[rank] * np.float32(1.0 / size)  # the trainer scales backward by 1 / (accum N)
-            reducer.sum_(_DeviceArray(buf))
-            results[rank] = buf
-        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
-            errors.append(e)
-            shared["barrier"].abort()
-            nccl.barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not errors, errors
-    assert len({uid for _, uid in nccl.ids}) == 1 and sorted(r for r, _ in nccl.ids) == [0, 1]
-    assert sorted(nccl.calls) == [(0, 3), (1, 3)]
-    mean = (grads[0] + grads[1]) / 2
-    assert all(np.array_equal(results[r], mean) for r in range(size))
 
 
 def test_single_world_agrees_on_errors_as_one_process_did():

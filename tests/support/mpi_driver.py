@@ -7,6 +7,9 @@ Faults (each names the rank and the optimizer step it hits):
   --nan RANK STEP        that rank's gradient gets a NaN before the all-reduce of that step
   --raise RANK STEP      that rank raises RuntimeError("injected failure") in that step
   --signal RANK STEP     that rank sends itself SIGTERM during that step
+  --extra-collective RANK STEP
+                         that rank broadcasts 16 floats of its own before that step (a collective under
+                         a test of the rank: it hangs, unless train.check_collectives names it)
 """
 
 import argparse
@@ -16,6 +19,8 @@ import os
 import signal
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from andrea import train
 from andrea.cli import run_cli
@@ -31,6 +36,8 @@ def install(opts):
             raise RuntimeError("injected failure")
         if opts.signal and opts.signal == [rank, step]:
             os.kill(os.getpid(), signal.SIGTERM)
+        if opts.extra_collective and opts.extra_collective == [rank, step]:
+            self.reducer.broadcast(np.zeros(16, np.float32))
         if opts.nan and opts.nan == [rank, step]:
             reducer = self.reducer
 
@@ -64,6 +71,7 @@ def main():
     ap.add_argument("--nan", nargs=2, type=int)
     ap.add_argument("--raise", dest="raise_", nargs=2, type=int)
     ap.add_argument("--signal", nargs=2, type=int)
+    ap.add_argument("--extra-collective", nargs=2, type=int)
     install(ap.parse_args(argv[:split]))
     run_cli(train.main, argv[split + 1:])
 
