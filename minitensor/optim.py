@@ -75,16 +75,21 @@ class AdamW:
         return {**self._state, "t": self.t}
 
     def load_state_dict(self, state):
-        """state: each name of STATE over the whole flat buffer (a checkpoint's), and t; the shard's
-        range of each is kept."""
+        """state: each name of STATE over the flat buffer's span (a checkpoint's: without the padding a
+        sharded run adds at the end, so the same for any number of ranks), and t; the shard's range of
+        each is kept."""
+        span, xp = self.params.span, self.params.xp
         for name in self._state:
             if name not in state:
                 raise ValueError(f"optimizer state has no {name!r} (it holds {sorted(state)})")
-            if tuple(state[name].shape) != (self.params.size,):
+            if tuple(state[name].shape) != (span,):
                 raise ValueError(f"optimizer state {name!r} of size {tuple(state[name].shape)} does not fit the "
-                                 f"flat buffer of {self.params.size}")
+                                 f"flat buffer of {span}")
+        start, stop = self.shard
+        held = max(min(stop, span) - start, 0)  # of the shard, what lies within the span
         for name, mine in self._state.items():
-            mine[...] = self._owned(self.params.xp.asarray(state[name]))
+            mine[:held] = xp.asarray(state[name])[start:start + held]
+            mine[held:] = 0  # the padding past the span: its state is zero
         self.t = int(state["t"])
 
 

@@ -95,3 +95,56 @@ def test_a_state_tensor_added_to_the_optimizer_is_saved_checked_restored_and_bro
     train.share_state(fresh)
     assert [id(b) for b in sent] == [id(fresh.model.params.data), *map(id, fresh.opt.named_state().values())]
     assert len(sent) == 4
+
+
+RSS_CODE = """
+import sys
+import numpy as np
+from andrea.run.reducer import Shards
+from minitensor.flat import Params
+from minitensor.optim import AdamW
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+n = int(sys.argv[1])
+SHAPES = {"w": (2048, 2048), "b": (2048,)}
+warm = Params(SHAPES)  # the step's code (numba's kernel) and its threads started first, then freed
+AdamW(warm).step()
+del warm
+params = Params(SHAPES, multiple=16 * n)
+params.grads[...] = 1.0
+before = resident()
+opt = AdamW(params, shard=Shards(params.size, n).bounds(0) if n > 1 else None)
+opt.step()
+print(resident() - before)
+"""
+
+
+def test_the_optimizers_memory_on_a_rank_of_two_is_half_the_replicated_runs():
+    """RSS: what AdamW adds to a process (its state and decay mask, once a step has written them; the
+    step's code and threads started before, on a buffer then freed) over
+    rank 0's range at N=2, against the whole buffer (4.2M parameters: 34 MB of m and v)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    added = {n: int(subprocess.run([sys.executable, "-c", RSS_CODE, str(n)], capture_output=True, text=True,
+                                   check=True, cwd=root, env={"PYTHONPATH": str(root)}).stdout) for n in (1, 2)}
+    print(f"AdamW's RSS: replicated {added[1] / 2**20:.1f} MiB, ZeRO-1 rank 0 of 2 {added[2] / 2**20:.1f} MiB")
+    assert added[1] > 2 * 4 * 2048 * 2048 * 0.95  # the replicated state is resident at all
+    assert added[2] <= 0.6 * added[1]
+
+
+def test_preflight_counts_a_ranks_share_of_the_moments_under_zero1():
+    from andrea.config import load_config
+    from andrea.run import preflight
+
+    replicated = preflight.estimate_memory(load_config("tiny"), processes=2)
+    cfg = load_config("tiny", ["train.zero_stage=1"])
+    n, size = replicated.parameters, 4
+    assert replicated.state_bytes == 4 * n * size
+    assert preflight.estimate_memory(cfg, processes=2).state_bytes == 3 * n * size   # 2 N + 2 N / 2
+    assert preflight.estimate_memory(cfg, processes=4).state_bytes == 2 * n * size + n * size // 2
+    assert preflight.estimate_memory(cfg).state_bytes == 4 * n * size  # one process: nothing to share
