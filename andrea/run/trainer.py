@@ -212,7 +212,8 @@ class Trainer:
         grads, xp = model.params.grads, model.xp
         self.reducer.reduce_scatter(grads, shards)
         start, stop = shards.bounds(self.world.rank)
-        squares = xp.asarray(model.ops.global_norm(grads[start:stop]), dtype=np.float64).reshape(1) ** 2
+        # in the norm's own dtype (float64 on NumPy), whose sqrt(x^2) is x: one rank's step is the replicated one
+        squares = xp.asarray(model.ops.global_norm(grads[start:stop])).reshape(1) ** 2
         self.reducer.all_reduce(squares)  # the same sum on every rank, so the same decision
         norm = xp.sqrt(squares[0])
         scale, finite = model.ops.clip_scale(norm, self.cfg.train.grad_clip, loss)

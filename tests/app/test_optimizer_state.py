@@ -25,10 +25,10 @@ def data_dir(tmp_path_factory):
     return d
 
 
-def make_trainer(data_dir, out):
+def make_trainer(data_dir, out, *more):
     sets = ["model.vocab_size=8449", "model.context_length=16", "model.d_model=16", "model.n_layer=1",
             "model.n_head=2", "train.batch_size=2", "train.tokens_per_step=32", "train.device=cpu",
-            f"data.inputs={STDLIB_JSON}", f"data.data_dir={data_dir}", "data.allow_smaller_vocab=true"]
+            f"data.inputs={STDLIB_JSON}", f"data.data_dir={data_dir}", "data.allow_smaller_vocab=true", *more]
     cfg, out = train.build_run_config(train.parse_args(["--out", str(out), *[a for s in sets for a in ("--set", s)]]))
     tokenizer, tokens, val_tokens = train.prepare_data(cfg)
     return train.Trainer(cfg, out, tokens, val_tokens, tokenizer)
@@ -148,3 +148,43 @@ def test_preflight_counts_a_ranks_share_of_the_moments_under_zero1():
     assert preflight.estimate_memory(cfg, processes=2).state_bytes == 3 * n * size   # 2 N + 2 N / 2
     assert preflight.estimate_memory(cfg, processes=4).state_bytes == 2 * n * size + n * size // 2
     assert preflight.estimate_memory(cfg).state_bytes == 4 * n * size  # one process: nothing to share
+
+
+ONE_RANK_CODE = """
+import sys
+from pathlib import Path
+import numpy as np
+sys.path.insert(0, "tests/app")
+from test_optimizer_state import make_trainer
+from minitensor.device import to_numpy
+
+data_dir, out, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+runs = [make_trainer(data_dir, out, f"train.device={device}", f"train.zero_stage={z}") for z in (0, 1)]
+for _ in range(3):
+    steps = [t.train_step(1e-3) for t in runs]
+    assert [float(s[1]) for s in steps[:1]] == [float(s[1]) for s in steps[1:]]
+tensors = [t.state()[0] for t in runs]
+assert sorted(tensors[0]) == sorted(tensors[1])
+assert all(np.array_equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
+assert np.array_equal(to_numpy(runs[0].model.params.data), to_numpy(runs[1].model.params.data))
+print("equal", runs[1].shards, runs[1].model.xp.__name__)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_zero1_at_one_process_is_the_replicated_run_bit_for_bit(data_dir, tmp_path, device):
+    """Its reduce-scatter, all-reduce of the squared norm and all-gather are the identity at N=1, and the
+    norm from its square (in the norm's own dtype) is the norm: on NumPy and, through the CuPy stand-in,
+    on the GPU's code paths."""
+    import subprocess
+    import sys
+
+    from minitensor.checks.standin import standin_env
+
+    root = Path(__file__).resolve().parents[2]
+    env = standin_env() if device == "gpu" else None
+    r = subprocess.run([sys.executable, "-c", ONE_RANK_CODE, str(data_dir), str(tmp_path / "o"), device],
+                       capture_output=True, text=True, cwd=root, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("equal Shards(size=")
+    assert r.stdout.split()[-1] == ("numpy" if device == "cpu" else "cupy")
