@@ -152,6 +152,8 @@ class TrainConfig:
     checkpoint_interval: int = 200
     keep_last: int = 3
     max_bad_steps: int = 5          # non-finite steps in a row before training stops
+    check_collectives: bool = False  # debugging several processes: compare each collective across ranks first
+    zero_stage: int = 0             # 1: ZeRO-1, the optimizer's state sharded over the processes (docs/distributed.md)
     seed: int = 0
     device: str = "auto"
     dtype: str = "float32"
@@ -184,6 +186,8 @@ class TrainConfig:
                  "the size of the position table")
         _require(self.device in ("auto", "cpu", "gpu"), f"train.device must be auto, cpu or gpu, got {self.device!r}")
         _require(self.dtype in ("float32", "float64"), f"train.dtype must be float32 or float64, got {self.dtype!r}")
+        _require(self.zero_stage in (0, 1), f"train.zero_stage must be 0 (replicated) or 1 (the optimizer's state "
+                 f"sharded), got {self.zero_stage}")
         _require(self.kernels in ("auto", "fused", "generic"),
                  f"train.kernels must be auto, fused or generic, got {self.kernels!r}")
         micro = self.batch_size * self.sequence_length(model)

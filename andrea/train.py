@@ -214,7 +214,9 @@ def resume(trainer, args):
             meta = dict(meta, path=str(path))
     meta = world.broadcast_json(meta)
     with world.together():
-        if not world.is_main:
+        if not world.is_main and trainer.shards is not None:  # sharded: each rank keeps its own range of the
+            trainer.restore(*ckpt.load_checkpoint(meta["path"]))  # optimizer's state, so each reads it
+        elif not world.is_main:
             trainer.restore_meta(meta)
     if trainer.step >= trainer.cfg.train.max_steps and args.resume_from:
         raise UserError(f"{meta['path']} is step {trainer.step}, which train.max_steps "
@@ -274,11 +276,14 @@ def _note_schedule(trainer, meta):
 
 
 def share_state(trainer):
-    """Rank 0's weights and optimizer moments on every rank (a no-op for one process)."""
+    """Rank 0's weights and optimizer state (every tensor the optimizer names) on every rank (a no-op
+    for one process). Sharded (train.zero_stage 1), each rank holds its own range of the state, fresh
+    or read from the checkpoint, so only the weights go out."""
     if trainer.world.size == 1:
         return
-    for buf in (trainer.model.params.data, trainer.opt.m, trainer.opt.v):
-        trainer.reducer.broadcast_(buf)
+    state = trainer.opt.named_state().values() if trainer.shards is None else ()
+    for buf in (trainer.model.params.data, *state):
+        trainer.reducer.broadcast(buf)
 
 
 def finish(trainer, code, start_step, seconds):

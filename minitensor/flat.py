@@ -8,6 +8,9 @@
 Layers hold these views and update them in place; nothing may rebind them, because the flat
 buffers are the truth that AdamW, gradient clipping and checkpoints work on (as in llm.c).
 Each tensor starts at a multiple of 16 elements (64 bytes in float32), so views stay aligned.
+`span` is where the last tensor's padding ends; `size`, the buffers' length, is `span` rounded up to
+`multiple` (16 unless asked: a run that shards the buffers over N ranks asks for 16 N, so that every
+rank's range is as long and aligned).
 """
 
 import math
@@ -22,7 +25,7 @@ ALIGN = 16
 class Params:
     """Named views into one parameter buffer (`data`) and one gradient buffer (`grads`)."""
 
-    def __init__(self, shapes, xp=np, dtype="float32", ops=None):
+    def __init__(self, shapes, xp=np, dtype="float32", ops=None, multiple=ALIGN):
         self.xp = xp
         self.ops = ops or get_ops(xp)
         self.dtype = np.dtype(dtype)
@@ -32,9 +35,12 @@ class Params:
         for name, shape in self.shapes.items():
             self.offsets[name] = offset
             offset += -(-math.prod(shape) // ALIGN) * ALIGN
-        self.size = offset
-        self.data = xp.zeros(offset, dtype=self.dtype)
-        self.grads = xp.zeros(offset, dtype=self.dtype)
+        if multiple < 1 or multiple % ALIGN:
+            raise ValueError(f"the flat buffers' size must round to a multiple of {ALIGN}, got {multiple}")
+        self.span = offset
+        self.size = -(-offset // multiple) * multiple
+        self.data = xp.zeros(self.size, dtype=self.dtype)
+        self.grads = xp.zeros(self.size, dtype=self.dtype)
         self._views = {n: self._view(self.data, n) for n in self.shapes}
         self._grad_views = {n: self._view(self.grads, n) for n in self.shapes}
 

@@ -82,7 +82,7 @@ def run_case(config, kernels, dtype):
         "loss": sha(np.array(losses, dtype=np.float64)),
         "grad": sha(grads),
         "weight": sha(to_numpy(model.params.data)),
-        "adam": sha(to_numpy(opt.m), to_numpy(opt.v)),
+        "adam": sha(*(to_numpy(state) for state in opt.named_state().values())),
         "kv": sha(*kv),
         "losses": [round(v, 6) for v in losses],
     }

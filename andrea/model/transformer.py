@@ -42,25 +42,27 @@ from andrea.model.block import Block, norm_layer
 from andrea.model.sizes import param_shapes, run_sizes
 from minitensor.backends import get_ops
 from minitensor.device import get_device, resolve_dtype, to_numpy
-from minitensor.flat import Params
+from minitensor.flat import ALIGN, Params
 from minitensor.layers.embedding import Embedding, PositionEmbedding, TiedHead
 from minitensor.layers.loss import SoftmaxCrossEntropy
 
 
 class ANDREA:
-    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None, batch=None):
+    def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None, batch=None,
+                 flat_multiple=ALIGN):
         """kernels: on the CPU 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba when
         installed); on a GPU the fused kernels, 'auto' (the default: those that pass the start-up
         self-check, and with `batch`, are not slower than the generic code at batch x context_length),
         'fused' or 'generic' (train.kernels); chosen here once, like the device
         (minitensor.backends.get_ops). ops: a minitensor.backends.ops backend to use instead of the device's
-        (tests)."""
+        (tests). flat_multiple: the flat buffers' size is rounded up to it (minitensor.flat.Params; a
+        run that shards them over N ranks asks for 16 N)."""
         self.cfg = cfg
         self.device = get_device(device)
         self.ops = ops = ops or get_ops(self.device.xp, kernels, run_sizes(cfg, batch) if batch else None)
         self.xp = ops.xp
         self.dtype = resolve_dtype(dtype)
-        self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops)
+        self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops, multiple=flat_multiple)
         p = self.params
         # ids are validated on the host in _ids, so the layers skip their own (device-syncing) checks
         self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), check=False, ops=ops)

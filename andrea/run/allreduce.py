@@ -4,10 +4,11 @@
     mpiexec -n 2 python -m andrea.run.allreduce --bench 92331264     # MPI's all-reduce of 92M float32
     python -m andrea.run.allreduce --bench 92331264 --gpu            # NCCL's (one rank: its local pass)
 
-The self-test loads the library, exchanges the id, all-reduces and broadcasts 4 MiB and checks the
-result (NCCL refuses two ranks on one GPU, so one lent GPU checks one rank). `--bench` times the
-in-place all-reduce of that many float32 values on this world, the median of 5 after a warm-up, and
-prints it as JSON on rank 0: what andrea.bench reports as the gradient all-reduce.
+The self-test loads the library, exchanges the id, runs each collective (all-reduce, broadcast,
+reduce-scatter, all-gather) over 4 MiB on the reducer's stream and checks the result (NCCL refuses
+two ranks on one GPU, so one lent GPU checks one rank). `--bench` times the in-place all-reduce of
+that many float32 values on this world, the median of 5 after a warm-up, and prints it as JSON on
+rank 0: what andrea.bench reports as the gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from andrea.errors import UserError
 from andrea.run.distributed import init, use_local_gpu
 from andrea.run.nccl import NcclReducer, load_nccl
+from andrea.run.reducer import Shards
 
 
 def nccl_self_test() -> int:
@@ -31,22 +33,26 @@ def nccl_self_test() -> int:
     reducer = NcclReducer(world, nccl, cupy)
     buf = cupy.arange(1 << 20, dtype=cupy.float32)
     expected = buf.copy()
-    reducer.sum_(buf)
-    reducer.broadcast_(buf)
+    shards = Shards(buf.size, 1)
+    reducer.all_reduce(buf)
+    reducer.broadcast(buf)
+    reducer.reduce_scatter(buf, shards)
+    reducer.all_gather(buf, shards, wait=False).wait()
     cupy.cuda.get_current_stream().synchronize()
     if not bool((buf == expected).all()):
-        raise RuntimeError("NCCL all-reduce at one rank changed the buffer")
+        raise RuntimeError("NCCL's collectives at one rank changed the buffer")
     version = nccl.get_version() if hasattr(nccl, "get_version") else "?"
-    print(f"NCCL self-test: ok (version {version}, 1 rank, {buf.nbytes >> 20} MiB all-reduce and broadcast)")
+    print(f"NCCL self-test: ok (version {version}, 1 rank, {buf.nbytes >> 20} MiB all-reduce, broadcast, "
+          "reduce-scatter and all-gather on the NCCL stream)")
     return 0
 
 
 def time_allreduce(reducer, buf, repeats=5, sync=None) -> float:
-    """Median seconds of one in-place sum_ of `buf` (after one warm-up), all ranks together."""
+    """Median seconds of one in-place all-reduce of `buf` (after one warm-up), all ranks together."""
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        reducer.sum_(buf)
+        reducer.all_reduce(buf)
         if sync is not None:
             sync()
         if i:
@@ -68,7 +74,7 @@ def bench_allreduce(elements: int, gpu: bool) -> dict | None:
         reducer, buf = NcclReducer(world, nccl, cupy), cupy.ones(elements, dtype=cupy.float32)
         sync = cupy.cuda.get_current_stream().synchronize
     else:
-        reducer, buf, sync = world, np.ones(elements, dtype=np.float32), None
+        reducer, buf, sync = world.reducer_for(np), np.ones(elements, dtype=np.float32), None
     seconds = time_allreduce(reducer, buf, sync=sync)
     if not world.is_main:
         return None

@@ -15,15 +15,15 @@ all ranks in the same order:
   decide)`: rank 0's decision on every rank (the fused GPU kernels, andrea.run.trainer.agreed_kernels);
 - `barrier()`; `together()`: a block every rank runs, which, if it fails on any rank, ends all
   ranks there with the lowest failing rank's message;
-- `reducer_for(xp)`: the gradient reducer for the model's array module: the world itself for
-  NumPy (MPI in-place Allreduce), `NcclReducer` for CuPy (NCCL on the current stream,
-  andrea.run.nccl).
+- `reducer_for(xp)`: the reducer of the model's flat buffers (andrea.run.reducer: all-reduce,
+  reduce-scatter, all-gather, broadcast, each blocking or started and waited on): `Identity` for one
+  process, `MPIReducer` for NumPy (andrea.run.mpi), `NcclReducer` for CuPy (andrea.run.nccl);
+- `check_collectives()`: from then on, every collective of the world and of its reducers is
+  compared across ranks before it is issued (andrea.run.ordercheck, `train.check_collectives`).
 
-A reducer has `sum_(buf)` (in-place sum over ranks of a flat (P,) buffer, the gradient) and
-`broadcast_(buf)` (rank 0's flat buffer on every rank, for weights and optimizer moments). The
-trainer scales each rank's backward by 1 / (accumulation x N), so the sum is the mean gradient;
-with two ranks the sum a + b is exactly the float32 sum one process accumulates over the same two
-micro-batches.
+The trainer all-reduces the gradient once per step and scales each rank's backward by
+1 / (accumulation x N), so the sum is the mean gradient; with two ranks the sum a + b is exactly the
+float32 sum one process accumulates over the same two micro-batches.
 
 `guard(world)` around a whole run ends every rank when one fails. The NCCL check and the
 all-reduce timing are commands of their own (`python -m andrea.run.allreduce`).
@@ -41,7 +41,10 @@ import traceback
 import numpy as np
 
 from andrea.errors import UserError
+from andrea.run.mpi import MPIReducer
 from andrea.run.nccl import NcclReducer
+from andrea.run.ordercheck import FIELDS, CollectiveOrderError, OrderCheck
+from andrea.run.reducer import Identity
 
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 MPI_HINT = "install the mpi extra: pip install -e '.[mpi]' (mpi4py and an MPICH)"
@@ -72,6 +75,7 @@ class _World:
     """What `Single` and `MPIWorld` share: the agreement protocol built on `sum_scalars`."""
 
     rank, size, local_rank = 0, 1, 0
+    check = None  # the collective-order check, once check_collectives() turned it on
 
     @property
     def is_main(self) -> bool:
@@ -109,6 +113,8 @@ class _World:
         error = None
         try:
             yield
+        except CollectiveOrderError:
+            raise  # already agreed, by every rank (and the others have left: no agreement to wait in)
         except Exception as e:  # noqa: BLE001 (re-raised below, on the rank that reports)
             error = e
         if self.size == 1:
@@ -171,14 +177,11 @@ class Single(_World):
     def barrier(self):
         pass
 
-    def sum_(self, buf):
-        pass
-
-    def broadcast_(self, buf):
-        pass
-
     def reducer_for(self, xp):
-        return self
+        return Identity()
+
+    def check_collectives(self):
+        pass  # one rank cannot disagree with itself
 
     def abort(self, code):
         raise SystemExit(code)
@@ -200,11 +203,16 @@ class MPIWorld(_World):
 
     def sum_scalars(self, values):
         buf = np.array(values, dtype=np.float64)
+        if self.check is not None:
+            self.check.before("sum_scalars", buf.size, buf.dtype)
         self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
         return buf
 
     def broadcast_json(self, obj):
-        # a length then UTF-8 bytes, not comm.bcast, which would pickle
+        # a length then UTF-8 bytes, not comm.bcast, which would pickle; the check sees the length's
+        # broadcast alone (only rank 0 knows the size of what it sends)
+        if self.check is not None:
+            self.check.before("broadcast_json", 1, np.int64)
         data = json.dumps(obj).encode() if self.is_main else b""
         n = np.array([len(data)], dtype=np.int64)
         self.comm.Bcast(n, root=0)
@@ -213,18 +221,27 @@ class MPIWorld(_World):
         return json.loads(buf.tobytes().decode())
 
     def barrier(self):
+        if self.check is not None:
+            self.check.before("barrier", 0, None)
         self.comm.Barrier()
 
-    def sum_(self, buf):
-        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-
-    def broadcast_(self, buf):
-        self.comm.Bcast(buf, root=0)
-
     def reducer_for(self, xp):
+        """The reducer of the model's flat buffers: MPI's on host buffers, NCCL's on GPUs (its set-up a
+        collective: the unique id goes out over MPI)."""
         if xp is np:
-            return self
+            return MPIReducer(self.MPI, self.comm, self.check)
         return NcclReducer(self)
+
+    def check_collectives(self):
+        """Every collective from here on is compared across ranks first (andrea.run.ordercheck): the
+        world's, and those of the reducers made after it (a reducer takes the world's check when made).
+        Every rank must turn it on at the same point (it is the config's, which all ranks share)."""
+        def exchange(record):
+            every = np.empty((self.size, FIELDS), dtype=np.int64)
+            self.comm.Allgather(record, every)
+            return every
+
+        self.check = OrderCheck(self.rank, self.size, exchange)
 
     def abort(self, code):
         sys.stdout.flush()
@@ -273,7 +290,7 @@ def guard(world):
         return
     try:
         yield
-    except (SystemExit, AgreedError):
+    except (SystemExit, AgreedError, CollectiveOrderError):
         raise
     except BaseException as e:  # noqa: BLE001 (one rank failing must not leave the others waiting)
         who = f"rank {world.rank} of {world.size}"

@@ -1,9 +1,10 @@
-"""GPU gradients between ranks through NCCL (cupy.cuda.nccl): the transport a CuPy run's world hands
-the trainer (andrea.run.distributed.MPIWorld.reducer_for).
+"""The reducer of a GPU run's flat buffers through NCCL (cupy.cuda.nccl), andrea.run.reducer's
+interface: what a CuPy run's world hands the trainer (andrea.run.distributed.MPIWorld.reducer_for).
 
     reducer = NcclReducer(world)     # every rank, its GPU already current (distributed.use_local_gpu)
-    reducer.sum_(grads)              # in-place sum over ranks of a flat (P,) buffer, on the current stream
-    reducer.broadcast_(params)       # rank 0's buffer on every rank
+    reducer.all_reduce(grads)        # in-place sum over ranks of a flat (P,) buffer, ordered on the streams
+    reducer.broadcast(params)        # rank 0's buffer on every rank
+    reducer.reduce_scatter(grads, shards, wait=False).wait()   # started on the NCCL stream, then waited on
 
 Rank 0 makes NCCL's unique id and the world's MPI broadcasts it (`pack_unique_id`: 129 bytes, no
 pickle). CuPy loads libnccl from the nvidia-nccl-cu12 / -cu13 wheels; `load_nccl` says what to
@@ -15,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from andrea.errors import UserError
+from andrea.run.reducer import Pending, Reducer
 
 
 def pack_unique_id(uid) -> np.ndarray:
@@ -35,11 +37,17 @@ def unpack_unique_id(buf: np.ndarray):
     return body.tobytes() if buf[0] == 0 else tuple(int(v) for v in body.view(np.int8))
 
 
-class NcclReducer:
-    """Flat-buffer sum and broadcast between GPUs through cupy.cuda.nccl, on the current stream.
+class NcclReducer(Reducer):
+    """Flat device buffers between GPUs through cupy.cuda.nccl, on a stream of the reducer's own.
 
     Rank 0 makes the unique id, MPI broadcasts it, and every rank joins with its GPU already
-    current (`use_local_gpu`). `nccl` can be given (a fake in the CPU tests).
+    current (`use_local_gpu`). A collective waits on an event recorded on the current stream (the
+    work that wrote its buffer), runs on the NCCL stream, and records an event there; its wait makes
+    the current stream wait on that event, so the host never blocks and the next kernel that reads
+    the buffer runs after the collective. The collectives work in place on the caller's buffers (the
+    flat parameters and gradients, which live as long as the model) and allocate nothing, so no
+    buffer the memory pool frees can still be in flight; a started one keeps its buffer referenced
+    until its wait. `nccl` and `cupy` can be given (fakes in the CPU tests).
     """
 
     name = "NCCL"
@@ -47,29 +55,47 @@ class NcclReducer:
     def __init__(self, world, nccl=None, cupy=None):
         if nccl is None:
             nccl, cupy = load_nccl()
-        self.world, self.nccl, self.cupy = world, nccl, cupy
-        uid = pack_unique_id(nccl.get_unique_id()) if world.is_main else np.zeros(129, dtype=np.uint8)
-        world.broadcast_(uid)
+        super().__init__(world.rank, world.size, getattr(world, "check", None))
+        self.nccl, self.cupy = nccl, cupy
+        uid = pack_unique_id(nccl.get_unique_id()).tolist() if world.is_main else None
+        uid = np.array(world.broadcast_json(uid), dtype=np.uint8)
         self.comm = nccl.NcclCommunicator(world.size, unpack_unique_id(uid), world.rank)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
 
-    def _call(self, buf):
+    def _dtype(self, buf):
         if buf.dtype == np.float32:
-            dtype = self.nccl.NCCL_FLOAT32
-        elif buf.dtype == np.float64:
-            dtype = self.nccl.NCCL_FLOAT64
-        else:
-            raise TypeError(f"NCCL reducer: unsupported dtype {buf.dtype}")
-        if not buf.flags.c_contiguous:
-            raise ValueError("NCCL reducer needs a contiguous buffer")
-        return buf.data.ptr, buf.size, dtype, self.cupy.cuda.get_current_stream().ptr
+            return self.nccl.NCCL_FLOAT32
+        if buf.dtype == np.float64:
+            return self.nccl.NCCL_FLOAT64
+        raise TypeError(f"NCCL reducer: unsupported dtype {buf.dtype}")
 
-    def sum_(self, buf):
-        ptr, n, dtype, stream = self._call(buf)
-        self.comm.allReduce(ptr, ptr, n, dtype, self.nccl.NCCL_SUM, stream)
+    def _on_stream(self, buf, call):
+        """call(ptr, dtype, stream ptr) on the NCCL stream after the current stream's work so far."""
+        dtype, current = self._dtype(buf), self.cupy.cuda.get_current_stream()
+        ready, done = self.cupy.cuda.Event(disable_timing=True), self.cupy.cuda.Event(disable_timing=True)
+        ready.record(current)
+        self.stream.wait_event(ready)
+        call(buf.data.ptr, dtype, self.stream.ptr)
+        done.record(self.stream)
+        return Pending(lambda: self.cupy.cuda.get_current_stream().wait_event(done), buf)
 
-    def broadcast_(self, buf):
-        ptr, n, dtype, stream = self._call(buf)
-        self.comm.bcast(ptr, n, dtype, 0, stream)
+    def _all_reduce(self, buf, shards):
+        return self._on_stream(buf, lambda ptr, dtype, s: self.comm.allReduce(ptr, ptr, buf.size, dtype,
+                                                                             self.nccl.NCCL_SUM, s))
+
+    def _reduce_scatter(self, buf, shards):
+        # in place as NCCL defines it: the receive buffer is the rank's range of the send buffer
+        offset = shards.bounds(self.rank)[0] * buf.itemsize
+        return self._on_stream(buf, lambda ptr, dtype, s: self.comm.reduceScatter(
+            ptr, ptr + offset, shards.length, dtype, self.nccl.NCCL_SUM, s))
+
+    def _all_gather(self, buf, shards):
+        offset = shards.bounds(self.rank)[0] * buf.itemsize
+        return self._on_stream(buf, lambda ptr, dtype, s: self.comm.allGather(ptr + offset, ptr, shards.length,
+                                                                             dtype, s))
+
+    def _broadcast(self, buf, shards):
+        return self._on_stream(buf, lambda ptr, dtype, s: self.comm.bcast(ptr, buf.size, dtype, 0, s))
 
 
 def require_nccl() -> None:

@@ -16,11 +16,11 @@
 - the sample prompt: a run that ends with a sample needs a prompt that encodes to tokens;
 - the schedule: `train.warmup_steps` beyond `train.max_steps` is a warning saying the peak rate
   the run reaches (it was silent; refusing it would break quick `--max-steps 10` runs);
-- memory: parameters, gradients and the two AdamW moments (4 N floats) plus the activations kept
-  from forward to backward at the configured micro-batch, plus 10% for everything else (measured
-  below), against what the machine has
-  (`MemAvailable` and the cgroup limit on Linux, free GPU memory on a GPU, which `auto` counts
-  as when a GPU works): an error when the estimate does not fit, a warning above 80%;
+- memory: parameters, gradients and the two AdamW moments (4 N floats; 2 N + 2 N / P with ZeRO-1 over
+  P processes) plus the activations kept from forward to backward at the configured micro-batch,
+  plus 10% for everything else (measured below), against what the machine has (`MemAvailable` and
+  the cgroup limit on Linux, free GPU memory on a GPU, which `auto` counts as when a GPU works): an
+  error when the estimate does not fit, a warning above 80%;
 - the data, as the run's preparation checks it (andrea.data.preparation.check_preparation, reading only):
   the inputs (one matching nothing, or other than those the directory was prepared from), the
   directory's state, shards and tokenizer, the corpus and its two splits; when it is prepared, the
@@ -127,7 +127,7 @@ class MemoryEstimate:
         return self.state_bytes + self.activation_bytes + self.overhead_bytes
 
 
-def estimate_memory(cfg) -> MemoryEstimate:
+def estimate_memory(cfg, processes=1) -> MemoryEstimate:
     """Bytes a training run of `cfg` holds at its peak, from the shapes alone (nothing allocated)."""
     m, t = cfg.model, cfg.train
     n = parameter_breakdown(m)["total"]
@@ -136,7 +136,8 @@ def estimate_memory(cfg) -> MemoryEstimate:
     per_token = ACTIVATION_FLOATS_PER_LAYER * m.d_model * m.n_layer + m.vocab_size + 3 * m.d_model
     causal = B * m.n_head * T * T * size  # an upper bound on the kept (lower-triangular) blocks
     probs = m.n_layer * causal if causal <= KEPT_PROBS_MAX_BYTES else 0
-    return MemoryEstimate(n, 4 * n * size, B * T * per_token * size + probs)
+    moments = 2 * n * size // (processes if t.zero_stage else 1)  # ZeRO-1: each rank's range of m and v alone
+    return MemoryEstimate(n, 2 * n * size + moments, B * T * per_token * size + probs)
 
 
 def available_memory(device: str) -> tuple[int | None, str]:
@@ -290,7 +291,7 @@ def check(cfg, out_dir, processes=1, init_from=None, warn=None, tokenizer=None, 
     check_sinks(t.log_to, out_dir)  # each named once, its library, its folder: before anything is written
     if t.sample_tokens > 0 and not t.sample_prompt:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
-    mem = estimate_memory(cfg)
+    mem = estimate_memory(cfg, processes)
     verdict = check_memory(mem, memory_device(device), warn)  # device is probed already: cpu or gpu
     data = check_preparation(cfg, tokenizer) if corpus else _prepared_line(cfg, data_dir)
     return Plan(cfg, Path(out_dir), requested, device, mem, verdict, data, processes, device_note)

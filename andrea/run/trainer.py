@@ -12,7 +12,9 @@ moments, data-loader and random states, config) every checkpoint_interval steps,
 stopping, and say how to resume.
 
 Under mpiexec each rank takes its share of every step's windows and the gradients are summed across
-ranks once per step (andrea.run.distributed); rank 0 alone prints, writes metrics and checkpoints.
+ranks once per step (andrea.run.distributed), or with train.zero_stage 1 (ZeRO-1) reduce-scattered, each
+rank updating its range of the weights and keeping the optimizer's state for it alone, and the weights
+all-gathered; rank 0 alone prints, writes metrics and checkpoints.
 """
 
 import math
@@ -32,12 +34,19 @@ from andrea.run import gradflow, preflight
 from andrea.run.metrics import open_metrics
 from andrea.run.nccl import require_nccl
 from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
+from andrea.run.reducer import Shards
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, NonFiniteGuard, StopVote
 from andrea.run.throughput import Throughput
 from minitensor.checks import selfcheck
 from minitensor.device import GPUUnavailable, get_device, set_tf32, to_numpy
+from minitensor.flat import ALIGN
 from minitensor.optim import AdamW
+
+# a checkpoint holds each of the optimizer's state tensors (AdamW.STATE) as optimizer.<name>, over the
+# flat buffer's span (the same for any number of ranks, sharded or not), and its step count as
+# meta["optimizer_t"]
+OPTIMIZER_PREFIX = "optimizer."
 
 
 class Trainer:
@@ -56,17 +65,24 @@ class Trainer:
         if device != "cpu":
             dist.use_local_gpu(world)
         try:
+            # ZeRO-1 cuts the flat buffers into one equal, aligned range per rank: their size a multiple of 16 N
             self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed,
-                                kernels=t.kernels if kernels is None else kernels, batch=t.batch_size)
+                                kernels=t.kernels if kernels is None else kernels, batch=t.batch_size,
+                                flat_multiple=ALIGN * (world.size if t.zero_stage else 1))
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         # the GPU's TF32 mode (process-wide) and the model's kernels, said in the log
         self.startup = [set_tf32(self.model.xp, t.tf32), kernels_line(self.model.ops)]
-        self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay)
+        # ZeRO-1: each rank updates, and keeps the optimizer's state for, its range of the buffers alone
+        self.shards = Shards(self.model.params.size, world.size) if t.zero_stage else None
+        self.opt = AdamW(self.model, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
+                         shard=self.shards.bounds(world.rank) if self.shards else None)
         self.T = t.sequence_length(cfg.model)
         self.accum = dist.accumulation(t.tokens_per_step, t.batch_size, self.T, world.size)
         self.loader = BatchLoader(tokens, t.batch_size, self.T, seed=t.seed,
                                   accum=self.accum, rank=world.rank, world=world.size)
+        if t.check_collectives:  # from here on (the config is the same on every rank, so is this point)
+            world.check_collectives()
         # NCCL's set-up is a collective, which must not run inside a `together` block (a rank that
         # failed before it would meet the others in another collective): run_training connects it
         self.reducer = world.reducer_for(self.model.xp) if world.size == 1 or self.model.xp is np else None
@@ -84,12 +100,32 @@ class Trainer:
 
     # --- checkpoints ---
 
-    def state(self):
+    def optimizer_state(self):
+        """{name: the optimizer's state tensor over the flat buffer's span, on the host}: what a checkpoint
+        holds. Replicated, the optimizer's own arrays; sharded (train.zero_stage 1), each gathered from
+        every rank's range, one at a time, through one buffer: a collective, which every rank calls, and
+        rank 0 alone keeps a copy (the others return None)."""
+        span = self.model.params.span
+        if self.shards is None:
+            return {name: to_numpy(state)[:span] for name, state in self.opt.named_state().items()}
+        start, stop = self.opt.shard
+        whole, gathered = self.model.xp.zeros_like(self.model.params.grads), {}
+        for name, state in self.opt.named_state().items():
+            whole[start:stop] = state
+            self.reducer.all_gather(whole, self.shards)
+            if self.world.is_main:
+                gathered[name] = np.array(to_numpy(whole[:span]))  # a copy: `whole` takes the next one
+        return gathered if self.world.is_main else None
+
+    def state(self, optimizer=None):
+        """(tensors, meta) of a checkpoint, on rank 0; `optimizer`: what optimizer_state() gave it. Sharded,
+        that is a collective every rank takes part in, so pass it: without it, state() gathers on this rank
+        alone."""
         # views into the flat buffers, not copies: a checkpoint of ANDREA-120M would otherwise
         # hold a second 370 MB of weights in memory while it is written
         tensors = {name: to_numpy(view) for name, view in self.model.named_parameters()}
-        tensors["optimizer.m"] = to_numpy(self.opt.m)
-        tensors["optimizer.v"] = to_numpy(self.opt.v)
+        for name, state in (optimizer or self.optimizer_state()).items():  # optimizer.m, optimizer.v
+            tensors[OPTIMIZER_PREFIX + name] = state
         meta = {
             "config": self.cfg.to_dict(),
             "step": self.step,
@@ -102,8 +138,8 @@ class Trainer:
         }
         return tensors, meta
 
-    def save(self):
-        tensors, meta = self.state()
+    def save(self, optimizer=None):
+        tensors, meta = self.state(optimizer)
         path = ckpt.save_checkpoint(self.out_dir, self.step, tensors, meta, keep_last=self.cfg.train.keep_last)
         self.last_checkpoint = path
         return path
@@ -121,12 +157,15 @@ class Trainer:
             raise ckpt.CheckpointError(f"its model config differs from this run's in {', '.join(diff)}")
         if meta.get("tokenizer_fingerprint") != self.tokenizer.fingerprint():
             raise ckpt.CheckpointError("it was trained with a different tokenizer")
-        if tensors.get("optimizer.m") is None or tensors["optimizer.m"].shape != self.opt.m.shape:
-            raise ckpt.CheckpointError("its optimizer state does not fit this model")
+        for name in self.opt.STATE:
+            saved = tensors.get(OPTIMIZER_PREFIX + name)
+            if saved is None or saved.shape != (self.model.params.span,):
+                raise ckpt.CheckpointError(f"its optimizer state ({OPTIMIZER_PREFIX}{name}) does not fit this model")
 
     def restore(self, tensors, meta):
         self.model.load_state_dict({k: v for k, v in tensors.items() if k.startswith("transformer.")})
-        self.opt.load_state_dict({"m": tensors["optimizer.m"], "v": tensors["optimizer.v"], "t": meta["optimizer_t"]})
+        state = {name: tensors[OPTIMIZER_PREFIX + name] for name in self.opt.STATE}
+        self.opt.load_state_dict({**state, "t": meta["optimizer_t"]})
         self.restore_meta(meta)
 
     def restore_meta(self, meta):
@@ -154,6 +193,9 @@ class Trainer:
             x, y = self.loader.next_batch()
             total = total + model.loss(x, y)
             model.backward(1.0 / micro_batches)  # so that the sum over ranks is the mean
+        if self.cfg.train.zero_stage:
+            return self._sharded_update(lr, total / micro_batches if self.world.size == 1 else
+                                        self.world.sum_scalars([float(total)])[0] / micro_batches)
         self.reducer.sum_(model.params.grads)  # the step's one gradient collective
         if self.world.size > 1:  # the ranks' losses summed on the host: a second read, with several processes
             total = self.world.sum_scalars([float(total)])[0]
@@ -163,6 +205,26 @@ class Trainer:
         if not bool(finite):  # the step's one host read
             return loss, norm, False
         self.opt.step(lr=lr, grad_scale=scale)
+        return loss, norm, True
+
+    def _sharded_update(self, lr, loss):
+        """ZeRO-1's end of a step (train.zero_stage 1): the gradients reduce-scattered (each rank gets the
+        sum of its range), the clipping norm from the ranges' squared norms all-reduced, AdamW over this
+        rank's range, and the parameters all-gathered for the next forward. A skipped step changes no
+        weights, so it gathers nothing."""
+        model, shards = self.model, self.shards
+        grads, xp = model.params.grads, model.xp
+        self.reducer.reduce_scatter(grads, shards)
+        start, stop = shards.bounds(self.world.rank)
+        # in the norm's own dtype (float64 on NumPy), whose sqrt(x^2) is x: one rank's step is the replicated one
+        squares = xp.asarray(model.ops.global_norm(grads[start:stop])).reshape(1) ** 2
+        self.reducer.all_reduce(squares)  # the same sum on every rank, so the same decision
+        norm = xp.sqrt(squares[0])
+        scale, finite = model.ops.clip_scale(norm, self.cfg.train.grad_clip, loss)
+        if not bool(finite):  # the step's one host read
+            return loss, norm, False
+        self.opt.step(lr=lr, grad_scale=scale)
+        self.reducer.all_gather(model.params.data, shards)
         return loss, norm, True
 
     def evaluate(self):
@@ -210,10 +272,12 @@ class Trainer:
                 # the stop vote: a signal on any rank stops every rank after this same step
                 stopping = vote.agreed() or self.step == stop_at_step
                 # the checkpoint: on its interval, at the end, and when stopping
-                if (self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping) \
-                        and self.world.is_main:
+                if self.step % t.checkpoint_interval == 0 or self.step == t.max_steps or stopping:
                     meter.stop()  # a save is not training time
-                    self._checkpoint_or_warn()
+                    # sharded, the optimizer's state is gathered first, by every rank
+                    optimizer = self.optimizer_state() if self.shards is not None else None
+                    if self.world.is_main:
+                        self._checkpoint_or_warn(optimizer)
                 if stopping:
                     return self._stopped(vote.signal)
         return 0
@@ -277,9 +341,9 @@ class Trainer:
             self.metrics.log(record)
             self.metrics.flush()
 
-    def _checkpoint_or_warn(self):
+    def _checkpoint_or_warn(self, optimizer=None):
         try:
-            path = self.save()
+            path = self.save(optimizer)
             self.world.log(f"step {self.step:>6}: saved checkpoint {path}")
         except ckpt.CheckpointError as e:  # e.g. a full disk: keep training, the previous one is intact
             self.world.note(f"warning: {e}")

@@ -1,17 +1,18 @@
 """Data-parallel training: 2 MPI processes train the model 1 process does, resume exactly, fail together.
 
 The runs launch `mpiexec -n 2` (the one beside this Python, from the mpi extra) with one BLAS and
-one minitensor thread per rank; tests/support/mpi_driver.py injects the faults. The NCCL reducer is
-checked here with a fake NCCL on threads (id exchange, pointers, sum); the real library runs in
-scripts/gpu_check.sh at one rank.
+one minitensor thread per rank; tests/support/mpi_driver.py injects the faults. The reducers'
+collectives themselves (MPI's, NCCL's with a fake NCCL on threads) are checked in test_reducer.py; the
+real NCCL runs in scripts/gpu_check.sh at one rank.
 """
 
-import ctypes
+import hashlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +28,6 @@ from andrea.data.preparation import prepare
 from andrea.errors import UserError
 from andrea.run import checkpoint as ckpt
 from andrea.run import distributed as dist
-from andrea.run import nccl as nccl_transport
 from minitensor import device
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def run(args, n=2, faults=(), timeout=180, env=None):
     """
     environ = dict(os.environ, PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1", ANDREA_NUM_THREADS="1",
                    **(env or {}))
-    if n == 1:
+    if n == 1 and not faults:
         cmd = [sys.executable, "-m", "andrea.train", *args]
     else:
         cmd = [str(MPIEXEC), "-n", str(n), sys.executable, "-m", "mpi4py",
@@ -200,6 +200,19 @@ def test_a_signal_on_one_rank_stops_all_after_the_same_step(tmp_path, data_dir):
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["ckpt-00000002"]
 
 
+def test_the_collective_order_check_names_a_collective_one_rank_adds_in_training(tmp_path, data_dir):
+    require("mpi4py")
+    r = run(["--config", str(config(tmp_path, data_dir, max_steps=4, check_collectives=True)), "--out",
+             str(tmp_path / "o")], faults=["--extra-collective", "1", "2"], timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "step      1/" in r.stdout  # the checked collectives of step 1 agreed
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, r.stderr
+    assert re.fullmatch(r"error: collective \d+ differs across ranks: rank 0 all_reduce of [\d,]+ float32, rank 1 "
+                        r"broadcast of 16 float32; every rank must issue the same collectives in the same order "
+                        r"\(a collective under a test of the rank hangs\)", errors[0]), errors[0]
+
+
 def test_data_is_prepared_once_by_rank_0(tmp_path, data_dir):
     require("mpi4py")
     fresh = tmp_path / "fresh"
@@ -317,100 +330,6 @@ def test_validation_batches_split_across_ranks_cover_the_single_process_list():
     assert all(np.array_equal(a, b) for a, b in zip(single, [split[i % 2][i // 2] for i in range(5)]))
 
 
-def test_nccl_unique_id_survives_the_trip_in_both_cupy_forms():
-    raw = bytes(range(128))
-    assert nccl_transport.unpack_unique_id(nccl_transport.pack_unique_id(raw)) == raw
-    signed = tuple(np.arange(-64, 64, dtype=np.int8).tolist())
-    assert nccl_transport.unpack_unique_id(nccl_transport.pack_unique_id(signed)) == signed
-
-
-class _ThreadWorld:
-    """Rank `rank` of `size` threads: broadcast through a shared slot, as MPI would."""
-
-    def __init__(self, rank, size, shared):
-        self.rank, self.size, self.shared = rank, size, shared
-        self.is_main = rank == 0
-
-    def broadcast_(self, buf):
-        if self.is_main:
-            self.shared["bcast"] = buf.copy()
-        self.shared["barrier"].wait()
-        buf[...] = self.shared["bcast"]
-        self.shared["barrier"].wait()
-
-
-class _DeviceArray:
-    """A NumPy array dressed as a CuPy one: .data.ptr, .size, .dtype, .flags."""
-
-    def __init__(self, a):
-        self.a = a
-        self.data = SimpleNamespace(ptr=a.ctypes.data)
-        self.size, self.dtype, self.flags = a.size, a.dtype, a.flags
-
-
-class _FakeNccl:
-    """NCCL's calls as CuPy exposes them, summing host memory behind the pointers across threads."""
-
-    NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
-
-    def __init__(self, size):
-        self.ids, self.calls = [], []
-        self.barrier = threading.Barrier(size)
-        self.pointers = {}
-        fake = self
-
-        class NcclCommunicator:
-            def __init__(self, n, uid, rank):
-                fake.ids.append((rank, uid))
-                self.n, self.rank = n, rank
-
-            def allReduce(self, send, recv, count, dtype, op, stream):  # noqa: N802 (CuPy's name)
-                assert send == recv and op == fake.NCCL_SUM and dtype == fake.NCCL_FLOAT32 and stream == 0
-                fake.calls.append((self.rank, count))
-                view = np.ctypeslib.as_array(ctypes.cast(send, ctypes.POINTER(ctypes.c_float)), (count,))
-                fake.pointers[self.rank] = view
-                fake.barrier.wait()
-                total = sum(v.copy() for v in fake.pointers.values())
-                fake.barrier.wait()
-                view[:] = total
-                fake.barrier.wait()
-
-        self.NcclCommunicator = NcclCommunicator
-
-    def get_unique_id(self):
-        return bytes(np.random.default_rng(1).integers(0, 256, 128, dtype=np.uint8))
-
-
-def test_nccl_reducer_exchanges_the_id_and_sums_to_the_mean_with_prescaled_gradients():
-    size, nccl = 2, _FakeNccl(2)
-    cupy = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0)))
-    shared = {"barrier": threading.Barrier(size)}
-    grads = [np.array([1.0, 2.0, 3.0], np.float32), np.array([3.0, 6.0, -1.0], np.float32)]
-    results, errors = {}, []
-
-    def rank_main(rank):
-        try:
-            reducer = nccl_transport.NcclReducer(_ThreadWorld(rank, size, shared), nccl, cupy)
-            buf = grads[rank] * np.float32(1.0 / size)  # the trainer scales backward by 1 / (accum N)
-            reducer.sum_(_DeviceArray(buf))
-            results[rank] = buf
-        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
-            errors.append(e)
-            shared["barrier"].abort()
-            nccl.barrier.abort()
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not errors, errors
-    assert len({uid for _, uid in nccl.ids}) == 1 and sorted(r for r, _ in nccl.ids) == [0, 1]
-    assert sorted(nccl.calls) == [(0, 3), (1, 3)]
-    mean = (grads[0] + grads[1]) / 2
-    assert all(np.array_equal(results[r], mean) for r in range(size))
-
-
 def test_single_world_agrees_on_errors_as_one_process_did():
     w = dist.Single()
     assert w.max_int(15) == 15 and w.max_int(0) == 0
@@ -425,3 +344,71 @@ def test_bench_times_the_gradient_allreduce_between_two_processes():
     r = bench_allreduce(100_000, "cpu")
     assert r["transport"] == "MPI" and r["processes"] == 2 and r["bytes"] == 400_000, r
     assert 0 < r["seconds"] < 5
+
+
+# ----------------------------------------------------------------------------- ZeRO-1 (train.zero_stage 1)
+
+ZERO_STEP = 384  # tokens: 6 micro-batches of 4 x 16 at N=1, 3 per rank at N=2, 2 at N=3
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory, data_dir):
+    """One process replicated, and ZeRO-1 on 2 and 3 processes, each with its weight hashes per step."""
+    require("mpi4py")
+    tmp = tmp_path_factory.mktemp("zero")
+    runs = {}
+    for n, zero in ((1, 0), (2, 1), (3, 1)):
+        out, hashes = tmp / f"n{n}", tmp / f"hashes{n}"
+        hashes.mkdir()
+        cfg = config(tmp, data_dir, tokens_per_step=ZERO_STEP, zero_stage=zero)
+        r = run(["--config", str(cfg), "--out", str(out)], n=n, faults=["--hashes", str(hashes)])
+        assert r.returncode == 0, r.stderr
+        runs[n] = SimpleNamespace(out=out, hashes=hashes, config=cfg, stdout=r.stdout)
+    return runs
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero1_on_n_processes_trains_the_model_one_process_trains(zero_runs, n):
+    """Gradients reduce-scattered, the norm from the ranges' squares, AdamW on each rank's range, the weights
+    all-gathered: the losses and weights of one process, to float32 summation order, on every rank alike
+    (3 ranks: the last range holds less of the model than the others, the rest padding)."""
+    a, b = metrics(zero_runs[1].out), metrics(zero_runs[n].out)
+    assert [row["step"] for row in b] == list(range(1, 7))
+    loss_diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+    wa, wb = weights(zero_runs[1].out / "ckpt-00000006"), weights(zero_runs[n].out / "ckpt-00000006")
+    assert set(wa) == set(wb) and wa["optimizer.m"].shape == wb["optimizer.m"].shape  # the same checkpoint
+    weight_diff = max(float(np.abs(wa[k] - wb[k]).max()) for k in wa if not k.startswith("optimizer."))
+    print(f"1 process vs ZeRO-1 on {n}: max |loss diff| {loss_diff:.3g}, |weight diff| {weight_diff:.3g}")
+    assert loss_diff < LOSS_TOL and weight_diff < WEIGHT_TOL and a[-1]["loss"] < a[0]["loss"]
+    every = [json.loads((zero_runs[n].hashes / f"rank{r}.json").read_text()) for r in range(n)]
+    assert all(h == every[0] for h in every) and len(set(every[0])) == 6
+
+
+def digest_of(path):
+    tensors, _ = ckpt.load_checkpoint(path)
+    return {k: hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest() for k, v in tensors.items()}
+
+
+def test_a_zero1_checkpoint_resumes_at_any_n_and_as_replicated_exactly_as_saved(tmp_path, zero_runs):
+    """A ZeRO-1 run at N=2 stopped at step 3 resumes at N=2, 3 and 1 and as a replicated run at N=2, each
+    holding (weights and optimizer state gathered) bit for bit what the checkpoint holds; at N=2 it goes
+    on bit-identically to the run that did not stop, elsewhere to float32 summation order."""
+    cfg = str(zero_runs[2].config)
+    stopped = tmp_path / "stopped"
+    r = run(["--config", cfg, "--out", str(stopped), "--stop-at-step", "3"])
+    assert r.returncode == 0, r.stderr
+    saved = digest_of(stopped / "ckpt-00000003")
+    straight = {row["step"]: row["loss"] for row in metrics(zero_runs[2].out)}
+    for n, zero in ((2, 1), (3, 1), (1, 1), (2, 0)):
+        out = tmp_path / f"n{n}-zero{zero}"
+        shutil.copytree(stopped, out)
+        state = tmp_path / f"state-{n}-{zero}.json"
+        r = run(["--config", cfg, "--out", str(out), "--resume", "--set", f"train.zero_stage={zero}"], n=n,
+                faults=["--state", str(state)])
+        assert r.returncode == 0, r.stderr
+        assert json.loads(state.read_text()) == saved, (n, zero)
+        resumed = {row["step"]: row["loss"] for row in metrics(out)}
+        assert sorted(resumed) == list(range(1, 7))
+        if (n, zero) == (2, 1):
+            assert resumed == straight
+        assert max(abs(resumed[s] - straight[s]) for s in resumed) < LOSS_TOL

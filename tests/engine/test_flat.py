@@ -30,3 +30,15 @@ def test_mask_marks_only_selected_tensors():
 def test_dtype(dtype):
     p = Params({"w": (2,)}, dtype=dtype)
     assert p["w"].dtype == np.dtype(dtype) and p.grad("w").dtype == np.dtype(dtype)
+
+
+def test_a_sharded_run_pads_the_buffers_to_a_multiple_past_the_span():
+    """ZeRO-1 over N ranks asks for a size that is a multiple of 16 N: the tensors keep their offsets, the
+    padding goes at the end (outside every view and mask), and `span` says where the tensors end."""
+    shapes = {"w": (3, 5), "b": (5,)}  # 16 + 16 elements of span
+    plain, sharded = Params(shapes), Params(shapes, multiple=3 * ALIGN)
+    assert plain.size == plain.span == sharded.span == 32 and sharded.size == 48
+    assert plain.offsets == sharded.offsets and sharded.data.shape == sharded.grads.shape == (48,)
+    assert sharded.mask(lambda name, shape: True)[32:].sum() == 0
+    with pytest.raises(ValueError, match="must round to a multiple of 16, got 24"):
+        Params(shapes, multiple=24)

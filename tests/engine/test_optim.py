@@ -83,7 +83,7 @@ def test_numpy_chunks_equal_the_masked_update_bit_for_bit(monkeypatch):
     for g, scale in zip(grads, scales):
         params.grads[...] = g
         opt.step(grad_scale=scale)
-    for a, b in zip((params.data, opt.m, opt.v), want):
+    for a, b in zip((params.data, *opt.named_state().values()), want):
         np.testing.assert_array_equal(a, b)
 
 
@@ -139,3 +139,49 @@ def test_the_learning_rate_schedule_warms_up_then_follows_the_cosine():
     assert all(a > b for a, b in zip(lrs[10:100], lrs[11:101]))
     assert lrs[100:] == [0.1] * 20
     assert cosine_lr(0, 1.0, 0.1, 0, 100) == 1.0  # no warmup: the peak at once
+
+
+def test_optimizers_over_the_shards_of_a_buffer_update_it_as_one_over_the_whole(xp):
+    """AdamW over a range of the flat buffer (a rank's shard, as ZeRO-1 splits it): the shards' updates,
+    put together, equal one optimizer's over the whole buffer bit for bit, on every backend; each keeps
+    its state over its range only, and a checkpoint's whole-buffer state loads into each shard's range."""
+    params, grads = draw(3, dtype="float32")
+    params.ops = get_ops(xp)
+    whole, parts = Params(SHAPES, xp=xp, dtype="float32", ops=params.ops), []
+    whole.data[...] = xp.asarray(params.data)
+    P = whole.size
+    bounds = [(0, 0), (0, 1000), (1000, 2100), (2100, P)]  # an empty shard, a cut inside a tensor
+    for lo, hi in bounds:
+        part = Params(SHAPES, xp=xp, dtype="float32", ops=params.ops)
+        part.data[...] = xp.asarray(params.data)
+        parts.append((part, AdamW(part, lr=0.01, shard=(lo, hi))))
+    opt = AdamW(whole, lr=0.01)
+    assert opt.shard == (0, P) and all(s.size == P for s in opt.named_state().values())
+    for g, scale in zip(grads, (1.0, 0.3, 0.7)):
+        for p, o in [(whole, opt), *parts]:
+            p.grads[...] = xp.asarray(g)
+            o.step(grad_scale=scale)
+    for (lo, hi), (part, o) in zip(bounds, parts):
+        np.testing.assert_array_equal(to_numpy(part.data[lo:hi]), to_numpy(whole.data[lo:hi]))
+        np.testing.assert_array_equal(to_numpy(part.data[hi:]), params.data[hi:])  # outside: untouched
+        for name, state in o.named_state().items():
+            assert state.shape == (hi - lo,)
+            np.testing.assert_array_equal(to_numpy(state), to_numpy(opt.named_state()[name][lo:hi]))
+        fresh = AdamW(part, shard=(lo, hi))
+        fresh.load_state_dict(opt.state_dict())
+        assert fresh.t == 3 and all(np.array_equal(to_numpy(a), to_numpy(b)) for a, b in
+                                    zip(fresh.named_state().values(), o.named_state().values()))
+
+
+def test_optimizer_state_that_does_not_fit_is_refused_by_name():
+    params, _ = draw(4)
+    opt = AdamW(params)
+    state = opt.state_dict()
+    with pytest.raises(ValueError, match=r"optimizer state 'v' of size \(5,\) does not fit the flat buffer of"):
+        opt.load_state_dict({**state, "v": np.zeros(5)})
+    with pytest.raises(ValueError, match="optimizer state has no 'm'"):
+        opt.load_state_dict({"v": state["v"], "t": 1})
+    with pytest.raises(ValueError, match=r"AdamW shard \[10, 5\) is not a range of the flat buffer"):
+        AdamW(params, shard=(10, 5))
+    with pytest.raises(ValueError, match="is not a range"):
+        AdamW(params, shard=(0, params.size + 1))

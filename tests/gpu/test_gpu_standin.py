@@ -206,6 +206,15 @@ def test_the_nccl_allreduce_benchmark_runs_at_one_rank(capsys):
     assert result["transport"] == "NCCL" and result["processes"] == 1 and result["bytes"] == 4 * 4096
 
 
+def test_the_nccl_self_test_runs_each_collective_at_one_rank(capsys):
+    from andrea.run import allreduce
+    with standin_cupy():
+        assert allreduce.main(["--nccl-self-test"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("NCCL self-test: ok (version 22707, 1 rank, 4 MiB all-reduce, broadcast, reduce-scatter "
+                          "and all-gather on the NCCL stream)"), out
+
+
 def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():
     from minitensor.device import set_tf32
 

@@ -224,8 +224,8 @@ def test_adamw_formula_equals_the_optimizer(seed, steps, grad_scale):
                           weight_decay=0.1, t=t, grad_scale=grad_scale)
         opt.step(grad_scale=grad_scale)
     assert_close(params.data, p, rtol=1e-12)
-    assert_close(opt.m, m)
-    assert_close(opt.v, v)
+    assert_close(opt.named_state()["m"], m)
+    assert_close(opt.named_state()["v"], v)
 
 
 def test_adamw_kernel_form_equals_the_textbook_form():

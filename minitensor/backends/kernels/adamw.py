@@ -70,7 +70,7 @@ def _adamw_sample(ops, rng):
             view = params.grad(name)
             view[...] = xp.asarray(rng.standard_normal(view.shape).astype(np.float32))
         opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
-    return params.data, opt.m, opt.v
+    return params.data, *opt.named_state().values()
 
 
 def _adamw_cases(k):
@@ -91,12 +91,12 @@ def _adamw_cases(k):
 
     def generic(d):
         d["opt"].step(grad_scale=0.5)
-        return d["params"].data, d["opt"].m, d["opt"].v
+        return d["params"].data, *d["opt"].named_state().values()
 
     def fused(d):
-        p, opt = d["params"], d["opt"]
-        adamw_step_gpu(p.data, p.grads, opt.m, opt.v, d["mask"], t=1, grad_scale=0.5, **hyper)
-        return p.data, opt.m, opt.v
+        p, state = d["params"], d["opt"].named_state()
+        adamw_step_gpu(p.data, p.grads, state["m"], state["v"], d["mask"], t=1, grad_scale=0.5, **hyper)
+        return p.data, *state.values()
 
     return [("adamw step", setup, fused, generic, True)]
 

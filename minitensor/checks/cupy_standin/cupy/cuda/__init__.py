@@ -15,6 +15,9 @@ class Stream:
     def synchronize(self):
         pass
 
+    def wait_event(self, event):
+        """Later work on this stream waits for the event: here all work is done when its call returns."""
+
     def use(self):
         global _current
         _current = self

@@ -1,7 +1,8 @@
 """cupy.cuda.nccl (stand-in): NCCL's API at one rank, the only size a single process can join.
 
-allReduce and bcast take device pointers, as NCCL does: at one rank a sum is a copy from the send
-buffer to the receive buffer (nothing when they are one), and a broadcast changes nothing.
+allReduce, reduceScatter, allGather and bcast take device pointers, as NCCL does: at one rank a sum
+or a gather is a copy from the send buffer to the receive buffer (nothing when they are one), and a
+broadcast changes nothing.
 """
 
 import ctypes
@@ -33,6 +34,13 @@ class NcclCommunicator:
             raise NcclError("a unique id is 128 bytes")
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+        if sendbuf != recvbuf:
+            ctypes.memmove(recvbuf, sendbuf, count * _SIZES[datatype])
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
+        self.allReduce(sendbuf, recvbuf, recvcount, datatype, op, stream)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):  # noqa: N802
         if sendbuf != recvbuf:
             ctypes.memmove(recvbuf, sendbuf, count * _SIZES[datatype])
 
