@@ -46,7 +46,8 @@ from andrea.run.metrics import Metrics, open_sinks
 from andrea.run.rundata import data_fingerprint, prepare_data, unigram_baseline
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED
-from andrea.run.trainer import Trainer, agreed_kernels
+from andrea.run.kernels import agreed_kernels
+from andrea.run.trainer import Trainer
 from andrea.sample import stream
 from minitensor.device import quiet_fallback
 from minitensor.memory import keep_freed_memory

@@ -12,7 +12,7 @@ all ranks in the same order:
 - `broadcast_json(obj)`: rank 0's JSON-safe value on every rank (checkpoint metadata, no pickle),
   and on it `require_same(world, values, ...)`: one error for all when a rank's values (its
   arguments, the fingerprints of its tokenizer and data) differ from rank 0's, and `agree(world,
-  decide)`: rank 0's decision on every rank (the fused GPU kernels, andrea.run.trainer.agreed_kernels);
+  decide)`: rank 0's decision on every rank (the fused GPU kernels, andrea.run.kernels.agreed_kernels);
 - `barrier()`; `together()`: a block every rank runs, which, if it fails on any rank, ends all
   ranks there with the lowest failing rank's message;
 - `reducer_for(xp)`: the reducer of the model's flat buffers (andrea.run.reducer: all-reduce,

@@ -38,8 +38,7 @@ from andrea.run.reducer import Shards
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, NonFiniteGuard, StopVote
 from andrea.run.throughput import Throughput
-from minitensor.checks import selfcheck
-from minitensor.device import GPUUnavailable, get_device, set_tf32, to_numpy
+from minitensor.device import GPUUnavailable, set_tf32, to_numpy
 from minitensor.flat import ALIGN
 from minitensor.optim import AdamW
 
@@ -56,7 +55,7 @@ class Trainer:
                  kernels=None):
         """`init_from`: a GPT-2 directory (save_pretrained's) whose weights the model starts from;
         `schedule`: the learning rate of each step (andrea.run.schedule; default: the one cfg.train names);
-        `kernels`: train.kernels as agreed by every rank (agreed_kernels; default: cfg.train.kernels)."""
+        `kernels`: train.kernels as agreed by every rank (andrea.run.kernels.agreed_kernels; default: cfg.train.kernels)."""
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.schedule = schedule or make_schedule(cfg.train)
         self.world = world = world or dist.Single()
@@ -367,29 +366,6 @@ def _json_rng_state():
 def _set_json_rng_state(s):
     if s:
         np.random.set_state((s["name"], np.array(s["keys"], dtype=np.uint32), s["pos"], s["has_gauss"], s["cached"]))
-
-
-def agreed_kernels(world, train, sizes):
-    """The fused GPU kernels every rank of the run uses: with several processes on GPUs and
-    train.kernels 'auto', rank 0's start-up self-check and timing at the run's sizes (a
-    minitensor.backends.cuda.Sizes), broadcast, as a selfcheck.Choice that each rank builds its backend
-    from unchecked and untimed; else train.kernels as it is (one process decides alone; 'fused' and
-    'generic' are the same everywhere). A collective: every rank calls it, outside any `together`."""
-    if world.size == 1 or train.kernels != "auto":
-        return train.kernels
-    with world.together():
-        try:
-            xp = get_device(preflight.train_device(train.device)).xp
-        except GPUUnavailable as e:
-            raise UserError(str(e)) from e
-    if xp is np:
-        return train.kernels
-
-    def decide():
-        return selfcheck.Choice(*selfcheck.select_kernels("auto", xp, sizes=sizes)).to_json()
-
-    choice = selfcheck.Choice.from_json(dist.agree(world, decide))
-    return selfcheck.Choice(choice.fused, f"{choice.line} (rank 0's choice, on all {world.size} processes)")
 
 
 def kernels_line(ops):

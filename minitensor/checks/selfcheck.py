@@ -31,8 +31,7 @@ a CPU emulation), times say nothing about a GPU and none are taken.
 
 Several processes of one run (data parallel) must run the same pieces: a near tie timed on each
 rank alone could flip, and a different AdamW makes the weight replicas drift apart silently. So
-rank 0 alone selects, and the others build their backend from its Choice (andrea.run.trainer's
-agreed_kernels, over the run's transport: MPI, or nothing for one process).
+rank 0 alone selects, and the others build their backend from its Choice (andrea.run.kernels.agreed_kernels, over the run's transport: MPI, or nothing for one process).
 """
 
 import dataclasses

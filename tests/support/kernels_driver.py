@@ -7,7 +7,7 @@ its sample and timed run replaced by ones that launch nothing) passes its check 
 timing disagrees between ranks: on rank 0 the fused piece is faster (1 ms against 2), on the others
 slower (2 ms against 1). With --raise-on RANK that rank's timing raises instead, as an out-of-memory
 error would. Every rank writes OUT/rank<r>.json: {"own": [pieces, line] of its own select_kernels,
-"agreed": [pieces, line] of andrea.run.trainer.agreed_kernels, the choice its backend is built from}.
+"agreed": [pieces, line] of andrea.run.kernels.agreed_kernels, the choice its backend is built from}.
 """
 
 import argparse
@@ -20,7 +20,7 @@ import numpy as np
 from gpu_standin import standin_cupy
 
 from andrea.run import distributed as dist
-from andrea.run.trainer import agreed_kernels
+from andrea.run.kernels import agreed_kernels
 from minitensor.backends import fused_pieces
 from minitensor.backends.cuda import Sizes
 from minitensor.checks import selfcheck
