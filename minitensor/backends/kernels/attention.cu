@@ -77,7 +77,9 @@ flash_attention_fwd(const T *q, const T *k, const T *v, T *y, T *lse, const int 
 #pragma unroll
     for (int n = 0; n < FWD_K / 8; ++n)
       for (int e = 0; e < 4; ++e) {
-        s[n][e] = s[n][e] > fa_lowest(scale) ? fa_exp(s[n][e] - m[e >> 1]) : (T)0;  /* P, unnormalised */
+        /* P, unnormalised, with no branch around each exp: a masked score (the lowest value) gives exp(lowest
+           - m) = 0, m being finite (every row sees key 0 on the first tile) */
+        s[n][e] = fa_exp(s[n][e] - m[e >> 1]);
         sum[e >> 1] += s[n][e];
       }
     for (int h = 0; h < 2; ++h) {
@@ -145,7 +147,7 @@ flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, r = r0 + g + 8 * h;
         const bool seen = j0 + 8 * n + 2 * t + (e & 1) <= r && r < n_ctx;
-        const T p = seen ? fa_exp(scale * s[n][e] - row_lse[h]) : (T)0;
+        const T e_all = fa_exp(scale * s[n][e] - row_lse[h]), p = seen ? e_all : (T)0;  /* a select, no branch */
         dp[n][e] = p * (dp[n][e] - d[h]);  /* dS */
       }
     acc_product<DQ_K / 8, HS, TF32>(acc, dp, ks);  /* dq += dS k */
@@ -196,7 +198,7 @@ flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T
       for (int e = 0; e < 4; ++e) {
         const int col = 8 * n + 2 * t + (e & 1), query = i0 + col;
         const bool seen = c0 + g + 8 * (e >> 1) <= query && query < n_ctx;
-        const T p = seen ? fa_exp(scale * st[n][e] - lse_s[col]) : (T)0;
+        const T e_all = fa_exp(scale * st[n][e] - lse_s[col]), p = seen ? e_all : (T)0;  /* a select, no branch */
         st[n][e] = p;                               /* P^T */
         dpt[n][e] = p * (dpt[n][e] - delta_s[col]); /* dS^T */
       }

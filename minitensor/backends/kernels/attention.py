@@ -90,7 +90,8 @@ def _flash_blocks(tiles, keys_first=False):
 
 # The kernels: kernels/attention.cu (their shared code in kernels/flash.cuh), templates over (hs, tf32).
 # warps_per_sm: what the registers __launch_bounds__ caps them at (attention.cu) must let an SM hold at
-# the training path's instance (float32, hs 64, tf32): 2 blocks of 8 warps, 3 of 4, 3 of 4.
+# the training path's instance (float32, hs 64, tf32): 2 blocks of 8 warps (<= 128 registers), 3 of 4
+# (<= 168), 2 of 4 (dkv holds k, v and both gradients' accumulators: ~210 registers).
 # Traffic: the default (each input read once, each output written once): the tiles a block reads again
 # are L2 hits, which the step model prices from the sectors the emulation counts (minitensor.checks.counts).
 FLASH_FWD = cuda.RawSpec("flash_attention_fwd", "attention.cu",
@@ -104,7 +105,7 @@ FLASH_BWD_DQ = cuda.RawSpec("flash_attention_bwd_dq", "attention.cu",
 FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu",
                              flops=_flash_flops(4, FLASH_DKV_TILE, keys_first=True), model=_flash_model,
                              count_blocks=_flash_blocks(FLASH_DKV_TILE, keys_first=True), template=("hs", "tf32"),
-                             instances=flash_instances, warps_per_sm=12)
+                             instances=flash_instances, warps_per_sm=8)
 
 
 def _flash_operands(fn, q, k, v):

@@ -114,7 +114,7 @@ template <int TF32> __device__ __forceinline__ void a_from_acc(T *a, const T *c)
 template <int ROWS, int THREADS, int HS, int TF32>
 __device__ __forceinline__ void load_tile(T *dst, const T *src, int r0, int n_ctx, long long stride) {
   constexpr int PER = 16 / sizeof(T), PER_ROW = HS / PER;
-#pragma unroll
+#pragma unroll 2 /* two 16-byte loads in flight a thread: more would hold registers the hot loop needs */
   for (int e0 = 0; e0 < ROWS * PER_ROW; e0 += THREADS) {
     const int e = e0 + threadIdx.x, r = e / PER_ROW, c = (e - r * PER_ROW) * PER;
     if (ROWS * PER_ROW % THREADS && e >= ROWS * PER_ROW) break;
