@@ -42,11 +42,13 @@
 constexpr int FWD_Q = sizeof(T) == 4 ? 128 : 64;
 constexpr int FWD_K = sizeof(T) == 4 ? 64 : 32;
 constexpr int FWD_THREADS = 2 * FWD_Q;
+/* at namespace scope, not in the template: the same for every instance, and in the emulation's counting
+   build a static of a template would leave the section that marks shared memory (minitensor.checks.traffic) */
+__shared__ __align__(16) T kv[2 * FWD_K * LD];  /* the k tile, then the v tile; q passes through first */
 template <int HS, int TF32>
 __global__ void __launch_bounds__(FWD_THREADS, 2)
 flash_attention_fwd(const T *q, const T *k, const T *v, T *y, T *lse, const int n_ctx, const int hs,
                     const int n_head, const T scale, const int tf32) {
-  __shared__ __align__(16) T kv[2 * FWD_K * LD];  /* the k tile, then the v tile; q passes through first */
   const T *ks = kv, *vs = kv + FWD_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * FWD_Q, r0 = i0 + 16 * warp;
@@ -105,11 +107,11 @@ flash_attention_fwd(const T *q, const T *k, const T *v, T *y, T *lse, const int 
 constexpr int DQ_Q = 64;
 constexpr int DQ_K = sizeof(T) == 4 ? 32 : 16;
 constexpr int DQ_THREADS = 2 * DQ_Q;
+__shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles (namespace scope: see the forward) */
 template <int HS, int TF32>
 __global__ void __launch_bounds__(DQ_THREADS, 3)
 flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *dy, const T *lse, T *delta, T *dq,
                        const int n_ctx, const int hs, const int n_head, const T scale, const int tf32) {
-  __shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles */
   const T *ks = tiles, *vs = tiles + DQ_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * DQ_Q, r0 = i0 + 16 * warp;
@@ -162,12 +164,12 @@ flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *
 constexpr int DKV_K = 64;
 constexpr int DKV_Q = sizeof(T) == 4 ? 32 : 16;
 constexpr int DKV_THREADS = 2 * DKV_K;
+__shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy tiles (namespace scope: see the forward) */
+__shared__ T lse_s[DKV_Q], delta_s[DKV_Q];
 template <int HS, int TF32>
 __global__ void __launch_bounds__(DKV_THREADS, 2)
 flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T *lse, const T *delta, T *dk, T *dv,
                         const int n_ctx, const int hs, const int n_head, const T scale, const int tf32) {
-  __shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy tiles */
-  __shared__ T lse_s[DKV_Q], delta_s[DKV_Q];
   const T *qs = tiles, *dys = tiles + DKV_Q * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, j0 = blockIdx.x * DKV_K, c0 = j0 + 16 * warp;  /* this warp's keys c0 .. c0 + 15 */
