@@ -115,7 +115,8 @@ class RawSpec:
     them in order (("hs", "tf32"): NAME<hs, tf32>), `instances(dtype)` lists the tuples of values it is
     compiled for. `source(dtype)` then ends with the explicit instantiation of each (one translation unit
     that nvcc or NVRTC compiles exactly as it runs), a launch runs the instance its arguments name
-    (`instance_of`), built from a source that instantiates that one alone. `warps_per_sm`: the warps per
+    (`instance_of`), taken from the module that source builds (every instance, one compile).
+    `warps_per_sm`: the warps per
     SM its registers and shared memory must let an SM hold (0: none declared), which `--counts` checks on
     the sm_90 code (minitensor.checks.sass)."""
 
@@ -178,7 +179,7 @@ class RawSpec:
         text = f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
         if not self.template:
             return text
-        params = signature_of(self.code, self.name)
+        params = " ".join(signature_of(self.code, self.name).split())  # one line per instantiation
         chosen = self.instances_of(dtype) if instances is None else instances
         return text + "".join(f"template __global__ void {self.expression(i)}({params});\n" for i in chosen)
 
@@ -393,16 +394,28 @@ def _elementwise_kernel(spec):
 
 @functools.cache
 def _raw_kernel(spec, dtype, instance=()):
+    """The CuPy kernel of spec (a template's instance) for dtype; a template's without an instance: the
+    module of all of them (its compile() builds them)."""
     import cupy
 
     if not spec.template:
         return cupy.RawKernel(spec.source(dtype), spec.name, options=spec.options)
+    if not instance:
+        return _raw_module(spec, dtype)
     if instance not in spec.instances_of(dtype):
         raise ValueError(f"{spec.name} is not compiled for {dict(zip(spec.template, instance))} in {dtype}: its "
                          f"instances are {spec.instances_of(dtype)}")
-    expression = spec.expression(instance)
-    module = cupy.RawModule(code=spec.source(dtype, (instance,)), options=spec.options, name_expressions=(expression,))
-    return module.get_function(expression)
+    return _raw_module(spec, dtype).get_function(spec.expression(instance))
+
+
+@functools.cache
+def _raw_module(spec, dtype):
+    """A template kernel's module for dtype: its whole source(dtype), every instance, one compile (and one
+    entry in CuPy's cache, which the first GPU check's preflight fills)."""
+    import cupy
+
+    return cupy.RawModule(code=spec.source(dtype), options=spec.options,
+                          name_expressions=tuple(spec.expression(i) for i in spec.instances_of(dtype)))
 
 
 # Values of CuPy's `_ArgKind` enum (cupy/_core/_kernel.pxd), not exported to Python.

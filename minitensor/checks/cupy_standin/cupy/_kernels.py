@@ -202,6 +202,8 @@ class RawKernel:
         # expression: a template instance's C++ name (RawModule.get_function), NAME<64, 1>; name is NAME
         self.code, self.name, self.options = code, name, tuple(options)
         self.expression = expression or name
+        # a template's explicit instantiations left out: the emulation instantiates the one it calls
+        code = "".join(line for line in code.splitlines(keepends=True) if not line.startswith("template __global__"))
         found = re.match(r"typedef (.+?) T;\n", code)
         self.dtype = np.dtype(ctype_dtype(found.group(1))) if found else np.dtype(np.float32)
         self.body = code[found.end():] if found else code
@@ -239,6 +241,10 @@ class RawModule:
         if code is None:
             raise NotImplementedError("the stand-in's RawModule takes code, not a path")
         self.code, self.options, self.name_expressions = code, tuple(options), tuple(name_expressions or ())
+
+    def compile(self, log_stream=None):
+        for name in self.name_expressions:
+            self.get_function(name).compile()
 
     def get_function(self, name):
         if name not in self.name_expressions:
