@@ -116,9 +116,8 @@ class RawSpec:
     compiled for. `source(dtype)` then ends with the explicit instantiation of each (one translation unit
     that nvcc or NVRTC compiles exactly as it runs), a launch runs the instance its arguments name
     (`instance_of`), taken from the module that source builds (every instance, one compile).
-    `warps_per_sm`: the warps per
-    SM its registers and shared memory must let an SM hold (0: none declared), which `--counts` checks on
-    the sm_90 code (minitensor.checks.sass)."""
+    `warps_per_sm`: the warps per SM its registers and shared memory must let an SM hold (0: none
+    declared), which `--counts` checks on the sm_90 code (minitensor.checks.sass)."""
 
     name: str
     file: str = ""  # the .cu file under minitensor/backends/kernels/ holding the kernel

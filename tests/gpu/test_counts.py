@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from markers import needs_cxx, needs_nvrtc
+from markers import needs_cxx, needs_nvrtc, nvdisasm_or_skip
 
 from minitensor.backends import cuda
 from minitensor.backends.kernels import attention
@@ -191,6 +191,8 @@ def test_ptxas_reports_registers_and_a_forced_spill():
 @needs_nvrtc
 def test_counts_command_prints_every_kernel_asked(capsys):
     from minitensor.checks.__main__ import main
+
+    nvdisasm_or_skip()  # the command reads each kernel's SASS too
 
     assert main(["--counts", "layernorm_fwd", "gelu_fwd"]) == 0
     out = capsys.readouterr().out

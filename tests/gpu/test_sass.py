@@ -2,10 +2,8 @@
 load-ahead of HMMA operands, occupancy from registers; a planted run-time branch refused, a pipelined loop
 passed."""
 
-import os
-
 import pytest
-from markers import needs_nvrtc
+from markers import needs_nvrtc, nvdisasm_or_skip
 
 from minitensor.backends import cuda
 from minitensor.checks import counts, sass
@@ -77,16 +75,6 @@ PIPELINE_START = r"""
                          __float_as_uint(s[g * 68 + t + 4]), __float_as_uint(s[(g + 8) * 68 + t + 4])};
   unsigned b[8][2];
   for (int n = 0; n < 8; ++n) b[n][0] = __float_as_uint(s[(8 * n + g) * 68 + t]), b[n][1] = __float_as_uint(s[(8 * n + g) * 68 + t + 4]);"""
-
-
-def nvdisasm_or_skip():
-    """nvdisasm, or a skip saying why (a failure in CI, where the kernel-check extra is installed)."""
-    try:
-        return sass.nvdisasm()
-    except sass.NvdisasmMissing as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(e))
 
 
 def planted(body, start=""):
