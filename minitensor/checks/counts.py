@@ -67,9 +67,13 @@ class Resources:
 
 
 def resources(spec, dtype="float32", arch="sm_90", instance=()):
-    """The Resources of spec (a template's instance) for dtype, from ptxas's report (-v) of NVRTC compiling
-    the exact source CuPy compiles (minitensor.checks.kernelcheck.compile_source)."""
+    """The Resources of spec (a template's instance; none named: the one its model call launches) for dtype,
+    from ptxas's report (-v) of NVRTC compiling the exact source CuPy compiles
+    (minitensor.checks.kernelcheck.compile_source)."""
     from minitensor.checks.kernelcheck import compile_source
+
+    if getattr(spec, "template", ()) and not instance:
+        instance = sass.instance_for(spec, model_launches(spec)[0][4])
 
     _, log = compile_source(spec.source(dtype), spec.name, spec.options, arch)
     return _parse_ptxas(_entry_report(log, sass.mangled(spec.name, instance)), spec.name)
