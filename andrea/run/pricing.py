@@ -228,14 +228,23 @@ def _counted(name):
     c, n = kc.counts, kc.launches
     return KernelWork(c.mma / n, c.wavefronts / n, c.sfu / n, c.sectors / n, c.blocks / n,
                       float(flops or moved), bool(flops), moved, math.prod(block), registers, shared,
-                      loads_ahead_of(spec))
+                      loads_ahead_of(spec, args))
 
 
-def loads_ahead_of(spec):
+def loads_ahead_of(spec, args=None):
     """How many mma steps ahead of its product the kernel's compiled code issues each operand's
-    shared-memory load: the figure its RawSpec declares (`loads_ahead`, which the reading of its SASS
-    checks), else 0, as today's kernels issue them (each load just before its HMMA)."""
-    return float(getattr(spec, "loads_ahead", 0))
+    shared-memory load, read from its sm_90 SASS (minitensor.checks.sass, the instance a launch with
+    args runs): the median load-ahead distance in instructions over the instructions per HMMA in its mma
+    loop. Where the SASS cannot be read here (no NVRTC or nvdisasm), the figure its RawSpec declares
+    (`loads_ahead`), else 0: each load priced as issued just before its HMMA."""
+    from minitensor.backends.cuda import ToolchainMissing
+    from minitensor.checks import sass
+
+    try:
+        code = sass.read(spec, sass.instance_for(spec, args) if args is not None else ())
+    except (ToolchainMissing, sass.NvdisasmMissing):
+        return float(getattr(spec, "loads_ahead", 0))
+    return code.ahead_median * code.hmma / code.loop if code.hmma else 0.0
 
 
 def write_counts(path=COUNTS):

@@ -108,7 +108,16 @@ class RawSpec:
     not run); `count_blocks(grid, block, args) -> [(linear block index, weight), ...]` names the blocks
     the emulation runs to count a launch, each standing for `weight` blocks of the grid (None: every
     block does the same work but the last); `conflicts` is the largest shared-memory conflict degree one
-    of its requests may have there (1: none)."""
+    of its requests may have there (1: none).
+
+    A kernel specialised at compile time is a function template, `template <int A, int B> __global__ void
+    NAME(...)`, whose template arguments are the values of some of its own parameters: `template` names
+    them in order (("hs", "tf32"): NAME<hs, tf32>), `instances(dtype)` lists the tuples of values it is
+    compiled for. `source(dtype)` then ends with the explicit instantiation of each (one translation unit
+    that nvcc or NVRTC compiles exactly as it runs), a launch runs the instance its arguments name
+    (`instance_of`), taken from the module that source builds (every instance, one compile).
+    `warps_per_sm`: the warps per SM its registers and shared memory must let an SM hold (0: none
+    declared), which `--counts` checks on the sm_90 code (minitensor.checks.sass)."""
 
     name: str
     file: str = ""  # the .cu file under minitensor/backends/kernels/ holding the kernel
@@ -119,6 +128,9 @@ class RawSpec:
     model: Callable = dataclasses.field(default=None, compare=False)
     count_blocks: Callable = dataclasses.field(default=None, compare=False)
     conflicts: int = dataclasses.field(default=1, compare=False)
+    template: tuple = ()
+    instances: Callable = dataclasses.field(default=None, compare=False)
+    warps_per_sm: int = dataclasses.field(default=0, compare=False)
 
     @property
     def code(self):
@@ -127,15 +139,15 @@ class RawSpec:
         headers, body = cu_code(self.file, self.name)
         return f"{headers}\n{body}\n"
 
-    def kernel(self, dtype):
-        return _raw_kernel(self, np.dtype(dtype))
+    def kernel(self, dtype, instance=()):
+        return _raw_kernel(self, np.dtype(dtype), tuple(instance))
 
     def bytes_moved(self, args):
         """(bytes read, bytes written) of a launch with args (arrays with .nbytes, scalars)."""
         params = raw_params(self)
         if self.traffic is not None:
             return self.traffic(**{name: a for (name, _, _), a in zip(params, args)})
-        signature = re.search(rf'void {self.name}\(([^)]*)\)', self.code).group(1)
+        signature = signature_of(self.code, self.name)
         const = {p.split("*")[-1].strip() for p in signature.split(",") if "const" in p and "*" in p}
         read = sum(a.nbytes for (name, _, ptr), a in zip(params, args) if ptr and name in const)
         written = sum(a.nbytes for (name, _, ptr), a in zip(params, args) if ptr and name not in const)
@@ -147,8 +159,28 @@ class RawSpec:
             return 0
         return self.flops(**{name: a for (name, _, _), a in zip(raw_params(self), args)})
 
-    def source(self, dtype):
-        return f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
+    def instance_of(self, args):
+        """The template arguments a launch with args runs (() for a kernel that is no template)."""
+        names = [name for name, _, _ in raw_params(self)]
+        return tuple(int(args[names.index(t)]) for t in self.template)
+
+    def instances_of(self, dtype):
+        """The template argument tuples the kernel is compiled for in dtype (((),) for a plain kernel)."""
+        return tuple(tuple(int(v) for v in i) for i in self.instances(np.dtype(dtype))) if self.template else ((),)
+
+    def expression(self, instance=()):
+        """The C++ name of one instance, `NAME<64, 1>` (NAME itself for a plain kernel)."""
+        return f"{self.name}<{', '.join(map(str, instance))}>" if self.template else self.name
+
+    def source(self, dtype, instances=None):
+        """The translation unit NVRTC compiles for dtype: `typedef ... T;`, the code, and for a template the
+        explicit instantiation of each of `instances` (None: every one it is compiled for)."""
+        text = f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
+        if not self.template:
+            return text
+        params = " ".join(signature_of(self.code, self.name).split())  # one line per instantiation
+        chosen = self.instances_of(dtype) if instances is None else instances
+        return text + "".join(f"template __global__ void {self.expression(i)}({params});\n" for i in chosen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,10 +394,29 @@ def _elementwise_kernel(spec):
 
 
 @functools.cache
-def _raw_kernel(spec, dtype):
+def _raw_kernel(spec, dtype, instance=()):
+    """The CuPy kernel of spec (a template's instance) for dtype; a template's without an instance: the
+    module of all of them (its compile() builds them)."""
     import cupy
 
-    return cupy.RawKernel(spec.source(dtype), spec.name, options=spec.options)
+    if not spec.template:
+        return cupy.RawKernel(spec.source(dtype), spec.name, options=spec.options)
+    if not instance:
+        return _raw_module(spec, dtype)
+    if instance not in spec.instances_of(dtype):
+        raise ValueError(f"{spec.name} is not compiled for {dict(zip(spec.template, instance))} in {dtype}: its "
+                         f"instances are {spec.instances_of(dtype)}")
+    return _raw_module(spec, dtype).get_function(spec.expression(instance))
+
+
+@functools.cache
+def _raw_module(spec, dtype):
+    """A template kernel's module for dtype: its whole source(dtype), every instance, one compile (and one
+    entry in CuPy's cache, which the first GPU check's preflight fills)."""
+    import cupy
+
+    return cupy.RawModule(code=spec.source(dtype), options=spec.options,
+                          name_expressions=tuple(spec.expression(i) for i in spec.instances_of(dtype)))
 
 
 # Values of CuPy's `_ArgKind` enum (cupy/_core/_kernel.pxd), not exported to Python.
@@ -460,17 +511,23 @@ def launch(spec, dtype, grid, block, args):
     check_launch_args(spec, dtype, args)
     if any(isinstance(a, np.ndarray) for a in args):
         raise TypeError(f"{spec.name} runs on CuPy arrays; on NumPy its layer's generic code computes the same")
-    spec.kernel(dtype)(grid, block, args)
+    spec.kernel(dtype, spec.instance_of(args))(grid, block, args)
+
+
+def signature_of(code, name):
+    """The parameter list of the kernel `name` in code: `extern "C" __global__ void NAME(...)`, or a
+    template's `template <...> __global__ void [__launch_bounds__(...)] NAME(...)`."""
+    found = re.search(rf'__global__ void\s+(?:__launch_bounds__\([^()]*\)\s*)?{name}\(([^)]*)\)', code)
+    if not found:
+        raise ValueError(f"no __global__ kernel named {name!r} in its code")
+    return found.group(1)
 
 
 @functools.cache
 def raw_params(spec):
     """[(name, C base type, is_pointer), ...] of the kernel's parameters, parsed from its code."""
-    found = re.search(rf'extern "C" __global__ void {spec.name}\(([^)]*)\)', spec.code)
-    if not found:
-        raise ValueError(f"no extern \"C\" __global__ kernel named {spec.name!r} in its code")
     params = []
-    for p in found.group(1).split(","):
+    for p in signature_of(spec.code, spec.name).split(","):
         words = p.replace("*", " * ").split()
         params.append((words[-1], " ".join(w for w in words[:-1] if w not in ("const", "*")), "*" in words))
     return params

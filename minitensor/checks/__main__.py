@@ -12,7 +12,10 @@ The kernels themselves live in minitensor/backends/kernels/ (a .cu and a .py eac
                                                shared-memory wavefronts, L2 sectors and mma.sync steps
                                                counted at ANDREA-120M's shapes (minitensor/checks/counts.py);
                                                exit 1 if a kernel spills in float32 or has a request more
-                                               conflicted than its spec declares
+                                               conflicted than its spec declares; and each kernel's sm_90
+                                               SASS (nvdisasm, minitensor/checks/sass.py): exit 1 on a
+                                               branch in an mma loop, an unpipelined one, or fewer warps
+                                               per SM than the kernel declares
 
 """
 import argparse
@@ -60,22 +63,23 @@ def main(argv=None):
 
 
 def _counts(parser, names):
-    from minitensor.checks import counts
+    from minitensor.checks import counts, sass
 
     unknown = sorted(set(names) - set(all_kernels()))
     if unknown:
         parser.error(f"unknown kernel {unknown[0]!r}: choose from {', '.join(all_kernels())}")
     try:
         rows = counts.count_all(names=names or None)
-    except cuda.ToolchainMissing as e:
-        print(f"error: cannot read the kernels' registers: {e}", file=sys.stderr)
+    except (cuda.ToolchainMissing, sass.NvdisasmMissing) as e:
+        print(f"error: cannot read the kernels' registers and code: {e}", file=sys.stderr)
         return 2
     print("\n".join(counts.table(rows)))
     found = counts.problems(rows)
     for line in found:
         print(f"FAIL {line}")
     print(f"{len(found)} kernels break their declarations" if found else
-          f"{len(rows)} kernels: no spill in float32, no request more conflicted than declared")
+          f"{len(rows)} kernels: no spill in float32, no request more conflicted than declared, the occupancy "
+          f"declared, no branch in an mma loop, every mma loop pipelined")
     return 1 if found else 0
 
 

@@ -15,9 +15,15 @@ For every registered kernel, float32 (the training path), sm_90:
   only the blocks its spec names (`RawSpec.count_blocks`: blocks that do the same work stand for each
   other, with weights), so that a launch of thousands of blocks counts in seconds.
 
+- from its sm_90 SASS (nvdisasm on the same cubin; minitensor.checks.sass), for the instance the model
+  launches: instructions, HMMAs, branches inside the mma loop and how far ahead of its HMMA each
+  operand's shared-memory load is issued.
+
 Each RawSpec declares the largest conflict degree it may have (`RawSpec.conflicts`, 1 unless it says
-why); `problems` lists a kernel over its declaration, or one that spills in float32: `--counts`
-then exits 1, and CI runs it. Nothing here runs a GPU: NVRTC compiles, the host runs.
+why) and the warps per SM it must reach (`RawSpec.warps_per_sm`); `problems` lists a kernel over its
+declaration, one under its occupancy, one that spills in float32, and one with HMMAs whose mma loop
+holds a branch or is not pipelined (median load-ahead under sass.PIPELINED): `--counts` then exits 1,
+and CI runs it. Nothing here runs a GPU: NVRTC compiles, the host runs.
 """
 
 import contextlib
@@ -28,7 +34,7 @@ import time
 import numpy as np
 
 from minitensor.backends import all_kernels, cuda
-from minitensor.checks import traffic
+from minitensor.checks import sass, traffic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +66,25 @@ class Resources:
     shared: int
 
 
-def resources(spec, dtype="float32", arch="sm_90"):
-    """The Resources of spec for dtype, from ptxas's report (-v) of NVRTC compiling the exact source CuPy
-    compiles (minitensor.checks.kernelcheck.compile_source)."""
+def resources(spec, dtype="float32", arch="sm_90", instance=()):
+    """The Resources of spec (a template's instance; none named: the one its model call launches) for dtype,
+    from ptxas's report (-v) of NVRTC compiling the exact source CuPy compiles
+    (minitensor.checks.kernelcheck.compile_source)."""
     from minitensor.checks.kernelcheck import compile_source
 
+    if getattr(spec, "template", ()) and not instance:
+        instance = sass.instance_for(spec, model_launches(spec)[0][4])
+
     _, log = compile_source(spec.source(dtype), spec.name, spec.options, arch)
-    return _parse_ptxas(log, spec.name)
+    return _parse_ptxas(_entry_report(log, sass.mangled(spec.name, instance)), spec.name)
+
+
+def _entry_report(log, symbol):
+    """The part of ptxas's report about the entry function `symbol` (a prefix of its mangled name), or the
+    whole report where it names no entry function."""
+    chunks = re.split(r"(?=ptxas info\s*: Compiling entry function)", log)
+    mine = [c for c in chunks if re.search(rf"Compiling entry function '{re.escape(symbol)}", c)]
+    return mine[0] if mine else log
 
 
 def _parse_ptxas(log, name):
@@ -149,6 +167,8 @@ class KernelCounts:
     counts: traffic.Counts = None   # summed over its launches at the model sizes (raw kernels)
     launches: int = 0
     seconds: float = 0.0       # to count
+    code: sass.Sass = None     # its sm_90 SASS (the instance the model launches)
+    warps_declared: int = 0    # RawSpec.warps_per_sm
 
     def wavefronts_per_request(self):
         c = self.counts
@@ -160,13 +180,17 @@ ELEMENTWISE_THREADS = 128  # CuPy's block size for an ElementwiseKernel
 
 def count_kernel(spec, sizes=MODEL, dtype="float32", occupancy=True):
     """The KernelCounts of one registered kernel at `sizes`; without `occupancy`, only what the emulation
-    counts (no NVRTC needed: resources and occupancy left None)."""
-    res, occ = (resources(spec, dtype), None) if occupancy else (None, None)
+    counts (no NVRTC needed: resources, occupancy and SASS left None)."""
     if isinstance(spec, cuda.ElementwiseSpec):
+        res = resources(spec, dtype) if occupancy else None
         occ = _occupancy(res.registers, ELEMENTWISE_THREADS, res.shared) if res else None
-        return KernelCounts(spec.name, "elementwise", res, ELEMENTWISE_THREADS, occ, 0)
+        code = sass.read(spec, (), dtype) if occupancy else None
+        return KernelCounts(spec.name, "elementwise", res, ELEMENTWISE_THREADS, occ, 0, code=code)
     start, total = time.perf_counter(), None
     launches = model_launches(spec, sizes)
+    instance = sass.instance_for(spec, launches[0][4])
+    res = resources(spec, dtype, instance=instance) if occupancy else None
+    code = sass.read(spec, instance, dtype) if occupancy else None
     for _, dt, grid, block, args in launches:
         blocks = (spec.count_blocks or default_blocks)(grid, block, args)
         counts = traffic.count_launch(spec, dt, grid, block, args, blocks)
@@ -174,14 +198,15 @@ def count_kernel(spec, sizes=MODEL, dtype="float32", occupancy=True):
     threads = int(np.prod(launches[0][3]))
     occ = _occupancy(res.registers, threads, res.shared) if res else None
     return KernelCounts(spec.name, "raw", res, threads, occ, spec.conflicts, total, len(launches),
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, code, spec.warps_per_sm)
 
 
 def occupancy_of(spec, sizes=MODEL, dtype="float32"):
-    """The Occupancy of a RawKernel's blocks at `sizes` (its registers and shared memory from ptxas)."""
-    res = resources(spec, dtype)
-    threads = int(np.prod(model_launches(spec, sizes)[0][3]))
-    return _occupancy(res.registers, threads, res.shared)
+    """The Occupancy of a RawKernel's blocks at `sizes` (its registers and shared memory from ptxas, for the
+    instance the model launches)."""
+    launch = model_launches(spec, sizes)[0]
+    res = resources(spec, dtype, instance=sass.instance_for(spec, launch[4]))
+    return _occupancy(res.registers, int(np.prod(launch[3])), res.shared)
 
 
 def _added(a, b):
@@ -208,9 +233,18 @@ def count_all(sizes=MODEL, names=None):
 
 def problems(rows):
     """What breaks a kernel's declaration, in words: a spill in float32, a request more conflicted than
-    its spec allows."""
+    its spec allows, fewer warps per SM than it declares, a branch in its mma loop or a loop whose loads
+    are not issued ahead of its HMMAs."""
     found = []
     for r in rows:
+        if r.occupancy and r.occupancy.warps < r.warps_declared:
+            found.append(f"{r.name}: {r.occupancy.warps} warps per SM ({r.resources.registers} registers, "
+                         f"{r.resources.shared} B of shared memory), under the {r.warps_declared} its spec declares")
+        if r.code and r.code.hmma and r.code.branches:
+            found.append(f"{r.name}: {r.code.branches} branches inside its mma loop (sm_90 SASS, {r.code.function})")
+        if r.code and r.code.hmma and not r.code.pipelined:
+            found.append(f"{r.name}: its mma loop is not pipelined: HMMA operands loaded a median "
+                         f"{r.code.ahead_median:g} instructions ahead, under {sass.PIPELINED} (sm_90 SASS)")
         if r.resources.spill_stores or r.resources.spill_loads:
             found.append(f"{r.name}: spills {r.resources.spill_stores} bytes of stores and "
                          f"{r.resources.spill_loads} of loads in float32 (ptxas, sm_90)")
@@ -239,4 +273,23 @@ def table(rows, sizes=MODEL):
         else:
             line += f" {'(elementwise: no shared memory)':>52}"
         out.append(line)
+    return out + ["", *sass_table(rows)]
+
+
+def sass_table(rows):
+    """The SASS half of the table: per kernel (the instance the model launches), its instructions, HMMAs,
+    the mma loop's length and branches, the load-ahead of its HMMA operands, its warps per SM against the
+    declared ones."""
+    out = [f"sm_90 SASS (nvdisasm); the mma loop: first HMMA to last; load-ahead: instructions from an HMMA "
+           f"operand's shared-memory load to the HMMA (pipelined: median >= {sass.PIPELINED})", "",
+           f"{'kernel':<26} {'instrs':>7} {'HMMA':>5} {'mma loop':>8} {'branches':>8} {'ahead min':>9} "
+           f"{'median':>6} {'warps/SM':>8} {'declared':>8}"]
+    for r in rows:
+        code = r.code
+        if code is None:
+            continue
+        loop = (f"{code.loop:>8} {code.branches:>8} {code.ahead_min:>9} {code.ahead_median:>6g}" if code.hmma
+                else f"{'-':>8} {'-':>8} {'-':>9} {'-':>6}")
+        out.append(f"{r.name:<26} {code.instructions:>7} {code.hmma:>5} {loop} {r.occupancy.warps:>8} "
+                   f"{r.warps_declared or '-':>8}")
     return out

@@ -59,6 +59,7 @@ static void *fiber_arg;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
 #ifndef EMU_SHARED
 #define EMU_SHARED
@@ -241,6 +242,12 @@ def _specs_for(spec):
     return registered if spec in registered else (spec,)
 
 
+def _entries(specs, dtype_name):
+    """[(spec, instance), ...]: what a program runs, each template kernel once per instance it is compiled
+    for in the dtype (minitensor.backends.cuda.RawSpec.instances_of), in the order of its runners."""
+    return [(spec, instance) for spec in specs for instance in spec.instances_of(dtype_name)]
+
+
 def _launch_blob(spec, dtype, grid, block, args, only=None, floats=True):
     """(the program's stdin, the arrays it writes back in order): the kernel's index, the launch's
     dimensions, the blocks to run (none: all), then each argument; an array passed twice is one
@@ -248,11 +255,15 @@ def _launch_blob(spec, dtype, grid, block, args, only=None, floats=True):
     not sent (the program's buffer holds zeros): counting needs only the integers, which may steer an
     access (an id), where no kernel here lets a float value choose an address."""
     cuda.check_launch_args(spec, dtype, args)
+    entries, instance = _entries(_specs_for(spec), np.dtype(dtype).name), spec.instance_of(args)
+    if (spec, instance) not in entries:
+        raise ValueError(f"{spec.name} is not compiled for {dict(zip(spec.template, instance))} in "
+                         f"{np.dtype(dtype)}: its instances are {spec.instances_of(dtype)}")
     dims = [*grid, 1, 1][:3] + [*block, 1, 1][:3]
     if np.prod(dims[3:]) > 1024 or dims[3] % 32:
         raise ValueError(f"{spec.name}: a block of {dims[3:]} threads: at most 1024, x a multiple of 32")
     only = [] if only is None else list(only)
-    head = np.array([_specs_for(spec).index(spec), *dims, len(only), *only], np.uint32).tobytes()
+    head = np.array([entries.index((spec, instance)), *dims, len(only), *only], np.uint32).tobytes()
     blob, owned, slots = [head], [], {}
     for k, ((_, _, pointer), a) in enumerate(zip(cuda.raw_params(spec), args)):
         if not pointer:
@@ -290,12 +301,13 @@ def _program(specs, dtype_name, hooks=None):
              if counting else "", PRELUDE, hooks if counting else _PLAIN_HOOKS,
              f"typedef {cuda.C_TYPES[dtype_name]} T;"]
     codes = {}  # a namespace per source: the kernels share helper names; one file may hold several kernels
-    for index, spec in enumerate(specs):
+    entries = _entries(specs, dtype_name)
+    for index, (spec, instance) in enumerate(entries):
         if spec.code not in codes:
             codes[spec.code] = len(codes)
             parts += [f"namespace k{codes[spec.code]} {{", spec.code, "}"]
-        parts.append(_runner(index, spec, codes[spec.code], counting))
-    cases = "\n".join(f"case {i}: return run{i}(d);" for i in range(len(specs)))
+        parts.append(_runner(index, spec, codes[spec.code], counting, instance))
+    cases = "\n".join(f"case {i}: return run{i}(d);" for i in range(len(entries)))
     parts += ["int main() {", "unsigned d[8];", "if (fread(d, sizeof d[0], 8, stdin) != 8) return 1;",
               f"switch (d[0]) {{\n{cases}\n}}", "return 1;", "}", ""]
     folder = _work_dir()
@@ -320,9 +332,9 @@ def _program(specs, dtype_name, hooks=None):
     return exe
 
 
-def _runner(index, spec, space, counting):
-    """C++ `int run<index>(d)`: reads spec's arguments, launches it (from namespace k<space>) over the
-    blocks listed (all when none), writes its arrays back, or, counting, the counts."""
+def _runner(index, spec, space, counting, instance=()):
+    """C++ `int run<index>(d)`: reads spec's arguments, launches it (from namespace k<space>; a template's
+    `instance`) over the blocks listed (all when none), writes its arrays back, or, counting, the counts."""
     params = cuda.raw_params(spec)
     n = len(params)
     read, call, write = [], [], []
@@ -348,7 +360,7 @@ def _runner(index, spec, space, counting):
         body = ["for (unsigned i = 0; i < d[7]; ++i) {",
                 "  emu_mma_steps = emu_mufu = 0; emu_sites.clear();",
                 "  launch(dim3{d[1], d[2], d[3]}, dim3{d[4], d[5], d[6]}, [&] {",
-                f"    k{space}::{spec.name}({', '.join(call)});", "  }, &only[i], 1);",
+                f"    k{space}::{spec.expression(instance)}({', '.join(call)});", "  }, &only[i], 1);",
                 '  printf("block %u %llu %llu\\n", i, emu_mma_steps, emu_mufu);',
                 "  for (auto &s : emu_sites)",
                 '    printf("site %u %p %d %d %d %llu %llu %llu %llu %llu\\n", i, s.first, s.second.size, '
@@ -357,7 +369,8 @@ def _runner(index, spec, space, counting):
                 "}"]
     else:
         body = ["launch(dim3{d[1], d[2], d[3]}, dim3{d[4], d[5], d[6]}, [&] {",
-                f"  k{space}::{spec.name}({', '.join(call)});", "}, d[7] ? only.data() : nullptr, d[7]);", *write]
+                f"  k{space}::{spec.expression(instance)}({', '.join(call)});", "}, d[7] ? only.data() : nullptr, d[7]);",
+                *write]
     return "\n".join([
         f"static int run{index}(const unsigned *d) {{", f"void *buf[{n}] = {{0}};",
         f"long long count[{n}] = {{0}}, alias = -1, sent = 1;", f"int own[{n}] = {{0}};", *blocks, *read, *body,

@@ -3,9 +3,11 @@ minitensor/checks/counts.py): shared-memory wavefronts as 32 banks of 4 bytes se
 mma.sync steps, registers and spills from ptxas, occupancy; the flash kernels conflict-free, and planted
 conflicts and spills caught."""
 
+import dataclasses
+
 import numpy as np
 import pytest
-from markers import needs_cxx, needs_nvrtc
+from markers import needs_cxx, needs_nvrtc, nvdisasm_or_skip
 
 from minitensor.backends import cuda
 from minitensor.backends.kernels import attention
@@ -122,7 +124,7 @@ def flash_counts(T, heads=1, hs=64, blocks=None, source=None):
     out = {}
     for spec, dtype, grid, block, args in launches:
         if source is not None:
-            spec = cuda.RawSpec(spec.name, inline=source(spec.code))
+            spec = dataclasses.replace(spec, inline=source(spec.code))  # the same template, its instances
         chosen = ([(b, 1) for b in range(int(np.prod(grid)))] if blocks == "all"
                   else cuda.KERNELS[spec.name].count_blocks(grid, block, args))
         out[spec.name] = traffic.count_launch(spec, dtype, grid, block, args, chosen)
@@ -189,6 +191,8 @@ def test_ptxas_reports_registers_and_a_forced_spill():
 @needs_nvrtc
 def test_counts_command_prints_every_kernel_asked(capsys):
     from minitensor.checks.__main__ import main
+
+    nvdisasm_or_skip()  # the command reads each kernel's SASS too
 
     assert main(["--counts", "layernorm_fwd", "gelu_fwd"]) == 0
     out = capsys.readouterr().out

@@ -28,33 +28,45 @@
 //
 // float with tf32 runs every product on tensor cores (mma.sync m16n8k8, operands rounded by cvt.rna
 // where they are stored, sums in float); double, and float without tf32, the same fragments by FMAs.
+//
+// Each kernel is a template over HS (the head size) and TF32, both fixed at compile time: the products
+// unroll completely, the hot loop holds no branch on either, and each instance gets the registers its
+// own code needs. The launch's hs and tf32 arguments name the instance (the wrapper picks it;
+// minitensor.backends.cuda.RawSpec.template); the source NVRTC compiles ends with the explicit
+// instantiations of the instances it holds (RawSpec.source). __launch_bounds__ caps the registers at
+// what the occupancy each kernel declares needs (kernels/attention.py: RawSpec.warps_per_sm).
 
 // @kernel flash_attention_fwd
 // y and lse per query tile of FWD_Q rows (16 per warp), over key tiles of FWD_K keys up to the diagonal.
 #include "flash.cuh"
 constexpr int FWD_Q = sizeof(T) == 4 ? 128 : 64;
 constexpr int FWD_K = sizeof(T) == 4 ? 64 : 32;
-extern "C" __global__ void flash_attention_fwd(const T *q, const T *k, const T *v, T *y, T *lse, const int n_ctx,
-                                               const int hs, const int n_head, const T scale, const int tf32) {
-  __shared__ __align__(16) T kv[2 * FWD_K * LD];  /* the k tile, then the v tile; q passes through first */
+constexpr int FWD_THREADS = 2 * FWD_Q;
+/* at namespace scope, not in the template: the same for every instance, and in the emulation's counting
+   build a static of a template would leave the section that marks shared memory (minitensor.checks.traffic) */
+__shared__ __align__(16) T kv[2 * FWD_K * LD];  /* the k tile, then the v tile; q passes through first */
+template <int HS, int TF32>
+__global__ void __launch_bounds__(FWD_THREADS, 2)
+flash_attention_fwd(const T *q, const T *k, const T *v, T *y, T *lse, const int n_ctx, const int hs,
+                    const int n_head, const T scale, const int tf32) {
   const T *ks = kv, *vs = kv + FWD_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * FWD_Q, r0 = i0 + 16 * warp;
-  const long long head = (long long)bh * n_ctx * hs;
-  T qa[STEPS][4];  /* this warp's rows of q, A operands */
-  load_tile(kv, q + head, i0, FWD_Q, n_ctx, hs, hs, tf32);
+  const long long head = (long long)bh * n_ctx * HS;
+  T qa[HS / 8][4];  /* this warp's rows of q, A operands */
+  load_tile<FWD_Q, FWD_THREADS, HS, TF32>(kv, q + head, i0, n_ctx, HS);
   __syncthreads();
-  a_frags(qa, kv, 16 * warp, hs);
-  T acc[STEPS][4] = {};
+  a_frags<HS>(qa, kv, 16 * warp);
+  T acc[HS / 8][4] = {};
   T top[2] = {fa_lowest(scale), fa_lowest(scale)}, total[2] = {0, 0};  /* rows g, g + 8: running max, sum */
   for (int j0 = 0; j0 < i0 + FWD_Q && j0 < n_ctx; j0 += FWD_K) {
     __syncthreads();  /* the previous tile's reads are done */
-    load_tile(kv, k + head, j0, FWD_K, n_ctx, hs, hs, tf32);
-    load_tile(kv + FWD_K * LD, v + head, j0, FWD_K, n_ctx, hs, hs, tf32);
+    load_tile<FWD_K, FWD_THREADS, HS, TF32>(kv, k + head, j0, n_ctx, HS);
+    load_tile<FWD_K, FWD_THREADS, HS, TF32>(kv + FWD_K * LD, v + head, j0, n_ctx, HS);
     __syncthreads();
     if (j0 > r0 + 15) continue;  /* every key of the tile is after this warp's rows */
     T s[FWD_K / 8][4];
-    rows_product<FWD_K / 8>(s, qa, ks, hs, tf32);  /* q k^T */
+    rows_product<FWD_K / 8, HS, TF32>(s, qa, ks);  /* q k^T */
     T m[2] = {top[0], top[1]}, sum[2] = {0, 0};
 #pragma unroll
     for (int n = 0; n < FWD_K / 8; ++n)
@@ -67,7 +79,9 @@ extern "C" __global__ void flash_attention_fwd(const T *q, const T *k, const T *
 #pragma unroll
     for (int n = 0; n < FWD_K / 8; ++n)
       for (int e = 0; e < 4; ++e) {
-        s[n][e] = s[n][e] > fa_lowest(scale) ? fa_exp(s[n][e] - m[e >> 1]) : (T)0;  /* P, unnormalised */
+        /* P, unnormalised, with no branch around each exp: a masked score (the lowest value) gives exp(lowest
+           - m) = 0, m being finite (every row sees key 0 on the first tile) */
+        s[n][e] = fa_exp(s[n][e] - m[e >> 1]);
         sum[e >> 1] += s[n][e];
       }
     for (int h = 0; h < 2; ++h) {
@@ -75,15 +89,15 @@ extern "C" __global__ void flash_attention_fwd(const T *q, const T *k, const T *
       total[h] = total[h] * alpha + quad_sum(sum[h]);
       top[h] = m[h];
 #pragma unroll
-      for (int u = 0; u < STEPS; ++u) acc[u][2 * h] *= alpha, acc[u][2 * h + 1] *= alpha;
+      for (int u = 0; u < HS / 8; ++u) acc[u][2 * h] *= alpha, acc[u][2 * h + 1] *= alpha;
     }
-    acc_product<FWD_K / 8>(acc, s, vs, hs, tf32);  /* acc += P v */
+    acc_product<FWD_K / 8, HS, TF32>(acc, s, vs);  /* acc += P v */
   }
   if (t == 0)
     for (int h = 0; h < 2; ++h)
       if (r0 + g + 8 * h < n_ctx) lse[(long long)bh * n_ctx + r0 + g + 8 * h] = top[h] + fa_log(total[h]);
-  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * hs;
-  store_acc(y + y_head, (long long)n_head * hs, acc, r0, n_ctx, hs, (T)1, total);
+  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS;
+  store_acc<HS>(y + y_head, (long long)n_head * HS, acc, r0, n_ctx, (T)1, total);
 }
 
 // @kernel flash_attention_bwd_dq
@@ -92,54 +106,56 @@ extern "C" __global__ void flash_attention_fwd(const T *q, const T *k, const T *
 #include "flash.cuh"
 constexpr int DQ_Q = 64;
 constexpr int DQ_K = sizeof(T) == 4 ? 32 : 16;
-extern "C" __global__ void flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *dy,
-                                                  const T *lse, T *delta, T *dq, const int n_ctx, const int hs,
-                                                  const int n_head, const T scale, const int tf32) {
-  __shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles */
+constexpr int DQ_THREADS = 2 * DQ_Q;
+__shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles (namespace scope: see the forward) */
+template <int HS, int TF32>
+__global__ void __launch_bounds__(DQ_THREADS, 3)
+flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *dy, const T *lse, T *delta, T *dq,
+                       const int n_ctx, const int hs, const int n_head, const T scale, const int tf32) {
   const T *ks = tiles, *vs = tiles + DQ_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * DQ_Q, r0 = i0 + 16 * warp;
-  const long long head = (long long)bh * n_ctx * hs;
-  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * hs, stride = (long long)n_head * hs;
-  load_tile(tiles, q + head, i0, DQ_Q, n_ctx, hs, hs, tf32);
-  load_tile(tiles + DQ_Q * LD, dy + y_head, i0, DQ_Q, n_ctx, hs, stride, 0);  /* dy as it is: delta needs it */
+  const long long head = (long long)bh * n_ctx * HS;
+  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS, stride = (long long)n_head * HS;
+  load_tile<DQ_Q, DQ_THREADS, HS, TF32>(tiles, q + head, i0, n_ctx, HS);
+  load_tile<DQ_Q, DQ_THREADS, HS, 0>(tiles + DQ_Q * LD, dy + y_head, i0, n_ctx, stride);  /* dy as it is: delta needs it */
   __syncthreads();
-  T qa[STEPS][4], dya[STEPS][4], d[2] = {0, 0}, row_lse[2];
-  a_frags(qa, tiles, 16 * warp, hs);
-  a_frags(dya, tiles + DQ_Q * LD, 16 * warp, hs);
+  T qa[HS / 8][4], dya[HS / 8][4], d[2] = {0, 0}, row_lse[2];
+  a_frags<HS>(qa, tiles, 16 * warp);
+  a_frags<HS>(dya, tiles + DQ_Q * LD, 16 * warp);
   for (int h = 0; h < 2; ++h) {  /* delta = rowsum(dy y) = rowsum(dP P), lanes t, t + 4, ... of the row */
     const int r = r0 + g + 8 * h;
     if (r < n_ctx)
-      for (int c = t; c < hs; c += 4) d[h] += tiles[(DQ_Q + 16 * warp + g + 8 * h) * LD + c] * y[y_head + r * stride + c];
+      for (int c = t; c < HS; c += 4) d[h] += tiles[(DQ_Q + 16 * warp + g + 8 * h) * LD + c] * y[y_head + r * stride + c];
     d[h] = quad_sum(d[h]);
     if (t == 0 && r < n_ctx) delta[(long long)bh * n_ctx + r] = d[h];
     row_lse[h] = r < n_ctx ? lse[(long long)bh * n_ctx + r] : (T)0;
   }
 #pragma unroll
-  for (int u = 0; u < STEPS; ++u)
-    for (int e = 0; e < 4; ++e) dya[u][e] = operand(dya[u][e], tf32);
-  T acc[STEPS][4] = {};
+  for (int u = 0; u < HS / 8; ++u)
+    for (int e = 0; e < 4; ++e) dya[u][e] = operand<TF32>(dya[u][e]);
+  T acc[HS / 8][4] = {};
   for (int j0 = 0; j0 < i0 + DQ_Q && j0 < n_ctx; j0 += DQ_K) {
     __syncthreads();  /* q and dy are in registers / the previous tile's reads are done */
-    load_tile(tiles, k + head, j0, DQ_K, n_ctx, hs, hs, tf32);
-    load_tile(tiles + DQ_K * LD, v + head, j0, DQ_K, n_ctx, hs, hs, tf32);
+    load_tile<DQ_K, DQ_THREADS, HS, TF32>(tiles, k + head, j0, n_ctx, HS);
+    load_tile<DQ_K, DQ_THREADS, HS, TF32>(tiles + DQ_K * LD, v + head, j0, n_ctx, HS);
     __syncthreads();
     if (j0 > r0 + 15) continue;
     T s[DQ_K / 8][4], dp[DQ_K / 8][4];
-    rows_product<DQ_K / 8>(s, qa, ks, hs, tf32);   /* S = q k^T */
-    rows_product<DQ_K / 8>(dp, dya, vs, hs, tf32); /* dP = dy v^T */
+    rows_product<DQ_K / 8, HS, TF32>(s, qa, ks);   /* S = q k^T */
+    rows_product<DQ_K / 8, HS, TF32>(dp, dya, vs); /* dP = dy v^T */
 #pragma unroll
     for (int n = 0; n < DQ_K / 8; ++n)
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1, r = r0 + g + 8 * h;
         const bool seen = j0 + 8 * n + 2 * t + (e & 1) <= r && r < n_ctx;
-        const T p = seen ? fa_exp(scale * s[n][e] - row_lse[h]) : (T)0;
+        const T e_all = fa_exp(scale * s[n][e] - row_lse[h]), p = seen ? e_all : (T)0;  /* a select, no branch */
         dp[n][e] = p * (dp[n][e] - d[h]);  /* dS */
       }
-    acc_product<DQ_K / 8>(acc, dp, ks, hs, tf32);  /* dq += dS k */
+    acc_product<DQ_K / 8, HS, TF32>(acc, dp, ks);  /* dq += dS k */
   }
   const T ones[2] = {1, 1};
-  store_acc(dq + head, hs, acc, r0, n_ctx, hs, scale, ones);
+  store_acc<HS>(dq + head, HS, acc, r0, n_ctx, scale, ones);
 }
 
 // @kernel flash_attention_bwd_dkv
@@ -147,27 +163,29 @@ extern "C" __global__ void flash_attention_bwd_dq(const T *q, const T *k, const 
 #include "flash.cuh"
 constexpr int DKV_K = 64;
 constexpr int DKV_Q = sizeof(T) == 4 ? 32 : 16;
-extern "C" __global__ void flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T *lse,
-                                                   const T *delta, T *dk, T *dv, const int n_ctx, const int hs,
-                                                   const int n_head, const T scale, const int tf32) {
-  __shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy tiles */
-  __shared__ T lse_s[DKV_Q], delta_s[DKV_Q];
+constexpr int DKV_THREADS = 2 * DKV_K;
+__shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy tiles (namespace scope: see the forward) */
+__shared__ T lse_s[DKV_Q], delta_s[DKV_Q];
+template <int HS, int TF32>
+__global__ void __launch_bounds__(DKV_THREADS, 2)
+flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T *lse, const T *delta, T *dk, T *dv,
+                        const int n_ctx, const int hs, const int n_head, const T scale, const int tf32) {
   const T *qs = tiles, *dys = tiles + DKV_Q * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, j0 = blockIdx.x * DKV_K, c0 = j0 + 16 * warp;  /* this warp's keys c0 .. c0 + 15 */
-  const long long head = (long long)bh * n_ctx * hs;
-  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * hs, stride = (long long)n_head * hs;
-  load_tile(tiles, k + head, j0, DKV_K, n_ctx, hs, hs, tf32);
-  load_tile(tiles + DKV_K * LD, v + head, j0, DKV_K, n_ctx, hs, hs, tf32);
+  const long long head = (long long)bh * n_ctx * HS;
+  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS, stride = (long long)n_head * HS;
+  load_tile<DKV_K, DKV_THREADS, HS, TF32>(tiles, k + head, j0, n_ctx, HS);
+  load_tile<DKV_K, DKV_THREADS, HS, TF32>(tiles + DKV_K * LD, v + head, j0, n_ctx, HS);
   __syncthreads();
-  T ka[STEPS][4], va[STEPS][4];
-  a_frags(ka, tiles, 16 * warp, hs);
-  a_frags(va, tiles + DKV_K * LD, 16 * warp, hs);
-  T acc_k[STEPS][4] = {}, acc_v[STEPS][4] = {};
+  T ka[HS / 8][4], va[HS / 8][4];
+  a_frags<HS>(ka, tiles, 16 * warp);
+  a_frags<HS>(va, tiles + DKV_K * LD, 16 * warp);
+  T acc_k[HS / 8][4] = {}, acc_v[HS / 8][4] = {};
   for (int i0 = j0 - j0 % DKV_Q; i0 < n_ctx; i0 += DKV_Q) {  /* query tiles from the diagonal down */
     __syncthreads();  /* k and v are in registers / the previous tile's reads are done */
-    load_tile(tiles, q + head, i0, DKV_Q, n_ctx, hs, hs, tf32);
-    load_tile(tiles + DKV_Q * LD, dy + y_head, i0, DKV_Q, n_ctx, hs, stride, tf32);
+    load_tile<DKV_Q, DKV_THREADS, HS, TF32>(tiles, q + head, i0, n_ctx, HS);
+    load_tile<DKV_Q, DKV_THREADS, HS, TF32>(tiles + DKV_Q * LD, dy + y_head, i0, n_ctx, stride);
     for (int r = threadIdx.x; r < DKV_Q; r += blockDim.x) {
       lse_s[r] = i0 + r < n_ctx ? lse[(long long)bh * n_ctx + i0 + r] : (T)0;
       delta_s[r] = i0 + r < n_ctx ? delta[(long long)bh * n_ctx + i0 + r] : (T)0;
@@ -175,21 +193,21 @@ extern "C" __global__ void flash_attention_bwd_dkv(const T *q, const T *k, const
     __syncthreads();
     if (i0 + DKV_Q - 1 < c0) continue;  /* every query of the tile is before this warp's keys */
     T st[DKV_Q / 8][4], dpt[DKV_Q / 8][4];
-    rows_product<DKV_Q / 8>(st, ka, qs, hs, tf32);    /* S^T = k q^T: rows keys, columns queries */
-    rows_product<DKV_Q / 8>(dpt, va, dys, hs, tf32);  /* dP^T = v dy^T */
+    rows_product<DKV_Q / 8, HS, TF32>(st, ka, qs);    /* S^T = k q^T: rows keys, columns queries */
+    rows_product<DKV_Q / 8, HS, TF32>(dpt, va, dys);  /* dP^T = v dy^T */
 #pragma unroll
     for (int n = 0; n < DKV_Q / 8; ++n)
       for (int e = 0; e < 4; ++e) {
         const int col = 8 * n + 2 * t + (e & 1), query = i0 + col;
         const bool seen = c0 + g + 8 * (e >> 1) <= query && query < n_ctx;
-        const T p = seen ? fa_exp(scale * st[n][e] - lse_s[col]) : (T)0;
+        const T e_all = fa_exp(scale * st[n][e] - lse_s[col]), p = seen ? e_all : (T)0;  /* a select, no branch */
         st[n][e] = p;                               /* P^T */
         dpt[n][e] = p * (dpt[n][e] - delta_s[col]); /* dS^T */
       }
-    acc_product<DKV_Q / 8>(acc_v, st, dys, hs, tf32);  /* dv += P^T dy */
-    acc_product<DKV_Q / 8>(acc_k, dpt, qs, hs, tf32);  /* dk += dS^T q */
+    acc_product<DKV_Q / 8, HS, TF32>(acc_v, st, dys);  /* dv += P^T dy */
+    acc_product<DKV_Q / 8, HS, TF32>(acc_k, dpt, qs);  /* dk += dS^T q */
   }
   const T ones[2] = {1, 1};
-  store_acc(dk + head, hs, acc_k, c0, n_ctx, hs, scale, ones);
-  store_acc(dv + head, hs, acc_v, c0, n_ctx, hs, (T)1, ones);
+  store_acc<HS>(dk + head, HS, acc_k, c0, n_ctx, scale, ones);
+  store_acc<HS>(dv + head, HS, acc_v, c0, n_ctx, (T)1, ones);
 }

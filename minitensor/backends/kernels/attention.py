@@ -20,6 +20,14 @@ FLASH_DKV_TILE = {np.dtype(np.float32): (64, 32), np.dtype(np.float64): (64, 16)
 FLASH_HS_MAX = {np.dtype(np.float32): 64, np.dtype(np.float64): 32}  # flash.cuh's HS_MAX
 
 
+def flash_instances(dtype):
+    """(hs, tf32) of each instance the flash kernels are compiled for in dtype: every head size they take,
+    float32's products on tensor cores or by FMAs, float64's by FMAs."""
+    dtype = np.dtype(dtype)
+    sizes = range(16, FLASH_HS_MAX[dtype] + 1, 16)
+    return tuple((hs, tf32) for hs in sizes for tf32 in ((0, 1) if dtype == np.float32 else (0,)))
+
+
 def flash_fits(hs, dtype):
     """Whether the flash kernels take heads of size hs in dtype."""
     dtype = np.dtype(dtype)
@@ -80,18 +88,24 @@ def _flash_blocks(tiles, keys_first=False):
     return blocks
 
 
-# The kernels: kernels/attention.cu (their shared code in kernels/flash.cuh).
+# The kernels: kernels/attention.cu (their shared code in kernels/flash.cuh), templates over (hs, tf32).
+# warps_per_sm: what the registers __launch_bounds__ caps them at (attention.cu) must let an SM hold at
+# the training path's instance (float32, hs 64, tf32): 2 blocks of 8 warps (<= 128 registers), 3 of 4
+# (<= 168), 2 of 4 (dkv holds k, v and both gradients' accumulators: ~210 registers).
 # Traffic: the default (each input read once, each output written once): the tiles a block reads again
 # are L2 hits, which the step model prices from the sectors the emulation counts (minitensor.checks.counts).
 FLASH_FWD = cuda.RawSpec("flash_attention_fwd", "attention.cu",
                          flops=_flash_flops(2, FLASH_FWD_TILE), model=_flash_model,
-                         count_blocks=_flash_blocks(FLASH_FWD_TILE))
+                         count_blocks=_flash_blocks(FLASH_FWD_TILE), template=("hs", "tf32"),
+                         instances=flash_instances, warps_per_sm=16)
 FLASH_BWD_DQ = cuda.RawSpec("flash_attention_bwd_dq", "attention.cu",
                             flops=_flash_flops(3, FLASH_DQ_TILE), model=_flash_model,
-                            count_blocks=_flash_blocks(FLASH_DQ_TILE))
+                            count_blocks=_flash_blocks(FLASH_DQ_TILE), template=("hs", "tf32"),
+                            instances=flash_instances, warps_per_sm=12)
 FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu",
                              flops=_flash_flops(4, FLASH_DKV_TILE, keys_first=True), model=_flash_model,
-                             count_blocks=_flash_blocks(FLASH_DKV_TILE, keys_first=True))
+                             count_blocks=_flash_blocks(FLASH_DKV_TILE, keys_first=True), template=("hs", "tf32"),
+                             instances=flash_instances, warps_per_sm=8)
 
 
 def _flash_operands(fn, q, k, v):
@@ -115,6 +129,12 @@ def _flash_rows(fn, name, a, q, n_head):
                          f"(B, T, {n_head}, hs), got {a.dtype} {a.shape}")
 
 
+def _tf32_flag(tf32, q):
+    """The kernels' tf32 argument (which instance runs): 1 for float32 on tensor cores, else 0 (float64's
+    products are FMAs whatever tf32 says)."""
+    return np.int32(bool(tf32) and q.dtype == np.float32)
+
+
 def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32=True):
     """y = softmax(scale q k^T + causal mask) v for q, k, v (BH, T, hs) (CuPy, contiguous), without the
     (T, T) scores in memory; returns (y, lse). y: (BH, T, hs), or with n_head, the heads' rows of a
@@ -131,7 +151,7 @@ def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32
         rows = FLASH_FWD_TILE[q.dtype][0]
         cuda.launch(FLASH_FWD, q.dtype, (-(-T // rows), BH), (2 * rows,),
                     (q, k, v, y, lse, np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale),
-                     np.int32(bool(tf32))))
+                     _tf32_flag(tf32, q)))
     return y, lse
 
 
@@ -150,7 +170,7 @@ def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None,
         raise ValueError(f"{fn}: out must be a contiguous {q.dtype} array of shape {(3, BH, T, hs)}")
     if q.size:
         delta = xp.empty((BH, T), dtype=q.dtype)
-        common = (np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale), np.int32(bool(tf32)))
+        common = (np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale), _tf32_flag(tf32, q))
         rows = FLASH_DQ_TILE[q.dtype][0]  # 16 a warp
         cuda.launch(FLASH_BWD_DQ, q.dtype, (-(-T // rows), BH), (2 * rows,),
                     (q, k, v, y, dy, lse, delta, grads[0], *common))

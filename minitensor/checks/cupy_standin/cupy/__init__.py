@@ -23,7 +23,7 @@ import numpy as _np
 
 from cupy import cuda, standin  # noqa: F401
 from cupy._array import array, asarray, asnumpy, function, ndarray, ufunc  # noqa: F401
-from cupy._kernels import ElementwiseKernel, RawKernel  # noqa: F401
+from cupy._kernels import ElementwiseKernel, RawKernel, RawModule  # noqa: F401
 
 __version__ = "14.2.0"
 STANDIN = True  # not in CuPy: says which CuPy this is

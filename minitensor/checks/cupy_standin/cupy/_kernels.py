@@ -198,8 +198,12 @@ class RawKernel:
     """A RawKernel through minitensor's launch emulation (see the module docstring)."""
 
     def __init__(self, code, name, options=(), backend="nvrtc", translate_cucomplex=False,
-                 enable_cooperative_groups=False, jitify=False):
+                 enable_cooperative_groups=False, jitify=False, expression=None):
+        # expression: a template instance's C++ name (RawModule.get_function), NAME<64, 1>; name is NAME
         self.code, self.name, self.options = code, name, tuple(options)
+        self.expression = expression or name
+        # a template's explicit instantiations left out: the emulation instantiates the one it calls
+        code = "".join(line for line in code.splitlines(keepends=True) if not line.startswith("template __global__"))
         found = re.match(r"typedef (.+?) T;\n", code)
         self.dtype = np.dtype(ctype_dtype(found.group(1))) if found else np.dtype(np.float32)
         self.body = code[found.end():] if found else code
@@ -222,9 +226,30 @@ class RawKernel:
         if prod(dims[3:]) > 1024 or dims[3] % 32:
             raise ValueError(f"{self.name}: a block of {dims[3:]} threads: at most 1024, x a multiple of 32")
         buffers, owned = _launch_buffers(self.name, cuda.raw_params(spec), host)
-        _call(_build(_emulation(spec, self.dtype), self.name), dims.ctypes.data_as(ctypes.c_void_p), buffers)
+        _call(_build(_emulation(spec, self.dtype, self.expression), self.name), dims.ctypes.data_as(ctypes.c_void_p),
+              buffers)
         for a, b in owned:  # the arrays updated in place, as on the GPU
             a.reshape(-1)[...] = b
+
+
+class RawModule:
+    """A module of template kernels (`name_expressions`): get_function(expression) is a RawKernel that runs
+    the instance `NAME<...>` through the launch emulation, recorded under NAME."""
+
+    def __init__(self, code=None, path=None, options=(), backend="nvrtc", translate_cucomplex=False,
+                 enable_cooperative_groups=False, name_expressions=None, jitify=False):
+        if code is None:
+            raise NotImplementedError("the stand-in's RawModule takes code, not a path")
+        self.code, self.options, self.name_expressions = code, tuple(options), tuple(name_expressions or ())
+
+    def compile(self, log_stream=None):
+        for name in self.name_expressions:
+            self.get_function(name).compile()
+
+    def get_function(self, name):
+        if name not in self.name_expressions:
+            raise KeyError(f"{name!r} is not one of the module's name_expressions {self.name_expressions}")
+        return RawKernel(self.code, name.split("<")[0].strip(), self.options, expression=name)
 
 
 def _launch_buffers(name, params, host):
@@ -246,7 +271,7 @@ def _launch_buffers(name, params, host):
     return buffers, owned
 
 
-def _emulation(spec, dtype):
+def _emulation(spec, dtype, expression=None):
     """The C++ library of one RawKernel's launch emulation for one dtype: run(d, args) launches it
     over grid d[0..2] and block d[3..5] on the argument buffers."""
     from minitensor.backends import cuda
@@ -257,7 +282,7 @@ def _emulation(spec, dtype):
     return "\n".join([emulation.PLAIN_PRELUDE, f"typedef {C_TYPES[dtype.name]} T;", "namespace k {", spec.code, "}",
                       'extern "C" int run(const unsigned *d, void **a) {',
                       "  launch(dim3{d[0], d[1], d[2]}, dim3{d[3], d[4], d[5]}, [&] {",
-                      f"    k::{spec.name}({', '.join(call)});", "  });",
+                      f"    k::{expression or spec.name}({', '.join(call)});", "  });",
                       "  return 0;", "}", ""])
 
 
