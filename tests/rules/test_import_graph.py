@@ -13,18 +13,25 @@ PACKAGES = ("andrea", "minitensor")
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    return module_name_under(ROOT, path)
+
+
+def module_name_under(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The project modules `path` imports anywhere in its body (`from andrea.interop import hf` included)."""
+    """The project modules `path` imports anywhere in its body. `from P import name` reaches P.name
+    where that is a module (`from andrea.interop import hf`) and P itself where it is not: a name
+    defined in P's module, its `__init__` for a package (`from minitensor.backends import get_ops`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
         else:
             continue
         found |= {name for name in names if name in modules}
@@ -32,12 +39,14 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports. A package is the module of its `__init__`, reached
+    where a name defined there is imported: the code in an `__init__` counts as any module's. That
+    importing andrea.run.x runs andrea/__init__.py first is no edge: a package's `__init__` may
+    gather its members (andrea.experiments' EXPERIMENTS), and a member that takes nothing from it
+    makes no circle with it."""
     paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
     modules = {module_name(p) for p in paths}
-    # a package's __init__ is not an edge: importing andrea.run.x runs andrea/__init__.py (which
-    # imports lazily) and andrea/run/__init__.py (a docstring)
-    packages = {module_name(p) for p in paths if p.name == "__init__.py"}
-    return {module_name(p): imports_of(p, modules) - {module_name(p), *packages} for p in paths}
+    return {module_name(p): imports_of(p, modules) - {module_name(p)} for p in paths}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -70,6 +79,24 @@ def test_the_finder_finds_a_circle_and_reads_deferred_imports(tmp_path):
                       "    from andrea.model.transformer import ANDREA\n")
     found = {"andrea.x", "andrea.interop.hf", "andrea.model.transformer"}
     assert imports_of(source, found) == found
+
+
+def test_a_name_taken_from_a_package_is_an_edge_to_its_init(tmp_path):
+    """`from P import name` reaches P's `__init__` where name is defined there, and only P.name where
+    that is a module: the circle backends <-> checks.selfcheck went through get_ops, in an `__init__`."""
+    source = tmp_path / "m.py"
+    source.write_text("from minitensor.backends import fused_pieces, ops\nfrom andrea.experiments import paired\n")
+    modules = {"minitensor.backends", "minitensor.backends.ops", "andrea.experiments", "andrea.experiments.paired"}
+    assert imports_of(source, modules) == {"minitensor.backends", "minitensor.backends.ops",
+                                           "andrea.experiments.paired"}
+    init = tmp_path / "pkg" / "__init__.py"
+    init.parent.mkdir()
+    init.write_text('"""A package."""\n\ndef get():\n    from pkg import member\n    return member.f()\n')
+    (tmp_path / "pkg" / "member.py").write_text("from pkg import get\n")
+    assert module_name_under(tmp_path, init) == "pkg"
+    graph = {module_name_under(tmp_path, p): imports_of(p, {"pkg", "pkg.member"}) - {module_name_under(tmp_path, p)}
+             for p in (init, tmp_path / "pkg" / "member.py")}
+    assert find_cycle(graph) == ["pkg", "pkg.member", "pkg"]
 
 
 def test_no_module_imports_itself_back():
