@@ -140,3 +140,28 @@ def test_the_commands_train_and_prepare_do_not_import_the_hugging_face_module():
     for module, imports in graph.items():
         if module.startswith("andrea.data."):
             assert not {m for m in imports if m.startswith("andrea.interop")}, module
+
+
+def registries() -> dict[str, str]:
+    """name -> module of every registry in andrea/: a module-level dict whose name is in capitals
+    (NORMS, SCHEDULES, SINKS, FORMATS, ...)."""
+    found = {}
+    for path in sorted((ROOT / "andrea").rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Dict, ast.DictComp)):
+                found |= {t.id: module_name(path) for t in node.targets if isinstance(t, ast.Name) and t.id.isupper()}
+    return found
+
+
+def test_the_config_takes_no_registry():
+    """andrea/config.py checks model.norm, train.schedule and train.log_to through each registry's own
+    check (andrea.model.block.check_norm, andrea.run.schedule.check_schedule,
+    andrea.run.sinks.check_sink_names) and lists no member: it imports no registry, so a new member is
+    its registry's entry alone."""
+    known = registries()
+    assert {"NORMS": "andrea.model.block", "SCHEDULES": "andrea.run.schedule", "SINKS": "andrea.run.sinks"}.items() \
+        <= known.items()
+    tree = ast.parse((ROOT / "andrea" / "config.py").read_text(encoding="utf-8"))
+    taken = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             for alias in node.names}
+    assert not {(module, name) for name, module in known.items()} & taken
