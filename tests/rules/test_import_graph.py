@@ -110,13 +110,13 @@ def test_no_module_imports_itself_back():
 LAYERS = sorted(p.stem for p in (ROOT / "minitensor" / "layers").glob("*.py") if p.stem != "__init__")
 NOT_FOR_A_LAYER = ("minitensor.backends.numpy_ops", "minitensor.backends.cpu",
                    "minitensor.backends.numba_jit", "minitensor.backends.cupy_ops", "minitensor.backends.cuda",
-                   "minitensor.backends.kernels",
+                   "minitensor.backends.kernels", "minitensor.backends.selection",
                    "minitensor.checks", "numba", "cupy")
 
 
 def test_importing_a_layer_loads_no_backend_kernels_or_checks():
     """The layering of minitensor's tree: layers/ -> backends/ -> checks/. A layer is read (and
-    imported) without the CPU's numba kernels, the GPU's kernel registry or any check; the backend
+    imported) without the CPU's numba kernels, the GPU's kernel registry and selection or any check; the backend
     that computes it is built when a model is, or at a layer's first forward."""
     import subprocess
     import sys
