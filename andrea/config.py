@@ -18,16 +18,18 @@ from pathlib import Path
 import yaml
 
 from andrea.data.request import check_val_fraction, default_data_dir
-from andrea.errors import UserError
-from andrea.model.block import NORMS
-from andrea.run.schedule import SCHEDULES
-from andrea.run.sinks import SINKS
+from andrea.errors import UserError, one_of
+from andrea.model.block import check_norm
+from andrea.run.schedule import check_schedule
+from andrea.run.sinks import check_sink_names
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-# the values model.norm_position and model.activation take (ModelConfig checks them; model.norm's are
-# the keys of andrea.model.block.NORMS)
+# the values model.norm_position and model.activation take (ModelConfig checks them). The names a
+# registry holds (model.norm, train.schedule, train.log_to) are checked by the registry itself
+# (andrea.model.block.check_norm, andrea.run.schedule.check_schedule, andrea.run.sinks.check_sink_names):
+# nothing here lists them, so that a new member is its registry's entry alone
 NORM_POSITIONS = ("pre", "post", "none")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
 
@@ -71,7 +73,7 @@ class ModelConfig:
         _require(self.ln_eps > 0, f"model.ln_eps must be positive, got {self.ln_eps}")
         self._place_norm()
         _require(self.activation in ACTIVATIONS,
-                 f"model.activation must be {_one_of(ACTIVATIONS)}, got {self.activation!r}")
+                 f"model.activation must be {one_of(ACTIVATIONS)}, got {self.activation!r}")
 
     def _place_norm(self):
         """Checks norm and norm_position. model.norm once was the position (pre, post, none), and
@@ -80,14 +82,13 @@ class ModelConfig:
         if self.norm in NORM_POSITIONS:
             _require(self.norm_position in (None, self.norm),
                      f"model.norm {self.norm!r} is the old spelling of model.norm_position, which says "
-                     f"{self.norm_position!r}: give model.norm_position alone, and model.norm as "
-                     f"{_one_of(NORMS)}")
+                     f"{self.norm_position!r}: give model.norm_position alone, and model.norm as the kind of "
+                     "norm (layernorm, the default)")
             self.norm, self.norm_position = "layernorm", self.norm
         self.norm_position = self.norm_position or "pre"
-        _require(self.norm in NORMS, f"model.norm must be {_one_of(NORMS)} (where it goes is model.norm_position: "
-                 f"{_one_of(NORM_POSITIONS)}), got {self.norm!r}")
+        check_norm(self.norm, f" (where it goes is model.norm_position: {one_of(NORM_POSITIONS)})")
         _require(self.norm_position in NORM_POSITIONS,
-                 f"model.norm_position must be {_one_of(NORM_POSITIONS)}, got {self.norm_position!r}")
+                 f"model.norm_position must be {one_of(NORM_POSITIONS)}, got {self.norm_position!r}")
 
     def _hidden_width(self, ratio):
         """mlp_dim: as given; else mlp_ratio x d_model (4 x when neither is given), a whole number.
@@ -137,7 +138,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 50
-    schedule: str = "cosine"        # cosine, wsd (warmup-stable-decay) or constant: andrea/run/schedule.py
+    schedule: str = "cosine"        # a schedule of andrea.run.schedule.SCHEDULES (cosine by default)
     decay_fraction: float = 0.2     # wsd: the share of max_steps its final linear decay takes
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -145,7 +146,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0          # 0 disables clipping
     log_interval: int = 10
-    log_to: list = field(default_factory=list)  # metrics sinks beside metrics.jsonl: tensorboard, wandb
+    log_to: list = field(default_factory=list)  # metrics sinks beside metrics.jsonl (andrea.run.sinks.SINKS)
     log_grad_flow: bool = False     # per-block gradient and residual-stream norms at log steps (andrea.run.gradflow)
     eval_interval: int = 100
     eval_batches: int = 8
@@ -171,8 +172,8 @@ class TrainConfig:
                  f"train.lr {self.lr:g}: a lower train.lr needs a lower min_lr too, e.g. --set "
                  f"train.min_lr={self.lr / 10:g}")
         _require(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
-        _require(self.schedule in SCHEDULES, f"train.schedule must be {_one_of([*SCHEDULES])}, got {self.schedule!r}")
-        _require(set(self.log_to) <= set(SINKS), f"train.log_to may hold {_one_of([*SINKS])}, got {self.log_to}")
+        check_schedule(self.schedule)
+        check_sink_names(self.log_to)
         _require(0 < self.decay_fraction <= 1, f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         _require(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)")
@@ -234,12 +235,6 @@ class Config:
 
 
 SECTIONS = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig}
-
-
-def _one_of(values):
-    """"a, b or c" ("a" alone) for values (a sequence, or a dict's keys)."""
-    *rest, last = values
-    return f"{', '.join(rest)} or {last}" if rest else last
 
 
 def _require(ok, message):

@@ -73,7 +73,7 @@ GPU_ONLY = {
     "minitensor/device.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),
                               ("unless", r"^xp is np$")],
     "minitensor/backends/__init__.py": [("unless", r"^xp is np$")],                   # get_ops: building CupyOps
-    "minitensor/checks/selfcheck.py": [("def", "compare"), ("def", "choose"), ("unless", r"^xp is np$")],
+    "minitensor/backends/selection.py": [("def", "compare"), ("def", "choose"), ("unless", r"^xp is np$")],
     "andrea/run/perf.py": [("if", r"^xp is not np$"), ("if", r"^gpu$"), ("unless", r"^xp is np$")],
     "andrea/run/preflight.py": [("if", r'^device == "gpu"$')],
     "andrea/run/distributed.py": [("def", "use_local_gpu"), ("unless", r"^xp is np$")],

@@ -43,7 +43,8 @@ from andrea.data.manifest import DATA_FORMAT, META_VERSION
 from andrea.data.progress import Log
 from andrea.data.request import STDLIB_VAL_FRACTION, VAL_FRACTION, check_val_fraction, default_val_fraction
 from andrea.data.shards import STATE_FILE, Encoder, new_state
-from andrea.data.sources import Plan, Source, open_source
+from andrea.data.sources import Plan, Source
+from andrea.data.sources.opening import open_source
 from andrea.data.sources.records import default_text_field
 from andrea.data.tokenizer import DEFAULT_VOCAB_SIZE, Tokenizer, load_tokenizer
 from andrea.errors import UserError

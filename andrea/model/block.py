@@ -13,6 +13,7 @@ from views of the model's flat buffer (minitensor.flat) under its GPT-2 names.
 
 from typing import NamedTuple
 
+from andrea.errors import check_key
 from minitensor.layers.attention import CausalSelfAttention
 from minitensor.layers.layer import Layer, Norm
 from minitensor.layers.layernorm import LayerNorm
@@ -28,6 +29,12 @@ def _linear(p, name, ops):
 # model.norm -> its layer, a Norm (minitensor.layers.layer): the config's values, the parameters'
 # names and shapes (andrea.model.sizes) and the layers built below all come from here
 NORMS = {"layernorm": LayerNorm, "rms": RMSNorm}
+
+
+def check_norm(kind: str, note: str = "") -> None:
+    """A UserError unless kind is a norm of NORMS (model.norm's check, in andrea.config), note said
+    after the kinds."""
+    check_key(NORMS, kind, "model.norm", note)
 
 
 def norm_layer(p, name, cfg, ops):

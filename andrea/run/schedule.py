@@ -23,11 +23,12 @@ warmup_steps is 0), and then:
 - **constant**: train.lr to the end.
 
 A new schedule is a class here (`lr`, `describe`, `settings`: the train keys it reads) and one entry
-in SCHEDULES.
+in SCHEDULES, which train.schedule's check (check_schedule) reads.
 """
 
 from __future__ import annotations
 
+from andrea.errors import check_key
 from minitensor.optim import cosine_lr
 
 
@@ -111,6 +112,11 @@ class Constant(Schedule):
 
 
 SCHEDULES = {cls.name: cls for cls in (Cosine, WarmupStableDecay, Constant)}
+
+
+def check_schedule(name: str) -> None:
+    """A UserError unless name is a schedule of SCHEDULES (train.schedule's check, in andrea.config)."""
+    check_key(SCHEDULES, name, "train.schedule")
 
 
 def make_schedule(train) -> Schedule:

@@ -39,7 +39,7 @@ import os
 import secrets
 from pathlib import Path
 
-from andrea.errors import UserError
+from andrea.errors import UserError, one_of
 from andrea.files import atomic_writer
 
 
@@ -126,6 +126,12 @@ def _read_state(path: Path) -> dict:
 
 
 SINKS = {cls.name: cls for cls in (TensorBoardSink, WandbSink)}
+
+
+def check_sink_names(names) -> None:
+    """A UserError unless every name is a sink of SINKS (train.log_to's check, in andrea.config)."""
+    if not set(names) <= set(SINKS):
+        raise UserError(f"train.log_to may hold {one_of(SINKS)}, got {names}")
 
 
 def check_sinks(names, out_dir) -> None:

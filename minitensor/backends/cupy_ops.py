@@ -21,7 +21,7 @@ beside its wrappers and its .cu): its name, the Ops methods it replaces, each wi
 runs it with the kernels, its kernels, the self-check's sample, gpu_check's cases, its timed run
 (`minitensor.backends.fused_pieces()` returns them all). Which pieces a CupyOps runs is fixed when it
 is built (`CupyOps(xp, fused=...)`; through `minitensor.backends.get_ops(cupy, kernels)`, where
-kernels="auto" runs the start-up self-check of minitensor.checks.selfcheck once: each piece's sample
+kernels="auto" runs the start-up self-check of minitensor.backends.selection once: each piece's sample
 through the Ops code and through the kernel, keeping those that agree): for each of them it binds
 the record's functions over the methods they replace, in one place (`_with_piece`), so that where a
 function returns cuda.FALLBACK the method runs as it is without the piece. A new piece is its record:
@@ -37,8 +37,9 @@ minitensor.backends.cublas), so a NumPy-backed stand-in of CuPy can run them in 
 
 import numpy as np
 
-from minitensor.backends import cublas, cuda, fused_pieces
+from minitensor.backends import cublas, cuda
 from minitensor.backends.blocked import BlockedAttention
+from minitensor.backends.kernels import fused_pieces
 from minitensor.backends.kernels.embedding import scatter_add_rows_gpu
 from minitensor.backends.kernels.gelu import GELU_BWD, GELU_FWD
 from minitensor.backends.kernels.linear import BIAS_RESIDUAL_ADD, epilogue_fits

@@ -1,6 +1,6 @@
 """Phase 3, kernels: each fused kernel against the generic code at ANDREA-120M's shapes, on the device.
 
-First the start-up self-check (minitensor.checks.selfcheck: which fused pieces agree with the generic
+First the start-up self-check (minitensor.backends.selection: which fused pieces agree with the generic
 path; the attention's at ANDREA-120M's head size, 64), then every case of every fused piece's record
 (kernels/NAME.py: the kernel's wrapper against the Ops code, float32, tolerance 1e-5 norm-wise),
 cuBLAS's own calls against CuPy's, and the flash kernels as training runs them, their float32
@@ -27,9 +27,9 @@ TF32_TOLERANCE = 5e-3
 
 def part_kernels(dry):
     from minitensor.backends import cuda, fused_pieces
-    from minitensor.checks import kernelcheck
     from minitensor.backends.cuda import Sizes
-    from minitensor.checks.selfcheck import at_sizes, select_kernels
+    from minitensor.backends.selection import at_sizes, select_kernels
+    from minitensor.checks import kernelcheck
 
     failed = False
     on_gpu = gpu_here(dry)

@@ -2,16 +2,17 @@
 descriptions, the config keys that choose them, and how a resume tells a changed schedule."""
 
 import dataclasses
+import itertools
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from andrea.config import load_config
-from andrea.errors import UserError
-from andrea.run.schedule import SCHEDULES, make_schedule, schedule_changes
+from andrea.errors import UserError, one_of
+from andrea.run.schedule import SCHEDULES, Constant, make_schedule, schedule_changes
 from minitensor.optim import cosine_lr
-
 
 TINY = load_config("tiny")
 
@@ -121,7 +122,7 @@ def test_the_plan_prints_the_schedules_own_description(tmp_path):
 
 
 def test_bad_schedule_settings_are_one_line_errors():
-    with pytest.raises(UserError, match=r"^train.schedule must be cosine, wsd or constant, got 'wds'$"):
+    with pytest.raises(UserError, match=rf"^{re.escape(f'train.schedule must be {one_of(SCHEDULES)}')}, got 'wds'$"):
         train_section(schedule="wds")
     with pytest.raises(UserError, match=r"^train.decay_fraction must be in \(0, 1\], got 0.0$"):
         train_section(decay_fraction=0)
@@ -147,4 +148,24 @@ def test_schedule_changes_names_what_the_schedules_read():
         "train.schedule constant -> wsd", "train.min_lr 0.0003 -> 0.0001", "train.decay_fraction 0.2 -> 0.5"]
     assert schedule_changes(d(schedule="wsd", min_lr=1e-4, decay_fraction=0.5), d(schedule="constant")) == [
         "train.schedule wsd -> constant", "train.min_lr 0.0001 -> 0.0003", "train.decay_fraction 0.5 -> 0.2"]
-    assert set(SCHEDULES) == {"cosine", "wsd", "constant"}
+    # the same for every two schedules of SCHEDULES: each key either reads, and no other, is named
+    base = d()
+    for saved, now in itertools.permutations(SCHEDULES, 2):
+        read = dict.fromkeys(SCHEDULES[saved].settings + SCHEDULES[now].settings)
+        changed = {k: (base[k] + 1 if isinstance(base[k], int) else base[k] / 2) for k in read if k != "schedule"}
+        other = "eval_interval"  # read by no schedule
+        assert other not in read
+        assert schedule_changes({**base, "schedule": saved}, {**base, **changed, "schedule": now, other: 7}) == [
+            f"train.{k} {({**base, 'schedule': saved})[k]} -> {({**changed, 'schedule': now})[k]}" for k in read]
+
+
+def test_train_schedule_takes_what_SCHEDULES_holds(monkeypatch):
+    """The config lists no schedule: it asks the registry (check_schedule), so a class in SCHEDULES is
+    a value train.schedule takes and its error message names, with nothing else edited."""
+    class Linear(Constant):
+        name = "linear"
+
+    monkeypatch.setitem(SCHEDULES, "linear", Linear)
+    assert train_section(schedule="linear").schedule == "linear"
+    with pytest.raises(UserError, match=r"^train.schedule must be .*, constant or linear, got 'wds'$"):
+        train_section(schedule="wds")

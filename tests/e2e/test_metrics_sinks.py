@@ -5,6 +5,7 @@ with the values metrics.jsonl holds; and the Metrics object's rules: rank 0 alon
 that fails is left out, a sink whose library is missing is named before any work."""
 
 import os
+import re
 import shutil
 import subprocess
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from optional import require
 from runs import run_main, small_config
 
 from andrea.config import load_config
-from andrea.errors import UserError
+from andrea.errors import UserError, one_of
 from andrea.run import sinks
 from andrea.run.metrics import JsonlSink, Metrics, open_metrics, read_records
 from andrea.run.sinks import scalars
@@ -112,7 +113,12 @@ def test_scalars_are_the_finite_numbers_of_a_record():
 
 
 def test_log_to_is_checked_before_any_work(monkeypatch):
-    with pytest.raises(UserError, match=r"^train.log_to may hold tensorboard or wandb, got \['tensorbord'\]$"):
+    with pytest.raises(UserError, match=rf"^{re.escape(f'train.log_to may hold {one_of(sinks.SINKS)}')}, "
+                                        r"got \['tensorbord'\]$"):
+        load_config("tiny", ["train.log_to=tensorbord"])
+    monkeypatch.setitem(sinks.SINKS, "csv", sinks.TensorBoardSink)  # a member is its registry's entry alone
+    assert load_config("tiny", ["train.log_to=csv"]).train.log_to == ["csv"]
+    with pytest.raises(UserError, match=r"^train.log_to may hold .* or csv, got \['tensorbord'\]$"):
         load_config("tiny", ["train.log_to=tensorbord"])
     assert load_config("tiny").train.log_to == []  # off by default
     monkeypatch.setattr(sinks.WandbSink, "module", "andrea_no_such_module")

@@ -8,17 +8,22 @@ registered in its registry alone, then run as a user runs it (the commands in-pr
 - a record format (tab-separated values, the text in a named column) in FORMATS: `prepare` reads a
   directory of such files, each document whole on one side of the split, and `train` trains on it;
 - a norm (LayerNorm without its bias), its maths as two `Ops` methods and its layer a `Norm`, in
-  NORMS: `train --set model.norm=biasfree` builds and trains it, and `sample` and `trace` use it.
+  NORMS: `train --set model.norm=biasfree` builds and trains it, and `sample` and `trace` use it;
+- a fused GPU kernel: the six files "Add a fused kernel" names are those every piece of
+  minitensor/backends/kernels/ is in (a new piece's own run is tests/gpu/test_kernels_fused.py's
+  test_a_new_piece_is_its_record_alone).
 
 Nothing else of the project is edited for any of them: each test fails if a seam needs more than
 its registry (a list read elsewhere, a copy taken at import).
 """
 
+import ast
 import contextlib
 import csv
 import io
 import json
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -388,3 +393,54 @@ def test_a_norm_in_NORMS_trains_samples_and_traces(tmp_path, data_dir, biasfree)
     stats = model.trace(np.array([tokenizer.encode(PROMPT)]))[0]["ln_1"]
     for name in ("mean", "rstd"):
         assert float(shown[name]) == pytest.approx(float(to_numpy(stats[name])[0, -1, 0]), abs=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------- a fused kernel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def section(title):
+    """The text of docs/architecture.md's section `## title`, up to the next."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def mutated_pieces():
+    """The (piece, spec) pairs of test_selfcheck's mutations, read from its source."""
+    tree = ast.parse((ROOT / "tests" / "gpu" / "test_selfcheck.py").read_text(encoding="utf-8"))
+    test = next(n for n in tree.body if getattr(n, "name", "") == "test_a_kernel_made_to_disagree_is_replaced_by_"
+                "the_generic_path")
+    (cases,) = [d.args[1] for d in test.decorator_list if isinstance(d, ast.Call) and len(d.args) == 2]
+    return {tuple(ast.literal_eval(e)[:2]) for e in cases.elts}
+
+
+def test_every_fused_piece_is_in_the_files_the_recipe_names():
+    """The GPU recipe names six files: the kernel (.cu) and its record (.py) under kernels/, the layout's
+    `kernels/` entry, kernel_counts.json, test_kernels_fused.py and test_selfcheck.py. Every piece went
+    in through them: its two files side by side, its module in the layout, every RawKernel's counts
+    kept, its module imported by the tests of its formulas; and each mutation names a piece's own kernel."""
+    from minitensor.backends import cuda, fused_pieces
+
+    recipe = section("Add a fused kernel")
+    for path in ("minitensor/backends/kernels/", "tests/rules/test_layout.py", "andrea/run/kernel_counts.json",
+                 "tests/gpu/test_kernels_fused.py", "tests/gpu/test_selfcheck.py"):
+        assert path in recipe, path
+    assert "\n6. " in recipe and "\n7. " not in recipe
+    layout = section("The layout")
+    entry = layout[layout.index("    kernels/"):layout.index("  checks/")]
+    counts = json.loads((ROOT / "andrea" / "run" / "kernel_counts.json").read_text())
+    fused_tests = ast.parse((ROOT / "tests" / "gpu" / "test_kernels_fused.py").read_text(encoding="utf-8"))
+    imported = {a.name for n in fused_tests.body if isinstance(n, ast.ImportFrom)
+                and n.module == "minitensor.backends.kernels" for a in n.names}
+    pieces = fused_pieces()
+    for name, piece in pieces.items():
+        module = piece.sample.__module__.rsplit(".", 1)[1]
+        assert (cuda.KERNEL_DIR / f"{module}.cu").is_file() and (cuda.KERNEL_DIR / f"{module}.py").is_file(), name
+        assert f"{module}.py" in entry, name
+        assert {s.name for s in piece.kernels if isinstance(s, cuda.RawSpec)} <= set(counts), name
+        assert module in imported, name
+    mutated = mutated_pieces()
+    assert mutated
+    for name, spec in mutated:  # the spec, an attribute of the piece's module, is one of its kernels
+        assert getattr(sys.modules[pieces[name].sample.__module__], spec) in pieces[name].kernels, (name, spec)

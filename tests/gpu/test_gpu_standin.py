@@ -175,7 +175,7 @@ def test_the_gpu_path_with_the_flash_core_equals_the_cpu_path(dtype, tol):
 
 def test_the_fused_kernels_pass_their_start_up_self_check_on_the_standin():
     from minitensor.backends import fused_pieces
-    from minitensor.checks.selfcheck import select_kernels
+    from minitensor.backends.selection import select_kernels
 
     with standin_cupy() as cupy:
         fused, line = select_kernels("auto", cupy)

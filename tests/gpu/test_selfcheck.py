@@ -1,4 +1,5 @@
-"""The start-up self-check of the fused kernels (minitensor/checks/selfcheck.py) and the backend it builds.
+"""The start-up self-check of the fused kernels (minitensor/backends/selection.py,
+where kernel selection lives) and the backend it builds.
 
 The checks run on the CuPy stand-in (tests/support/gpu_standin.py): RawKernels through the launch
 emulation, ElementwiseKernels as C++ on the host. A kernel made to disagree (a sign flipped in
@@ -23,10 +24,9 @@ from markers import needs_cxx
 from optional import require
 from procs import run_in_own_session
 
-from minitensor.backends import fused_pieces, get_ops
+from minitensor.backends import fused_pieces, get_ops, selection
 from minitensor.backends.cupy_ops import CupyOps
 from minitensor.backends.ops import Ops
-from minitensor.checks import selfcheck
 from minitensor.layers.layernorm import LayerNorm
 
 FUSED = tuple(fused_pieces())  # the names of the fused pieces, from their records
@@ -49,7 +49,7 @@ def stand_in_check(error):
 
 def test_select_keeps_what_agrees_and_reports_what_does_not(cupy):
     checks = {"layernorm": stand_in_check(1e-7), "adamw": stand_in_check(1e-2), "bias_gelu": stand_in_check(0.0)}
-    fused, line = selfcheck.select_kernels("auto", cupy, checks)
+    fused, line = selection.select_kernels("auto", cupy, checks)
     assert fused == ("layernorm", "bias_gelu")
     assert line.startswith("kernels: fused layernorm, bias_gelu; generic for adamw (failed its self-check: max error")
 
@@ -60,18 +60,18 @@ def test_a_check_that_raises_is_refused(cupy):
             raise RuntimeError("NVRTC said no\nmore")
         return (ops.xp.zeros(3),)
 
-    fused, line = selfcheck.select_kernels("auto", cupy, {"adamw": broken})
+    fused, line = selection.select_kernels("auto", cupy, {"adamw": broken})
     assert fused == ()
     assert line == "kernels: fused none; generic for adamw (failed its self-check: RuntimeError: NVRTC said no)"
 
 
 def test_modes_and_numpy(cupy):
-    assert selfcheck.select_kernels("fused", cupy) == (
+    assert selection.select_kernels("fused", cupy) == (
         FUSED, f"kernels: fused {', '.join(FUSED)} (train.kernels=fused, not self-checked)")
-    assert selfcheck.select_kernels("generic", cupy) == ((), "kernels: generic (train.kernels=generic)")
-    assert selfcheck.select_kernels("auto", np) == ((), "kernels: generic (NumPy)")
+    assert selection.select_kernels("generic", cupy) == ((), "kernels: generic (train.kernels=generic)")
+    assert selection.select_kernels("auto", np) == ((), "kernels: generic (NumPy)")
     with pytest.raises(ValueError, match="kernels must be one of"):
-        selfcheck.select_kernels("fast", np)
+        selection.select_kernels("fast", np)
 
 
 def test_the_backend_is_built_with_its_kernels_once(cupy):
@@ -92,7 +92,7 @@ def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
     checks = {name: piece.sample for name, piece in fused_pieces().items()}
     assert len(checks) >= 5
     for name, check in checks.items():  # on NumPy the generic code: outputs finite and repeatable
-        first, again = (check(Ops(np), np.random.default_rng(selfcheck.SEED)) for _ in range(2))
+        first, again = (check(Ops(np), np.random.default_rng(selection.SEED)) for _ in range(2))
         assert all(np.all(np.isfinite(a)) for a in first), name
         assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True)), name
 
@@ -113,7 +113,7 @@ def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeyp
     good = getattr(module, spec)
     assert wrong[0] in good.code
     monkeypatch.setattr(module, spec, dataclasses.replace(good, inline=good.code.replace(*wrong)))
-    fused, line = selfcheck.select_kernels("auto", cupy, {piece: fused_pieces()[piece].sample})
+    fused, line = selection.select_kernels("auto", cupy, {piece: fused_pieces()[piece].sample})
     assert line.startswith(f"kernels: fused none; generic for {piece} (failed its self-check: max error")
     assert fused == ()
     if piece == "layernorm":  # and the layer of a backend built with that choice runs the generic code
@@ -208,7 +208,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     ticks = Clock()
-    monkeypatch.setattr(selfcheck, "time", types.SimpleNamespace(perf_counter=ticks))
+    monkeypatch.setattr(selection, "time", types.SimpleNamespace(perf_counter=ticks))
     return ticks
 
 
@@ -230,16 +230,16 @@ def test_a_fused_piece_slower_than_the_generic_code_is_not_chosen(cupy, monkeypa
     checks = {"layernorm": stand_in_check(0.0), "bias_gelu": stand_in_check(0.0)}
     timers = {"layernorm": sleeper("layernorm", fused_ms=30, generic_ms=2, clock=clock),
               "bias_gelu": sleeper("bias_gelu", fused_ms=2, generic_ms=30, clock=clock)}
-    fused, line = selfcheck.select_kernels("auto", cupy, checks, sizes=tiny_sizes(), timers=timers)
+    fused, line = selection.select_kernels("auto", cupy, checks, sizes=tiny_sizes(), timers=timers)
     assert fused == ("bias_gelu",)
     assert line == "kernels: fused bias_gelu (2 ms against 30); generic for layernorm (slower: fused 30 ms, generic 2 ms)"
     # without the run's sizes (a model built outside training), nothing is timed
-    assert selfcheck.select_kernels("auto", cupy, checks, timers=timers)[0] == ("layernorm", "bias_gelu")
+    assert selection.select_kernels("auto", cupy, checks, timers=timers)[0] == ("layernorm", "bias_gelu")
 
 
 def test_on_the_standin_nothing_is_timed_and_the_line_says_so(cupy, clock):
     checks = {"layernorm": stand_in_check(0.0)}
-    fused, line = selfcheck.select_kernels("auto", cupy, checks, sizes=tiny_sizes(),
+    fused, line = selection.select_kernels("auto", cupy, checks, sizes=tiny_sizes(),
                                            timers={"layernorm": sleeper("layernorm", 30, 2, clock)})
     assert fused == ("layernorm",) and line.endswith("(not timed: the CuPy stand-in runs the kernels on the CPU)")
     assert clock.now == 0.0
@@ -252,7 +252,7 @@ def test_every_pieces_timed_run_runs_with_the_piece_and_without(cupy, name):
     runs through the backend both ways here, at tiny sizes."""
     piece = fused_pieces()[name]
     assert piece.timed is not None, f"{name}: its record has no timed run"
-    with_piece, without = selfcheck.time_piece(piece.timed, name, cupy, tiny_sizes())
+    with_piece, without = selection.time_piece(piece.timed, name, cupy, tiny_sizes())
     assert with_piece > 0 and without > 0
 
 
@@ -266,7 +266,7 @@ def test_a_piece_whose_timing_raises_runs_the_generic_code_and_the_line_says_why
 
     checks = {"layernorm": stand_in_check(0.0), "bias_gelu": stand_in_check(0.0)}
     timers = {"layernorm": out_of_memory, "bias_gelu": sleeper("bias_gelu", fused_ms=1, generic_ms=20, clock=clock)}
-    fused, line = selfcheck.select_kernels("auto", cupy, checks, sizes=tiny_sizes(), timers=timers)
+    fused, line = selection.select_kernels("auto", cupy, checks, sizes=tiny_sizes(), timers=timers)
     assert fused == ("bias_gelu",)
     assert line.endswith("; generic for layernorm (timing failed at the run's sizes, MemoryError: Out of memory "
                          "allocating 4,294,967,296 bytes)"), line
@@ -278,9 +278,9 @@ def test_a_piece_whose_timing_raises_runs_the_generic_code_and_the_line_says_why
 def test_the_timing_tie_rule_keeps_the_fused_piece_only_when_it_is_not_slower(cupy, monkeypatch,
                                                                               fused_s, generic_s, kept):
     """Equal times keep the fused piece; a nanosecond slower refuses it."""
-    monkeypatch.setattr(selfcheck, "time_piece", lambda *a, **k: (fused_s, generic_s))
+    monkeypatch.setattr(selection, "time_piece", lambda *a, **k: (fused_s, generic_s))
     refused = {}
-    chosen, times = selfcheck.keep_faster(["layernorm"], refused, cupy, tiny_sizes(), {"layernorm": None})
+    chosen, times = selection.keep_faster(["layernorm"], refused, cupy, tiny_sizes(), {"layernorm": None})
     assert times == {"layernorm": (fused_s, generic_s)}
     assert chosen == (["layernorm"] if kept else []) and ("layernorm" in refused) is not kept
 
@@ -292,10 +292,10 @@ def test_the_attention_sample_runs_at_the_runs_head_size():
 
     sample = fused_pieces()["flash_attention"].sample
     for sizes, width in ((Sizes(), 4 * 64), (None, 4 * 16), (tiny_sizes(), 4 * 16)):
-        y = selfcheck.at_sizes(sample, sizes)(Ops(np), np.random.default_rng(0))[0]
+        y = selection.at_sizes(sample, sizes)(Ops(np), np.random.default_rng(0))[0]
         assert y.shape == (2, 72, width), (sizes, y.shape)
     plain = stand_in_check(0.0)
-    assert selfcheck.at_sizes(plain, Sizes()) is plain  # a sample that takes no sizes runs as it is
+    assert selection.at_sizes(plain, Sizes()) is plain  # a sample that takes no sizes runs as it is
 
 
 def test_auto_with_the_runs_sizes_checks_each_sample_at_them(cupy, monkeypatch):
@@ -312,22 +312,22 @@ def test_auto_with_the_runs_sizes_checks_each_sample_at_them(cupy, monkeypatch):
     real = fused_pieces()
     pieces = {"layernorm": dataclasses.replace(real["layernorm"], sample=sized),
               "bias_gelu": dataclasses.replace(real["bias_gelu"], sample=stand_in_check(0.0))}
-    monkeypatch.setattr(selfcheck, "fused_pieces", lambda: pieces)
-    fused, _ = selfcheck.select_kernels("auto", cupy, sizes=Sizes())  # on the stand-in: checked, not timed
+    monkeypatch.setattr(selection, "fused_pieces", lambda: pieces)
+    fused, _ = selection.select_kernels("auto", cupy, sizes=Sizes())  # on the stand-in: checked, not timed
     assert fused == ("layernorm", "bias_gelu") and seen == [64, 64]  # the piece off, then on
     seen.clear()
-    selfcheck.select_kernels("auto", cupy)
+    selection.select_kernels("auto", cupy)
     assert seen == [None, None]
 
 
 def test_a_choice_made_elsewhere_builds_the_backend_unchecked(cupy, monkeypatch):
     """get_ops with rank 0's Choice runs exactly its pieces, logs its line, and runs no self-check."""
-    monkeypatch.setattr(selfcheck, "select_kernels", lambda *a, **k: pytest.fail("a Choice is not re-checked"))
-    choice = selfcheck.Choice(("layernorm",), "kernels: fused layernorm (rank 0's choice)")
+    monkeypatch.setattr(selection, "select_kernels", lambda *a, **k: pytest.fail("a Choice is not re-checked"))
+    choice = selection.Choice(("layernorm",), "kernels: fused layernorm (rank 0's choice)")
     ops = get_ops(cupy, choice)
     assert ops.in_use == frozenset({"layernorm"}) and ops.kernels_line == choice.line
     assert get_ops(cupy, choice) is ops
-    assert selfcheck.Choice.from_json(json.loads(json.dumps(choice.to_json()))) == choice
+    assert selection.Choice.from_json(json.loads(json.dumps(choice.to_json()))) == choice
     assert get_ops(np, choice) is get_ops(np)  # on the CPU a GPU choice leaves the CPU's kernels alone
 
 

@@ -4,6 +4,8 @@ float64, the key/value cache against the full forward, the defaults unchanged, t
 the norm's position still read, and the Hugging Face export refusing what is not GPT-2.
 """
 
+import re
+
 import numpy as np
 import pytest
 import strategies as S
@@ -12,7 +14,7 @@ from test_model import assert_float32_follows_float64, whole_model_gradient_repo
 
 from andrea import ANDREA, ModelConfig
 from andrea.config import load_config
-from andrea.errors import UserError
+from andrea.errors import UserError, one_of
 from andrea.model.block import NORMS
 from andrea.model.sizes import parameter_breakdown
 from minitensor.device import to_numpy
@@ -127,10 +129,10 @@ def test_a_post_norm_block_normalises_its_output():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.norm=middle", r"model.norm must be layernorm.* \(where it goes is model.norm_position: pre, post or "
-                          r"none\), got 'middle'"),
+    ("model.norm=middle", re.escape(f"model.norm must be {one_of(NORMS)} (where it goes is model.norm_position: "
+                                    "pre, post or none), got 'middle'")),
     ("model.norm_position=middle", "model.norm_position must be pre, post or none, got 'middle'"),
-    ("model.norm=LayerNorm", "model.norm must be layernorm"),
+    ("model.norm=LayerNorm", re.escape(f"model.norm must be {one_of(NORMS)} (")),
     ("model.activation=tanh", "model.activation must be gelu, relu or swiglu, got 'tanh'"),
     ("model.activation=SwiGLU", "model.activation must be gelu, relu or swiglu"),
     ("model.residual=maybe", "model.residual must be true or false"),

@@ -13,18 +13,25 @@ PACKAGES = ("andrea", "minitensor")
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    return module_name_under(ROOT, path)
+
+
+def module_name_under(root: Path, path: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The project modules `path` imports anywhere in its body (`from andrea.interop import hf` included)."""
+    """The project modules `path` imports anywhere in its body. `from P import name` reaches P.name
+    where that is a module (`from andrea.interop import hf`) and P itself where it is not: a name
+    defined in P's module, its `__init__` for a package (`from minitensor.backends import get_ops`)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                     for alias in node.names]
         else:
             continue
         found |= {name for name in names if name in modules}
@@ -32,12 +39,14 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports. A package is the module of its `__init__`, reached
+    where a name defined there is imported: the code in an `__init__` counts as any module's. That
+    importing andrea.run.x runs andrea/__init__.py first is no edge: a package's `__init__` may
+    gather its members (andrea.experiments' EXPERIMENTS), and a member that takes nothing from it
+    makes no circle with it."""
     paths = [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]
     modules = {module_name(p) for p in paths}
-    # a package's __init__ is not an edge: importing andrea.run.x runs andrea/__init__.py (which
-    # imports lazily) and andrea/run/__init__.py (a docstring)
-    packages = {module_name(p) for p in paths if p.name == "__init__.py"}
-    return {module_name(p): imports_of(p, modules) - {module_name(p), *packages} for p in paths}
+    return {module_name(p): imports_of(p, modules) - {module_name(p)} for p in paths}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -72,6 +81,24 @@ def test_the_finder_finds_a_circle_and_reads_deferred_imports(tmp_path):
     assert imports_of(source, found) == found
 
 
+def test_a_name_taken_from_a_package_is_an_edge_to_its_init(tmp_path):
+    """`from P import name` reaches P's `__init__` where name is defined there, and only P.name where
+    that is a module: the circle backends <-> checks.selfcheck went through get_ops, in an `__init__`."""
+    source = tmp_path / "m.py"
+    source.write_text("from minitensor.backends import fused_pieces, ops\nfrom andrea.experiments import paired\n")
+    modules = {"minitensor.backends", "minitensor.backends.ops", "andrea.experiments", "andrea.experiments.paired"}
+    assert imports_of(source, modules) == {"minitensor.backends", "minitensor.backends.ops",
+                                           "andrea.experiments.paired"}
+    init = tmp_path / "pkg" / "__init__.py"
+    init.parent.mkdir()
+    init.write_text('"""A package."""\n\ndef get():\n    from pkg import member\n    return member.f()\n')
+    (tmp_path / "pkg" / "member.py").write_text("from pkg import get\n")
+    assert module_name_under(tmp_path, init) == "pkg"
+    graph = {module_name_under(tmp_path, p): imports_of(p, {"pkg", "pkg.member"}) - {module_name_under(tmp_path, p)}
+             for p in (init, tmp_path / "pkg" / "member.py")}
+    assert find_cycle(graph) == ["pkg", "pkg.member", "pkg"]
+
+
 def test_no_module_imports_itself_back():
     graph = import_graph()
     # ANDREA.from_pretrained reads the Hugging Face format
@@ -83,13 +110,13 @@ def test_no_module_imports_itself_back():
 LAYERS = sorted(p.stem for p in (ROOT / "minitensor" / "layers").glob("*.py") if p.stem != "__init__")
 NOT_FOR_A_LAYER = ("minitensor.backends.numpy_ops", "minitensor.backends.cpu",
                    "minitensor.backends.numba_jit", "minitensor.backends.cupy_ops", "minitensor.backends.cuda",
-                   "minitensor.backends.kernels",
+                   "minitensor.backends.kernels", "minitensor.backends.selection",
                    "minitensor.checks", "numba", "cupy")
 
 
 def test_importing_a_layer_loads_no_backend_kernels_or_checks():
     """The layering of minitensor's tree: layers/ -> backends/ -> checks/. A layer is read (and
-    imported) without the CPU's numba kernels, the GPU's kernel registry or any check; the backend
+    imported) without the CPU's numba kernels, the GPU's kernel registry and selection or any check; the backend
     that computes it is built when a model is, or at a layer's first forward."""
     import subprocess
     import sys
@@ -113,3 +140,28 @@ def test_the_commands_train_and_prepare_do_not_import_the_hugging_face_module():
     for module, imports in graph.items():
         if module.startswith("andrea.data."):
             assert not {m for m in imports if m.startswith("andrea.interop")}, module
+
+
+def registries() -> dict[str, str]:
+    """name -> module of every registry in andrea/: a module-level dict whose name is in capitals
+    (NORMS, SCHEDULES, SINKS, FORMATS, ...)."""
+    found = {}
+    for path in sorted((ROOT / "andrea").rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Dict, ast.DictComp)):
+                found |= {t.id: module_name(path) for t in node.targets if isinstance(t, ast.Name) and t.id.isupper()}
+    return found
+
+
+def test_the_config_takes_no_registry():
+    """andrea/config.py checks model.norm, train.schedule and train.log_to through each registry's own
+    check (andrea.model.block.check_norm, andrea.run.schedule.check_schedule,
+    andrea.run.sinks.check_sink_names) and lists no member: it imports no registry, so a new member is
+    its registry's entry alone."""
+    known = registries()
+    assert {"NORMS": "andrea.model.block", "SCHEDULES": "andrea.run.schedule", "SINKS": "andrea.run.sinks"}.items() \
+        <= known.items()
+    tree = ast.parse((ROOT / "andrea" / "config.py").read_text(encoding="utf-8"))
+    taken = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             for alias in node.names}
+    assert not {(module, name) for name, module in known.items()} & taken

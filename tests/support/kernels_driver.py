@@ -21,9 +21,8 @@ from gpu_standin import standin_cupy
 
 from andrea.run import distributed as dist
 from andrea.run.kernels import agreed_kernels
-from minitensor.backends import fused_pieces
+from minitensor.backends import fused_pieces, selection
 from minitensor.backends.cuda import Sizes
-from minitensor.checks import selfcheck
 
 
 def sample(ops, rng):
@@ -47,12 +46,12 @@ def main():
     args = ap.parse_args()
     world = dist.init()
     piece = dataclasses.replace(fused_pieces()["layernorm"], sample=sample, timed=lambda ops, sizes: None)
-    selfcheck.fused_pieces = lambda: {"layernorm": piece}
-    selfcheck.time_piece = rank_timer(world.rank, args.raise_on)
+    selection.fused_pieces = lambda: {"layernorm": piece}
+    selection.time_piece = rank_timer(world.rank, args.raise_on)
     sizes = Sizes(B=2, T=16, C=32, n_head=2, F=64, V=50, P=300)
     with standin_cupy() as cupy:
         cupy.STANDIN = False  # time, as on a GPU
-        own = selfcheck.select_kernels("auto", cupy, sizes=sizes)
+        own = selection.select_kernels("auto", cupy, sizes=sizes)
         agreed = agreed_kernels(world, SimpleNamespace(kernels="auto", device="gpu"), sizes)
     result = {"own": [list(own[0]), own[1]], "agreed": [list(agreed.fused), agreed.line]}
     Path(args.out, f"rank{world.rank}.json").write_text(json.dumps(result))

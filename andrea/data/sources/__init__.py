@@ -7,7 +7,7 @@ split. The preparation (andrea.data.preparation) asks nothing else of it: the to
 the training parts of a sample of the blocks, the encoder writes each part's documents to its
 split's shards with an end-of-text id after each document.
 
-    source = open_source(["data.jsonl"], text_field="text")   # or open_source(None): the stdlib's files
+    source = opening.open_source(["data.jsonl"], text_field="text")  # or (None): the stdlib's files
     plan = source.plan(source.sizes(), val_fraction=0.01, log=Log(False))
     plan.check()                                               # both splits hold text, else a UserError
     for j in range(len(plan.blocks)):
@@ -21,6 +21,7 @@ The sources:
                  document's id (its file and record number); the formats it reads:
     jsonl.py     JSON Lines: one object a line, the text in a named field (`--text-field`)
     parquet.py   Parquet: one row a document, the text in a named column (pyarrow, the `parquet` extra)
+    opening.py   open_source: which of them a request names
 
 Adding a source (docs/data.md, "Add a source"): a record format is a module like jsonl.py (`scan`
 a file into `Unit`s, blocks of whole records; `Documents` of one block) registered in `records.FORMATS`;
@@ -29,7 +30,6 @@ anything else is a `Source` subclass whose `plan` returns a `Plan`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,9 +37,6 @@ import numpy as np
 
 from andrea.data.corpus import FileList
 from andrea.data.stream import Blocks
-from andrea.errors import UserError
-
-COMPRESSED_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".zip", ".7z"}
 
 
 @dataclass
@@ -162,19 +159,3 @@ class Source:
 
     def plan(self, sizes: np.ndarray, val_fraction: float, log) -> Plan:
         raise NotImplementedError
-
-
-def open_source(inputs: list[str] | None, text_field: str | None = None,
-                progress: Callable[[int], None] | None = None) -> Source:
-    """The source the request names: records read from `text_field` when one is given, else files.
-    A compressed file named as an input is refused with what to do (none is read)."""
-    from andrea.data.sources import files, records
-
-    for spec in inputs or ():
-        suffix = Path(spec).suffix.lower()
-        if suffix in COMPRESSED_SUFFIXES and Path(spec).expanduser().is_file():
-            raise UserError(f"{spec} is compressed ({suffix}): andrea reads files as stored; decompress it first "
-                            "and give the decompressed file (a directory or glob input leaves such files out)")
-    if text_field is None:
-        return files.FilesSource.open(inputs, progress)
-    return records.RecordSource.open(inputs, text_field, progress)

@@ -5,10 +5,10 @@
 self-check's sample, gpu_check's cases). rows.cuh and flash.cuh are headers a section may `#include`.
 
 `load()` imports every NAME.py of this folder, in the order of their names: importing one registers
-its kernels (cuda.KERNELS) and its record (cuda.PIECES). CupyOps, the self-check, the checks without
-a GPU (`python -m minitensor.checks`), gpu_check and the tests read them from there
-(minitensor.backends.all_kernels, fused_pieces), so a new piece is its two files and nothing else:
-no list of the pieces is kept anywhere.
+its kernels (cuda.KERNELS) and its record (cuda.PIECES). CupyOps, the kernel selection, the checks
+without a GPU (`python -m minitensor.checks`), gpu_check and the tests read them from there
+(all_kernels, fused_pieces below, which minitensor.backends hands out too), so a new piece is its
+two files and nothing else: no list of the pieces is kept anywhere.
 """
 
 import functools
@@ -24,3 +24,22 @@ def load():
     for name in names:
         importlib.import_module(f"{__name__}.{name}")
     return names
+
+
+def all_kernels():
+    """minitensor.backends.cuda.KERNELS (name -> spec) with every kernel in it: every module of this
+    folder imported (load)."""
+    from minitensor.backends import cuda
+
+    load()
+    return cuda.KERNELS
+
+
+def fused_pieces():
+    """Every fused piece's record (name -> cuda.FusedPiece), every module of this folder imported
+    (load), in the order of their names: what CupyOps(fused=...) and train.kernels choose from, and
+    the order of the kernels line."""
+    from minitensor.backends import cuda
+
+    load()
+    return dict(sorted(cuda.PIECES.items()))

@@ -1,4 +1,4 @@
-"""The start-up self-check of the fused GPU kernels: which ones a CupyOps is built to use.
+"""Kernel selection: which fused GPU pieces a CupyOps is built to use, each self-checked and timed at start-up.
 
     select_kernels("auto" | "fused" | "generic", xp, sizes=None) -> (fused pieces, one line saying so)
     Choice(fused, line)    a choice made elsewhere (rank 0's, broadcast to every rank of a run):
@@ -31,7 +31,8 @@ a CPU emulation), times say nothing about a GPU and none are taken.
 
 Several processes of one run (data parallel) must run the same pieces: a near tie timed on each
 rank alone could flip, and a different AdamW makes the weight replicas drift apart silently. So
-rank 0 alone selects, and the others build their backend from its Choice (andrea.run.kernels.agreed_kernels, over the run's transport: MPI, or nothing for one process).
+rank 0 alone selects, and the others build their backend from its Choice
+(andrea.run.kernels.agreed_kernels, over the run's transport: MPI, or nothing for one process).
 """
 
 import dataclasses
@@ -41,7 +42,7 @@ import time
 
 import numpy as np
 
-from minitensor.backends import fused_pieces
+from minitensor.backends.kernels import fused_pieces
 from minitensor.device import to_numpy
 
 MODES = ("auto", "fused", "generic")
