@@ -16,7 +16,7 @@ they share:
 - the fused pieces' records `PIECES` (name -> FusedPiece: the Ops methods it replaces, each with
   the function that runs it with the kernels; its kernels; how to build its sample inputs),
   declared in minitensor/backends/kernels/NAME.py beside their wrappers, from which CupyOps takes
-  its overriding methods and the start-up self-check (minitensor.checks.selfcheck), the tests and
+  its overriding methods and the start-up self-check (minitensor.backends.selection), the tests and
   gpu_check's kernel phase all run (`minitensor.backends.fused_pieces()` returns them all). The
   Ops code is the reference; a CupyOps runs the fused pieces it was built with (get_ops).
 - the CUDA sources' loader: each kernel is the section `// @kernel NAME` of a .cu file under
@@ -276,18 +276,18 @@ class FusedPiece:
     sample    sample(ops, rng) -> outputs: the piece's layer forward and backward through the backend
               `ops` on small random float32 inputs drawn from the NumPy Generator rng (moved to
               ops.xp: `draw` below); the self-check runs it with the piece off and on and compares
-              (minitensor.checks.selfcheck). A sample whose shapes matter to its kernels takes a
+              (minitensor.backends.selection). A sample whose shapes matter to its kernels takes a
               keyword `sizes` (a Sizes, or None): given the run's, it runs at them where they count
               (the attention's: the run's head size)
     cases     None, or cases(k) -> [(name, setup, fused, generic, uses an ElementwiseKernel), ...]:
               gpu_check's comparisons of each kernel's wrapper with the Ops code at ANDREA-120M
               shapes (k: the sizes and inputs of scripts/gpu_check/kernels.py's KernelInputs); without
               them gpu_check compares `sample` off and on
-    rtol      the self-check's tolerance where it is not its own (minitensor.checks.selfcheck.RTOL):
+    rtol      the self-check's tolerance where it is not its own (minitensor.backends.selection.RTOL):
               a piece whose float32 products run on TF32 tensor cores
     timed     timed(ops, sizes) -> run(): inputs at a run's Sizes made once, and a call that runs the
               piece's forward and backward through `ops` on them: the start-up self-check times it with
-              the piece off and on at the run's sizes and keeps the faster (minitensor.checks.selfcheck)
+              the piece off and on at the run's sizes and keeps the faster (minitensor.backends.selection)
     """
 
     name: str
@@ -319,7 +319,7 @@ def fused_piece(name, replaces, kernels, sample, cases=None, rtol=None, timed=No
 @dataclasses.dataclass(frozen=True)
 class Sizes:
     """The sizes of a run that the kernels are counted (minitensor.checks.counts) and timed
-    (minitensor.checks.selfcheck) at: B sequences of T tokens, width C, n_head heads, an MLP of F, a
+    (minitensor.backends.selection) at: B sequences of T tokens, width C, n_head heads, an MLP of F, a
     vocabulary of V, P parameters. The defaults are ANDREA-120M's training step at 8 x 1024 tokens."""
     B: int = 8
     T: int = 1024
