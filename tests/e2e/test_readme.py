@@ -106,6 +106,7 @@ RULES = [
                "def test_the_collective_order_check_names_a_collective_one_rank_adds_in_training")),
     (r"mpiexec -n 2 python -m andrea\.run\.allreduce --bench \d+", []),
     (r"mpiexec .* -hosts .*", "needs a cluster of two machines"),
+    (r"mpiexec (-f|--hostfile) hostfile .*", "needs a cluster of machines (a hostfile)"),
     (r"mpiexec -n 8 .*--device gpu.*", "needs eight GPUs"),
     (r"(\.venv/bin/)?python -m andrea\.serve out/andrea-tiny",  # a server runs until stopped: that test starts one
      Elsewhere("tests/e2e/test_serve_command.py", "def test_the_page_streams_a_completion_and_traces_a_clicked_token")),
