@@ -135,6 +135,8 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     import cupy
 
     from andrea.config import load_config
+    from andrea.run.overlap import GradientReduction
+    from andrea.run.reducer import Identity
     from andrea.run.trainer import Trainer
     from minitensor import device
     from minitensor.backends import cupy_ops
@@ -159,9 +161,10 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
             _label_layers(rec, model, opt)
             rng = np.random.default_rng(0)
             batches = types.SimpleNamespace(next_batch=lambda: tuple(rng.integers(0, cfg.vocab_size, (2, B, T))))
-            trainer = types.SimpleNamespace(  # what Trainer.train_step reads: one rank, no collective
+            reduction = GradientReduction(model, Identity())  # one rank: no collective, nothing launched
+            trainer = types.SimpleNamespace(  # what Trainer.train_step reads
                 model=model, opt=opt, accum=accum, loader=batches, world=types.SimpleNamespace(size=1),
-                reducer=types.SimpleNamespace(sum_=lambda grads: None), cfg=full)
+                gradient_reduction=lambda: reduction, cfg=full)
             start = len(rec.ops)
             Trainer.train_step(trainer, t.lr)
             ops = rec.ops[start:]
