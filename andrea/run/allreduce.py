@@ -7,8 +7,8 @@
                                                    # a step's wait on the reduction, overlap off and on
 
 The self-test loads the library, exchanges the id, runs each collective (all-reduce, broadcast,
-reduce-scatter, of the whole buffer and of a bucket, all-gather) over 4 MiB on the reducer's stream and checks the result (NCCL refuses
-two ranks on one GPU, so one lent GPU checks one rank). `--bench` times the in-place all-reduce of
+reduce-scatter, of the whole buffer and of a bucket, all-gather) over 4 MiB on the reducer's stream
+and checks the result (NCCL refuses two ranks on one GPU, so one lent GPU checks one rank). `--bench` times the in-place all-reduce of
 that many float32 values on this world, the median of 5 after a warm-up, and prints it as JSON on
 rank 0: what andrea.bench reports as the gradient all-reduce. `--step-wait` runs a config's backward
 on each process and times how long the step then waits on the gradient reduction (andrea.run.overlap),

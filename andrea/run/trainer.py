@@ -34,8 +34,8 @@ from andrea.run import distributed as dist
 from andrea.run import gradflow, preflight
 from andrea.run.metrics import open_metrics
 from andrea.run.nccl import require_nccl
-from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
 from andrea.run.overlap import GradientReduction
+from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
 from andrea.run.reducer import Shards
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, NonFiniteGuard, StopVote
