@@ -214,6 +214,17 @@ def bench_allreduce(parameters, device):
     return _subprocess_json([str(mpiexec), "-n", "2", *cmd], env=env)
 
 
+def bench_reduce_wait(name, batch, seq):
+    """How long a step of config `name` at batch x seq waits on its gradient reduction between 2 MPI
+    processes, after the backward and overlapped with it (andrea.run.allreduce --step-wait)."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if importlib.util.find_spec("mpi4py") is None or not mpiexec.exists():
+        return {"error": "no mpi4py and mpiexec beside this Python (pip install -e '.[mpi]')"}
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", ANDREA_NUM_THREADS="1")
+    return _subprocess_json([str(mpiexec), "-n", "2", sys.executable, "-m", "andrea.run.allreduce", "--step-wait",
+                             name, "--batch", str(batch), "--seq", str(seq)], env=env)
+
+
 def print_table(results):
     """The table of the configs' results; PyTorch's columns only when --torch measured them."""
     torch = any("torch" in r for r in results)
@@ -260,6 +271,14 @@ def _print_notes(r):
         share = f", {100 * a['seconds'] / step:.1f}% of the measured step" if step else ""
         print(f"{r['config']:<7} gradient all-reduce: {a['bytes'] / 1e6:.1f} MB over {a['processes']} "
               f"{a['transport']} rank(s) in {1e3 * a['seconds']:.1f} ms{share}")
+    w = r.get("reduce_wait")
+    if w and "error" in w:
+        print(f"{r['config']:<7} step's wait on the reduction: {w['error']}")
+    elif w:
+        print(f"{r['config']:<7} step's wait on the gradient reduction past the backward, {w['processes']} "
+              f"{w['transport']} ranks: {1e3 * w['after']['waited_s']:.1f} ms after the backward, "
+              f"{1e3 * w['overlap']['waited_s']:.1f} ms overlapped with it (train.overlap; backward "
+              f"{1e3 * w['overlap']['backward_s']:.0f} ms)")
     if "generation_tokens_per_s" in r:
         gen = ", ".join(f"{v:,.0f} tok/s at {k}" for k, v in r["generation_tokens_per_s"].items())
         print(f"{r['config']:<7} generation with the KV cache: {gen}")
@@ -355,6 +374,8 @@ def measure_config(name, args):
     r.setdefault("config", name)
     if not args.no_allreduce and "parameters" in r:
         r["allreduce"] = bench_allreduce(r["parameters"], r.get("device", args.device))
+        if r.get("device", args.device) == "cpu":
+            r["reduce_wait"] = bench_reduce_wait(name, *SHAPES[name])
     if args.torch:
         r["torch"] = bench_torch(name)
     return r

@@ -155,6 +155,7 @@ class TrainConfig:
     max_bad_steps: int = 5          # non-finite steps in a row before training stops
     check_collectives: bool = False  # debugging several processes: compare each collective across ranks first
     zero_stage: int = 0             # 1: ZeRO-1, the optimizer's state sharded over the processes (docs/distributed.md)
+    overlap: bool = True            # several processes: each block's gradients reduce while the backward goes on
     seed: int = 0
     device: str = "auto"
     dtype: str = "float32"

@@ -154,13 +154,17 @@ class ANDREA:
             x = block.forward(x)
         return self.ln_f.forward(x)
 
-    def backward(self, dloss=1.0):
-        """Accumulates the gradients of the last loss into the gradient buffer."""
+    def backward(self, dloss=1.0, on_block=None):
+        """Accumulates the gradients of the last loss into the gradient buffer. on_block(i), if given, is
+        called after block i's backward, when its gradients are complete (the overlapped reduction,
+        andrea.run.overlap, starts reducing them there)."""
         dx = self.ln_f.backward(self.head.backward(self.loss_fn.backward(dloss)))
         if self.flow is not None:
             self.flow.top(dx)
-        for block in reversed(self.blocks):
-            dx = block.backward(dx)
+        for i in reversed(range(len(self.blocks))):
+            dx = self.blocks[i].backward(dx)
+            if on_block is not None:
+                on_block(i)
         self.wpe.backward(dx)
         self.wte.backward(dx)
 

@@ -5,6 +5,7 @@ interface: what a CuPy run's world hands the trainer (andrea.run.distributed.MPI
     reducer.all_reduce(grads)        # in-place sum over ranks of a flat (P,) buffer, ordered on the streams
     reducer.broadcast(params)        # rank 0's buffer on every rank
     reducer.reduce_scatter(grads, shards, wait=False).wait()   # started on the NCCL stream, then waited on
+    reducer.reduce_scatter(grads, shards, wait=False, span=(a, b))   # a bucket: a grouped reduce to each rank
 
 Rank 0 makes NCCL's unique id and the world's MPI broadcasts it (`pack_unique_id`: 129 bytes, no
 pickle). CuPy loads libnccl from the nvidia-nccl-cu12 / -cu13 wheels; `load_nccl` says what to
@@ -88,6 +89,22 @@ class NcclReducer(Reducer):
         offset = shards.bounds(self.rank)[0] * buf.itemsize
         return self._on_stream(buf, lambda ptr, dtype, s: self.comm.reduceScatter(
             ptr, ptr + offset, shards.length, dtype, self.nccl.NCCL_SUM, s))
+
+    def _reduce_scatter_span(self, buf, shards, span):
+        # a bucket: NCCL's reduce-scatter takes equal counts, so one in-place reduce to each rank of its part
+        # of the bucket, grouped into one launch (ncclGroupStart / End)
+        parts = [(root, a, b) for root, (a, b) in enumerate(shards.cut(*span)) if b > a]
+
+        def call(ptr, dtype, s):
+            self.nccl.groupStart()
+            try:
+                for root, a, b in parts:
+                    at = ptr + a * buf.itemsize
+                    self.comm.reduce(at, at, b - a, dtype, self.nccl.NCCL_SUM, root, s)
+            finally:
+                self.nccl.groupEnd()
+
+        return self._on_stream(buf, call)
 
     def _all_gather(self, buf, shards):
         offset = shards.bounds(self.rank)[0] * buf.itemsize

@@ -5,6 +5,7 @@
     reducer.all_gather(params, shards)     # every rank's range r is rank r's
     reducer.broadcast(params)              # rank 0's buffer on every rank
     pending = reducer.all_reduce(grads, wait=False)   # started; ... other work ...; pending.wait()
+    reducer.reduce_scatter(grads, shards, wait=False, span=(a, b))   # one bucket of the buffer alone
 
 Each collective is blocking (`wait=True`, the default) or started and waited on (`wait=False` returns
 a `Pending`; `wait()` makes what comes after it see the result: on a CPU it waits, on a GPU it
@@ -51,6 +52,11 @@ class Shards:
         """(start, stop) of rank's range of the padded buffer."""
         return rank * self.length, (rank + 1) * self.length
 
+    def cut(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """[(start, stop)] of each rank's range within [start, stop) of the padded buffer (empty ranges
+        (a, a) where a rank's range lies outside it): how a bucket of the buffer is reduce-scattered."""
+        return [(min(max(a, start), stop), max(min(b, stop), start)) for a, b in map(self.bounds, range(self.n))]
+
     def owned(self, rank: int) -> tuple[int, int]:
         """(start, stop) of rank's range within the `size` elements that hold data (empty past them)."""
         start, stop = self.bounds(rank)
@@ -58,15 +64,21 @@ class Shards:
 
 
 class Pending:
-    """A started collective: `wait()` once before reading or writing its buffer (a second wait is free)."""
+    """A started collective: `wait()` once before reading or writing its buffer (a second wait is free);
+    `progress()` lets the transport move it on without waiting (MPI: a Test), where it has a way to."""
 
-    def __init__(self, finish=None, buf=None):
+    def __init__(self, finish=None, buf=None, test=None):
         self._finish, self._buf = finish, buf  # the buffer stays referenced, so alive, until the wait
+        self._test = test
+
+    def progress(self) -> None:
+        if self._finish is not None and self._test is not None:
+            self._test()
 
     def wait(self) -> None:
         if self._finish is not None:
             self._finish()
-        self._finish = self._buf = None
+        self._finish = self._buf = self._test = None
 
     @property
     def done(self) -> bool:
@@ -77,7 +89,7 @@ class Reducer:
     """The interface: the four collectives, each `wait=True` (blocking) or `wait=False` (a Pending).
 
     A transport implements `_all_reduce`, `_reduce_scatter`, `_all_gather` and `_broadcast`, each
-    (buf, shards) -> Pending; `check` is the collective-order check of the world, or None."""
+    (buf, shards) -> Pending, and `_reduce_scatter_span` (buf, shards, (start, stop)) -> Pending; `check` is the collective-order check of the world, or None."""
 
     name = "?"
 
@@ -87,8 +99,10 @@ class Reducer:
     def all_reduce(self, buf, wait=True):
         return self._issue("all_reduce", buf, None, wait)
 
-    def reduce_scatter(self, buf, shards, wait=True):
-        return self._issue("reduce_scatter", buf, shards, wait)
+    def reduce_scatter(self, buf, shards, wait=True, span=None):
+        """span=(start, stop): only that range of buf (a bucket), each rank getting the sum of its part of
+        it (Shards.cut); the rest of buf untouched."""
+        return self._issue("reduce_scatter", buf, shards, wait, span)
 
     def all_gather(self, buf, shards, wait=True):
         return self._issue("all_gather", buf, shards, wait)
@@ -96,20 +110,20 @@ class Reducer:
     def broadcast(self, buf, wait=True):
         return self._issue("broadcast", buf, None, wait)
 
-    def sum_(self, buf) -> None:
-        """The step's gradient all-reduce, blocking: the name Trainer.train_step calls it by (and the
-        step model's stand-in reducer, andrea.run.stepmodel, gives)."""
-        self.all_reduce(buf)
-
-    def _issue(self, kind, buf, shards, wait):
+    def _issue(self, kind, buf, shards, wait, span=None):
         if shards is not None and (buf.size != shards.padded or shards.n != self.size):
             raise ValueError(f"{self.name} {kind}: a buffer of {buf.size} in {self.size} ranges needs Shards of "
                              f"{self.size} ranges over a buffer of padded size, got {shards}")
         if not buf.flags.c_contiguous:
             raise ValueError(f"{self.name} {kind} needs a contiguous buffer")
+        if span is not None and not 0 <= span[0] <= span[1] <= buf.size:
+            raise ValueError(f"{self.name} {kind}: span {span} is not a range of a buffer of {buf.size}")
         if self.check is not None:
-            self.check.before(kind, buf.size, buf.dtype)
-        pending = getattr(self, "_" + kind)(buf, shards)
+            self.check.before(kind, buf.size if span is None else span[1] - span[0], buf.dtype)
+        if span is not None and tuple(span) != (0, buf.size):
+            pending = self._reduce_scatter_span(buf, shards, tuple(span))
+        else:
+            pending = getattr(self, "_" + kind)(buf, shards)
         if not wait:
             return pending
         pending.wait()
@@ -125,3 +139,6 @@ class Identity(Reducer):
         return Pending()
 
     _reduce_scatter = _all_gather = _broadcast = _all_reduce
+
+    def _reduce_scatter_span(self, buf, shards, span):
+        return Pending()

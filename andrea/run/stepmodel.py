@@ -3,6 +3,7 @@ an H100 SXM priced.
 
     python -m andrea.run.stepmodel                     # ANDREA-120M, 8 x 1024: the table by layer, the estimate, MFU
     python -m andrea.run.stepmodel --gpu h100          # one card only
+    python -m andrea.run.stepmodel --scale-out         # 8 GPUs on NVLink, 64 on InfiniBand: the reduction priced
     python -m andrea.run.stepmodel --what-if flash_attention_fwd:registers=124,loads_ahead=8
                                                        # a kernel's figures as a change expects them
     python -m andrea.bench --device gpu --model h200   # the same table
@@ -134,6 +135,8 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
     import cupy
 
     from andrea.config import load_config
+    from andrea.run.overlap import GradientReduction
+    from andrea.run.reducer import Identity
     from andrea.run.trainer import Trainer
     from minitensor import device
     from minitensor.backends import cupy_ops
@@ -158,9 +161,10 @@ def record(config="120m", batch=None, seq=None, micro_batches=None, kernels="fus
             _label_layers(rec, model, opt)
             rng = np.random.default_rng(0)
             batches = types.SimpleNamespace(next_batch=lambda: tuple(rng.integers(0, cfg.vocab_size, (2, B, T))))
-            trainer = types.SimpleNamespace(  # what Trainer.train_step reads: one rank, no collective
+            reduction = GradientReduction(model, Identity())  # one rank: no collective, nothing launched
+            trainer = types.SimpleNamespace(  # what Trainer.train_step reads
                 model=model, opt=opt, accum=accum, loader=batches, world=types.SimpleNamespace(size=1),
-                reducer=types.SimpleNamespace(sum_=lambda grads: None), cfg=full)
+                gradient_reduction=lambda: reduction, cfg=full)
             start = len(rec.ops)
             Trainer.train_step(trainer, t.lr)
             ops = rec.ops[start:]
@@ -350,6 +354,23 @@ def what_if(specs):
 WHAT_IF = ("registers", "shared", "threads", "loads_ahead")
 
 
+def print_scale_out(args):
+    """The scale-out table (andrea.run.scaleout) on each card asked for: one micro-batch per GPU recorded."""
+    from andrea.config import load_config
+    from andrea.run import scaleout
+
+    rec = record_anywhere(args.config, args.batch, args.seq, 1, args.kernels)
+    cfg = load_config(args.config).model
+    out = {}
+    for i, gpu in enumerate(dict.fromkeys(args.gpu)):
+        parts = scaleout.parts_from_estimate(estimate(rec, PROFILES[gpu]), cfg)
+        print("\n" * (i > 0) + "\n".join(scaleout.table(parts, rec["batch"] * rec["seq"], PROFILES[gpu].name)))
+        out[gpu] = dataclasses.asdict(parts)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
 def _parser():
     ap = ArgumentParser(prog="python -m andrea.run.stepmodel", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="120m", help="a config name or YAML file (default 120m)")
@@ -363,6 +384,9 @@ def _parser():
     ap.add_argument("--what-if", action="append", default=[], metavar="NAME:FIELD=N,...",
                     help=f"price kernel NAME with figures a change expects instead of its counted ones "
                          f"({', '.join(WHAT_IF)}), e.g. flash_attention_fwd:registers=124,loads_ahead=8; repeatable")
+    ap.add_argument("--scale-out", action="store_true",
+                    help="price the gradient reduction of 8 GPUs over NVLink and 64 over InfiniBand, with and "
+                         "without overlap and ZeRO-1, for one micro-batch per GPU (andrea.run.scaleout)")
     ap.add_argument("--json", help="also write the estimate there (one entry per card)")
     ap.add_argument("--count-kernels", action="store_true",
                     help=f"count every project kernel at ANDREA-120M's shapes in the host emulation and keep the "
@@ -388,6 +412,8 @@ def main(argv=None):
         rec = record(args.config, args.batch, args.seq, args.micro_batches, args.kernels)
         Path(args.record).write_text(json.dumps(rec))
         return 0
+    if args.scale_out:
+        return print_scale_out(args)
     works = what_if(args.what_if)
     rec = record_anywhere(args.config, args.batch, args.seq, args.micro_batches, args.kernels)
     out = {}

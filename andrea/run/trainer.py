@@ -14,7 +14,8 @@ stopping, and say how to resume.
 Under mpiexec each rank takes its share of every step's windows and the gradients are summed across
 ranks once per step (andrea.run.distributed), or with train.zero_stage 1 (ZeRO-1) reduce-scattered, each
 rank updating its range of the weights and keeping the optimizer's state for it alone, and the weights
-all-gathered; rank 0 alone prints, writes metrics and checkpoints.
+all-gathered; with train.overlap (the default) bucket by bucket during the last micro-batch's backward
+(andrea.run.overlap). Rank 0 alone prints, writes metrics and checkpoints.
 """
 
 import math
@@ -33,6 +34,7 @@ from andrea.run import distributed as dist
 from andrea.run import gradflow, preflight
 from andrea.run.metrics import open_metrics
 from andrea.run.nccl import require_nccl
+from andrea.run.overlap import GradientReduction
 from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
 from andrea.run.reducer import Shards
 from andrea.run.schedule import make_schedule
@@ -87,6 +89,7 @@ class Trainer:
         self.reducer = world.reducer_for(self.model.xp) if world.size == 1 or self.model.xp is np else None
         if self.reducer is None:
             require_nccl()
+        self.reduction = None  # the step's gradient reduction (andrea.run.overlap), once the reducer is there
         self.val_tokens, self.tokenizer = val_tokens, tokenizer
         self.step = 0
         self.guard = NonFiniteGuard(t.max_bad_steps, world)
@@ -184,18 +187,19 @@ class Trainer:
         On a GPU nothing here waits for the device but one read: whether the loss and the gradient
         norm are finite, which decides whether the step is applied (the non-finite guard). The loss
         adds up on the device, and the clipping scale goes to AdamW as a device array."""
-        model = self.model
+        model, reduction = self.model, self.gradient_reduction()
         model.zero_grad()
         total = 0.0
         micro_batches = self.accum * self.world.size
-        for _ in range(self.accum):
+        for k in range(self.accum):
             x, y = self.loader.next_batch()
             total = total + model.loss(x, y)
-            model.backward(1.0 / micro_batches)  # so that the sum over ranks is the mean
+            # so that the sum over ranks is the mean; the last one's buckets start reducing as it completes them
+            (reduction.backward if k == self.accum - 1 else model.backward)(1.0 / micro_batches)
         if self.cfg.train.zero_stage:
             return self._sharded_update(lr, total / micro_batches if self.world.size == 1 else
                                         self.world.sum_scalars([float(total)])[0] / micro_batches)
-        self.reducer.sum_(model.params.grads)  # the step's one gradient collective
+        reduction.finish()  # the step's gradient collective(s) complete
         if self.world.size > 1:  # the ranks' losses summed on the host: a second read, with several processes
             total = self.world.sum_scalars([float(total)])[0]
         loss = total / micro_batches
@@ -206,6 +210,14 @@ class Trainer:
         self.opt.step(lr=lr, grad_scale=scale)
         return loss, norm, True
 
+    def gradient_reduction(self):
+        """The step's GradientReduction (andrea.run.overlap): overlapped with the backward when there are
+        several processes and train.overlap is on."""
+        if self.reduction is None:
+            self.reduction = GradientReduction(self.model, self.reducer, self.shards,
+                                               overlap=self.world.size > 1 and self.cfg.train.overlap)
+        return self.reduction
+
     def _sharded_update(self, lr, loss):
         """ZeRO-1's end of a step (train.zero_stage 1): the gradients reduce-scattered (each rank gets the
         sum of its range), the clipping norm from the ranges' squared norms all-reduced, AdamW over this
@@ -213,7 +225,7 @@ class Trainer:
         weights, so it gathers nothing."""
         model, shards = self.model, self.shards
         grads, xp = model.params.grads, model.xp
-        self.reducer.reduce_scatter(grads, shards)
+        self.gradient_reduction().finish()  # reduce-scattered: whole, or bucket by bucket during the backward
         start, stop = shards.bounds(self.world.rank)
         # in the norm's own dtype (float64 on NumPy), whose sqrt(x^2) is x: one rank's step is the replicated one
         squares = xp.asarray(model.ops.global_norm(grads[start:stop])).reshape(1) ** 2
@@ -325,8 +337,12 @@ class Trainer:
             eta = meter.eta(t.max_steps - self.step)
             when = f"ETA {format_duration(eta)}" if eta is not None else "first step: start-up included, not in the ETA"
             record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps, "mfu": mfu}
+            waited = ""
+            if self.world.size > 1:  # how long this step waited for its gradient reduction past the backward
+                record["reduce_wait_s"] = self.reduction.waited_s
+                waited = f" | reduce wait {1e3 * self.reduction.waited_s:.1f} ms"
             self.world.log(f"step {self.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {norm:.3f}"
-                f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {meter.peak_name} | {when}")
+                f" | {tps:,.0f} tok/s | MFU {100 * mfu:.1f}% of {meter.peak_name}{waited} | {when}")
         if self.step % t.eval_interval == 0 or self.step == t.max_steps:
             meter.stop()  # evaluation time is not training throughput
             val, bpb = self.evaluate()

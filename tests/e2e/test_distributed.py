@@ -38,10 +38,10 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-5
 
 
-def config(tmp, data_dir, **train):
+def config(tmp, data_dir, n_layer=1, **train):
     vocab = json.loads((Path(data_dir) / "meta.json").read_text())["vocab_size"]
     cfg = {
-        "model": {"vocab_size": vocab, "context_length": 16, "d_model": 16, "n_layer": 1, "n_head": 2},
+        "model": {"vocab_size": vocab, "context_length": 16, "d_model": 16, "n_layer": n_layer, "n_head": 2},
         "train": {"batch_size": 4, "tokens_per_step": 128, "max_steps": 6, "lr": 3e-3, "min_lr": 3e-4,
                   "warmup_steps": 2, "log_interval": 1, "eval_interval": 3, "eval_batches": 3,
                   "checkpoint_interval": 3, "sample_tokens": 0, "device": "cpu", **train},
@@ -346,42 +346,100 @@ def test_bench_times_the_gradient_allreduce_between_two_processes():
     assert 0 < r["seconds"] < 5
 
 
+def test_bench_times_the_steps_wait_on_the_reduction_with_overlap_off_and_on(capsys):
+    require("mpi4py")
+    from andrea.bench import _print_notes, bench_reduce_wait
+
+    r = bench_reduce_wait("tiny", 2, 16)
+    assert r["processes"] == 2 and r["transport"] == "MPI", r
+    for mode in ("after", "overlap"):
+        assert 0 <= r[mode]["waited_s"] < 5 and 0 < r[mode]["backward_s"] < 30, r
+    _print_notes({"config": "tiny", "reduce_wait": r})
+    line = capsys.readouterr().out
+    assert "ms after the backward" in line and "ms overlapped with it" in line
+
+
 # ----------------------------------------------------------------------------- ZeRO-1 (train.zero_stage 1)
 
 ZERO_STEP = 384  # tokens: 6 micro-batches of 4 x 16 at N=1, 3 per rank at N=2, 2 at N=3
 
 
+class Runs:
+    """Runs of the ZeRO_STEP config (3 blocks: 4 buckets with overlap, which 3 ranks' ranges cut across) made
+    on first use and kept for the module: (n, zero_stage, overlap) -> its output, weight hashes per step,
+    config and stdout."""
+
+    def __init__(self, tmp, data_dir):
+        self.tmp, self.data_dir, self.made = tmp, data_dir, {}
+
+    def __getitem__(self, key):
+        if key not in self.made:
+            n, zero, overlap = key
+            name = f"n{n}-zero{zero}-overlap{int(overlap)}"
+            out, hashes = self.tmp / name, self.tmp / f"hashes-{name}"
+            hashes.mkdir()
+            cfg = config(self.tmp, self.data_dir, n_layer=3, tokens_per_step=ZERO_STEP, zero_stage=zero,
+                         overlap=overlap).rename(self.tmp / f"{name}.yaml")
+            r = run(["--config", str(cfg), "--out", str(out)], n=n, faults=["--hashes", str(hashes)])
+            assert r.returncode == 0, r.stderr
+            self.made[key] = SimpleNamespace(out=out, hashes=hashes, config=cfg, stdout=r.stdout)
+        return self.made[key]
+
+
 @pytest.fixture(scope="module")
 def zero_runs(tmp_path_factory, data_dir):
-    """One process replicated, and ZeRO-1 on 2 and 3 processes, each with its weight hashes per step."""
+    """One process replicated, and runs on 2 and 3 processes, replicated or ZeRO-1, overlap on or off, each
+    with its weight hashes per step; zero_runs[n]: ZeRO-1 on n processes, overlap on (the default)."""
     require("mpi4py")
-    tmp = tmp_path_factory.mktemp("zero")
-    runs = {}
-    for n, zero in ((1, 0), (2, 1), (3, 1)):
-        out, hashes = tmp / f"n{n}", tmp / f"hashes{n}"
-        hashes.mkdir()
-        cfg = config(tmp, data_dir, tokens_per_step=ZERO_STEP, zero_stage=zero)
-        r = run(["--config", str(cfg), "--out", str(out)], n=n, faults=["--hashes", str(hashes)])
-        assert r.returncode == 0, r.stderr
-        runs[n] = SimpleNamespace(out=out, hashes=hashes, config=cfg, stdout=r.stdout)
-    return runs
+    runs = Runs(tmp_path_factory.mktemp("zero"), data_dir)
+
+    class ByN(dict):
+        def __missing__(self, n):
+            return runs[(1, 0, True)] if n == 1 else runs[(n, 1, True)]
+
+    by_n = ByN()
+    by_n.runs = runs
+    return by_n
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_zero1_on_n_processes_trains_the_model_one_process_trains(zero_runs, n):
-    """Gradients reduce-scattered, the norm from the ranges' squares, AdamW on each rank's range, the weights
-    all-gathered: the losses and weights of one process, to float32 summation order, on every rank alike
-    (3 ranks: the last range holds less of the model than the others, the rest padding)."""
-    a, b = metrics(zero_runs[1].out), metrics(zero_runs[n].out)
+# (n, zero_stage, overlap): every combination on 2 and 3 processes (3: shards of unequal size)
+EQUAL_TO_ONE = [(n, zero, overlap) for n in (2, 3) for zero in (0, 1) for overlap in (True, False)]
+
+
+@pytest.mark.parametrize("n,zero,overlap", EQUAL_TO_ONE,
+                         ids=[f"n{n}-{'zero1' if z else 'replicated'}-overlap-{'on' if o else 'off'}"
+                              for n, z, o in EQUAL_TO_ONE])
+def test_n_processes_train_the_model_one_process_trains(zero_runs, n, zero, overlap):
+    """Replicated (one all-reduce) or ZeRO-1 (gradients reduce-scattered, the norm from the ranges' squares,
+    AdamW on each rank's range, the weights all-gathered), the reduction overlapped with the backward
+    bucket by bucket or after it: the losses and weights of one process, to float32 summation order, on
+    every rank alike (3 ranks: the last range holds less of the model than the others, the rest padding)."""
+    one, many = zero_runs[1], zero_runs.runs[(n, zero, overlap)]
+    a, b = metrics(one.out), metrics(many.out)
     assert [row["step"] for row in b] == list(range(1, 7))
     loss_diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
-    wa, wb = weights(zero_runs[1].out / "ckpt-00000006"), weights(zero_runs[n].out / "ckpt-00000006")
+    wa, wb = weights(one.out / "ckpt-00000006"), weights(many.out / "ckpt-00000006")
     assert set(wa) == set(wb) and wa["optimizer.m"].shape == wb["optimizer.m"].shape  # the same checkpoint
     weight_diff = max(float(np.abs(wa[k] - wb[k]).max()) for k in wa if not k.startswith("optimizer."))
-    print(f"1 process vs ZeRO-1 on {n}: max |loss diff| {loss_diff:.3g}, |weight diff| {weight_diff:.3g}")
-    assert loss_diff < LOSS_TOL and weight_diff < WEIGHT_TOL and a[-1]["loss"] < a[0]["loss"]
-    every = [json.loads((zero_runs[n].hashes / f"rank{r}.json").read_text()) for r in range(n)]
+    print(f"1 process vs {n} (zero_stage {zero}, overlap {overlap}): max |loss diff| {loss_diff:.3g}, "
+          f"|weight diff| {weight_diff:.3g}")
+    assert loss_diff < 1e-6 and weight_diff < WEIGHT_TOL and a[-1]["loss"] < a[0]["loss"]
+    every = [json.loads((many.hashes / f"rank{r}.json").read_text()) for r in range(n)]
     assert all(h == every[0] for h in every) and len(set(every[0])) == 6
+    # each logged step says how long it waited on the reduction; one process logs none
+    assert all(row["reduce_wait_s"] >= 0 for row in b) and "reduce wait" in many.stdout
+    assert all("reduce_wait_s" not in row for row in a)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_collective_order_check_passes_with_overlap_on(tmp_path, zero_runs, zero):
+    """Each rank starts the same buckets in the same order (the backward's): the check compares every one
+    of them across ranks and finds them alike, on 3 processes, replicated and ZeRO-1."""
+    cfg = zero_runs.runs[(3, zero, True)].config
+    r = run(["--config", str(cfg), "--out", str(tmp_path / "o"), "--max-steps", "2", "--set",
+             "train.check_collectives=true", "--set", "train.eval_batches=1"], n=3)
+    assert r.returncode == 0, r.stderr
+    assert "differs across ranks" not in r.stderr and "reduce wait" in r.stdout
 
 
 def digest_of(path):

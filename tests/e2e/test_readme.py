@@ -100,12 +100,14 @@ RULES = [
     (r"(\w+=\S+ )*mpiexec -n 4 python -m mpi4py -m andrea\.train .*", TWO_STEPS),
     (r"mpiexec -n 2 python -m mpi4py -m andrea\.train .* --dry-run", []),
     (r"mpiexec -n 2 python -m mpi4py -m andrea\.train .* --set train\.zero_stage=1",  # at a tiny size, against 1
-     Elsewhere("tests/e2e/test_distributed.py", "def test_zero1_on_n_processes_trains_the_model_one_process_trains")),
+     Elsewhere("tests/e2e/test_distributed.py", "def test_n_processes_train_the_model_one_process_trains")),
     (r"mpiexec -n 2 python -m mpi4py -m andrea\.train .* --set train\.check_collectives=true",  # with a planted
      Elsewhere("tests/e2e/test_distributed.py",                                                # mismatch there
                "def test_the_collective_order_check_names_a_collective_one_rank_adds_in_training")),
     (r"mpiexec -n 2 python -m andrea\.run\.allreduce --bench \d+", []),
+    (r"mpiexec -n 2 python -m andrea\.run\.allreduce --step-wait tiny( --\w+ \d+)*", []),
     (r"mpiexec .* -hosts .*", "needs a cluster of two machines"),
+    (r"mpiexec (-f|--hostfile) hostfile .*", "needs a cluster of machines (a hostfile)"),
     (r"mpiexec -n 8 .*--device gpu.*", "needs eight GPUs"),
     (r"(\.venv/bin/)?python -m andrea\.serve out/andrea-tiny",  # a server runs until stopped: that test starts one
      Elsewhere("tests/e2e/test_serve_command.py", "def test_the_page_streams_a_completion_and_traces_a_clicked_token")),

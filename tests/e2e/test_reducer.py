@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from optional import require
 from procs import run_in_own_session
-from reducer_driver import SIZE, filled
+from reducer_driver import SIZE, filled, span
 
 from andrea.run import distributed as dist
 from andrea.run import nccl as nccl_transport
@@ -36,6 +36,10 @@ def expected(kind, rank, n, dtype):
         return sum(bufs)
     if kind == "broadcast":
         return bufs[0]
+    if kind == "reduce_scatter_span":  # the rank's part of the span summed; outside the span untouched
+        a, b = span(shards)
+        lo, hi = shards.cut(a, b)[rank]
+        return np.concatenate([mine[:a], mine[b:]]), sum(bufs)[lo:hi], (a, b, lo, hi)
     start, stop = shards.bounds(rank)
     if kind == "reduce_scatter":
         return sum(bufs)[start:stop], (start, stop)  # the rest of the buffer is left undefined
@@ -55,13 +59,17 @@ def test_each_collective_on_mpi_processes_blocking_and_started(tmp_path, n):
     assert shards.length % ALIGN == 0 and shards.owned(n - 1)[1] - shards.owned(n - 1)[0] < shards.length
     for rank in range(n):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(got) == 16
+        assert len(got) == 20
         for key, values in got.items():
             kind, dtype, _ = key.split()
             values, want = np.array(values), expected(kind, rank, n, dtype)
             if kind == "reduce_scatter":
                 (want, (start, stop)) = want
                 values = values[start:stop]
+            if kind == "reduce_scatter_span":
+                outside, want, (a, b, lo, hi) = want
+                np.testing.assert_array_equal(np.concatenate([values[:a], values[b:]]), outside)
+                values = values[lo:hi]
             np.testing.assert_array_equal(values, want, err_msg=f"rank {rank}: {key}")
 
 
@@ -250,12 +258,30 @@ class _FakeNccl:
                 view(recv, count * self.n)[:] = np.concatenate(together(self.rank, view(send, count),
                                                                         lambda parts: parts))
 
+            def reduce(self, send, recv, count, dtype, op, root, stream):
+                assert send == recv and op == fake.NCCL_SUM and stream == 7 and fake.grouped[self.rank]
+                fake.calls.append((self.rank, "reduce", count, root))
+                total = together(self.rank, view(send, count), sum)
+                if self.rank == root:  # NCCL writes the root's buffer alone
+                    view(recv, count)[:] = total
+
             def bcast(self, buf, count, dtype, root, stream):
                 assert root == 0 and stream == 7
                 fake.calls.append((self.rank, "bcast", count))
                 view(buf, count)[:] = together(self.rank, view(buf, count), lambda parts: parts[0])
 
         self.NcclCommunicator = NcclCommunicator
+        self.grouped = {}  # rank -> inside ncclGroupStart / End (a thread is a rank)
+
+    def groupStart(self):  # noqa: N802 (CuPy's name)
+        self.grouped[self._rank()] = True
+
+    def groupEnd(self):  # noqa: N802
+        self.grouped[self._rank()] = False
+
+    @staticmethod
+    def _rank():
+        return int(threading.current_thread().name.rsplit("-", 1)[-1])
 
     def get_unique_id(self):
         return bytes(np.random.default_rng(1).integers(0, 256, 128, dtype=np.uint8))
@@ -314,3 +340,40 @@ def test_the_single_world_hands_out_the_identity():
     world = dist.Single()
     world.check_collectives()
     assert isinstance(world.reducer_for(np), Identity) and world.check is None
+
+
+def test_nccl_reduce_scatters_a_bucket_as_one_grouped_reduce_to_each_rank_that_owns_part_of_it():
+    size, nccl = 2, _FakeNccl(2)
+    shared = {"barrier": threading.Barrier(size)}
+    shards = Shards(40, size)  # 2 ranges of 32
+    span = (16, 48)  # the last half of rank 0's range, the first half of rank 1's
+    results, errors = {}, []
+
+    def rank_main(rank):
+        try:
+            events = _Events()
+            reducer = nccl_transport.NcclReducer(_ThreadWorld(rank, size, shared), nccl, events.cupy)
+            buf = filled(rank, shards.padded, np.float32)
+            reducer.reduce_scatter(_DeviceArray(buf), shards, wait=False, span=span).wait()
+            results[rank] = buf
+            assert events.log == [("record", 0), ("wait", 7, 0), ("record", 7), ("wait", 0, 7)]
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            errors.append(e)
+            shared["barrier"].abort()
+            nccl.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank-{r}") for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors
+    # every rank: one reduce per owner of part of the bucket, of that part's length, in one group
+    assert sorted(c for c in nccl.calls if c[0] == 1) == [(1, "reduce", 16, 0), (1, "reduce", 16, 1)]
+    assert nccl.grouped == {0: False, 1: False}
+    bufs = [filled(r, shards.padded, np.float32) for r in range(size)]
+    for rank in range(size):
+        lo, hi = shards.cut(*span)[rank]
+        np.testing.assert_array_equal(results[rank][lo:hi], (bufs[0] + bufs[1])[lo:hi])
+        outside = np.r_[0:span[0], span[1]:shards.padded]
+        np.testing.assert_array_equal(results[rank][outside], bufs[rank][outside])

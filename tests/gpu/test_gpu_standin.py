@@ -212,7 +212,7 @@ def test_the_nccl_self_test_runs_each_collective_at_one_rank(capsys):
         assert allreduce.main(["--nccl-self-test"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("NCCL self-test: ok (version 22707, 1 rank, 4 MiB all-reduce, broadcast, reduce-scatter "
-                          "and all-gather on the NCCL stream)"), out
+                          "(whole and of a bucket) and all-gather on the NCCL stream)"), out
 
 
 def test_tf32_is_set_through_cupys_gemm_compute_type_and_cublas_math_mode():

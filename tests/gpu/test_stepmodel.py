@@ -413,3 +413,13 @@ def test_the_stand_in_ships_with_the_package_so_the_step_model_runs_installed():
     files = {p for p in standin.FOLDER.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert {p.name for p in files} >= {"_record.py", "_rules.py", "cublas.py"} and files == shipped
     assert standin.standin_env()["PYTHONPATH"].split(os.pathsep)[0] == str(standin.FOLDER)
+
+
+def test_the_scale_out_table_prices_each_link_with_and_without_overlap_beside_llmc(capsys):
+    with standin_cupy():
+        assert stepmodel.main(["--config", "tiny", "--batch", "2", "--seq", "16", "--gpu", "h100", "--scale-out"]) == 0
+    out = capsys.readouterr().out
+    for link in ("8 GPUs, NVLink 4", "64 GPUs, 8 nodes x 8 NDR"):
+        for run in ("replicated ", "replicated, overlap", "ZeRO-1 ", "ZeRO-1, overlap"):
+            assert any(line.startswith(link) and run in line for line in out.splitlines()), (link, run)
+    assert "llm.c GPT-2 124M, 8 x H100" in out and "H100 SXM: one GPU" in out

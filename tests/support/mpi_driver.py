@@ -4,7 +4,7 @@
 
 Faults (each names the rank and the optimizer step it hits):
   --hashes DIR           every rank writes DIR/rank<r>.json: sha256 of its weights after each step
-  --nan RANK STEP        that rank's gradient gets a NaN before the all-reduce of that step
+  --nan RANK STEP        that rank's gradient gets a NaN before the reduction of that step
   --raise RANK STEP      that rank raises RuntimeError("injected failure") in that step
   --signal RANK STEP     that rank sends itself SIGTERM during that step
   --state FILE           before its first step, the run's state (weights, the optimizer's state gathered
@@ -50,20 +50,17 @@ def install(opts):
         if opts.extra_collective and opts.extra_collective == [rank, step]:
             self.reducer.broadcast(np.zeros(16, np.float32))
         if opts.nan and opts.nan == [rank, step]:
-            reducer = self.reducer
+            backward = self.model.backward
 
-            class Poisoned:  # the NaN enters after this rank's backward, before the sum
-                name = reducer.name
+            def poisoned(*a, **k):  # the NaN enters after each backward, before the embeddings' gradient reduces
+                backward(*a, **k)
+                self.model.params.grads[0] = float("nan")
 
-                def sum_(self, buf):
-                    buf[0] = float("nan")
-                    reducer.sum_(buf)
-
-            self.reducer = Poisoned()
+            self.model.backward = poisoned
             try:
                 result = original(self, lr)
             finally:
-                self.reducer = reducer
+                del self.model.backward
         else:
             result = original(self, lr)
         if opts.hashes:

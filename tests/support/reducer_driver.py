@@ -6,7 +6,8 @@
 
 Rank r's buffer holds r + 1 + i / 8 at element i (exact in float32). Each collective runs blocking
 and started-then-waited, in float32 and float64, over a buffer of 37 elements cut into N ranges
-(padded to Shards.padded: the last ranges hold the padding).
+(padded to Shards.padded: the last ranges hold the padding); the reduce-scatter also over a span of the
+buffer alone (a bucket, as the overlapped reduction starts them).
 """
 
 import json
@@ -26,15 +27,23 @@ def filled(rank, n, dtype):
     return (rank + 1 + np.arange(n) / 8).astype(dtype)
 
 
+def span(shards):
+    """A bucket that starts inside the first rank's range and ends inside the last's."""
+    return 5, shards.padded - 7
+
+
 def collectives(world, reducer, out):
     results = {}
     shards = Shards(SIZE, world.size)
     for dtype in ("float32", "float64"):
         for wait in (True, False):
-            for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+            for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce_scatter_span"):
                 buf = filled(world.rank, shards.padded, dtype)
                 args = (buf, shards) if kind in ("reduce_scatter", "all_gather") else (buf,)
-                pending = getattr(reducer, kind)(*args, wait=wait)
+                if kind == "reduce_scatter_span":  # one bucket of the buffer, cut across the ranks' ranges
+                    pending = reducer.reduce_scatter(buf, shards, wait=wait, span=span(shards))
+                else:
+                    pending = getattr(reducer, kind)(*args, wait=wait)
                 if not wait:
                     pending.wait()
                 results[f"{kind} {dtype} {'blocking' if wait else 'started'}"] = buf.tolist()

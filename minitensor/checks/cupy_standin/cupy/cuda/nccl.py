@@ -1,8 +1,8 @@
 """cupy.cuda.nccl (stand-in): NCCL's API at one rank, the only size a single process can join.
 
-allReduce, reduceScatter, allGather and bcast take device pointers, as NCCL does: at one rank a sum
-or a gather is a copy from the send buffer to the receive buffer (nothing when they are one), and a
-broadcast changes nothing.
+allReduce, reduceScatter, reduce, allGather and bcast take device pointers, as NCCL does: at one rank a
+sum or a gather is a copy from the send buffer to the receive buffer (nothing when they are one), and a
+broadcast changes nothing; groupStart and groupEnd, which group calls into one launch, do nothing.
 """
 
 import ctypes
@@ -26,6 +26,14 @@ def get_unique_id():
     return os.urandom(128)
 
 
+def groupStart():  # noqa: N802 (NCCL's names)
+    pass
+
+
+def groupEnd():  # noqa: N802
+    pass
+
+
 class NcclCommunicator:
     def __init__(self, ndev, commId, rank):  # noqa: N803 (NCCL's names)
         if ndev != 1 or rank != 0:
@@ -43,6 +51,11 @@ class NcclCommunicator:
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):  # noqa: N802
         if sendbuf != recvbuf:
             ctypes.memmove(recvbuf, sendbuf, count * _SIZES[datatype])
+
+    def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
+        if root != 0:
+            raise NcclError(f"root {root} at one rank")
+        self.allReduce(sendbuf, recvbuf, count, datatype, op, stream)
 
     def bcast(self, buff, count, datatype, root, stream):
         if root != 0:
