@@ -95,7 +95,8 @@ def _targets():
             (_kernels.ElementwiseKernel, "__call__", _elementwise_kernel),
             (_kernels.RawKernel, "__call__", _raw_kernel),
             *((cublas, name, _cublas_rule(name)) for name in ("sgemm", "dgemm", "sgemv", "dgemv", "sgemmStridedBatched",
-                                                              "dgemmStridedBatched"))]
+                                                              "dgemmStridedBatched")),
+            *((cublas, name, _cublas_ex_rule(name)) for name in ("gemmEx", "gemmStridedBatchedEx"))]
 
 
 def _install():
@@ -377,6 +378,32 @@ def _cublas_rule(name):
         shape = ((count, m, n) if name.endswith("Batched") else (m, n)) if "gemm" in name else (ny,)
         _active.add("gemm", f"cublas {name}" + ("" if aligned else " (unaligned)"), flops,
                     read + (out if beta_value != 0 else 0), out, [shape])  # the output's shape: its tiles
+        if _active.verify:
+            _original(cublas, name)(handle, *args)
+
+    return rule
+
+
+def _cublas_ex_rule(name):
+    """gemmEx / gemmStridedBatchedEx recorded from their arguments: A and B read at their data type's
+    size, C written at its own (and read when beta is not 0), as cuBLAS checks them."""
+    def rule(handle, *args):
+        batched = name.endswith("BatchedEx")
+        if batched:
+            (transa, transb, m, n, k, _, _, atype, lda, _, _, btype, ldb, _, beta, _, ctype, ldc, _, count,
+             compute, _) = args
+        else:
+            transa, transb, m, n, k, _, _, atype, lda, _, btype, ldb, beta, _, ctype, ldc, compute, _ = args
+            count = 1
+        operand, output, scale = cublas._ex_dtypes(atype, btype, ctype, compute)
+        a, b = cublas.gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
+        read = count * operand.itemsize * (a[0] * a[1] + b[0] * b[1])
+        out = count * output.itemsize * m * n
+        aligned = all(ld * item % 16 == 0 for ld, item in ((lda, operand.itemsize), (ldb, operand.itemsize),
+                                                           (ldc, output.itemsize)))
+        beta_value = cublas.host_scalar(beta, scale)
+        _active.add("gemm", f"cublas {name}" + ("" if aligned else " (unaligned)"), 2 * m * n * k * count,
+                    read + (out if beta_value != 0 else 0), out, [(count, m, n) if batched else (m, n)])
         if _active.verify:
             _original(cublas, name)(handle, *args)
 
