@@ -83,7 +83,9 @@ def _fused_adamw_step(ops, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t
 
 
 def _adamw_sample(ops, rng):
-    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector."""
+    """Two AdamW steps over a small flat buffer of a decayed matrix and an undecayed vector, and (where
+    ml_dtypes gives bfloat16) a third that writes the bfloat16 copy: its distance from the updated
+    weights rounded by CuPy's astype, 0 where the copy is right."""
     from minitensor.flat import Params
     from minitensor.optim import AdamW
 
@@ -96,7 +98,15 @@ def _adamw_sample(ops, rng):
             view = params.grad(name)
             view[...] = xp.asarray(rng.standard_normal(view.shape).astype(np.float32))
         opt.step(grad_scale=xp.asarray(scale, dtype=np.float32))
-    return params.data, *opt.named_state().values()
+    state = opt.named_state()
+    try:
+        bf16 = precision.bfloat16()
+    except ImportError:  # no bfloat16 here, so no copy is ever asked for
+        return params.data, *state.values()
+    copy = xp.zeros(params.data.shape, bf16)
+    ops.adamw_step(params.data, params.grads, state["m"], state["v"], opt.decayed, 1e-2, 0.9, 0.999,
+                   1e-8, 0.1, 3, grad_scale=1.0, copy=copy)
+    return params.data, *state.values(), copy.astype(np.float32) - params.data.astype(bf16).astype(np.float32)
 
 
 def _adamw_cases(k):
