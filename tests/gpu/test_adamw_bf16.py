@@ -107,3 +107,12 @@ def test_a_wrong_copy_is_refused_in_one_line(cupy):
                           (cupy.zeros(n, np.float32), cupy.zeros(2 * n, BF16)[::2], "bfloat16")):
         with pytest.raises(ValueError, match=rf"adamw_step_gpu: copy must be a contiguous bfloat16 array .*{what}"):
             adamw_step_gpu(p, p.copy(), p.copy(), p.copy(), p.copy(), copy=copy, **HYPER)
+
+
+def test_the_copy_kernel_runs_the_plain_kernels_lines_unchanged():
+    """adamw_step_copy's operation is adamw_step's, line for line, then the copy: one update formula,
+    whatever either section's edits (the float32 and float64 kernel itself is untouched by bf16)."""
+    from minitensor.backends.kernels.adamw import ADAMW_STEP, ADAMW_STEP_COPY
+
+    assert ADAMW_STEP_COPY.operation == ADAMW_STEP.operation + "\ncopy = narrow_bf16(p1);"
+    assert "narrow_bf16" in ADAMW_STEP_COPY.preamble and ADAMW_STEP.preamble == ""
