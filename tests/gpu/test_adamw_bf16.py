@@ -53,7 +53,8 @@ def test_the_copy_is_ml_dtypes_rounding_bit_for_bit_at_every_edge(cupy):
         want = after.astype(BF16).view(np.uint16)
     got = copy.get().view(np.uint16)
     wrong = np.flatnonzero(got != want)
-    assert wrong.size == 0, [(hex(b), hex(g), hex(w)) for b, g, w in zip(bits[wrong][:5], got[wrong][:5], want[wrong][:5])]
+    assert wrong.size == 0, [(hex(b), hex(g), hex(w))
+                             for b, g, w in zip(bits[wrong][:5], got[wrong][:5], want[wrong][:5])]
     ties = (bits & 0xFFFF) == 0x8000
     assert np.any(ties & ((bits >> 16) & 1 == 0)) and np.any(ties & ((bits >> 16) & 1 == 1))  # both kinds ran
 

@@ -273,8 +273,10 @@ def test_the_standins_kernels_type_bf16_as_cupy_does():
         assert twice.dtype == BF16 and np.array_equal(twice.get(), (x.astype(np.float32) * 2).astype(BF16))
         bits = cupy.ElementwiseKernel("T x", "T y", "y = narrow_bf16(widen(x))", "bits_bf16", preamble=header)(X)
         assert np.array_equal(bits.get(), x.view(np.uint16).astype(BF16))  # the number of the bits
-        code = ("typedef unsigned short T;\n" + header + '\nextern "C" __global__ void halve(const T *x, T *y, int n) {\n'
-                "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n  if (i < n) y[i] = narrow_bf16(widen(x[i]) * 0.5f);\n}\n")
+        code = ("typedef unsigned short T;\n" + header
+                + '\nextern "C" __global__ void halve(const T *x, T *y, int n) {\n'
+                "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+                "  if (i < n) y[i] = narrow_bf16(widen(x[i]) * 0.5f);\n}\n")
         Y = cupy.empty_like(X)
         cupy.RawKernel(code, "halve")((1,), (32,), (X, Y, np.int32(x.size)))
         assert Y.dtype == BF16 and np.array_equal(Y.get(), (x.astype(np.float32) * 0.5).astype(BF16))

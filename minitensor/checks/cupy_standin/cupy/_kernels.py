@@ -10,14 +10,16 @@ same conversions: made from a float by rounding to nearest even, read as a float
 assignment through an explicit conversion (so `y = narrow_bf16(v)` stores the number of the bits, as
 it would on the GPU: a kernel writes bits through a uint16 view, `a.view(cupy.uint16)`, an
 `unsigned short` in both). A fixed-type output must be an array of that type (CuPy's 'Type is
-mismatched'). bf16.cuh's widen / narrow_bf16 build on the host (its CUDA intrinsics are defined here). Each (operation, types) is built once, as a shared library called in
-this process (ctypes) on copies of the arguments; the libraries are kept under the system's
-temporary folder by the hash of their text, so later processes reuse them.
+mismatched'). bf16.cuh's widen / narrow_bf16 build on the host (its CUDA intrinsics are defined
+here). Each (operation, types) is built once, as a shared library called in this process (ctypes)
+on copies of the arguments; the libraries are kept under the system's temporary folder by the hash
+of their text, so later processes reuse them.
 
 RawKernel: minitensor's own launch emulation (minitensor.checks.kernelcheck's: the CUDA code as C++, a
 fiber per CUDA thread), for the kernels written against the type name `T` (`typedef <type> T;`
 first, as minitensor.backends.cuda.RawSpec.source writes them: `unsigned short` for bfloat16, whose
-arrays it takes), built the same way, one library per kernel and dtype. A kernel that crashed would take the process with it (a test run sees which test).
+arrays it takes), built the same way, one library per kernel and dtype. A kernel that crashed
+would take the process with it (a test run sees which test).
 """
 
 import ctypes
@@ -189,7 +191,8 @@ class ElementwiseKernel:
                 loop.append(f"{const}{c} &{p.name} = _p{k}[i];")
         typedefs = "".join(f"typedef {ELEMENTWISE_TYPES[t.name]} {name};\n" for name, t in types.items())
         bf16 = any(self._dtype(p, types).name == precision.BF16 for p in params)
-        return "\n".join([_PRELUDE + (_BF16_CLASS if bf16 else "") + typedefs + self.preamble, 'extern "C" int run(long long n, void **_all) {',
+        return "\n".join([_PRELUDE + (_BF16_CLASS if bf16 else "") + typedefs + self.preamble,
+                          'extern "C" int run(long long n, void **_all) {',
                           *head, "for (ptrdiff_t i = 0; i < n; ++i) {", *loop, self.operation + ";", "}",
                           "return 0;", "}", ""])
 
