@@ -67,7 +67,7 @@ GPU_ONLY = {
     "minitensor/backends/cupy_ops.py": [("def", name) for name in ("CupyOps", "_with_piece", "_gpu_memory", "_ones")],
     **kernel_rules(),
     "minitensor/backends/cublas.py": [("def", name) for name in ("layout", "_layout", "_scalar", "gemm", "colsum",
-                                                                  "matmul")],
+                                                                  "_bf16", "_cuda_type", "_gemm_bf16", "matmul")],
     "minitensor/backends/cuda.py": [("def", "_elementwise_kernel"), ("def", "_raw_kernel"), ("def", "launch"),
                                     ("def", "draw")],
     "minitensor/device.py": [("unless", r"^n == 0$"), ("if", r"^ok$"), ("if", r"__module__\.startswith\(\"cupy\"\)"),

@@ -238,7 +238,8 @@ def _header(file):
 # NVRTC before CuPy's own), `source(dtype)` (the exact source NVRTC compiles) and `kernel(dtype)`
 # (the CuPy kernel, built once); a ReductionKernel spec would add its generated source likewise.
 KERNELS = {}
-C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}
+C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool",
+           "uint16": "unsigned short"}  # uint16: a bfloat16 array's bits (adamw_step_copy)
 
 
 def register(spec):

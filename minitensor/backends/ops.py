@@ -321,19 +321,22 @@ class Ops:
         it, unless the backend's step only reads where it changes."""
         return params.mask(decays, dtype=self.mask_dtype)
 
-    def adamw_step(self, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0):
+    def adamw_step(self, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0, copy=None):
         """One update in place over p, m, v (step t, counting from 1) from the gradient g times
         grad_scale (a number or a 0-d array on p's device, never read here); decayed is 1 over the
         decayed tensors, 0 elsewhere (Params.mask):
             m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2
             m_hat = m / (1 - b1^t),  v_hat = v / (1 - b2^t)
-            p = p - lr wd decayed p - lr m_hat / (sqrt(v_hat) + eps)"""
+            p = p - lr wd decayed p - lr m_hat / (sqrt(v_hat) + eps)
+        copy (a flat bfloat16 array as long as p, or None): then copy[:] = p rounded to it."""
         g = g * grad_scale
         m[...] = b1 * m + (1.0 - b1) * g
         v[...] = b2 * v + (1.0 - b2) * g * g
         m_hat = m / (1.0 - b1 ** t)
         v_hat = v / (1.0 - b2 ** t)
         p -= lr * weight_decay * decayed * p + lr * m_hat / (self.xp.sqrt(v_hat) + eps)
+        if copy is not None:
+            copy[...] = p.astype(copy.dtype)
 
 
 def causal_mask(xp, n_q, n_k, dtype):

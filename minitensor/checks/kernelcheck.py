@@ -112,7 +112,12 @@ def _first_error_line(e):
 _HOST_PRELUDE = """#include <math.h>  /* in C++, also the float overloads: tanh(float) stays float */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#define __device__
+#define __forceinline__ inline
 template <class U> U rsqrt(U v) { return U(1) / sqrt(v); }
+static inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, sizeof f); return f; }
+static inline unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, sizeof u); return u; }
 """
 
 

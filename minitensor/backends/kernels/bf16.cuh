@@ -3,7 +3,8 @@
 // not cuda_bf16.h). A kernel's section takes it with #include "bf16.cuh", as rows.cuh.
 //   widen(h)     the float a bfloat16 stands for, exactly
 //   narrow(f)    f rounded to the nearest bfloat16, ties to even (as __float2bfloat16_rn and
-//                ml_dtypes round); a NaN stays a NaN (quiet), infinities stay infinite
+//                ml_dtypes round); a NaN becomes the quiet NaN of its sign (0x7fc0 / 0xffc0, ml_dtypes'
+//                bits), infinities stay infinite
 // Overloads for float and double make the same code read the stored type T whatever it is.
 __device__ __forceinline__ float widen(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 __device__ __forceinline__ float widen(float v) { return v; }
@@ -11,6 +12,6 @@ __device__ __forceinline__ double widen(double v) { return v; }
 
 __device__ __forceinline__ unsigned short narrow_bf16(float f) {
   const unsigned int u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);  // NaN: keep it quiet
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)(((u >> 16) & 0x8000u) | 0x7fc0u);  // NaN
   return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                   // to nearest, ties to even
 }

@@ -13,8 +13,10 @@ on PYTHONPATH for a command); the rest of the suite sees the real CuPy, or none,
 - `cupy.cuda`: one device (runtime, Device, Stream, Event, memGetInfo), the cuBLAS handle, and
   NCCL at one rank; `cupy._core._routines_linalg` and `cupy_backends.cuda.libs.cublas`: the GEMM
   compute type and cuBLAS math mode that `minitensor.device.set_tf32` sets and reads back, and
-  cuBLAS's GEMM, strided batched GEMM and GEMV computed column-major from their pointers
-  (minitensor.backends.cublas calls them).
+  cuBLAS's GEMM, strided batched GEMM and GEMV computed column-major from their pointers, with
+  gemmEx / gemmStridedBatchedEx for bfloat16 in float32 (minitensor.backends.cublas calls them).
+- bfloat16 arrays (ml_dtypes' dtype, as CuPy 14.2 takes it): NumPy's arithmetic on them, a 2-D
+  matmul as CuPy computes it and a batched one refused (cupy/standin.py says why).
 
 What it cannot show is listed in tests/support/gpu_standin.py.
 """

@@ -102,8 +102,8 @@ class ndarray(NDArrayOperatorsMixin):  # noqa: N801 (CuPy's name)
         raise TypeError(IMPLICIT)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        if ufunc is np.matmul and method == "__call__" and standin.gemm_too_big(*unwrap(inputs[:2])):
-            return call(standin.skipped_gemm, inputs[:2], kwargs)
+        if ufunc is np.matmul and method == "__call__":
+            return _matmul(inputs, kwargs)
         return call(getattr(ufunc, method), inputs, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
@@ -221,8 +221,8 @@ class ufunc:  # noqa: N801 (CuPy's name)
         self.nin, self.nout = np_ufunc.nin, np_ufunc.nout
 
     def __call__(self, *args, **kwargs):
-        if self._u is np.matmul and standin.gemm_too_big(*unwrap(args[:2])):
-            return call(standin.skipped_gemm, args[:2], kwargs)
+        if self._u is np.matmul:
+            return _matmul(args, kwargs)
         return call(self._u, args, kwargs)
 
     def reduce(self, *args, **kwargs):
@@ -242,6 +242,17 @@ class ufunc:  # noqa: N801 (CuPy's name)
             order = _atomics.permutation(len(indices))
             indices, b = indices[order], b[order]
         self._u.at(a._a, indices, *(() if b is None else (b,)))
+
+
+def _matmul(args, kwargs):
+    """cupy.matmul and `@`: NumPy's, but past GEMM_LIMIT not computed, and with a bfloat16 operand as
+    CuPy computes it (cupy.standin)."""
+    operands = unwrap(args[:2])
+    if standin.gemm_too_big(*operands):
+        return call(standin.skipped_gemm, args[:2], kwargs)
+    if standin.is_bf16(*operands):
+        return call(standin.bf16_matmul, args[:2], kwargs)
+    return call(np.matmul, args, kwargs)
 
 
 _atomics = np.random.default_rng()  # unseeded: the order of a GPU's atomics is not reproducible either

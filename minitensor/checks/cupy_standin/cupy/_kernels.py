@@ -4,14 +4,22 @@ ElementwiseKernel: the operation is compiled as C++ (g++) inside the loop CuPy g
 it, `for (ptrdiff_t i = 0; i < n; ++i)`, with each non-raw parameter bound by reference to its
 element (`const T &x = _raw_x[i]`, `T &y = _raw_y[i]`, as CuPy 14.2 binds them: an output that is
 also an input is one buffer), raw parameters as pointers to their C-order elements, scalars as
-constants of their C type. Each (operation, types) is built once, as a shared library called in
-this process (ctypes) on copies of the arguments; the libraries are kept under the system's
-temporary folder by the hash of their text, so later processes reuse them.
+constants of their C type. A bfloat16 array is typed as CuPy 14.2 types it, `bfloat16`, its own class
+(cupy/_core/_scalar.pyx at v14.2.0, lines 276-289; cupy/bfloat16.cuh), here a host class with the
+same conversions: made from a float by rounding to nearest even, read as a float, and any other
+assignment through an explicit conversion (so `y = narrow_bf16(v)` stores the number of the bits, as
+it would on the GPU: a kernel writes bits through a uint16 view, `a.view(cupy.uint16)`, an
+`unsigned short` in both). A fixed-type output must be an array of that type (CuPy's 'Type is
+mismatched'). bf16.cuh's widen / narrow_bf16 build on the host (its CUDA intrinsics are defined
+here). Each (operation, types) is built once, as a shared library called in this process (ctypes)
+on copies of the arguments; the libraries are kept under the system's temporary folder by the hash
+of their text, so later processes reuse them.
 
 RawKernel: minitensor's own launch emulation (minitensor.checks.kernelcheck's: the CUDA code as C++, a
 fiber per CUDA thread), for the kernels written against the type name `T` (`typedef <type> T;`
-first, as minitensor.backends.cuda.RawSpec.source writes them), built the same way, one library per kernel
-and dtype. A kernel that crashed would take the process with it (a test run sees which test).
+first, as minitensor.backends.cuda.RawSpec.source writes them: `unsigned short` for bfloat16, whose
+arrays it takes), built the same way, one library per kernel and dtype. A kernel that crashed
+would take the process with it (a test run sees which test).
 """
 
 import ctypes
@@ -28,14 +36,49 @@ import numpy as np
 from cupy import standin
 from cupy._array import _unsupported, ndarray
 
-C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "uint32": "unsigned int",
-           "bool": "bool", "int8": "signed char", "uint8": "unsigned char"}
+from minitensor import precision
+
+# a kernel's C type of each dtype: the float types the policy's (bfloat16: its 16 bits), then the others
+C_TYPES = {**precision.C_TYPES, "int32": "int", "int64": "long long", "uint32": "unsigned int", "bool": "bool",
+           "int8": "signed char", "uint8": "unsigned char", "uint16": "unsigned short"}
+# an ElementwiseKernel's: CuPy's own class for bfloat16 (the module's docstring)
+ELEMENTWISE_TYPES = {**C_TYPES, precision.BF16: "bfloat16"}
 
 _PRELUDE = """#include <math.h>  /* C++: the float overloads too, as CUDA's math has them */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#define __device__
+#define __forceinline__ inline
 template <class U> U rsqrt(U v) { return U(1) / sqrt(v); }
+static inline float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, sizeof f); return f; }
+static inline unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, sizeof u); return u; }
+"""
+
+# CuPy 14.2's bfloat16 class (cupy/bfloat16.cuh) on the host: the conversions it has, and no others
+_BF16_CLASS = """class bfloat16 {
+  unsigned short bits_;
+  static unsigned short round_(float f) {  /* to nearest, ties to even; a NaN: the quiet NaN of its sign */
+    const unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)(((u >> 16) & 0x8000u) | 0x7fc0u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+ public:
+  bfloat16() : bits_(0) {}
+  bfloat16(float v) : bits_(round_(v)) {}
+  explicit bfloat16(bool v) : bits_(round_(float(v))) {}
+  explicit bfloat16(double v) : bits_(round_(float(v))) {}
+  explicit bfloat16(int v) : bits_(round_(float(v))) {}
+  explicit bfloat16(unsigned int v) : bits_(round_(float(v))) {}
+  explicit bfloat16(long long v) : bits_(round_(float(v))) {}
+  explicit bfloat16(unsigned long long v) : bits_(round_(float(v))) {}
+  operator float() const { return __uint_as_float(((unsigned)bits_) << 16); }
+  bfloat16 &operator=(const bfloat16 &) = default;
+  template <typename U> bfloat16 &operator=(const U &rhs) { *this = static_cast<bfloat16>(rhs); return *this; }
+  unsigned short to_bits() const { return bits_; }
+  static bfloat16 from_bits(unsigned short v) { bfloat16 h; h.bits_ = v; return h; }
+};
 """
 
 
@@ -51,7 +94,8 @@ class _Param:
             raise ValueError(f"cannot parse the kernel parameter {text!r}")
         self.type, self.name = words
         # a NumPy type name, or a type placeholder (T) decided by the arguments
-        self.dtype = np.dtype(self.type) if self.type in C_TYPES else None
+        self.dtype = (precision.dtype_of(self.type) if self.type == precision.BF16 else np.dtype(self.type)
+                      if self.type in C_TYPES else None)
 
 
 def _params(text):
@@ -86,6 +130,8 @@ class ElementwiseKernel:
         for p, o in zip(self.out_params, args[n_in:]):
             if not isinstance(o, ndarray) or o.shape != shape:
                 raise ValueError(f"{self.name}: output {p.name} must be a device array of shape {shape}")
+            if p.dtype is not None and o.dtype != p.dtype:
+                raise TypeError(f"Type is mismatched. {p.name} {o.dtype} {p.dtype}")
         n = int(np.prod(shape, dtype=np.int64))
         host, buffers = self._buffers(params, args, types, shape)
         program = self._program(params, [k in host for k in range(len(params))], types)
@@ -134,7 +180,7 @@ class ElementwiseKernel:
         operation for i = 0..n-1 over the argument buffers args[k] (a scalar's: one element)."""
         head, loop = [], []
         for k, p in enumerate(params):
-            c = C_TYPES[self._dtype(p, types).name]
+            c = ELEMENTWISE_TYPES[self._dtype(p, types).name]
             const = "" if p in self.out_params else "const "
             if not is_array[k]:
                 head.append(f"const {c} {p.name} = *(const {c} *)_all[{k}];")
@@ -143,8 +189,10 @@ class ElementwiseKernel:
             else:
                 head.append(f"{c} *_p{k} = ({c} *)_all[{k}];")
                 loop.append(f"{const}{c} &{p.name} = _p{k}[i];")
-        typedefs = "".join(f"typedef {C_TYPES[t.name]} {name};\n" for name, t in types.items())
-        return "\n".join([_PRELUDE + typedefs + self.preamble, 'extern "C" int run(long long n, void **_all) {',
+        typedefs = "".join(f"typedef {ELEMENTWISE_TYPES[t.name]} {name};\n" for name, t in types.items())
+        bf16 = any(self._dtype(p, types).name == precision.BF16 for p in params)
+        return "\n".join([_PRELUDE + (_BF16_CLASS if bf16 else "") + typedefs + self.preamble,
+                          'extern "C" int run(long long n, void **_all) {',
                           *head, "for (ptrdiff_t i = 0; i < n; ++i) {", *loop, self.operation + ";", "}",
                           "return 0;", "}", ""])
 
@@ -205,7 +253,7 @@ class RawKernel:
         # a template's explicit instantiations left out: the emulation instantiates the one it calls
         code = "".join(line for line in code.splitlines(keepends=True) if not line.startswith("template __global__"))
         found = re.match(r"typedef (.+?) T;\n", code)
-        self.dtype = np.dtype(ctype_dtype(found.group(1))) if found else np.dtype(np.float32)
+        self.dtype = precision.dtype_of(ctype_dtype(found.group(1))) if found else np.dtype(np.float32)
         self.body = code[found.end():] if found else code
 
     def compile(self, log_stream=None):
@@ -287,4 +335,5 @@ def _emulation(spec, dtype, expression=None):
 
 
 def ctype_dtype(c):
-    return {v: k for k, v in C_TYPES.items()}[c]
+    """The dtype of a kernel's `typedef <c> T;`: a float type of the policy's (unsigned short: bfloat16)."""
+    return {v: k for k, v in precision.C_TYPES.items()}[c]

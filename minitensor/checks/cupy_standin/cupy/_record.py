@@ -95,7 +95,7 @@ def _targets():
             (_kernels.ElementwiseKernel, "__call__", _elementwise_kernel),
             (_kernels.RawKernel, "__call__", _raw_kernel),
             *((cublas, name, _cublas_rule(name)) for name in ("sgemm", "dgemm", "sgemv", "dgemv", "sgemmStridedBatched",
-                                                              "dgemmStridedBatched"))]
+                                                              "dgemmStridedBatched", "gemmEx", "gemmStridedBatchedEx"))]
 
 
 def _install():
@@ -354,29 +354,44 @@ def _raw_kernel(self, grid, block, args, *, shared_mem=0, enable_cooperative_gro
 # ---------------------------------------------------------------------------------------------
 # cuBLAS's own calls
 
-def _cublas_rule(name):
-    """sgemm/dgemm/sgemv/dgemv recorded from their arguments (checked as cuBLAS checks them)."""
-    item = 4 if name[0] == "s" else 8
+def _gemm_args(name, args):
+    """((transa, transb, m, n, k, lda, ldb, ldc, beta, count), (A's and B's dtype, C's, the scalars')) of a
+    cuBLAS GEMM's arguments (the signatures in cupy_backends/cuda/libs/cublas.py)."""
+    count = 1
+    if name == "gemmEx":
+        transa, transb, m, n, k, _, _, at, lda, _, bt, ldb, beta, _, ct, ldc, compute, _ = args
+    elif name == "gemmStridedBatchedEx":
+        transa, transb, m, n, k, _, _, at, lda, _, _, bt, ldb, _, beta, _, ct, ldc, _, count, compute, _ = args
+    elif name.endswith("Batched"):
+        transa, transb, m, n, k, _, _, lda, _, _, ldb, _, beta, _, ldc, _, count = args
+    else:
+        transa, transb, m, n, k, _, _, lda, _, ldb, beta, _, ldc = args
+    if name.endswith("Ex"):
+        dtypes = cublas._ex_dtypes(at, bt, ct, compute)
+    else:
+        dtypes = (np.dtype(np.float32 if name[0] == "s" else np.float64),) * 3
+    return (transa, transb, m, n, k, lda, ldb, ldc, beta, count), dtypes
 
+
+def _cublas_rule(name):
+    """sgemm/dgemm/sgemv/dgemv and gemmEx recorded from their arguments (checked as cuBLAS checks them): A and
+    B (or x) read at their type's size, C (or y) written at its own, and read when beta is not 0."""
     def rule(handle, *args):
-        if name.endswith("Batched"):
-            transa, transb, m, n, k, alpha, A, lda, _, B, ldb, _, beta, C, ldc, _, count = args
+        if "gemm" in name:
+            (transa, transb, m, n, k, lda, ldb, ldc, beta, count), (operand, output, scale) = _gemm_args(name, args)
             a, b = cublas.gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
-            lds, flops = (lda, ldb, ldc), 2 * m * n * k * count
-            read, out = count * item * (a[0] * a[1] + b[0] * b[1]), count * item * m * n
-        elif name.endswith("gemm"):
-            transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc = args
-            a, b = cublas.gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
-            lds, flops, read, out = (lda, ldb, ldc), 2 * m * n * k, item * (a[0] * a[1] + b[0] * b[1]), item * m * n
+            lds = ((lda, operand), (ldb, operand), (ldc, output))
+            flops, read = 2 * m * n * k * count, count * operand.itemsize * (a[0] * a[1] + b[0] * b[1])
+            out, shape = count * output.itemsize * m * n, ((count, m, n) if "Batched" in name else (m, n))
         else:
-            trans, m, n, alpha, A, lda, x, incx, beta, y, incy = args
+            trans, m, n, _, _, lda, _, incx, beta, _, incy = args
             nx, ny = cublas.gemv_shapes(trans, m, n, lda, incx, incy)
-            lds, flops, read, out = (lda,), 2 * m * n, item * (m * n + nx), item * ny
-        beta_value = cublas.host_scalar(beta, np.float32 if item == 4 else np.float64)
-        aligned = all(ld * item % 16 == 0 for ld in lds)
-        shape = ((count, m, n) if name.endswith("Batched") else (m, n)) if "gemm" in name else (ny,)
+            scale = np.dtype(np.float32 if name[0] == "s" else np.float64)
+            lds, flops, read, out, shape = ((lda, scale),), 2 * m * n, scale.itemsize * (m * n + nx), \
+                scale.itemsize * ny, (ny,)
+        aligned = all(ld * dtype.itemsize % 16 == 0 for ld, dtype in lds)
         _active.add("gemm", f"cublas {name}" + ("" if aligned else " (unaligned)"), flops,
-                    read + (out if beta_value != 0 else 0), out, [shape])  # the output's shape: its tiles
+                    read + (out if cublas.host_scalar(beta, scale) != 0 else 0), out, [shape])  # [C's shape]: its tiles
         if _active.verify:
             _original(cublas, name)(handle, *args)
 

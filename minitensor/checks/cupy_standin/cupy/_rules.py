@@ -42,7 +42,7 @@ def _shapes(*arrays):
 
 def _rule(fn):
     """(rule, name, the array a bound method belongs to) for a NumPy callable."""
-    if fn is standin.skipped_gemm:
+    if fn is standin.skipped_gemm or fn is standin.bf16_matmul:
         return _matmul_rule, "matmul", None
     if isinstance(fn, np.ufunc):
         return (_matmul_rule if fn is np.matmul else _ufunc_rule), fn.__name__, None
@@ -133,6 +133,8 @@ def _gemm(rec, a, b, out=None):
     shape = (*batch, *a.shape[-2:-1], *(b.shape[-1:] if b.ndim > 1 else ()))
     dtype = np.result_type(a, b)
     batched = max(a.ndim, b.ndim) > 2
+    if batched and standin.is_bf16(a, b):
+        standin.bf16_matmul(a, b)  # refused, as when computing
     _gemm_operand_copies(rec, a, b, a2, b2, batch, batched)
     result = out if out is not None else np.empty(shape, dtype)
     aligned = all(_leading(x) * dtype.itemsize % 16 == 0 for x in (a2, b2) + ((result,) if result.ndim > 1 else ()))

@@ -13,6 +13,13 @@ GEMMs: `andrea.run.perf.matmul_peak_flops` measures the GPU's peak on 8192^3 pro
 a CPU. A matmul of more than GEMM_LIMIT multiply-adds is therefore not computed, and counted: its
 output gets a NaN in every 64 x 64 tile, so a result that were used would show. Every GEMM of the models
 the tests train is far below the limit.
+
+bfloat16 matmuls: CuPy 14.2 runs a 2-D one as cublasGemmEx with float32 compute (cupy/_core/
+_routines_linalg.pyx at v14.2.0, tensordot_core_v11): the output bfloat16, rounded once from float32
+sums. NumPy's matmul on ml_dtypes' bfloat16 gives float32 instead, so `bf16_matmul` computes it as
+CuPy does. A batched bfloat16 matmul is refused: CuPy 14.2 sends any dtype whose char is not one of
+'efdFD' (bfloat16's is 'E') to its integer GEMM kernel (the same file, line 992), whose result is
+wrong; minitensor.backends.cublas computes those through gemmStridedBatchedEx instead.
 """
 
 import atexit
@@ -58,6 +65,23 @@ def skipped_gemm(a, b, out=None):
     shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
     out = np.empty(shape, np.result_type(a, b)) if out is None else out
     out[..., ::64, ::64] = np.nan  # a NaN in every 64 x 64 tile: any use of the result shows
+    return out
+
+
+def is_bf16(*arrays):
+    return any(isinstance(a, np.ndarray) and a.dtype.name == "bfloat16" for a in arrays)
+
+
+def bf16_matmul(a, b, out=None):
+    """matmul with a bfloat16 operand, as CuPy 14.2 computes it (the module's docstring)."""
+    if max(np.ndim(a), np.ndim(b)) > 2:
+        raise TypeError(f"a batched bfloat16 matmul {np.shape(a)} @ {np.shape(b)}: CuPy 14.2 computes it in its "
+                        f"integer kernel, wrongly; use minitensor.backends.cublas.matmul (gemmStridedBatchedEx)")
+    dtype = np.result_type(a, b)
+    product = np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(dtype)  # float32 sums, rounded once
+    if out is None:
+        return product
+    out[...] = product
     return out
 
 

@@ -3,6 +3,9 @@
 from cupy import standin
 
 CUDA_VERSION = 13000
+# cudaDataType_t (cupy_backends/cuda/api/_runtime_enum.pxd at v14.2.0, lines 24-34), which CuPy's runtime
+# module exports
+CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_16BF = 0, 1, 2, 14
 
 
 class CUDARuntimeError(RuntimeError):

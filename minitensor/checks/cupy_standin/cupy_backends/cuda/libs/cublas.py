@@ -9,6 +9,23 @@ them. The memory behind the pointers is read and written in place, so a wrong po
 or leading dimension corrupts or faults as on a GPU; the argument checks cuBLAS makes
 (CUBLAS_STATUS_INVALID_VALUE) are made here too. With beta 0, C (or y) is not read: NaNs in it do
 not reach the result, as in cuBLAS.
+
+gemmEx / gemmStridedBatchedEx take each matrix's CUDA data type (CUDA_R_16BF, CUDA_R_32F, CUDA_R_64F:
+cupy.cuda.runtime's constants) and a cublasComputeType_t, with CuPy 14.2's signatures
+(cupy_backends/cuda/libs/cublas.pyx at v14.2.0, lines 1639 and 1682):
+
+    gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+           computeType, algo)
+    gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
+                         strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo)
+
+The combinations cuBLAS lists for cublasGemmEx that the engine uses are computed; any other is
+CUBLAS_STATUS_NOT_SUPPORTED, as cuBLAS answers it. CUBLAS_COMPUTE_32F (alpha and beta float32 on the
+host): the operands widened to float32 exactly, their products summed in float32, alpha and beta
+applied in float32, and the result rounded once to C's type (bfloat16 by ml_dtypes, nearest even),
+so a bfloat16 output is never summed in bfloat16. cuBLAS's own order of the float32 sums (its
+tiles, split-K) is not NumPy's: the float32 rounding differs in the last bits, not the bf16 one
+beyond a tie.
 """
 
 import ctypes
@@ -18,14 +35,19 @@ import numpy as np
 CUBLAS_DEFAULT_MATH, CUBLAS_TENSOR_OP_MATH, CUBLAS_PEDANTIC_MATH, CUBLAS_TF32_TENSOR_OP_MATH = 0, 1, 2, 3
 CUBLAS_OP_N, CUBLAS_OP_T, CUBLAS_OP_C = 0, 1, 2
 CUBLAS_POINTER_MODE_HOST, CUBLAS_POINTER_MODE_DEVICE = 0, 1
-CUBLAS_STATUS_INVALID_VALUE = 7
+CUBLAS_STATUS_INVALID_VALUE, CUBLAS_STATUS_NOT_SUPPORTED = 7, 15
+# cublasComputeType_t and cublasGemmAlgo_t (cupy_backends/cuda/libs/cublas.pxd at v14.2.0, lines 60-83)
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_COMPUTE_64F, CUBLAS_COMPUTE_64F_PEDANTIC = 68, 69, 70, 71
+CUBLAS_COMPUTE_32F_FAST_TF32 = 77
+CUBLAS_GEMM_DEFAULT, CUBLAS_GEMM_DEFAULT_TENSOR_OP = -1, 99
 _modes = {}
 
 
 class CUBLASError(RuntimeError):
     def __init__(self, status):
         self.status = status
-        super().__init__({CUBLAS_STATUS_INVALID_VALUE: "CUBLAS_STATUS_INVALID_VALUE"}.get(status, str(status)))
+        super().__init__({CUBLAS_STATUS_INVALID_VALUE: "CUBLAS_STATUS_INVALID_VALUE",
+                          CUBLAS_STATUS_NOT_SUPPORTED: "CUBLAS_STATUS_NOT_SUPPORTED"}.get(status, str(status)))
 
 
 def setMathMode(handle, mode):  # noqa: N802 (cuBLAS's name)
@@ -134,3 +156,51 @@ def sgemv(handle, trans, m, n, alpha, A, lda, x, incx, beta, y, incy):
 
 def dgemv(handle, trans, m, n, alpha, A, lda, x, incx, beta, y, incy):
     _gemv(np.float64, handle, trans, m, n, alpha, A, lda, x, incx, beta, y, incy)
+
+
+def _ex_dtypes(Atype, Btype, Ctype, computeType):  # noqa: N803 (cuBLAS's names)
+    """(operand dtype, output dtype, compute dtype) of a gemmEx type combination the engine uses, from
+    cuBLAS's table for cublasGemmEx; any other: CUBLAS_STATUS_NOT_SUPPORTED."""
+    from cupy.cuda import runtime
+
+    from minitensor import precision
+
+    bf16 = runtime.CUDA_R_16BF
+    combos = {(bf16, bf16, CUBLAS_COMPUTE_32F): (precision.BF16, precision.BF16, "float32"),
+              (bf16, runtime.CUDA_R_32F, CUBLAS_COMPUTE_32F): (precision.BF16, "float32", "float32"),
+              (runtime.CUDA_R_32F, runtime.CUDA_R_32F, CUBLAS_COMPUTE_32F): ("float32", "float32", "float32"),
+              (runtime.CUDA_R_64F, runtime.CUDA_R_64F, CUBLAS_COMPUTE_64F): ("float64", "float64", "float64")}
+    found = combos.get((Atype, Ctype, computeType)) if Atype == Btype else None
+    if found is None:
+        raise CUBLASError(CUBLAS_STATUS_NOT_SUPPORTED)
+    return tuple(precision.dtype_of(name) for name in found)
+
+
+def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, dtypes):
+    operand, output, compute = dtypes
+    a_shape, b_shape = gemm_shapes(transa, transb, m, n, k, lda, ldb, ldc)
+    a = matrix(A, operand, *a_shape, lda).astype(compute)  # a bfloat16 widens to float32 exactly
+    b = matrix(B, operand, *b_shape, ldb).astype(compute)
+    op_a = a if transa == CUBLAS_OP_N else a.T
+    op_b = b if transb == CUBLAS_OP_N else b.T
+    c = matrix(C, output, m, n, ldc)
+    alpha, beta = host_scalar(alpha, compute), host_scalar(beta, compute)
+    product = alpha * (op_a @ op_b)
+    c[...] = (product if beta == 0 else product + beta * c.astype(compute)).astype(output)  # rounded once
+
+
+def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,  # noqa: N802
+           computeType, algo):  # noqa: N803
+    _gemm_ex(handle, transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc,
+             _ex_dtypes(Atype, Btype, Ctype, computeType))
+
+
+def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,  # noqa: N802
+                         strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):  # noqa: N803
+    dtypes = _ex_dtypes(Atype, Btype, Ctype, computeType)
+    if batchCount < 0:
+        raise CUBLASError(CUBLAS_STATUS_INVALID_VALUE)
+    item_in, item_out = dtypes[0].itemsize, dtypes[1].itemsize
+    for i in range(batchCount):
+        _gemm_ex(handle, transa, transb, m, n, k, alpha, A + i * strideA * item_in, lda, B + i * strideB * item_in,
+                 ldb, beta, C + i * strideC * item_out, ldc, dtypes)
