@@ -153,11 +153,9 @@ def to_numpy(x):
 
 
 def resolve_dtype(dtype):
-    """float32 (the default) or float64; anything else is refused."""
-    dt = np.dtype(dtype if dtype is not None else "float32")
-    if dt not in (np.float32, np.float64):
-        raise ValueError(f"unsupported dtype {dt}: use float32 or float64")
-    return dt
+    """float32 (the default) or float64; anything else is refused: the precision policy decides
+    (minitensor.precision.resolve)."""
+    return precision.resolve(dtype)
 
 
 # cuBLAS math modes (cublas_api.h): CUBLAS_DEFAULT_MATH and CUBLAS_TF32_TENSOR_OP_MATH.

@@ -2,9 +2,12 @@
 // widening is a shift and narrowing a rounding of the low 16 bits (minitensor/precision.py says why
 // not cuda_bf16.h). A kernel's section takes it with #include "bf16.cuh", as rows.cuh.
 //   widen(h)     the float a bfloat16 stands for, exactly
-//   narrow(f)    f rounded to the nearest bfloat16, ties to even (as __float2bfloat16_rn and
+//   narrow_bf16(f)  f rounded to the nearest bfloat16, ties to even (as __float2bfloat16_rn and
 //                ml_dtypes round); a NaN stays a NaN (quiet), infinities stay infinite
-// Overloads for float and double make the same code read the stored type T whatever it is.
+//   store(p, v)  *p = v for a stored type T and a summed value v (ACC): narrow_bf16 for a bfloat16,
+//                plain assignment for float and double
+//   stored(p, v) store(p, v), returning the value stored, widened (v itself for float and double)
+// Overloads for float and double make the same code read and write the stored type T whatever it is.
 __device__ __forceinline__ float widen(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 __device__ __forceinline__ float widen(float v) { return v; }
 __device__ __forceinline__ double widen(double v) { return v; }
@@ -13,4 +16,15 @@ __device__ __forceinline__ unsigned short narrow_bf16(float f) {
   const unsigned int u = __float_as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);  // NaN: keep it quiet
   return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                   // to nearest, ties to even
+}
+
+__device__ __forceinline__ void store(unsigned short *p, float v) { *p = narrow_bf16(v); }
+__device__ __forceinline__ void store(float *p, float v) { *p = v; }
+__device__ __forceinline__ void store(double *p, double v) { *p = v; }
+__device__ __forceinline__ float stored(float *p, float v) { *p = v; return v; }
+__device__ __forceinline__ double stored(double *p, double v) { *p = v; return v; }
+__device__ __forceinline__ float stored(unsigned short *p, float v) {
+  const unsigned short h = narrow_bf16(v);
+  *p = h;
+  return widen(h);
 }
