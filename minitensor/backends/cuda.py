@@ -537,7 +537,10 @@ def on_cupy(fn, x, numpy_alternative):
 
 
 def launch(spec, dtype, grid, block, args):
-    """Runs a RawSpec kernel on CuPy arrays after checking each argument against its C type."""
+    """Runs a RawSpec kernel on CuPy arrays after checking each argument against its C type; a dtype
+    the kernel is not built for (spec.dtypes, as the precision policy says) is refused."""
+    if precision.name_of(dtype) not in spec.dtypes:
+        raise TypeError(f"{spec.name} is built for {', '.join(spec.dtypes)}, not {precision.name_of(dtype)}")
     check_launch_args(spec, dtype, args)
     if any(isinstance(a, np.ndarray) for a in args):
         raise TypeError(f"{spec.name} runs on CuPy arrays; on NumPy its layer's generic code computes the same")
@@ -568,9 +571,7 @@ _ARG_TYPES = {"int": np.dtype(np.int32), "long long": np.dtype(np.int64)}
 
 def check_launch_args(spec, dtype, args):
     """Each argument against its C type: T the dtype's, ACC what the dtype is summed in (the precision
-    policy's accumulate_of), int and long long; a dtype the kernel is not built for is refused."""
-    if precision.name_of(dtype) not in spec.dtypes:
-        raise TypeError(f"{spec.name} is built for {', '.join(spec.dtypes)}, not {precision.name_of(dtype)}")
+    policy's accumulate_of), int and long long."""
     params = raw_params(spec)
     if len(args) != len(params):
         raise TypeError(f"{spec.name} takes {len(params)} arguments, got {len(args)}")
