@@ -101,7 +101,7 @@ class ElementwiseSpec:
 class RawSpec:
     """A `cupy.RawKernel` whose code is written against the type names `T`, what its arrays are stored
     in, and `ACC`, what it sums in (one build per dtype: `type_names`). `bf16`: the code keeps the two
-    apart (loads through widen(), stores of a T through store(), sums in ACC: kernels/bf16.cuh), so it
+    apart (loads through widen(), writes a T as to_stored<T>(v), sums in ACC: kernels/bf16.cuh), so it
     is also built for bfloat16 (T unsigned short, ACC float); `dtypes` lists what it is built for, as
     the precision policy says (minitensor.precision.kernel_dtypes).
 

@@ -4,9 +4,11 @@
 //   widen(h)     the float a bfloat16 stands for, exactly
 //   narrow_bf16(f)  f rounded to the nearest bfloat16, ties to even (as __float2bfloat16_rn and
 //                ml_dtypes round); a NaN stays a NaN (quiet), infinities stay infinite
-//   store(p, v)  *p = v for a stored type T and a summed value v (ACC): narrow_bf16 for a bfloat16,
-//                plain assignment for float and double
-//   stored(p, v) store(p, v), returning the value stored, widened (v itself for float and double)
+//   to_stored<T>(v)  a summed value v (ACC) as the stored type T: narrow_bf16 for a bfloat16, v itself for
+//                float and double; a row kernel writes p[i] = to_stored<T>(v)
+//   store(p, v)  *p = to_stored(v) as an overload on the pointer (the agreed `store(T *p, ACC v)`); the
+//                row kernels use to_stored<T>, with which float32's and float64's code compiles to the
+//                same cubin as before the split (passing &p[i] moved registers in some kernels)
 // Overloads for float and double make the same code read and write the stored type T whatever it is.
 __device__ __forceinline__ float widen(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
 __device__ __forceinline__ float widen(float v) { return v; }
@@ -18,13 +20,10 @@ __device__ __forceinline__ unsigned short narrow_bf16(float f) {
   return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                   // to nearest, ties to even
 }
 
+template <class S> __device__ __forceinline__ S to_stored(float v) { return v; }
+template <class S> __device__ __forceinline__ S to_stored(double v) { return v; }
+template <> __device__ __forceinline__ unsigned short to_stored<unsigned short>(float v) { return narrow_bf16(v); }
+
 __device__ __forceinline__ void store(unsigned short *p, float v) { *p = narrow_bf16(v); }
 __device__ __forceinline__ void store(float *p, float v) { *p = v; }
 __device__ __forceinline__ void store(double *p, double v) { *p = v; }
-__device__ __forceinline__ float stored(float *p, float v) { *p = v; return v; }
-__device__ __forceinline__ double stored(double *p, double v) { *p = v; return v; }
-__device__ __forceinline__ float stored(unsigned short *p, float v) {
-  const unsigned short h = narrow_bf16(v);
-  *p = h;
-  return widen(h);
-}

@@ -24,7 +24,7 @@ extern "C" __global__ void causal_softmax_fwd(const T *s, T *p, ACC *lse, const 
   for (int j = threadIdx.x; j <= last; j += blockDim.x) total += exp_of(scale * widen(sr[j]) - top);
   total = block_sum(total, buf);
   for (int j = threadIdx.x; j < n_ctx; j += blockDim.x)
-    store(&pr[j], j <= last ? exp_of(scale * widen(sr[j]) - top) / total : (ACC)0);
+    pr[j] = to_stored<T>(j <= last ? exp_of(scale * widen(sr[j]) - top) / total : (ACC)0);
   if (write_lse && threadIdx.x == 0) lse[row] = top + log_of(total);
 }
 
@@ -43,7 +43,7 @@ extern "C" __global__ void causal_softmax_bwd(const T *dp, const T *p, T *ds, co
   for (int j = threadIdx.x; j <= last; j += blockDim.x) dot += widen(dpr[j]) * widen(pr[j]);
   dot = block_sum(dot, buf);
   for (int j = threadIdx.x; j < n_ctx; j += blockDim.x)
-    store(&dsr[j], j <= last ? scale * (widen(pr[j]) * (widen(dpr[j]) - dot)) : (ACC)0);
+    dsr[j] = to_stored<T>(j <= last ? scale * (widen(pr[j]) * (widen(dpr[j]) - dot)) : (ACC)0);
 }
 
 // @kernel causal_softmax_recompute

@@ -1,7 +1,7 @@
 // LayerNorm over the last axis (fused piece layernorm): what these kernels must equal is
 // Ops.layernorm_forward / _backward (the start-up self-check runs the layer both ways on the GPU).
 // T is what the rows are stored in, ACC what they are summed in (float for bfloat16): every value is
-// loaded through widen() and computed in ACC, a row's T written through store(); the statistics (mean,
+// loaded through widen() and computed in ACC, a row's T written through to_stored<T>(); the statistics (mean,
 // rstd) and the parameters' partial sums are ACC.
 
 // @kernel layernorm_fwd
@@ -21,7 +21,8 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
   for (int j = threadIdx.x; j < C; j += blockDim.x) {
     ACC v = widen(xr[j]);
     if (add_residual) {
-      v = stored(&xr[j], v + widen(residual[row * C + j]));
+      xr[j] = to_stored<T>(v + widen(residual[row * C + j]));
+      v = widen(xr[j]);
     }
     sum += v;
   }
@@ -32,7 +33,8 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
     sq += d * d;
   }
   const ACC r = (ACC)1 / sqrt_of(block_sum(sq, buf) / (ACC)C + eps);
-  for (int j = threadIdx.x; j < C; j += blockDim.x) store(&yr[j], (widen(xr[j]) - m) * r * widen(w[j]) + widen(b[j]));
+  for (int j = threadIdx.x; j < C; j += blockDim.x)
+    yr[j] = to_stored<T>((widen(xr[j]) - m) * r * widen(w[j]) + widen(b[j]));
   if (threadIdx.x == 0) {
     mean[row] = m;
     rstd[row] = r;
@@ -80,7 +82,7 @@ extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, co
       const int j = threadIdx.x + k * blockDim.x;
       if (j < C) {
         const ACC v = r * (g[k] - mg - xhat[k] * mgx);
-        store(&dx[base + j], accumulate ? widen(res[base + j]) + v : v);
+        dx[base + j] = to_stored<T>(accumulate ? widen(res[base + j]) + v : v);
       }
     }
   }

@@ -17,7 +17,7 @@ extern "C" __global__ void rmsnorm_fwd(const T *x, const T *w, T *y, ACC *rstd, 
   ACC sq = 0;
   for (int j = threadIdx.x; j < C; j += blockDim.x) sq += widen(xr[j]) * widen(xr[j]);
   const ACC r = (ACC)1 / sqrt_of(block_sum(sq, buf) / (ACC)C + eps);
-  for (int j = threadIdx.x; j < C; j += blockDim.x) store(&yr[j], widen(xr[j]) * r * widen(w[j]));
+  for (int j = threadIdx.x; j < C; j += blockDim.x) yr[j] = to_stored<T>(widen(xr[j]) * r * widen(w[j]));
   if (threadIdx.x == 0) rstd[row] = r;
 }
 
@@ -59,7 +59,7 @@ extern "C" __global__ void rmsnorm_bwd(const T *dy, const T *x, const T *w, cons
       const int j = threadIdx.x + k * blockDim.x;
       if (j < C) {
         const ACC v = r * (g[k] - xhat[k] * mgx);
-        store(&dx[base + j], accumulate ? widen(res[base + j]) + v : v);
+        dx[base + j] = to_stored<T>(accumulate ? widen(res[base + j]) + v : v);
       }
     }
   }

@@ -23,7 +23,8 @@ extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, ACC 
   ACC total = 0;
   for (int j = threadIdx.x; j < n_valid; j += blockDim.x) total += exp_of(widen(zr[j]) - top);
   total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) store(&zr[j], j < n_valid ? exp_of(widen(zr[j]) - top) / total : (ACC)0);
+  for (int j = threadIdx.x; j < V; j += blockDim.x)
+    zr[j] = to_stored<T>(j < n_valid ? exp_of(widen(zr[j]) - top) / total : (ACC)0);
   if (threadIdx.x == 0) losses[row] = valid ? log_of(total) + top - picked : nan_of(top);
 }
 
