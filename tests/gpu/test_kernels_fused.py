@@ -587,7 +587,7 @@ def test_launch_checks_the_c_types_of_its_arguments():
 
 def test_raw_kernel_parameters_are_parsed_from_the_code():
     assert cuda.raw_params(softmax_xent.SOFTMAX_XENT_FWD) == [
-        ("z", "T", True), ("targets", "long long", True), ("losses", "T", True), ("V", "int", False),
+        ("z", "T", True), ("targets", "long long", True), ("losses", "ACC", True), ("V", "int", False),
         ("n_valid", "int", False)]
 
 
