@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minitensor import precision
+
 DEVICES = ("auto", "cpu", "gpu")
 INSTALL_HINT = "pip install 'andrea[cuda12]' or 'andrea[cuda13]' (matching your CUDA driver)"
 NO_DRIVER_HINT = ("CuPy is installed, but no NVIDIA driver or GPU answers here (`nvidia-smi` shows what the "
