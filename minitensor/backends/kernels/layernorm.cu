@@ -21,8 +21,9 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
   for (int j = threadIdx.x; j < C; j += blockDim.x) {
     ACC v = widen(xr[j]);
     if (add_residual) {
-      xr[j] = to_stored<T>(v + widen(residual[row * C + j]));
-      v = widen(xr[j]);
+      const T joined = to_stored<T>(v + widen(residual[row * C + j]));  /* rounded once, for bfloat16 */
+      xr[j] = joined;
+      v = widen(joined);
     }
     sum += v;
   }
