@@ -50,9 +50,16 @@ def bfloat16():
 
 
 def name_of(dtype):
-    """A dtype's name ("float32", "bfloat16"), from a name, a dtype or a scalar type; a name is taken as
-    it is, so "bfloat16" needs no ml_dtypes until an array is made."""
-    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    """A dtype's name ("float32", "bfloat16"), from a name (NumPy's aliases too: "f4", "double"), a dtype or
+    a scalar type; "bfloat16" needs no ml_dtypes until an array is made."""
+    if isinstance(dtype, str) and dtype == BF16:
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        if isinstance(dtype, str):
+            return dtype  # a name NumPy does not know: the caller refuses it by name
+        raise
 
 
 def dtype_of(name):

@@ -13,7 +13,8 @@ from minitensor.device import resolve_dtype
 def test_resolve_is_the_policys_and_refuses_in_one_line():
     assert resolve_dtype(None) == np.float32 and resolve_dtype("float64") == np.float64
     assert resolve_dtype(np.float32) == precision.resolve(np.float32)
-    for bad in ("bfloat16", "float16", np.int32):
+    assert resolve_dtype("f4") == np.float32 and resolve_dtype("double") == np.float64  # NumPy's aliases
+    for bad in ("bfloat16", "float16", np.int32, "nonsense"):
         with pytest.raises(ValueError, match="unsupported dtype .*: use float32 or float64"):
             resolve_dtype(bad)
 
