@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minitensor import precision
+
 DEVICES = ("auto", "cpu", "gpu")
 INSTALL_HINT = "pip install 'andrea[cuda12]' or 'andrea[cuda13]' (matching your CUDA driver)"
 NO_DRIVER_HINT = ("CuPy is installed, but no NVIDIA driver or GPU answers here (`nvidia-smi` shows what the "
@@ -153,11 +155,9 @@ def to_numpy(x):
 
 
 def resolve_dtype(dtype):
-    """float32 (the default) or float64; anything else is refused."""
-    dt = np.dtype(dtype if dtype is not None else "float32")
-    if dt not in (np.float32, np.float64):
-        raise ValueError(f"unsupported dtype {dt}: use float32 or float64")
-    return dt
+    """float32 (the default) or float64; anything else is refused: the precision policy decides
+    (minitensor.precision.resolve)."""
+    return precision.resolve(dtype)
 
 
 # cuBLAS math modes (cublas_api.h): CUBLAS_DEFAULT_MATH and CUBLAS_TF32_TENSOR_OP_MATH.

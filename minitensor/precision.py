@@ -22,8 +22,8 @@ under NVRTC.
 
 The rest of the engine asks this module and keeps no list of its own
 (tests/rules/test_precision_policy.py): which dtypes an array of the engine may hold (`FLOATS`,
-`check_float`), which C type a dtype is in a kernel (`c_type`), what a dtype is summed in
-(`accumulate_of`).
+`check_float`, `resolve`), which dtypes a kernel is built for (`kernel_dtypes`), which C type a dtype
+is in a kernel (`c_type`), what a dtype is summed in (`accumulate_of`).
 """
 
 import dataclasses
@@ -49,9 +49,22 @@ def bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def name_of(dtype):
+    """A dtype's name ("float32", "bfloat16"), from a name (NumPy's aliases too: "f4", "double"), a dtype or
+    a scalar type; "bfloat16" needs no ml_dtypes until an array is made."""
+    if isinstance(dtype, str) and dtype == BF16:
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        if isinstance(dtype, str):
+            return dtype  # a name NumPy does not know: the caller refuses it by name
+        raise
+
+
 def dtype_of(name):
     """np.dtype for a float dtype's name (or a dtype): float32, float64 or bfloat16."""
-    name = np.dtype(name).name if not isinstance(name, str) else name
+    name = name_of(name)
     if name == BF16:
         return bfloat16()
     if name not in FLOATS:
@@ -120,15 +133,15 @@ def for_arrays(policy, xp):
 def resolve(dtype):
     """The float dtype the generic code computes in: float32 (the default, for None) or float64;
     anything else is refused."""
-    dt = np.dtype(dtype if dtype is not None else "float32")
-    if dt.name not in FLOATS:
-        raise ValueError(f"unsupported dtype {dt}: use {' or '.join(FLOATS)}")
-    return dt
+    name = name_of(dtype if dtype is not None else "float32")
+    if name not in FLOATS:
+        raise ValueError(f"unsupported dtype {name}: use {' or '.join(FLOATS)}")
+    return np.dtype(name)
 
 
 def is_float(dtype, bf16=False):
     """True for float32 and float64 (and for bfloat16 where bf16 says a kernel takes it)."""
-    name = getattr(dtype, "name", None) or np.dtype(dtype).name
+    name = name_of(dtype)
     return name in FLOATS or (bf16 and name == BF16)
 
 
@@ -145,13 +158,19 @@ def check_float(x, what, bf16=False):
 def accumulate_of(dtype):
     """The dtype a sum over values of `dtype` is carried in: float32 for bfloat16, the dtype itself
     otherwise."""
-    name = np.dtype(dtype).name
+    name = name_of(dtype)
     return np.dtype("float32") if name == BF16 else np.dtype(name)
+
+
+def kernel_dtypes(bf16=False):
+    """The dtypes a kernel is built for: float32 and float64, and bfloat16 for a kernel written for it
+    (its stored type T apart from its summed type ACC: minitensor.backends.cuda.RawSpec)."""
+    return FLOATS + ((BF16,) if bf16 else ())
 
 
 def c_type(dtype):
     """The C type a float dtype is stored as in a kernel ("float", "double", "unsigned short")."""
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    name = name_of(dtype)
     if name not in C_TYPES:
         raise ValueError(f"no kernel type for {name}: kernels are built for {', '.join(C_TYPES)}")
     return C_TYPES[name]

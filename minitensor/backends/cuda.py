@@ -37,10 +37,11 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.device import array_module
 
 INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU needed)"
-DTYPES = ("float32", "float64")
+DTYPES = precision.FLOATS  # what every kernel is built for; a RawSpec with bf16 also for bfloat16 (`dtypes`)
 ARCHS = ("sm_80", "sm_90")
 
 
@@ -82,6 +83,11 @@ class ElementwiseSpec:
     def preamble(self):
         return "" if self.inline else cu_code(self.file, self.name)[0]
 
+    @property
+    def dtypes(self):
+        """The dtypes it is built for: float32 and float64 (CuPy's type machinery; no bfloat16)."""
+        return precision.kernel_dtypes()
+
     def kernel(self, dtype=None):
         """The CuPy kernel; one object serves every dtype."""
         return _elementwise_kernel(self)
@@ -93,7 +99,11 @@ class ElementwiseSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RawSpec:
-    """A `cupy.RawKernel` whose code is written against the type name `T` (one build per dtype).
+    """A `cupy.RawKernel` whose code is written against the type names `T`, what its arrays are stored
+    in, and `ACC`, what it sums in (one build per dtype: `type_names`). `bf16`: the code keeps the two
+    apart (loads through widen(), writes a T as to_stored<T>(v), sums in ACC: kernels/bf16.cuh), so it
+    is also built for bfloat16 (T unsigned short, ACC float); `dtypes` lists what it is built for, as
+    the precision policy says (minitensor.precision.kernel_dtypes).
 
     Its code is the section `// @kernel <name>` of kernels/<file> (read at the first use), the
     headers it `#include`s pasted in; a spec made in a test may give it `inline` instead.
@@ -131,6 +141,11 @@ class RawSpec:
     template: tuple = ()
     instances: Callable = dataclasses.field(default=None, compare=False)
     warps_per_sm: int = dataclasses.field(default=0, compare=False)
+    bf16: bool = False
+
+    @property
+    def dtypes(self):
+        return precision.kernel_dtypes(self.bf16)
 
     @property
     def code(self):
@@ -173,14 +188,21 @@ class RawSpec:
         return f"{self.name}<{', '.join(map(str, instance))}>" if self.template else self.name
 
     def source(self, dtype, instances=None):
-        """The translation unit NVRTC compiles for dtype: `typedef ... T;`, the code, and for a template the
-        explicit instantiation of each of `instances` (None: every one it is compiled for)."""
-        text = f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
+        """The translation unit NVRTC compiles for dtype: `typedef ... T; typedef ... ACC;` (type_names), the
+        code, and for a template the explicit instantiation of each of `instances` (None: every one it is
+        compiled for)."""
+        text = f"{type_names(dtype)}\n{self.code}"
         if not self.template:
             return text
         params = " ".join(signature_of(self.code, self.name).split())  # one line per instantiation
         chosen = self.instances_of(dtype) if instances is None else instances
         return text + "".join(f"template __global__ void {self.expression(i)}({params});\n" for i in chosen)
+
+
+def type_names(dtype):
+    """A RawKernel's type names for dtype, as the precision policy says: `T` the C type its arrays are
+    stored in, `ACC` the one it sums in (float for bfloat16; T itself for float32 and float64)."""
+    return f"typedef {precision.c_type(dtype)} T;\ntypedef {precision.c_type(precision.accumulate_of(dtype))} ACC;"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +260,7 @@ def _header(file):
 # NVRTC before CuPy's own), `source(dtype)` (the exact source NVRTC compiles) and `kernel(dtype)`
 # (the CuPy kernel, built once); a ReductionKernel spec would add its generated source likewise.
 KERNELS = {}
-C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool",
+C_TYPES = {**precision.C_TYPES, "int32": "int", "int64": "long long", "bool": "bool",
            "uint16": "unsigned short"}  # uint16: a bfloat16 array's bits (adamw_step_copy)
 
 
@@ -467,26 +489,32 @@ def like(fn, name, a, ref, contiguous=True):
                          f"{getattr(a, 'shape', '')} {getattr(a, 'dtype', '')}")
 
 
-def rows(fn, x):
-    """(N, C) of a contiguous float array x (..., C)."""
-    if getattr(x, "dtype", None) not in (np.float32, np.float64) or x.ndim < 1 or not x.flags.c_contiguous:
-        raise ValueError(f"{fn}: x must be a contiguous float32 or float64 array (..., C), got "
+def rows(fn, x, spec=None):
+    """(N, C) of a contiguous float array x (..., C), of a dtype the kernel `spec` is built for (None:
+    float32 or float64)."""
+    dtypes = precision.kernel_dtypes() if spec is None else spec.dtypes
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or dtype.name not in dtypes or x.ndim < 1 or not x.flags.c_contiguous:
+        raise ValueError(f"{fn}: x must be a contiguous {' or '.join(dtypes)} array (..., C), got "
                          f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}")
     if x.shape[-1] < 1:
         raise ValueError(f"{fn}: x has rows of length 0")
     return x.size // x.shape[-1], x.shape[-1]
 
 
-def vector(fn, name, a, x):
-    if a.shape != x.shape[-1:] or a.dtype != x.dtype or not a.flags.c_contiguous:
-        raise ValueError(f"{fn}: {name} must be a contiguous {x.dtype} vector of shape {x.shape[-1:]}, "
+def vector(fn, name, a, x, summed=False):
+    """a: one value per column of x, in x's dtype (a weight), or with `summed` in what x is summed in (a
+    weight's gradient: float32 for bfloat16 x)."""
+    want = precision.accumulate_of(x.dtype) if summed else x.dtype
+    if a.shape != x.shape[-1:] or a.dtype != want or not a.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must be a contiguous {want} vector of shape {x.shape[-1:]}, "
                          f"got {a.dtype} {a.shape}")
 
 
-def square_rows(fn, s):
+def square_rows(fn, s, spec=None):
     if s.ndim < 2 or s.shape[-1] != s.shape[-2]:
         raise ValueError(f"{fn}: expected (..., T, T) scores, got shape {s.shape}")
-    return rows(fn, s)
+    return rows(fn, s, spec)
 
 
 def out_like(fn, x, out):
@@ -497,8 +525,10 @@ def out_like(fn, x, out):
 
 
 def row_values(fn, name, a, x, rows):
-    if a.size != rows or a.dtype != x.dtype or not a.flags.c_contiguous:
-        raise ValueError(f"{fn}: {name} must hold {rows} contiguous {x.dtype} values (one per row), got "
+    """a: one value per row of x, in what x is summed in (a row's statistic: a mean, a log-sum-exp)."""
+    want = precision.accumulate_of(x.dtype)
+    if a.size != rows or a.dtype != want or not a.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must hold {rows} contiguous {want} values (one per row), got "
                          f"{a.dtype} {a.shape}")
 
 
@@ -508,7 +538,10 @@ def on_cupy(fn, x, numpy_alternative):
 
 
 def launch(spec, dtype, grid, block, args):
-    """Runs a RawSpec kernel on CuPy arrays after checking each argument against its C type."""
+    """Runs a RawSpec kernel on CuPy arrays after checking each argument against its C type; a dtype
+    the kernel is not built for (spec.dtypes, as the precision policy says) is refused."""
+    if precision.name_of(dtype) not in spec.dtypes:
+        raise TypeError(f"{spec.name} is built for {', '.join(spec.dtypes)}, not {precision.name_of(dtype)}")
     check_launch_args(spec, dtype, args)
     if any(isinstance(a, np.ndarray) for a in args):
         raise TypeError(f"{spec.name} runs on CuPy arrays; on NumPy its layer's generic code computes the same")
@@ -538,11 +571,14 @@ _ARG_TYPES = {"int": np.dtype(np.int32), "long long": np.dtype(np.int64)}
 
 
 def check_launch_args(spec, dtype, args):
+    """Each argument against its C type: T the dtype's, ACC what the dtype is summed in (the precision
+    policy's accumulate_of), int and long long."""
     params = raw_params(spec)
     if len(args) != len(params):
         raise TypeError(f"{spec.name} takes {len(params)} arguments, got {len(args)}")
+    kinds = {"T": precision.dtype_of(dtype), "ACC": precision.accumulate_of(dtype)}
     for (name, base, pointer), a in zip(params, args):
-        want = np.dtype(dtype) if base == "T" else _ARG_TYPES[base]
+        want = kinds[base] if base in kinds else _ARG_TYPES[base]
         if pointer:
             ok = getattr(a, "dtype", None) == want and a.flags.c_contiguous
         else:
@@ -556,9 +592,9 @@ def check_launch_args(spec, dtype, args):
 
 def check_operands(fn, x, out, dy=None):
     dtype = getattr(x, "dtype", None)
-    if dtype not in (np.float32, np.float64):
-        raise TypeError(f"{fn}: x must be a float32 or float64 NumPy/CuPy array, got {type(x).__name__}"
-                        + (f" of {dtype}" if dtype is not None else ""))
+    if dtype is None or not precision.is_float(dtype):
+        raise TypeError(f"{fn}: x must be a {' or '.join(precision.FLOATS)} NumPy/CuPy array, got "
+                        f"{type(x).__name__}" + (f" of {dtype}" if dtype is not None else ""))
     if not isinstance(x, np.ndarray) and type(x).__module__.split(".")[0] != "cupy":
         raise TypeError(f"{fn}: x must be a NumPy or CuPy array, got {type(x).__name__}")
     for name, a in (("dy", dy), ("out", out)):

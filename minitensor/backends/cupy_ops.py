@@ -37,10 +37,11 @@ minitensor.backends.cublas), so a NumPy-backed stand-in of CuPy can run them in 
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import cublas, cuda
 from minitensor.backends.blocked import BlockedAttention
 from minitensor.backends.kernels import fused_pieces
-from minitensor.backends.kernels.embedding import scatter_add_rows_gpu
+from minitensor.backends.kernels.embedding import SCATTER_ADD_ROWS, scatter_add_rows_gpu
 from minitensor.backends.kernels.gelu import GELU_BWD, GELU_FWD
 from minitensor.backends.kernels.linear import BIAS_RESIDUAL_ADD, epilogue_fits
 from minitensor.backends.ops import Ops
@@ -118,12 +119,12 @@ class CupyOps(BlockedAttention, Ops):
     # --- GELU ---
 
     def gelu_forward(self, x):
-        if x.dtype not in (np.float32, np.float64):
+        if x.dtype.name not in GELU_FWD.dtypes:
             return super().gelu_forward(x)
         return GELU_FWD.kernel()(x)
 
     def gelu_backward(self, x, dy, recompute_output=False):
-        if x.dtype not in (np.float32, np.float64) or dy.dtype != x.dtype:
+        if x.dtype.name not in GELU_BWD.dtypes or dy.dtype != x.dtype:
             return super().gelu_backward(x, dy, recompute_output)
         dx = GELU_BWD.kernel()(x, dy)
         return (dx, self.gelu_forward(x)) if recompute_output else dx
@@ -154,8 +155,8 @@ class CupyOps(BlockedAttention, Ops):
         """dW[idx[i]] += rows[i], deterministic (Ops' add.at is atomic on CuPy: its sums' order
         varies from run to run): the positions sorted by (id, position), then one thread per id
         and column adds that id's rows in position order, the order of the numba CPU kernel."""
-        if (rows.dtype != dW.dtype or dW.dtype not in (np.float32, np.float64) or dW.ndim != 2
-                or not dW.flags.c_contiguous):
+        if (rows.dtype.name not in SCATTER_ADD_ROWS.dtypes or dW.dtype != precision.accumulate_of(rows.dtype)
+                or dW.ndim != 2 or not dW.flags.c_contiguous):
             return super().scatter_add_rows(dW, idx, rows)
         scatter_add_rows_gpu(dW, idx, rows)
 

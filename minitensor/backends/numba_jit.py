@@ -30,6 +30,8 @@ import threading
 
 import numpy as np
 
+from minitensor import precision
+
 MODES = ("numba", "numpy")
 FLAGS = {"reassoc", "contract", "arcp", "nsz"}
 
@@ -56,8 +58,9 @@ def mode(kernels=None):
 
 
 def takes(*arrays):
-    """Whether a kernel takes these arrays: C-contiguous float32 or float64 NumPy arrays of one dtype."""
-    return all(isinstance(a, np.ndarray) and a.dtype in (np.float32, np.float64) and a.flags.c_contiguous
+    """Whether a kernel takes these arrays: C-contiguous float32 or float64 NumPy arrays of one dtype (the
+    precision policy's FLOATS)."""
+    return all(isinstance(a, np.ndarray) and precision.is_float(a.dtype) and a.flags.c_contiguous
                and a.dtype == arrays[0].dtype for a in arrays)
 
 

@@ -245,7 +245,8 @@ def _specs_for(spec):
 def _entries(specs, dtype_name):
     """[(spec, instance), ...]: what a program runs, each template kernel once per instance it is compiled
     for in the dtype (minitensor.backends.cuda.RawSpec.instances_of), in the order of its runners."""
-    return [(spec, instance) for spec in specs for instance in spec.instances_of(dtype_name)]
+    return [(spec, instance) for spec in specs if dtype_name in spec.dtypes  # those built for the dtype
+            for instance in spec.instances_of(dtype_name)]
 
 
 def _launch_blob(spec, dtype, grid, block, args, only=None, floats=True):
@@ -299,7 +300,7 @@ def _program(specs, dtype_name, hooks=None):
     counting = hooks is not None
     parts = ['#define EMU_SHARED __attribute__((section("emu_shared"), aligned(16)))\n#include <algorithm>'
              if counting else "", PRELUDE, hooks if counting else _PLAIN_HOOKS,
-             f"typedef {cuda.C_TYPES[dtype_name]} T;"]
+             cuda.type_names(dtype_name)]  # T and ACC, as the precision policy says
     codes = {}  # a namespace per source: the kernels share helper names; one file may hold several kernels
     entries = _entries(specs, dtype_name)
     for index, (spec, instance) in enumerate(entries):

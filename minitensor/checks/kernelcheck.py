@@ -1,7 +1,9 @@
 """Checks of the registered CUDA kernels that need no GPU, behind `python -m minitensor.checks`.
 
     --check       `check_kernels`: NVRTC compiles every kernel x dtype x arch as CuPy would
-                  (`compile_source`), for an arch given rather than queried from a GPU
+                  (`compile_source`), for an arch given rather than queried from a GPU; the dtypes a
+                  kernel is built for are the precision policy's (spec.dtypes: float32, float64, and
+                  bfloat16 for a RawSpec written for it)
     --host-check  `host_check`: g++ runs each elementwise operation on the CPU and compares it
                   with its NumPy reference (spec.reference)
 
@@ -85,11 +87,12 @@ def nvrtc_options(options=(), arch="sm_90"):
         "-ftz=true", f"-arch={arch}", "--device-as-default-execution-space")
 
 
-def check_kernels(specs=None, dtypes=cuda.DTYPES, archs=cuda.ARCHS):
-    """Compiles every spec x dtype x arch; yields a CheckResult for each as it finishes."""
+def check_kernels(specs=None, dtypes=None, archs=cuda.ARCHS):
+    """Compiles every spec x dtype it is built for (spec.dtypes; of those, `dtypes` only where given) x
+    arch; yields a CheckResult for each as it finishes."""
     tc = cuda.toolchain()
     for spec in all_kernels().values() if specs is None else specs:
-        for dtype in dtypes:
+        for dtype in (d for d in spec.dtypes if dtypes is None or d in dtypes):
             for arch in archs:
                 start = time.perf_counter()
                 try:
@@ -231,7 +234,7 @@ def run(host, archs):
     failed = 0
     if host:
         for spec in (s for s in all_kernels().values() if isinstance(s, cuda.ElementwiseSpec)):
-            for dtype in cuda.DTYPES:
+            for dtype in spec.dtypes:
                 result = host_check(spec, dtype)
                 failed += not result.ok
                 print(result.line(width), flush=True)

@@ -264,7 +264,7 @@ def test_gelu_kernel_references_are_the_generic_code():
 @needs_nvrtc
 def test_every_new_kernel_compiles_for_both_dtypes_and_archs():
     specs = [all_kernels()[n] for n in NEW_KERNELS]
-    results = list(kernelcheck.check_kernels(specs))
+    results = list(kernelcheck.check_kernels(specs, dtypes=("float32", "float64")))  # bfloat16: test_kernels_bf16
     assert len(results) == len(NEW_KERNELS) * 2 * 2
     assert [r.line() for r in results if not r.ok] == []
     assert {(r.dtype, r.arch) for r in results} == {(d, a) for d in ("float32", "float64") for a in ("sm_80", "sm_90")}
@@ -587,7 +587,7 @@ def test_launch_checks_the_c_types_of_its_arguments():
 
 def test_raw_kernel_parameters_are_parsed_from_the_code():
     assert cuda.raw_params(softmax_xent.SOFTMAX_XENT_FWD) == [
-        ("z", "T", True), ("targets", "long long", True), ("losses", "T", True), ("V", "int", False),
+        ("z", "T", True), ("targets", "long long", True), ("losses", "ACC", True), ("V", "int", False),
         ("n_valid", "int", False)]
 
 

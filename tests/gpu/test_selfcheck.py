@@ -99,11 +99,11 @@ def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
 
 @needs_cxx
 @pytest.mark.parametrize("piece, spec, wrong", [
-    ("layernorm", "LAYERNORM_FWD", ("* w[j] + b[j]", "* w[j] - b[j]")),
+    ("layernorm", "LAYERNORM_FWD", ("* widen(w[j]) + widen(b[j])", "* widen(w[j]) - widen(b[j])")),
     ("layernorm", "LAYERNORM_BWD", ("- mg -", "+ mg -")),
-    ("rmsnorm", "RMSNORM_FWD", ("* r * w[j]", "* r + w[j]")),
+    ("rmsnorm", "RMSNORM_FWD", ("* r * widen(w[j])", "* r + widen(w[j])")),
     ("rmsnorm", "RMSNORM_BWD", ("(g[k] - xhat[k] * mgx)", "(g[k] + xhat[k] * mgx)")),
-    ("causal_softmax", "CAUSAL_SOFTMAX_BWD", ("(dpr[j] - dot)", "(dpr[j] + dot)")),
+    ("causal_softmax", "CAUSAL_SOFTMAX_BWD", ("(widen(dpr[j]) - dot)", "(widen(dpr[j]) + dot)")),
     ("flash_attention", "FLASH_BWD_DKV", ("(dpt[n][e] - delta_s[col])", "(dpt[n][e] + delta_s[col])")),
     ("flash_attention", "FLASH_FWD", ("acc[u][2 * h + 1] *= alpha", "acc[u][2 * h + 1] *= total[h]")),
     ("flash_attention", "FLASH_BWD_DQ", ("b[0] = s[(r0 + 2 * t) * LD + c0 + g];", "b[0] = s[(r0 + t) * LD + c0 + g];")),

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import numba_jit
 from minitensor.backends.blocked import heads_of
 
@@ -36,7 +37,7 @@ class AttentionCPU:
     def attention_forward(self, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
         """With numba and SciPy's BLAS reachable from it, each head's whole core (its blocks,
         GEMMs included) is one compiled call, attention_forward_cpu."""
-        if dense or not (self.numba and y4.dtype in (np.float32, np.float64) and numba_jit.blas_in_kernels()):
+        if dense or not (self.numba and precision.is_float(y4.dtype) and numba_jit.blas_in_kernels()):
             return super().attention_forward(qkv4, b, y4, block, keep_probs_max_bytes, dense)
         B, nh, T, hs = qkv4[0].shape
         BH = B * nh

@@ -7,9 +7,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import cublas, cuda
 from minitensor.backends.cuda import draw
 from minitensor.backends.kernels.attention import attention_core_timed, split_heads, stacked_heads
+from minitensor.device import array_module
 
 
 def _causal_fraction(n_ctx):
@@ -41,11 +43,13 @@ def _one_matrix(grid, block, args):
     return [(r, grid[0] // n_ctx) for r in range(n_ctx)]
 
 
+# Both built for bfloat16 too (bf16=True): scores and probabilities in T, the max, the sums, lse and the
+# scale in ACC (float32 for bfloat16).
 CAUSAL_SOFTMAX_FWD = cuda.RawSpec("causal_softmax_fwd", "causal_softmax.cu", traffic=_causal_softmax_fwd_traffic,
-                                 model=_causal_softmax_model, count_blocks=_one_matrix)
+                                 model=_causal_softmax_model, count_blocks=_one_matrix, bf16=True)
 
 CAUSAL_SOFTMAX_BWD = cuda.RawSpec("causal_softmax_bwd", "causal_softmax.cu", traffic=_causal_softmax_bwd_traffic,
-                                 model=_causal_softmax_model, count_blocks=_one_matrix)
+                                 model=_causal_softmax_model, count_blocks=_one_matrix, bf16=True)
 
 CAUSAL_SOFTMAX_RECOMPUTE = cuda.ElementwiseSpec(
     "causal_softmax_recompute", "T s, raw T lse, int32 n_ctx, T scale", "T p", "causal_softmax.cu",
@@ -63,15 +67,19 @@ def _recompute_flat(s, lse, n_ctx, scale):
 def causal_softmax_forward_gpu(s, scale=1.0, lse=None, out=None):
     """Causal row softmax of scale * s for s (..., T, T) (CuPy, contiguous), into `out` (which may
     be s) or a new array; returns p. With `lse` (T values per matrix, e.g. (..., T, 1)), each row's
-    log-sum-exp is written there, for causal_softmax_recompute_gpu."""
+    log-sum-exp is written there (in what s is summed in: float32 for bfloat16 s), for
+    causal_softmax_recompute_gpu."""
     fn = "causal_softmax_forward_gpu"
-    rows, T = cuda.square_rows(fn, s)
+    rows, T = cuda.square_rows(fn, s, CAUSAL_SOFTMAX_FWD)
     p = cuda.out_like(fn, s, out)
-    if lse is not None:
+    acc, write_lse = precision.accumulate_of(s.dtype), lse is not None
+    if write_lse:
         cuda.row_values(fn, "lse", lse, s, rows)
+    elif rows:  # the kernel's lse argument, not written: p where it is of that dtype (not bfloat16)
+        lse = p if p.dtype == acc else array_module(s).empty(1, acc)
     if rows:
         cuda.launch(CAUSAL_SOFTMAX_FWD, s.dtype, (rows,), (cuda.threads(T, 128),),
-                (s, p, p if lse is None else lse, np.int32(T), s.dtype.type(scale), np.int32(lse is not None)))
+                (s, p, lse, np.int32(T), acc.type(scale), np.int32(write_lse)))
     return p
 
 
@@ -79,12 +87,12 @@ def causal_softmax_backward_gpu(dp, p, scale=1.0, out=None):
     """ds = scale p (dp - rowsum(dp p)) for dp, p (..., T, T) (CuPy, contiguous), into `out`
     (which may be dp) or a new array; returns ds."""
     fn = "causal_softmax_backward_gpu"
-    rows, T = cuda.square_rows(fn, p)
+    rows, T = cuda.square_rows(fn, p, CAUSAL_SOFTMAX_BWD)
     cuda.like(fn, "dp", dp, p)
     ds = cuda.out_like(fn, p, out)
     if rows:
         cuda.launch(CAUSAL_SOFTMAX_BWD, p.dtype, (rows,), (cuda.threads(T, 128),),
-                (dp, p, ds, np.int32(T), p.dtype.type(scale)))
+                (dp, p, ds, np.int32(T), precision.accumulate_of(p.dtype).type(scale)))
     return ds
 
 

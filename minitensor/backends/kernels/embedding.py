@@ -20,13 +20,15 @@ def _every_64th_position(grid, block, args):
     return [(x + grid[0] * y, grid[0] / len(sampled)) for y in range(grid[1]) for x in sampled]
 
 
+# Built for bfloat16 too (bf16=True): the rows in T, dW (the weight gradient) in ACC, float32 for bfloat16.
 SCATTER_ADD_ROWS = cuda.register(cuda.RawSpec("scatter_add_rows", "embedding.cu", model=_scatter_model,
-                                              count_blocks=_every_64th_position))
+                                              count_blocks=_every_64th_position, bf16=True))
 
 
 def scatter_add_rows_gpu(dW, idx, rows):
-    """dW[idx[i]] += rows[i] for dW (V, C) contiguous and rows (n, C) of its dtype: the positions sorted
-    by (id, position), then one thread per id and column adds that id's rows in position order."""
+    """dW[idx[i]] += rows[i] for dW (V, C) contiguous and rows (n, C) of the dtype dW sums (dW's, or
+    bfloat16 rows into a float32 dW: precision.accumulate_of): the positions sorted by (id, position),
+    then one thread per id and column adds that id's rows in position order."""
     xp, n = array_module(dW), idx.shape[0]
     if n == 0:
         return
@@ -34,5 +36,5 @@ def scatter_add_rows_gpu(dW, idx, rows):
     order = xp.argsort(ids * n + xp.arange(n, dtype=np.int64))  # unique keys: any sort gives this order
     C = dW.shape[1]
     block = cuda.threads(C, 256)
-    cuda.launch(SCATTER_ADD_ROWS, dW.dtype, (n, -(-C // block)), (block,),
+    cuda.launch(SCATTER_ADD_ROWS, rows.dtype, (n, -(-C // block)), (block,),
                 (dW, xp.ascontiguousarray(rows), order, ids[order], np.int64(n), np.int32(C)))

@@ -1,34 +1,41 @@
 // LayerNorm over the last axis (fused piece layernorm): what these kernels must equal is
 // Ops.layernorm_forward / _backward (the start-up self-check runs the layer both ways on the GPU).
+// T is what the rows are stored in, ACC what they are summed in (float for bfloat16): every value is
+// loaded through widen() and computed in ACC, a row's T written through to_stored<T>(); the statistics (mean,
+// rstd) and the parameters' partial sums are ACC.
 
 // @kernel layernorm_fwd
 // One block per row of x (N, C). With add_residual, x is first updated in place to x + residual
 // (the residual join before a pre-norm LayerNorm, fused); otherwise `residual` is not read. Each
-// thread touches the same columns in every loop, so y may be x itself.
+// thread touches the same columns in every loop, so y may be x itself. The row summed is the x stored
+// (x + residual rounded to T), which the second pass and the backward read.
+#include "bf16.cuh"
 #include "rows.cuh"
-extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, const T *b, T *y, T *mean,
-                                         T *rstd, const int C, const T eps, const int add_residual) {
-  __shared__ T buf[32];
+extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, const T *b, T *y, ACC *mean,
+                                         ACC *rstd, const int C, const ACC eps, const int add_residual) {
+  __shared__ ACC buf[32];
   const long long row = blockIdx.x;
   T *xr = x + row * C;
   T *yr = y + row * C;
-  T sum = 0;
+  ACC sum = 0;
   for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    T v = xr[j];
+    ACC v = widen(xr[j]);
     if (add_residual) {
-      v += residual[row * C + j];
-      xr[j] = v;
+      const T joined = to_stored<T>(v + widen(residual[row * C + j]));  /* rounded once, for bfloat16 */
+      xr[j] = joined;
+      v = widen(joined);
     }
     sum += v;
   }
-  const T m = block_sum(sum, buf) / (T)C;
-  T sq = 0;  /* the centred second pass, as NumPy: no cancellation from E[x^2] - E[x]^2 */
+  const ACC m = block_sum(sum, buf) / (ACC)C;
+  ACC sq = 0;  /* the centred second pass, as NumPy: no cancellation from E[x^2] - E[x]^2 */
   for (int j = threadIdx.x; j < C; j += blockDim.x) {
-    const T d = xr[j] - m;
+    const ACC d = widen(xr[j]) - m;
     sq += d * d;
   }
-  const T r = (T)1 / sqrt_of(block_sum(sq, buf) / (T)C + eps);
-  for (int j = threadIdx.x; j < C; j += blockDim.x) yr[j] = (xr[j] - m) * r * w[j] + b[j];
+  const ACC r = (ACC)1 / sqrt_of(block_sum(sq, buf) / (ACC)C + eps);
+  for (int j = threadIdx.x; j < C; j += blockDim.x)
+    yr[j] = to_stored<T>((widen(xr[j]) - m) * r * widen(w[j]) + widen(b[j]));
   if (threadIdx.x == 0) {
     mean[row] = m;
     rstd[row] = r;
@@ -43,39 +50,40 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
 // part_w[b] = sum dy xhat, part_b[b] = sum dy, each thread holding its columns' sums in registers
 // (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x: layernorm.py's LN_COLS
 // is this value). The row's dy w and xhat stay in registers between the two passes over it.
+#include "bf16.cuh"
 #include "rows.cuh"
 #define LN_COLS 8
-extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const T *mean, const T *rstd,
-                                         const T *res, T *dx, T *part_w, T *part_b, const int N, const int C,
+extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const ACC *mean, const ACC *rstd,
+                                         const T *res, T *dx, ACC *part_w, ACC *part_b, const int N, const int C,
                                          const int rows_per_chunk, const int accumulate) {
-  __shared__ T buf[32];
-  T acc_w[LN_COLS], acc_b[LN_COLS], g[LN_COLS], xhat[LN_COLS];
+  __shared__ ACC buf[32];
+  ACC acc_w[LN_COLS], acc_b[LN_COLS], g[LN_COLS], xhat[LN_COLS];
   for (int k = 0; k < LN_COLS; ++k) acc_w[k] = acc_b[k] = g[k] = xhat[k] = 0;
   const int first = blockIdx.x * rows_per_chunk;
   const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
   for (int row = first; row < stop; ++row) {  /* the same rows for every thread: the barriers match */
     const long long base = (long long)row * C;
-    const T m = mean[row], r = rstd[row];
-    T sg = 0, sgx = 0;
+    const ACC m = mean[row], r = rstd[row];
+    ACC sg = 0, sgx = 0;
     for (int k = 0; k < LN_COLS; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
       if (j < C) {
-        const T d = dy[base + j];
-        xhat[k] = (x[base + j] - m) * r;
-        g[k] = d * w[j];
+        const ACC d = widen(dy[base + j]);
+        xhat[k] = (widen(x[base + j]) - m) * r;
+        g[k] = d * widen(w[j]);
         sg += g[k];
         sgx += g[k] * xhat[k];
         acc_w[k] += d * xhat[k];
         acc_b[k] += d;
       }
     }
-    const T mg = block_sum(sg, buf) / (T)C;
-    const T mgx = block_sum(sgx, buf) / (T)C;
+    const ACC mg = block_sum(sg, buf) / (ACC)C;
+    const ACC mgx = block_sum(sgx, buf) / (ACC)C;
     for (int k = 0; k < LN_COLS; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
       if (j < C) {
-        const T v = r * (g[k] - mg - xhat[k] * mgx);
-        dx[base + j] = accumulate ? res[base + j] + v : v;
+        const ACC v = r * (g[k] - mg - xhat[k] * mgx);
+        dx[base + j] = to_stored<T>(accumulate ? widen(res[base + j]) + v : v);
       }
     }
   }
@@ -91,13 +99,14 @@ extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, co
 // @kernel layernorm_bwd_params
 // dw += the sum of part_w's rows, db += part_b's, over the (chunks, C) partial sums of layernorm_bwd:
 // block (32, 8) for 32 columns, thread y adding chunks y, y + 8, ... in order, then thread y = 0 the
-// eight in order, so the sums are the same on every run (no atomics).
-extern "C" __global__ void layernorm_bwd_params(const T *part_w, const T *part_b, T *dw, T *db, const int chunks,
-                                                const int C) {
-  __shared__ T acc_w[8][32];
-  __shared__ T acc_b[8][32];
+// eight in order, so the sums are the same on every run (no atomics). All ACC: the weight gradients are
+// summed in float32 under bf16 (the master weights' dtype).
+extern "C" __global__ void layernorm_bwd_params(const ACC *part_w, const ACC *part_b, ACC *dw, ACC *db,
+                                                const int chunks, const int C) {
+  __shared__ ACC acc_w[8][32];
+  __shared__ ACC acc_b[8][32];
   const int j = blockIdx.x * 32 + threadIdx.x;
-  T sw = 0, sb = 0;
+  ACC sw = 0, sb = 0;
   if (j < C) {
     for (int c = threadIdx.y; c < chunks; c += 8) {
       sw += part_w[(long long)c * C + j];

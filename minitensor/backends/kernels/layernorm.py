@@ -3,6 +3,7 @@
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
 from minitensor.device import array_module
@@ -27,7 +28,10 @@ def _layernorm_model(m):
     layernorm_backward_gpu(dy, x, w, mean, rstd, np.zeros_like(w), np.zeros_like(b), residual=residual)
 
 
-LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic, model=_layernorm_model)
+# Every kernel here is built for bfloat16 too (bf16=True): rows stored in T, summed in ACC, the statistics
+# (mean, rstd) and the parameters' sums in ACC (float32 for bfloat16: precision.accumulate_of).
+LAYERNORM_FWD = cuda.RawSpec("layernorm_fwd", "layernorm.cu", traffic=_layernorm_fwd_traffic, model=_layernorm_model,
+                             bf16=True)
 
 
 # forward was: y = xhat w + b, xhat = (x - mean) rstd. Block b handles rows [b rpc, (b + 1) rpc) (rpc =
@@ -51,23 +55,25 @@ def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, accumu
     return read, dx.nbytes + part_w.nbytes + part_b.nbytes
 
 
-LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic, model=_layernorm_model)
+LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic, model=_layernorm_model,
+                             bf16=True)
 
 
 # The parameter sums' second launch: blocks of (32, 8) threads, each adding 32 columns' partials.
 LN_PARAM_BLOCK = (32, 8)
-LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu", model=_layernorm_model)
+LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu", model=_layernorm_model, bf16=True)
 
 
 def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
     """LayerNorm of the rows of x (..., C) (CuPy, contiguous); returns (y, mean, rstd), y shaped
-    like x, mean and rstd (N, 1) as minitensor/layers/layernorm.py caches them (N = x.size / C).
+    like x, mean and rstd (N, 1) as minitensor/layers/layernorm.py caches them (N = x.size / C), in
+    what x is summed in (x's dtype; float32 for bfloat16 x, w and b).
 
     With `residual` (x's shape), x is first updated in place to x + residual, the residual join
     of a pre-norm block fused into the normalisation; the caller then caches x as the input.
     `out` may be x itself."""
     fn = "layernorm_forward_gpu"
-    N, C = cuda.rows(fn, x)
+    N, C = cuda.rows(fn, x, LAYERNORM_FWD)
     cuda.vector(fn, "w", w, x)
     cuda.vector(fn, "b", b, x)
     for name, a in (("residual", residual), ("out", out)):
@@ -75,11 +81,12 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
             cuda.like(fn, name, a, x)
     xp = array_module(x)
     y = xp.empty_like(x) if out is None else out
-    mean = xp.empty((N, 1), dtype=x.dtype)
-    rstd = xp.empty((N, 1), dtype=x.dtype)
+    acc = precision.accumulate_of(x.dtype)
+    mean = xp.empty((N, 1), dtype=acc)
+    rstd = xp.empty((N, 1), dtype=acc)
     if N:
         cuda.launch(LAYERNORM_FWD, x.dtype, (N,), (cuda.threads(C, 128),),
-                (x, x if residual is None else residual, w, b, y, mean, rstd, np.int32(C), x.dtype.type(eps),
+                (x, x if residual is None else residual, w, b, y, mean, rstd, np.int32(C), acc.type(eps),
                  np.int32(residual is not None)))
     return y, mean, rstd
 
@@ -87,24 +94,23 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
 def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None):
     """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
     (..., C), C at most LN_MAX_C, mean and rstd N values); accumulates dw += sum(dy xhat),
-    db += sum(dy) over rows.
+    db += sum(dy) over rows. mean, rstd, dw and db are in what x is summed in (float32 for bfloat16).
 
     Returns a new dx; with `residual` (x's shape, contiguous), a new residual + dx, the residual
     gradient of a pre-norm block, fused (residual is kept); with `add_to` instead, adds dx into
     add_to in place and returns it. Two launches: dx with the parameters' partial sums per chunk of
     rows (layernorm_bwd), then those summed into dw and db (layernorm_bwd_params)."""
     fn = "layernorm_backward_gpu"
-    N, C = cuda.rows(fn, x)
+    N, C = cuda.rows(fn, x, LAYERNORM_BWD)
     if C > LN_MAX_C:
         raise ValueError(f"{fn}: rows of {C} values; at most {LN_MAX_C} are supported (Ops.layernorm_backward "
                          f"takes any)")
     cuda.like(fn, "dy", dy, x)
     cuda.vector(fn, "w", w, x)
     for name, a in (("mean", mean), ("rstd", rstd)):
-        if a.size != N or a.dtype != x.dtype or not a.flags.c_contiguous:
-            raise ValueError(f"{fn}: {name} must hold {N} contiguous {x.dtype} values, got {a.dtype} {a.shape}")
+        cuda.row_values(fn, name, a, x, N)
     for name, a in (("dw", dw), ("db", db)):
-        cuda.vector(fn, name, a, x)
+        cuda.vector(fn, name, a, x, summed=True)
     if add_to is not None and residual is not None:
         raise ValueError(f"{fn}: give add_to (in place) or residual (kept), not both")
     for name, a in (("add_to", add_to), ("residual", residual)):
@@ -117,7 +123,7 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
         return dx
     rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
     chunks = -(-N // rows_per_chunk)
-    parts = xp.empty((2, chunks, C), dtype=x.dtype)  # the partial sums of dw and db per chunk of rows
+    parts = xp.empty((2, chunks, C), dtype=precision.accumulate_of(x.dtype))  # dw's and db's partial sums per chunk
     cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), LN_THREADS)),),
                 (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], np.int32(N), np.int32(C),
                  np.int32(rows_per_chunk), np.int32(res is not None)))

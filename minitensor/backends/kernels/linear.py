@@ -2,8 +2,6 @@
 kernels/linear.cu (always on, when CupyOps.add_epilogue gets both; no record: the same two float adds
 in the same order as Ops')."""
 
-import numpy as np
-
 from minitensor.backends import cuda
 from minitensor.backends.kernels.gelu import column
 from minitensor.device import array_module
@@ -17,6 +15,6 @@ BIAS_RESIDUAL_ADD = cuda.register(cuda.ElementwiseSpec(
 
 def epilogue_fits(y, b, r):
     """Whether bias_residual_add applies: y (N, C) float and contiguous, b (C,) and r (N, C) alike."""
-    return (y.dtype in (np.float32, np.float64) and y.ndim == 2 and y.flags.c_contiguous and y.size < 2**31
+    return (y.dtype.name in BIAS_RESIDUAL_ADD.dtypes and y.ndim == 2 and y.flags.c_contiguous and y.size < 2**31
             and b.dtype == y.dtype and b.shape == y.shape[-1:] and b.flags.c_contiguous
             and r.dtype == y.dtype and r.shape == y.shape and not array_module(y).may_share_memory(y, r))

@@ -4,6 +4,7 @@ LayerNorm's (kernels/layernorm.py) less the mean and the bias."""
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
 from minitensor.device import array_module
@@ -22,7 +23,8 @@ def _rmsnorm_model(m):
     rmsnorm_backward_gpu(dy, x, w, rstd, np.zeros_like(w), residual=residual)
 
 
-RMSNORM_FWD = cuda.RawSpec("rmsnorm_fwd", "rmsnorm.cu", model=_rmsnorm_model)
+# Built for bfloat16 too (bf16=True): rows stored in T, summed in ACC; rstd and the weight's sums in ACC.
+RMSNORM_FWD = cuda.RawSpec("rmsnorm_fwd", "rmsnorm.cu", model=_rmsnorm_model, bf16=True)
 
 # forward was: y = xhat w, xhat = x rstd. As layernorm_bwd (kernels/layernorm.py): rows in chunks of
 # rows_per_chunk per block, RMS_COLS columns per thread kept in registers, so C <= RMS_COLS x RMS_THREADS.
@@ -37,25 +39,28 @@ def _rmsnorm_bwd_traffic(dy, x, w, rstd, res, dx, part_w, accumulate, **_):
     return read, dx.nbytes + part_w.nbytes
 
 
-RMSNORM_BWD = cuda.RawSpec("rmsnorm_bwd", "rmsnorm.cu", traffic=_rmsnorm_bwd_traffic, model=_rmsnorm_model)
+RMSNORM_BWD = cuda.RawSpec("rmsnorm_bwd", "rmsnorm.cu", traffic=_rmsnorm_bwd_traffic, model=_rmsnorm_model,
+                           bf16=True)
 
 # The weight sums' second launch: blocks of (32, 8) threads, each adding 32 columns' partials.
 RMS_PARAM_BLOCK = (32, 8)
-RMSNORM_BWD_PARAMS = cuda.RawSpec("rmsnorm_bwd_params", "rmsnorm.cu", model=_rmsnorm_model)
+RMSNORM_BWD_PARAMS = cuda.RawSpec("rmsnorm_bwd_params", "rmsnorm.cu", model=_rmsnorm_model, bf16=True)
 
 
 def rmsnorm_forward_gpu(x, w, eps=1e-5):
     """RMSNorm of the rows of x (..., C) (CuPy, contiguous); returns (y, rstd), y shaped like x, rstd
-    (N, 1) as minitensor/layers/rmsnorm.py caches it (N = x.size / C)."""
+    (N, 1) as minitensor/layers/rmsnorm.py caches it (N = x.size / C), in what x is summed in (float32
+    for bfloat16 x and w)."""
     fn = "rmsnorm_forward_gpu"
-    N, C = cuda.rows(fn, x)
+    N, C = cuda.rows(fn, x, RMSNORM_FWD)
     cuda.vector(fn, "w", w, x)
     xp = array_module(x)
     y = xp.empty_like(x)
-    rstd = xp.empty((N, 1), dtype=x.dtype)
+    acc = precision.accumulate_of(x.dtype)
+    rstd = xp.empty((N, 1), dtype=acc)
     if N:
         cuda.launch(RMSNORM_FWD, x.dtype, (N,), (cuda.threads(C, 128),),
-                    (x, w, y, rstd, np.int32(C), x.dtype.type(eps)))
+                    (x, w, y, rstd, np.int32(C), acc.type(eps)))
     return y, rstd
 
 
@@ -65,15 +70,14 @@ def rmsnorm_backward_gpu(dy, x, w, rstd, dw, residual=None):
     with `residual` (x's shape, contiguous, kept) a new residual + dx, fused. Two launches: dx with the
     weight's partial sums per chunk of rows (rmsnorm_bwd), then those summed into dw (rmsnorm_bwd_params)."""
     fn = "rmsnorm_backward_gpu"
-    N, C = cuda.rows(fn, x)
+    N, C = cuda.rows(fn, x, RMSNORM_BWD)
     if C > RMS_MAX_C:
         raise ValueError(f"{fn}: rows of {C} values; at most {RMS_MAX_C} are supported (Ops.rmsnorm_backward "
                          f"takes any)")
     cuda.like(fn, "dy", dy, x)
     cuda.vector(fn, "w", w, x)
-    cuda.vector(fn, "dw", dw, x)
-    if rstd.size != N or rstd.dtype != x.dtype or not rstd.flags.c_contiguous:
-        raise ValueError(f"{fn}: rstd must hold {N} contiguous {x.dtype} values, got {rstd.dtype} {rstd.shape}")
+    cuda.vector(fn, "dw", dw, x, summed=True)
+    cuda.row_values(fn, "rstd", rstd, x, N)
     if residual is not None:
         cuda.like(fn, "residual", residual, x)
     xp = array_module(x)
@@ -82,7 +86,7 @@ def rmsnorm_backward_gpu(dy, x, w, rstd, dw, residual=None):
         return dx
     rows_per_chunk = max(RMS_CHUNK_ROWS, -(-N // RMS_CHUNKS))
     chunks = -(-N // rows_per_chunk)
-    part_w = xp.empty((chunks, C), dtype=x.dtype)  # the partial sums of dw per chunk of rows
+    part_w = xp.empty((chunks, C), dtype=precision.accumulate_of(x.dtype))  # dw's partial sums per chunk of rows
     cuda.launch(RMSNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // RMS_COLS), RMS_THREADS)),),
                 (dy, x, w, rstd, dx if residual is None else residual, dx, part_w, np.int32(N), np.int32(C),
                  np.int32(rows_per_chunk), np.int32(residual is not None)))

@@ -1,9 +1,11 @@
 // Shared by the row kernels: overloads that keep float maths in float, and block-wide reductions.
 // The reductions need a 1-D block of a multiple of 32 threads (at most 1024), all calling them
-// (they use __syncthreads and full-warp shuffles); every thread gets the result; `buf` is 32 Ts of
+// (they use __syncthreads and full-warp shuffles); every thread gets the result; `buf` is 32 ACCs of
 // shared memory, reusable by the next call. NVRTC has no INFINITY or NAN: the bit patterns instead.
-// A kernel's section takes it with #include "rows.cuh" (the loader, minitensor.backends.cuda.cu_code,
-// pastes it in: NVRTC is given one source). T is the element type, typedef'd before it.
+// A kernel's section takes it with #include "bf16.cuh" then #include "rows.cuh" (the loader,
+// minitensor.backends.cuda.cu_code, pastes them in: NVRTC is given one source). T is the stored type,
+// ACC the summed one (float for bfloat16, else T), typedef'd before it (minitensor.backends.cuda.type_names):
+// the reductions and the maths run in ACC.
 __device__ __forceinline__ float exp_of(float v) { return expf(v); }
 __device__ __forceinline__ double exp_of(double v) { return exp(v); }
 __device__ __forceinline__ float log_of(float v) { return logf(v); }
@@ -15,21 +17,21 @@ __device__ __forceinline__ double lowest_of(double) { return -1.7976931348623157
 __device__ __forceinline__ float nan_of(float) { return __int_as_float(0x7fc00000); }
 __device__ __forceinline__ double nan_of(double) { return __longlong_as_double(0x7ff8000000000000LL); }
 
-__device__ T block_sum(T v, T *buf) {
+__device__ ACC block_sum(ACC v, ACC *buf) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   __syncthreads();  /* buf may still be read by the previous call */
   if (lane == 0) buf[warp] = v;
   __syncthreads();
-  v = lane < n_warps ? buf[lane] : (T)0;
+  v = lane < n_warps ? buf[lane] : (ACC)0;
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
-__device__ T block_max(T v, T *buf) {
+__device__ ACC block_max(ACC v, ACC *buf) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   for (int o = 16; o > 0; o >>= 1) {
-    const T u = __shfl_xor_sync(0xffffffffu, v, o);
+    const ACC u = __shfl_xor_sync(0xffffffffu, v, o);
     v = u > v ? u : v;
   }
   __syncthreads();
@@ -37,7 +39,7 @@ __device__ T block_max(T v, T *buf) {
   __syncthreads();
   v = lane < n_warps ? buf[lane] : lowest_of(v);
   for (int o = 16; o > 0; o >>= 1) {
-    const T u = __shfl_xor_sync(0xffffffffu, v, o);
+    const ACC u = __shfl_xor_sync(0xffffffffu, v, o);
     v = u > v ? u : v;
   }
   return v;

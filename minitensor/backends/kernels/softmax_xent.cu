@@ -5,22 +5,26 @@
 // head's padding, given probability 0). The probabilities overwrite the logits; z[target] is read
 // by thread 0 before any write (the writes come after two barriers). A target outside [0, n_valid)
 // makes the row's loss NaN rather than reading out of bounds: the check costs no host synchronisation.
+// T is what the logits and probabilities are stored in, ACC what the max, the sum and the losses are
+// carried in (float for bfloat16).
+#include "bf16.cuh"
 #include "rows.cuh"
-extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, T *losses, const int V,
+extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, ACC *losses, const int V,
                                             const int n_valid) {
-  __shared__ T buf[32];
+  __shared__ ACC buf[32];
   const long long row = blockIdx.x;
   T *zr = z + row * V;
   const long long t = targets[row];
   const bool valid = t >= 0 && t < n_valid;
-  const T picked = threadIdx.x == 0 && valid ? zr[t] : (T)0;
-  T top = lowest_of(picked);
-  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) top = zr[j] > top ? zr[j] : top;
+  const ACC picked = threadIdx.x == 0 && valid ? widen(zr[t]) : (ACC)0;
+  ACC top = lowest_of(picked);
+  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) top = widen(zr[j]) > top ? widen(zr[j]) : top;
   top = block_max(top, buf);
-  T total = 0;
-  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) total += exp_of(zr[j] - top);
+  ACC total = 0;
+  for (int j = threadIdx.x; j < n_valid; j += blockDim.x) total += exp_of(widen(zr[j]) - top);
   total = block_sum(total, buf);
-  for (int j = threadIdx.x; j < V; j += blockDim.x) zr[j] = j < n_valid ? exp_of(zr[j] - top) / total : (T)0;
+  for (int j = threadIdx.x; j < V; j += blockDim.x)
+    zr[j] = to_stored<T>(j < n_valid ? exp_of(widen(zr[j]) - top) / total : (ACC)0);
   if (threadIdx.x == 0) losses[row] = valid ? log_of(total) + top - picked : nan_of(top);
 }
 

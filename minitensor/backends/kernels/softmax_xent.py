@@ -3,6 +3,7 @@ wrappers and the fused piece softmax_xent's record."""
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
 from minitensor.device import array_module
@@ -21,8 +22,10 @@ def _softmax_xent_model(m):
     softmax_xent_forward_gpu(np.zeros((m.N, m.V_padded), np.float32), targets, valid=m.V)
 
 
+# Built for bfloat16 too (bf16=True): the logits and probabilities in T, the max, the sum and the losses in
+# ACC (float32 for bfloat16).
 SOFTMAX_XENT_FWD = cuda.RawSpec("softmax_xent_fwd", "softmax_xent.cu", traffic=_softmax_xent_fwd_traffic,
-                                model=_softmax_xent_model)
+                                model=_softmax_xent_model, bf16=True)
 
 SOFTMAX_XENT_BWD = cuda.ElementwiseSpec(
     "softmax_xent_bwd", "T probs, raw int64 targets, int32 V, T scale", "T dz", "softmax_xent.cu",
@@ -44,13 +47,13 @@ def softmax_xent_forward_gpu(logits, targets, valid=None):
     first `valid` columns are logits, the others padding given probability 0. A target outside
     [0, valid) gives a NaN loss."""
     fn = "softmax_xent_forward_gpu"
-    z, t = _xent_operands(fn, logits, targets)
+    z, t = _xent_operands(fn, logits, targets, SOFTMAX_XENT_FWD)
     V = z.shape[1]
     valid = V if valid is None else int(valid)
     if not 1 <= valid <= V:
         raise ValueError(f"{fn}: valid must be in [1, {V}], got {valid}")
     xp = array_module(logits)
-    losses = xp.empty(z.shape[0], dtype=z.dtype)
+    losses = xp.empty(z.shape[0], dtype=precision.accumulate_of(z.dtype))  # float32 for bfloat16 logits
     if z.shape[0]:
         cuda.launch(SOFTMAX_XENT_FWD, z.dtype, (z.shape[0],), (cuda.threads(valid, 512),),
                 (z, t, losses, np.int32(V), np.int32(valid)))
@@ -70,10 +73,12 @@ def softmax_xent_backward_gpu(probs, targets, dloss=1.0):
     return probs
 
 
-def _xent_operands(fn, logits, targets):
+def _xent_operands(fn, logits, targets, spec=SOFTMAX_XENT_BWD):
+    """(logits as rows, the targets as contiguous int64), after checking them: logits of a dtype the
+    kernel `spec` is built for (the forward's takes bfloat16, the backward's ElementwiseKernel does not)."""
     dtype = getattr(logits, "dtype", None)
-    if dtype not in (np.float32, np.float64) or not logits.flags.c_contiguous or logits.ndim < 1:
-        raise ValueError(f"{fn}: logits must be a contiguous float32 or float64 array (..., V)")
+    if dtype is None or dtype.name not in spec.dtypes or not logits.flags.c_contiguous or logits.ndim < 1:
+        raise ValueError(f"{fn}: logits must be a contiguous {' or '.join(spec.dtypes)} array (..., V)")
     if targets.shape != logits.shape[:-1] or targets.dtype.kind not in "iu":
         raise ValueError(f"{fn}: targets must be integers of shape {logits.shape[:-1]}, got "
                          f"{targets.dtype} {targets.shape}")

@@ -252,7 +252,7 @@ class RawKernel:
         self.expression = expression or name
         # a template's explicit instantiations left out: the emulation instantiates the one it calls
         code = "".join(line for line in code.splitlines(keepends=True) if not line.startswith("template __global__"))
-        found = re.match(r"typedef (.+?) T;\n", code)
+        found = re.match(r"typedef (.+?) T;\n(?:typedef .+? ACC;\n)?", code)  # the type names RawSpec.source writes
         self.dtype = precision.dtype_of(ctype_dtype(found.group(1))) if found else np.dtype(np.float32)
         self.body = code[found.end():] if found else code
 
@@ -327,7 +327,7 @@ def _emulation(spec, dtype, expression=None):
 
     call = [f"({base} *)a[{k}]" if pointer else f"*(const {base} *)a[{k}]"
             for k, (_, base, pointer) in enumerate(cuda.raw_params(spec))]
-    return "\n".join([emulation.PLAIN_PRELUDE, f"typedef {C_TYPES[dtype.name]} T;", "namespace k {", spec.code, "}",
+    return "\n".join([emulation.PLAIN_PRELUDE, cuda.type_names(dtype), "namespace k {", spec.code, "}",
                       'extern "C" int run(const unsigned *d, void **a) {',
                       "  launch(dim3{d[0], d[1], d[2]}, dim3{d[3], d[4], d[5]}, [&] {",
                       f"    k::{expression or spec.name}({', '.join(call)});", "  });",
