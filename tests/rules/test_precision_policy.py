@@ -42,8 +42,6 @@ EXEMPT = {
 # when its owner's change lands). Not exemptions: allow-lists the policy must replace.
 PENDING = {
     ("andrea/config.py", "TrainConfig.validate"): "bf16train: train.dtype's check -> precision.resolve",
-    ("minitensor/backends/cublas.py", "layout"): "bf16gemm: the GEMM's dtype check",
-    ("minitensor/checks/cupy_standin/cupy/_kernels.py", "C_TYPES"): "bf16gemm: the stand-in's C types",
     ("minitensor/backends/kernels/attention.py", "FLASH_FWD_TILE"): "flash16: the flash tiles per dtype",
     ("minitensor/backends/kernels/attention.py", "FLASH_DQ_TILE"): "flash16: the flash tiles per dtype",
     ("minitensor/backends/kernels/attention.py", "FLASH_DKV_TILE"): "flash16: the flash tiles per dtype",
