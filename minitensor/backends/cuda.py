@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.device import array_module
 
 INSTALL_HINT = "pip install -e '.[kernel-check]'  (CuPy 14.2 with NVRTC; no GPU needed)"
@@ -175,7 +176,7 @@ class RawSpec:
     def source(self, dtype, instances=None):
         """The translation unit NVRTC compiles for dtype: `typedef ... T;`, the code, and for a template the
         explicit instantiation of each of `instances` (None: every one it is compiled for)."""
-        text = f"typedef {C_TYPES[np.dtype(dtype).name]} T;\n{self.code}"
+        text = f"{typedefs(dtype)}{self.code}"
         if not self.template:
             return text
         params = " ".join(signature_of(self.code, self.name).split())  # one line per instantiation
@@ -239,6 +240,13 @@ def _header(file):
 # (the CuPy kernel, built once); a ReductionKernel spec would add its generated source likewise.
 KERNELS = {}
 C_TYPES = {"float32": "float", "float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}
+
+
+def typedefs(dtype):
+    """The kernels' type names for dtype, from the precision policy: `T`, what is stored (float, double,
+    unsigned short for bfloat16), and `ACC`, what is summed in (float for bfloat16, T itself otherwise)."""
+    stored = precision.dtype_of(dtype)
+    return f"typedef {precision.c_type(stored.name)} T;\ntypedef {precision.c_type(precision.accumulate_of(stored).name)} ACC;\n"
 
 
 def register(spec):
@@ -540,8 +548,10 @@ def check_launch_args(spec, dtype, args):
     params = raw_params(spec)
     if len(args) != len(params):
         raise TypeError(f"{spec.name} takes {len(params)} arguments, got {len(args)}")
+    stored = precision.dtype_of(dtype)
+    types = {**_ARG_TYPES, "T": stored, "ACC": precision.accumulate_of(stored)}  # the kernel's type names
     for (name, base, pointer), a in zip(params, args):
-        want = np.dtype(dtype) if base == "T" else _ARG_TYPES[base]
+        want = types[base]
         if pointer:
             ok = getattr(a, "dtype", None) == want and a.flags.c_contiguous
         else:

@@ -33,6 +33,7 @@ import tempfile
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import all_kernels, cuda
 
 PRELUDE = r"""#include <math.h>
@@ -125,6 +126,42 @@ EMU_OWN static void mma_tf32(float *c, const unsigned *a, const unsigned *b) {
     d[i] = acc;
   }
   __syncwarp();  /* every lane has read the slots before the next mma writes them */
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+/* mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a (16 x 16) and b (16 x 8) bfloat16, two to a register
+   (the lower index in the low half); c float */
+EMU_OWN static void mma_bf16(float *c, const unsigned *a, const unsigned *b) {
+  const unsigned me = thread_rank();
+  const unsigned base = me & ~31u, g = (me & 31u) >> 2, t = me & 3u;
+  if ((me & 31u) == 0) ++emu_mma_steps;
+  for (int i = 0; i < 4; ++i) mma_a[me][i] = a[i], mma_c[me][i] = c[i];
+  mma_b[me][0] = b[0], mma_b[me][1] = b[1];
+  __syncwarp();
+  float A[16][16], B[16][8], C[16][8];
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    const unsigned lg = lane >> 2, lt = lane & 3, o = base + lane;
+    const unsigned ai[4][2] = {{lg, 2 * lt}, {lg + 8, 2 * lt}, {lg, 2 * lt + 8}, {lg + 8, 2 * lt + 8}};
+    for (int i = 0; i < 4; ++i)
+      for (unsigned e = 0; e < 2; ++e) {
+        const unsigned bits = (mma_a[o][i] >> (16 * e)) << 16;
+        memcpy(&A[ai[i][0]][ai[i][1] + e], &bits, 4);
+      }
+    for (int i = 0; i < 2; ++i)
+      for (unsigned e = 0; e < 2; ++e) {
+        const unsigned bits = (mma_b[o][i] >> (16 * e)) << 16;
+        memcpy(&B[2 * lt + 8 * i + e][lg], &bits, 4);
+      }
+    C[lg][2 * lt] = mma_c[o][0], C[lg][2 * lt + 1] = mma_c[o][1];
+    C[lg + 8][2 * lt] = mma_c[o][2], C[lg + 8][2 * lt + 1] = mma_c[o][3];
+  }
+  const unsigned rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    float acc = C[rows[i]][cols[i]];
+    for (int k = 0; k < 16; ++k) acc += A[rows[i]][k] * B[k][cols[i]];  /* each product exact in float */
+    d[i] = acc;
+  }
+  __syncwarp();
   for (int i = 0; i < 4; ++i) c[i] = d[i];
 }
 static float __int_as_float(int v) { float f; memcpy(&f, &v, sizeof f); return f; }
@@ -276,7 +313,7 @@ def _launch_blob(spec, dtype, grid, block, args, only=None, floats=True):
         if key not in slots:
             slots[key] = k
             owned.append(a)
-            send = floats or a.dtype.kind not in "fc"
+            send = floats or not precision.is_float(a.dtype, bf16=True)
             blob += [np.int64(a.size).tobytes(), np.int64(send).tobytes()]
             if send:
                 blob.append(np.ascontiguousarray(a).tobytes())
@@ -299,7 +336,7 @@ def _program(specs, dtype_name, hooks=None):
     counting = hooks is not None
     parts = ['#define EMU_SHARED __attribute__((section("emu_shared"), aligned(16)))\n#include <algorithm>'
              if counting else "", PRELUDE, hooks if counting else _PLAIN_HOOKS,
-             f"typedef {cuda.C_TYPES[dtype_name]} T;"]
+             cuda.typedefs(dtype_name)]
     codes = {}  # a namespace per source: the kernels share helper names; one file may hold several kernels
     entries = _entries(specs, dtype_name)
     for index, (spec, instance) in enumerate(entries):
