@@ -166,8 +166,11 @@ class RawSpec:
         return tuple(int(args[names.index(t)]) for t in self.template)
 
     def instances_of(self, dtype):
-        """The template argument tuples the kernel is compiled for in dtype (((),) for a plain kernel)."""
-        return tuple(tuple(int(v) for v in i) for i in self.instances(np.dtype(dtype))) if self.template else ((),)
+        """The template argument tuples the kernel is compiled for in dtype (((),) for a plain kernel in the
+        dtypes every kernel is built in, DTYPES; none in another)."""
+        if not self.template:
+            return ((),) if np.dtype(dtype).name in DTYPES else ()
+        return tuple(tuple(int(v) for v in i) for i in self.instances(np.dtype(dtype)))
 
     def expression(self, instance=()):
         """The C++ name of one instance, `NAME<64, 1>` (NAME itself for a plain kernel)."""

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import all_kernels, cuda
 from minitensor.checks.emulation import emulate_launch  # noqa: F401  (the checks' other entry point)
 
@@ -85,11 +86,20 @@ def nvrtc_options(options=(), arch="sm_90"):
         "-ftz=true", f"-arch={arch}", "--device-as-default-execution-space")
 
 
+def dtypes_of(spec, dtypes=cuda.DTYPES):
+    """The dtypes spec is built in: `dtypes`, and for a template kernel those of the policy's
+    (precision.C_TYPES) it has instances in (the bf16 flash kernels: bfloat16 alone)."""
+    if not getattr(spec, "template", ()):
+        return tuple(dtypes)
+    return tuple(d for d in dict.fromkeys((*dtypes, *precision.C_TYPES)) if spec.instances_of(precision.dtype_of(d)))
+
+
 def check_kernels(specs=None, dtypes=cuda.DTYPES, archs=cuda.ARCHS):
-    """Compiles every spec x dtype x arch; yields a CheckResult for each as it finishes."""
+    """Compiles every spec x dtype x arch (a template kernel: in the dtypes it has instances in,
+    dtypes_of); yields a CheckResult for each as it finishes."""
     tc = cuda.toolchain()
     for spec in all_kernels().values() if specs is None else specs:
-        for dtype in dtypes:
+        for dtype in dtypes_of(spec, dtypes):
             for arch in archs:
                 start = time.perf_counter()
                 try:

@@ -450,7 +450,7 @@ def _flash_attention_cases(k):
 FLASH_ATTENTION = cuda.fused_piece(
     "flash_attention",
     replaces={"attention_forward": _fused_attention_forward, "attention_backward": _fused_attention_backward},
-    kernels=(FLASH_FWD, FLASH_BWD_DQ, FLASH_BWD_DKV),
+    kernels=(FLASH_FWD, FLASH_BWD_DQ, FLASH_BWD_DKV, FLASH16_FWD, FLASH16_BWD_DQ, FLASH16_BWD_DKV),
     sample=_flash_attention_sample,
     cases=_flash_attention_cases,
     rtol=FLASH_RTOL,
