@@ -19,7 +19,12 @@ layout of the PTX ISA ("Matrix Fragments for mma.m16n8k8", .tf32): lane = 4 g + 
 a = A(g, t), A(g + 8, t), A(g, t + 4), A(g + 8, t + 4); b = B(t, g), B(t + 4, g);
 c = C(g, 2t), C(g, 2t + 1), C(g + 8, 2t), C(g + 8, 2t + 1); sums in float in k order (the hardware's
 order and internal precision are its own). `to_tf32` is cvt.rna.tf32.f32: to nearest, ties away
-from zero, 10 mantissa bits.
+from zero, 10 mantissa bits. `mma_bf16` (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, the bf16
+flash kernels') likewise in the layout of "Matrix Fragments for mma.m16n8k16 with floating point type"
+(.bf16): two bfloat16 to a 32-bit register, the lower index in the low half; a = A(g, 2t..2t+1),
+A(g + 8, 2t..2t+1), A(g, 2t+8..2t+9), A(g + 8, 2t+8..2t+9); b = B(2t..2t+1, g), B(2t+8..2t+9, g); c as
+m16n8k8's; each product of two bfloat16 exact in float, summed in float in k order. A bf16 kernel runs
+on NumPy arrays of ml_dtypes.bfloat16 (T is `unsigned short`, ACC `float`: cuda.typedefs).
 
 The counting build of the same program, whose hooks see every memory access, is minitensor/checks/traffic.py.
 """

@@ -125,7 +125,7 @@ def _instruction(opcode, operands):
     parts = [p.strip() for p in operands.split(",")] if operands else []
     regs = [[int(r) for r in _REG.findall(p)] for p in parts]
     base = opcode.split(".")[0]
-    if base == "HMMA":  # D, A (4 registers for m16n8k8 tf32), B (2), C
+    if base == "HMMA":  # D, A (4 registers for m16n8k8 tf32 and m16n8k16 bf16), B (2), C
         read = tuple((r[0], n) for r, n in zip(regs[1:3], (4, 2)) if r)
         written = tuple(range(regs[0][0], regs[0][0] + 4)) if regs and regs[0] else ()
     elif base in ("LDS", "LDSM", "LDG", "LD", "LDL", "LDC"):

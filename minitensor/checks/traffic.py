@@ -17,8 +17,8 @@ hardware serves it:
   that has an active lane; its conflict degree is wavefronts / ideal.
 - global memory: the distinct 32-byte sectors a request touches (what the L2 serves).
 
-It also counts the mma.sync steps each warp issues and the float special-function calls (expf, logf,
-tanhf, rsqrtf, ...: the GPU's SFU, MUFU) its lanes make.
+It also counts the mma.sync steps each warp issues (m16n8k8 tf32 and m16n8k16 bf16 alike: one each) and
+the float special-function calls (expf, logf, tanhf, rsqrtf, ...: the GPU's SFU, MUFU) its lanes make.
 """
 
 import dataclasses

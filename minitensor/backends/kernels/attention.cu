@@ -35,6 +35,11 @@
 // minitensor.backends.cuda.RawSpec.template); the source NVRTC compiles ends with the explicit
 // instantiations of the instances it holds (RawSpec.source). __launch_bounds__ caps the registers at
 // what the occupancy each kernel declares needs (kernels/attention.py: RawSpec.warps_per_sm).
+//
+// The *_bf16 sections are the same three kernels for bfloat16 q, k, v, y, dy and gradients (T is unsigned
+// short, ACC float): products on mma.sync m16n8k16 bf16 (kernels/flash16.cuh), every accumulator and the
+// softmax statistics (lse, delta) float, P and dS rounded to bfloat16 for their products; templates over HS
+// alone, compiled in bfloat16 only.
 
 // @kernel flash_attention_fwd
 // y and lse per query tile of FWD_Q rows (16 per warp), over key tiles of FWD_K keys up to the diagonal.
