@@ -23,7 +23,8 @@ from zero, 10 mantissa bits. `mma_bf16` (mma.sync.aligned.m16n8k16.row.col.f32.b
 flash kernels') likewise in the layout of "Matrix Fragments for mma.m16n8k16 with floating point type"
 (.bf16): two bfloat16 to a 32-bit register, the lower index in the low half; a = A(g, 2t..2t+1),
 A(g + 8, 2t..2t+1), A(g, 2t+8..2t+9), A(g + 8, 2t+8..2t+9); b = B(2t..2t+1, g), B(2t+8..2t+9, g); c as
-m16n8k8's; each product of two bfloat16 exact in float, summed in float in k order. A bf16 kernel runs
+m16n8k8's; each product of two bfloat16 exact in float, summed in float in k order. `emu_ldsm_x4_trans` is
+ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16, each lane's 16-byte row read counted as the kernel's. A bf16 kernel runs
 on NumPy arrays of ml_dtypes.bfloat16 (T is `unsigned short`, ACC `float`: cuda.typedefs).
 
 The counting build of the same program, whose hooks see every memory access, is minitensor/checks/traffic.py.
@@ -169,6 +170,20 @@ EMU_OWN static void mma_bf16(float *c, const unsigned *a, const unsigned *b) {
   __syncwarp();
   for (int i = 0; i < 4; ++i) c[i] = d[i];
 }
+/* ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8 i + j give row j of matrix i (8 values of 16 bits);
+   lane 4 g + t receives, of matrix i, (2t, g) in the low half of r[i] and (2t + 1, g) in the high half. Each
+   lane's 16-byte row read is the kernel's own (emu_load16: counted at the call's site) */
+static void emu_load16(const void *address, void *pc);
+static const unsigned short *ldsm_rows[1024];
+EMU_OWN static void emu_ldsm_x4_trans(unsigned *r, const void *row, void *pc) {
+  const unsigned me = thread_rank(), base = me & ~31u, g = (me & 31u) >> 2, t = me & 3u;
+  ldsm_rows[me] = (const unsigned short *)row;
+  emu_load16(row, pc);
+  __syncwarp();
+  for (unsigned i = 0; i < 4; ++i)
+    r[i] = (unsigned)ldsm_rows[base + 8 * i + 2 * t][g] | (unsigned)ldsm_rows[base + 8 * i + 2 * t + 1][g] << 16;
+  __syncwarp();  /* every lane has read the rows before the next ldmatrix names its own */
+}
 static float __int_as_float(int v) { float f; memcpy(&f, &v, sizeof f); return f; }
 static float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, sizeof f); return f; }
 static unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, sizeof u); return u; }
@@ -263,7 +278,8 @@ template <class F> EMU_OWN static void launch(dim3 grid, dim3 block, F body, con
 """
 
 # Without counting, the block hooks do nothing: the prelude of a plain emulation (the CuPy stand-in's too).
-_PLAIN_HOOKS = "static void emu_block_start(unsigned) {}\nstatic void emu_block_end(unsigned) {}\n"
+_PLAIN_HOOKS = ("static void emu_block_start(unsigned) {}\nstatic void emu_block_end(unsigned) {}\n"
+                "static void emu_load16(const void *, void *) {}\n")
 PLAIN_PRELUDE = PRELUDE + _PLAIN_HOOKS
 
 def emulate_launch(spec, dtype, grid, block, args):

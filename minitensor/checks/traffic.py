@@ -125,6 +125,8 @@ static void emu_block_end(unsigned) {
   }
   log.clear();
 }
+/* a lane's 16-byte row of an ldmatrix (the emulation's emu_ldsm_x4_trans), at the kernel's call site */
+static void emu_load16(const void *address, void *pc) { emu_record((void *)address, 16, 0, pc); }
 extern "C" {
 #define EMU_AT __builtin_return_address(0)  /* the instrumented access's own address: its instruction */
 #define EMU_HOOK(n) \

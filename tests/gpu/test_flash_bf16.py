@@ -139,12 +139,15 @@ PLANTS = {
     # a fragment index: a[1] (rows g + 8, columns 2t..) read from row g, columns 2t + 8.., as a[2]
     "fragment": ("flash_attention_fwd_bf16", "a[1] = *(const unsigned *)(s + (r0 + g + 8) * LD + c0 + 2 * t);",
                  "a[1] = *(const unsigned *)(s + (r0 + g) * LD + c0 + 2 * t + 8);"),
+    # a fragment index of ldmatrix: the upper 16 lanes' rows at columns 0.. instead of 8.. (B of columns 8-15)
+    "ldmatrix": ("flash_attention_bwd_dq_bf16", "ldsm_x4_trans(b, s + (r0 + (lane & 15)) * LD + c0 + 8 * (lane >> 4));",
+                 "ldsm_x4_trans(b, s + (r0 + (lane & 15)) * LD + c0);"),
     # the rounding of P and dS (and the outputs) to bfloat16 by truncation: the low 16 bits dropped
     "rounding": ("flash_attention_bwd_dkv_bf16", "return (unsigned)narrow_bf16(lo) | (unsigned)narrow_bf16(hi) << 16;",
                  "return __float_as_uint(lo) >> 16 | (__float_as_uint(hi) & 0xffff0000u);"),
     # a swapped operand: dv += P^T q instead of P^T dy
-    "operand": ("flash_attention_bwd_dkv_bf16", "acc_product<DKV_Q / 8, HS>(acc_v, st, dys);",
-                "acc_product<DKV_Q / 8, HS>(acc_v, st, qs);"),
+    "operand": ("flash_attention_bwd_dkv_bf16", "acc_product<DKV_Q / 8, HS>(acc_v, pa, dys);",
+                "acc_product<DKV_Q / 8, HS>(acc_v, pa, qs);"),
 }
 
 
@@ -158,7 +161,7 @@ def test_a_planted_bug_is_caught(emulated, monkeypatch, plant):
     got, ref = run(q, k, v, dy), reference(q, k, v, dy)
     ratios, biases = worst(got, ref), bias(got, ref)
     broken = {n for n, r in ratios.items() if r > 1.0} | {n for n, b in biases.items() if abs(b) >= 0.1}
-    touched = {"fragment": {"y", "lse"}, "rounding": {"dk", "dv"}, "operand": {"dv"}}[plant]
+    touched = {"fragment": {"y", "lse"}, "ldmatrix": {"dq"}, "rounding": {"dk", "dv"}, "operand": {"dv"}}[plant]
     assert touched <= broken, (ratios, biases)
     print(plant, {n: round(r, 2) for n, r in ratios.items()}, {n: round(b, 2) for n, b in biases.items()})
 
@@ -197,6 +200,33 @@ template <int ONE> __global__ void mma16_layout(const T *a, const T *b, ACC *c, 
     want = f64(a) @ f64(b) + f64(c)
     assert np.max(np.abs(got - want)) <= 16 * 2.0 ** -24 * np.max(np.abs(f64(a)) @ np.abs(f64(b)) + np.abs(c))
     assert np.max(np.abs(got - want)) > 0 or np.array_equal(got, want)
+
+
+@needs_cxx
+def test_the_emulated_ldmatrix_trans_gives_the_b_operands_down_a_tiles_columns():
+    """ldmatrix.x4.trans as flash16.cuh's b_cols calls it (lane l: row l % 16, columns 8 (l / 16)..) on a 16 x 16
+    tile in shared memory: lane 4 g + t receives the mma.m16n8k16 B operands of the tile's columns 0-7 in
+    r[0], r[1] and of 8-15 in r[2], r[3]: (B(2t, g), B(2t + 1, g)) and (B(2t + 8, g), B(2t + 9, g)), low half
+    first (PTX ISA, "Warp-level matrix load instruction: ldmatrix", .trans)."""
+    spec = cuda.RawSpec("ldsm_layout", template=("one",), instances=lambda dtype: ((1,),), inline=r"""
+template <int ONE> __global__ void ldsm_layout(const T *tile, int *out, const int one) {
+  __shared__ __align__(16) T s[16 * 16];
+  const int lane = threadIdx.x;
+  for (int i = lane; i < 256; i += 32) s[i] = tile[i];
+  __syncthreads();
+  unsigned r[4];
+  emu_ldsm_x4_trans(r, s + (lane & 15) * 16 + 8 * (lane >> 4), nullptr);
+  for (int i = 0; i < 4; ++i) out[4 * lane + i] = (int)r[i];
+}
+""")
+    tile = np.arange(256, dtype=np.uint16).reshape(16, 16)  # distinct 16-bit values, as the kernel's T holds them
+    out = np.zeros(128, np.int32)
+    emulation.emulate_launch(spec, BF16, (1,), (32,), (tile.view(BF16), out, np.int32(1)))
+    got = out.view(np.uint32).reshape(32, 4)
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        want = [int(tile[k, n]) | int(tile[k + 1, n]) << 16 for n0 in (0, 8) for k, n in ((2 * t, n0 + g), (2 * t + 8, n0 + g))]
+        assert got[lane].tolist() == want, lane
 
 
 def bf16_counts(T, hs=64, source=None):

@@ -220,11 +220,12 @@ flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T
 // @kernel flash_attention_fwd_bf16
 // The forward in bfloat16: q, k, v, y stored as bfloat16, lse float; the products on mma.m16n8k16 bf16
 // (kernels/flash16.cuh), the scores, running max and sum, P and the output accumulator float, P rounded to
-// bfloat16 for P v (FlashAttention-2's mixed precision). Tiles, warps and masks as flash_attention_fwd's.
+// bfloat16 for P v (FlashAttention-2's mixed precision). Warps and masks as flash_attention_fwd's; key tiles
+// of 32, not 64: with 64, the fragments ldmatrix loads ahead of P v push the forward past its 128 registers.
 #include "bf16.cuh"
 #include "flash16.cuh"
-constexpr int FWD_Q = 128, FWD_K = 64, FWD_THREADS = 2 * FWD_Q;
-__shared__ __align__(16) T kv[2 * FWD_K * LD];  /* the k tile, then the v tile; q passes through first */
+constexpr int FWD_Q = 128, FWD_K = 32, FWD_THREADS = 2 * FWD_Q;  /* keys 32 a tile: 64 spill (ptxas, sm_90) */
+__shared__ __align__(16) T kv[FWD_Q * LD];  /* q passes through first; then the k tile, then the v tile */
 template <int HS>
 __global__ void __launch_bounds__(FWD_THREADS, 2)
 flash_attention_fwd_bf16(const T *q, const T *k, const T *v, T *y, ACC *lse, const int n_ctx, const int hs,
@@ -262,6 +263,8 @@ flash_attention_fwd_bf16(const T *q, const T *k, const T *v, T *y, ACC *lse, con
         s[n][e] = expf(s[n][e] - m[e >> 1]);
         sum[e >> 1] += s[n][e];  /* the sum of P before its rounding, as FlashAttention-2's */
       }
+    unsigned pa[FWD_K / 16][4];  /* P rounded to bfloat16, the A operands of P v */
+    a_from_accs<FWD_K / 8>(pa, s);
     for (int h = 0; h < 2; ++h) {
       const float alpha = expf(top[h] - m[h]);  /* 0 on the first tile: top is the lowest value */
       total[h] = total[h] * alpha + quad_sum(sum[h]);
@@ -269,7 +272,7 @@ flash_attention_fwd_bf16(const T *q, const T *k, const T *v, T *y, ACC *lse, con
 #pragma unroll
       for (int u = 0; u < HS / 8; ++u) acc[u][2 * h] *= alpha, acc[u][2 * h + 1] *= alpha;
     }
-    acc_product<FWD_K / 8, HS>(acc, s, vs);  /* acc += bf16(P) v */
+    acc_product<FWD_K / 8, HS>(acc, pa, vs);  /* acc += bf16(P) v */
   }
   if (t == 0)
     for (int h = 0; h < 2; ++h)
@@ -327,7 +330,9 @@ flash_attention_bwd_dq_bf16(const T *q, const T *k, const T *v, const T *y, cons
         const float e_all = expf(scale * s[n][e] - row_lse[h]), p = seen ? e_all : 0.0f;  /* a select, no branch */
         dp[n][e] = p * (dp[n][e] - d[h]);  /* dS */
       }
-    acc_product<DQ_K / 8, HS>(acc, dp, ks);  /* dq += bf16(dS) k */
+    unsigned dsa[DQ_K / 16][4];
+    a_from_accs<DQ_K / 8>(dsa, dp);
+    acc_product<DQ_K / 8, HS>(acc, dsa, ks);  /* dq += bf16(dS) k */
   }
   const float ones[2] = {1.0f, 1.0f};
   store_acc<HS>(dq + head, HS, acc, r0, n_ctx, scale, ones);
@@ -379,8 +384,11 @@ flash_attention_bwd_dkv_bf16(const T *q, const T *k, const T *v, const T *dy, co
         st[n][e] = p;                               /* P^T */
         dpt[n][e] = p * (dpt[n][e] - delta_s[col]); /* dS^T */
       }
-    acc_product<DKV_Q / 8, HS>(acc_v, st, dys);  /* dv += bf16(P^T) dy */
-    acc_product<DKV_Q / 8, HS>(acc_k, dpt, qs);  /* dk += bf16(dS^T) q */
+    unsigned pa[DKV_Q / 16][4], dsa[DKV_Q / 16][4];
+    a_from_accs<DKV_Q / 8>(pa, st);
+    a_from_accs<DKV_Q / 8>(dsa, dpt);
+    acc_product<DKV_Q / 8, HS>(acc_v, pa, dys);  /* dv += bf16(P^T) dy */
+    acc_product<DKV_Q / 8, HS>(acc_k, dsa, qs);  /* dk += bf16(dS^T) q */
   }
   const float ones[2] = {1.0f, 1.0f};
   store_acc<HS>(dk + head, HS, acc_k, c0, n_ctx, scale, ones);

@@ -19,8 +19,9 @@ FLASH_FWD_TILE = {np.dtype(np.float32): (128, 64), np.dtype(np.float64): (64, 32
 FLASH_DQ_TILE = {np.dtype(np.float32): (64, 32), np.dtype(np.float64): (64, 16)}
 FLASH_DKV_TILE = {np.dtype(np.float32): (64, 32), np.dtype(np.float64): (64, 16)}
 FLASH_HS_MAX = {np.dtype(np.float32): 64, np.dtype(np.float64): 32}  # flash.cuh's HS_MAX
-# The bf16 kernels' (attention.cu's *_bf16 sections, flash16.cuh): the same tiles, heads up to 64
-FLASH16_FWD_TILE, FLASH16_DQ_TILE, FLASH16_DKV_TILE, FLASH16_HS_MAX = (128, 64), (64, 32), (64, 32), 64
+# The bf16 kernels' (attention.cu's *_bf16 sections, flash16.cuh): the same tiles but the forward's keys (32:
+# its registers), heads up to 64
+FLASH16_FWD_TILE, FLASH16_DQ_TILE, FLASH16_DKV_TILE, FLASH16_HS_MAX = (128, 32), (64, 32), (64, 32), 64
 
 
 def is_bf16(dtype):
@@ -140,8 +141,8 @@ FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu",
                              instances=flash_instances, warps_per_sm=8)
 
 # The bf16 kernels (attention.cu's *_bf16 sections, flash16.cuh): templates over hs, compiled in bfloat16
-# only. The same tiles and blocks, so the same warps per SM declared; their fragments take half the
-# registers of TF32's (two bfloat16 to a register).
+# only. The same blocks, so the same warps per SM declared; their fragments take half the registers of
+# TF32's (two bfloat16 to a register).
 FLASH16_FWD = cuda.RawSpec("flash_attention_fwd_bf16", "attention.cu",
                            flops=_flash_flops(2, FLASH16_FWD_TILE), model=_flash16_model,
                            count_blocks=_flash_blocks(FLASH16_FWD_TILE), template=("hs",),

@@ -21,16 +21,29 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+/* ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 (PTX ISA, "Warp-level matrix load instruction: ldmatrix"):
+   four 8 x 8 matrices of 16-bit values, lanes 8 i .. 8 i + 7 giving the addresses of matrix i's rows (16
+   bytes each, in shared memory); transposed, lane 4 g + t receives in r[i] matrix i's elements (2t, g) (low
+   half) and (2t + 1, g) (high half): B operands down a tile's columns, as mma.m16n8k16 takes them */
+__device__ __forceinline__ void ldsm_x4_trans(unsigned *r, const T *row) {
+  asm volatile("{\n .reg .u64 a;\n cvta.to.shared.u64 a, %4;\n"
+               " ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [a];\n}"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "l"(row));
+}
 #else
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return (unsigned)narrow_bf16(lo) | (unsigned)narrow_bf16(hi) << 16;
+}
+/* the emulation's (minitensor/checks/emulation.py), the call's site named for the counts */
+__device__ __forceinline__ void ldsm_x4_trans(unsigned *r, const T *row) {
+  emu_ldsm_x4_trans(r, row, __builtin_return_address(0));
 }
 #endif
 
 /* Heads up to 64 wide. Row stride of every tile, in bfloat16: 16-byte rows (vector stores) of 36 words, 4
    more than a multiple of 32, so that a 32-bit fragment read (rows g, words t) falls in 32 distinct banks
-   (row g starts at bank 4 g), and a 16-bit one (rows 2t, 2t + 1, columns g) in 16 words of distinct banks,
-   each shared by two lanes. */
+   (row g starts at bank 4 g), and so do the 8 rows of 16 bytes of each matrix ldmatrix reads. */
 constexpr int HS_MAX = 64;
 constexpr int LD = HS_MAX + 8;
 constexpr unsigned FULL = 0xffffffffu;
@@ -40,8 +53,9 @@ __device__ __forceinline__ float lowest() { return -3.40282347e+38f; }
 /* Fragments from a row-major tile s (stride LD) in shared memory, at row r0 and column c0:
    a_frag: A(i, k) = s(r0 + i, c0 + k)   (16 x 16; 32-bit reads: two columns at once)
    b_rows: B(k, n) = s(r0 + n, c0 + k)   (16 x 8, B = the tile's rows transposed: k^T, v^T, q^T, dy^T)
-   b_cols: B(k, n) = s(r0 + k, c0 + n)   (16 x 8, B = the tile itself: two rows in one register, so two
-           16-bit reads each) */
+   b_cols: B(k, n) = s(r0 + k, c0 + n) in b[0..1] and B(k, n) = s(r0 + k, c0 + 8 + n) in b[2..3]: two 16 x 8
+           B operands of the tile itself (its rows down a column in each register) by one ldmatrix.trans of
+           the matrices at (rows r0.., columns c0..), (r0 + 8.., c0..), (r0.., c0 + 8..), (r0 + 8.., c0 + 8..) */
 __device__ __forceinline__ void a_frag(unsigned *a, const T *s, int r0, int c0) {
   const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   a[0] = *(const unsigned *)(s + (r0 + g) * LD + c0 + 2 * t);
@@ -57,20 +71,24 @@ __device__ __forceinline__ void b_rows(unsigned *b, const T *s, int r0, int c0) 
 }
 
 __device__ __forceinline__ void b_cols(unsigned *b, const T *s, int r0, int c0) {
-  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const T *at = s + (r0 + 2 * t) * LD + c0 + g;
-  b[0] = (unsigned)at[0] | (unsigned)at[LD] << 16;
-  b[1] = (unsigned)at[8 * LD] | (unsigned)at[9 * LD] << 16;
+  const int lane = threadIdx.x & 31;
+  ldsm_x4_trans(b, s + (r0 + (lane & 15)) * LD + c0 + 8 * (lane >> 4));
 }
 
 /* The A operand (16 x 16) of two accumulator tiles c0, c1 (16 x 8 each, columns 2t, 2t + 1 in lane t), in
    place: the accumulator's layout is the A operand's, its columns 0-7 and 8-15 the two tiles. Rounded to
-   bfloat16, as FlashAttention-2 rounds P and dS for their products. */
+   bfloat16, as FlashAttention-2 rounds P and dS for their products. a_from_accs: every pair of N tiles, as
+   soon as they are final (their floats then free their registers). */
 __device__ __forceinline__ void a_from_acc(unsigned *a, const float *c0, const float *c1) {
   a[0] = pack_bf16(c0[0], c0[1]);
   a[1] = pack_bf16(c0[2], c0[3]);
   a[2] = pack_bf16(c1[0], c1[1]);
   a[3] = pack_bf16(c1[2], c1[3]);
+}
+
+template <int N> __device__ __forceinline__ void a_from_accs(unsigned (*a)[4], const float (*c)[4]) {
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) a_from_acc(a[k], c[2 * k], c[2 * k + 1]);
 }
 
 /* ROWS rows r0.. of a matrix whose row r is src[r * stride ..] (HS wide) into the tile dst (stride LD) by the
@@ -112,21 +130,20 @@ __device__ __forceinline__ void rows_product(float (*c)[4], const unsigned (*a)[
     }
 }
 
-/* acc[m] (16 x 8 column tiles of the head) += P s for P (16 x 8 N, accumulator tiles p[n] in registers,
-   rounded to bfloat16) and s a tile of 8 N rows: a product over a tile's rows (P v, dS k, P^T dy, dS^T q) */
+/* acc[m] (16 x 8 column tiles of the head) += P s for P (16 x 8 N, its A operands in registers: a[k] per
+   16-deep step, a_from_accs) and s a tile of 8 N rows: a product over a tile's rows (P v, dS k, P^T dy,
+   dS^T q) */
 template <int N, int HS>
-__device__ __forceinline__ void acc_product(float (*acc)[4], const float (*p)[4], const T *s) {
+__device__ __forceinline__ void acc_product(float (*acc)[4], const unsigned (*a)[4], const T *s) {
 #pragma unroll
-  for (int k = 0; k < N / 2; ++k) {
-    unsigned a[4];
-    a_from_acc(a, p[2 * k], p[2 * k + 1]);
+  for (int k = 0; k < N / 2; ++k)
 #pragma unroll
-    for (int m = 0; m < HS / 8; ++m) {
-      unsigned b[2];
+    for (int m = 0; m < HS / 8; m += 2) {
+      unsigned b[4];
       b_cols(b, s, 16 * k, 8 * m);
-      mma_bf16(acc[m], a, b);
+      mma_bf16(acc[m], a[k], b);
+      mma_bf16(acc[m + 1], a[k], b + 2);
     }
-  }
 }
 
 /* rows r0 + g, r0 + g + 8 of this warp's accumulators (a (16, HS) result) times scale / row_div[half],
