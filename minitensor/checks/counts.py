@@ -170,6 +170,7 @@ class KernelCounts:
     seconds: float = 0.0       # to count
     code: sass.Sass = None     # its sm_90 SASS (the instance the model launches)
     warps_declared: int = 0    # RawSpec.warps_per_sm
+    dtype: str = "float32"     # what it is compiled and counted in (the bf16 kernels: bfloat16)
 
     def wavefronts_per_request(self):
         c = self.counts
@@ -200,7 +201,7 @@ def count_kernel(spec, sizes=MODEL, dtype="float32", occupancy=True):
     threads = int(np.prod(launches[0][3]))
     occ = _occupancy(res.registers, threads, res.shared) if res else None
     return KernelCounts(spec.name, "raw", res, threads, occ, spec.conflicts, total, len(launches),
-                        time.perf_counter() - start, code, spec.warps_per_sm)
+                        time.perf_counter() - start, code, spec.warps_per_sm, dtype)
 
 
 def occupancy_of(spec, sizes=MODEL):
@@ -249,7 +250,7 @@ def problems(rows):
                          f"{r.code.ahead_median:g} instructions ahead, under {sass.PIPELINED} (sm_90 SASS)")
         if r.resources.spill_stores or r.resources.spill_loads:
             found.append(f"{r.name}: spills {r.resources.spill_stores} bytes of stores and "
-                         f"{r.resources.spill_loads} of loads in float32 (ptxas, sm_90)")
+                         f"{r.resources.spill_loads} of loads in {r.dtype} (ptxas, sm_90)")
         if r.counts and r.counts.worst > r.declared:
             worst = max((s for s in r.counts.shared()), key=lambda s: s.worst)
             found.append(f"{r.name}: a shared-memory request {r.counts.worst}-way conflicted, more than the "
