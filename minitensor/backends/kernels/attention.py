@@ -1,5 +1,6 @@
 """Causal attention without T x T in memory on the GPU, FlashAttention-2: the RawKernels of
-kernels/attention.cu (their shared code in kernels/flash.cuh), their wrappers, the fused piece
+kernels/attention.cu (their shared code in kernels/flash.cuh; the bf16 kernels', on mma.m16n8k16, in
+kernels/flash16.cuh), their wrappers (float32, float64 or bfloat16 q, k, v), the fused piece
 flash_attention's record, and the heads' layout both fused attention cores share (the dense one's
 in kernels/causal_softmax.py)."""
 
