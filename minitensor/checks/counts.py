@@ -67,12 +67,14 @@ class Resources:
     shared: int
 
 
-def resources(spec, dtype="float32", arch="sm_90", instance=()):
-    """The Resources of spec (a template's instance; none named: the one its model call launches) for dtype,
-    from ptxas's report (-v) of NVRTC compiling the exact source CuPy compiles
+def resources(spec, dtype=None, arch="sm_90", instance=()):
+    """The Resources of spec (a template's instance; none named: the one its model call launches) for dtype
+    (None: the first it is built in, kernelcheck.dtypes_of: float32, bfloat16 for the bf16 kernels), from
+    ptxas's report (-v) of NVRTC compiling the exact source CuPy compiles
     (minitensor.checks.kernelcheck.compile_source)."""
-    from minitensor.checks.kernelcheck import compile_source
+    from minitensor.checks.kernelcheck import compile_source, dtypes_of
 
+    dtype = dtype or dtypes_of(spec)[0]
     if getattr(spec, "template", ()) and not instance:
         instance = sass.instance_for(spec, model_launches(spec)[0][4])
 

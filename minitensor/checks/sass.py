@@ -179,10 +179,12 @@ def analyse(function, code):
     return Sass(function, len(code), len(hmma), last - first + 1, branches, tuple(ahead))
 
 
-def read(spec, instance=(), dtype="float32", arch="sm_90"):
-    """The Sass of one kernel (a template's instance) as NVRTC compiles its source for dtype and arch."""
-    from minitensor.checks.kernelcheck import compile_source
+def read(spec, instance=(), dtype=None, arch="sm_90"):
+    """The Sass of one kernel (a template's instance) as NVRTC compiles its source for dtype (None: the first
+    it is built in, kernelcheck.dtypes_of: float32, bfloat16 for the bf16 kernels) and arch."""
+    from minitensor.checks.kernelcheck import compile_source, dtypes_of
 
+    dtype = dtype or dtypes_of(spec)[0]
     cubin, _ = compile_source(spec.source(dtype), spec.name, spec.options, arch)
     functions = disassemble(cubin)
     symbol = mangled(spec.name, instance)
