@@ -145,7 +145,10 @@ class RawSpec:
 
     @property
     def dtypes(self):
-        return precision.kernel_dtypes(self.bf16)
+        built = precision.kernel_dtypes(self.bf16)
+        if not self.template:
+            return built
+        return tuple(d for d in built if self.instances_of(precision.dtype_of(d)))  # those it has instances in
 
     @property
     def code(self):
@@ -180,8 +183,11 @@ class RawSpec:
         return tuple(int(args[names.index(t)]) for t in self.template)
 
     def instances_of(self, dtype):
-        """The template argument tuples the kernel is compiled for in dtype (((),) for a plain kernel)."""
-        return tuple(tuple(int(v) for v in i) for i in self.instances(np.dtype(dtype))) if self.template else ((),)
+        """The template argument tuples the kernel is compiled for in dtype (((),) for a plain kernel in the
+        dtypes it is built in, `dtypes`; none in another)."""
+        if not self.template:
+            return ((),) if precision.name_of(dtype) in self.dtypes else ()
+        return tuple(tuple(int(v) for v in i) for i in self.instances(np.dtype(dtype)))
 
     def expression(self, instance=()):
         """The C++ name of one instance, `NAME<64, 1>` (NAME itself for a plain kernel)."""

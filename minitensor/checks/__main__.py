@@ -78,7 +78,7 @@ def _counts(parser, names):
     for line in found:
         print(f"FAIL {line}")
     print(f"{len(found)} kernels break their declarations" if found else
-          f"{len(rows)} kernels: no spill in float32, no request more conflicted than declared, the occupancy "
+          f"{len(rows)} kernels: no spill, no request more conflicted than declared, the occupancy "
           f"declared, no branch in an mma loop, every mma loop pipelined")
     return 1 if found else 0
 

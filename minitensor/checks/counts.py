@@ -2,7 +2,8 @@
 
 For every registered kernel, float32 (the training path), sm_90:
 
-- from ptxas (through NVRTC, as CuPy compiles it; `resources`): registers per thread, spill stores and
+- from ptxas (through NVRTC, as CuPy compiles it, in the dtype its model call launches it in: float32,
+  bfloat16 for the *_bf16 kernels; `resources`): registers per thread, spill stores and
   loads, stack, static shared memory; and the occupancy they allow (`occupancy_of`: resident blocks and
   warps per SM by the rules of the CUDA Programming Guide's compute-capability tables and the CUDA
   toolkit's cuda_occupancy.h: 65536 registers per SM allocated 256 per warp, at most 64 warps and 32
@@ -66,12 +67,14 @@ class Resources:
     shared: int
 
 
-def resources(spec, dtype="float32", arch="sm_90", instance=()):
-    """The Resources of spec (a template's instance; none named: the one its model call launches) for dtype,
-    from ptxas's report (-v) of NVRTC compiling the exact source CuPy compiles
+def resources(spec, dtype=None, arch="sm_90", instance=()):
+    """The Resources of spec (a template's instance; none named: the one its model call launches) for dtype
+    (None: the first it is built in, kernelcheck.dtypes_of: float32, bfloat16 for the bf16 kernels), from
+    ptxas's report (-v) of NVRTC compiling the exact source CuPy compiles
     (minitensor.checks.kernelcheck.compile_source)."""
-    from minitensor.checks.kernelcheck import compile_source
+    from minitensor.checks.kernelcheck import compile_source, dtypes_of
 
+    dtype = dtype or dtypes_of(spec)[0]
     if getattr(spec, "template", ()) and not instance:
         instance = sass.instance_for(spec, model_launches(spec)[0][4])
 
@@ -169,6 +172,7 @@ class KernelCounts:
     seconds: float = 0.0       # to count
     code: sass.Sass = None     # its sm_90 SASS (the instance the model launches)
     warps_declared: int = 0    # RawSpec.warps_per_sm
+    dtype: str = "float32"     # what it is compiled and counted in (the bf16 kernels: bfloat16)
 
     def wavefronts_per_request(self):
         c = self.counts
@@ -188,6 +192,7 @@ def count_kernel(spec, sizes=MODEL, dtype="float32", occupancy=True):
         return KernelCounts(spec.name, "elementwise", res, ELEMENTWISE_THREADS, occ, 0, code=code)
     start, total = time.perf_counter(), None
     launches = model_launches(spec, sizes)
+    dtype = launches[0][1].name  # the dtype its model call launches it in (bfloat16: the bf16 kernels)
     instance = sass.instance_for(spec, launches[0][4])
     res = resources(spec, dtype, instance=instance) if occupancy else None
     code = sass.read(spec, instance, dtype) if occupancy else None
@@ -198,14 +203,14 @@ def count_kernel(spec, sizes=MODEL, dtype="float32", occupancy=True):
     threads = int(np.prod(launches[0][3]))
     occ = _occupancy(res.registers, threads, res.shared) if res else None
     return KernelCounts(spec.name, "raw", res, threads, occ, spec.conflicts, total, len(launches),
-                        time.perf_counter() - start, code, spec.warps_per_sm)
+                        time.perf_counter() - start, code, spec.warps_per_sm, dtype)
 
 
-def occupancy_of(spec, sizes=MODEL, dtype="float32"):
+def occupancy_of(spec, sizes=MODEL):
     """The Occupancy of a RawKernel's blocks at `sizes` (its registers and shared memory from ptxas, for the
-    instance the model launches)."""
+    instance and dtype the model launches)."""
     launch = model_launches(spec, sizes)[0]
-    res = resources(spec, dtype, instance=sass.instance_for(spec, launch[4]))
+    res = resources(spec, launch[1].name, instance=sass.instance_for(spec, launch[4]))
     return _occupancy(res.registers, int(np.prod(launch[3])), res.shared)
 
 
@@ -247,7 +252,7 @@ def problems(rows):
                          f"{r.code.ahead_median:g} instructions ahead, under {sass.PIPELINED} (sm_90 SASS)")
         if r.resources.spill_stores or r.resources.spill_loads:
             found.append(f"{r.name}: spills {r.resources.spill_stores} bytes of stores and "
-                         f"{r.resources.spill_loads} of loads in float32 (ptxas, sm_90)")
+                         f"{r.resources.spill_loads} of loads in {r.dtype} (ptxas, sm_90)")
         if r.counts and r.counts.worst > r.declared:
             worst = max((s for s in r.counts.shared()), key=lambda s: s.worst)
             found.append(f"{r.name}: a shared-memory request {r.counts.worst}-way conflicted, more than the "
@@ -257,15 +262,15 @@ def problems(rows):
 
 def table(rows, sizes=MODEL):
     """The table `--counts` prints, as lines."""
-    out = [f"every kernel, float32, sm_90 (ptxas through NVRTC); RawKernels counted in the host emulation at "
+    out = [f"every kernel, float32 (the *_bf16 kernels bfloat16), sm_90 (ptxas through NVRTC); RawKernels counted in the host emulation at "
            f"ANDREA-120M's step: {sizes.B} x {sizes.T} tokens, d {sizes.C}, {sizes.n_head} heads of {sizes.hs}, "
            f"MLP {sizes.F}, vocab {sizes.V} ({sizes.V_padded} padded)", "",
-           f"{'kernel':<26} {'regs':>4} {'spill':>5} {'smem B':>6} {'threads':>7} {'blocks/SM':>9} "
+           f"{'kernel':<28} {'regs':>4} {'spill':>5} {'smem B':>6} {'threads':>7} {'blocks/SM':>9} "
            f"{'warps/SM':>8} {'limit':<9} {'smem req':>10} {'wavefronts':>11} {'wf/req':>6} {'worst':>5} "
            f"{'declared':>8} {'L2 sectors':>11} {'mma.sync':>10} {'sfu':>10}"]
     for r in rows:
         res, occ, c = r.resources, r.occupancy, r.counts
-        line = (f"{r.name:<26} {res.registers:>4} {res.spill_stores + res.spill_loads:>5} {res.shared:>6} "
+        line = (f"{r.name:<28} {res.registers:>4} {res.spill_stores + res.spill_loads:>5} {res.shared:>6} "
                 f"{r.threads:>7} {occ.blocks:>9} {occ.warps:>8} {occ.limiter[:9]:<9}")
         if c is not None:
             line += (f" {c.shared_requests:>10,.0f} {c.wavefronts:>11,.0f} {r.wavefronts_per_request():>6.2f} "
@@ -282,7 +287,7 @@ def sass_table(rows):
     declared ones."""
     out = [f"sm_90 SASS (nvdisasm); the mma loop: first HMMA to last; load-ahead: instructions from an HMMA "
            f"operand's shared-memory load to the HMMA (pipelined: median >= {sass.PIPELINED})", "",
-           f"{'kernel':<26} {'instrs':>7} {'HMMA':>5} {'mma loop':>8} {'branches':>8} {'ahead min':>9} "
+           f"{'kernel':<28} {'instrs':>7} {'HMMA':>5} {'mma loop':>8} {'branches':>8} {'ahead min':>9} "
            f"{'median':>6} {'warps/SM':>8} {'declared':>8}"]
     for r in rows:
         code = r.code
@@ -290,6 +295,6 @@ def sass_table(rows):
             continue
         loop = (f"{code.loop:>8} {code.branches:>8} {code.ahead_min:>9} {code.ahead_median:>6g}" if code.hmma
                 else f"{'-':>8} {'-':>8} {'-':>9} {'-':>6}")
-        out.append(f"{r.name:<26} {code.instructions:>7} {code.hmma:>5} {loop} {r.occupancy.warps:>8} "
+        out.append(f"{r.name:<28} {code.instructions:>7} {code.hmma:>5} {loop} {r.occupancy.warps:>8} "
                    f"{r.warps_declared or '-':>8}")
     return out

@@ -19,7 +19,13 @@ layout of the PTX ISA ("Matrix Fragments for mma.m16n8k8", .tf32): lane = 4 g + 
 a = A(g, t), A(g + 8, t), A(g, t + 4), A(g + 8, t + 4); b = B(t, g), B(t + 4, g);
 c = C(g, 2t), C(g, 2t + 1), C(g + 8, 2t), C(g + 8, 2t + 1); sums in float in k order (the hardware's
 order and internal precision are its own). `to_tf32` is cvt.rna.tf32.f32: to nearest, ties away
-from zero, 10 mantissa bits.
+from zero, 10 mantissa bits. `mma_bf16` (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, the bf16
+flash kernels') likewise in the layout of "Matrix Fragments for mma.m16n8k16 with floating point type"
+(.bf16): two bfloat16 to a 32-bit register, the lower index in the low half; a = A(g, 2t..2t+1),
+A(g + 8, 2t..2t+1), A(g, 2t+8..2t+9), A(g + 8, 2t+8..2t+9); b = B(2t..2t+1, g), B(2t+8..2t+9, g); c as
+m16n8k8's; each product of two bfloat16 exact in float, summed in float in k order. `emu_ldsm_x4_trans` is
+ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16, each lane's 16-byte row read counted as the kernel's. A bf16 kernel runs
+on NumPy arrays of ml_dtypes.bfloat16 (T is `unsigned short`, ACC `float`: cuda.type_names).
 
 The counting build of the same program, whose hooks see every memory access, is minitensor/checks/traffic.py.
 """
@@ -33,6 +39,7 @@ import tempfile
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import all_kernels, cuda
 
 PRELUDE = r"""#include <math.h>
@@ -126,6 +133,56 @@ EMU_OWN static void mma_tf32(float *c, const unsigned *a, const unsigned *b) {
   }
   __syncwarp();  /* every lane has read the slots before the next mma writes them */
   for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+/* mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: a (16 x 16) and b (16 x 8) bfloat16, two to a register
+   (the lower index in the low half); c float */
+EMU_OWN static void mma_bf16(float *c, const unsigned *a, const unsigned *b) {
+  const unsigned me = thread_rank();
+  const unsigned base = me & ~31u, g = (me & 31u) >> 2, t = me & 3u;
+  if ((me & 31u) == 0) ++emu_mma_steps;
+  for (int i = 0; i < 4; ++i) mma_a[me][i] = a[i], mma_c[me][i] = c[i];
+  mma_b[me][0] = b[0], mma_b[me][1] = b[1];
+  __syncwarp();
+  float A[16][16], B[16][8], C[16][8];
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    const unsigned lg = lane >> 2, lt = lane & 3, o = base + lane;
+    const unsigned ai[4][2] = {{lg, 2 * lt}, {lg + 8, 2 * lt}, {lg, 2 * lt + 8}, {lg + 8, 2 * lt + 8}};
+    for (int i = 0; i < 4; ++i)
+      for (unsigned e = 0; e < 2; ++e) {
+        const unsigned bits = (mma_a[o][i] >> (16 * e)) << 16;
+        memcpy(&A[ai[i][0]][ai[i][1] + e], &bits, 4);
+      }
+    for (int i = 0; i < 2; ++i)
+      for (unsigned e = 0; e < 2; ++e) {
+        const unsigned bits = (mma_b[o][i] >> (16 * e)) << 16;
+        memcpy(&B[2 * lt + 8 * i + e][lg], &bits, 4);
+      }
+    C[lg][2 * lt] = mma_c[o][0], C[lg][2 * lt + 1] = mma_c[o][1];
+    C[lg + 8][2 * lt] = mma_c[o][2], C[lg + 8][2 * lt + 1] = mma_c[o][3];
+  }
+  const unsigned rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    float acc = C[rows[i]][cols[i]];
+    for (int k = 0; k < 16; ++k) acc += A[rows[i]][k] * B[k][cols[i]];  /* each product exact in float */
+    d[i] = acc;
+  }
+  __syncwarp();
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+/* ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lanes 8 i + j give row j of matrix i (8 values of 16 bits);
+   lane 4 g + t receives, of matrix i, (2t, g) in the low half of r[i] and (2t + 1, g) in the high half. Each
+   lane's 16-byte row read is the kernel's own (emu_load16: counted at the call's site) */
+static void emu_load16(const void *address, void *pc);
+static const unsigned short *ldsm_rows[1024];
+EMU_OWN static void emu_ldsm_x4_trans(unsigned *r, const void *row, void *pc) {
+  const unsigned me = thread_rank(), base = me & ~31u, g = (me & 31u) >> 2, t = me & 3u;
+  ldsm_rows[me] = (const unsigned short *)row;
+  emu_load16(row, pc);
+  __syncwarp();
+  for (unsigned i = 0; i < 4; ++i)
+    r[i] = (unsigned)ldsm_rows[base + 8 * i + 2 * t][g] | (unsigned)ldsm_rows[base + 8 * i + 2 * t + 1][g] << 16;
+  __syncwarp();  /* every lane has read the rows before the next ldmatrix names its own */
 }
 static float __int_as_float(int v) { float f; memcpy(&f, &v, sizeof f); return f; }
 static float __uint_as_float(unsigned v) { float f; memcpy(&f, &v, sizeof f); return f; }
@@ -221,7 +278,8 @@ template <class F> EMU_OWN static void launch(dim3 grid, dim3 block, F body, con
 """
 
 # Without counting, the block hooks do nothing: the prelude of a plain emulation (the CuPy stand-in's too).
-_PLAIN_HOOKS = "static void emu_block_start(unsigned) {}\nstatic void emu_block_end(unsigned) {}\n"
+_PLAIN_HOOKS = ("static void emu_block_start(unsigned) {}\nstatic void emu_block_end(unsigned) {}\n"
+                "static void emu_load16(const void *, void *) {}\n")
 PLAIN_PRELUDE = PRELUDE + _PLAIN_HOOKS
 
 def emulate_launch(spec, dtype, grid, block, args):
@@ -277,7 +335,7 @@ def _launch_blob(spec, dtype, grid, block, args, only=None, floats=True):
         if key not in slots:
             slots[key] = k
             owned.append(a)
-            send = floats or a.dtype.kind not in "fc"
+            send = floats or not precision.is_float(a.dtype, bf16=True)
             blob += [np.int64(a.size).tobytes(), np.int64(send).tobytes()]
             if send:
                 blob.append(np.ascontiguousarray(a).tobytes())

@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import all_kernels, cuda
 from minitensor.checks.emulation import emulate_launch  # noqa: F401  (the checks' other entry point)
 
@@ -87,12 +88,18 @@ def nvrtc_options(options=(), arch="sm_90"):
         "-ftz=true", f"-arch={arch}", "--device-as-default-execution-space")
 
 
+def dtypes_of(spec, dtypes=None):
+    """The dtypes spec is built in (spec.dtypes, as the precision policy says: the bf16 flash kernels in
+    bfloat16 alone), of those only `dtypes` where given."""
+    return tuple(d for d in spec.dtypes if dtypes is None or d in dtypes)
+
+
 def check_kernels(specs=None, dtypes=None, archs=cuda.ARCHS):
-    """Compiles every spec x dtype it is built for (spec.dtypes; of those, `dtypes` only where given) x
-    arch; yields a CheckResult for each as it finishes."""
+    """Compiles every spec x dtype it is built for (dtypes_of) x arch; yields a CheckResult for each as
+    it finishes."""
     tc = cuda.toolchain()
     for spec in all_kernels().values() if specs is None else specs:
-        for dtype in (d for d in spec.dtypes if dtypes is None or d in dtypes):
+        for dtype in dtypes_of(spec, dtypes):
             for arch in archs:
                 start = time.perf_counter()
                 try:

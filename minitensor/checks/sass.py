@@ -125,7 +125,7 @@ def _instruction(opcode, operands):
     parts = [p.strip() for p in operands.split(",")] if operands else []
     regs = [[int(r) for r in _REG.findall(p)] for p in parts]
     base = opcode.split(".")[0]
-    if base == "HMMA":  # D, A (4 registers for m16n8k8 tf32), B (2), C
+    if base == "HMMA":  # D, A (4 registers for m16n8k8 tf32 and m16n8k16 bf16), B (2), C
         read = tuple((r[0], n) for r, n in zip(regs[1:3], (4, 2)) if r)
         written = tuple(range(regs[0][0], regs[0][0] + 4)) if regs and regs[0] else ()
     elif base in ("LDS", "LDSM", "LDG", "LD", "LDL", "LDC"):
@@ -179,10 +179,12 @@ def analyse(function, code):
     return Sass(function, len(code), len(hmma), last - first + 1, branches, tuple(ahead))
 
 
-def read(spec, instance=(), dtype="float32", arch="sm_90"):
-    """The Sass of one kernel (a template's instance) as NVRTC compiles its source for dtype and arch."""
-    from minitensor.checks.kernelcheck import compile_source
+def read(spec, instance=(), dtype=None, arch="sm_90"):
+    """The Sass of one kernel (a template's instance) as NVRTC compiles its source for dtype (None: the first
+    it is built in, kernelcheck.dtypes_of: float32, bfloat16 for the bf16 kernels) and arch."""
+    from minitensor.checks.kernelcheck import compile_source, dtypes_of
 
+    dtype = dtype or dtypes_of(spec)[0]
     cubin, _ = compile_source(spec.source(dtype), spec.name, spec.options, arch)
     functions = disassemble(cubin)
     symbol = mangled(spec.name, instance)

@@ -17,8 +17,8 @@ hardware serves it:
   that has an active lane; its conflict degree is wavefronts / ideal.
 - global memory: the distinct 32-byte sectors a request touches (what the L2 serves).
 
-It also counts the mma.sync steps each warp issues and the float special-function calls (expf, logf,
-tanhf, rsqrtf, ...: the GPU's SFU, MUFU) its lanes make.
+It also counts the mma.sync steps each warp issues (m16n8k8 tf32 and m16n8k16 bf16 alike: one each) and
+the float special-function calls (expf, logf, tanhf, rsqrtf, ...: the GPU's SFU, MUFU) its lanes make.
 """
 
 import dataclasses
@@ -125,6 +125,8 @@ static void emu_block_end(unsigned) {
   }
   log.clear();
 }
+/* a lane's 16-byte row of an ldmatrix (the emulation's emu_ldsm_x4_trans), at the kernel's call site */
+static void emu_load16(const void *address, void *pc) { emu_record((void *)address, 16, 0, pc); }
 extern "C" {
 #define EMU_AT __builtin_return_address(0)  /* the instrumented access's own address: its instruction */
 #define EMU_HOOK(n) \

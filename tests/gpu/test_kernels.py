@@ -232,6 +232,10 @@ def test_every_kernel_compiles_with_nvrtc():
     bf16 = {r.name for r in results if r.dtype == "bfloat16"}
     assert {"layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "softmax_xent_fwd", "causal_softmax_fwd",
             "scatter_add_rows"} <= bf16
+    # the bf16 flash kernels in bfloat16 alone (their only instances)
+    assert {(r.name, r.dtype) for r in results} >= {("flash_attention_fwd_bf16", "bfloat16"),
+                                                     ("flash_attention_fwd", "float32")}
+    assert not {r.name for r in results if r.dtype != "bfloat16" and r.name.endswith("_bf16")}
     assert [r.line() for r in results if not r.ok] == []
 
 

@@ -195,6 +195,10 @@ LONG_MODULES = {
     "andrea/interop/hf.py": "the Hugging Face GPT-2 format, both directions",
     "andrea/bench.py": "the benchmark command",
     "andrea/run/stepmodel.py": "the step model: a step recorded on the stand-in, priced per card, and its table",
+    "minitensor/backends/kernels/attention.py": "the flash attention core on the GPU (TF32 and bf16 kernels): "
+                                                "specs, wrappers, the fused piece's record",
+    "minitensor/checks/emulation.py": "a RawKernel run on the CPU: fibers, the warp-level steps (shuffles, mma, "
+                                      "ldmatrix), the program",
 }
 
 

@@ -35,6 +35,11 @@
 // minitensor.backends.cuda.RawSpec.template); the source NVRTC compiles ends with the explicit
 // instantiations of the instances it holds (RawSpec.source). __launch_bounds__ caps the registers at
 // what the occupancy each kernel declares needs (kernels/attention.py: RawSpec.warps_per_sm).
+//
+// The *_bf16 sections are the same three kernels for bfloat16 q, k, v, y, dy and gradients (T is unsigned
+// short, ACC float): products on mma.sync m16n8k16 bf16 (kernels/flash16.cuh), every accumulator and the
+// softmax statistics (lse, delta) float, P and dS rounded to bfloat16 for their products; templates over HS
+// alone, compiled in bfloat16 only.
 
 // @kernel flash_attention_fwd
 // y and lse per query tile of FWD_Q rows (16 per warp), over key tiles of FWD_K keys up to the diagonal.
@@ -210,4 +215,182 @@ flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T
   const T ones[2] = {1, 1};
   store_acc<HS>(dk + head, HS, acc_k, c0, n_ctx, scale, ones);
   store_acc<HS>(dv + head, HS, acc_v, c0, n_ctx, (T)1, ones);
+}
+
+// @kernel flash_attention_fwd_bf16
+// The forward in bfloat16: q, k, v, y stored as bfloat16, lse float; the products on mma.m16n8k16 bf16
+// (kernels/flash16.cuh), the scores, running max and sum, P and the output accumulator float, P rounded to
+// bfloat16 for P v (FlashAttention-2's mixed precision). Warps and masks as flash_attention_fwd's; key tiles
+// of 32, not 64: with 64, the fragments ldmatrix loads ahead of P v push the forward past its 128 registers.
+#include "bf16.cuh"
+#include "flash16.cuh"
+constexpr int FWD_Q = 128, FWD_K = 32, FWD_THREADS = 2 * FWD_Q;  /* keys 32 a tile: 64 spill (ptxas, sm_90) */
+__shared__ __align__(16) T kv[FWD_Q * LD];  /* q passes through first; then the k tile, then the v tile */
+template <int HS>
+__global__ void __launch_bounds__(FWD_THREADS, 2)
+flash_attention_fwd_bf16(const T *q, const T *k, const T *v, T *y, ACC *lse, const int n_ctx, const int hs,
+                         const int n_head, const ACC scale) {
+  const T *ks = kv, *vs = kv + FWD_K * LD;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * FWD_Q, r0 = i0 + 16 * warp;
+  const long long head = (long long)bh * n_ctx * HS;
+  unsigned qa[HS / 16][4];  /* this warp's rows of q, A operands */
+  load_tile<FWD_Q, FWD_THREADS, HS>(kv, q + head, i0, n_ctx, HS);
+  __syncthreads();
+  a_frags<HS>(qa, kv, 16 * warp);
+  float acc[HS / 8][4] = {};
+  float top[2] = {lowest(), lowest()}, total[2] = {0.0f, 0.0f};  /* rows g, g + 8: running max, sum */
+  for (int j0 = 0; j0 < i0 + FWD_Q && j0 < n_ctx; j0 += FWD_K) {
+    __syncthreads();  /* the previous tile's reads are done */
+    load_tile<FWD_K, FWD_THREADS, HS>(kv, k + head, j0, n_ctx, HS);
+    load_tile<FWD_K, FWD_THREADS, HS>(kv + FWD_K * LD, v + head, j0, n_ctx, HS);
+    __syncthreads();
+    if (j0 > r0 + 15) continue;  /* every key of the tile is after this warp's rows */
+    float s[FWD_K / 8][4];
+    rows_product<FWD_K / 8, HS>(s, qa, ks);  /* q k^T */
+    float m[2] = {top[0], top[1]}, sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < FWD_K / 8; ++n)
+      for (int e = 0; e < 4; ++e) {
+        const bool seen = j0 + 8 * n + 2 * t + (e & 1) <= r0 + g + 8 * (e >> 1);
+        s[n][e] = seen ? scale * s[n][e] : lowest();
+        m[e >> 1] = s[n][e] > m[e >> 1] ? s[n][e] : m[e >> 1];
+      }
+    for (int h = 0; h < 2; ++h) m[h] = quad_max(m[h]);
+#pragma unroll
+    for (int n = 0; n < FWD_K / 8; ++n)
+      for (int e = 0; e < 4; ++e) {  /* P, unnormalised; a masked score gives exp(lowest - m) = 0 */
+        s[n][e] = expf(s[n][e] - m[e >> 1]);
+        sum[e >> 1] += s[n][e];  /* the sum of P before its rounding, as FlashAttention-2's */
+      }
+    unsigned pa[FWD_K / 16][4];  /* P rounded to bfloat16, the A operands of P v */
+    a_from_accs<FWD_K / 8>(pa, s);
+    for (int h = 0; h < 2; ++h) {
+      const float alpha = expf(top[h] - m[h]);  /* 0 on the first tile: top is the lowest value */
+      total[h] = total[h] * alpha + quad_sum(sum[h]);
+      top[h] = m[h];
+#pragma unroll
+      for (int u = 0; u < HS / 8; ++u) acc[u][2 * h] *= alpha, acc[u][2 * h + 1] *= alpha;
+    }
+    acc_product<FWD_K / 8, HS>(acc, pa, vs);  /* acc += bf16(P) v */
+  }
+  if (t == 0)
+    for (int h = 0; h < 2; ++h)
+      if (r0 + g + 8 * h < n_ctx) lse[(long long)bh * n_ctx + r0 + g + 8 * h] = top[h] + logf(total[h]);
+  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS;
+  store_acc<HS>(y + y_head, (long long)n_head * HS, acc, r0, n_ctx, 1.0f, total);
+}
+
+// @kernel flash_attention_bwd_dq_bf16
+// delta = rowsum(dy y) (float, from the bfloat16 dy and y) and dq (bfloat16) per query tile, as
+// flash_attention_bwd_dq; P, dP and dS float, dS rounded to bfloat16 for dS k.
+#include "bf16.cuh"
+#include "flash16.cuh"
+constexpr int DQ_Q = 64, DQ_K = 32, DQ_THREADS = 2 * DQ_Q;
+__shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles */
+template <int HS>
+__global__ void __launch_bounds__(DQ_THREADS, 3)
+flash_attention_bwd_dq_bf16(const T *q, const T *k, const T *v, const T *y, const T *dy, const ACC *lse, ACC *delta,
+                            T *dq, const int n_ctx, const int hs, const int n_head, const ACC scale) {
+  const T *ks = tiles, *vs = tiles + DQ_K * LD;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * DQ_Q, r0 = i0 + 16 * warp;
+  const long long head = (long long)bh * n_ctx * HS;
+  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS, stride = (long long)n_head * HS;
+  load_tile<DQ_Q, DQ_THREADS, HS>(tiles, q + head, i0, n_ctx, HS);
+  load_tile<DQ_Q, DQ_THREADS, HS>(tiles + DQ_Q * LD, dy + y_head, i0, n_ctx, stride);
+  __syncthreads();
+  unsigned qa[HS / 16][4], dya[HS / 16][4];
+  float d[2] = {0.0f, 0.0f}, row_lse[2];
+  a_frags<HS>(qa, tiles, 16 * warp);
+  a_frags<HS>(dya, tiles + DQ_Q * LD, 16 * warp);
+  for (int h = 0; h < 2; ++h) {  /* delta = rowsum(dy y), lanes t, t + 4, ... of the row */
+    const int r = r0 + g + 8 * h;
+    if (r < n_ctx)
+      for (int c = t; c < HS; c += 4) d[h] += widen(tiles[(DQ_Q + 16 * warp + g + 8 * h) * LD + c]) * widen(y[y_head + r * stride + c]);
+    d[h] = quad_sum(d[h]);
+    if (t == 0 && r < n_ctx) delta[(long long)bh * n_ctx + r] = d[h];
+    row_lse[h] = r < n_ctx ? lse[(long long)bh * n_ctx + r] : 0.0f;
+  }
+  float acc[HS / 8][4] = {};
+  for (int j0 = 0; j0 < i0 + DQ_Q && j0 < n_ctx; j0 += DQ_K) {
+    __syncthreads();  /* q and dy are in registers / the previous tile's reads are done */
+    load_tile<DQ_K, DQ_THREADS, HS>(tiles, k + head, j0, n_ctx, HS);
+    load_tile<DQ_K, DQ_THREADS, HS>(tiles + DQ_K * LD, v + head, j0, n_ctx, HS);
+    __syncthreads();
+    if (j0 > r0 + 15) continue;
+    float s[DQ_K / 8][4], dp[DQ_K / 8][4];
+    rows_product<DQ_K / 8, HS>(s, qa, ks);   /* S = q k^T */
+    rows_product<DQ_K / 8, HS>(dp, dya, vs); /* dP = dy v^T */
+#pragma unroll
+    for (int n = 0; n < DQ_K / 8; ++n)
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, r = r0 + g + 8 * h;
+        const bool seen = j0 + 8 * n + 2 * t + (e & 1) <= r && r < n_ctx;
+        const float e_all = expf(scale * s[n][e] - row_lse[h]), p = seen ? e_all : 0.0f;  /* a select, no branch */
+        dp[n][e] = p * (dp[n][e] - d[h]);  /* dS */
+      }
+    unsigned dsa[DQ_K / 16][4];
+    a_from_accs<DQ_K / 8>(dsa, dp);
+    acc_product<DQ_K / 8, HS>(acc, dsa, ks);  /* dq += bf16(dS) k */
+  }
+  const float ones[2] = {1.0f, 1.0f};
+  store_acc<HS>(dq + head, HS, acc, r0, n_ctx, scale, ones);
+}
+
+// @kernel flash_attention_bwd_dkv_bf16
+// dk and dv (bfloat16) per key tile, as flash_attention_bwd_dkv; P^T and dS^T float, rounded to bfloat16
+// for P^T dy and dS^T q.
+#include "bf16.cuh"
+#include "flash16.cuh"
+constexpr int DKV_K = 64, DKV_Q = 32, DKV_THREADS = 2 * DKV_K;
+__shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy tiles */
+__shared__ float lse_s[DKV_Q], delta_s[DKV_Q];
+template <int HS>
+__global__ void __launch_bounds__(DKV_THREADS, 2)
+flash_attention_bwd_dkv_bf16(const T *q, const T *k, const T *v, const T *dy, const ACC *lse, const ACC *delta, T *dk,
+                             T *dv, const int n_ctx, const int hs, const int n_head, const ACC scale) {
+  const T *qs = tiles, *dys = tiles + DKV_Q * LD;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const int bh = blockIdx.y, j0 = blockIdx.x * DKV_K, c0 = j0 + 16 * warp;  /* this warp's keys c0 .. c0 + 15 */
+  const long long head = (long long)bh * n_ctx * HS;
+  const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS, stride = (long long)n_head * HS;
+  load_tile<DKV_K, DKV_THREADS, HS>(tiles, k + head, j0, n_ctx, HS);
+  load_tile<DKV_K, DKV_THREADS, HS>(tiles + DKV_K * LD, v + head, j0, n_ctx, HS);
+  __syncthreads();
+  unsigned ka[HS / 16][4], va[HS / 16][4];
+  a_frags<HS>(ka, tiles, 16 * warp);
+  a_frags<HS>(va, tiles + DKV_K * LD, 16 * warp);
+  float acc_k[HS / 8][4] = {}, acc_v[HS / 8][4] = {};
+  for (int i0 = j0 - j0 % DKV_Q; i0 < n_ctx; i0 += DKV_Q) {  /* query tiles from the diagonal down */
+    __syncthreads();  /* k and v are in registers / the previous tile's reads are done */
+    load_tile<DKV_Q, DKV_THREADS, HS>(tiles, q + head, i0, n_ctx, HS);
+    load_tile<DKV_Q, DKV_THREADS, HS>(tiles + DKV_Q * LD, dy + y_head, i0, n_ctx, stride);
+    for (int r = threadIdx.x; r < DKV_Q; r += blockDim.x) {
+      lse_s[r] = i0 + r < n_ctx ? lse[(long long)bh * n_ctx + i0 + r] : 0.0f;
+      delta_s[r] = i0 + r < n_ctx ? delta[(long long)bh * n_ctx + i0 + r] : 0.0f;
+    }
+    __syncthreads();
+    if (i0 + DKV_Q - 1 < c0) continue;  /* every query of the tile is before this warp's keys */
+    float st[DKV_Q / 8][4], dpt[DKV_Q / 8][4];
+    rows_product<DKV_Q / 8, HS>(st, ka, qs);    /* S^T = k q^T: rows keys, columns queries */
+    rows_product<DKV_Q / 8, HS>(dpt, va, dys);  /* dP^T = v dy^T */
+#pragma unroll
+    for (int n = 0; n < DKV_Q / 8; ++n)
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * n + 2 * t + (e & 1), query = i0 + col;
+        const bool seen = c0 + g + 8 * (e >> 1) <= query && query < n_ctx;
+        const float e_all = expf(scale * st[n][e] - lse_s[col]), p = seen ? e_all : 0.0f;  /* a select, no branch */
+        st[n][e] = p;                               /* P^T */
+        dpt[n][e] = p * (dpt[n][e] - delta_s[col]); /* dS^T */
+      }
+    unsigned pa[DKV_Q / 16][4], dsa[DKV_Q / 16][4];
+    a_from_accs<DKV_Q / 8>(pa, st);
+    a_from_accs<DKV_Q / 8>(dsa, dpt);
+    acc_product<DKV_Q / 8, HS>(acc_v, pa, dys);  /* dv += bf16(P^T) dy */
+    acc_product<DKV_Q / 8, HS>(acc_k, dsa, qs);  /* dk += bf16(dS^T) q */
+  }
+  const float ones[2] = {1.0f, 1.0f};
+  store_acc<HS>(dk + head, HS, acc_k, c0, n_ctx, scale, ones);
+  store_acc<HS>(dv + head, HS, acc_v, c0, n_ctx, 1.0f, ones);
 }

@@ -1,5 +1,6 @@
 """Causal attention without T x T in memory on the GPU, FlashAttention-2: the RawKernels of
-kernels/attention.cu (their shared code in kernels/flash.cuh), their wrappers, the fused piece
+kernels/attention.cu (their shared code in kernels/flash.cuh; the bf16 kernels', on mma.m16n8k16, in
+kernels/flash16.cuh), their wrappers (float32, float64 or bfloat16 q, k, v), the fused piece
 flash_attention's record, and the heads' layout both fused attention cores share (the dense one's
 in kernels/causal_softmax.py)."""
 
@@ -8,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
 from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH, array_module, math_mode
@@ -18,19 +20,37 @@ FLASH_FWD_TILE = {np.dtype(np.float32): (128, 64), np.dtype(np.float64): (64, 32
 FLASH_DQ_TILE = {np.dtype(np.float32): (64, 32), np.dtype(np.float64): (64, 16)}
 FLASH_DKV_TILE = {np.dtype(np.float32): (64, 32), np.dtype(np.float64): (64, 16)}
 FLASH_HS_MAX = {np.dtype(np.float32): 64, np.dtype(np.float64): 32}  # flash.cuh's HS_MAX
+# The bf16 kernels' (attention.cu's *_bf16 sections, flash16.cuh): the same tiles but the forward's keys (32:
+# its registers), heads up to 64
+FLASH16_FWD_TILE, FLASH16_DQ_TILE, FLASH16_DKV_TILE, FLASH16_HS_MAX = (128, 32), (64, 32), (64, 32), 64
+
+
+def is_bf16(dtype):
+    """Whether dtype is the policy's bfloat16 (the bf16 kernels' stored type)."""
+    return getattr(dtype, "name", None) == precision.BF16
 
 
 def flash_instances(dtype):
     """(hs, tf32) of each instance the flash kernels are compiled for in dtype: every head size they take,
     float32's products on tensor cores or by FMAs, float64's by FMAs."""
     dtype = np.dtype(dtype)
+    if dtype not in FLASH_HS_MAX:
+        return ()
     sizes = range(16, FLASH_HS_MAX[dtype] + 1, 16)
     return tuple((hs, tf32) for hs in sizes for tf32 in ((0, 1) if dtype == np.float32 else (0,)))
+
+
+def flash16_instances(dtype):
+    """(hs,) of each instance the bf16 flash kernels are compiled for: in bfloat16, every head size they take;
+    none in any other dtype."""
+    return tuple((hs,) for hs in range(16, FLASH16_HS_MAX + 1, 16)) if is_bf16(np.dtype(dtype)) else ()
 
 
 def flash_fits(hs, dtype):
     """Whether the flash kernels take heads of size hs in dtype."""
     dtype = np.dtype(dtype)
+    if is_bf16(dtype):
+        return hs % 16 == 0 and 16 <= hs <= FLASH16_HS_MAX
     return dtype in FLASH_FWD_TILE and hs % 16 == 0 and 16 <= hs <= FLASH_HS_MAX[dtype]
 
 
@@ -48,10 +68,15 @@ def _warp_tiles(n_ctx, rows, cols, keys_first):
     return pairs
 
 
+def _tiles_of(tiles):
+    """tiles (a table by dtype, or the bf16 kernels' one tile) as a function of the dtype."""
+    return tiles.__getitem__ if isinstance(tiles, dict) else lambda _: tiles
+
+
 def _flash_flops(products, tiles, keys_first=False):
     """FLOPs of a launch's tensor-core products: `products` (16 x cols x hs) products per band and tile."""
     def flops(q, n_ctx, hs, **_):
-        rows, cols = tiles[q.dtype]
+        rows, cols = _tiles_of(tiles)(q.dtype)
         heads = q.size // (int(n_ctx) * int(hs))
         return products * 2 * heads * _warp_tiles(n_ctx, rows, cols, keys_first) * 16 * cols * int(hs)
     return flops
@@ -66,6 +91,15 @@ def _flash_model(m):
     flash_attention_backward_gpu(q, k, v, y, dy, lse, m.hs ** -0.5, n_head=m.n_head)
 
 
+def _flash16_model(m):
+    """_flash_model in bfloat16: the bf16 kernels as a bf16 step calls them."""
+    bf16 = precision.bfloat16()
+    q, k, v = (np.zeros((m.BH, m.T, m.hs), bf16) for _ in range(3))
+    y, dy = (np.zeros((m.B, m.T, m.C), bf16) for _ in range(2))
+    _, lse = flash_attention_forward_gpu(q, k, v, m.hs ** -0.5, y, n_head=m.n_head)
+    flash_attention_backward_gpu(q, k, v, y, dy, lse, m.hs ** -0.5, n_head=m.n_head)
+
+
 def _flash_blocks(tiles, keys_first=False):
     """count_blocks for a flash kernel: the heads (grid y) do the same work, so head 0 stands for all;
     within a head, a block's work is a fixed part plus a part per tile it visits (the diagonal's
@@ -74,7 +108,7 @@ def _flash_blocks(tiles, keys_first=False):
     head 0."""
     def blocks(grid, block, args):
         gx, heads = grid[0], grid[1] if len(grid) > 1 else 1
-        rows, cols = tiles[args[0].dtype]
+        rows, cols = _tiles_of(tiles)(args[0].dtype)
         T = int(args[0].shape[1])
         if keys_first:  # block x: keys x rows.., query tiles from there down
             visits = [-(-(T - x * rows) // cols) for x in range(gx)]
@@ -107,17 +141,34 @@ FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu",
                              count_blocks=_flash_blocks(FLASH_DKV_TILE, keys_first=True), template=("hs", "tf32"),
                              instances=flash_instances, warps_per_sm=8)
 
+# The bf16 kernels (attention.cu's *_bf16 sections, flash16.cuh): templates over hs, compiled in bfloat16
+# only. The same blocks, so the same warps per SM declared; their fragments take half the registers of
+# TF32's (two bfloat16 to a register).
+FLASH16_FWD = cuda.RawSpec("flash_attention_fwd_bf16", "attention.cu",
+                           flops=_flash_flops(2, FLASH16_FWD_TILE), model=_flash16_model,
+                           count_blocks=_flash_blocks(FLASH16_FWD_TILE), template=("hs",), bf16=True,
+                           instances=flash16_instances, warps_per_sm=16)
+FLASH16_BWD_DQ = cuda.RawSpec("flash_attention_bwd_dq_bf16", "attention.cu",
+                              flops=_flash_flops(3, FLASH16_DQ_TILE), model=_flash16_model,
+                              count_blocks=_flash_blocks(FLASH16_DQ_TILE), template=("hs",), bf16=True,
+                              instances=flash16_instances, warps_per_sm=12)
+FLASH16_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv_bf16", "attention.cu",
+                               flops=_flash_flops(4, FLASH16_DKV_TILE, keys_first=True), model=_flash16_model,
+                               count_blocks=_flash_blocks(FLASH16_DKV_TILE, keys_first=True), template=("hs",), bf16=True,
+                               instances=flash16_instances, warps_per_sm=8)
+
 
 def _flash_operands(fn, q, k, v):
     """(BH, T, hs) of contiguous q, k, v that the kernels take."""
-    if getattr(q, "dtype", None) not in FLASH_FWD_TILE or q.ndim != 3 or not q.flags.c_contiguous:
-        raise ValueError(f"{fn}: q must be a contiguous float32 or float64 array (BH, T, hs)")
+    dtype = getattr(q, "dtype", None)
+    if (dtype not in FLASH_FWD_TILE and not is_bf16(dtype)) or q.ndim != 3 or not q.flags.c_contiguous:
+        raise ValueError(f"{fn}: q must be a contiguous float32, float64 or bfloat16 array (BH, T, hs)")
     cuda.like(fn, "k", k, q)
     cuda.like(fn, "v", v, q)
     BH, T, hs = q.shape
     if not flash_fits(hs, q.dtype):
-        raise ValueError(f"{fn}: head size {hs}: the kernels take multiples of 16 up to {FLASH_HS_MAX[q.dtype]} "
-                         f"in {q.dtype}")
+        most = FLASH16_HS_MAX if is_bf16(q.dtype) else FLASH_HS_MAX[q.dtype]
+        raise ValueError(f"{fn}: head size {hs}: the kernels take multiples of 16 up to {most} in {q.dtype}")
     return BH, T, hs
 
 
@@ -135,47 +186,69 @@ def _tf32_flag(tf32, q):
     return np.int32(bool(tf32) and q.dtype == np.float32)
 
 
+def _stats(fn, name, a, q):
+    """a holds one value per row of q's heads, in the type the kernels sum in (float32 for bfloat16 q)."""
+    BH, T, _ = q.shape
+    want = precision.accumulate_of(q.dtype)
+    if a.size != BH * T or a.dtype != want or not a.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must hold {BH * T} contiguous {want} values (one per row), got "
+                         f"{a.dtype} {a.shape}")
+
+
 def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32=True):
     """y = softmax(scale q k^T + causal mask) v for q, k, v (BH, T, hs) (CuPy, contiguous), without the
     (T, T) scores in memory; returns (y, lse). y: (BH, T, hs), or with n_head, the heads' rows of a
-    (B, T, n_head, hs) array (e.g. the layer's (B, T, C) output); lse (BH, T): each row's log-sum-exp.
-    tf32: float32 products on TF32 tensor cores (else, as float64's, by FMAs)."""
+    (B, T, n_head, hs) array (e.g. the layer's (B, T, C) output); lse (BH, T): each row's log-sum-exp, in
+    the summed type (float32 for bfloat16 q, k, v: the bf16 kernels). tf32: float32 products on TF32 tensor
+    cores (else, as float64's, by FMAs); bfloat16's run on bf16 tensor cores whatever it says."""
     fn = "flash_attention_forward_gpu"
     BH, T, hs = _flash_operands(fn, q, k, v)
     xp = array_module(q)
+    acc = precision.accumulate_of(q.dtype)
     y = xp.empty_like(q) if y is None else y
-    lse = xp.empty((BH, T), dtype=q.dtype) if lse is None else lse
+    lse = xp.empty((BH, T), dtype=acc) if lse is None else lse
     _flash_rows(fn, "y", y, q, n_head)
-    cuda.row_values(fn, "lse", lse, q, BH * T)
+    _stats(fn, "lse", lse, q)
     if q.size:
-        rows = FLASH_FWD_TILE[q.dtype][0]
-        cuda.launch(FLASH_FWD, q.dtype, (-(-T // rows), BH), (2 * rows,),
-                    (q, k, v, y, lse, np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale),
-                     _tf32_flag(tf32, q)))
+        common = (np.int32(T), np.int32(hs), np.int32(n_head), acc.type(scale))
+        if is_bf16(q.dtype):
+            rows = FLASH16_FWD_TILE[0]
+            cuda.launch(FLASH16_FWD, q.dtype, (-(-T // rows), BH), (2 * rows,), (q, k, v, y, lse, *common))
+        else:
+            rows = FLASH_FWD_TILE[q.dtype][0]
+            cuda.launch(FLASH_FWD, q.dtype, (-(-T // rows), BH), (2 * rows,),
+                        (q, k, v, y, lse, *common, _tf32_flag(tf32, q)))
     return y, lse
 
 
 def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None, tf32=True):
     """(dq, dk, dv) of flash_attention_forward_gpu's y = attention(q, k, v) from dy (laid out as y, with
     the same n_head) and the forward's y and lse; into out ((3, BH, T, hs), contiguous) or a new array.
-    Deterministic: delta = rowsum(dy y) and dq per query tile, then dk and dv per key tile."""
+    Deterministic: delta = rowsum(dy y) and dq per query tile, then dk and dv per key tile. bfloat16 q, k,
+    v, y, dy (lse float32): bfloat16 gradients from the bf16 kernels, every sum in float32."""
     fn = "flash_attention_backward_gpu"
     BH, T, hs = _flash_operands(fn, q, k, v)
     for name, a in (("y", y), ("dy", dy)):
         _flash_rows(fn, name, a, q, n_head)
-    cuda.row_values(fn, "lse", lse, q, BH * T)
+    _stats(fn, "lse", lse, q)
     xp = array_module(q)
     grads = xp.empty((3, BH, T, hs), dtype=q.dtype) if out is None else out
     if grads.shape != (3, BH, T, hs) or grads.dtype != q.dtype or not grads.flags.c_contiguous:
         raise ValueError(f"{fn}: out must be a contiguous {q.dtype} array of shape {(3, BH, T, hs)}")
     if q.size:
-        delta = xp.empty((BH, T), dtype=q.dtype)
-        common = (np.int32(T), np.int32(hs), np.int32(n_head), q.dtype.type(scale), _tf32_flag(tf32, q))
-        rows = FLASH_DQ_TILE[q.dtype][0]  # 16 a warp
-        cuda.launch(FLASH_BWD_DQ, q.dtype, (-(-T // rows), BH), (2 * rows,),
+        acc = precision.accumulate_of(q.dtype)
+        delta = xp.empty((BH, T), dtype=acc)
+        common = (np.int32(T), np.int32(hs), np.int32(n_head), acc.type(scale))
+        if is_bf16(q.dtype):  # no tf32 argument: one instance per head size
+            specs, tiles = (FLASH16_BWD_DQ, FLASH16_BWD_DKV), (FLASH16_DQ_TILE, FLASH16_DKV_TILE)
+        else:
+            specs, tiles = (FLASH_BWD_DQ, FLASH_BWD_DKV), (FLASH_DQ_TILE[q.dtype], FLASH_DKV_TILE[q.dtype])
+            common += (_tf32_flag(tf32, q),)
+        rows = tiles[0][0]  # 16 a warp
+        cuda.launch(specs[0], q.dtype, (-(-T // rows), BH), (2 * rows,),
                     (q, k, v, y, dy, lse, delta, grads[0], *common))
-        keys = FLASH_DKV_TILE[q.dtype][0]
-        cuda.launch(FLASH_BWD_DKV, q.dtype, (-(-T // keys), BH), (2 * keys,),
+        keys = tiles[1][0]
+        cuda.launch(specs[1], q.dtype, (-(-T // keys), BH), (2 * keys,),
                     (q, k, v, dy, lse, delta, grads[1], grads[2], *common))
     return grads
 
@@ -379,7 +452,7 @@ def _flash_attention_cases(k):
 FLASH_ATTENTION = cuda.fused_piece(
     "flash_attention",
     replaces={"attention_forward": _fused_attention_forward, "attention_backward": _fused_attention_backward},
-    kernels=(FLASH_FWD, FLASH_BWD_DQ, FLASH_BWD_DKV),
+    kernels=(FLASH_FWD, FLASH_BWD_DQ, FLASH_BWD_DKV, FLASH16_FWD, FLASH16_BWD_DQ, FLASH16_BWD_DKV),
     sample=_flash_attention_sample,
     cases=_flash_attention_cases,
     rtol=FLASH_RTOL,
