@@ -155,7 +155,8 @@ def _utilisation(m, n, tile, sms, batch=1, split=1):
 # - host<->device: ~10 us per copy that the host waits for (a read back; `ndarray.set` from pageable
 #   memory) plus ~20 GB/s.
 H200 = Hardware("H200", tf32_peak=TF32_PEAK, bf16_peak=BF16_PEAK, sms=132, clock=1.83e9, mma_clocks=1 / 0.63,
-                wavefronts_per_clock=1.0, sfu_per_clock=16.0, l2_bandwidth=9.6e12, shared_latency=28.6, mma_latency=33.0,
+                wavefronts_per_clock=1.0, sfu_per_clock=16.0, l2_bandwidth=9.6e12, shared_latency=28.6,
+                mma_latency=33.0,
                 gemm_tile_efficiency=tile_efficiency(),
                 gemm_tile_efficiency_bf16=tile_efficiency(GEMM_MEASURED_BF16, BF16_PEAK), unaligned=0.5,
                 bandwidth=4.0e12, launch_s=4e-6, copy_latency_s=10e-6, pcie=20e9, memory=141 * 10**9)

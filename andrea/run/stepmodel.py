@@ -1,7 +1,9 @@
 """The step model: every launch of an ANDREA training step on a GPU, counted, and its time on an H200 and
 an H100 SXM priced.
 
-    python -m andrea.run.stepmodel                     # ANDREA-120M, 8 x 1024: the table by layer, the estimate, MFU
+    python -m andrea.run.stepmodel                     # ANDREA-120M, 8 x 1024: the table by layer, the estimate, MFU,
+                                                       # then TF32 and bf16 side by side beside llm.c's tokens/s
+    python -m andrea.run.stepmodel --precision bf16    # the table of the bf16 step (train.precision=bf16)
     python -m andrea.run.stepmodel --gpu h100          # one card only
     python -m andrea.run.stepmodel --scale-out         # 8 GPUs on NVLink, 64 on InfiniBand: the reduction priced
     python -m andrea.run.stepmodel --what-if flash_attention_fwd:registers=124,loads_ahead=8
@@ -9,6 +11,7 @@ an H100 SXM priced.
     python -m andrea.bench --device gpu --model h200   # the same table
     estimate_step_seconds()          # seconds of one bench step (1 micro-batch + AdamW), for gpu_check
     step_mfu(pricing.H100)           # the MFU of ANDREA-120M's step at 8 x 1024 on a card, against the 40% bar
+    step_mfu(pricing.H100, precision="bf16")   # the bf16 step's, against the bf16 peak and the 45% bar
     pricing.kernel_prices(hw)        # one launch of each project kernel priced, for gpu_check
 
 Recorded, not guessed: the training step (andrea.run.trainer.Trainer.train_step: zero_grad, forward and
@@ -38,16 +41,23 @@ are those of the real step; only time is modelled, per launch, from what can be 
   a launch; host<->device copies that the host waits for at a latency plus PCIe time, an asynchronous
   one (`cupy.asarray` of host data) at its PCIe time plus a launch.
 
+A bf16 step (train.precision=bf16) is recorded the same way, as that setting trains: its activations
+and GEMM operands are bfloat16 arrays, so every launch's bytes are the bf16 step's own, while the
+float32 master weights, gradients and AdamW's state keep theirs; its GEMMs are priced at the bf16 rate
+(the 989 TFLOP/s dense bf16 peak times cuBLAS's measured bf16 per-tile share) and its project kernels by
+the counts of their bfloat16 instances (kernel_counts.json keeps each dtype's); a kernel without them is
+priced by its float32 counts and named, and that figure is said not to be final.
+
 The rates and latencies are each card's, each with its source (andrea/run/pricing.py: `H200`, `H100`).
 The table names, for each part of the step, the bound that drives its time (a resource, or the latency
 bound) and the count it prices. MFU is the bench's: (6 N + 12 L d T) FLOPs per token (flops_per_token)
-over the step time and the dense TF32 peak. The model cannot see: kernels overlapping, a kernel's
-resources overlapping one another less than perfectly, latency outside the flash kernels' mma loops,
-cuBLAS's actual choice of kernel per shape, clocks under power limits, the host falling behind when
-launches are short (CuPy's Python costs ~5-10 us a call on the host; launches are queued
-asynchronously, so the host hides behind long kernels only). gpu_check prints this estimate beside the
-measured step, and each kernel's priced time beside its measured one, when a GPU is lent: the first real
-run calibrates it.
+over the step time and the dense peak of the step's precision (TF32's, or bf16's). The model cannot
+see: kernels overlapping, a kernel's resources overlapping one another less than perfectly, latency
+outside the flash kernels' mma loops, cuBLAS's actual choice of kernel per shape, clocks under power
+limits, the host falling behind when launches are short (CuPy's Python costs ~5-10 us a call on the
+host; launches are queued asynchronously, so the host hides behind long kernels only). gpu_check
+prints this estimate beside the measured step, and each kernel's priced time beside its measured one,
+when a GPU is lent: the first real run calibrates it.
 """
 
 import argparse
@@ -66,8 +76,8 @@ from andrea.cli import ArgumentParser, run_cli
 from andrea.errors import UserError
 from andrea.model.sizes import flops_per_token
 from andrea.model.transformer import ANDREA
-from andrea.run.pricing import (COUNTED_BY, COUNTED_DTYPES, COUNTS, DRIVERS, H100, H200, LAUNCHES, PROFILES, kernel_prices,
-                                missing_counts, op_seconds, write_counts)
+from andrea.run.pricing import (COUNTED_BY, COUNTED_DTYPES, COUNTS, DRIVERS, H100, H200, LAUNCHES, PROFILES,
+                                kernel_prices, missing_counts, op_seconds, write_counts)
 from minitensor import precision
 from minitensor.checks.standin import standin_env
 
@@ -313,8 +323,9 @@ def precision_rows(rec_by_precision, gpus, works=None):
     (or that none was found). rec_by_precision: {precision: record, or the UserError line that says why it
     could not be recorded}; a figure resting on a kernel without counts in its dtype says so."""
     first = next(r for r in rec_by_precision.values() if isinstance(r, dict))
+    mb = first["micro_batches"]
     lines = [f"\nprecisions side by side: {first['config']}, {first['batch']} x {first['seq']}, one optimizer step "
-             f"of {first['micro_batches']} micro-batches (priced, not measured)",
+             f"of {mb} micro-batch{'es' if mb > 1 else ''} (priced, not measured)",
              f"{'card':<9} {'precision':<10} {'step ms':>8} {'tokens/s':>10} {'MFU':>6}  {'of the dense peak':<20} "
              f"llm.c GPT-2 124M (published, per GPU)"]
     notes = []
@@ -327,7 +338,8 @@ def precision_rows(rec_by_precision, gpus, works=None):
             est = estimate(rec, hw, works)
             label = "bf16" if est["precision"] == "bf16" else "TF32"
             final = "" if not est["missing"] else " (not final)"
-            lines.append(f"{hw.name:<9} {label:<10} {1e3 * est['step_s']:>8.1f} {est['tokens'] / est['step_s']:>10,.0f} "
+            tokens_s = est["tokens"] / est["step_s"]
+            lines.append(f"{hw.name:<9} {label:<10} {1e3 * est['step_s']:>8.1f} {tokens_s:>10,.0f} "
                          f"{100 * est['mfu']:>5.1f}%  {est['peak'] / 1e12:>4.0f} TFLOP/s {label:<6}{final:<12}"
                          + (f"{llmc[0]:,.0f} tokens/s ({llmc[1]})" if llmc else "none published for this card found"))
             if est["missing"] and gpu == gpus[0]:
@@ -499,6 +511,7 @@ def main(argv=None):
                 raise
             recs[name] = str(e)
     rec, gpus = recs[args.precision], list(dict.fromkeys(args.gpu))
+    recs = {name: recs[name] for name in PRECISIONS}  # side by side in one order, whichever the table prices
     out = {}
     for i, gpu in enumerate(gpus):
         est = estimate(rec, PROFILES[gpu], works)

@@ -195,6 +195,7 @@ LONG_MODULES = {
     "andrea/interop/hf.py": "the Hugging Face GPT-2 format, both directions",
     "andrea/bench.py": "the benchmark command",
     "andrea/run/stepmodel.py": "the step model: a step recorded on the stand-in, priced per card, and its table",
+    "andrea/run/pricing.py": "an op's time on a card: each card's rates with their sources, the kernels' counts",
 }
 
 
