@@ -1,0 +1,161 @@
+"""Phase 9, bf16: the bf16 kernels against float64, 20 bf16 training steps against float32's, tokens/s.
+
+1. The flash attention kernels' bfloat16 instances (mma.sync m16n8k16, float32 sums) at head size 64,
+   forward and backward on bfloat16 q, k, v, dy, against Ops' dense core in float64 on the same
+   (bf16-exact) inputs: within BF16_TOLERANCE norm-wise (below). On NumPy (a dry run on the CPU) they run
+   in the launch emulation, as the TF32 case of the kernels phase does.
+2. `python -m andrea.train` twice from the same seed and data, --set train.precision=float32 then bf16,
+   ANDREA-120M at 8 x 1024 (one micro-batch a step: --set train.tokens_per_step=8192), 20 steps, no
+   warm-up (the loss moves from the first step), fused kernels: each step's loss from metrics.jsonl,
+   bf16's within CURVE_TOLERANCE of float32's; the median tokens/s of steps 2-20 of each, and their
+   ratio. Through the command line only, as a user runs it. The dry run: a 1-layer tiny model at 2 x 32
+   on the GPU it has (the CuPy stand-in); on the CPU, where bf16 is refused (NumPy has no bfloat16
+   arithmetic), no training.
+"""
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from gpu_check.common import first_line, gpu_here, log, normwise, verdict
+
+# bf16 keeps 8 significant bits: unit roundoff u = 2**-8 = 3.9e-3. The inputs are bf16 values, which the
+# float64 reference takes exactly, so only the kernels' own roundings count: the forward rounds the
+# probabilities to bf16 for P v (u) and its output (u); the backward rounds P and dS = P (dP - D) to bf16
+# as operands (u each) and each gradient it stores (u), float32 sums adding ~1e-6: at most ~3u = 1.2e-2 of
+# the outputs' scale. 2e-2 holds that with room, and refuses a wrong fragment layout, mask or tile, whose
+# errors are of the outputs' own size.
+BF16_TOLERANCE = 2e-2
+# bf16 against float32, step by step: step 0's loss agrees to ~u (the same float32 masters, the logits
+# rounded once, the loss summed in float32), later steps drift as each update starts from gradients
+# rounded to bf16 on their way; 1% (~2.5 u) of the loss holds 20 steps of that, where a broken bf16 path
+# (a gradient lost, a wrong layout) errs by tens of percent within a few steps.
+CURVE_TOLERANCE = 0.01
+STEPS = 20
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def part_bf16(dry):
+    failed = _flash_bf16(dry)
+    if not gpu_here(dry):
+        log("figure: bf16 training not run (dry run on the CPU: train.precision=bf16 needs a GPU, NumPy has no "
+            "bfloat16 arithmetic)")
+        return failed
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(os.environ.get("WORK") or tmp)
+        runs = {}
+        for precision in ("float32", "bf16"):
+            runs[precision] = _train(precision, work, dry)
+            if runs[precision] is None:
+                return True
+    return _compare_curves(runs["float32"], runs["bf16"]) or failed
+
+
+def _flash_bf16(dry):
+    """True if the flash kernels' bf16 instances are not within BF16_TOLERANCE of float64 (or cannot run)."""
+    from gpu_check.kernels import KernelInputs
+
+    from minitensor import precision
+    from minitensor.backends import cuda
+    from minitensor.backends.kernels.attention import flash_attention_backward_gpu, flash_attention_forward_gpu
+    from minitensor.checks import kernelcheck
+
+    if gpu_here(dry):
+        import cupy as xp
+    else:
+        xp = np
+        cuda.launch = kernelcheck.emulate_launch
+    k = KernelInputs(xp, dry)
+    BH, T, hs = k.BH, k.T, 64
+    scale = 1.0 / math.sqrt(hs)
+    bf16 = precision.bfloat16()
+    rng = np.random.default_rng(3)
+    q, kk, v, dy = (xp.asarray(rng.standard_normal((BH, T, hs), dtype=np.float32).astype(bf16)) for _ in range(4))
+    try:
+        start = time.perf_counter()
+        y, lse = flash_attention_forward_gpu(q, kk, v, scale)
+        got = (y, *flash_attention_backward_gpu(q, kk, v, y, dy, lse, scale))
+        seconds = time.perf_counter() - start
+        want = _reference(k, q, kk, v, dy)
+        errs = [normwise(g, w) for g, w in zip(got, want, strict=True)]
+    except Exception as e:  # a kernel without its bf16 instance, or a launch error: said, and failed
+        log(f"FAIL flash bf16 hs 64 vs float64: {first_line(e)}")
+        return True
+    ok = max(errs) <= BF16_TOLERANCE and all(g.dtype == bf16 for g in got)
+    log(f"figure: {verdict(ok).strip()} flash bf16 hs 64 vs float64: max error {max(errs):.1e} (tolerance "
+        f"{BF16_TOLERANCE:g}; y, dq, dk, dv: {', '.join(f'{e:.1e}' for e in errs)}; outputs "
+        f"{', '.join(sorted({g.dtype.name for g in got}))}; {1e3 * seconds:.1f} ms forward and backward, "
+        f"{BH} x {T} x {hs})")
+    return not ok
+
+
+def _reference(k, q, kk, v, dy):
+    """(y, dq, dk, dv) of Ops' dense attention core in float64 on the same inputs."""
+    d = {"q": q, "k": kk, "v": v, "dy": dy}
+    d = {name: a.astype(np.float64) for name, a in d.items()}
+    BH, T, hs = d["q"].shape
+    y4 = k.xp.empty((BH, 1, T, hs), np.float64)
+    cache = k.ref.attention_forward([d[n][:, None] for n in "qkv"], None, y4, dense=True)
+    grads = [k.xp.empty((BH, 1, T, hs), np.float64) for _ in range(3)]
+    k.ref.attention_backward(d["dy"][:, None], cache, grads)
+    return (y4[:, 0], *(g[:, 0] for g in grads))
+
+
+def train_command(precision, out, data_dir, dry):
+    """The `python -m andrea.train` command of one run: the same seed, data and schedule in either
+    precision, one micro-batch a step, a loss logged every step."""
+    sizes = (["--config", "tiny", "--set", "model.n_layer=1", "--set", "model.context_length=32",
+              "--set", "train.batch_size=2", "--set", "train.tokens_per_step=64"] if dry else
+             ["--config", "120m", "--set", "train.tokens_per_step=8192"])
+    sets = [f"train.precision={precision}", "train.warmup_steps=0", "train.kernels=fused", "train.log_interval=1",
+            f"train.eval_interval={10 * STEPS}", "train.eval_batches=1", f"train.checkpoint_interval={10 * STEPS}",
+            "train.sample_tokens=0", f"data.inputs={ROOT / 'andrea'}", f"data.data_dir={data_dir}",
+            "data.allow_smaller_vocab=true"]
+    return ([sys.executable, "-m", "andrea.train", *sizes, "--device", "gpu", "--out", str(out),
+             "--max-steps", str(STEPS)] + [arg for s in sets for arg in ("--set", s)])
+
+
+def _train(precision, work, dry):
+    """{step: (loss, tokens/s)} of one run from its metrics.jsonl; None (said why) if it failed."""
+    out = work / f"bf16-phase-{precision}"
+    start = time.perf_counter()
+    proc = subprocess.run(train_command(precision, out, work / "data", dry), capture_output=True, text=True,
+                          cwd=ROOT)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    if proc.returncode:
+        log(f"FAIL train.precision={precision}: exit status {proc.returncode}: {lines[-1] if lines else ''}")
+        return None
+    steps = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if "tokens_per_s" in r:
+            steps[r["step"]] = (r["loss"], r["tokens_per_s"])
+    log(f"train.precision={precision}: {len(steps)} steps in {time.perf_counter() - start:.1f} s (start-up "
+        f"included); " + next((line for line in lines if line.startswith("kernels:")), "kernels: not said"))
+    return steps
+
+
+def _compare_curves(fp32, bf16):
+    """True if bf16's loss leaves CURVE_TOLERANCE of float32's at any step, or the runs differ in steps."""
+    if sorted(fp32) != sorted(bf16) or len(fp32) != STEPS:
+        log(f"FAIL bf16 curve: steps logged {sorted(bf16)} against float32's {sorted(fp32)} (want 1-{STEPS})")
+        return True
+    gaps = {s: abs(bf16[s][0] - fp32[s][0]) / abs(fp32[s][0]) for s in fp32}
+    worst = max(gaps, key=gaps.get)
+    ok = gaps[worst] <= CURVE_TOLERANCE
+    speed = {name: statistics.median(r[s][1] for s in r if s > 1) for name, r in (("float32", fp32), ("bf16", bf16))}
+    log(f"losses float32: {', '.join(f'{fp32[s][0]:.4f}' for s in sorted(fp32))}",
+        f"losses bf16:    {', '.join(f'{bf16[s][0]:.4f}' for s in sorted(bf16))}")
+    log(f"figure: {verdict(ok).strip()} bf16 curve: {STEPS} steps within {100 * gaps[worst]:.2f}% of float32's "
+        f"(step {worst}; tolerance {100 * CURVE_TOLERANCE:g}%), loss {fp32[STEPS][0]:.4f} -> bf16 "
+        f"{bf16[STEPS][0]:.4f}")
+    log(f"figure: bf16 {speed['bf16']:,.0f} tokens/s, float32 (TF32) {speed['float32']:,.0f} tokens/s measured "
+        f"(median of steps 2-{STEPS}): bf16 / float32 {speed['bf16'] / speed['float32']:.2f}")
+    return not ok
