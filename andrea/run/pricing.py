@@ -217,31 +217,68 @@ class NotCounted(Exception):
 
 def kernel_work(name, dtype="float32"):
     """The KernelWork of the registered RawKernel `name` in dtype (None for another kind, and for a dtype the
-    kernel has no counted instance of): from COUNTS where it was counted from the kernel's present source in
-    that dtype with the present counting code, else counted now (tens of seconds; `python -m
-    andrea.run.stepmodel --count-kernels` writes them all to COUNTS)."""
+    kernel has no counted instance of: one its model call does not launch): from COUNTS where it was counted
+    from the kernel's present source in that dtype with the present counting code, else counted now (tens of
+    seconds; `python -m andrea.run.stepmodel --count-kernels` writes them all to COUNTS)."""
+    return _work_or_why(name, dtype)[0]
+
+
+@functools.cache
+def _work_or_why(name, dtype):
+    """(KernelWork, "") or (None, why not, in one line): kernel_work's, kept once a process."""
     from minitensor.backends import all_kernels, cuda
 
     spec = all_kernels().get(name)
     if not isinstance(spec, cuda.RawSpec) or spec.model is None:
-        return None
+        return None, f"{name} is not a counted RawKernel"
     kept = _kept_works().get(name, {}).get(dtype)
     try:
         if kept is not None and kept["key"] == work_key(spec, dtype) and set(kept["work"]) == FIELDS:
-            return KernelWork(**kept["work"])
-        return _counted(name, dtype)
-    except NotCounted:
-        return None
+            return KernelWork(**kept["work"]), ""
+        return _counted(name, dtype), ""
+    except NotCounted as e:
+        return None, str(e)
 
 
-def missing_counts(names, dtype):
-    """{kernel name: why} for each of the RawKernels `names` without a KernelWork in dtype (its instance not
-    counted: not written yet, or its counts stale where they cannot be taken here)."""
-    missing = {}
-    for name in names:
-        if kernel_work(name, dtype) is None and kernel_work(name) is not None:
-            missing[name] = _why_not_counted(name, dtype)
-    return missing
+def own_work(name):
+    """(dtype, KernelWork) of a RawKernel in the first of COUNTED_DTYPES it is counted in (its model call's
+    dtype: float32, or bfloat16 for a bf16-only kernel); (None, None) for another kind."""
+    for dtype in COUNTED_DTYPES:
+        work = kernel_work(name, dtype)
+        if work is not None:
+            return dtype, work
+    return None, None
+
+
+def work_in(name, compute):
+    """(KernelWork or None, how) a launch of RawKernel `name` in a step of `compute` is priced with: "counted"
+    from its counts in that dtype; "scaled" from its float32 counts, for a memory-bound kernel (priced by its
+    bytes: its sectors and the rest scaled by the launch's own bytes, which the record holds in `compute`);
+    "missing" for a tensor-core kernel (priced by its FLOPs) without counts in `compute`, priced meanwhile by
+    its float32 counts if it has any: such a figure is not final."""
+    work = kernel_work(name, compute)
+    if work is not None:
+        return work, "counted"
+    fallback = kernel_work(name)
+    if fallback is not None and not fallback.by_flops:
+        return fallback, "scaled"
+    return fallback, "missing"
+
+
+def missing_counts(names, compute):
+    """{kernel name: why} for each of the project kernels `names` a step of `compute` launches whose price is
+    not final (work_in's "missing"): a tensor-core kernel without counts in that dtype."""
+    return {name: _work_or_why(name, compute)[1] for name, how in priced_how(names, compute).items()
+            if how == "missing"}
+
+
+def priced_how(names, compute):
+    """{kernel name: work_in's how} for those of `names` that are counted RawKernels."""
+    from minitensor.backends import all_kernels, cuda
+
+    kernels = all_kernels()
+    return {name: work_in(name, compute)[1] for name in names
+            if isinstance(kernels.get(name), cuda.RawSpec) and kernels[name].model is not None}
 
 
 @functools.cache
@@ -268,34 +305,16 @@ def work_key(spec, dtype="float32"):
 
 
 def _model_launches(spec, dtype):
-    """The launches of the kernel's model call in dtype (minitensor.checks.counts.model_launches), each
-    checked to be a launch of dtype: a model call that launches another dtype counts nothing of dtype."""
+    """The launches of the kernel's model call (minitensor.checks.counts.model_launches; in dtype where it
+    takes one), each checked to be a launch of dtype: a model call that launches another dtype (a bf16-only
+    kernel's, or a kernel counted in float32 only) counts nothing of dtype."""
     from minitensor.checks import counts
 
-    if dtype == "float32":
-        launches = counts.model_launches(spec)
-    elif "dtype" in inspect.signature(counts.model_launches).parameters:
-        launches = counts.model_launches(spec, counts.MODEL, dtype=dtype_of(dtype))
-    else:
-        raise NotCounted("minitensor.checks.counts.model_launches takes no dtype: no kernel is counted in "
-                         f"{dtype} yet")
+    takes_dtype = "dtype" in inspect.signature(counts.model_launches).parameters
+    launches = counts.model_launches(spec, counts.MODEL, **({"dtype": dtype_of(dtype)} if takes_dtype else {}))
     if any(launch[1].name != dtype for launch in launches):
-        raise NotCounted(f"{spec.name}'s model call launched {launches[0][1].name}, not {dtype}")
+        raise NotCounted(f"{spec.name}'s model call launches it in {launches[0][1].name}, not {dtype}")
     return launches
-
-
-def _why_not_counted(name, dtype):
-    from minitensor.backends import all_kernels
-
-    try:
-        spec = all_kernels()[name]
-        work_key(spec, dtype)
-        _model_launches(spec, dtype)
-    except NotCounted as e:
-        return str(e)
-    except Exception as e:  # a model call that fails in dtype: its bf16 instance not there
-        return f"{name} in {dtype}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-    return f"{name} in {dtype}: not counted"
 
 
 @functools.cache
@@ -375,6 +394,7 @@ def write_counts(path=COUNTS):
     tmp.write_text(json.dumps(works, indent=1) + "\n")
     os.replace(tmp, path)
     _kept_works.cache_clear()
+    _work_or_why.cache_clear()
     return works, missing
 
 
@@ -391,9 +411,9 @@ COUNTED_BY = {"GEMM": "FLOPs, in waves of CTA tiles", "HBM": "bytes", "mma.sync"
 def op_seconds(kind, name, flops, read, written, blocks=0, hw=H200, shape=(), works=None, compute="float32"):
     """(seconds of work, what bounds it, launch seconds) of one op of a step whose GEMM operands and
     activations are stored in `compute` (float32, or bfloat16 for a bf16 step). shape: a GEMM's output shape
-    (its tiles); works: {kernel name: KernelWork} to price instead of the counted ones. A project kernel
-    without counts in `compute` is priced by its float32 counts (the TF32 kernel's time for its FLOPs or
-    bytes): missing_counts names it, and the step model says that figure is not final."""
+    (its tiles); works: {kernel name: KernelWork} to price instead of the counted ones. A project kernel is
+    priced by its counts in `compute`, or as work_in says where it has none (a tensor-core kernel without
+    them is named by missing_counts, and the step model says that figure is not final)."""
     moved = (read + written) / hw.bandwidth
     if kind == "gemm":
         return (*gemm_seconds(flops, shape, read + written, hw, "unaligned" in name, compute), hw.launch_s)
@@ -403,7 +423,7 @@ def op_seconds(kind, name, flops, read, written, blocks=0, hw=H200, shape=(), wo
         return hw.copy_latency_s + read / hw.pcie, "PCIe", 0.0
     work = None
     if kind == "kernel":
-        work = (works or {}).get(name) or kernel_work(name, compute) or kernel_work(name)
+        work = (works or {}).get(name) or work_in(name, compute)[0]
     if work is None:
         return moved, "HBM", hw.launch_s
     return (*counted_seconds(work, flops if work.by_flops else read + written, blocks, moved, hw), hw.launch_s)
@@ -500,7 +520,7 @@ class KernelPrice:
     flops: float              # the launch's declared tensor FLOPs (0: not a tensor-core kernel)
 
 
-def kernel_prices(hw=H200, works=None, dtype="float32"):
+def kernel_prices(hw=H200, works=None, dtype=None):
     """{kernel name: KernelPrice} of one launch of every project RawKernel counted at ANDREA-120M's
     shapes (the launch `python -m minitensor.checks --counts` counts: work.per FLOPs or bytes over
     work.blocks blocks, work.moved bytes), priced on hw as the step model prices it in a step.
@@ -508,11 +528,13 @@ def kernel_prices(hw=H200, works=None, dtype="float32"):
     For gpu_check, which times the same launches on the lent GPU and prints measured against priced,
     kernel by kernel: `seconds + launch_s` is the priced time of one launch, `bound` what it rests on.
     works: {name: KernelWork} to price instead of the kept counts (e.g. registers a change expects); dtype:
-    the instances priced (bfloat16: those with bf16 counts only)."""
+    the instances priced (None: each kernel in the dtype its model call launches, own_work; bfloat16: those
+    counted in bf16 only)."""
     from minitensor.backends import all_kernels, cuda
 
     counted = [name for name, spec in all_kernels().items() if isinstance(spec, cuda.RawSpec) and spec.model]
-    works = {**{name: kernel_work(name, dtype) for name in counted}, **(works or {})}
+    works = {**{name: own_work(name)[1] if dtype is None else kernel_work(name, dtype) for name in counted},
+             **(works or {})}
     works = {name: work for name, work in works.items() if work is not None}
     prices = {}
     for name, work in works.items():

@@ -77,7 +77,7 @@ from andrea.errors import UserError
 from andrea.model.sizes import flops_per_token
 from andrea.model.transformer import ANDREA
 from andrea.run.pricing import (COUNTED_BY, COUNTED_DTYPES, COUNTS, DRIVERS, H100, H200, LAUNCHES, PROFILES,
-                                kernel_prices, missing_counts, op_seconds, write_counts)
+                                kernel_prices, missing_counts, op_seconds, priced_how, write_counts)
 from minitensor import precision
 from minitensor.checks.standin import standin_env
 
@@ -229,9 +229,10 @@ def estimate(rec, hw=H200, works=None):
     """The record's time on hw: rows by (micro-batch kind, part, pass) of [launches, tensor FLOP, bytes,
     work seconds, launch seconds, total seconds, seconds bound by each of DRIVERS], totals, launches per
     block, MFU against the dense peak of the record's precision (TF32's for float32, bf16's for bf16);
-    "missing": {kernel: why} for the project kernels the record launches without counts in its compute
-    dtype (priced by their float32 counts meanwhile: a figure that is not final). works: {kernel name:
-    KernelWork} priced instead of the counted ones (a what-if)."""
+    "missing": {kernel: why} for the tensor-core kernels the record launches without counts in its compute
+    dtype (priced by their float32 counts meanwhile, if any: a figure that is not final); "scaled": the
+    memory-bound kernels priced by their float32 counts scaled by the launch's own bytes (pricing.work_in).
+    works: {kernel name: KernelWork} priced instead of the counted ones (a what-if)."""
     compute = policy_of(rec).compute
     width = 6 + len(DRIVERS)
     rows = defaultdict(lambda: np.zeros(width))
@@ -260,6 +261,7 @@ def estimate(rec, hw=H200, works=None):
             "tokens": tokens, "mfu": rec["flops_per_token"] * tokens / (step_s * hw.peak(compute)),
             "peak": hw.peak(compute), "precision": policy_of(rec).name,
             "missing": missing_counts(kernels, compute) if compute != "float32" else {},
+            "scaled": sorted(name for name, how in priced_how(kernels, compute).items() if how == "scaled"),
             "bound_by": {d: total[6 + i] for i, d in enumerate(DRIVERS)}}
 
 
@@ -344,8 +346,12 @@ def precision_rows(rec_by_precision, gpus, works=None):
                          + (f"{llmc[0]:,.0f} tokens/s ({llmc[1]})" if llmc else "none published for this card found"))
             if est["missing"] and gpu == gpus[0]:
                 notes.append(f"{name}: not final: no {policy_of(rec).compute} counts for "
-                             f"{', '.join(est['missing'])} (priced by their float32 counts); "
-                             f"{next(iter(est['missing'].values()))}")
+                             f"{', '.join(est['missing'])} (priced by their float32 counts where they have "
+                             f"any); {next(iter(est['missing'].values()))}")
+            if est["scaled"] and gpu == gpus[0]:
+                notes.append(f"{name}: {', '.join(est['scaled'])} priced by their float32 counts scaled by their "
+                             f"{policy_of(rec).compute} launches' bytes (memory-bound: their sectors follow "
+                             f"their bytes)")
     notes += [f"{name}: not priced: {why}" for name, why in rec_by_precision.items() if not isinstance(why, dict)]
     return lines + notes
 
