@@ -115,7 +115,8 @@ def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
                for f in figures), figures
     assert "no project kernel launched" in phases["bench"]
     _bench_figures(figures, phases)
-    # the flash kernels' bf16 instances against float64 in the launch emulation; bf16 training needs a GPU
+    # the flash kernels' bf16 instances against float64 in the launch emulation (the kernels phase); bf16
+    # training needs a GPU
     assert any(re.match(BF16_FLASH, f) for f in figures), figures
     assert any(f.startswith("bf16 training not run (dry run on the CPU") for f in figures), figures
 
@@ -162,8 +163,8 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     assert "NCCL self-test: ok" in phases["nccl"] and any(f.startswith("NCCL self-test: ok") for f in figures)
     assert any(f.startswith("CuPy 1-layer step x 2, dense and blocked core (kernels: fused") for f in figures)
     _bench_figures(figures, phases)
-    # the bf16 phase on the stand-in: the kernels against float64, then 20 steps of each precision through
-    # python -m andrea.train, bf16's curve within tolerance of float32's, tokens/s of each
+    # the bf16 kernels against float64 (the kernels phase), then the bf16 phase on the stand-in: 20 steps of
+    # each precision through python -m andrea.train, bf16's curve within tolerance of float32's, tokens/s of each
     assert any(re.match(BF16_FLASH, f) for f in figures), figures
     assert any(re.match(r"ok bf16 curve: 20 steps within [0-9.]+% of float32's", f) for f in figures), figures
     assert any(re.match(r"bf16 [0-9,]+ tokens/s, float32 \(TF32\) [0-9,]+ tokens/s measured", f) for f in figures)
@@ -178,7 +179,7 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     assert len(in_step) == 5, [read[2][-1] for read in in_step]
 
 
-BF16_FLASH = r"ok flash bf16 hs 64 vs float64: max error [0-9.e-]+ \(tolerance 0.02; "
+BF16_FLASH = r"ok flash bf16 hs 64 vs float64: max error [0-9.e-]+ \(tolerance 0.02\)"
 
 
 def test_the_bf16_phase_compares_each_step_and_measures_each_precisions_speed(monkeypatch, capsys):
