@@ -215,6 +215,10 @@ class NotCounted(Exception):
     """A kernel that cannot be counted in a dtype here: its message says why, in one line."""
 
 
+class OtherDtype(NotCounted):
+    """A kernel whose model call launches it in another dtype: nothing of this one to count."""
+
+
 def kernel_work(name, dtype="float32"):
     """The KernelWork of the registered RawKernel `name` in dtype (None for another kind, and for a dtype the
     kernel has no counted instance of: one its model call does not launch): from COUNTS where it was counted
@@ -313,7 +317,7 @@ def _model_launches(spec, dtype):
     takes_dtype = "dtype" in inspect.signature(counts.model_launches).parameters
     launches = counts.model_launches(spec, counts.MODEL, **({"dtype": dtype_of(dtype)} if takes_dtype else {}))
     if any(launch[1].name != dtype for launch in launches):
-        raise NotCounted(f"{spec.name}'s model call launches it in {launches[0][1].name}, not {dtype}")
+        raise OtherDtype(f"{spec.name}'s model call launches it in {launches[0][1].name}, not {dtype}")
     return launches
 
 
@@ -377,7 +381,8 @@ COUNTED_DTYPES = ("float32", BF16)  # what --count-kernels counts each kernel in
 
 def write_counts(path=COUNTS):
     """Counts every RawKernel that declares a model call, in each of COUNTED_DTYPES it has an instance of, and
-    writes them to path (whole or not at all): ({name: {dtype: {"key", "work"}}}, {(name, dtype): why not})."""
+    writes them to path (whole or not at all): ({name: {dtype: {"key", "work"}}}, {(name, dtype): why not}, the
+    latter for the dtypes a kernel's model call launches that could not be counted here)."""
     from minitensor.backends import all_kernels, cuda
 
     works, missing = {}, {}
@@ -388,6 +393,8 @@ def write_counts(path=COUNTS):
             try:
                 works.setdefault(name, {})[dtype] = {"key": work_key(spec, dtype),
                                                      "work": dataclasses.asdict(_counted(name, dtype))}
+            except OtherDtype:
+                continue
             except NotCounted as e:
                 missing[(name, dtype)] = str(e)
     tmp = Path(path).with_suffix(".tmp")
