@@ -4,8 +4,8 @@
 ANDREA-120M at 8 x 1024 (one micro-batch a step: --set train.tokens_per_step=8192), 20 steps, no warm-up
 (the loss moves from the first step), fused kernels: each step's loss from metrics.jsonl, bf16's within
 CURVE_TOLERANCE of float32's; the median tokens/s of steps 2-20 of each, and their ratio. Through the
-command line only, as a user runs it. The dry run: a 1-layer tiny model at 2 x 32 on the GPU it has (the
-CuPy stand-in); on the CPU, where bf16 is refused (NumPy has no bfloat16 arithmetic), no training. The
+command line only, as a user runs it. The dry run: 4 steps of a 1-layer tiny model at 2 x 32 on the GPU
+it has (the CuPy stand-in, whose steps take seconds on a CPU); on the CPU, where bf16 is refused (NumPy has no bfloat16 arithmetic), no training. The
 bf16 kernels themselves are compared with float64 in the kernels phase (kernels.py: BF16_TOLERANCE).
 """
 
@@ -26,6 +26,7 @@ from gpu_check.common import gpu_here, log, verdict
 # (a gradient lost, a wrong layout) errs by tens of percent within a few steps.
 CURVE_TOLERANCE = 0.01
 STEPS = 20
+DRY_STEPS = 4
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,7 +42,7 @@ def part_bf16(dry):
             runs[precision] = _train(precision, work, dry)
             if runs[precision] is None:
                 return True
-    return _compare_curves(runs["float32"], runs["bf16"])
+    return _compare_curves(runs["float32"], runs["bf16"], DRY_STEPS if dry else STEPS)
 
 
 def train_command(precision, out, data_dir, dry):
@@ -54,8 +55,8 @@ def train_command(precision, out, data_dir, dry):
             f"train.eval_interval={10 * STEPS}", "train.eval_batches=1", f"train.checkpoint_interval={10 * STEPS}",
             "train.sample_tokens=0", f"data.inputs={ROOT / 'andrea'}", f"data.data_dir={data_dir}",
             "data.allow_smaller_vocab=true"]
-    return ([sys.executable, "-m", "andrea.train", *sizes, "--device", "gpu", "--out", str(out),
-             "--max-steps", str(STEPS)] + [arg for s in sets for arg in ("--set", s)])
+    return ([sys.executable, "-m", "andrea.train", *sizes, "--device", "gpu", "--out", str(out), "--overwrite",
+             "--max-steps", str(DRY_STEPS if dry else STEPS)] + [arg for s in sets for arg in ("--set", s)])
 
 
 def _train(precision, work, dry):
@@ -78,10 +79,10 @@ def _train(precision, work, dry):
     return steps
 
 
-def _compare_curves(fp32, bf16):
+def _compare_curves(fp32, bf16, steps=STEPS):
     """True if bf16's loss leaves CURVE_TOLERANCE of float32's at any step, or the runs differ in steps."""
-    if sorted(fp32) != sorted(bf16) or len(fp32) != STEPS:
-        log(f"FAIL bf16 curve: steps logged {sorted(bf16)} against float32's {sorted(fp32)} (want 1-{STEPS})")
+    if sorted(fp32) != sorted(bf16) or sorted(fp32) != list(range(1, steps + 1)):
+        log(f"FAIL bf16 curve: steps logged {sorted(bf16)} against float32's {sorted(fp32)} (want 1-{steps})")
         return True
     gaps = {s: abs(bf16[s][0] - fp32[s][0]) / abs(fp32[s][0]) for s in fp32}
     worst = max(gaps, key=gaps.get)
@@ -89,9 +90,9 @@ def _compare_curves(fp32, bf16):
     speed = {name: statistics.median(r[s][1] for s in r if s > 1) for name, r in (("float32", fp32), ("bf16", bf16))}
     log(f"losses float32: {', '.join(f'{fp32[s][0]:.4f}' for s in sorted(fp32))}",
         f"losses bf16:    {', '.join(f'{bf16[s][0]:.4f}' for s in sorted(bf16))}")
-    log(f"figure: {verdict(ok).strip()} bf16 curve: {STEPS} steps within {100 * gaps[worst]:.2f}% of float32's "
-        f"(step {worst}; tolerance {100 * CURVE_TOLERANCE:g}%), loss {fp32[STEPS][0]:.4f} -> bf16 "
-        f"{bf16[STEPS][0]:.4f}")
+    log(f"figure: {verdict(ok).strip()} bf16 curve: {steps} steps within {100 * gaps[worst]:.2f}% of float32's "
+        f"(step {worst}; tolerance {100 * CURVE_TOLERANCE:g}%), loss {fp32[steps][0]:.4f} -> bf16 "
+        f"{bf16[steps][0]:.4f}")
     log(f"figure: bf16 {speed['bf16']:,.0f} tokens/s, float32 (TF32) {speed['float32']:,.0f} tokens/s measured "
-        f"(median of steps 2-{STEPS}): bf16 / float32 {speed['bf16'] / speed['float32']:.2f}")
+        f"(median of steps 2-{steps}): bf16 / float32 {speed['bf16'] / speed['float32']:.2f}")
     return not ok

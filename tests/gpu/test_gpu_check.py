@@ -166,9 +166,9 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     # the bf16 kernels against float64 (the kernels phase), then the bf16 phase on the stand-in: 20 steps of
     # each precision through python -m andrea.train, bf16's curve within tolerance of float32's, tokens/s of each
     assert any(re.match(BF16_FLASH, f) for f in figures), figures
-    assert any(re.match(r"ok bf16 curve: 20 steps within [0-9.]+% of float32's", f) for f in figures), figures
+    assert any(re.match(r"ok bf16 curve: 4 steps within [0-9.]+% of float32's", f) for f in figures), figures
     assert any(re.match(r"bf16 [0-9,]+ tokens/s, float32 \(TF32\) [0-9,]+ tokens/s measured", f) for f in figures)
-    assert "train.precision=bf16: 20 steps" in phases["bf16"] and "kernels: fused " in phases["bf16"]
+    assert "train.precision=bf16: 4 steps" in phases["bf16"] and "kernels: fused " in phases["bf16"]
 
     bench = [r for r in reports(tmp_path / "reads")
              if any(f.endswith(":part_bench") for read in r["reads"] for f in read[2])]
@@ -203,6 +203,8 @@ def test_the_bf16_phase_compares_each_step_and_measures_each_precisions_speed(mo
     assert command[1:3] == ["-m", "andrea.train"] and "train.precision=bf16" in command
     assert {"--config", "120m", "train.tokens_per_step=8192", "train.warmup_steps=0"} <= set(command)
     assert command[command.index("--max-steps") + 1] == "20"
+    dry = bf16.train_command("bf16", "out", "data", dry=True)
+    assert dry[dry.index("--max-steps") + 1] == "4" and "train.precision=bf16" in dry
 
 
 SLOW_TESTS = """
