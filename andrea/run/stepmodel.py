@@ -255,14 +255,21 @@ def estimate(rec, hw=H200, works=None):
             per_block[(which, block)] += 1
     step_s = total[5]
     tokens = rec["batch"] * rec["seq"] * rec["micro_batches"]
-    kernels = sorted({op[1] for op in rec["ops"] if op[0] == "kernel"} - set(works or ()))
     return {"rows": {k: v.tolist() for k, v in rows.items()}, "total": total.tolist(), "step_s": step_s,
             "launches": int(total[0]), "launches_per_block": _per_block(per_block, rec["n_layer"]),
             "tokens": tokens, "mfu": rec["flops_per_token"] * tokens / (step_s * hw.peak(compute)),
-            "peak": hw.peak(compute), "precision": policy_of(rec).name,
-            "missing": missing_counts(kernels, compute) if compute != "float32" else {},
-            "scaled": sorted(name for name, how in priced_how(kernels, compute).items() if how == "scaled"),
+            "peak": hw.peak(compute), "precision": policy_of(rec).name, **_not_counted(rec, compute, works),
             "bound_by": {d: total[6 + i] for i, d in enumerate(DRIVERS)}}
+
+
+def _not_counted(rec, compute, works):
+    """{"missing": {kernel: why}, "scaled": [kernel, ...]}: the record's project kernels without counts in
+    `compute` (pricing.work_in), those a what-if prices left out."""
+    if compute == "float32":
+        return {"missing": {}, "scaled": []}
+    kernels = sorted({op[1] for op in rec["ops"] if op[0] == "kernel"} - set(works or ()))
+    return {"missing": missing_counts(kernels, compute),
+            "scaled": sorted(name for name, how in priced_how(kernels, compute).items() if how == "scaled")}
 
 
 def policy_of(rec):
