@@ -15,7 +15,8 @@
 #                a partial run says "partial: N of M ran in the budget"); -v names each test as it
 #                starts, --durations lists each test's time, the slowest first
 #   3 kernels    each fused kernel against the generic code at ANDREA-120M shapes, compared on the device,
-#                timed; the flash kernels' TF32 path at head size 64 against a float64 reference
+#                timed; the flash kernels' TF32 path and their bf16 instances (m16n8k16) at head size 64
+#                against a float64 reference, at TF32's and bf16's tolerances
 #   4 gradients  a small ANDREA trained on CuPy in float32 against NumPy float64 at T = 256 (dense core and
 #                fused kernels; blocked generic core): per-step losses, step-0 gradients
 #   5 train      python -m andrea.train --device gpu for 3 steps (--stop-at-step), --resume to 6, then
@@ -29,6 +30,9 @@
 #                time in one step (beside the step model's price where it gives one); mma.sync's TF32
 #                rate; PyTorch's GPT-2 of the same shape on the same GPU (TF32,
 #                scaled_dot_product_attention): the ratio; the step model's estimate beside the measured step
+#   9 bf16       python -m andrea.train 20 steps of ANDREA-120M at 8 x 1024 with train.precision=float32, then
+#                bf16, from one seed: bf16's losses against float32's, each run's tokens/s
+#                (scripts/gpu_check --part bf16)
 #
 # Every phase sees one CUPY_CACHE_DIR (default: a folder under $TMPDIR, kept between runs): the
 # preflight compiles into it, and the summary says how many files each later phase added (none, when
@@ -45,11 +49,17 @@
 #   preflight: process 3 + project kernels 6 + warm-up 2 processes x (3 + ~100 ufuncs x 0.15) = 18 +
 #   self-check at head size 64 (7 pieces) 8 + timing at 120M (7 pieces x 8 runs) 2 + model init 2 + the
 #   step's ufuncs the warm-up missed (~20 x 0.15) 3 + the step 1 = 43 s.
-#   tests: pytest's start 5 + 20 s of tests (the budget stops them at the phase's deadline less 15 s) = 25 s.
-#   kernels: process 3 + self-check 2 + ~20 comparisons at 120M 3 + the TF32 flash case against float64 1 = 9 s.
+#   tests: pytest's start 5 + 9 s of tests (the budget stops them at the phase's deadline less 15 s) = 14 s:
+#   the stand-in runs every GPU-marked test in CI, the lent GPU as many as 9 s allow.
+#   kernels: process 3 + self-check 2 + ~20 comparisons at 120M 3 + the TF32 flash case against float64 1 +
+#   the bf16 flash case (its 3 kernels compiled 0.9, run 0.1) 1 = 10 s.
+#   sanitize: 2 tools x 8 s = 16 s.
 #   bench: 18 s as before, + one step with each launch timed alone 1 = 19 s.
-#   device 3 -> 9, preflight 43 -> 129, tests 25 -> 75, kernels 9 -> 27, gradients 6 -> 18, train 12 -> 36,
-#   nccl 3 -> 9, sanitize 20 -> 60, bench 19 -> 57: 140 s estimated, 420 s of limits.
+#   bf16: a float32 run of python -m andrea.train: process 3 + model init 2 + 20 steps of 8 x 1024 0.5 + its
+#   checkpoint 0.5 = 6; the bf16 run the same 6 + its own compiles (~4 project kernels' bf16 instances x
+#   0.3, ~7 CuPy kernels on bfloat16 x 0.15) 2 = 8: 14 s.
+#   device 3 -> 9, preflight 43 -> 129, tests 14 -> 42, kernels 10 -> 30, gradients 6 -> 18, train 12 -> 36,
+#   nccl 3 -> 9, sanitize 16 -> 48, bench 19 -> 57, bf16 14 -> 42: 140 s estimated, 420 s of limits.
 # On a timeout a phase gets SIGINT (Python raises KeyboardInterrupt where it is: pytest still prints
 # its summary, --durations and the test it was in) and SIGKILL GRACE s later.
 #
@@ -284,13 +294,14 @@ main() {
         return 1
     fi
     phase 1 preflight 129 "$PY" scripts/gpu_check --part preflight $DRY
-    phase 2 tests 75 gpu_tests
-    phase 3 kernels 27 "$PY" scripts/gpu_check --part kernels $DRY
+    phase 2 tests 42 gpu_tests
+    phase 3 kernels 30 "$PY" scripts/gpu_check --part kernels $DRY
     phase 4 gradients 18 "$PY" scripts/gpu_check --part gradients $DRY
     phase 5 train 36 train_stop_resume_sample
     phase 6 nccl 9 nccl_one_rank
-    phase 7 sanitize 60 sanitize
+    phase 7 sanitize 48 sanitize
     phase 8 bench 57 "$PY" scripts/gpu_check --part bench $DRY
+    phase 9 bf16 42 "$PY" scripts/gpu_check --part bf16 $DRY
     echo "== summary"
     cat "$RESULTS_DIR/summary.txt"
     if [ "$FAILED" -eq 0 ]; then echo "== gpu_check: every phase passed"; else echo "== gpu_check: SOME PHASES FAILED"; fi

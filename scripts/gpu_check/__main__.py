@@ -12,10 +12,12 @@ one does not hide the others; exit status 1 if any failed), each in its module h
     preflight  (preflight.py) every compile, once: the project's kernels, CuPy's own warmed by tiny
                training steps, the start-up self-check timed at 8 x 1024, one ANDREA-120M step
     kernels    (kernels.py) each fused kernel against the generic code at ANDREA-120M's shapes; the
-               flash kernels' TF32 path at head size 64 against float64
+               flash kernels' TF32 path and bf16 instances at head size 64 against float64
     gradients  (gradients.py) float32 training on CuPy against NumPy float64 at T = 256
     sanitize   (sanitize.py) the step gpu_check.sh runs under compute-sanitizer
     bench      (bench.py) ANDREA-120M's throughput in TF32, per-kernel times, PyTorch beside it
+    bf16       (bf16.py) 20 steps of `python -m andrea.train --set train.precision=bf16` against
+               float32's, tokens/s of each
 
 budget.py is the pytest plugin of the tests phase (a budget of time, a partial result said as such);
 common.py and steps.py what the parts share. Everything printed also goes to gpu_check_results.txt in
@@ -37,7 +39,7 @@ if __package__ in (None, ""):  # `python scripts/gpu_check`: this package and th
 from gpu_check.common import log, verdict  # noqa: E402  (after the path above)
 
 # seconds each, at most (gpu_check.sh allows a little more)
-PARTS = {"preflight": 125, "kernels": 25, "gradients": 16, "sanitize": 18, "bench": 53}
+PARTS = {"preflight": 125, "kernels": 28, "gradients": 16, "sanitize": 18, "bench": 53, "bf16": 38}
 DRY_TIME_SCALE = 6  # a dry run's limits are 6 times these: it runs on a CPU, maybe under the CuPy stand-in
 
 

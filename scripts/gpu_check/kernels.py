@@ -4,8 +4,9 @@ First the start-up self-check (minitensor.backends.selection: which fused pieces
 path; the attention's at ANDREA-120M's head size, 64), then every case of every fused piece's record
 (kernels/NAME.py: the kernel's wrapper against the Ops code, float32, tolerance 1e-5 norm-wise),
 cuBLAS's own calls against CuPy's, and the flash kernels as training runs them, their float32
-products on TF32 tensor cores at head size 64, against a float64 reference (tolerance below): the max
-error (computed on the device: ~800 M elements are compared, two scalars come back) and time of each.
+products on TF32 tensor cores at head size 64, and their bf16 instances (train.precision=bf16) on
+bfloat16 inputs, against a float64 reference (tolerances below): the max error (computed on the device:
+~800 M elements are compared, two scalars come back) and time of each.
 """
 
 import contextlib
@@ -23,6 +24,13 @@ TOLERANCE = 1e-5  # float32 against float32: summation orders differ, formulas m
 # accumulation adding ~1e-6. 5e-3 (the self-check's FLASH_RTOL) holds that with room, and refuses a
 # wrong fragment layout, mask or tile, whose errors are of the outputs' own size.
 TF32_TOLERANCE = 5e-3
+# bf16 keeps 8 significant bits: unit roundoff u = 2**-8 = 3.9e-3. The inputs are bf16 values, which the
+# float64 reference takes exactly, so only the kernels' own roundings count: the forward rounds the
+# probabilities to bf16 for P v (u) and its output (u); the backward rounds P and dS = P (dP - D) to bf16
+# as operands (u each) and each gradient it stores (u), float32 sums adding ~1e-6: at most ~3u = 1.2e-2 of
+# the outputs' scale. 2e-2 holds that with room, and refuses a wrong fragment layout, mask or tile, whose
+# errors are of the outputs' own size.
+BF16_TOLERANCE = 2e-2
 
 
 def part_kernels(dry):
@@ -52,7 +60,7 @@ def part_kernels(dry):
         f"(norm-wise), {TF32_TOLERANCE:g} for TF32 against float64")
     start, compared, disagreed = time.perf_counter(), 0, []
     cases = [(*case, TOLERANCE) for piece in fused_pieces().values() for case in piece_cases(piece, k)]
-    cases += [(*case, TOLERANCE) for case in _cublas_cases(k)] + [_flash_tf32_case(k)]
+    cases += [(*case, TOLERANCE) for case in _cublas_cases(k)] + [_flash_tf32_case(k), _flash_bf16_case(k)]
     for name, setup, fused, generic, needs_cupy, tolerance in cases:
         if not on_gpu and needs_cupy:
             log(f"skip {name:<26} (needs CuPy: an ElementwiseKernel, cuBLAS, or a whole piece)")
@@ -196,12 +204,41 @@ def _flash_tf32_case(k):
         y, lse = flash_attention_forward_gpu(d["q"], d["k"], d["v"], scale, tf32=True)
         return (y, *flash_attention_backward_gpu(d["q"], d["k"], d["v"], y, d["dy"], lse, scale, tf32=True))
 
+    return ("flash TF32 hs 64 vs float64", setup, fused, _dense_float64(k), False, TF32_TOLERANCE)
+
+
+def _flash_bf16_case(k):
+    """The flash core's bf16 kernels (mma.sync m16n8k16, float32 sums) at head size 64, forward and backward
+    on bfloat16 q, k, v, dy through the same wrappers, against Ops' dense core in float64 on the same
+    (bf16-exact) inputs; on NumPy (a dry run) in the launch emulation."""
+    from minitensor import precision
+    from minitensor.backends.kernels.attention import flash_attention_backward_gpu, flash_attention_forward_gpu
+
+    BH, T, hs = k.BH, k.T, 64
+    scale = 1.0 / math.sqrt(hs)
+
+    def setup():  # drawn and rounded to bf16 on the host, copied over as bf16
+        rng = np.random.default_rng(5)
+        return {name: k.xp.asarray(rng.standard_normal((BH, T, hs), dtype=np.float32).astype(precision.bfloat16()))
+                for name in ("q", "k", "v", "dy")}
+
+    def fused(d):
+        y, lse = flash_attention_forward_gpu(d["q"], d["k"], d["v"], scale)
+        return (y, *flash_attention_backward_gpu(d["q"], d["k"], d["v"], y, d["dy"], lse, scale))
+
+    return ("flash bf16 hs 64 vs float64", setup, fused, _dense_float64(k), False, BF16_TOLERANCE)
+
+
+def _dense_float64(k):
+    """(y, dq, dk, dv) of Ops' dense attention core in float64 on a case's q, k, v, dy (BH, T, hs)."""
+
     def reference(d):
         d = {name: a.astype(np.float64) for name, a in d.items()}
+        BH, T, hs = d["q"].shape
         y4 = k.xp.empty((BH, 1, T, hs), np.float64)
         cache = k.ref.attention_forward([d[n][:, None] for n in "qkv"], None, y4, dense=True)
         grads = [k.xp.empty((BH, 1, T, hs), np.float64) for _ in range(3)]
         k.ref.attention_backward(d["dy"][:, None], cache, grads)
         return (y4[:, 0], *(g[:, 0] for g in grads))
 
-    return ("flash TF32 hs 64 vs float64", setup, fused, reference, False, TF32_TOLERANCE)
+    return reference

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 MAX_LIMITS = 420  # s: 7 minutes, so that a rerun fits the same 15-minute lease
 PHASES = [["0", "device"], ["1", "preflight"], ["2", "tests"], ["3", "kernels"], ["4", "gradients"], ["5", "train"],
-          ["6", "nccl"], ["7", "sanitize"], ["8", "bench"]]
+          ["6", "nccl"], ["7", "sanitize"], ["8", "bench"], ["9", "bf16"]]
 VERDICT = re.compile(r"^(ok  |FAIL) phase (\d+) (\w+) (\d+) s of (\d+) s")
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 try:  # the `fast` extra: CI installs it, and the dry run on the CPU then trains with numba's kernels
@@ -115,6 +115,10 @@ def test_gpu_check_dry_run_passes_and_reports_each_phase(tmp_path):
                for f in figures), figures
     assert "no project kernel launched" in phases["bench"]
     _bench_figures(figures, phases)
+    # the flash kernels' bf16 instances against float64 in the launch emulation (the kernels phase); bf16
+    # training needs a GPU
+    assert any(re.match(BF16_FLASH, f) for f in figures), figures
+    assert any(f.startswith("bf16 training not run (dry run on the CPU") for f in figures), figures
 
 
 def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(tmp_path):
@@ -159,6 +163,12 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     assert "NCCL self-test: ok" in phases["nccl"] and any(f.startswith("NCCL self-test: ok") for f in figures)
     assert any(f.startswith("CuPy 1-layer step x 2, dense and blocked core (kernels: fused") for f in figures)
     _bench_figures(figures, phases)
+    # the bf16 kernels against float64 (the kernels phase), then the bf16 phase on the stand-in: 20 steps of
+    # each precision through python -m andrea.train, bf16's curve within tolerance of float32's, tokens/s of each
+    assert any(re.match(BF16_FLASH, f) for f in figures), figures
+    assert any(re.match(r"ok bf16 curve: 4 steps within [0-9.]+% of float32's", f) for f in figures), figures
+    assert any(re.match(r"bf16 [0-9,]+ tokens/s, float32 \(TF32\) [0-9,]+ tokens/s measured", f) for f in figures)
+    assert "train.precision=bf16: 4 steps" in phases["bf16"] and "kernels: fused " in phases["bf16"]
 
     bench = [r for r in reports(tmp_path / "reads")
              if any(f.endswith(":part_bench") for read in r["reads"] for f in read[2])]
@@ -167,6 +177,34 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
                if any(f.split(":")[0].endswith("steps.py") and f.endswith(":step") for f in read[2])]
     # 5 steps: 1 warm-up, 2 timed, 1 split, 1 with each kernel timed
     assert len(in_step) == 5, [read[2][-1] for read in in_step]
+
+
+BF16_FLASH = r"ok flash bf16 hs 64 vs float64: max error [0-9.e-]+ \(tolerance 0.02\)"
+
+
+def test_the_bf16_phase_compares_each_step_and_measures_each_precisions_speed(monkeypatch, capsys):
+    """bf16's losses against float32's step by step, within 1%; the tokens/s of each, steps 2-20 (the first
+    holds the start-up); a run that logged other steps, or a curve that leaves the tolerance at one step,
+    fails; each run is `python -m andrea.train` with train.precision set, as a user runs it."""
+    bf16 = _gpu_check_module("bf16")
+    monkeypatch.setenv("GPU_CHECK_TEED", "1")
+    fp32 = {s: (9.0 - 0.1 * s, 1000.0 * (s > 1) + 10.0) for s in range(1, 21)}
+    close = {s: (loss * (1 + 0.004 * (-1) ** s), 2.0 * tps) for s, (loss, tps) in fp32.items()}
+    assert bf16._compare_curves(fp32, close) is False
+    out = capsys.readouterr().out
+    assert "figure: ok bf16 curve: 20 steps within 0.40% of float32's" in out
+    assert "figure: bf16 2,020 tokens/s, float32 (TF32) 1,010 tokens/s measured (median of steps 2-20): " \
+           "bf16 / float32 2.00" in out
+    apart = {**close, 12: (fp32[12][0] * 1.02, 2000.0)}
+    assert bf16._compare_curves(fp32, apart) is True
+    assert "figure: FAIL bf16 curve: 20 steps within 2.00% of float32's (step 12" in capsys.readouterr().out
+    assert bf16._compare_curves(fp32, {s: v for s, v in close.items() if s < 20}) is True
+    command = bf16.train_command("bf16", "out", "data", dry=False)
+    assert command[1:3] == ["-m", "andrea.train"] and "train.precision=bf16" in command
+    assert {"--config", "120m", "train.tokens_per_step=8192", "train.warmup_steps=0"} <= set(command)
+    assert command[command.index("--max-steps") + 1] == "20"
+    dry = bf16.train_command("bf16", "out", "data", dry=True)
+    assert dry[dry.index("--max-steps") + 1] == "4" and "train.precision=bf16" in dry
 
 
 SLOW_TESTS = """
@@ -300,7 +338,7 @@ def test_a_fused_piece_without_cases_is_compared_through_its_sample():
 @pytest.mark.skipif(device.gpu_available(), reason="a GPU works here: the check would run every phase")
 def test_without_a_gpu_the_check_stops_after_the_device_phase_and_says_so(tmp_path):
     """No GPU (CuPy without a driver, or no CuPy): phase 0 finds none at once, and the check stops
-    there with one line saying why, instead of running 8 phases that can only fail."""
+    there with one line saying why, instead of running 9 phases that can only fail."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path), "PYTHON": sys.executable}
     start = time.monotonic()
     run = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -310,7 +348,7 @@ def test_without_a_gpu_the_check_stops_after_the_device_phase_and_says_so(tmp_pa
     assert "no usable GPU" in out and "stopped after the device phase" in out, out
     verdicts, figures = _summary(tmp_path)
     assert [line.split()[:4] for line in verdicts] == [["FAIL", "phase", "0", "device"]], verdicts
-    assert not re.search(r"== phase [1-8]", out) and out.count("FAIL") == 1, out
+    assert not re.search(r"== phase [1-9]", out) and out.count("FAIL") == 1, out
     assert any("stopped after the device phase" in f for f in figures), figures
     assert _left(tmp_path) == ["gpu_check/phases.log", "gpu_check/summary.txt", "gpu_check_results.txt"]
 

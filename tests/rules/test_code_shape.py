@@ -199,6 +199,7 @@ LONG_MODULES = {
                                                 "specs, wrappers, the fused piece's record",
     "minitensor/checks/emulation.py": "a RawKernel run on the CPU: fibers, the warp-level steps (shuffles, mma, "
                                       "ldmatrix), the program",
+    "andrea/run/pricing.py": "an op's time on a card: each card's rates with their sources, the kernels' counts",
 }
 
 
