@@ -69,7 +69,7 @@ class Trainer:
             # ZeRO-1 cuts the flat buffers into one equal, aligned range per rank: their size a multiple of 16 N
             self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed,
                                 kernels=t.kernels if kernels is None else kernels, batch=t.batch_size,
-                                flat_multiple=ALIGN * (world.size if t.zero_stage else 1))
+                                flat_multiple=ALIGN * (world.size if t.zero_stage else 1), precision=t.precision)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         # the GPU's TF32 mode (process-wide) and the model's kernels, said in the log
@@ -122,7 +122,8 @@ class Trainer:
     def state(self, optimizer=None):
         """(tensors, meta) of a checkpoint, on rank 0; `optimizer`: what optimizer_state() gave it. Sharded,
         that is a collective every rank takes part in, so pass it: without it, state() gathers on this rank
-        alone."""
+        alone. The weights are the float32 masters under any train.precision (bf16's bfloat16 copy is
+        rounded from them again on restore), so a checkpoint resumes in float32 or bf16 alike."""
         # views into the flat buffers, not copies: a checkpoint of ANDREA-120M would otherwise
         # hold a second 370 MB of weights in memory while it is written
         tensors = {name: to_numpy(view) for name, view in self.model.named_parameters()}
