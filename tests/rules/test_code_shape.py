@@ -195,6 +195,8 @@ LONG_MODULES = {
     "andrea/interop/hf.py": "the Hugging Face GPT-2 format, both directions",
     "andrea/bench.py": "the benchmark command",
     "andrea/run/stepmodel.py": "the step model: a step recorded on the stand-in, priced per card, and its table",
+    "minitensor/backends/ops.py": "the reference maths of every piece, the textbook each backend equals, in any precision",
+    "andrea/run/preflight.py": "the checks made before a run's first step, and the plan --dry-run prints",
 }
 
 
