@@ -323,18 +323,24 @@ class Ops:
 
     # --- softmax cross-entropy: loss = mean_n (logsumexp(z_n) - z_n[t_n]) ---
 
-    def softmax_xent_forward(self, z, t, inplace=False):
+    def softmax_xent_forward(self, z, t, inplace=False, valid=None):
         """z (N, V) logits, t (N,) ids -> (the loss as a 0-d array in the accumulate dtype, what
         softmax_xent_backward takes: here the probabilities softmax(z), of z's dtype). inplace: z may be
-        overwritten (a backend saves memory so)."""
+        overwritten (a backend saves memory so). valid: the first columns that are the vocabulary's, the
+        rest a padded head's (TiedHead.forward(padded=True)), never read: probability 0, no gradient."""
         xp, dtype = self.xp, z.dtype
-        z = self.summed(z)
+        probs = xp.zeros(z.shape, dtype) if valid not in (None, z.shape[1]) else None
+        z = self.summed(z if probs is None else z[:, :valid])
         N = z.shape[0]
         top = z.max(axis=1, keepdims=True)                   # the row maximum first: exp never overflows
         e = xp.exp(z - top)
         total = e.sum(axis=1, keepdims=True)
         logsumexp = top[:, 0] + xp.log(total[:, 0])
-        return (logsumexp - z[xp.arange(N), t]).mean(), self.stored(e / total, dtype)
+        loss = (logsumexp - z[xp.arange(N), t]).mean()
+        if probs is None:
+            return loss, self.stored(e / total, dtype)
+        probs[:, :valid] = e / total
+        return loss, probs
 
     def softmax_xent_backward(self, saved, t, dloss=1.0):
         """forward was: loss = mean_n(logsumexp(z_n) - z_n[t_n]), so

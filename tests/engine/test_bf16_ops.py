@@ -218,3 +218,20 @@ def test_params_compute_copy_is_the_masters_rounded(xp):
 
     plain = Params({"w": (2, 3)}, xp=xp, dtype="float32", ops=ops)
     assert not plain.mixed and plain.compute is plain.data and plain.compute_view("w") is plain["w"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_generic_cross_entropy_masks_a_padded_head(xp, dtype):
+    """Logits over a padded vocabulary (TiedHead.forward(padded=True)): Ops' cross-entropy reads the first
+    `valid` columns only, as the fused one does, so a fused head's padding can fall back to it (a bfloat16
+    run whose cross-entropy kernel is not built for bfloat16): the same loss, no gradient in the padding."""
+    ops, rng = ops_for(xp), np.random.default_rng(7)
+    z = rng.standard_normal((6, 10)).astype(precision.dtype_of(dtype))
+    padded = np.full((6, 16), np.nan, z.dtype)          # never read
+    padded[:, :10] = z
+    t = xp.asarray(rng.integers(0, 10, 6))
+    loss, saved = ops.softmax_xent_forward(xp.asarray(z), t)
+    loss_p, saved_p = ops.softmax_xent_forward(xp.asarray(padded), t, valid=10)
+    assert float(loss_p) == float(loss)
+    dz, dz_p = (host(ops.softmax_xent_backward(s, t)) for s in (saved, saved_p))
+    assert np.array_equal(dz_p[:, :10], dz) and np.all(dz_p[:, 10:] == 0)
