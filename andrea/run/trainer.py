@@ -16,6 +16,10 @@ ranks once per step (andrea.run.distributed), or with train.zero_stage 1 (ZeRO-1
 rank updating its range of the weights and keeping the optimizer's state for it alone, and the weights
 all-gathered; with train.overlap (the default) bucket by bucket during the last micro-batch's backward
 (andrea.run.overlap). Rank 0 alone prints, writes metrics and checkpoints.
+
+train.precision=bf16 (a GPU only) builds the model in bf16 (andrea.model.transformer): the loop is the
+same, the loss, gradients, clipping norm, AdamW's state and the checkpoint's weights float32, and each
+AdamW step writes the bfloat16 weights the layers read (minitensor.flat, Params.compute).
 """
 
 import math
