@@ -398,12 +398,11 @@ class Ops:
     def adamw_step(self, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0, copy=None):
         """One update in place over p, m, v (step t, counting from 1) from the gradient g times
         grad_scale (a number or a 0-d array on p's device, never read here); decayed is 1 over the
-        decayed tensors, 0 elsewhere (Params.mask); copy, if given (a flat bfloat16 array as long as p:
-        the weights the layers read under a mixed precision, Params.compute), is p rounded to its
-        dtype (nearest even) after the update:
+        decayed tensors, 0 elsewhere (Params.mask):
             m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2
             m_hat = m / (1 - b1^t),  v_hat = v / (1 - b2^t)
-            p = p - lr wd decayed p - lr m_hat / (sqrt(v_hat) + eps)"""
+            p = p - lr wd decayed p - lr m_hat / (sqrt(v_hat) + eps)
+        copy (a flat bfloat16 array as long as p, or None): then copy[:] = p rounded to it."""
         g = g * grad_scale
         m[...] = b1 * m + (1.0 - b1) * g
         v[...] = b2 * v + (1.0 - b2) * g * g
