@@ -22,6 +22,7 @@ from andrea.errors import UserError, one_of
 from andrea.model.block import check_norm
 from andrea.run.schedule import check_schedule
 from andrea.run.sinks import check_sink_names
+from minitensor.precision import POLICIES
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -32,6 +33,8 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 # nothing here lists them, so that a new member is its registry's entry alone
 NORM_POSITIONS = ("pre", "post", "none")
 ACTIVATIONS = ("gelu", "relu", "swiglu")
+# train.precision's values: the policies a run trains in, float32 masters (float64 is train.dtype's, the checks')
+PRECISIONS = tuple(name for name, policy in POLICIES.items() if policy.master == "float32")
 
 
 class DerivedRatio(float):
@@ -159,6 +162,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "float32"
+    precision: str = "float32"      # bf16 on a GPU: float32 master weights, bfloat16 activations (minitensor.precision)
     tf32: bool = False
     kernels: str = "auto"           # fused GPU kernels: auto (self-checked at start-up), fused, or generic
     sample_tokens: int = 120        # length of the sample printed at the end (0: none)
@@ -190,6 +194,14 @@ class TrainConfig:
         _require(self.dtype in ("float32", "float64"), f"train.dtype must be float32 or float64, got {self.dtype!r}")
         _require(self.zero_stage in (0, 1), f"train.zero_stage must be 0 (replicated) or 1 (the optimizer's state "
                  f"sharded), got {self.zero_stage}")
+        _require(self.precision in PRECISIONS, f"train.precision must be {' or '.join(PRECISIONS)}, got "
+                 f"{self.precision!r} (the float64 checks are train.dtype=float64)")
+        if self.precision != "float32":
+            _require(self.dtype == "float32", f"train.precision={self.precision} keeps float32 master weights: "
+                     f"leave train.dtype at float32, not {self.dtype}")
+            _require(self.zero_stage == 0, f"train.precision={self.precision} with train.zero_stage=1 is not built "
+                     "yet (each rank's AdamW writes only its range of the bfloat16 weights, and the all-gather "
+                     "gathers the float32 ones): use train.zero_stage=0")
         _require(self.kernels in ("auto", "fused", "generic"),
                  f"train.kernels must be auto, fused or generic, got {self.kernels!r}")
         micro = self.batch_size * self.sequence_length(model)

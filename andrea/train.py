@@ -285,6 +285,7 @@ def share_state(trainer):
     state = trainer.opt.named_state().values() if trainer.shards is None else ()
     for buf in (trainer.model.params.data, *state):
         trainer.reducer.broadcast(buf)
+    trainer.model.params.refresh_compute()  # train.precision=bf16: the layers' bfloat16 copy of the weights
 
 
 def finish(trainer, code, start_step, seconds):

@@ -11,6 +11,18 @@ Each tensor starts at a multiple of 16 elements (64 bytes in float32), so views 
 `span` is where the last tensor's padding ends; `size`, the buffers' length, is `span` rounded up to
 `multiple` (16 unless asked: a run that shards the buffers over N ranks asks for 16 N, so that every
 rank's range is as long and aligned).
+
+Under a mixed precision (minitensor.precision, bf16) `data` and `grads` stay float32: the master
+weights the optimizer updates and checkpoints hold, and the gradients summed in float32. A third flat
+buffer of the same layout, `compute` (bfloat16), holds the weights the layers read:
+
+    p = Params(shapes, xp=cupy, dtype="float32", compute=precision.bfloat16())
+    p.compute_view("fc.weight")   # (3, 4) bfloat16 view into p.compute, same offsets
+    p.refresh_compute()           # compute = data rounded to nearest even, after data was written
+
+AdamW's update writes `compute` in the same pass (Ops.adamw_step's `copy`); whatever else writes
+`data` (the initialisation, a checkpoint, a broadcast) calls refresh_compute after. Without a
+compute dtype, `compute` is `data` itself and compute_view(name) is p[name].
 """
 
 import math
@@ -25,7 +37,9 @@ ALIGN = 16
 class Params:
     """Named views into one parameter buffer (`data`) and one gradient buffer (`grads`)."""
 
-    def __init__(self, shapes, xp=np, dtype="float32", ops=None, multiple=ALIGN):
+    def __init__(self, shapes, xp=np, dtype="float32", ops=None, multiple=ALIGN, compute=None):
+        """compute: the dtype the layers read the weights in, where it differs from dtype (bfloat16
+        under precision bf16): a flat copy of that dtype (the module's docstring); None: dtype itself."""
         self.xp = xp
         self.ops = ops or get_ops(xp)
         self.dtype = np.dtype(dtype)
@@ -43,6 +57,9 @@ class Params:
         self.grads = xp.zeros(self.size, dtype=self.dtype)
         self._views = {n: self._view(self.data, n) for n in self.shapes}
         self._grad_views = {n: self._view(self.grads, n) for n in self.shapes}
+        self.mixed = compute is not None and np.dtype(compute) != self.dtype
+        self.compute = xp.zeros(self.size, dtype=compute) if self.mixed else self.data
+        self._compute_views = {n: self._view(self.compute, n) for n in self.shapes} if self.mixed else self._views
 
     def _view(self, flat, name):
         start = self.offsets[name]
@@ -60,6 +77,16 @@ class Params:
 
     def grad(self, name):
         return self._grad_views[name]
+
+    def compute_view(self, name):
+        """The view the layers read: of `compute` under a mixed precision, else p[name] itself."""
+        return self._compute_views[name]
+
+    def refresh_compute(self):
+        """compute = data rounded to compute's dtype (nearest even), after data was written other than by
+        the optimizer's step; nothing without a mixed precision."""
+        if self.mixed:
+            self.compute[...] = self.data.astype(self.compute.dtype)
 
     def names(self):
         return list(self.shapes)

@@ -8,7 +8,9 @@ Decoupled weight decay (Loshchilov & Hutter) applied before the Adam step, as Py
 does, and only to the tensors `decays` selects (by default those of 2+ dimensions: matmul
 weights and embeddings), given to the backend as a 0/1 mask over the buffer (`Ops.decay_mask`: in
 the parameters' dtype, or uint8 on NumPy, whose step reads only where it changes). The update is
-`Ops.adamw_step` of the parameters' backend (minitensor.backends.ops), this formula as written.
+`Ops.adamw_step` of the parameters' backend (minitensor.backends.ops), this formula as written; under a
+mixed precision (Params.mixed: float32 masters, bfloat16 weights for the layers) the same step also
+writes the shard's range of the bfloat16 copy (`copy=`, Params.compute), so no second pass refreshes it.
 Gradient clipping is the backend's too (`ops.global_norm`, `ops.clip_scale`): on a GPU the norm
 stays on the device and the step takes the scale as a 0-d array, so nothing is read back.
 
@@ -62,9 +64,10 @@ class AdamW:
         there), so a GPU step needs no host read."""
         self.t += 1
         b1, b2 = self.betas
+        copy = {"copy": self._owned(self.params.compute)} if self.params.mixed else {}
         self.ops.adamw_step(self._owned(self.params.data), self._owned(self.params.grads), self._state["m"],
                             self._state["v"], self.decayed, self.lr if lr is None else lr, b1, b2, self.eps,
-                            self.weight_decay, self.t, grad_scale)
+                            self.weight_decay, self.t, grad_scale, **copy)
 
     def named_state(self):
         """{name: flat state tensor over the shard} in STATE's order: the optimizer's own arrays, so a

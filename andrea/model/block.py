@@ -8,7 +8,8 @@
 
 The residual adds run in the epilogue of each branch's last product, c_fc's bias in the
 activation's pass, and c_proj's input is recomputed in backward instead of kept. A block is built
-from views of the model's flat buffer (minitensor.flat) under its GPT-2 names.
+from views of the model's flat buffers (minitensor.flat) under its GPT-2 names: the weights the layers
+read (Params.compute_view: bfloat16 under precision bf16) and the gradients (float32 under bf16).
 """
 
 from typing import NamedTuple
@@ -22,8 +23,8 @@ from minitensor.layers.rmsnorm import RMSNorm
 
 
 def _linear(p, name, ops):
-    return Linear(p[name + ".weight"], p.grad(name + ".weight"), p[name + ".bias"], p.grad(name + ".bias"),
-                  ops=ops)
+    return Linear(p.compute_view(name + ".weight"), p.grad(name + ".weight"), p.compute_view(name + ".bias"),
+                  p.grad(name + ".bias"), ops=ops)
 
 
 # model.norm -> its layer, a Norm (minitensor.layers.layer): the config's values, the parameters'
@@ -43,7 +44,7 @@ def norm_layer(p, name, cfg, ops):
     if name + ".weight" not in p.shapes:
         return NoNorm(ops)
     kind = NORMS[cfg.norm]
-    views = [v for s in kind.params for v in (p[f"{name}.{s}"], p.grad(f"{name}.{s}"))]
+    views = [v for s in kind.params for v in (p.compute_view(f"{name}.{s}"), p.grad(f"{name}.{s}"))]
     return kind(*views, cfg.ln_eps, ops=ops)
 
 
@@ -93,9 +94,9 @@ class MLP(Layer):
     def forward(self, x, residual=None):
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
-        h = x2 @ self.c_fc.W                                 # (N, 4C)
+        h = self.ops.matmul(x2, self.c_fc.W)                 # (N, 4C)
         g = self.act_forward(h, self.c_fc.b)
-        out = g @ self.c_proj.W                              # (N, C)
+        out = self.ops.matmul(g, self.c_proj.W)              # (N, C)
         self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
         self._save(MLPCache(x2, h, x.shape))
         return out.reshape(x.shape)
@@ -103,11 +104,11 @@ class MLP(Layer):
     def backward(self, dout):
         x2, h, shape = self._pop()
         dout2 = dout.reshape(-1, shape[-1])
-        dg = dout2 @ self.c_proj.W.T
+        dg = self.ops.matmul(dout2, self.c_proj.W.T)
         dh, g = self.act_backward(h, self.c_fc.b, dg, recompute_output=True)
         self.c_proj.weight_grads(g, dout2)
         self.c_fc.weight_grads(x2, dh)
-        return (dh @ self.c_fc.W.T).reshape(shape)
+        return self.ops.matmul(dh, self.c_fc.W.T).reshape(shape)
 
 
 class Block:

@@ -29,7 +29,10 @@ With `record_flow(recorder)` the model reports, in the next forward and backward
 stream and its gradient at every block to the recorder (andrea.run.gradflow; train.log_grad_flow).
 
 The backend (minitensor.backends.ops: NumPy with or without numba kernels, or CuPy) is chosen once, here,
-from the device, and handed to every layer.
+from the device, and handed to every layer. So is the precision (minitensor.precision): float32 or
+float64 throughout, or bf16 on a GPU, where the layers read a bfloat16 copy of the float32 master
+weights (Params.compute_view), the activations are bfloat16, every sum is carried in float32 (the
+backend's pieces, minitensor.backends.ops) and the loss is float32.
 """
 
 import math
@@ -40,6 +43,7 @@ from andrea.config import ModelConfig
 from andrea.errors import UserError
 from andrea.model.block import Block, norm_layer
 from andrea.model.sizes import param_shapes, run_sizes
+from minitensor import precision as policies
 from minitensor.backends import get_ops
 from minitensor.device import get_device, resolve_dtype, to_numpy
 from minitensor.flat import ALIGN, Params
@@ -49,27 +53,39 @@ from minitensor.layers.loss import SoftmaxCrossEntropy
 
 class ANDREA:
     def __init__(self, cfg: ModelConfig, device="cpu", dtype="float32", seed=0, kernels=None, ops=None, batch=None,
-                 flat_multiple=ALIGN):
+                 flat_multiple=ALIGN, precision=None):
         """kernels: on the CPU 'numba' or 'numpy' (default: ANDREA_CPU_KERNELS, else numba when
         installed); on a GPU the fused kernels, 'auto' (the default: those that pass the start-up
         self-check, and with `batch`, are not slower than the generic code at batch x context_length),
         'fused' or 'generic' (train.kernels); chosen here once, like the device
         (minitensor.backends.get_ops). ops: a minitensor.backends.ops backend to use instead of the device's
         (tests). flat_multiple: the flat buffers' size is rounded up to it (minitensor.flat.Params; a
-        run that shards them over N ranks asks for 16 N)."""
+        run that shards them over N ranks asks for 16 N). precision: a policy's name of minitensor.precision
+        (train.precision: "bf16" on a GPU, float32 masters and bfloat16 activations; refused on the CPU);
+        None: dtype's own (float32 or float64 throughout)."""
         self.cfg = cfg
         self.device = get_device(device)
         self.ops = ops = ops or get_ops(self.device.xp, kernels, run_sizes(cfg, batch) if batch else None)
         self.xp = ops.xp
         self.dtype = resolve_dtype(dtype)
-        self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops, multiple=flat_multiple)
+        try:
+            self.policy = policies.for_arrays(precision or self.dtype.name, self.xp)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if self.policy.master_dtype != self.dtype:
+            raise UserError(f"precision {self.policy.name} keeps {self.policy.master} master weights: use dtype "
+                            f"{self.policy.master} with it, not {self.dtype}")
+        self.params = Params(param_shapes(cfg), xp=self.xp, dtype=self.dtype, ops=ops, multiple=flat_multiple,
+                             compute=self.policy.compute_dtype)
         p = self.params
-        # ids are validated on the host in _ids, so the layers skip their own (device-syncing) checks
-        self.wte = Embedding(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), check=False, ops=ops)
-        self.wpe = PositionEmbedding(p["transformer.wpe.weight"], p.grad("transformer.wpe.weight"), ops=ops)
+        # the layers read the weights as the policy computes with them (p.compute_view: p's own views but
+        # under bf16); ids are validated on the host in _ids, so the layers skip their own (device-syncing) checks
+        self.wte = Embedding(p.compute_view("transformer.wte.weight"), p.grad("transformer.wte.weight"), check=False,
+                             ops=ops)
+        self.wpe = PositionEmbedding(p.compute_view("transformer.wpe.weight"), p.grad("transformer.wpe.weight"), ops=ops)
         self.blocks = [Block(p, f"transformer.h.{i}.", cfg, ops) for i in range(cfg.n_layer)]
         self.ln_f = norm_layer(p, "transformer.ln_f", cfg, ops)
-        self.head = TiedHead(p["transformer.wte.weight"], p.grad("transformer.wte.weight"), ops=ops)
+        self.head = TiedHead(p.compute_view("transformer.wte.weight"), p.grad("transformer.wte.weight"), ops=ops)
         self.loss_fn = SoftmaxCrossEntropy(check=False, ops=ops)
         self.flow = None
         self.init_weights(seed)
@@ -94,6 +110,7 @@ class ANDREA:
             else:
                 std = residual_std if name.endswith("c_proj.weight") else 0.02
                 view[...] = self.xp.asarray(rng.normal(0.0, std, view.shape).astype(self.dtype))
+        self.params.refresh_compute()
 
     # --- inputs ---
 
@@ -197,6 +214,7 @@ class ANDREA:
                 raise UserError(f"{name} has shape {tuple(state[name].shape)}, this model needs {shape}")
         for name, view in self.params.items():
             view[...] = self.xp.asarray(state[name], dtype=self.dtype)
+        self.params.refresh_compute()
 
     # --- the Hugging Face format (andrea.interop.hf, which never imports this module; imported here, on
     # first use, so that a model without them loads neither tokenizers nor safetensors) ---
@@ -223,7 +241,8 @@ class ANDREA:
 
     def new_kv_cache(self, batch_size=1):
         shape = (batch_size, self.cfg.n_head, self.cfg.context_length, self.cfg.head_size)
-        return [(self.xp.zeros(shape, self.dtype), self.xp.zeros(shape, self.dtype)) for _ in self.blocks]
+        dtype = self.params.compute.dtype  # the activations' (bfloat16 under bf16)
+        return [(self.xp.zeros(shape, dtype), self.xp.zeros(shape, dtype)) for _ in self.blocks]
 
     def forward_kv(self, idx, cache, pos, every=False):
         """Logits (B, V) of the last of the new tokens idx (B, T_new) at positions pos..pos+T_new-1

@@ -6,7 +6,9 @@
 `python -m andrea.train` runs these checks on every rank before any work, with and without
 `--dry-run`. What is checked, each a one-line `UserError` naming the flag or `--set` key to change:
 - the device: `--device`/`train.device`, or `$ANDREA_DEVICE` when the config says `auto`; a GPU is
-  probed (a kernel and a matmul run on it), so the plan names the device the run will get;
+  probed (a kernel and a matmul run on it), so the plan names the device the run will get, and
+  `train.precision=bf16` is refused on a CPU (minitensor.precision.for_arrays: NumPy has no bfloat16
+  arithmetic);
 - the shape of a step: `train.tokens_per_step` must divide into batch x seq_len x processes, and
   `model.vocab_size` must fit the token files' uint16 ids;
 - `--init-from`: the directory's weights, as loading reads them (hf.read_state: every file's header,
@@ -17,7 +19,9 @@
 - the schedule: `train.warmup_steps` beyond `train.max_steps` is a warning saying the peak rate
   the run reaches (it was silent; refusing it would break quick `--max-steps 10` runs);
 - memory: parameters, gradients and the two AdamW moments (4 N floats; 2 N + 2 N / P with ZeRO-1 over
-  P processes) plus the activations kept from forward to backward at the configured micro-batch,
+  P processes; each in float32, or float64 with train.dtype=float64; train.precision=bf16 adds the
+  layers' bfloat16 copy of the weights, 2 bytes each) plus the activations kept from forward to
+  backward at the configured micro-batch (bfloat16 under bf16),
   plus 10% for everything else (measured below), against what the machine has (`MemAvailable` and
   the cgroup limit on Linux, free GPU memory on a GPU, which `auto` counts as when a GPU works): an
   error when the estimate does not fit, a warning above 80%;
@@ -39,6 +43,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from andrea import files
 from andrea.data.manifest import split_counts
 from andrea.data.tokenfile import MAX_VOCAB
@@ -49,6 +55,8 @@ from andrea.run import distributed as dist
 from andrea.run.paths import check_directory, check_output_file  # noqa: F401 (check_output_file: the commands')
 from andrea.run.schedule import make_schedule
 from andrea.run.sinks import check_sinks
+from minitensor.precision import for_arrays
+from minitensor.precision import get as get_policy
 
 DEVICES = ("auto", "cpu", "gpu")
 ACTIVATION_FLOATS_PER_LAYER = 12  # d_model floats per token and layer (BENCHMARKS.md, Memory)
@@ -131,13 +139,16 @@ def estimate_memory(cfg, processes=1) -> MemoryEstimate:
     """Bytes a training run of `cfg` holds at its peak, from the shapes alone (nothing allocated)."""
     m, t = cfg.model, cfg.train
     n = parameter_breakdown(m)["total"]
-    size = 8 if t.dtype == "float64" else 4
+    policy = get_policy(t.precision if t.dtype == "float32" else t.dtype)
+    size = policy.master_dtype.itemsize                # the weights, gradients, m and v: float32 under bf16
+    act = policy.compute_dtype.itemsize                # the activations: 2 bytes under bf16
+    compute_copy = n * act if policy.mixed else 0      # bf16: the layers' bfloat16 copy of the weights
     B, T = t.batch_size, t.sequence_length(m)
     per_token = ACTIVATION_FLOATS_PER_LAYER * m.d_model * m.n_layer + m.vocab_size + 3 * m.d_model
-    causal = B * m.n_head * T * T * size  # an upper bound on the kept (lower-triangular) blocks
+    causal = B * m.n_head * T * T * act  # an upper bound on the kept (lower-triangular) blocks
     probs = m.n_layer * causal if causal <= KEPT_PROBS_MAX_BYTES else 0
     moments = 2 * n * size // (processes if t.zero_stage else 1)  # ZeRO-1: each rank's range of m and v alone
-    return MemoryEstimate(n, 2 * n * size + moments, B * T * per_token * size + probs)
+    return MemoryEstimate(n, 2 * n * size + moments + compute_copy, B * T * per_token * act + probs)
 
 
 def available_memory(device: str) -> tuple[int | None, str]:
@@ -251,7 +262,8 @@ class Plan:
         rows = [
             ("model", f"{self.cfg.name}: {describe_model(m)}"),
             ("parameters", f"{self.memory.parameters:,}"),
-            ("device", f"{self.device}{asked} ({t.dtype})" + (f": {self.device_note}" if self.device_note else "")),
+            ("device", f"{self.device}{asked} ({describe_precision(t)})"
+                       + (f": {self.device_note}" if self.device_note else "")),
             ("memory", memory),
             ("tokens/step", f"{tokens:,} (batch {t.batch_size} x {T} tokens x {accum} micro-batch"
                             f"{'es' if accum != 1 else ''}{each}{ranks})"),
@@ -260,6 +272,15 @@ class Plan:
             ("output", str(self.out_dir)),
         ]
         return "\n".join(f"{k:<12}{v}" for k, v in rows)
+
+
+def describe_precision(t) -> str:
+    """train.dtype and train.precision as the plan says them: "float32", "float64", or bf16's three types."""
+    if t.precision == "float32":
+        return t.dtype
+    policy = get_policy(t.precision)
+    return (f"{policy.name}: {policy.master} master weights, gradients and AdamW state, {policy.compute} "
+            f"weights and activations, sums in {policy.accumulate}")
 
 
 def describe_model(m) -> str:
@@ -291,6 +312,11 @@ def check(cfg, out_dir, processes=1, init_from=None, warn=None, tokenizer=None, 
     check_sinks(t.log_to, out_dir)  # each named once, its library, its folder: before anything is written
     if t.sample_tokens > 0 and not t.sample_prompt:
         raise UserError("train.sample_prompt is empty: give at least one character, or set train.sample_tokens=0")
+    if device == "cpu":  # bf16 needs a GPU: refused here, before anything is written
+        try:
+            for_arrays(t.precision, np)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     mem = estimate_memory(cfg, processes)
     verdict = check_memory(mem, memory_device(device), warn)  # device is probed already: cpu or gpu
     data = check_preparation(cfg, tokenizer) if corpus else _prepared_line(cfg, data_dir)

@@ -16,6 +16,10 @@ ranks once per step (andrea.run.distributed), or with train.zero_stage 1 (ZeRO-1
 rank updating its range of the weights and keeping the optimizer's state for it alone, and the weights
 all-gathered; with train.overlap (the default) bucket by bucket during the last micro-batch's backward
 (andrea.run.overlap). Rank 0 alone prints, writes metrics and checkpoints.
+
+train.precision=bf16 (a GPU only) builds the model in bf16 (andrea.model.transformer): the loop is the
+same, the loss, gradients, clipping norm, AdamW's state and the checkpoint's weights float32, and each
+AdamW step writes the bfloat16 weights the layers read (minitensor.flat, Params.compute).
 """
 
 import math
@@ -69,7 +73,7 @@ class Trainer:
             # ZeRO-1 cuts the flat buffers into one equal, aligned range per rank: their size a multiple of 16 N
             self.model = ANDREA(cfg.model, device=device, dtype=t.dtype, seed=t.seed,
                                 kernels=t.kernels if kernels is None else kernels, batch=t.batch_size,
-                                flat_multiple=ALIGN * (world.size if t.zero_stage else 1))
+                                flat_multiple=ALIGN * (world.size if t.zero_stage else 1), precision=t.precision)
         except GPUUnavailable as e:
             raise UserError(str(e)) from e
         # the GPU's TF32 mode (process-wide) and the model's kernels, said in the log
@@ -122,7 +126,8 @@ class Trainer:
     def state(self, optimizer=None):
         """(tensors, meta) of a checkpoint, on rank 0; `optimizer`: what optimizer_state() gave it. Sharded,
         that is a collective every rank takes part in, so pass it: without it, state() gathers on this rank
-        alone."""
+        alone. The weights are the float32 masters under any train.precision (bf16's bfloat16 copy is
+        rounded from them again on restore), so a checkpoint resumes in float32 or bf16 alike."""
         # views into the flat buffers, not copies: a checkpoint of ANDREA-120M would otherwise
         # hold a second 370 MB of weights in memory while it is written
         tensors = {name: to_numpy(view) for name, view in self.model.named_parameters()}

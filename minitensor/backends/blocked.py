@@ -16,6 +16,7 @@ import numpy as np
 
 from minitensor.backends.ops import Ops
 from minitensor.backends.softmax import exp_rows
+from minitensor.precision import is_float
 
 
 class BlockedAttentionCache(NamedTuple):
@@ -68,8 +69,9 @@ class BlockedAttention:
     def attention_forward(self, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
         """Ops.attention_forward over query blocks of `block` rows (dense=True: Ops' dense core).
         Probabilities up to keep_probs_max_bytes in all are kept from forward to backward; larger
-        ones are recomputed there from q, k and the row log-sum-exp (one more q k^T GEMM per block)."""
-        if dense:
+        ones are recomputed there from q, k and the row log-sum-exp (one more q k^T GEMM per block).
+        bfloat16 heads take Ops' dense core, which sums in float32 (these blocks compute in y4's dtype)."""
+        if dense or not is_float(y4.dtype):
             return self.attention_forward_dense(qkv4, b, y4)
         xp = self.xp
         B, nh, T, hs = qkv4[0].shape

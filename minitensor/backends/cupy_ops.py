@@ -25,7 +25,9 @@ kernels="auto" runs the start-up self-check of minitensor.backends.selection onc
 through the Ops code and through the kernel, keeping those that agree): for each of them it binds
 the record's functions over the methods they replace, in one place (`_with_piece`), so that where a
 function returns cuda.FALLBACK the method runs as it is without the piece. A new piece is its record:
-nothing here changes.
+nothing here changes. Given bfloat16 arrays (train.precision=bf16), a piece runs only if one of its
+kernels is built for bfloat16 (its spec's `dtypes`); otherwise the method runs without it, down to
+the Ops code, which computes bfloat16 in float32 (minitensor.backends.ops).
 
 Every kernel is registered in minitensor.backends.cuda.KERNELS, so that two checks run without a GPU
 (`python -m minitensor.checks --check | --host-check`): NVRTC compiles each one, and g++ runs
@@ -69,8 +71,9 @@ class CupyOps(BlockedAttention, Ops):
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
         for piece in pieces.values():
             if piece.name in self.in_use:
+                bf16 = any(precision.BF16 in getattr(k, "dtypes", precision.FLOATS) for k in piece.kernels)
                 for method, run in piece.replaces.items():
-                    setattr(self, method, _with_piece(self, run, getattr(self, method)))
+                    setattr(self, method, _with_piece(self, run, getattr(self, method), bf16))
         keep_grad_writes(self)            # linear_weight_grads writes first gradients: every write counted
 
     def __repr__(self):
@@ -139,16 +142,6 @@ class CupyOps(BlockedAttention, Ops):
             dense = B * nh * T * T * y4.itemsize <= (self.dense_max_bytes or _gpu_memory(self.xp) // 64)
         return super().attention_forward(qkv4, b, y4, block, keep_probs_max_bytes, dense)
 
-    # --- softmax cross-entropy ---
-
-    def softmax_xent_forward(self, z, t, inplace=False, valid=None):
-        """Ops' cross-entropy; valid (the logits' first columns, the rest the tied head's padding) only
-        as V itself: padded logits need a fused piece that masks the padding (vocab_padding pads only
-        with it)."""
-        if valid not in (None, z.shape[-1]):
-            raise ValueError("padded logits need the fused cross-entropy (vocab_padding pads only with it)")
-        return super().softmax_xent_forward(z, t, inplace)
-
     # --- embedding ---
 
     def scatter_add_rows(self, dW, idx, rows):
@@ -161,17 +154,29 @@ class CupyOps(BlockedAttention, Ops):
         scatter_add_rows_gpu(dW, idx, rows)
 
 
-def _with_piece(ops, run, without):
+def _with_piece(ops, run, without, bf16=False):
     """The method `ops` runs for one that a fused piece in use replaces: the record's function
-    run(ops, ...), or, where it returns cuda.FALLBACK, without(...), the method as it was before
-    (Ops', CupyOps' own, or another piece's)."""
+    run(ops, ...), or, where it returns cuda.FALLBACK or (unless bf16: the piece has kernels built for
+    bfloat16) an argument is bfloat16, without(...), the method as it was before (Ops', CupyOps' own,
+    or another piece's)."""
     def method(*args, **kwargs):
+        if not bf16 and _holds_bfloat16((*args, *kwargs.values())):
+            return without(*args, **kwargs)
         out = run(ops, *args, **kwargs)
         return without(*args, **kwargs) if out is cuda.FALLBACK else out
 
     method.__name__, method.__qualname__, method.__doc__ = run.__name__, run.__qualname__, run.__doc__
     method.runs, method.without = run, without
     return method
+
+
+def _holds_bfloat16(values):
+    """Whether any of the values (arrays, or lists and tuples of them) is a bfloat16 array."""
+    for value in values:
+        for a in value if isinstance(value, (list, tuple)) else (value,):
+            if getattr(getattr(a, "dtype", None), "name", None) == precision.BF16:
+                return True
+    return False
 
 
 _gpu_memory_bytes = {}

@@ -17,6 +17,15 @@ Layers hold an `ops`, hand it plain arrays and get plain results; none of them l
 type. What a forward returns for its backward (the attention's and the loss's `saved`) is read only
 by the same backend's backward. Shapes follow the layers: N rows of C (or V) values; B sequences of
 T positions; n_head heads of hs values.
+
+Mixed precision (minitensor.precision, precision bf16): given bfloat16 arrays, every piece computes in
+their accumulate dtype, float32, and stores what it returns for the next layer (an activation, an input
+gradient) in bfloat16, rounded once: `summed` widens a piece's inputs, the formulas run as written,
+`stored` rounds the result. The norms' mean and rstd, the softmax's and the cross-entropy's sums, the
+loss and what a backward keeps stay float32; GEMMs of bfloat16 operands are summed in float32 and
+rounded once (as cuBLAS's GemmEx with float32 compute); weight and bias gradients are added in float32
+into the float32 gradient buffer. Given float32 or float64 arrays both helpers are the identity (the
+same objects, nothing copied), so those paths compute exactly as they did before bf16 existed.
 """
 
 import math
@@ -25,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from minitensor.backends.softmax import exp_rows
+from minitensor.precision import accumulate_of
 
 # GELU, the tanh approximation GPT-2 uses (Hendrycks & Gimpel 2016):
 #   y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
@@ -57,41 +67,78 @@ class Ops:
         """a[...] = 0 (the gradient buffer before a step's first backward)."""
         a.fill(0)
 
+    # --- mixed precision: the dtype a piece sums in, and the one it stores (the module's docstring) ---
+
+    @staticmethod
+    def summed(*arrays):
+        """Each array in the dtype its sums are carried in (precision.accumulate_of): a bfloat16 one as a
+        float32 copy, the others (None too) as they are. One array gives one array, several a tuple."""
+        wide = tuple(a if a is None or accumulate_of(a.dtype) == a.dtype else a.astype(accumulate_of(a.dtype))
+                     for a in arrays)
+        return wide[0] if len(wide) == 1 else wide
+
+    @staticmethod
+    def stored(y, dtype):
+        """y, computed in the accumulate dtype of `dtype`, as an array of `dtype`: rounded once (to
+        nearest even) where dtype is narrower than its sums (bfloat16); y itself otherwise."""
+        return y if accumulate_of(dtype) == np.dtype(dtype) else y.astype(dtype)
+
+    def matmul(self, a, b):
+        """a @ b (2-D, or batched over leading axes): the products summed in the accumulate dtype and
+        rounded once to the operands' dtype."""
+        wide_a, wide_b = self.summed(a, b)
+        return self.stored(wide_a @ wide_b, a.dtype)
+
     # --- Linear: y = x @ W + b (+ r) ---
 
     def add_epilogue(self, y, b=None, r=None):
-        """In place over y (N, C): y += b (C,) and y += r (N, C), either optional."""
+        """In place over y (N, C): y += b (C,) and y += r (N, C), either optional (a bfloat16 y: both
+        added in float32, the sum rounded once)."""
+        acc = self.summed(y)
         if b is not None:
-            y += b
+            acc += self.summed(b)
         if r is not None:
-            y += r
+            acc += self.summed(r)
+        if acc is not y:
+            y[...] = acc
 
     def linear_weight_grads(self, x, dy, dW, db):
-        """forward was y = x @ W + b, x (N, n_in), dy (N, n_out): dW += x^T dy, db += sum_n dy."""
+        """forward was y = x @ W + b, x (N, n_in), dy (N, n_out): dW += x^T dy, db += sum_n dy (summed in
+        the accumulate dtype, which is dW's and db's: the float32 gradient buffer under bf16)."""
+        x, dy = self.summed(x, dy)
         dW += x.T @ dy
         if db is not None:
             db += dy.sum(axis=0)
 
     def gemm(self, a, b, out, accumulate=False):
-        """out = a @ b, or out += a @ b with accumulate, for 2-D a (M, K), b (K, N), out (M, N)."""
+        """out = a @ b, or out += a @ b with accumulate, for 2-D a (M, K), b (K, N), out (M, N); out of a
+        narrower dtype than the sums (bfloat16) gets them rounded once."""
+        a, b = self.summed(a, b)
         if accumulate:
             out += a @ b
+        elif accumulate_of(out.dtype) != out.dtype:
+            out[...] = a @ b
         else:
             self.xp.matmul(a, b, out=out)
 
     # --- LayerNorm over rows: y = w * (x - mean) * rstd + b, rstd = 1 / sqrt(var + eps) ---
 
     def layernorm_forward(self, x, w, b, eps):
-        """x (N, C) -> y (N, C), mean and rstd (N, 1), the biased variance (divides by C)."""
+        """x (N, C) -> y (N, C) of x's dtype, mean and rstd (N, 1) in the accumulate dtype, the biased
+        variance (divides by C)."""
+        dtype = x.dtype
+        x, w, b = self.summed(x, w, b)
         mean = x.mean(axis=-1, keepdims=True)
         xc = x - mean                                        # centred first: no cancellation in var
         var = (xc * xc).mean(axis=-1, keepdims=True)
         rstd = 1.0 / self.xp.sqrt(var + eps)
-        return xc * rstd * w + b, mean, rstd
+        return self.stored(xc * rstd * w + b, dtype), mean, rstd
 
     def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
         """dx (N, C) from dy and the forward's x, mean, rstd; dw and db accumulate. dres (N, C),
-        if given, is added to dx: the gradient that reaches x around the layer (a skip)."""
+        if given, is added to dx: the gradient that reaches x around the layer (a skip). dx has dy's dtype."""
+        dtype = dy.dtype
+        dy, x, w, dres = self.summed(dy, x, w, dres)
         xhat = (x - mean) * rstd
         # forward was: y = w * xhat + b; the parameter gradients sum over rows
         dw += (dy * xhat).sum(axis=0)
@@ -100,18 +147,23 @@ class Ops:
         # xhat = (x - mean) rstd depends on x directly, through mean and through rstd; the three
         # paths: g rstd, -mean(g) rstd, and -xhat mean(g xhat) rstd (d rstd / dx = -rstd^3 (x - mean) / C)
         dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
-        return dx if dres is None else dx + dres
+        return self.stored(dx if dres is None else dx + dres, dtype)
 
     # --- RMSNorm over rows: y = w * x * rstd, rstd = 1 / sqrt(mean(x^2) + eps) ---
 
     def rmsnorm_forward(self, x, w, eps):
-        """x (N, C) -> y (N, C), rstd (N, 1); the mean square divides by C."""
+        """x (N, C) -> y (N, C) of x's dtype, rstd (N, 1) in the accumulate dtype; the mean square
+        divides by C."""
+        dtype = x.dtype
+        x, w = self.summed(x, w)
         rstd = 1.0 / self.xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
-        return x * rstd * w, rstd
+        return self.stored(x * rstd * w, dtype), rstd
 
     def rmsnorm_backward(self, dy, x, rstd, w, dw, dres=None):
         """dx (N, C) from dy and the forward's x, rstd; dw accumulates. dres (N, C), if given, is
         added to dx (a skip), as in layernorm_backward."""
+        dtype = dy.dtype
+        dy, x, w, dres = self.summed(dy, x, w, dres)
         xhat = x * rstd
         # forward was: y = w * xhat; the weight's gradient sums over rows
         dw += (dy * xhat).sum(axis=0)
@@ -119,34 +171,37 @@ class Ops:
         # xhat = x rstd depends on x directly and through rstd (d rstd / dx = -rstd^3 x / C): the
         # paths g rstd and -xhat mean(g xhat) rstd; no mean was subtracted, so no -mean(g) path
         dx = rstd * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
-        return dx if dres is None else dx + dres
+        return self.stored(dx if dres is None else dx + dres, dtype)
 
     # --- GELU: y = 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3) ---
 
     def gelu_forward(self, x):
         """y = GELU(x), any shape."""
+        dtype, x = x.dtype, self.summed(x)
         u = GELU_C * (x + GELU_A * x ** 3)
-        return 0.5 * x * (1.0 + self.xp.tanh(u))
+        return self.stored(0.5 * x * (1.0 + self.xp.tanh(u)), dtype)
 
     def gelu_backward(self, x, dy, recompute_output=False):
         """dx = dy GELU'(x), the product rule on 0.5 x (1 + tanh u) with tanh' = 1 - tanh^2:
             dx = dy (0.5 (1 + tanh u) + 0.5 x (1 - tanh(u)^2) du/dx),  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-        with recompute_output, (dx, GELU(x))."""
+        with recompute_output, (dx, GELU(x)), both of dy's dtype."""
+        dtype = dy.dtype
+        x, dy = self.summed(x, dy)
         t = self.xp.tanh(GELU_C * (x + GELU_A * x ** 3))
         du = GELU_C * (1.0 + 3.0 * GELU_A * x ** 2)
-        dx = dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
-        return (dx, 0.5 * x * (1.0 + t)) if recompute_output else dx
+        dx = self.stored(dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du), dtype)
+        return (dx, self.stored(0.5 * x * (1.0 + t), dtype)) if recompute_output else dx
 
     # A Linear's bias fused into the activation's pass: act(x + b), x (N, C), b (C,). A backend may
     # update x to x + b in place; hand the same x and b to the backward.
 
     def bias_gelu_forward(self, x, b):
-        """GELU(x + b)."""
-        return self.gelu_forward(x + b)
+        """GELU(x + b), of x's dtype (the sum rounded once, in the activation's output)."""
+        return self.stored(self.gelu_forward(self.summed(x) + self.summed(b)), x.dtype)
 
     def bias_gelu_backward(self, x, b, dy, recompute_output=False):
         """The gradient at h = x + b (forward was y = GELU(h)); with recompute_output, also GELU(h)."""
-        return self.gelu_backward(x + b, dy, recompute_output)
+        return self.gelu_backward(self.summed(x) + self.summed(b), dy, recompute_output)
 
     # --- ReLU: y = max(x, 0), dy/dx = 1 where x > 0, else 0 (the kink at 0 takes the 0 side) ---
 
@@ -185,14 +240,16 @@ class Ops:
 
     def swiglu_forward(self, h):
         """y (..., F) = SiLU(a) * b for h = [a | b] (..., 2F)."""
-        a, b = self.swiglu_halves(h)
+        a, b = self.swiglu_halves(self.summed(h))
         with np.errstate(over="ignore"):
             sig = 1.0 / (1.0 + self.xp.exp(-a))
-        return a * sig * b
+        return self.stored(a * sig * b, h.dtype)
 
     def swiglu_backward(self, h, dy, recompute_output=False):
-        """dh (..., 2F) = [da | db] from dy (..., F); with recompute_output, (dh, SwiGLU(h))."""
-        xp = self.xp
+        """dh (..., 2F) = [da | db] from dy (..., F); with recompute_output, (dh, SwiGLU(h)), both of dy's
+        dtype."""
+        xp, dtype = self.xp, dy.dtype
+        h, dy = self.summed(h, dy)
         a, b = self.swiglu_halves(h)
         with np.errstate(over="ignore"):
             sig = 1.0 / (1.0 + xp.exp(-a))
@@ -201,15 +258,16 @@ class Ops:
         da, db = self.swiglu_halves(dh)
         xp.multiply(dy, silu, out=db)                        # forward was: y = silu * b
         xp.multiply(dy * b, sig * (1.0 + a * (1.0 - sig)), out=da)
-        return (dh, silu * b) if recompute_output else dh
+        dh = self.stored(dh, dtype)
+        return (dh, self.stored(silu * b, dtype)) if recompute_output else dh
 
     def bias_swiglu_forward(self, x, b):
         """SwiGLU(x + b), x (N, 2F), b (2F,): c_fc's bias in the activation's pass, as bias_gelu_forward."""
-        return self.swiglu_forward(x + b)
+        return self.stored(self.swiglu_forward(self.summed(x) + self.summed(b)), x.dtype)
 
     def bias_swiglu_backward(self, x, b, dy, recompute_output=False):
         """The gradient at h = x + b (forward was y = SwiGLU(h)); with recompute_output, also SwiGLU(h)."""
-        return self.swiglu_backward(x + b, dy, recompute_output)
+        return self.swiglu_backward(self.summed(x) + self.summed(b), dy, recompute_output)
 
     # --- causal self-attention core, per head: y = softmax(q k^T / sqrt(hs) + mask) v ---
 
@@ -217,23 +275,28 @@ class Ops:
         """The row softmax of the scores s (..., n_q, n_k) under the causal mask: the n_q query rows
         are the last positions of the n_k keys, so row r sees keys 0..n_k - n_q + r (the rest -inf)."""
         n_q, n_k = s.shape[-2:]
+        dtype, s = s.dtype, self.summed(s)
         z = s + causal_mask(self.xp, n_q, n_k, s.dtype)
         total, _ = exp_rows(z)                               # z <- exp(z - max(z)), by rows
-        return z / total
+        return self.stored(z / total, dtype)
 
     def causal_softmax_backward(self, p, dp):
         """ds from p = causal_softmax(s) and dp: the softmax's Jacobian diag(p) - p p^T contracted with
         dp by rows, ds = p (dp - rowsum(dp p)); the masked entries have p = 0 and get no gradient."""
-        return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+        dtype = dp.dtype
+        p, dp = self.summed(p, dp)
+        return self.stored(p * (dp - (dp * p).sum(axis=-1, keepdims=True)), dtype)
 
     def attention_forward(self, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
         """The causal attention of the heads qkv4 (three (B, nh, T, hs) views of c_attn's output
         without its bias b (3C,) or None) into y4 ((B, nh, T, hs), a view of the (B, T, C) output);
         returns what attention_backward takes. block, keep_probs_max_bytes, dense: hints for a
-        backend with a blocked core (minitensor.backends.blocked); here the core is always dense."""
+        backend with a blocked core (minitensor.backends.blocked); here the core is always dense, in the
+        accumulate dtype, y4 written in its own (rounded once)."""
         B, nh, T, hs = qkv4[0].shape
         C = nh * hs
-        q, k, v = (src.copy() for src in qkv4)               # (B, nh, T, hs) each, contiguous
+        q, k, v = self.summed(*(src.copy() for src in qkv4))  # (B, nh, T, hs) each, contiguous
+        b = self.summed(b)
         if b is not None:                                    # c_attn's bias, head by head
             for i, h in enumerate((q, k, v)):
                 h += b[i * C:(i + 1) * C].reshape(nh, 1, hs)
@@ -246,6 +309,7 @@ class Ops:
         """From dy4 ((B, nh, T, hs) view of the output's gradient) and what the forward returned,
         writes d(q), d(k), d(v) into dqkv4 (three (B, nh, T, hs) views of c_attn's output gradient)."""
         q, k, v, p = saved
+        dy4 = self.summed(dy4)
         scale = 1.0 / math.sqrt(q.shape[-1])
         # forward was: y = p v
         dv = p.swapaxes(-1, -2) @ dy4
@@ -259,24 +323,33 @@ class Ops:
 
     # --- softmax cross-entropy: loss = mean_n (logsumexp(z_n) - z_n[t_n]) ---
 
-    def softmax_xent_forward(self, z, t, inplace=False):
-        """z (N, V) logits, t (N,) ids -> (the loss as a 0-d array, what softmax_xent_backward takes:
-        here the probabilities softmax(z)). inplace: z may be overwritten (a backend saves memory so)."""
-        xp = self.xp
+    def softmax_xent_forward(self, z, t, inplace=False, valid=None):
+        """z (N, V) logits, t (N,) ids -> (the loss as a 0-d array in the accumulate dtype, what
+        softmax_xent_backward takes: here the probabilities softmax(z), of z's dtype). inplace: z may be
+        overwritten (a backend saves memory so). valid: the first columns that are the vocabulary's, the
+        rest a padded head's (TiedHead.forward(padded=True)), never read: probability 0, no gradient."""
+        xp, dtype = self.xp, z.dtype
+        probs = xp.zeros(z.shape, dtype) if valid not in (None, z.shape[1]) else None
+        z = self.summed(z if probs is None else z[:, :valid])
         N = z.shape[0]
         top = z.max(axis=1, keepdims=True)                   # the row maximum first: exp never overflows
         e = xp.exp(z - top)
         total = e.sum(axis=1, keepdims=True)
         logsumexp = top[:, 0] + xp.log(total[:, 0])
-        return (logsumexp - z[xp.arange(N), t]).mean(), e / total
+        loss = (logsumexp - z[xp.arange(N), t]).mean()
+        if probs is None:
+            return loss, self.stored(e / total, dtype)
+        probs[:, :valid] = e / total
+        return loss, probs
 
     def softmax_xent_backward(self, saved, t, dloss=1.0):
         """forward was: loss = mean_n(logsumexp(z_n) - z_n[t_n]), so
-        dz_n = dloss (softmax(z_n) - onehot(t_n)) / N."""
-        N = saved.shape[0]
+        dz_n = dloss (softmax(z_n) - onehot(t_n)) / N, of the logits' dtype."""
+        N, dtype = saved.shape[0], saved.dtype
+        saved = self.summed(saved)
         onehot = self.xp.zeros_like(saved)
         onehot[self.xp.arange(N), t] = 1.0
-        return (saved - onehot) * (dloss / N)
+        return self.stored((saved - onehot) * (dloss / N), dtype)
 
     def vocab_padding(self, V):
         """The width the tied head computes its logits over for a vocabulary of V (here V itself; a
@@ -287,12 +360,13 @@ class Ops:
 
     def scatter_add_rows(self, dW, idx, rows):
         """dW[idx[i]] += rows[i] for every i, idx (n,), rows (n, C); repeated ids add up (which
-        `dW[idx] += rows` would not do: it keeps one of them)."""
-        self.xp.add.at(dW, idx, rows)
+        `dW[idx] += rows` would not do: it keeps one of them); summed in dW's dtype."""
+        self.xp.add.at(dW, idx, self.summed(rows))
 
     def add_batch_sum(self, dW, dy):
         """dW (T, C) += the sum over the batch of dy (B, T, C), or dy itself (T, C): the position
         embedding's gradient (forward was out[b, t] = W[t] for every b)."""
+        dy = self.summed(dy)
         dW += dy.sum(axis=0) if dy.ndim == 3 else dy
 
     # --- gradient clipping: the whole gradient's norm, and the scale that brings it to `clip` ---

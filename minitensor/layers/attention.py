@@ -58,11 +58,11 @@ class CausalSelfAttention(Layer):
         xp = self._take_ops(x).xp
         B, T, C = x.shape
         x2 = x.reshape(B * T, C)
-        qkv = x2 @ self.c_attn.W                             # (B*T, 3C), its bias added with the head copies
+        qkv = self.ops.matmul(x2, self.c_attn.W)             # (B*T, 3C), its bias added with the head copies
         y = xp.empty((B, T, C), dtype=x.dtype)               # the heads written back in (B, T, C) order
         cache = self.ops.attention_forward(self._heads(qkv, B, T), self.c_attn.b, self._heads(y, B, T, 1)[0],
                                            self.block, self.keep_probs_max_bytes, self.dense)
-        out = y.reshape(B * T, C) @ self.c_proj.W
+        out = self.ops.matmul(y.reshape(B * T, C), self.c_proj.W)
         self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
         self._save(SelfAttentionCache(x2, y.reshape(B * T, C), cache, x.shape))
         return out.reshape(B, T, C)
@@ -72,12 +72,12 @@ class CausalSelfAttention(Layer):
         dout2 = dout.reshape(B * T, C)
         # forward was: out = y @ W_proj + b_proj
         self.c_proj.weight_grads(y2, dout2)
-        dy = dout2 @ self.c_proj.W.T                         # (B*T, C)
+        dy = self.ops.matmul(dout2, self.c_proj.W.T)         # (B*T, C)
         dqkv = self.ops.xp.empty((B * T, 3 * C), dtype=dout.dtype)
         self.ops.attention_backward(self._heads(dy, B, T, 1)[0], cache, self._heads(dqkv, B, T))
         # forward was: qkv = x @ W_attn + b_attn
         self.c_attn.weight_grads(x2, dqkv)
-        return (dqkv @ self.c_attn.W.T).reshape(B, T, C)
+        return self.ops.matmul(dqkv, self.c_attn.W.T).reshape(B, T, C)
 
     def _heads(self, a, B, T, parts=3):
         """(B*T, parts*C) -> parts (B, nh, T, hs) views."""
@@ -93,22 +93,22 @@ class CausalSelfAttention(Layer):
         record: a dict that receives the attention probabilities, record["probs"] (B, nh, T_new,
         pos + T_new), zero above the diagonal (andrea.trace).
         """
-        xp = self._take_ops(x).xp
+        self._take_ops(x)
         B, T, C = x.shape
         hs = C // self.n_head
-        qkv = x.reshape(B * T, C) @ self.c_attn.W
+        qkv = self.ops.matmul(x.reshape(B * T, C), self.c_attn.W)
         self.ops.add_epilogue(qkv, self.c_attn.b)
         q, k, v = self._heads(qkv, B, T)
         k_cache, v_cache = cache
         k_cache[:, :, pos:pos + T] = k
         v_cache[:, :, pos:pos + T] = v
         end = pos + T
-        att = xp.matmul(q * (1.0 / math.sqrt(hs)), k_cache[:, :, :end].transpose(0, 1, 3, 2))  # (B, nh, T, end)
+        att = self.ops.matmul(q * (1.0 / math.sqrt(hs)), k_cache[:, :, :end].transpose(0, 1, 3, 2))  # (B, nh, T, end)
         # new row i sits at position pos + i: the last T of the end positions, as causal_softmax takes them
         att = self.ops.causal_softmax(att)
         if record is not None:
             record["probs"] = att
-        y = xp.matmul(att, v_cache[:, :, :end]).transpose(0, 2, 1, 3).reshape(B * T, C)
-        out = y @ self.c_proj.W
+        y = self.ops.matmul(att, v_cache[:, :, :end]).transpose(0, 2, 1, 3).reshape(B * T, C)
+        out = self.ops.matmul(y, self.c_proj.W)
         self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
         return out.reshape(B, T, C)

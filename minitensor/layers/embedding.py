@@ -89,7 +89,7 @@ class TiedHead(Layer):
         Vp = self.ops.vocab_padding(V) if padded else V
         self._save(TiedHeadCache(x2, x.shape, Vp))
         if Vp == V:
-            logits = x2 @ self.W.T
+            logits = self.ops.matmul(x2, self.W.T)
         else:
             logits = self.ops.xp.empty((x2.shape[0], Vp), dtype=x2.dtype)
             self.ops.gemm(x2, self.W.T, logits[:, :V])      # rows Vp long, their first V columns
@@ -104,7 +104,7 @@ class TiedHead(Layer):
         # forward was: logits = x @ W.T
         self.ops.linear_weight_grads(dl, x2, self.dW, None)  # dW += dlogits^T x, a Linear's weight gradient
         if Vp == V:
-            return (dl2 @ self.W).reshape(x_shape)
+            return self.ops.matmul(dl2, self.W).reshape(x_shape)
         dx = self.ops.xp.empty(x2.shape, dtype=x2.dtype)
         self.ops.gemm(dl, self.W, dx)
         return dx.reshape(x_shape)

@@ -28,7 +28,7 @@ class Linear(Layer):
     def forward(self, x):
         self._take_ops(x)
         x2 = x.reshape(-1, self.W.shape[0])                  # (N, n_in)
-        y = x2 @ self.W                                      # (N, n_out)
+        y = self.ops.matmul(x2, self.W)                      # (N, n_out)
         self.ops.add_epilogue(y, self.b)
         self._save(LinearCache(x2, x.shape))
         return y.reshape(*x.shape[:-1], self.W.shape[1])
@@ -37,7 +37,7 @@ class Linear(Layer):
         x2, x_shape = self._pop()
         dy2 = dy.reshape(-1, self.W.shape[1])                # (N, n_out)
         self.weight_grads(x2, dy2)
-        return (dy2 @ self.W.T).reshape(x_shape)             # dx = dy W^T
+        return self.ops.matmul(dy2, self.W.T).reshape(x_shape)  # dx = dy W^T
 
     def weight_grads(self, x2, dy2):
         """dW += x^T dy, db += sum over rows of dy, for x2 (N, n_in) and dy2 (N, n_out)."""

@@ -200,6 +200,8 @@ LONG_MODULES = {
     "minitensor/checks/emulation.py": "a RawKernel run on the CPU: fibers, the warp-level steps (shuffles, mma, "
                                       "ldmatrix), the program",
     "andrea/run/pricing.py": "an op's time on a card: each card's rates with their sources, the kernels' counts",
+    "minitensor/backends/ops.py": "the reference maths of every piece, the textbook each backend equals, in any precision",
+    "andrea/run/preflight.py": "the checks made before a run's first step, and the plan --dry-run prints",
 }
 
 
