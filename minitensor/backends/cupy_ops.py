@@ -113,6 +113,14 @@ class CupyOps(BlockedAttention, Ops):
         else:
             db += dy.sum(axis=0)
 
+    def matmul(self, a, b):
+        """bfloat16 products by cuBLAS (cublas.matmul: gemmEx or its strided batch, float32 sums rounded
+        once to bfloat16), never CuPy's matmul, whose batched bfloat16 product is wrong in 14.2; other
+        dtypes as Ops computes them."""
+        if a.dtype.name == precision.BF16 and b.dtype == a.dtype and a.ndim == b.ndim and a.ndim in (2, 3):
+            return cublas.matmul(a, b)
+        return super().matmul(a, b)
+
     def gemm(self, a, b, out, accumulate=False):
         """By cuBLAS with beta 1 to accumulate, taking operands and out with longer rows or transposed
         as they are laid out (CuPy's matmul would copy them)."""

@@ -207,6 +207,24 @@ def test_cupyops_sums_bf16_weight_gradients_in_float32(cupy):
     assert out.dtype == BF16
 
 
+def test_cupyops_matmul_takes_bf16_products_through_cublas(cupy):
+    """CupyOps.matmul, the layers' products (Ops.matmul: float32 sums rounded once), on bfloat16: 2-D and
+    batched with a transposed operand, each within the bfloat16 bound, through cuBLAS's gemmEx (the
+    stand-in counts the calls; CuPy's own batched bfloat16 matmul would be wrong)."""
+    from minitensor.backends.cupy_ops import CupyOps
+
+    rng = np.random.default_rng(12)
+    ops = CupyOps(cupy)
+    a, b = bf16_normals(rng, (40, 24)), bf16_normals(rng, (24, 56))
+    got = ops.matmul(cupy.asarray(a), cupy.asarray(b))
+    assert got.dtype == BF16
+    check(got.get(), *bound(a.astype(np.float64), b.astype(np.float64), 0.0, None, BF16))
+    q, k = bf16_normals(rng, (3, 20, 16)), bf16_normals(rng, (3, 20, 16))
+    got = ops.matmul(cupy.asarray(q), cupy.asarray(k).transpose(0, 2, 1))
+    assert got.dtype == BF16 and got.shape == (3, 20, 20)
+    check(got.get(), *bound(q.astype(np.float64), k.astype(np.float64).transpose(0, 2, 1), 0.0, None, BF16))
+
+
 def test_bf16_operands_refuse_other_dtypes_in_one_line(cupy):
     a = cupy.asarray(np.ones((4, 8), BF16))
     with pytest.raises(TypeError, match=r"gemm: bfloat16 operands take a bfloat16 partner .* float32 @ bfloat16"):

@@ -172,7 +172,7 @@ def test_the_emulated_bf16_mma_follows_the_ptx_fragment_layout():
     memory in the PTX ISA's layout ("Matrix Fragments for mma.m16n8k16 with floating point type"): a wrong
     element in the layout would land in the wrong place of D. The products are exact, so only float32's
     sum of 16 terms differs."""
-    spec = cuda.RawSpec("mma16_layout", template=("one",), instances=lambda dtype: ((1,),), inline=r"""
+    spec = cuda.RawSpec("mma16_layout", template=("one",), bf16=True, instances=lambda dtype: ((1,),), inline=r"""
 template <int ONE> __global__ void mma16_layout(const T *a, const T *b, ACC *c, const int one) {
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const unsigned fa[4] = {a[g * 16 + 2 * t] | (unsigned)a[g * 16 + 2 * t + 1] << 16,
@@ -208,7 +208,7 @@ def test_the_emulated_ldmatrix_trans_gives_the_b_operands_down_a_tiles_columns()
     tile in shared memory: lane 4 g + t receives the mma.m16n8k16 B operands of the tile's columns 0-7 in
     r[0], r[1] and of 8-15 in r[2], r[3]: (B(2t, g), B(2t + 1, g)) and (B(2t + 8, g), B(2t + 9, g)), low half
     first (PTX ISA, "Warp-level matrix load instruction: ldmatrix", .trans)."""
-    spec = cuda.RawSpec("ldsm_layout", template=("one",), instances=lambda dtype: ((1,),), inline=r"""
+    spec = cuda.RawSpec("ldsm_layout", template=("one",), bf16=True, instances=lambda dtype: ((1,),), inline=r"""
 template <int ONE> __global__ void ldsm_layout(const T *tile, int *out, const int one) {
   __shared__ __align__(16) T s[16 * 16];
   const int lane = threadIdx.x;

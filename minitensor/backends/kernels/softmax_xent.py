@@ -107,7 +107,11 @@ def _fused_softmax_xent_forward(ops, z, t, inplace=False, valid=None):
 
 
 def _fused_softmax_xent_backward(ops, saved, t, dloss=1.0):
-    """Ops.softmax_xent_backward, in place over what the forward kept: the probabilities."""
+    """Ops.softmax_xent_backward, in place over what the forward kept: the probabilities. bfloat16 ones
+    (the forward's kernel takes bfloat16, the backward's ElementwiseKernel does not): Ops' code, which
+    sums them in float32 and rounds the gradient once."""
+    if saved.dtype.name not in SOFTMAX_XENT_BWD.dtypes:
+        return cuda.FALLBACK
     return softmax_xent_backward_gpu(saved, t, dloss)
 
 
