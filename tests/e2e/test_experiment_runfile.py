@@ -170,7 +170,7 @@ def test_the_pages_swiglu_interval_is_recomputed_from_its_kept_figures(tmp_path)
     iv = paired.paired(kept, GELU, SWIGLU)
     text = doc.read_text()
     line = claim_line(text[text.index(page.markers("swiglu")[0]):])
-    assert iv.n >= 10 and iv.seeds == sorted({r["seed"] for r in kept})
+    assert iv.n == len(kept) // 2 and iv.seeds == sorted({r["seed"] for r in kept})  # every seed paired
     assert f"mean {paired.signed(iv.mean)}, 95% t-interval [{paired.signed(iv.lo)}, {paired.signed(iv.hi)}]" in line
     assert f"**claim: {paired.no_worse(iv, base.NO_WORSE.nats)}**" in line
     assert f"| `swiglu` | {paired.no_worse(iv, base.NO_WORSE.nats)} | SwiGLU 8/3 - GELU 4x: {paired.short(iv)}, " \
