@@ -78,7 +78,7 @@ def budget_line(rows):
 
 
 def page_line(name, rows):
-    """[the line naming the runs whose figures are a --doc page's, not --out's (runs._from_page)], or []."""
+    """[the line naming the runs whose figures are a --doc page's, not --out's (page.runs_beside)], or []."""
     table = [r["run"] for r in rows if r.get("from") == "table"]
     kept = [r["run"] for r in rows if r.get("from") == "page"]
     if not (table or kept):

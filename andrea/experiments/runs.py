@@ -106,7 +106,8 @@ def _kept_rows(name, exp, out, arms, seeds, sets_of):
 def _write_report(name, exp, out, rows, seeds, arms, command, doc):
     """The report of `rows` into out (results.md, results.json, the figure) and, with `doc`, into its
     page, which is refused while a run of `arms` x `seeds` has not finished: a page's verdict is read
-    from every arm. Returns results.md's text."""
+    from every arm. With `doc`, the page's runs of the seeds out lacks join the rows (page.runs_beside).
+    Returns results.md's text."""
     if not rows:
         raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
     order = list(exp.arms)
