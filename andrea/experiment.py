@@ -42,10 +42,13 @@ at the same time when their runs differ (`--arms` or `--seeds` halves, one per c
 train a run the other is training is refused before it writes anything. `--report-only` writes the
 tables, figure and verdicts from the runs that finished, and `--doc docs/experiments.md` also writes
 them into that page's section for the experiment and its at-a-glance table (every arm of every seed
-must have finished); `--from-doc docs/experiments.md` judges the page's own per-run figures again
-with the current rules, without the runs. Everything after the experiment's name is optional;
-`--set section.key=value` changes every arm (applied last), e.g. a data directory or a smaller model
-for a quick look.
+must have finished), and keeps every run's figures beside it in experiments/NAME-runs.json
+(andrea/experiments/runfile.py); the page's runs of seeds that --out does not hold (their runs gone)
+join the report with the page's figures, so `--seeds 3,4` adds seeds to a page whose first runs are
+gone. `--from-doc docs/experiments.md` judges the page's own per-run figures again with the current
+rules, without the runs: those kept beside it at full precision, else its tables as printed.
+Everything after the experiment's name is optional; `--set section.key=value` changes every arm
+(applied last), e.g. a data directory or a smaller model for a quick look.
 """
 
 from __future__ import annotations
@@ -76,12 +79,14 @@ def main(argv=None):
                     help="train nothing: the table, figure and verdict from the finished runs already in --out")
     ap.add_argument("--doc", metavar="FILE.md",
                     help="also write the table, verdicts and figure into FILE's section for this experiment (between "
-                         "its marker lines; the figure in experiments/NAME.png beside it) and its rows of FILE's "
-                         "at-a-glance table, e.g. docs/experiments.md")
+                         "its marker lines; the figure in experiments/NAME.png beside it, each run's figures in "
+                         "experiments/NAME-runs.json) and its rows of FILE's at-a-glance table, e.g. "
+                         "docs/experiments.md; FILE's runs of seeds --out lacks join the report")
     ap.add_argument("--from-doc", metavar="FILE.md",
                     help="train nothing and read no runs: judge again, with the current rules, the per-run figures "
-                         "that FILE's section for this experiment holds, and write the verdicts and at-a-glance "
-                         "rows back into FILE (the tables and figure stay as the runs wrote them)")
+                         "that FILE keeps beside it (experiments/NAME-runs.json), else its section's tables, and "
+                         "write the verdicts and at-a-glance rows back into FILE (the tables and figure stay as the "
+                         "runs wrote them)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks")
     args = ap.parse_args(argv)
     command = "python -m andrea.experiment " + " ".join(argv if argv is not None else sys.argv[1:])

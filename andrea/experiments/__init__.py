@@ -15,6 +15,7 @@ Open them in this order:
     lock.py         which process trains which run of an --out
     report.py       the tables, figure and verdicts; results.md
     page.py         a --doc page: its sections, its at-a-glance table, its figures read back (--from-doc)
+    runfile.py      the per-run figures a --doc page keeps beside it (experiments/NAME-runs.json)
 
 Each claim's rule is its `judge_*` function's docstring, fixed before the runs; a rule rewritten says
 why beside it. Adding an experiment: its arms and rule in one of the claims' modules, its entry in

@@ -14,6 +14,9 @@ the at-a-glance rows, and leaves the tables and the figure as the runs wrote the
 the rules that compare arms by their final validation losses, which the tables print as the rules
 read them (to 3 decimals); a rule reading a threshold in each run (base.kept_from_page: gradient
 ratios, the logit lens, attention, printed rounded) keeps its verdict as the runs' report wrote it.
+Where the page keeps the runs' figures beside it (experiments/NAME-runs.json, written with the section:
+andrea.experiments.runfile), --from-doc judges those, at full precision, after checking that the
+tables print them; a page without one is judged from its tables as printed.
 A page a person edited is read as strictly as the report writes it: a figure deleted, a word where a
 number goes, a row with a cell too few, a seed that is not a number, or one run given twice with
 different figures is one line naming the row and what is wrong (the same row twice is read once).
@@ -24,10 +27,12 @@ from __future__ import annotations
 import math
 import re
 import shlex
+import sys
 from pathlib import Path
 
 from andrea.errors import UserError
-from andrea.experiments.base import Verdict
+from andrea.experiments import runfile
+from andrea.experiments.base import Verdict, fmt
 from andrea.experiments.report import VERDICTS, verdict_block
 from andrea.files import atomic_writer
 
@@ -68,14 +73,16 @@ def doc_section(doc, name):
     split(read_page(doc), name, doc)
 
 
-def write_doc(doc, name, body, figure, glance):
+def write_doc(doc, name, body, figure, glance, rows, command):
     """Write the report's body and figure into the doc's section for `name` (the figure beside the doc, in
-    experiments/NAME.png) and its rows into the at-a-glance table, where the page has one."""
+    experiments/NAME.png, and the runs' figures in experiments/NAME-runs.json: andrea.experiments.runfile)
+    and its rows into the at-a-glance table, where the page has one."""
     doc = Path(doc)
     head, _, tail = split(read_page(doc), name, doc)
     (doc.parent / "experiments").mkdir(exist_ok=True)
     with atomic_writer(doc.parent / "experiments" / f"{name}.png") as f:
         f.write(figure)
+    runfile.write(doc, name, rows, command)
     text = with_glance(head + body + f"\n![{name}](experiments/{name}.png)\n" + tail, name, glance)
     with atomic_writer(doc) as f:
         f.write(text.encode())
@@ -111,7 +118,7 @@ def with_glance(text, name, lines):
 
 # ----------------------------------------------------------------------------------------------- --from-doc
 
-_NONE = ("never", "not logged")  # what report.table and base.fmt print for a figure that is not there
+_NONE = ("never", "not logged", "not kept")  # what report.table and base.fmt print for a figure that is not there
 RUN_COLUMNS = ("run", "final val loss", "unigram baseline - val loss", "|dL/dx| embeddings / top, step 1",
                "same, last step", "steps to train loss", "diverged", "time (s)")
 
@@ -274,19 +281,74 @@ def _again(rule, what, rows, old):
     return Verdict(verdict, plain + KEPT, plain)
 
 
+def with_kept(doc, name, exp, rows):
+    """(the rows the rules judge, where their figures come from, in words): the section's `rows` with
+    the figures of the runs kept beside the page (andrea.experiments.runfile) where it keeps them, after
+    checking that they are the tables' figures at full precision; else the tables' as printed."""
+    runs = runfile.read(doc, name, exp.arms)
+    if runs is None:
+        return rows, "the per-run figures in the tables above (as printed)"
+    path = runfile.path_of(doc, name)
+    runfile.check_against(runs, rows, name, path, fmt)
+    by_run = {r["run"]: r for r in runs}
+    return ([{**r, **by_run[r["run"]]} for r in rows],
+            f"the per-run figures kept in experiments/{path.name} (full precision; the tables above print them "
+            "rounded)")
+
+
+def page_runs(doc, name, exp):
+    """The runs the page holds for `name` (for a --doc that adds seeds to them): the figures kept beside
+    it (with_kept) where it keeps them, else its tables' as printed, each marked "from": "table", with
+    the budget and the train-loss target its section prints; [] while the section holds no runs."""
+    _, middle, _ = split(read_page(doc), name, doc)
+    if not _table(middle.splitlines(), "| run | final val loss |"):
+        return []
+    rows, _ = with_kept(doc, name, exp, rows_from_section(middle, name, exp))
+    if runfile.read(doc, name, exp.arms) is not None:
+        return rows
+    budget = re.search(r"^Budget: ([0-9,]+) steps, ([0-9,]+) training tokens per run", middle, re.M)
+    target = re.search(r"steps to train loss ([0-9.]+) \|", middle)
+    for r in rows:
+        r.update({"from": "table", "target": float(target.group(1)) if target else None,
+                  "steps": int(budget.group(1).replace(",", "")) if budget else None,
+                  "tokens": int(budget.group(2).replace(",", "")) if budget else None})
+    return rows
+
+
+def runs_beside(doc, name, exp, rows):
+    """The runs the page holds (page_runs) of the seeds `rows` (the runs of --out) lack: --doc adds
+    seeds to a page whose earlier runs are gone, and the report covers them with the page's figures.
+    Refused where such a run's budget (steps, training tokens) is not that of --out's runs of its arm;
+    a run of --out replaces the page's run of the same seed."""
+    have = {r["seed"] for r in rows}
+    theirs = [r for r in page_runs(doc, name, exp) if r["seed"] not in have]
+    budgets = {r["arm"]: (r.get("steps"), r.get("tokens")) for r in rows}
+    for r in theirs:
+        if budgets.get(r["arm"]) != (r.get("steps"), r.get("tokens")):
+            raise UserError(f"--doc {doc}: its run {r['run']}, which --out does not hold, had another budget "
+                            f"({r.get('steps')} steps, {r.get('tokens')} tokens) than --out's runs of {r['arm']}: "
+                            f"train seed {r['seed']} again, or write the page into another file")
+        r.setdefault("from", "page")
+        for curve in ("losses", "vals", "grad_init", "grad_final"):
+            r.setdefault(curve, [])
+    if theirs:
+        print(f"{name}: {', '.join(r['run'] for r in theirs)} not in --out: their figures are {doc}'s",
+              file=sys.stderr, flush=True)
+    return theirs
+
+
 def rejudge(doc, name, exp, command):
     """--from-doc: the verdicts of `name`'s section judged again from its own tables with the current
     rules, written back into the section and the at-a-glance table; returns the new verdicts' text."""
     doc = Path(doc)
     head, middle, tail = split(read_page(doc), name, doc)
-    rows = rows_from_section(middle, name, exp)
+    rows, source = with_kept(doc, name, exp, rows_from_section(middle, name, exp))
     start, figure = _verdict_span(middle, name)
     found = map(VERDICT_LINE.match, middle[start:figure].splitlines())
     old = {m.group(1): (m.group(2), m.group(3)) for m in found if m}
     rules = [("claim", exp.judge)] + list(exp.more)
     verdicts = [(what, _again(rule, what, rows, old)) for what, rule in rules]
-    block = verdict_block(verdicts, f"judged again from the per-run figures in the tables above (as printed) by "
-                                    f"`{command}`")
+    block = verdict_block(verdicts, f"judged again from {source} by `{command}`")
     text = with_glance(head + middle[:start] + block + "\n" + middle[figure:] + tail, name,
                        glance_rows(name, exp, verdicts, rows))
     with atomic_writer(doc) as f:

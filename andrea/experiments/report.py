@@ -39,7 +39,7 @@ def report(name, exp, rows, target, command, missing=(), figure_note=""):
     the title and claim). `missing`: the runs of the reported seeds that have not finished, named
     under the budget; `figure_note`: a line saying why there is no figure, where there is none."""
     verdicts = judge(exp, rows)
-    body = [f"Command: `{command}`\n", budget_line(rows)]
+    body = [f"Command: `{command}`\n", budget_line(rows)] + page_line(name, rows)
     if missing:
         body.append(f"Not finished, so not in the tables or the verdicts: {', '.join(missing)}.\n")
     body += [table(rows, target), arm_table(rows), learned_line(rows), time_line(rows)]
@@ -75,6 +75,21 @@ def budget_line(rows):
         text += (" Stopped before the end by the non-finite guard: " +
                  ", ".join(f"{r['run']} (at step {r['last_step']})" for r in stopped) + ".")
     return text + "\n"
+
+
+def page_line(name, rows):
+    """[the line naming the runs whose figures are a --doc page's, not --out's (page.runs_beside)], or []."""
+    table = [r["run"] for r in rows if r.get("from") == "table"]
+    kept = [r["run"] for r in rows if r.get("from") == "page"]
+    if not (table or kept):
+        return []
+    text = "Not in --out, so read from the page this report is written into:"
+    if table:
+        text += (f" {', '.join(table)}, from its tables as printed (the final validation loss to 3 decimals; no "
+                 "curves, so not drawn);")
+    if kept:
+        text += f" {', '.join(kept)}, from the figures kept beside it (experiments/{name}-runs.json);"
+    return [text[:-1] + ".\n"]
 
 
 def table(rows, target):
@@ -165,7 +180,8 @@ def draw(name, rows):
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     for r in rows:
         colour = f"C{arms.index(r['arm']) % 10}"
-        first_seed = r["seed"] == min(x["seed"] for x in rows if x["arm"] == r["arm"])
+        # a run read from a --doc page's tables has no curves: the first seed drawn is the first that has
+        first_seed = r["seed"] == min((x["seed"] for x in rows if x["arm"] == r["arm"] and x["losses"]), default=None)
         if r["losses"]:
             loss_ax.plot(*zip(*r["losses"]), color=colour, alpha=0.25, lw=0.8)
         if r["vals"]:

@@ -106,16 +106,19 @@ def _kept_rows(name, exp, out, arms, seeds, sets_of):
 def _write_report(name, exp, out, rows, seeds, arms, command, doc):
     """The report of `rows` into out (results.md, results.json, the figure) and, with `doc`, into its
     page, which is refused while a run of `arms` x `seeds` has not finished: a page's verdict is read
-    from every arm. Returns results.md's text."""
+    from every arm. With `doc`, the page's runs of the seeds out lacks join the rows (page.runs_beside).
+    Returns results.md's text."""
     if not rows:
         raise UserError(f"{out} holds no finished run of this experiment: run it without --report-only")
     order = list(exp.arms)
-    rows.sort(key=lambda r: (r["seed"], order.index(r["arm"])))
     done = {r["run"] for r in rows}
     missing = [(a, s) for s in sorted(set(seeds)) for a in arms if f"{a}-seed{s}" not in done]
     names = [f"{a}-seed{s}" for a, s in missing]
     for r in rows if exp.probe else ():
         r.update(exp.probe(out / r["run"]))
+    if doc is not None and not missing:
+        rows += page.runs_beside(doc, name, exp, rows)
+    rows.sort(key=lambda r: (r["seed"], order.index(r["arm"])))
     target = default_target(rows)
     steps_to(rows, target)
     figure, note = _figure(name, exp, rows)
@@ -128,7 +131,7 @@ def _write_report(name, exp, out, rows, seeds, arms, command, doc):
                             f"finished run in {out}, and a page's verdicts read every arm of every seed: train them "
                             f"(--seeds {','.join(str(s) for s in sorted({s for _, s in missing}))} without "
                             "--report-only), then write the page")
-        page.write_doc(doc, name, body, figure, page.glance_rows(name, exp, verdicts, rows))
+        page.write_doc(doc, name, body, figure, page.glance_rows(name, exp, verdicts, rows), rows, command)
     return text
 
 
@@ -359,8 +362,13 @@ def _timing(log_path):
 
 
 def steps_to(rows, target):
-    """The first logged step at which each run's training loss is at or below target (None: never)."""
+    """The first logged step at which each run's training loss is at or below target (None: never). A
+    run whose figures are a page's tables (page.page_runs) has no losses: it keeps the step its table
+    printed where that table's target is this one, else it has none ("not kept")."""
     for r in rows:
+        if r.get("from") == "table":
+            r["steps_to_target"] = r["steps_to_target"] if r.get("target") == target else "not kept"
+            continue
         r["steps_to_target"] = next((s for s, loss in r["losses"] if loss <= target), None)
 
 

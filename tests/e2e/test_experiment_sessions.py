@@ -223,6 +223,8 @@ def test_built_runs_are_judged_by_their_paired_differences_and_the_page_again_fr
     # judged again from the page alone, with the runs gone: the same verdicts, the tables as they were
     tables = text[text.index("| run |"):text.index("**Verdicts**")]
     shutil.rmtree(out)
+    # the figures kept beside the page (andrea.experiments.runfile) gone too: the tables alone, as printed
+    (tmp_path / "experiments" / "swiglu-runs.json").unlink()
     assert run(["swiglu", "--from-doc", str(doc)]) == 0
     again = doc.read_text()
     assert again[again.index("| run |"):again.index("**Verdicts**")] == tables

@@ -68,6 +68,8 @@ RULES = [
      Elsewhere("tests/e2e/test_experiment.py", "def test_each_experiment_runs_and_reports")),
     (r"python -m andrea\.experiment \S+ --report-only --doc docs/experiments\.md",  # it would rewrite this page
      Elsewhere("tests/e2e/test_experiment.py", "def test_report_only_writes_its_section_of_a_doc")),
+    (r"python -m andrea\.experiment \S+ --seeds \S+ --doc docs/experiments\.md",  # it would rewrite this page
+     Elsewhere("tests/e2e/test_experiment_runfile.py", "def test_seeds_added_to_a_page_whose_runs_are_gone")),
     (r"python -m andrea\.experiment \S+ --from-doc docs/experiments\.md",  # it would rewrite this page
      Elsewhere("tests/e2e/test_experiment_sessions.py", "def test_a_page_written_by_the_spread_rule_is_judged_again")),
     (r"ANDREA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python -m andrea\.experiment \S+ --arms \S+ --seeds \S+",
