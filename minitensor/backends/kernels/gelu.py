@@ -70,9 +70,23 @@ BIAS_GELU_BWD_FWD = cuda.ElementwiseSpec(
 # The bfloat16 forms (kernels/gelu.cu, RawKernels over T stored and ACC summed): one thread per element
 # in blocks of GELU16_THREADS; every pointer read or written once (the default traffic).
 GELU16_THREADS = 256
-BIAS_GELU_FWD16 = cuda.RawSpec("bias_gelu_fwd16", "gelu.cu", bf16=True)
-BIAS_GELU_BWD16 = cuda.RawSpec("bias_gelu_bwd16", "gelu.cu", bf16=True)
-BIAS_GELU_BWD_FWD16 = cuda.RawSpec("bias_gelu_bwd_fwd16", "gelu.cu", bf16=True)
+
+
+def _bias_gelu16_model(m):
+    """The MLP's bias + GELU at the model's sizes in bfloat16, as a bf16 step launches them: forward, backward
+    with the output recomputed, and the plain backward (minitensor.checks.counts; bfloat16 alone: float32
+    runs the ElementwiseKernels)."""
+    bf16 = precision.bfloat16()
+    x, dy, out, out2 = (np.zeros((m.N, m.F), bf16) for _ in range(4))
+    b, C, n = np.zeros(m.F, bf16), np.int32(m.F), np.int32(m.N * m.F)
+    launch_elementwise16(BIAS_GELU_FWD16, x, (x, b, out, C, n))
+    launch_elementwise16(BIAS_GELU_BWD_FWD16, x, (x, b, dy, out, out2, C, n))
+    launch_elementwise16(BIAS_GELU_BWD16, x, (x, b, dy, out, C, n))
+
+
+BIAS_GELU_FWD16 = cuda.RawSpec("bias_gelu_fwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
+BIAS_GELU_BWD16 = cuda.RawSpec("bias_gelu_bwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
+BIAS_GELU_BWD_FWD16 = cuda.RawSpec("bias_gelu_bwd_fwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
 
 
 def is_bf16(x):

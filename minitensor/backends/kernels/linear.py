@@ -32,8 +32,18 @@ def _bias_residual_add16_traffic(b, r, y, with_residual, **_):
     return y.nbytes + b.nbytes + (r.nbytes if with_residual else 0), y.nbytes
 
 
-BIAS_RESIDUAL_ADD16 = cuda.register(cuda.RawSpec("bias_residual_add16", "linear.cu",
-                                                 traffic=_bias_residual_add16_traffic, bf16=True))
+def _bias_residual_add16_model(m):
+    """A bf16 step's epilogues at the model's sizes: a residual branch's last product (N, C) with its residual,
+    the attention's qkv (N, 3C) with its bias alone (minitensor.checks.counts; bfloat16 alone: float32 runs
+    the ElementwiseKernel)."""
+    bf16 = precision.bfloat16()
+    for width, with_residual in ((m.C, 1), (3 * m.C, 0)):
+        y, r, b = np.zeros((m.N, width), bf16), np.zeros((m.N, width), bf16), np.zeros(width, bf16)
+        launch_elementwise16(BIAS_RESIDUAL_ADD16, y, (b, r, y, np.int32(width), np.int32(y.size), np.int32(with_residual)))
+
+
+BIAS_RESIDUAL_ADD16 = cuda.register(cuda.RawSpec("bias_residual_add16", "linear.cu", traffic=_bias_residual_add16_traffic,
+                                                 model=_bias_residual_add16_model, bf16=True))
 
 
 def epilogue16_fits(y, b, r=None):
