@@ -4,7 +4,9 @@
 method it replaces, and falls back to `super()` where it does not apply. Its own overrides, always on
 (each computes what Ops computes, or in a fixed order where Ops' atomics vary):
 
-    gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, any float dtype)
+    gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, float32 and float64;
+                                       bfloat16 through Ops' code: the bf16 MLP runs the fused piece
+                                       bias_gelu, whose wrappers launch its bfloat16 RawKernels)
     add_epilogue                       'bias_residual_add' with a bias and a residual (ElementwiseKernel,
                                        the same adds as Ops': float32, float64); on bfloat16 with a bias,
                                        and a residual or none, 'bias_residual_add16' (RawKernel: the adds
