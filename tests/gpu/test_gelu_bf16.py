@@ -187,6 +187,10 @@ def test_cupy_ops_runs_the_bf16_kernels_on_bfloat16_arrays(cupy, monkeypatch):
     assert_like_ops(dh.get(), REF.bias_gelu_backward(x, b, dy), dgelu64(h64(x, b), dy.astype(np.float64)),
                     cancellation(x, b, dy))
     launched.clear()
+    strided = cupy.asarray(np.stack([x, x], axis=-1).reshape(N, 2 * C))[:, ::2]  # x, strided: Ops' code runs it
+    assert_like_ops(ops.bias_gelu_forward(strided, B).get(), REF.bias_gelu_forward(x, b), gelu64(h64(x, b)),
+                    cancellation(x, b))  # its float32 GELU on CupyOps' own gelu_fwd
+    assert launched == []
     X32, B32 = cupy.asarray(x.astype(np.float32)), cupy.asarray(b.astype(np.float32))
     ops.bias_gelu_forward(X32, B32)
     ops.add_epilogue(X32, B32, cupy.asarray(dy.astype(np.float32)))

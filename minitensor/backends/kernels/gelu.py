@@ -148,13 +148,22 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
 # its record ---
 
 
+def _strided16(*arrays):
+    """Whether a bfloat16 operand is strided (the RawKernels take contiguous arrays: Ops' code runs it)."""
+    return is_bf16(arrays[0]) and not all(a.flags.c_contiguous for a in arrays)
+
+
 def _fused_bias_gelu_forward(ops, x, b):
     """Ops.bias_gelu_forward: x is kept as it is, h = x + b never stored."""
+    if _strided16(x, b):
+        return cuda.FALLBACK
     return bias_gelu_forward_gpu(x, b)
 
 
 def _fused_bias_gelu_backward(ops, x, b, dy, recompute_output=False):
     """Ops.bias_gelu_backward: dh, and with recompute_output GELU(x + b) from the same pass."""
+    if _strided16(x, b, dy):
+        return cuda.FALLBACK
     if recompute_output:
         return bias_gelu_backward_recompute_gpu(x, b, dy)
     return bias_gelu_backward_gpu(x, b, dy)
