@@ -596,10 +596,11 @@ def check_launch_args(spec, dtype, args):
 
 
 
-def check_operands(fn, x, out, dy=None):
+def check_operands(fn, x, out, dy=None, bf16=False):
+    """x a float NumPy/CuPy array (bfloat16 too with bf16: the caller has a kernel for it), dy and out like x."""
     dtype = getattr(x, "dtype", None)
-    if dtype is None or not precision.is_float(dtype):
-        raise TypeError(f"{fn}: x must be a {' or '.join(precision.FLOATS)} NumPy/CuPy array, got "
+    if dtype is None or not precision.is_float(dtype, bf16):
+        raise TypeError(f"{fn}: x must be a {' or '.join(precision.kernel_dtypes(bf16))} NumPy/CuPy array, got "
                         f"{type(x).__name__}" + (f" of {dtype}" if dtype is not None else ""))
     if not isinstance(x, np.ndarray) and type(x).__module__.split(".")[0] != "cupy":
         raise TypeError(f"{fn}: x must be a NumPy or CuPy array, got {type(x).__name__}")

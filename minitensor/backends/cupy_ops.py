@@ -4,9 +4,13 @@
 method it replaces, and falls back to `super()` where it does not apply. Its own overrides, always on
 (each computes what Ops computes, or in a fixed order where Ops' atomics vary):
 
-    gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, any float dtype)
+    gelu_forward / gelu_backward       'gelu_fwd' / 'gelu_bwd' (ElementwiseKernels, float32 and float64;
+                                       bfloat16 through Ops' code: the bf16 MLP runs the fused piece
+                                       bias_gelu, whose wrappers launch its bfloat16 RawKernels)
     add_epilogue                       'bias_residual_add' with a bias and a residual (ElementwiseKernel,
-                                       the same adds as Ops': any float dtype)
+                                       the same adds as Ops': float32, float64); on bfloat16 with a bias,
+                                       and a residual or none, 'bias_residual_add16' (RawKernel: the adds
+                                       in float32, rounded once, as Ops')
     scatter_add_rows                   'scatter_add_rows' (deterministic where add.at's atomics are not)
     linear_weight_grads, gemm          cuBLAS's own GEMM and GEMV (minitensor.backends.cublas): beta 1
                                        accumulates a gradient in the GEMM's output pass, beta 0 writes it
@@ -45,7 +49,7 @@ from minitensor.backends.blocked import BlockedAttention
 from minitensor.backends.kernels import fused_pieces
 from minitensor.backends.kernels.embedding import SCATTER_ADD_ROWS, scatter_add_rows_gpu
 from minitensor.backends.kernels.gelu import GELU_BWD, GELU_FWD
-from minitensor.backends.kernels.linear import BIAS_RESIDUAL_ADD, epilogue_fits
+from minitensor.backends.kernels.linear import BIAS_RESIDUAL_ADD, bias_residual_add16_gpu, epilogue16_fits, epilogue_fits
 from minitensor.backends.ops import Ops
 from minitensor.backends.tricks import keep_grad_writes
 
@@ -91,7 +95,10 @@ class CupyOps(BlockedAttention, Ops):
 
     def add_epilogue(self, y, b=None, r=None):
         """y += b and y += r in one pass ('bias_residual_add', the same two float adds in the same
-        order) when both are given, as in the residual branches' last products."""
+        order) when both are given, as in the residual branches' last products; on bfloat16 y, with a bias and
+        a residual or none ('bias_residual_add16', summed in float32 and rounded once, as Ops')."""
+        if b is not None and epilogue16_fits(y, b, r):
+            return bias_residual_add16_gpu(y, b, r)
         if b is None or r is None or not epilogue_fits(y, b, r):
             return super().add_epilogue(y, b, r)
         BIAS_RESIDUAL_ADD.kernel()(y, b, np.int32(y.shape[-1]), r, y)

@@ -37,3 +37,48 @@ const T den = (T)1 + exp(h * (h2 * (T)-0.07135481627260025 + (T)-1.5957691216057
 const T sig = (T)1 / den;
 dh = (((T)1 - sig) * (h * (h2 * (T)0.21406444881780073 + (T)1.5957691216057308)) + (T)1) * sig * dy;
 y = h / den;
+
+// The same formulas as RawKernels over a stored type T and a summed type ACC (kernels/bf16.cuh), for
+// bfloat16 arrays (CuPy's ElementwiseKernel has no bfloat16): h = widen(x) + widen(b) in ACC (float
+// for bfloat16, exact for two bfloat16 values within 16 binary orders of each other), the GELU in
+// ACC, each output rounded once (to_stored<T>), as Ops.bias_gelu_forward / _backward compute
+// bfloat16 (Ops.summed, Ops.stored). One thread per element, n < 2**31 elements of rows of C.
+// float32 and float64 keep the ElementwiseKernels above (these build for them too: the policy).
+
+// @kernel bias_gelu_fwd16
+#include "bf16.cuh"
+extern "C" __global__ void bias_gelu_fwd16(const T *x, const T *b, T *y, const int C, const int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const ACC h = widen(x[i]) + widen(b[(unsigned int)i % (unsigned int)C]);
+  y[i] = to_stored<T>(h / ((ACC)1 + exp(h * (h * h * (ACC)-0.07135481627260025 + (ACC)-1.5957691216057308))));
+}
+
+// @kernel bias_gelu_bwd16
+#include "bf16.cuh"
+// dh may be dy itself: each thread reads dy[i] before it writes dh[i].
+extern "C" __global__ void bias_gelu_bwd16(const T *x, const T *b, const T *dy, T *dh, const int C, const int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const ACC h = widen(x[i]) + widen(b[(unsigned int)i % (unsigned int)C]);
+  const ACC h2 = h * h;
+  const ACC sig = (ACC)1 / ((ACC)1 + exp(h * (h2 * (ACC)-0.07135481627260025 + (ACC)-1.5957691216057308)));
+  dh[i] = to_stored<T>((((ACC)1 - sig) * (h * (h2 * (ACC)0.21406444881780073 + (ACC)1.5957691216057308)) + (ACC)1)
+                       * sig * widen(dy[i]));
+}
+
+// @kernel bias_gelu_bwd_fwd16
+#include "bf16.cuh"
+// The backward and the recomputed output in one pass, as bias_gelu_bwd_fwd: h read once, the exp shared.
+extern "C" __global__ void bias_gelu_bwd_fwd16(const T *x, const T *b, const T *dy, T *dh, T *y, const int C,
+                                               const int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const ACC h = widen(x[i]) + widen(b[(unsigned int)i % (unsigned int)C]);
+  const ACC h2 = h * h;
+  const ACC den = (ACC)1 + exp(h * (h2 * (ACC)-0.07135481627260025 + (ACC)-1.5957691216057308));
+  const ACC sig = (ACC)1 / den;
+  dh[i] = to_stored<T>((((ACC)1 - sig) * (h * (h2 * (ACC)0.21406444881780073 + (ACC)1.5957691216057308)) + (ACC)1)
+                       * sig * widen(dy[i]));
+  y[i] = to_stored<T>(h / den);
+}

@@ -4,15 +4,22 @@ the fused piece bias_gelu's record.
 gelu_fwd / gelu_bwd run whenever CupyOps.gelu_forward / _backward get a float array (always on: no
 record); bias_gelu_fwd, _bwd and _bwd_fwd (the output recomputed) are the fused piece bias_gelu,
 which replaces Ops.bias_gelu_forward / _backward (its record names the functions below that run
-them) when the self-check keeps it. Each kernel's host
+them) when the self-check keeps it. Each elementwise kernel's host
 reference is the Ops code itself, on flat arrays as the kernel sees them.
+
+On bfloat16 arrays (train.precision=bf16) the piece's wrappers launch RawKernels instead,
+bias_gelu_fwd16, _bwd16 and _bwd_fwd16 (the same formulas summed in float32, each output rounded
+once: what Ops computes in bfloat16), since CuPy's ElementwiseKernel takes no bfloat16; float32 and
+float64 keep the ElementwiseKernels.
 """
 
 import numpy as np
 
+from minitensor import precision
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
 from minitensor.backends.ops import Ops
+from minitensor.device import array_module
 
 _REFERENCE = Ops(np)  # what every elementwise kernel's host check compares with
 
@@ -60,6 +67,39 @@ BIAS_GELU_BWD_FWD = cuda.ElementwiseSpec(
 )
 
 
+# The bfloat16 forms (kernels/gelu.cu, RawKernels over T stored and ACC summed): one thread per element
+# in blocks of GELU16_THREADS; every pointer read or written once (the default traffic).
+GELU16_THREADS = 256
+
+
+def _bias_gelu16_model(m):
+    """The MLP's bias + GELU at the model's sizes in bfloat16, as a bf16 step launches them: forward, backward
+    with the output recomputed, and the plain backward (minitensor.checks.counts; bfloat16 alone: float32
+    runs the ElementwiseKernels)."""
+    bf16 = precision.bfloat16()
+    x, dy, out, out2 = (np.zeros((m.N, m.F), bf16) for _ in range(4))
+    b, C, n = np.zeros(m.F, bf16), np.int32(m.F), np.int32(m.N * m.F)
+    launch_elementwise16(BIAS_GELU_FWD16, x, (x, b, out, C, n))
+    launch_elementwise16(BIAS_GELU_BWD_FWD16, x, (x, b, dy, out, out2, C, n))
+    launch_elementwise16(BIAS_GELU_BWD16, x, (x, b, dy, out, C, n))
+
+
+BIAS_GELU_FWD16 = cuda.RawSpec("bias_gelu_fwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
+BIAS_GELU_BWD16 = cuda.RawSpec("bias_gelu_bwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
+BIAS_GELU_BWD_FWD16 = cuda.RawSpec("bias_gelu_bwd_fwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
+
+
+def is_bf16(x):
+    """Whether x is a bfloat16 array (the RawKernels' case)."""
+    return x.dtype.name == precision.BF16
+
+
+def launch_elementwise16(spec, x, args):
+    """Launches a bfloat16 elementwise RawKernel over x's elements, one thread each (none for an empty x)."""
+    if x.size:
+        cuda.launch(spec, x.dtype, (-(-x.size // GELU16_THREADS),), (GELU16_THREADS,), args)
+
+
 def bias_gelu_forward_gpu(x, b, out=None):
     """GELU(x + b) for x (..., C) and b (C,) CuPy arrays, into `out` if given; returns y.
 
@@ -67,8 +107,12 @@ def bias_gelu_forward_gpu(x, b, out=None):
     stored."""
     _check_bias_gpu(x, b, out, "bias_gelu_forward_gpu")
     cuda.on_cupy("bias_gelu_forward_gpu", x, "Ops.bias_gelu_forward")
-    kern = BIAS_GELU_FWD.kernel()
     C = np.int32(x.shape[-1])
+    if is_bf16(x):
+        y = array_module(x).empty_like(x) if out is None else out
+        launch_elementwise16(BIAS_GELU_FWD16, x, (x, b, y, C, np.int32(x.size)))
+        return y
+    kern = BIAS_GELU_FWD.kernel()
     return kern(x, b, C) if out is None else kern(x, b, C, out)
 
 
@@ -77,9 +121,13 @@ def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
     if given (it may be dy). With `db`, also db += the column sums of dh. Returns dh."""
     _check_bias_gpu(x, b, out, "bias_gelu_backward_gpu", dy)
     cuda.on_cupy("bias_gelu_backward_gpu", x, "Ops.bias_gelu_backward")
-    kern = BIAS_GELU_BWD.kernel()
     C = np.int32(x.shape[-1])
-    dh = kern(x, b, C, dy) if out is None else kern(x, b, C, dy, out)
+    if is_bf16(x):
+        dh = array_module(x).empty_like(x) if out is None else out
+        launch_elementwise16(BIAS_GELU_BWD16, x, (x, b, dy, dh, C, np.int32(x.size)))
+    else:
+        kern = BIAS_GELU_BWD.kernel()
+        dh = kern(x, b, C, dy) if out is None else kern(x, b, C, dy, out)
     if db is not None:
         db += dh.reshape(-1, dh.shape[-1]).sum(axis=0)
     return dh
@@ -89,6 +137,10 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
     """(dh, y): bias_gelu_backward_gpu's dh and bias_gelu_forward_gpu's y in one pass, new arrays."""
     _check_bias_gpu(x, b, None, "bias_gelu_backward_recompute_gpu", dy)
     cuda.on_cupy("bias_gelu_backward_recompute_gpu", x, "Ops.bias_gelu_backward")
+    if is_bf16(x):
+        dh, y = array_module(x).empty_like(x), array_module(x).empty_like(x)
+        launch_elementwise16(BIAS_GELU_BWD_FWD16, x, (x, b, dy, dh, y, np.int32(x.shape[-1]), np.int32(x.size)))
+        return dh, y
     return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
 
 
@@ -96,13 +148,22 @@ def bias_gelu_backward_recompute_gpu(x, b, dy):
 # its record ---
 
 
+def _strided16(*arrays):
+    """Whether a bfloat16 operand is strided (the RawKernels take contiguous arrays: Ops' code runs it)."""
+    return is_bf16(arrays[0]) and not all(a.flags.c_contiguous for a in arrays)
+
+
 def _fused_bias_gelu_forward(ops, x, b):
     """Ops.bias_gelu_forward: x is kept as it is, h = x + b never stored."""
+    if _strided16(x, b):
+        return cuda.FALLBACK
     return bias_gelu_forward_gpu(x, b)
 
 
 def _fused_bias_gelu_backward(ops, x, b, dy, recompute_output=False):
     """Ops.bias_gelu_backward: dh, and with recompute_output GELU(x + b) from the same pass."""
+    if _strided16(x, b, dy):
+        return cuda.FALLBACK
     if recompute_output:
         return bias_gelu_backward_recompute_gpu(x, b, dy)
     return bias_gelu_backward_gpu(x, b, dy)
@@ -151,7 +212,7 @@ def _bias_gelu_timed(ops, sizes):
 BIAS_GELU = cuda.fused_piece(
     "bias_gelu",
     replaces={"bias_gelu_forward": _fused_bias_gelu_forward, "bias_gelu_backward": _fused_bias_gelu_backward},
-    kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD),
+    kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD, BIAS_GELU_FWD16, BIAS_GELU_BWD16, BIAS_GELU_BWD_FWD16),
     sample=_bias_gelu_sample,
     cases=_bias_gelu_cases,
     timed=_bias_gelu_timed,
@@ -159,9 +220,10 @@ BIAS_GELU = cuda.fused_piece(
 
 
 def _check_bias_gpu(x, b, out, fn, dy=None):
-    cuda.check_operands(fn, x, out, dy)
-    if x.ndim < 1 or x.size >= 2**31:
-        raise ValueError(f"{fn}: x must have 1 to 2**31 - 1 elements and a last axis, got shape {x.shape}")
+    cuda.check_operands(fn, x, out, dy, bf16=True)
+    if x.ndim < 1 or x.size >= 2**31 or (is_bf16(x) and not x.flags.c_contiguous):
+        raise ValueError(f"{fn}: x must have 1 to 2**31 - 1 elements and a last axis (contiguous if bfloat16), "
+                         f"got shape {x.shape}")
     if b.shape != x.shape[-1:] or b.dtype != x.dtype or not b.flags.c_contiguous:
         raise ValueError(f"{fn}: b must be a contiguous {x.dtype} vector of shape {x.shape[-1:]}, got "
                          f"{b.dtype} {b.shape}")
