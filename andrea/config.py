@@ -22,6 +22,7 @@ from andrea.errors import UserError, one_of
 from andrea.model.block import check_norm
 from andrea.run.schedule import check_schedule
 from andrea.run.sinks import check_sink_names
+from minitensor import precision
 from minitensor.precision import POLICIES
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -191,7 +192,7 @@ class TrainConfig:
                  f"train.seq_len ({self.seq_len}) exceeds model.context_length ({model.context_length}), "
                  "the size of the position table")
         _require(self.device in ("auto", "cpu", "gpu"), f"train.device must be auto, cpu or gpu, got {self.device!r}")
-        _require(self.dtype in ("float32", "float64"), f"train.dtype must be float32 or float64, got {self.dtype!r}")
+        _require(self.dtype in precision.FLOATS, f"train.dtype must be {' or '.join(precision.FLOATS)}, got {self.dtype!r}")
         _require(self.zero_stage in (0, 1), f"train.zero_stage must be 0 (replicated) or 1 (the optimizer's state "
                  f"sharded), got {self.zero_stage}")
         _require(self.precision in PRECISIONS, f"train.precision must be {' or '.join(PRECISIONS)}, got "

@@ -161,7 +161,7 @@ FLASH16_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv_bf16", "attention.cu",
 def _flash_operands(fn, q, k, v):
     """(BH, T, hs) of contiguous q, k, v that the kernels take."""
     dtype = getattr(q, "dtype", None)
-    if (dtype not in FLASH_FWD_TILE and not is_bf16(dtype)) or q.ndim != 3 or not q.flags.c_contiguous:
+    if dtype is None or not precision.is_float(dtype, bf16=True) or q.ndim != 3 or not q.flags.c_contiguous:
         raise ValueError(f"{fn}: q must be a contiguous float32, float64 or bfloat16 array (BH, T, hs)")
     cuda.like(fn, "k", k, q)
     cuda.like(fn, "v", v, q)
