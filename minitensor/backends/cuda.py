@@ -54,8 +54,8 @@ class ElementwiseSpec:
     """A `cupy.ElementwiseKernel`, described without CuPy.
 
     Its operation is the section `// @kernel <name>` of kernels/<file> (read at the first use); a
-    spec made in a test may give it `inline` instead. A `#include "x.cuh"` at the section's top
-    becomes its preamble.
+    spec made in a test may give it `inline` instead (with a file, the headers of its section of that
+    name stay). A `#include "x.cuh"` at the section's top becomes its preamble.
     `reference(**inputs)` is the NumPy form the kernel must equal (one output array, or a tuple
     for several): the layer's generic code (GELU's, AdamW's update) on flat arrays as the kernel
     sees them, or, where a flat index stands for a row and a column, a few lines that gather by it
@@ -74,6 +74,9 @@ class ElementwiseSpec:
     # ((name, fn), ...): fn maps the host check's samples of an input into its domain (v >= 0, ...)
     domains: tuple = dataclasses.field(default=(), compare=False)
     inline: str = ""  # the operation itself, for a kernel that has no file (a test's)
+    # whether one of its outputs is a bfloat16 array's bits (`uint16`, the array's .view(uint16)): its
+    # piece is then called with that bfloat16 argument, not sent to the generic code for it
+    writes_bf16: bool = False
 
     @property
     def operation(self):
@@ -81,7 +84,9 @@ class ElementwiseSpec:
 
     @property
     def preamble(self):
-        return "" if self.inline else cu_code(self.file, self.name)[0]
+        if self.inline:  # a changed operation keeps the headers of its file's section of that name, if any
+            return _cu_file(self.file).get(self.name, ("",))[0] if self.file else ""
+        return cu_code(self.file, self.name)[0]
 
     @property
     def dtypes(self):

@@ -75,7 +75,8 @@ class CupyOps(BlockedAttention, Ops):
         self.kernels_line = kernels_line or f"kernels: fused {', '.join(sorted(self.in_use)) or 'none'}"
         for piece in pieces.values():
             if piece.name in self.in_use:
-                bf16 = any(precision.BF16 in getattr(k, "dtypes", precision.FLOATS) for k in piece.kernels)
+                bf16 = any(precision.BF16 in getattr(k, "dtypes", precision.FLOATS) or getattr(k, "writes_bf16", False)
+                           for k in piece.kernels)
                 for method, run in piece.replaces.items():
                     setattr(self, method, _with_piece(self, run, getattr(self, method), bf16))
         keep_grad_writes(self)            # linear_weight_grads writes first gradients: every write counted

@@ -24,7 +24,7 @@ from markers import needs_cxx
 from optional import require
 from procs import run_in_own_session
 
-from minitensor.backends import fused_pieces, get_ops, selection
+from minitensor.backends import cuda, fused_pieces, get_ops, selection
 from minitensor.backends.cupy_ops import CupyOps
 from minitensor.backends.ops import Ops
 from minitensor.layers.layernorm import LayerNorm
@@ -107,12 +107,21 @@ def test_every_piece_has_a_sample_that_runs_on_the_ops_code():
     ("flash_attention", "FLASH_BWD_DKV", ("(dpt[n][e] - delta_s[col])", "(dpt[n][e] + delta_s[col])")),
     ("flash_attention", "FLASH_FWD", ("acc[u][2 * h + 1] *= alpha", "acc[u][2 * h + 1] *= total[h]")),
     ("flash_attention", "FLASH_BWD_DQ", ("b[0] = s[(r0 + 2 * t) * LD + c0 + g];", "b[0] = s[(r0 + t) * LD + c0 + g];")),
+    ("causal_softmax", "CAUSAL_SOFTMAX_FWD", ("j <= last ? exp_of", "j < last ? exp_of")),
+    ("softmax_xent", "SOFTMAX_XENT_FWD", ("log_of(total) + top - picked", "log_of(total) + top + picked")),
+    ("softmax_xent", "SOFTMAX_XENT_BWD", ("(probs - (col == targets[row]", "(probs + (col == targets[row]")),
+    ("bias_gelu", "BIAS_GELU_FWD", ("y = h / ((T)1 + exp(", "y = x / ((T)1 + exp(")),
+    ("bias_gelu", "BIAS_GELU_BWD", ("* (T)0.21406444881780073 +", "* (T)0.21406444881780073 -")),
+    ("bias_gelu", "BIAS_GELU_BWD_FWD", ("y = h / den;", "y = x / den;")),
+    ("adamw", "ADAMW_STEP", ("beta1 * m_in", "beta2 * m_in")),
+    ("adamw", "ADAMW_STEP_COPY", ("copy = narrow_bf16(p1);", "copy = narrow_bf16(m1);")),
 ])
 def test_a_kernel_made_to_disagree_is_replaced_by_the_generic_path(cupy, monkeypatch, piece, spec, wrong):
     module = sys.modules[fused_pieces()[piece].sample.__module__]  # the piece's, beside its .cu
     good = getattr(module, spec)
-    assert wrong[0] in good.code
-    monkeypatch.setattr(module, spec, dataclasses.replace(good, inline=good.code.replace(*wrong)))
+    code = good.operation if isinstance(good, cuda.ElementwiseSpec) else good.code
+    assert wrong[0] in code
+    monkeypatch.setattr(module, spec, dataclasses.replace(good, inline=code.replace(*wrong)))
     fused, line = selection.select_kernels("auto", cupy, {piece: fused_pieces()[piece].sample})
     assert line.startswith(f"kernels: fused none; generic for {piece} (failed its self-check: max error")
     assert fused == ()

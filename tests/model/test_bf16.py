@@ -113,11 +113,14 @@ def test_bf16_gradients_follow_float64_finite_differences(cupy):
 def test_bf16_runs_with_every_fused_piece_in_use(cupy):
     """kernels "fused": a piece whose kernels are not built for bfloat16 hands bfloat16 arguments to the
     method it replaces (minitensor.backends.cupy_ops._with_piece), down to the Ops code; the padded
-    head's logits go to Ops' cross-entropy, which masks the padding. Three steps within u of the generic
-    run's losses (the same code where no piece takes bfloat16; bfloat16 kernels round like it)."""
+    head's logits go to Ops' cross-entropy, which masks the padding. AdamW's piece writes the bfloat16
+    copy of the weights itself (adamw_step_copy): its bfloat16 argument must not send the whole update to
+    the generic code, as it did (five passes over the buffers where one does). Three steps within u of
+    the generic run's losses (the same code where no piece takes bfloat16; bfloat16 kernels round like it)."""
     cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, n_layer=1, n_head=2)
     curves = {}
     for kernels in ("generic", "fused"):
+        cupy.standin.reset()
         m = ANDREA(cfg, device="gpu", kernels=kernels, precision="bf16", seed=0)
         opt = AdamW(m, lr=3e-3)
         curves[kernels] = []
@@ -126,5 +129,7 @@ def test_bf16_runs_with_every_fused_piece_in_use(cupy):
             curves[kernels].append(float(m.loss(x[:, :-1], x[:, 1:])))
             m.backward()
             opt.step()
+        launched = {name for _, name, _ in cupy.standin.kernels}
+        assert ("adamw_step_copy" in launched) == (kernels == "fused"), (kernels, sorted(launched))
     generic = np.array(curves["generic"])
     assert np.all(np.abs(np.array(curves["fused"]) - generic) <= U * generic), curves

@@ -41,7 +41,7 @@ ADAMW_STEP = cuda.ElementwiseSpec("adamw_step", _ADAMW_PARAMS, "T p, T m, T v", 
 # the same update, and the bfloat16 copy of p as its bits (a uint16 view of the bfloat16 buffer)
 ADAMW_STEP_COPY = cuda.ElementwiseSpec("adamw_step_copy", _ADAMW_PARAMS, "T p, T m, T v, uint16 copy", "adamw.cu",
                                        reference=_adamw_copy_reference, scalars=_ADAMW_SCALARS,
-                                       domains=_ADAMW_DOMAINS)
+                                       domains=_ADAMW_DOMAINS, writes_bf16=True)
 
 
 def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, grad_scale=1.0, copy=None):
@@ -77,7 +77,9 @@ def adamw_step_gpu(p, g, m, v, mask, *, lr, beta1, beta2, eps, weight_decay, t, 
 
 def _fused_adamw_step(ops, p, g, m, v, decayed, lr, b1, b2, eps, weight_decay, t, grad_scale=1.0, copy=None):
     """Ops.adamw_step in one elementwise pass, in the folded form of tricks.adamw_update (with copy, the
-    bfloat16 copy of p written in the same pass)."""
+    bfloat16 copy of p written in the same pass; bfloat16 weights or state themselves: Ops' code)."""
+    if any(a.dtype.name == precision.BF16 for a in (p, g, m, v)):
+        return cuda.FALLBACK
     adamw_step_gpu(p, g, m, v, decayed, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, t=t,
                    grad_scale=grad_scale, copy=copy)
 
