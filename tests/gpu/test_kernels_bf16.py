@@ -160,8 +160,9 @@ def test_cross_entropy_bf16_emulated(emulated, V):
     loss_ref, probs_ref, losses_ref = F.softmax_xent_forward(f64(logits), targets)
     assert_f32_close(losses, losses_ref, scale=1.0)
     assert_bf16_close(z, np.reshape(probs_ref, z.shape))
-    with pytest.raises(ValueError, match="float32 or float64"):  # the backward's ElementwiseKernel: no bf16
-        softmax_xent.softmax_xent_backward_gpu(z, targets)
+    probs = z.copy()  # the backward, in place over the bfloat16 probabilities (softmax_xent_bwd16)
+    assert softmax_xent.softmax_xent_backward_gpu(z, targets, 0.5) is z
+    assert_bf16_close(z, F.softmax_xent_backward(f64(probs), targets, 0.5))
 
 
 def test_scatter_add_rows_bf16_rows_into_a_float32_gradient(emulated):

@@ -33,3 +33,18 @@ extern "C" __global__ void softmax_xent_fwd(T *z, const long long *targets, ACC 
 const unsigned int row = (unsigned int)i / (unsigned int)V;
 const long long col = (long long)((unsigned int)i - row * (unsigned int)V);
 dz = (probs - (col == targets[row] ? (T)1 : (T)0)) * scale;
+
+// @kernel softmax_xent_bwd16
+// softmax_xent_bwd for bfloat16 probabilities (CuPy's ElementwiseKernel has no bfloat16), in place: one
+// thread per element of n < 2**31, dz = (probs - onehot(target)) scale summed in ACC (float) and rounded
+// once, as Ops.softmax_xent_backward computes bfloat16 (Ops.summed, Ops.stored): the same two float
+// operations, so the same bits.
+#include "bf16.cuh"
+extern "C" __global__ void softmax_xent_bwd16(T *p, const long long *targets, const int V, const ACC scale,
+                                              const int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int row = i / V;
+  const int col = i - row * V;
+  p[i] = to_stored<T>((widen(p[i]) - (col == targets[row] ? (ACC)1 : (ACC)0)) * scale);
+}

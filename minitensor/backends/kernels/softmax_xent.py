@@ -34,6 +34,24 @@ SOFTMAX_XENT_BWD = cuda.ElementwiseSpec(
 )
 
 
+XENT16_THREADS = 256
+
+
+def _softmax_xent_bwd16_model(m):
+    """The tied head's loss backward at the model's sizes in bfloat16, as a bf16 step launches it
+    (minitensor.checks.counts; float32 runs the ElementwiseKernel)."""
+    bf16 = precision.bfloat16()
+    z, targets = np.zeros((m.N, m.V_padded), bf16), np.random.default_rng(0).integers(0, m.V, m.N)
+    cuda.launch(SOFTMAX_XENT_BWD16, z.dtype, (-(-z.size // XENT16_THREADS),), (XENT16_THREADS,),
+                (z, targets, np.int32(m.V_padded), np.float32(1.0 / m.N), np.int32(z.size)))
+
+
+# bfloat16's backward (one thread per element, in place; every pointer read or written once: the default
+# traffic, the targets read once a row in practice and priced per element, an upper bound)
+SOFTMAX_XENT_BWD16 = cuda.RawSpec("softmax_xent_bwd16", "softmax_xent.cu", model=_softmax_xent_bwd16_model,
+                                  bf16=True)
+
+
 def _xent_bwd_flat(probs, targets, V, scale):
     i = np.arange(probs.size)
     onehot = i % V == targets.astype(np.int64)[i // V]
@@ -64,18 +82,26 @@ def softmax_xent_backward_gpu(probs, targets, dloss=1.0):
     """In place over probs (..., V) from softmax_xent_forward_gpu: dlogits = dloss (probs -
     onehot(targets)) / N, N the number of rows; returns it."""
     fn = "softmax_xent_backward_gpu"
-    z, t = _xent_operands(fn, probs, targets)
+    bf16 = getattr(probs, "dtype", None) is not None and probs.dtype.name == precision.BF16
+    z, t = _xent_operands(fn, probs, targets, SOFTMAX_XENT_BWD16 if bf16 else SOFTMAX_XENT_BWD)
     if z.size >= 2**31:
         raise ValueError(f"{fn}: {z.size} logits; at most 2**31 - 1 are supported")
+    scale = float(dloss) / z.shape[0] if z.shape[0] else 0.0
+    if bf16:  # cuda.launch refuses NumPy arrays itself
+        if z.size:
+            cuda.launch(SOFTMAX_XENT_BWD16, z.dtype, (-(-z.size // XENT16_THREADS),), (XENT16_THREADS,),
+                        (z, t, np.int32(z.shape[1]), np.float32(scale), np.int32(z.size)))
+        return probs
     cuda.on_cupy(fn, probs, "Ops.softmax_xent_backward")
     if z.shape[0]:
-        SOFTMAX_XENT_BWD.kernel()(probs, t, np.int32(z.shape[1]), float(dloss) / z.shape[0], probs)
+        SOFTMAX_XENT_BWD.kernel()(probs, t, np.int32(z.shape[1]), scale, probs)
     return probs
 
 
 def _xent_operands(fn, logits, targets, spec=SOFTMAX_XENT_BWD):
     """(logits as rows, the targets as contiguous int64), after checking them: logits of a dtype the
-    kernel `spec` is built for (the forward's takes bfloat16, the backward's ElementwiseKernel does not)."""
+    kernel `spec` is built for (the forward's RawKernel takes bfloat16; the backward's ElementwiseKernel does
+    not, its RawKernel twin does)."""
     dtype = getattr(logits, "dtype", None)
     if dtype is None or dtype.name not in spec.dtypes or not logits.flags.c_contiguous or logits.ndim < 1:
         raise ValueError(f"{fn}: logits must be a contiguous {' or '.join(spec.dtypes)} array (..., V)")
@@ -107,11 +133,8 @@ def _fused_softmax_xent_forward(ops, z, t, inplace=False, valid=None):
 
 
 def _fused_softmax_xent_backward(ops, saved, t, dloss=1.0):
-    """Ops.softmax_xent_backward, in place over what the forward kept: the probabilities. bfloat16 ones
-    (the forward's kernel takes bfloat16, the backward's ElementwiseKernel does not): Ops' code, which
-    sums them in float32 and rounds the gradient once."""
-    if saved.dtype.name not in SOFTMAX_XENT_BWD.dtypes:
-        return cuda.FALLBACK
+    """Ops.softmax_xent_backward, in place over what the forward kept: the probabilities (bfloat16 ones
+    through softmax_xent_bwd16, float32 sums rounded once, as Ops' code)."""
     return softmax_xent_backward_gpu(saved, t, dloss)
 
 
@@ -182,7 +205,7 @@ SOFTMAX_XENT = cuda.fused_piece(
     "softmax_xent",
     replaces={"vocab_padding": _fused_vocab_padding, "softmax_xent_forward": _fused_softmax_xent_forward,
               "softmax_xent_backward": _fused_softmax_xent_backward},
-    kernels=(SOFTMAX_XENT_FWD, SOFTMAX_XENT_BWD),
+    kernels=(SOFTMAX_XENT_FWD, SOFTMAX_XENT_BWD, SOFTMAX_XENT_BWD16),
     sample=_softmax_xent_sample,
     cases=_softmax_xent_cases,
     timed=_softmax_xent_timed,
