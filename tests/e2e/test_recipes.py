@@ -10,8 +10,9 @@ registered in its registry alone, then run as a user runs it (the commands in-pr
 - a norm (LayerNorm without its bias), its maths as two `Ops` methods and its layer a `Norm`, in
   NORMS: `train --set model.norm=biasfree` builds and trains it, and `sample` and `trace` use it;
 - a fused GPU kernel: the six files "Add a fused kernel" names are those every piece of
-  minitensor/backends/kernels/ is in (a new piece's own run is tests/gpu/test_kernels_fused.py's
-  test_a_new_piece_is_its_record_alone).
+  minitensor/backends/kernels/ is in, each piece with a planted mutation; and in a copy of the project
+  a new piece (ReLU(x + b)) added by the recipe's steps alone is refused by the rules until its steps
+  are done, then listed, checked, run on the stand-in and chosen by the self-check.
 
 Nothing else of the project is edited for any of them: each test fails if a seam needs more than
 its registry (a list read elsewhere, a copy taken at import).
@@ -441,6 +442,185 @@ def test_every_fused_piece_is_in_the_files_the_recipe_names():
         assert {s.name for s in piece.kernels if isinstance(s, cuda.RawSpec)} <= set(counts), name
         assert module in imported, name
     mutated = mutated_pieces()
-    assert mutated
+    assert {name for name, _ in mutated} == set(pieces), set(pieces) - {name for name, _ in mutated}  # step 6
     for name, spec in mutated:  # the spec, an attribute of the piece's module, is one of its kernels
         assert getattr(sys.modules[pieces[name].sample.__module__], spec) in pieces[name].kernels, (name, spec)
+
+
+# the recipe's piece, as its two new files (steps 1 and 2): ReLU(x + b), which no piece fuses yet
+BIAS_RELU_CU = """// ReLU(x + b) over rows of C (fused piece bias_relu).
+
+// @kernel bias_relu_fwd
+const T h = x + b[(unsigned int)i % (unsigned int)C];
+y = h > (T)0 ? h : (T)0;
+
+// @kernel bias_relu_bwd
+dh = x + b[(unsigned int)i % (unsigned int)C] > (T)0 ? dy : (T)0;
+"""
+
+BIAS_RELU_PY = '''"""ReLU(x + b) on the GPU: the kernels of kernels/bias_relu.cu, their wrappers and the fused piece
+bias_relu's record."""
+
+import numpy as np
+
+from minitensor.backends import cuda
+from minitensor.backends.cuda import draw
+
+
+def _h(x, b, C):
+    return x + b[np.arange(x.size) % int(C)]
+
+
+BIAS_RELU_FWD = cuda.ElementwiseSpec("bias_relu_fwd", "T x, raw T b, int32 C", "T y", "bias_relu.cu",
+                                     reference=lambda x, b, C: np.maximum(_h(x, b, C), 0.0), scalars=(("C", 7),))
+BIAS_RELU_BWD = cuda.ElementwiseSpec("bias_relu_bwd", "T x, raw T b, int32 C, T dy", "T dh", "bias_relu.cu",
+                                     reference=lambda x, b, C, dy: np.where(_h(x, b, C) > 0, dy, 0.0),
+                                     scalars=(("C", 7),))
+
+
+def bias_relu_forward_gpu(x, b):
+    return BIAS_RELU_FWD.kernel()(x, b, np.int32(x.shape[-1]))
+
+
+def bias_relu_backward_gpu(x, b, dy):
+    return BIAS_RELU_BWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
+
+
+def _fused_bias_relu_forward(ops, x, b):
+    if x.dtype.name not in BIAS_RELU_FWD.dtypes:
+        return cuda.FALLBACK
+    return bias_relu_forward_gpu(x, b)
+
+
+def _fused_bias_relu_backward(ops, x, b, dy, recompute_output=False):
+    if recompute_output or x.dtype.name not in BIAS_RELU_BWD.dtypes:
+        return cuda.FALLBACK
+    return bias_relu_backward_gpu(x, b, dy)
+
+
+def _bias_relu_sample(ops, rng):
+    xp = ops.xp
+    x, b, dy = draw(xp, rng, 30, 9), draw(xp, rng, 9), draw(xp, rng, 30, 9)
+    return ops.bias_relu_forward(x, b), ops.bias_relu_backward(x, b, dy)
+
+
+def _bias_relu_timed(ops, sizes):
+    xp = ops.xp
+    x, b, dy = cuda.normals(xp, sizes.N, sizes.F), cuda.normals(xp, sizes.F), cuda.normals(xp, sizes.N, sizes.F)
+    return lambda: (ops.bias_relu_forward(x, b), ops.bias_relu_backward(x, b, dy))
+
+
+BIAS_RELU = cuda.fused_piece(
+    "bias_relu",
+    replaces={"bias_relu_forward": _fused_bias_relu_forward, "bias_relu_backward": _fused_bias_relu_backward},
+    kernels=(BIAS_RELU_FWD, BIAS_RELU_BWD),
+    sample=_bias_relu_sample,
+    timed=_bias_relu_timed,
+)
+'''
+
+# steps 3, 5 and 6, each an edit of the file the recipe names: (path, text after which, text added)
+RECIPE_EDITS = (
+    ("docs/architecture.md", "                       adamw.py", " bias_relu.py"),
+    ("tests/gpu/test_kernels_fused.py", "from minitensor.backends.kernels import adamw, attention,",
+     " bias_relu,"),
+    ("tests/gpu/test_kernels_fused.py", "def test_a_new_piece_is_its_record_alone(monkeypatch):", ""),
+    ("tests/gpu/test_selfcheck.py", '@pytest.mark.parametrize("piece, spec, wrong", [\n',
+     '    ("bias_relu", "BIAS_RELU_BWD", ("? dy : (T)0", "? (T)0 : dy")),\n'),
+)
+
+# step 5's test, added at the end of test_kernels_fused.py
+FORMULA_TEST = '''
+
+@needs_cxx
+@pytest.mark.parametrize("spec", [bias_relu.BIAS_RELU_FWD, bias_relu.BIAS_RELU_BWD])
+def test_bias_relu_against_its_formula(spec):
+    for dtype in ("float64", "float32"):
+        assert kernelcheck.host_check(spec, dtype).ok, (spec.name, dtype)
+'''
+
+# run in the copy after the edits: the piece is listed, bound, self-checked and chosen, on the stand-in
+RUN_THE_PIECE = """
+import numpy as np
+from minitensor.backends import cupy_ops, fused_pieces, selection
+assert "bias_relu" in fused_pieces()
+import cupy
+ops = cupy_ops.CupyOps(cupy, fused=("bias_relu",))
+x, b = cupy.asarray(np.array([[-1.0, 2.0], [0.5, -3.0]], np.float32)), cupy.asarray(np.array([0.25, 0.5], np.float32))
+cupy.standin.reset()
+assert cupy.asnumpy(ops.bias_relu_forward(x, b)).tolist() == [[0.0, 2.5], [0.75, 0.0]]
+assert {name for _, name, _ in cupy.standin.kernels} == {"bias_relu_fwd"}
+fused, line = selection.select_kernels("auto", cupy, {"bias_relu": fused_pieces()["bias_relu"].sample})
+print(line)
+assert fused == ("bias_relu",), line
+"""
+
+
+def copy_of_the_project(to):
+    """The project's files as a checkout has them (what git tracks: no virtual environment, run or cache)."""
+    import shutil
+
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache", "*.egg-info")
+    for folder in (".ci", "andrea", "configs", "docs", "minitensor", "scripts", "tests"):
+        shutil.copytree(ROOT / folder, to / folder, ignore=skip)
+    for name in (".gitignore", "BENCHMARKS.md", "README.md", "pyproject.toml"):
+        shutil.copy2(ROOT / name, to / name)
+
+
+@pytest.mark.slow
+def test_the_recipe_followed_literally_adds_a_fused_piece(tmp_path):
+    """In a copy of the project, a new piece (ReLU(x + b), two ElementwiseKernels: no RawKernel, so step
+    4's counts do not apply) added by the recipe's steps and nothing else: its two files, then the layout
+    entry, the formula test and the self-check's mutation. With only the two files the rules refuse it (the
+    layout does not name it; it has no mutation); with the steps done the rules and its tests pass, it is
+    listed, CupyOps runs its kernel on the stand-in and the self-check chooses it; and no other file of the
+    copy differs from the project's."""
+    import subprocess
+
+    from minitensor.checks.standin import standin_env
+
+    repo = tmp_path / "repo"
+    in_copy = standin_env()  # the copy's code alone on the path (the stand-in's too, for the run below)
+    in_copy["PYTHONPATH"] = str(repo)
+    copy_of_the_project(repo)
+    kernels = repo / "minitensor" / "backends" / "kernels"
+    (kernels / "bias_relu.cu").write_text(BIAS_RELU_CU)
+    (kernels / "bias_relu.py").write_text(BIAS_RELU_PY)
+    rules = ["tests/rules/test_layout.py",
+             "tests/e2e/test_recipes.py::test_every_fused_piece_is_in_the_files_the_recipe_names"]
+
+    def pytest_in_copy(*args):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                               "-o", "addopts=", *args], cwd=repo, capture_output=True, text=True,
+                              env=in_copy, timeout=600)
+
+    before = pytest_in_copy(*rules)
+    assert before.returncode == 1, before.stdout[-3000:]
+    assert "bias_relu.py" in before.stdout, before.stdout[-3000:]
+    assert "FAILED tests/rules/test_layout.py::test_layout_names_every_module" in before.stdout
+    assert "FAILED tests/e2e/test_recipes.py::test_every_fused_piece_is_in_the_files_the_recipe_names" in before.stdout
+    for path, after, added in RECIPE_EDITS:
+        text = (repo / path).read_text(encoding="utf-8")
+        assert text.count(after) == 1, (path, after)
+        (repo / path).write_text(text.replace(after, after + added), encoding="utf-8")
+    with open(repo / "tests" / "gpu" / "test_kernels_fused.py", "a", encoding="utf-8") as f:
+        f.write(FORMULA_TEST)
+    done = pytest_in_copy(*rules, "tests/gpu/test_kernels_fused.py", "tests/gpu/test_selfcheck.py", "-rp", "-k",
+                          "bias_relu or recipe_names or layout or module")
+    assert done.returncode == 0 and "failed" not in done.stdout, done.stdout[-3000:]
+    for test in ("test_layout_names_every_module", "test_every_fused_piece_is_in_the_files_the_recipe_names",
+                 "test_bias_relu_against_its_formula[spec1]", "made_to_disagree_is_replaced_by_the_generic_path[bias_relu",
+                 "test_every_pieces_timed_run_runs_with_the_piece_and_without[bias_relu]"):
+        assert any(line.startswith("PASSED") and test in line for line in done.stdout.splitlines()), test
+    ran = subprocess.run([sys.executable, "-c", RUN_THE_PIECE], cwd=repo, capture_output=True, text=True,
+                         env={**in_copy, "PYTHONPATH": f"{repo / 'minitensor/checks/cupy_standin'}:{repo}"},
+                         timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "bias_relu" in ran.stdout
+    named = {"minitensor/backends/kernels/bias_relu.cu", "minitensor/backends/kernels/bias_relu.py",
+             "docs/architecture.md", "tests/gpu/test_kernels_fused.py", "tests/gpu/test_selfcheck.py"}
+    made_by_runs = {"__pycache__", ".hypothesis", ".pytest_cache"}
+    changed = {str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file() and not made_by_runs & set(p.parts)
+               and (not (ROOT / p.relative_to(repo)).is_file()
+                    or (ROOT / p.relative_to(repo)).read_bytes() != p.read_bytes())}
+    assert changed == named, changed ^ named
