@@ -39,7 +39,7 @@ from andrea.run import gradflow, preflight
 from andrea.run.metrics import open_metrics
 from andrea.run.nccl import require_nccl
 from andrea.run.overlap import GradientReduction
-from andrea.run.perf import format_duration, matmul_peak_flops, peak_label
+from andrea.run.perf import format_duration, matmul_peak_flops, peak_dtype, peak_label
 from andrea.run.reducer import Shards
 from andrea.run.schedule import make_schedule
 from andrea.run.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, NonFiniteGuard, StopVote
@@ -306,13 +306,14 @@ class Trainer:
         # the machine comes out low (MFU then read over 100%): the meter measures it again when a
         # window's steps beat it (Throughput.window).
         xp, world = self.model.xp, self.world
-        name = peak_label(xp, self.cfg.train.tf32)
+        dtype = peak_dtype(self.cfg.train.precision)  # bf16: against the bf16 GEMMs' peak, which its steps use
+        name = peak_label(xp, self.cfg.train.tf32, dtype)
         if world.size > 1:
             name = f"{world.size} x {name}"
 
         def measure(fresh=False):
             n = {"n": 2048, "repeats": 5} if xp is np else {}
-            return matmul_peak_flops(xp, fresh=fresh, **n) * world.size
+            return matmul_peak_flops(xp, fresh=fresh, dtype=dtype, **n) * world.size
 
         def measure_again(beaten, peak):
             fresh = measure(fresh=True)

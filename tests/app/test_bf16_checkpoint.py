@@ -130,3 +130,27 @@ def test_the_plan_says_bf16_and_counts_its_memory():
     assert 2 * m16.activation_bytes == m32.activation_bytes
     assert describe_precision(f32.train) == "float32"
     assert describe_precision(b16.train).startswith("bf16: float32 master weights")
+
+
+def test_a_bf16_runs_mfu_is_against_the_bf16_gemm_peak(cupy, data_dir, tmp_path, monkeypatch):
+    """Its steps' GEMMs are bf16 ones (twice TF32's rate on a tensor core), so its MFU divides by the bf16
+    GEMM peak, measured on bfloat16 products through the GEMM its layers call (cuBLAS gemmEx; the stand-in
+    does not compute an 8192^3 one, it counts it), and says so; a float32 run's stays float32's."""
+    from andrea.run import perf
+    from andrea.run import trainer as trainer_module
+
+    measured = []
+
+    def peak(xp, fresh=False, dtype="float32", **kw):
+        measured.append(dtype)
+        return perf.matmul_peak_flops(xp, fresh=fresh, dtype=dtype, **kw)
+
+    monkeypatch.setattr(trainer_module, "matmul_peak_flops", peak)
+    cupy.standin.reset()
+    meter = make_trainer(data_dir, tmp_path / "bf16", "bf16")._throughput_meter()
+    assert measured == ["bfloat16"] and meter.peak_name.startswith("GPU bf16 GEMM peak (cuBLAS gemmEx")
+    assert cupy.standin.skipped_gemms >= 2  # the warm-up and each timed product: bfloat16, through gemmEx
+    meter = make_trainer(data_dir, tmp_path / "f32", "float32")._throughput_meter()
+    assert measured[1:] == ["float32"] and meter.peak_name.startswith("GPU float32 GEMM peak")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        perf.matmul_peak_flops(np, n=8, dtype="bfloat16")

@@ -25,7 +25,8 @@ host): the operands widened to float32 exactly, their products summed in float32
 applied in float32, and the result rounded once to C's type (bfloat16 by ml_dtypes, nearest even),
 so a bfloat16 output is never summed in bfloat16. cuBLAS's own order of the float32 sums (its
 tiles, split-K) is not NumPy's: the float32 rounding differs in the last bits, not the bf16 one
-beyond a tie.
+beyond a tie. A product of more than cupy.standin's GEMM_LIMIT multiply-adds (a GEMM peak's 8192^3) is
+not computed but counted, its output NaN in every 64 x 64 tile, as cupy.matmul's.
 """
 
 import ctypes
@@ -184,6 +185,11 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ld
     op_a = a if transa == CUBLAS_OP_N else a.T
     op_b = b if transb == CUBLAS_OP_N else b.T
     c = matrix(C, output, m, n, ldc)
+    from cupy import standin  # (at the call: cupy imports this module)
+
+    if int(m) * int(n) * int(k) > standin.GEMM_LIMIT:  # not computed, as cupy.matmul past the limit
+        standin.skipped_into(c)
+        return
     alpha, beta = host_scalar(alpha, compute), host_scalar(beta, compute)
     product = alpha * (op_a @ op_b)
     c[...] = (product if beta == 0 else product + beta * c.astype(compute)).astype(output)  # rounded once
