@@ -1,7 +1,7 @@
 """Phase 1, preflight: every compile of the check, once, into the shared cache, then one ANDREA-120M step.
 
-Every project kernel built for float32 and float64 (a RawKernel compiled, an ElementwiseKernel run
-once on one element); CuPy's own ufunc and reduction kernels warmed by one tiny training step (B 2,
+Every project kernel built for each dtype it is built for (float32, float64, and bfloat16 for the bf16
+RawKernels; a RawKernel compiled, an ElementwiseKernel run once on one element); CuPy's own ufunc and reduction kernels warmed by one tiny training step (B 2,
 T 5, one layer) for each of {generic, fused kernels} x {dense, blocked attention core} x {float32,
 float64}, the backends the GPU tests build; then ANDREA-120M built as training builds it (the start-up
 self-check, each fused piece timed against the generic code at 8 x 1024: the kernels line) and one
@@ -33,7 +33,8 @@ def part_preflight(dry):
 
 
 def _compile_kernels(dry):
-    from minitensor.backends import all_kernels, cuda
+    from minitensor import precision
+    from minitensor.backends import all_kernels
 
     if not gpu_here(dry):
         log("dry run on NumPy: no CUDA kernels to compile (the NVRTC compile check is "
@@ -42,11 +43,11 @@ def _compile_kernels(dry):
     import cupy
 
     start, failed, count = time.perf_counter(), False, 0
-    builds = [(spec, dtype) for spec in all_kernels().values() for dtype in cuda.DTYPES]
+    builds = [(spec, dtype) for spec in all_kernels().values() for dtype in _dtypes_of(spec)]
     for spec, dtype in builds + [(mma_probe_spec(), "float32")]:  # the bench's probe too: no compile after this
         t0 = time.perf_counter()
         try:
-            _build(cupy, spec, np.dtype(dtype))
+            _build(cupy, spec, precision.dtype_of(dtype))
             count += 1
         except Exception as e:  # every kernel is tried; the failures are listed
             failed = True
@@ -54,11 +55,24 @@ def _compile_kernels(dry):
             continue
         log(f"ok   compiled {spec.name:<26} {dtype}  {time.perf_counter() - t0:.2f} s")
     seconds = time.perf_counter() - start
-    log(f"compiled {count} kernels (every kernel x float32, float64, and the bench's mma.sync probe) in "
-        f"{seconds:.1f} s")
+    log(f"compiled {count} kernels (every kernel x each dtype it is built for, bfloat16 too where ml_dtypes is "
+        f"here, and the bench's mma.sync probe) in {seconds:.1f} s")
     cupy.cuda.get_current_stream().synchronize()
     log(f"figure: {count} project kernels compiled in {seconds:.1f} s" + ("; some FAILED" if failed else ""))
     return failed
+
+
+def _dtypes_of(spec):
+    """The dtypes a kernel is built for (the precision policy's: float32, float64, and bfloat16 for a bf16
+    RawKernel, which the bf16 phase launches), bfloat16 only where ml_dtypes gives it."""
+    from minitensor import precision
+
+    try:
+        precision.bfloat16()
+    except ImportError:
+        log(f"{spec.name}: no ml_dtypes here, so no bfloat16 build (the bf16 extra installs it)")
+        return [d for d in spec.dtypes if d != precision.BF16]
+    return list(spec.dtypes)
 
 
 def _one_step(dry):

@@ -133,8 +133,10 @@ def test_gpu_check_dry_run_on_the_cupy_standin_runs_the_gpu_code_of_every_phase(
     from minitensor.backends import all_kernels, fused_pieces
 
     preflight = phases["preflight"]
-    assert f"compiled {2 * len(all_kernels()) + 1} kernels (every kernel x float32, float64, and the bench's " \
-           "mma.sync probe)" in preflight
+    builds = sum(len(spec.dtypes) for spec in all_kernels().values())  # bfloat16 too for the bf16 RawKernels
+    assert builds > 2 * len(all_kernels())
+    assert f"compiled {builds + 1} kernels (every kernel x each dtype it is built for, bfloat16 too where " \
+           "ml_dtypes is here, and the bench's mma.sync probe)" in preflight
     assert "kernels: fused " in preflight and "not timed: the CuPy stand-in" in preflight
     # every compile in the preflight, CuPy's own kernels warmed there for the tests
     assert preflight.index("CuPy's own kernels warmed") < preflight.index("model built and its kernels chosen")
