@@ -287,7 +287,7 @@ def run_mutants(mutants: list[Mutant], copy: Path, command: list[str], timeout: 
     """Runs `command` in `copy` once per mutant, with the mutant written in; sets each one's outcome
     and seconds and prints a line for it (to `out`, default stdout). The copy's files are restored after each."""
     out = out or sys.stdout
-    for m in mutants:
+    for done, m in enumerate(mutants, 1):
         module = copy / m.path
         original = module.read_text(encoding="utf-8")
         try:
@@ -298,8 +298,8 @@ def run_mutants(mutants: list[Mutant], copy: Path, command: list[str], timeout: 
             module.write_text(original, encoding="utf-8")
             _forget_bytecode(module)
         m.outcome = {"passed": "survived", "failed": "killed", "timeout": "killed (timeout)"}[verdict]
-        print(f"{m.id:3d}/{len(mutants)} {m.where():40s} {m.change():80s} {m.outcome:16s} {m.seconds:6.1f} s",
-              file=out, flush=True)
+        print(f"#{m.id:<3d} ({done}/{len(mutants)}) {m.where():40s} {m.change():80s} {m.outcome:16s} "
+              f"{m.seconds:6.1f} s", file=out, flush=True)
     return mutants
 
 
