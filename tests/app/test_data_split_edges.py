@@ -37,10 +37,25 @@ def test_a_row_group_of_a_few_large_rows_is_read_in_blocks_of_at_least_one_row(t
     assert [u.count for u in units] == [2] * 5
     assert np.array_equal(np.concatenate([u.records for u in units]), np.arange(10))
     assert [u.first for u in units] == [0, 2, 4, 6, 8] and units[-1].end == nbytes
+    assert [u.start for u in units] == [0] + [u.end for u in units[:-1]]  # the group's bytes, cut in turn
     meta = preparation.prepare([str(path)], tmp_path / "d", text_field="text", val_fraction=0.3, **SMALL)
     tok = Tokenizer.load(tmp_path / "d" / "tokenizer.json")
     docs = [d for split in ("train", "val") for d in split_documents(tok, all_ids(tmp_path / "d", split))]
     assert sorted(docs) == sorted(texts) and sum(meta["documents"].values()) == 10
+
+
+def test_an_empty_row_group_is_no_block_and_the_rows_after_it_are_found(tmp_path):
+    """A writer given an empty table writes a row group of no rows: it makes no block (and divides by
+    nothing), and the next group's rows are read from their own group."""
+    pa, pq = require("pyarrow"), require("pyarrow.parquet")
+    path = tmp_path / "gap.parquet"
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+        for rows in (["a b", "c d"], [], ["e f"]):
+            writer.write_table(pa.table({"text": pa.array(rows, pa.string())}))
+    units = list(parquet.scan(path, path.stat().st_size, 1 << 20, lambda n: None, "text"))
+    assert [(u.first, u.count) for u in units] == [(0, 2), (2, 1)]
+    read = [parquet.documents(path, u.start, u.end, u.first, u.count, "text") for u in units]
+    assert [d.texts for d in read] == [["a b", "c d"], ["e f"]] and [d.records for d in read] == [[0, 1], [2]]
 
 
 def one_file_with_a_long_last_line(path, low: float, high: float):

@@ -92,6 +92,8 @@ def test_seeds_to_settle_is_the_least_n_whose_half_width_clears_the_bound():
     assert f"more than {paired.MOST_SEEDS} seeds" in paired.settle_words(tiny)
     flat = paired.interval("b - a", [0, 1, 2], [0.0, 0.0, 0.0])
     assert paired.seeds_to_settle(flat) is None and "the mean lies on it" in paired.settle_words(flat)
+    settled = paired.interval("b - a", [0, 1], [1.0, 1.1])  # two seeds, already clear of 0
+    assert settled.lo > 0 and paired.seeds_to_settle(settled) == 2
 
 
 def test_seeds_to_settle_a_mean_below_its_bound_is_counted_as_one_above_it():

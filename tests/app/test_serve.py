@@ -62,6 +62,21 @@ def sample_cli(run, prompt, n, temperature, top_k, top_p, seed):
     return out.getvalue()
 
 
+def test_the_decoders_logits_are_a_whole_forward_of_the_window_it_holds(run):
+    """andrea.sample.Decoder, which the server and the sampler share (so that comparing them cannot tell):
+    each push moves its window on by one token until the context is full, then rebuilds it from the
+    last half of the context; its logits are always a whole forward's over that window."""
+    model, tok, _ = sample.load_model(run)
+    ctx, ids = model.cfg.context_length, tok.encode(PROMPT)
+    decoder, pos = sample.Decoder(model, ids), len(ids)
+    for step in range(ctx + 4):
+        decoder.push(step % tok.vocab_size)
+        pos = ctx // 2 if pos == ctx else pos + 1
+        window = decoder.ids[-pos:]
+        assert decoder.pos == pos and len(decoder.ids) == len(ids) + step + 1
+        np.testing.assert_allclose(decoder.logits[0], model.forward(np.array([window]))[0, -1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p, seed", [(0.8, 50, 1.0, 3), (1.0, 0, 0.9, 7), (0.0, 0, 1.0, 0)])
 def test_a_completion_is_andrea_samples_for_the_same_seed(run, client, temperature, top_k, top_p, seed):
     # 40 tokens after a 12-token prompt pass the context of 32: the cache is rebuilt on the way

@@ -9,6 +9,8 @@ directory as the files source does; and a JSONL corpus prepares and trains as a 
 A small tokenizer trained once per module keeps each preparation to a fraction of a second.
 """
 
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -32,8 +34,9 @@ from andrea import prepare, train
 from andrea.cli import run_cli
 from andrea.config import load_config
 from andrea.data import lock, preparation, shards
+from andrea.data.progress import Log
 from andrea.data.request import default_data_dir
-from andrea.data.sources import jsonl, parquet
+from andrea.data.sources import jsonl, opening, parquet, records
 from andrea.data.stream import MAX_BLOCK
 from andrea.data.tokenizer import Tokenizer
 from andrea.errors import UserError
@@ -99,6 +102,7 @@ def test_each_jsonl_document_goes_whole_to_one_split_in_order_ending_with_eot(tm
     assert meta["documents"] == {"train": len(train_docs), "val": len(val_docs)} and meta["empty_documents"] == 1
     assert meta["files"] == 2 and meta["text_field"] == "text" and "2 record files" in meta["corpus"]
     assert meta["bytes"] == sum(len(t.encode()) for t in texts)  # the text's bytes, not the JSON's
+    assert (meta["not_utf8_lines"], meta["not_utf8_files"], meta["first_not_utf8_line"]) == (0, 0, None)  # all UTF-8
     assert (meta["train_tokens"], meta["val_tokens"]) == (len(all_ids(out, "train")), len(all_ids(out, "val")))
     # deterministic: one thread and small shards give the same documents on the same side
     again = preparation.prepare([str(a), str(b)], tmp_path / "d2", progress=False, tokenizer=tok_path,
@@ -106,6 +110,35 @@ def test_each_jsonl_document_goes_whole_to_one_split_in_order_ending_with_eot(tm
     assert len(again["shards"]["train"]) > 1
     for split in ("train", "val"):
         assert np.array_equal(all_ids(out, split), all_ids(tmp_path / "d2", split))
+
+
+def splitmix64(state):
+    """Steele, Lea and Flood's SplitMix64 output for a state (the state already advanced), in Python's
+    integers: the reference record_keys vectorises."""
+    z = state % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return z ^ (z >> 31)
+
+
+def test_record_keys_are_splitmix64_of_the_files_seed_and_each_record():
+    """The split of every data directory hangs on these numbers: a changed constant or shift would
+    move documents between the splits of a corpus prepared again."""
+    assert splitmix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF  # SplitMix64's first output from seed 0
+    seed = records.file_seed("web/part-0.jsonl")
+    assert seed == int.from_bytes(hashlib.sha256(b"web/part-0.jsonl").digest()[:8], "big")
+    numbers = np.array([1, 2, 7, 1000, 2**40])
+    expected = [(splitmix64(seed + int(n) * 0x9E3779B97F4A7C15) >> 11) / 2.0**53 for n in numbers]
+    assert records.record_keys(seed, numbers).tolist() == expected
+
+
+def test_the_scans_progress_counts_each_file_and_ends_at_all_of_them(tmp_path):
+    for k in range(3):
+        write_jsonl(tmp_path / f"part-{k}.jsonl", documents(5, seed=k))
+    source = opening.open_source([str(tmp_path)], text_field="text")
+    shown = io.StringIO()
+    source.plan(source.sizes(), 0.2, Log(True, shown))
+    assert "scanning the records 3/3 files" in shown.getvalue()
 
 
 def test_the_split_is_a_function_of_each_documents_file_and_line(tmp_path, tok_path):
@@ -234,6 +267,9 @@ def test_a_lone_surrogate_escape_is_read_as_a_replacement_character(tmp_path, to
     tok = Tokenizer.load(tok_path)
     docs = split_texts(tmp_path / "d", "train", tok) + split_texts(tmp_path / "d", "val", tok)
     assert "half \ufffd a pair" in docs and meta["not_utf8_files"] == 1
+    block = jsonl.documents(path, 0, path.stat().st_size, 1, 51, "text")  # the whole file, one block
+    line = path.read_bytes().split(b"\n")[5]
+    assert block.bad_records == [6] and block.bad_bytes == len(line) + 1  # that line and its newline
 
 
 # ----------------------------------------------------------------------------- Parquet
