@@ -181,3 +181,27 @@ def test_the_pages_swiglu_interval_is_recomputed_from_its_kept_figures(tmp_path)
     assert run(["swiglu", "--from-doc", str(tmp_path / "experiments.md")]) == 0
     again = (tmp_path / "experiments.md").read_text()
     assert claim_line(again[again.index(page.markers("swiglu")[0]):]) == line
+
+
+def test_the_pages_mlp_ratio_intervals_are_recomputed_from_its_kept_figures(tmp_path):
+    """docs/experiments.md's mlp-ratio verdict, from docs/experiments/mlp-ratio-runs.json (ten seeds): each
+    gain and the slowdown by hand with andrea.experiments.paired, and by --from-doc on a copy of the page."""
+    arms = ["ratio-1", "ratio-2", "ratio-4", "ratio-8"]
+    doc = ROOT / "docs" / "experiments.md"
+    kept = runfile.read(doc, "mlp-ratio", arms)
+    assert kept is not None, "docs/experiments/mlp-ratio-runs.json is missing"
+    assert sorted({r["seed"] for r in kept}) == list(range(10)) and len(kept) == 40
+    text = doc.read_text()
+    line = claim_line(text[text.index(page.markers("mlp-ratio")[0]):])
+    gains = [paired.paired(kept, b, a, "") for a, b in zip(arms, arms[1:])]
+    slowdown = paired.contrast(kept, {"ratio-2": 1, "ratio-4": -2, "ratio-8": 1}, "")
+    for iv in (*gains, slowdown):
+        assert iv.n == 10 and iv.lo > 0, iv  # every interval above 0: the rule supports
+        assert f"mean {paired.signed(iv.mean)}, 95% t-interval [{paired.signed(iv.lo)}, {paired.signed(iv.hi)}]" in line
+    assert line.startswith("**claim: supports**")
+    (tmp_path / "experiments").mkdir()
+    shutil.copy(doc, tmp_path / "experiments.md")
+    shutil.copy(runfile.path_of(doc, "mlp-ratio"), tmp_path / "experiments" / "mlp-ratio-runs.json")
+    assert run(["mlp-ratio", "--from-doc", str(tmp_path / "experiments.md")]) == 0
+    again = (tmp_path / "experiments.md").read_text()
+    assert claim_line(again[again.index(page.markers("mlp-ratio")[0]):]) == line
