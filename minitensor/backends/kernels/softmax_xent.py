@@ -46,8 +46,7 @@ def _softmax_xent_bwd16_model(m):
                 (z, targets, np.int32(m.V_padded), np.float32(1.0 / m.N), np.int32(z.size)))
 
 
-# bfloat16's backward (one thread per element, in place; every pointer read or written once: the default
-# traffic, the targets read once a row in practice and priced per element, an upper bound)
+# bfloat16's backward (one thread per element, in place; the default traffic: each array read or written once)
 SOFTMAX_XENT_BWD16 = cuda.RawSpec("softmax_xent_bwd16", "softmax_xent.cu", model=_softmax_xent_bwd16_model,
                                   bf16=True)
 
