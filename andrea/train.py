@@ -183,7 +183,7 @@ def build_trainer(cfg, out_dir, args, world, tokenizer, train_tokens, val_tokens
     """The Trainer on every rank, its gradients summed over NCCL on GPUs (connected here, outside
     any `together` block: NCCL's set-up is a collective)."""
     # the fused GPU kernels: rank 0's choice on every rank (a collective, so outside `together`)
-    kernels = agreed_kernels(world, cfg.train, run_sizes(cfg.model, cfg.train.batch_size))
+    kernels = agreed_kernels(world, cfg.train, run_sizes(cfg.model, cfg.train.batch_size, cfg.train.precision))
     with world.together():
         if world.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ once, and what is derived from the shapes.
     parameter_breakdown(cfg)       {part: count} and "total", summed from param_shapes by the part
                                    each name belongs to; the tied token matrix is counted once
     flops_per_token(cfg, T, N)     training FLOPs per token, 6 N + 12 n_layer d T
-    run_sizes(cfg, batch)          the sizes the GPU start-up self-check times the fused kernels at
+    run_sizes(cfg, batch, precision)  the sizes the GPU start-up self-check times the fused kernels at
 """
 
 import dataclasses
@@ -84,10 +84,10 @@ def flops_per_token(cfg, T, n_params):
     return 6 * n_params + 12 * cfg.n_layer * cfg.d_model * T
 
 
-def run_sizes(cfg, batch):
+def run_sizes(cfg, batch, precision="float32"):
     """The sizes the start-up self-check times the fused kernels at (minitensor.backends.cuda.Sizes):
-    batch sequences of the context length."""
+    batch sequences of the context length, in the run's train.precision."""
     from minitensor.backends.cuda import Sizes
 
     return Sizes(B=batch, T=cfg.context_length, C=cfg.d_model, n_head=cfg.n_head, F=cfg.mlp_dim,
-                 V=cfg.vocab_size, P=parameter_breakdown(cfg)["total"])
+                 V=cfg.vocab_size, P=parameter_breakdown(cfg)["total"], precision=precision or "float32")

@@ -65,7 +65,7 @@ class ANDREA:
         None: dtype's own (float32 or float64 throughout)."""
         self.cfg = cfg
         self.device = get_device(device)
-        self.ops = ops = ops or get_ops(self.device.xp, kernels, run_sizes(cfg, batch) if batch else None)
+        self.ops = ops = ops or get_ops(self.device.xp, kernels, run_sizes(cfg, batch, precision) if batch else None)
         self.xp = ops.xp
         self.dtype = resolve_dtype(dtype)
         try:

@@ -354,7 +354,8 @@ def fused_piece(name, replaces, kernels, sample, cases=None, rtol=None, timed=No
 class Sizes:
     """The sizes of a run that the kernels are counted (minitensor.checks.counts) and timed
     (minitensor.backends.selection) at: B sequences of T tokens, width C, n_head heads, an MLP of F, a
-    vocabulary of V, P parameters. The defaults are ANDREA-120M's training step at 8 x 1024 tokens."""
+    vocabulary of V, P parameters. The defaults are ANDREA-120M's training step at 8 x 1024 tokens.
+    precision: the run's train.precision (a bf16 run's self-check runs the bf16 kernels too)."""
     B: int = 8
     T: int = 1024
     C: int = 768
@@ -362,6 +363,7 @@ class Sizes:
     F: int = 3072
     V: int = 8449
     P: int = 92_331_264
+    precision: str = "float32"
 
     @property
     def N(self):

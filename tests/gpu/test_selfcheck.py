@@ -370,3 +370,52 @@ def test_a_timing_failure_on_rank_0_falls_back_on_every_rank(tmp_path):
     assert line.startswith("kernels: fused none; generic for layernorm (timing failed at the run's sizes, "
                            "MemoryError: Out of memory allocating"), line
     assert rank1["own"][0] == []  # rank 1 timed it slower by itself: refused for another reason
+
+
+BF16_RUN = dict(B=2, T=72, C=64, n_head=4, F=256, V=50, P=1000)  # heads of 16, as the sample's own default
+
+
+@needs_cxx
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_bf16_runs_self_check_runs_and_checks_the_bf16_flash_kernels(cupy, monkeypatch, planted):
+    """A bf16 run's sizes (cuda.Sizes.precision) add a bfloat16 pass to the flash sample: the m16n8k16 kernels
+    a bf16 step launches, against Ops' bf16 code at selection.BF16_RTOL (its worst, measured on the stand-in:
+    0.51 of it). Planted, a forward that skips rescaling one accumulator column is refused by a bf16 run's
+    check and unseen by a float32 run's, which never launches it."""
+    from minitensor.backends import cuda
+    from minitensor.backends.kernels import attention
+
+    if planted:
+        good = attention.FLASH16_FWD
+        wrong = ("acc[u][2 * h + 1] *= alpha;", "acc[u][2 * h + 1] *= 1.0f;")
+        assert good.code.count(wrong[0]) == 1
+        monkeypatch.setattr(attention, "FLASH16_FWD", dataclasses.replace(good, inline=good.code.replace(*wrong)))
+    checks = {}
+    for precision in ("float32", "bf16"):
+        sizes = cuda.Sizes(**BF16_RUN, precision=precision)
+        check = selection.at_sizes(fused_pieces()["flash_attention"].sample, sizes)
+        cupy.standin.reset()
+        checks[precision] = selection.compare(check, "flash_attention", cupy)
+        bf16_launched = {n for _, n, _ in cupy.standin.kernels if n.endswith("_bf16")}
+        assert bf16_launched == ({"flash_attention_fwd_bf16", "flash_attention_bwd_dq_bf16",
+                                  "flash_attention_bwd_dkv_bf16"} if precision == "bf16" else set()), bf16_launched
+    assert checks["float32"][0], checks
+    assert checks["bf16"][0] is not planted, checks
+    if not planted:
+        assert float(checks["bf16"][1].split()[2]) <= 0.75, checks  # with room: 0.51 measured
+
+
+def test_a_bf16_model_is_built_with_a_bf16_runs_sizes(cupy, monkeypatch):
+    """ANDREA(precision="bf16", batch=...) hands its precision to the self-check's sizes, so a bf16 run's
+    start-up checks the kernels it will launch."""
+    from andrea import ANDREA, ModelConfig
+    from andrea.model import transformer
+
+    asked = []
+    get = transformer.get_ops
+    monkeypatch.setattr(transformer, "get_ops",
+                        lambda xp, kernels, sizes: (asked.append(sizes), get(xp, kernels, sizes))[1])
+    cfg = ModelConfig(vocab_size=13, context_length=8, d_model=32, n_layer=1, n_head=2)
+    for precision in ("bf16", None):
+        ANDREA(cfg, device="gpu", kernels="generic", precision=precision, batch=2)
+    assert [s.precision for s in asked] == ["bf16", "float32"] and asked[0].B == 2

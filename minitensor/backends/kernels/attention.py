@@ -385,7 +385,9 @@ def _flash_attention_sample(ops, rng, sizes=None):
     the backend chooses it (flash with the piece, else the Ops code), its float32 products once on
     TF32 tensor cores and once by FMAs, whatever train.tf32 will say. Heads of the run's size where
     sizes (a cuda.Sizes) gives one the kernels take (64 for ANDREA-120M: the tensor-core path a run
-    uses), else of 16."""
+    uses), else of 16. For a bf16 run (sizes.precision) a third pass in bfloat16 (its weights' copy, its
+    activations), its float32 gradients returned rounded to bfloat16 (compared at bfloat16's precision, as
+    what they are summed from): the m16n8k16 kernels a bf16 run launches."""
     from minitensor.layers.attention import CausalSelfAttention
     from minitensor.layers.linear import Linear
 
@@ -396,14 +398,19 @@ def _flash_attention_sample(ops, rng, sizes=None):
     weights = [draw(xp, rng, C, 3 * C, scale=scale), draw(xp, rng, 3 * C), draw(xp, rng, C, C, scale=scale),
                draw(xp, rng, C)]
     x, dy = draw(xp, rng, B, T, C), draw(xp, rng, B, T, C)
+    passes = [(True, weights, x, dy), (False, weights, x, dy)]
+    if sizes is not None and precision.get(sizes.precision).compute == precision.BF16 and xp is not np:
+        bf16 = precision.bfloat16()
+        passes.append((None, [w.astype(bf16) for w in weights], x.astype(bf16), dy.astype(bf16)))
     outputs = []
     try:
-        for tf32 in (True, False):
+        for tf32, ws, x_, dy_ in passes:
             ops.flash_tf32 = tf32
-            grads = [xp.zeros(w.shape, np.float32) for w in weights]
-            attn = CausalSelfAttention(Linear(weights[0], grads[0], weights[1], grads[1], ops=ops),
-                                       Linear(weights[2], grads[2], weights[3], grads[3], ops=ops), nh, ops=ops)
-            outputs += [attn.forward(x), attn.backward(dy), *grads]
+            grads = [xp.zeros(w.shape, np.float32) for w in ws]
+            attn = CausalSelfAttention(Linear(ws[0], grads[0], ws[1], grads[1], ops=ops),
+                                       Linear(ws[2], grads[2], ws[3], grads[3], ops=ops), nh, ops=ops)
+            outputs += [attn.forward(x_), attn.backward(dy_), *(g if tf32 is not None else g.astype(x_.dtype)
+                                                                 for g in grads)]
     finally:
         ops.flash_tf32 = None
     return tuple(outputs)
