@@ -178,13 +178,23 @@ def _check_out(name, out, doc, create):
     if names and not names & {"results.json", "logs", lock.LOCK_FILE}:
         raise UserError(f"{out} holds something that is not this experiment's: choose another --out")
     if create:
+        _make_out(out)
+
+
+def _make_out(out, tries=100):
+    """mkdir -p --out, tried again while another session's check (andrea.run.paths.check_directory) makes and
+    removes the same new --out: Path.mkdir then raises FileExistsError for a directory gone again."""
+    for _ in range(tries):
         try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            dangling = e.filename is not None and Path(e.filename).is_symlink()
-            raise UserError(f"--out {out} cannot be created: {e.filename}: {e.strerror}"
-                            f"{' (a symbolic link to a missing directory)' if dangling else ''}: choose another --out"
-                            ) from None
+            return out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # FileExistsError with nothing there: made and removed again meanwhile, so again
+            error = e
+            if not isinstance(e, FileExistsError) or out.is_dir() or os.path.lexists(e.filename or out):
+                break
+    if out.is_dir():
+        return
+    link = " (a symbolic link to a missing directory)" if error.filename and Path(error.filename).is_symlink() else ""
+    raise UserError(f"--out {out} cannot be created: {error.filename}: {error.strerror}{link}: choose another --out")
 
 
 def _train_to_the_end(name, run_dir, sets, logs, n_steps):

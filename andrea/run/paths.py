@@ -29,7 +29,7 @@ def check_directory(path, what: str, writable: bool = True) -> None:
         if ancestor.parent == ancestor:
             break
         ancestor = ancestor.parent
-    if ancestor.exists() and not ancestor.is_dir():
+    if _is_file(ancestor):  # one look: another command's check may make and remove a new directory there
         raise UserError(f"{what} {path} cannot be created: {ancestor} is a file")
     if ancestor.exists() and not os.access(ancestor, os.W_OK | os.X_OK):
         if not ancestor.exists():  # removed meanwhile (another command's check of the same new path): again

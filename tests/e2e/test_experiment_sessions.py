@@ -363,3 +363,27 @@ def test_two_halves_started_together_into_one_new_out_both_start(tmp_path):
     failed = {k: o for k, o in outcomes.items() if o != ["started", "started"]}
     assert not failed, f"{len(failed)} of 300 tries: {list(failed.items())[:3]}"
     assert len(list(tmp_path.glob("out*/.experiment.lock"))) == 300
+
+
+def test_an_out_made_and_removed_by_another_sessions_check_is_made_again(tmp_path, monkeypatch):
+    """The race the 300 tries above met once in 300 (2026-12-07): the other session's check made --out and
+    removed it again between this mkdir's try and its look, so Path.mkdir raised FileExistsError for a
+    directory no longer there. That is tried again; a file at --out is still refused in one line."""
+    from andrea.errors import UserError
+    from andrea.experiments import runs as experiment_runs
+
+    out, real_mkdir, raced = tmp_path / "new" / "out", Path.mkdir, []
+
+    def mkdir_in_a_race(self, *args, **kwargs):
+        if self == out and not raced:
+            raced.append(self)
+            raise FileExistsError(17, "File exists", str(self))  # made and removed again meanwhile
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_in_a_race)
+    experiment_runs._make_out(out)
+    assert raced and out.is_dir()
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="cannot be created: .*file: File exists: choose another --out"):
+        experiment_runs._make_out(tmp_path / "file")
