@@ -161,6 +161,16 @@ def test_seeds_added_to_a_page_whose_runs_are_gone_are_judged_with_its_figures(t
     assert doc.read_text() == before
 
 
+def claim_line_from_doc(tmp_path, doc, name):
+    """The claim line `NAME --from-doc` writes into a copy of the page beside a copy of its kept figures."""
+    (tmp_path / "experiments").mkdir()
+    shutil.copy(doc, tmp_path / "experiments.md")
+    shutil.copy(runfile.path_of(doc, name), tmp_path / "experiments" / f"{name}-runs.json")
+    assert run([name, "--from-doc", str(tmp_path / "experiments.md")]) == 0
+    again = (tmp_path / "experiments.md").read_text()
+    return claim_line(again[again.index(page.markers(name)[0]):])
+
+
 def test_the_pages_swiglu_interval_is_recomputed_from_its_kept_figures(tmp_path):
     """docs/experiments.md's SwiGLU verdict, from docs/experiments/swiglu-runs.json: by hand with
     andrea.experiments.paired, and by --from-doc on a copy of the page (the same line to the character)."""
@@ -175,12 +185,7 @@ def test_the_pages_swiglu_interval_is_recomputed_from_its_kept_figures(tmp_path)
     assert f"**claim: {paired.no_worse(iv, base.NO_WORSE.nats)}**" in line
     assert f"| `swiglu` | {paired.no_worse(iv, base.NO_WORSE.nats)} | SwiGLU 8/3 - GELU 4x: {paired.short(iv)}, " \
            "margin 0.05 |" in text
-    (tmp_path / "experiments").mkdir()
-    shutil.copy(doc, tmp_path / "experiments.md")
-    shutil.copy(runfile.path_of(doc, "swiglu"), tmp_path / "experiments" / "swiglu-runs.json")
-    assert run(["swiglu", "--from-doc", str(tmp_path / "experiments.md")]) == 0
-    again = (tmp_path / "experiments.md").read_text()
-    assert claim_line(again[again.index(page.markers("swiglu")[0]):]) == line
+    assert claim_line_from_doc(tmp_path, doc, "swiglu") == line
 
 
 def test_the_pages_mlp_ratio_intervals_are_recomputed_from_its_kept_figures(tmp_path):
@@ -199,9 +204,4 @@ def test_the_pages_mlp_ratio_intervals_are_recomputed_from_its_kept_figures(tmp_
         assert iv.n == 10 and iv.lo > 0, iv  # every interval above 0: the rule supports
         assert f"mean {paired.signed(iv.mean)}, 95% t-interval [{paired.signed(iv.lo)}, {paired.signed(iv.hi)}]" in line
     assert line.startswith("**claim: supports**")
-    (tmp_path / "experiments").mkdir()
-    shutil.copy(doc, tmp_path / "experiments.md")
-    shutil.copy(runfile.path_of(doc, "mlp-ratio"), tmp_path / "experiments" / "mlp-ratio-runs.json")
-    assert run(["mlp-ratio", "--from-doc", str(tmp_path / "experiments.md")]) == 0
-    again = (tmp_path / "experiments.md").read_text()
-    assert claim_line(again[again.index(page.markers("mlp-ratio")[0]):]) == line
+    assert claim_line_from_doc(tmp_path, doc, "mlp-ratio") == line
