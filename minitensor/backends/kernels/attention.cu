@@ -289,7 +289,7 @@ flash_attention_fwd_bf16(const T *q, const T *k, const T *v, T *y, ACC *lse, con
 constexpr int DQ_Q = 64, DQ_K = 32, DQ_THREADS = 2 * DQ_Q;
 __shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles */
 template <int HS>
-__global__ void __launch_bounds__(DQ_THREADS, 3)
+__global__ void __launch_bounds__(DQ_THREADS, 4)
 flash_attention_bwd_dq_bf16(const T *q, const T *k, const T *v, const T *y, const T *dy, const ACC *lse, ACC *delta,
                             T *dq, const int n_ctx, const int hs, const int n_head, const ACC scale) {
   const T *ks = tiles, *vs = tiles + DQ_K * LD;
@@ -347,7 +347,7 @@ constexpr int DKV_K = 64, DKV_Q = 32, DKV_THREADS = 2 * DKV_K;
 __shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy tiles */
 __shared__ float lse_s[DKV_Q], delta_s[DKV_Q];
 template <int HS>
-__global__ void __launch_bounds__(DKV_THREADS, 2)
+__global__ void __launch_bounds__(DKV_THREADS, 3)
 flash_attention_bwd_dkv_bf16(const T *q, const T *k, const T *v, const T *dy, const ACC *lse, const ACC *delta, T *dk,
                              T *dv, const int n_ctx, const int hs, const int n_head, const ACC scale) {
   const T *qs = tiles, *dys = tiles + DKV_Q * LD;
@@ -372,22 +372,27 @@ flash_attention_bwd_dkv_bf16(const T *q, const T *k, const T *v, const T *dy, co
     }
     __syncthreads();
     if (i0 + DKV_Q - 1 < c0) continue;  /* every query of the tile is before this warp's keys */
+    /* dv's product before dP^T's: P^T's bfloat16 copy is dead before dP^T is live (168 registers, 3 blocks
+       an SM, no spill) */
     float st[DKV_Q / 8][4], dpt[DKV_Q / 8][4];
     rows_product<DKV_Q / 8, HS>(st, ka, qs);    /* S^T = k q^T: rows keys, columns queries */
-    rows_product<DKV_Q / 8, HS>(dpt, va, dys);  /* dP^T = v dy^T */
 #pragma unroll
     for (int n = 0; n < DKV_Q / 8; ++n)
       for (int e = 0; e < 4; ++e) {
         const int col = 8 * n + 2 * t + (e & 1), query = i0 + col;
         const bool seen = c0 + g + 8 * (e >> 1) <= query && query < n_ctx;
-        const float e_all = expf(scale * st[n][e] - lse_s[col]), p = seen ? e_all : 0.0f;  /* a select, no branch */
-        st[n][e] = p;                               /* P^T */
-        dpt[n][e] = p * (dpt[n][e] - delta_s[col]); /* dS^T */
+        const float e_all = expf(scale * st[n][e] - lse_s[col]);
+        st[n][e] = seen ? e_all : 0.0f;             /* P^T, a select, no branch */
       }
     unsigned pa[DKV_Q / 16][4], dsa[DKV_Q / 16][4];
     a_from_accs<DKV_Q / 8>(pa, st);
-    a_from_accs<DKV_Q / 8>(dsa, dpt);
     acc_product<DKV_Q / 8, HS>(acc_v, pa, dys);  /* dv += bf16(P^T) dy */
+    rows_product<DKV_Q / 8, HS>(dpt, va, dys);  /* dP^T = v dy^T */
+#pragma unroll
+    for (int n = 0; n < DKV_Q / 8; ++n)
+      for (int e = 0; e < 4; ++e)
+        dpt[n][e] = st[n][e] * (dpt[n][e] - delta_s[8 * n + 2 * t + (e & 1)]); /* dS^T */
+    a_from_accs<DKV_Q / 8>(dsa, dpt);
     acc_product<DKV_Q / 8, HS>(acc_k, dsa, qs);  /* dk += bf16(dS^T) q */
   }
   const float ones[2] = {1.0f, 1.0f};

@@ -151,11 +151,11 @@ FLASH16_FWD = cuda.RawSpec("flash_attention_fwd_bf16", "attention.cu",
 FLASH16_BWD_DQ = cuda.RawSpec("flash_attention_bwd_dq_bf16", "attention.cu",
                               flops=_flash_flops(3, FLASH16_DQ_TILE), model=_flash16_model,
                               count_blocks=_flash_blocks(FLASH16_DQ_TILE), template=("hs",), bf16=True,
-                              instances=flash16_instances, warps_per_sm=12)
+                              instances=flash16_instances, warps_per_sm=16)
 FLASH16_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv_bf16", "attention.cu",
                                flops=_flash_flops(4, FLASH16_DKV_TILE, keys_first=True), model=_flash16_model,
                                count_blocks=_flash_blocks(FLASH16_DKV_TILE, keys_first=True), template=("hs",), bf16=True,
-                               instances=flash16_instances, warps_per_sm=8)
+                               instances=flash16_instances, warps_per_sm=12)
 
 
 def _flash_operands(fn, q, k, v):
