@@ -16,7 +16,8 @@ and backward, the core's terms named as the forward lines they differentiate:
 The core is `ops.attention_forward` / `attention_backward`: in Ops (minitensor.backends.ops) these
 lines as written, dense; the CPU and the GPU past a memory budget run it over blocks of query rows
 that never compute the scores above the diagonal (minitensor.backends.blocked). b_attn goes into
-the core with c_attn's output (a backend adds it in the copies that make each head contiguous), and
+the core with c_attn's output (a backend adds it in the copies that make each head contiguous, or, the
+flash kernels, as they read q, k and v where c_attn wrote them), and
 the block's residual (`forward(x, residual=r)`) into c_proj's epilogue.
 `forward_kv` is the inference path: it appends to a key/value cache so each new token costs one
 row of attention instead of re-running the whole sequence.
@@ -46,7 +47,7 @@ class CausalSelfAttention(Layer):
 
     def __init__(self, c_attn, c_proj, n_head, ops=None):
         """c_attn: Linear C -> 3C; c_proj: Linear C -> C; n_head must divide C. This layer runs
-        their products itself (the bias of c_attn goes into the head copies)."""
+        their products itself (the bias of c_attn goes into the attention core)."""
         super().__init__(ops)
         C = c_proj.W.shape[0]
         if C % n_head:
@@ -58,7 +59,7 @@ class CausalSelfAttention(Layer):
         xp = self._take_ops(x).xp
         B, T, C = x.shape
         x2 = x.reshape(B * T, C)
-        qkv = self.ops.matmul(x2, self.c_attn.W)             # (B*T, 3C), its bias added with the head copies
+        qkv = self.ops.matmul(x2, self.c_attn.W)             # (B*T, 3C), its bias added by the core
         y = xp.empty((B, T, C), dtype=x.dtype)               # the heads written back in (B, T, C) order
         cache = self.ops.attention_forward(self._heads(qkv, B, T), self.c_attn.b, self._heads(y, B, T, 1)[0],
                                            self.block, self.keep_probs_max_bytes, self.dense)

@@ -138,8 +138,8 @@ def test_the_flash_kernels_are_conflict_free_and_issue_their_declared_products()
         spec = cuda.KERNELS[name]
         assert spec.conflicts == 1
         # every mma step the flops declaration prices is issued, no more
-        q = np.zeros((1, 256, 64), np.float32)
-        assert c.mma * 2048 == spec.flops(q=q, n_ctx=256, hs=64), name
+        qkv = np.zeros((1, 256, 3, 1, 64), np.float32)  # one head's q, k, v as the kernels read them
+        assert c.mma * 2048 == spec.flops(qkv=qkv, n_ctx=256, hs=64), name
 
 
 @needs_cxx

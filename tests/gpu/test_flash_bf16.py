@@ -254,8 +254,8 @@ def test_the_bf16_kernels_are_conflict_free_and_issue_their_declared_products():
     assert set(found) == {s.name for s in KERNELS}
     for name, c in found.items():
         assert c.worst == 1 and c.wavefronts == c.ideal, name
-        q = np.zeros((1, 256, 64), BF16)
-        assert c.mma * 4096 == cuda.KERNELS[name].flops(q=q, n_ctx=256, hs=64), name
+        qkv = np.zeros((1, 256, 3, 1, 64), BF16)  # one head's q, k, v as the kernels read them
+        assert c.mma * 4096 == cuda.KERNELS[name].flops(qkv=qkv, n_ctx=256, hs=64), name
 
 
 @needs_cxx

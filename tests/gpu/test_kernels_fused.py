@@ -845,9 +845,10 @@ def test_the_dense_cores_head_split_and_merge_equal_ops(separate):
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_flash_core_equals_ops(separate, dtype):
-    """CupyOps' flash core on the CuPy stand-in against Ops' core, through the layer's views: y and dy
-    read and written in the (B, T, C) arrays, dq, dk, dv merged in one copy; and with separate arrays
-    (copies instead). Two heads of 16, T = 35 (two float32 tiles, three float64 ones, the last partial);
+    """CupyOps' flash core on the CuPy stand-in against Ops' core, with c_attn's bias, through the layer's
+    views: q, k, v read where c_attn wrote them (the bias added as the kernels read them), y and dy read and
+    written in the (B, T, C) arrays, dq, dk, dv written into the (B, T, 3C) gradient; and with separate
+    arrays (copies instead). Two heads of 16, T = 35 (two float32 tiles, three float64 ones, the last partial);
     the flash kernels are what ran."""
     import types
 
@@ -871,6 +872,8 @@ def test_the_flash_core_equals_ops(separate, dtype):
         if separate:
             views, grads = [v.copy() for v in views], [xp.zeros(g.shape, dtype) for g in grads]
             y4, dy4 = xp.empty(y4.shape, dtype), dy4.copy()
+        if xp is not np:
+            assert (attention.packed_heads(views) is None) == separate
         cache = ops.attention_forward(views, xp.asarray(b), y4)
         ops.attention_backward(dy4, cache, grads)
         return [np.asarray(getattr(xp, "asnumpy", np.asarray)(a)) for a in (y4, *grads)]

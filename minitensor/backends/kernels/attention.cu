@@ -2,10 +2,11 @@
 // Faster Attention with Better Parallelism and Work Partitioning", arXiv:2307.08691; the online softmax of
 // Milakov & Gimelshein 2018, arXiv:1805.02867), written here for minitensor's CupyOps.
 //
-// q, k, v, dq, dk, dv: (BH, T, hs), contiguous, q unscaled (scores are scale * q k^T). y and dy: rows
-// of (B, T, n_head, hs), head h = bh % n_head of sequence bh / n_head (the heads of a (B, T, C) output
-// read in place; n_head = 1 is the plain (BH, T, hs) layout). lse and delta: (BH, T). hs a multiple
-// of 16, at most HS_MAX.
+// q, k, v: c_attn's output read in place, rows of a (B, T, 3, n_head, hs) array (its (B * T, 3 C)), c_attn's
+// bias b (3 C) added as they are read (load_tile); dq, dk, dv written in place into an array of the same
+// layout (what c_attn's backward reads); q unscaled (scores are scale * q k^T). y and dy: rows of (B, T,
+// n_head, hs), head h = bh % n_head of sequence bh / n_head (the heads of a (B, T, C) output read in place;
+// n_head = 1 is the plain (BH, T, hs) layout). lse and delta: (BH, T). hs a multiple of 16, at most HS_MAX.
 //
 // The layout (kernels/flash.cuh): each warp owns 16 rows of a product and every column of it, so that
 // its A operands stay in registers (q, dy, k or v of its rows, loaded and rounded to TF32 once per
@@ -52,22 +53,23 @@ constexpr int FWD_THREADS = 2 * FWD_Q;
 __shared__ __align__(16) T kv[2 * FWD_K * LD];  /* the k tile, then the v tile; q passes through first */
 template <int HS, int TF32>
 __global__ void __launch_bounds__(FWD_THREADS, 2)
-flash_attention_fwd(const T *q, const T *k, const T *v, T *y, T *lse, const int n_ctx, const int hs,
-                    const int n_head, const T scale, const int tf32) {
+flash_attention_fwd(const T *qkv, const T *b, T *y, T *lse, const int n_ctx, const int hs, const int n_head,
+                    const T scale, const int tf32) {
   const T *ks = kv, *vs = kv + FWD_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * FWD_Q, r0 = i0 + 16 * warp;
-  const long long head = (long long)bh * n_ctx * HS;
+  const long long head = qkv_head<HS>(bh, n_ctx, n_head), row = 3LL * n_head * HS, part = (long long)n_head * HS;
+  const T *bq = b + bh % n_head * HS;
   T qa[HS / 8][4];  /* this warp's rows of q, A operands */
-  load_tile<FWD_Q, FWD_THREADS, HS, TF32>(kv, q + head, i0, n_ctx, HS);
+  load_tile<FWD_Q, FWD_THREADS, HS, TF32, true>(kv, qkv + head, i0, n_ctx, row, bq);
   __syncthreads();
   a_frags<HS>(qa, kv, 16 * warp);
   T acc[HS / 8][4] = {};
   T top[2] = {fa_lowest(scale), fa_lowest(scale)}, total[2] = {0, 0};  /* rows g, g + 8: running max, sum */
   for (int j0 = 0; j0 < i0 + FWD_Q && j0 < n_ctx; j0 += FWD_K) {
     __syncthreads();  /* the previous tile's reads are done */
-    load_tile<FWD_K, FWD_THREADS, HS, TF32>(kv, k + head, j0, n_ctx, HS);
-    load_tile<FWD_K, FWD_THREADS, HS, TF32>(kv + FWD_K * LD, v + head, j0, n_ctx, HS);
+    load_tile<FWD_K, FWD_THREADS, HS, TF32, true>(kv, qkv + head + part, j0, n_ctx, row, bq + part);
+    load_tile<FWD_K, FWD_THREADS, HS, TF32, true>(kv + FWD_K * LD, qkv + head + 2 * part, j0, n_ctx, row, bq + 2 * part);
     __syncthreads();
     if (j0 > r0 + 15) continue;  /* every key of the tile is after this warp's rows */
     T s[FWD_K / 8][4];
@@ -115,14 +117,15 @@ constexpr int DQ_THREADS = 2 * DQ_Q;
 __shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles (namespace scope: see the forward) */
 template <int HS, int TF32>
 __global__ void __launch_bounds__(DQ_THREADS, 3)
-flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *dy, const T *lse, T *delta, T *dq,
+flash_attention_bwd_dq(const T *qkv, const T *b, const T *y, const T *dy, const T *lse, T *delta, T *dqkv,
                        const int n_ctx, const int hs, const int n_head, const T scale, const int tf32) {
   const T *ks = tiles, *vs = tiles + DQ_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * DQ_Q, r0 = i0 + 16 * warp;
-  const long long head = (long long)bh * n_ctx * HS;
+  const long long head = qkv_head<HS>(bh, n_ctx, n_head), row = 3LL * n_head * HS, part = (long long)n_head * HS;
   const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS, stride = (long long)n_head * HS;
-  load_tile<DQ_Q, DQ_THREADS, HS, TF32>(tiles, q + head, i0, n_ctx, HS);
+  const T *bq = b + bh % n_head * HS;
+  load_tile<DQ_Q, DQ_THREADS, HS, TF32, true>(tiles, qkv + head, i0, n_ctx, row, bq);
   load_tile<DQ_Q, DQ_THREADS, HS, 0>(tiles + DQ_Q * LD, dy + y_head, i0, n_ctx, stride);  /* dy as it is: delta needs it */
   __syncthreads();
   T qa[HS / 8][4], dya[HS / 8][4], d[2] = {0, 0}, row_lse[2];
@@ -142,8 +145,8 @@ flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *
   T acc[HS / 8][4] = {};
   for (int j0 = 0; j0 < i0 + DQ_Q && j0 < n_ctx; j0 += DQ_K) {
     __syncthreads();  /* q and dy are in registers / the previous tile's reads are done */
-    load_tile<DQ_K, DQ_THREADS, HS, TF32>(tiles, k + head, j0, n_ctx, HS);
-    load_tile<DQ_K, DQ_THREADS, HS, TF32>(tiles + DQ_K * LD, v + head, j0, n_ctx, HS);
+    load_tile<DQ_K, DQ_THREADS, HS, TF32, true>(tiles, qkv + head + part, j0, n_ctx, row, bq + part);
+    load_tile<DQ_K, DQ_THREADS, HS, TF32, true>(tiles + DQ_K * LD, qkv + head + 2 * part, j0, n_ctx, row, bq + 2 * part);
     __syncthreads();
     if (j0 > r0 + 15) continue;
     T s[DQ_K / 8][4], dp[DQ_K / 8][4];
@@ -160,7 +163,7 @@ flash_attention_bwd_dq(const T *q, const T *k, const T *v, const T *y, const T *
     acc_product<DQ_K / 8, HS, TF32>(acc, dp, ks);  /* dq += dS k */
   }
   const T ones[2] = {1, 1};
-  store_acc<HS>(dq + head, HS, acc, r0, n_ctx, scale, ones);
+  store_acc<HS>(dqkv + head, row, acc, r0, n_ctx, scale, ones);
 }
 
 // @kernel flash_attention_bwd_dkv
@@ -173,15 +176,16 @@ __shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy
 __shared__ T lse_s[DKV_Q], delta_s[DKV_Q];
 template <int HS, int TF32>
 __global__ void __launch_bounds__(DKV_THREADS, 2)
-flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T *lse, const T *delta, T *dk, T *dv,
+flash_attention_bwd_dkv(const T *qkv, const T *b, const T *dy, const T *lse, const T *delta, T *dqkv,
                         const int n_ctx, const int hs, const int n_head, const T scale, const int tf32) {
   const T *qs = tiles, *dys = tiles + DKV_Q * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, j0 = blockIdx.x * DKV_K, c0 = j0 + 16 * warp;  /* this warp's keys c0 .. c0 + 15 */
-  const long long head = (long long)bh * n_ctx * HS;
+  const long long head = qkv_head<HS>(bh, n_ctx, n_head), row = 3LL * n_head * HS, part = (long long)n_head * HS;
   const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS, stride = (long long)n_head * HS;
-  load_tile<DKV_K, DKV_THREADS, HS, TF32>(tiles, k + head, j0, n_ctx, HS);
-  load_tile<DKV_K, DKV_THREADS, HS, TF32>(tiles + DKV_K * LD, v + head, j0, n_ctx, HS);
+  const T *bq = b + bh % n_head * HS;
+  load_tile<DKV_K, DKV_THREADS, HS, TF32, true>(tiles, qkv + head + part, j0, n_ctx, row, bq + part);
+  load_tile<DKV_K, DKV_THREADS, HS, TF32, true>(tiles + DKV_K * LD, qkv + head + 2 * part, j0, n_ctx, row, bq + 2 * part);
   __syncthreads();
   T ka[HS / 8][4], va[HS / 8][4];
   a_frags<HS>(ka, tiles, 16 * warp);
@@ -189,7 +193,7 @@ flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T
   T acc_k[HS / 8][4] = {}, acc_v[HS / 8][4] = {};
   for (int i0 = j0 - j0 % DKV_Q; i0 < n_ctx; i0 += DKV_Q) {  /* query tiles from the diagonal down */
     __syncthreads();  /* k and v are in registers / the previous tile's reads are done */
-    load_tile<DKV_Q, DKV_THREADS, HS, TF32>(tiles, q + head, i0, n_ctx, HS);
+    load_tile<DKV_Q, DKV_THREADS, HS, TF32, true>(tiles, qkv + head, i0, n_ctx, row, bq);
     load_tile<DKV_Q, DKV_THREADS, HS, TF32>(tiles + DKV_Q * LD, dy + y_head, i0, n_ctx, stride);
     for (int r = threadIdx.x; r < DKV_Q; r += blockDim.x) {
       lse_s[r] = i0 + r < n_ctx ? lse[(long long)bh * n_ctx + i0 + r] : (T)0;
@@ -213,8 +217,8 @@ flash_attention_bwd_dkv(const T *q, const T *k, const T *v, const T *dy, const T
     acc_product<DKV_Q / 8, HS, TF32>(acc_k, dpt, qs);  /* dk += dS^T q */
   }
   const T ones[2] = {1, 1};
-  store_acc<HS>(dk + head, HS, acc_k, c0, n_ctx, scale, ones);
-  store_acc<HS>(dv + head, HS, acc_v, c0, n_ctx, (T)1, ones);
+  store_acc<HS>(dqkv + head + part, row, acc_k, c0, n_ctx, scale, ones);
+  store_acc<HS>(dqkv + head + 2 * part, row, acc_v, c0, n_ctx, (T)1, ones);
 }
 
 // @kernel flash_attention_fwd_bf16
@@ -228,22 +232,23 @@ constexpr int FWD_Q = 128, FWD_K = 32, FWD_THREADS = 2 * FWD_Q;  /* keys 32 a ti
 __shared__ __align__(16) T kv[FWD_Q * LD];  /* q passes through first; then the k tile, then the v tile */
 template <int HS>
 __global__ void __launch_bounds__(FWD_THREADS, 2)
-flash_attention_fwd_bf16(const T *q, const T *k, const T *v, T *y, ACC *lse, const int n_ctx, const int hs,
-                         const int n_head, const ACC scale) {
+flash_attention_fwd_bf16(const T *qkv, const T *b, T *y, ACC *lse, const int n_ctx, const int hs, const int n_head,
+                         const ACC scale) {
   const T *ks = kv, *vs = kv + FWD_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * FWD_Q, r0 = i0 + 16 * warp;
-  const long long head = (long long)bh * n_ctx * HS;
+  const long long head = qkv_head<HS>(bh, n_ctx, n_head), row = 3LL * n_head * HS, part = (long long)n_head * HS;
+  const T *bq = b + bh % n_head * HS;
   unsigned qa[HS / 16][4];  /* this warp's rows of q, A operands */
-  load_tile<FWD_Q, FWD_THREADS, HS>(kv, q + head, i0, n_ctx, HS);
+  load_tile<FWD_Q, FWD_THREADS, HS, true>(kv, qkv + head, i0, n_ctx, row, bq);
   __syncthreads();
   a_frags<HS>(qa, kv, 16 * warp);
   float acc[HS / 8][4] = {};
   float top[2] = {lowest(), lowest()}, total[2] = {0.0f, 0.0f};  /* rows g, g + 8: running max, sum */
   for (int j0 = 0; j0 < i0 + FWD_Q && j0 < n_ctx; j0 += FWD_K) {
     __syncthreads();  /* the previous tile's reads are done */
-    load_tile<FWD_K, FWD_THREADS, HS>(kv, k + head, j0, n_ctx, HS);
-    load_tile<FWD_K, FWD_THREADS, HS>(kv + FWD_K * LD, v + head, j0, n_ctx, HS);
+    load_tile<FWD_K, FWD_THREADS, HS, true>(kv, qkv + head + part, j0, n_ctx, row, bq + part);
+    load_tile<FWD_K, FWD_THREADS, HS, true>(kv + FWD_K * LD, qkv + head + 2 * part, j0, n_ctx, row, bq + 2 * part);
     __syncthreads();
     if (j0 > r0 + 15) continue;  /* every key of the tile is after this warp's rows */
     float s[FWD_K / 8][4];
@@ -290,14 +295,15 @@ constexpr int DQ_Q = 64, DQ_K = 32, DQ_THREADS = 2 * DQ_Q;
 __shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles */
 template <int HS>
 __global__ void __launch_bounds__(DQ_THREADS, 4)
-flash_attention_bwd_dq_bf16(const T *q, const T *k, const T *v, const T *y, const T *dy, const ACC *lse, ACC *delta,
-                            T *dq, const int n_ctx, const int hs, const int n_head, const ACC scale) {
+flash_attention_bwd_dq_bf16(const T *qkv, const T *b, const T *y, const T *dy, const ACC *lse, ACC *delta, T *dqkv,
+                            const int n_ctx, const int hs, const int n_head, const ACC scale) {
   const T *ks = tiles, *vs = tiles + DQ_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * DQ_Q, r0 = i0 + 16 * warp;
-  const long long head = (long long)bh * n_ctx * HS;
+  const long long head = qkv_head<HS>(bh, n_ctx, n_head), row = 3LL * n_head * HS, part = (long long)n_head * HS;
   const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS, stride = (long long)n_head * HS;
-  load_tile<DQ_Q, DQ_THREADS, HS>(tiles, q + head, i0, n_ctx, HS);
+  const T *bq = b + bh % n_head * HS;
+  load_tile<DQ_Q, DQ_THREADS, HS, true>(tiles, qkv + head, i0, n_ctx, row, bq);
   load_tile<DQ_Q, DQ_THREADS, HS>(tiles + DQ_Q * LD, dy + y_head, i0, n_ctx, stride);
   __syncthreads();
   unsigned qa[HS / 16][4], dya[HS / 16][4];
@@ -315,8 +321,8 @@ flash_attention_bwd_dq_bf16(const T *q, const T *k, const T *v, const T *y, cons
   float acc[HS / 8][4] = {};
   for (int j0 = 0; j0 < i0 + DQ_Q && j0 < n_ctx; j0 += DQ_K) {
     __syncthreads();  /* q and dy are in registers / the previous tile's reads are done */
-    load_tile<DQ_K, DQ_THREADS, HS>(tiles, k + head, j0, n_ctx, HS);
-    load_tile<DQ_K, DQ_THREADS, HS>(tiles + DQ_K * LD, v + head, j0, n_ctx, HS);
+    load_tile<DQ_K, DQ_THREADS, HS, true>(tiles, qkv + head + part, j0, n_ctx, row, bq + part);
+    load_tile<DQ_K, DQ_THREADS, HS, true>(tiles + DQ_K * LD, qkv + head + 2 * part, j0, n_ctx, row, bq + 2 * part);
     __syncthreads();
     if (j0 > r0 + 15) continue;
     float s[DQ_K / 8][4], dp[DQ_K / 8][4];
@@ -335,7 +341,7 @@ flash_attention_bwd_dq_bf16(const T *q, const T *k, const T *v, const T *y, cons
     acc_product<DQ_K / 8, HS>(acc, dsa, ks);  /* dq += bf16(dS) k */
   }
   const float ones[2] = {1.0f, 1.0f};
-  store_acc<HS>(dq + head, HS, acc, r0, n_ctx, scale, ones);
+  store_acc<HS>(dqkv + head, row, acc, r0, n_ctx, scale, ones);
 }
 
 // @kernel flash_attention_bwd_dkv_bf16
@@ -348,15 +354,16 @@ __shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy
 __shared__ float lse_s[DKV_Q], delta_s[DKV_Q];
 template <int HS>
 __global__ void __launch_bounds__(DKV_THREADS, 3)
-flash_attention_bwd_dkv_bf16(const T *q, const T *k, const T *v, const T *dy, const ACC *lse, const ACC *delta, T *dk,
-                             T *dv, const int n_ctx, const int hs, const int n_head, const ACC scale) {
+flash_attention_bwd_dkv_bf16(const T *qkv, const T *b, const T *dy, const ACC *lse, const ACC *delta, T *dqkv,
+                             const int n_ctx, const int hs, const int n_head, const ACC scale) {
   const T *qs = tiles, *dys = tiles + DKV_Q * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, j0 = blockIdx.x * DKV_K, c0 = j0 + 16 * warp;  /* this warp's keys c0 .. c0 + 15 */
-  const long long head = (long long)bh * n_ctx * HS;
+  const long long head = qkv_head<HS>(bh, n_ctx, n_head), row = 3LL * n_head * HS, part = (long long)n_head * HS;
   const long long y_head = ((long long)(bh / n_head) * n_ctx * n_head + bh % n_head) * HS, stride = (long long)n_head * HS;
-  load_tile<DKV_K, DKV_THREADS, HS>(tiles, k + head, j0, n_ctx, HS);
-  load_tile<DKV_K, DKV_THREADS, HS>(tiles + DKV_K * LD, v + head, j0, n_ctx, HS);
+  const T *bq = b + bh % n_head * HS;
+  load_tile<DKV_K, DKV_THREADS, HS, true>(tiles, qkv + head + part, j0, n_ctx, row, bq + part);
+  load_tile<DKV_K, DKV_THREADS, HS, true>(tiles + DKV_K * LD, qkv + head + 2 * part, j0, n_ctx, row, bq + 2 * part);
   __syncthreads();
   unsigned ka[HS / 16][4], va[HS / 16][4];
   a_frags<HS>(ka, tiles, 16 * warp);
@@ -364,7 +371,7 @@ flash_attention_bwd_dkv_bf16(const T *q, const T *k, const T *v, const T *dy, co
   float acc_k[HS / 8][4] = {}, acc_v[HS / 8][4] = {};
   for (int i0 = j0 - j0 % DKV_Q; i0 < n_ctx; i0 += DKV_Q) {  /* query tiles from the diagonal down */
     __syncthreads();  /* k and v are in registers / the previous tile's reads are done */
-    load_tile<DKV_Q, DKV_THREADS, HS>(tiles, q + head, i0, n_ctx, HS);
+    load_tile<DKV_Q, DKV_THREADS, HS, true>(tiles, qkv + head, i0, n_ctx, row, bq);
     load_tile<DKV_Q, DKV_THREADS, HS>(tiles + DKV_Q * LD, dy + y_head, i0, n_ctx, stride);
     for (int r = threadIdx.x; r < DKV_Q; r += blockDim.x) {
       lse_s[r] = i0 + r < n_ctx ? lse[(long long)bh * n_ctx + i0 + r] : 0.0f;
@@ -396,6 +403,6 @@ flash_attention_bwd_dkv_bf16(const T *q, const T *k, const T *v, const T *dy, co
     acc_product<DKV_Q / 8, HS>(acc_k, dsa, qs);  /* dk += bf16(dS^T) q */
   }
   const float ones[2] = {1.0f, 1.0f};
-  store_acc<HS>(dk + head, HS, acc_k, c0, n_ctx, scale, ones);
-  store_acc<HS>(dv + head, HS, acc_v, c0, n_ctx, 1.0f, ones);
+  store_acc<HS>(dqkv + head + part, row, acc_k, c0, n_ctx, scale, ones);
+  store_acc<HS>(dqkv + head + 2 * part, row, acc_v, c0, n_ctx, 1.0f, ones);
 }

@@ -75,29 +75,27 @@ def _tiles_of(tiles):
 
 def _flash_flops(products, tiles, keys_first=False):
     """FLOPs of a launch's tensor-core products: `products` (16 x cols x hs) products per band and tile."""
-    def flops(q, n_ctx, hs, **_):
-        rows, cols = _tiles_of(tiles)(q.dtype)
-        heads = q.size // (int(n_ctx) * int(hs))
+    def flops(qkv, n_ctx, hs, **_):
+        rows, cols = _tiles_of(tiles)(qkv.dtype)
+        heads = qkv.size // (3 * int(n_ctx) * int(hs))
         return products * 2 * heads * _warp_tiles(n_ctx, rows, cols, keys_first) * 16 * cols * int(hs)
     return flops
 
 
-def _flash_model(m):
+def _flash_model(m, dtype=np.float32):
     """The attention core of every head at the model's sizes, forward and backward, as the step calls it
-    (y and dy the heads' rows of (B, T, C) arrays; minitensor.checks.counts)."""
-    q, k, v = (np.zeros((m.BH, m.T, m.hs), np.float32) for _ in range(3))
-    y, dy = (np.zeros((m.B, m.T, m.C), np.float32) for _ in range(2))
-    _, lse = flash_attention_forward_gpu(q, k, v, m.hs ** -0.5, y, n_head=m.n_head)
-    flash_attention_backward_gpu(q, k, v, y, dy, lse, m.hs ** -0.5, n_head=m.n_head)
+    (q, k, v and their gradients c_attn's (B, T, 3C) arrays, its bias added as they are read; y and dy the
+    heads' rows of (B, T, C) arrays; minitensor.checks.counts)."""
+    qkv, dqkv = (np.zeros((m.B, m.T, 3, m.n_head, m.hs), dtype) for _ in range(2))
+    b = np.zeros(3 * m.C, dtype)
+    y, dy = (np.zeros((m.B, m.T, m.n_head, m.hs), dtype) for _ in range(2))
+    lse = flash_forward(qkv, b, m.hs ** -0.5, y)
+    flash_backward(qkv, b, y, dy, lse, m.hs ** -0.5, dqkv)
 
 
 def _flash16_model(m):
     """_flash_model in bfloat16: the bf16 kernels as a bf16 step calls them."""
-    bf16 = precision.bfloat16()
-    q, k, v = (np.zeros((m.BH, m.T, m.hs), bf16) for _ in range(3))
-    y, dy = (np.zeros((m.B, m.T, m.C), bf16) for _ in range(2))
-    _, lse = flash_attention_forward_gpu(q, k, v, m.hs ** -0.5, y, n_head=m.n_head)
-    flash_attention_backward_gpu(q, k, v, y, dy, lse, m.hs ** -0.5, n_head=m.n_head)
+    _flash_model(m, precision.bfloat16())
 
 
 def _flash_blocks(tiles, keys_first=False):
@@ -142,8 +140,8 @@ FLASH_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv", "attention.cu",
                              instances=flash_instances, warps_per_sm=8)
 
 # The bf16 kernels (attention.cu's *_bf16 sections, flash16.cuh): templates over hs, compiled in bfloat16
-# only. The same blocks, so the same warps per SM declared; their fragments take half the registers of
-# TF32's (two bfloat16 to a register).
+# only. The same blocks; their fragments take half the registers of TF32's (two bfloat16 to a register), so
+# the backward's hold one block an SM more: dq 4 of 4 warps (<= 128 registers), dkv 3 of 4 (<= 168).
 FLASH16_FWD = cuda.RawSpec("flash_attention_fwd_bf16", "attention.cu",
                            flops=_flash_flops(2, FLASH16_FWD_TILE), model=_flash16_model,
                            count_blocks=_flash_blocks(FLASH16_FWD_TILE), template=("hs",), bf16=True,
@@ -158,18 +156,38 @@ FLASH16_BWD_DKV = cuda.RawSpec("flash_attention_bwd_dkv_bf16", "attention.cu",
                                instances=flash16_instances, warps_per_sm=12)
 
 
+def _head_size(fn, hs, dtype):
+    if not flash_fits(hs, dtype):
+        most = FLASH16_HS_MAX if is_bf16(dtype) else FLASH_HS_MAX[dtype]
+        raise ValueError(f"{fn}: head size {hs}: the kernels take multiples of 16 up to {most} in {dtype}")
+
+
 def _flash_operands(fn, q, k, v):
-    """(BH, T, hs) of contiguous q, k, v that the kernels take."""
+    """(BH, T, hs) of contiguous q, k, v that flash_attention_*_gpu take."""
     dtype = getattr(q, "dtype", None)
     if dtype is None or not precision.is_float(dtype, bf16=True) or q.ndim != 3 or not q.flags.c_contiguous:
         raise ValueError(f"{fn}: q must be a contiguous float32, float64 or bfloat16 array (BH, T, hs)")
     cuda.like(fn, "k", k, q)
     cuda.like(fn, "v", v, q)
-    BH, T, hs = q.shape
-    if not flash_fits(hs, q.dtype):
-        most = FLASH16_HS_MAX if is_bf16(q.dtype) else FLASH_HS_MAX[q.dtype]
-        raise ValueError(f"{fn}: head size {hs}: the kernels take multiples of 16 up to {most} in {q.dtype}")
-    return BH, T, hs
+    _head_size(fn, q.shape[2], q.dtype)
+    return q.shape
+
+
+def _packed_operands(fn, qkv, b):
+    """(B, T, n_head, hs) of the packed q, k, v the kernels take: a contiguous (B, T, 3, n_head, hs) array of
+    float32, float64 or bfloat16 (c_attn's (B * T, 3 C) output as it is), and c_attn's bias b, (3 C,) of its
+    dtype, contiguous."""
+    dtype = getattr(qkv, "dtype", None)
+    if (dtype is None or not precision.is_float(dtype, bf16=True) or qkv.ndim != 5 or qkv.shape[2] != 3
+            or not qkv.flags.c_contiguous):
+        raise ValueError(f"{fn}: qkv must be a contiguous float32, float64 or bfloat16 array (B, T, 3, n_head, hs), "
+                         f"got {getattr(qkv, 'dtype', type(qkv).__name__)} {getattr(qkv, 'shape', '')}")
+    B, T, _, n_head, hs = qkv.shape
+    if b.dtype != dtype or b.shape != (3 * n_head * hs,) or not b.flags.c_contiguous:
+        raise ValueError(f"{fn}: b must be a contiguous {dtype} array of shape {(3 * n_head * hs,)}, got "
+                         f"{b.dtype} {b.shape}")
+    _head_size(fn, hs, dtype)
+    return B, T, n_head, hs
 
 
 def _flash_rows(fn, name, a, q, n_head):
@@ -187,45 +205,120 @@ def _tf32_flag(tf32, q):
 
 
 def _stats(fn, name, a, q):
-    """a holds one value per row of q's heads, in the type the kernels sum in (float32 for bfloat16 q)."""
-    BH, T, _ = q.shape
+    """a holds one value per row of q's heads (q (BH, T, hs), or packed (B, T, 3, n_head, hs)), in the type the
+    kernels sum in (float32 for bfloat16 q)."""
+    BH, T = (q.shape[0], q.shape[1]) if q.ndim == 3 else (q.shape[0] * q.shape[3], q.shape[1])
     want = precision.accumulate_of(q.dtype)
     if a.size != BH * T or a.dtype != want or not a.flags.c_contiguous:
         raise ValueError(f"{fn}: {name} must hold {BH * T} contiguous {want} values (one per row), got "
                          f"{a.dtype} {a.shape}")
 
 
+def flash_forward(qkv, b, scale, y=None, lse=None, tf32=True):
+    """y = softmax(scale q k^T + causal mask) v, head by head, without the (T, T) scores in memory, for q, k,
+    v as c_attn writes them: qkv a contiguous (B, T, 3, n_head, hs) array (CuPy), read in place, with c_attn's
+    bias b (3C,) added as the kernels read it (None: no bias). y: the heads' rows of a (B, T, n_head, hs) array
+    (the layer's (B, T, C) output), or a new one; returns lse (B * n_head, T), each row's log-sum-exp in the
+    summed type (float32 for bfloat16: the bf16 kernels). tf32: float32 products on TF32 tensor cores (else,
+    as float64's, by FMAs); bfloat16's run on bf16 tensor cores whatever it says."""
+    fn = "flash_forward"
+    xp = array_module(qkv)
+    b = _bias(xp, qkv, b)
+    B, T, n_head, hs = _packed_operands(fn, qkv, b)
+    acc = precision.accumulate_of(qkv.dtype)
+    y = xp.empty((B, T, n_head, hs), dtype=qkv.dtype) if y is None else y
+    lse = xp.empty((B * n_head, T), dtype=acc) if lse is None else lse
+    _heads_of(fn, "y", y, qkv)
+    _stats(fn, "lse", lse, qkv)
+    if qkv.size:
+        common = (np.int32(T), np.int32(hs), np.int32(n_head), acc.type(scale))
+        if is_bf16(qkv.dtype):
+            rows = FLASH16_FWD_TILE[0]
+            cuda.launch(FLASH16_FWD, qkv.dtype, (-(-T // rows), B * n_head), (2 * rows,), (qkv, b, y, lse, *common))
+        else:
+            rows = FLASH_FWD_TILE[qkv.dtype][0]
+            cuda.launch(FLASH_FWD, qkv.dtype, (-(-T // rows), B * n_head), (2 * rows,),
+                        (qkv, b, y, lse, *common, _tf32_flag(tf32, qkv)))
+    return lse
+
+
+def flash_backward(qkv, b, y, dy, lse, scale, out=None, tf32=True):
+    """The gradients of flash_forward's y = attention(q, k, v) with respect to q, k and v from dy (laid out as
+    y), the forward's qkv, b, y and lse: into out, an array of qkv's layout (what c_attn's backward reads:
+    dq, dk, dv side by side in each row), or a new one; returns it. Deterministic: delta = rowsum(dy y) and
+    dq per query tile, then dk and dv per key tile. bfloat16: bfloat16 gradients from the bf16 kernels,
+    every sum in float32."""
+    fn = "flash_backward"
+    xp = array_module(qkv)
+    b = _bias(xp, qkv, b)
+    B, T, n_head, hs = _packed_operands(fn, qkv, b)
+    for name, a in (("y", y), ("dy", dy)):
+        _heads_of(fn, name, a, qkv)
+    _stats(fn, "lse", lse, qkv)
+    out = xp.empty_like(qkv) if out is None else out
+    if out.shape != qkv.shape or out.dtype != qkv.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"{fn}: out must be a contiguous {qkv.dtype} array of shape {qkv.shape}")
+    if qkv.size:
+        acc = precision.accumulate_of(qkv.dtype)
+        delta = xp.empty((B * n_head, T), dtype=acc)
+        common = (np.int32(T), np.int32(hs), np.int32(n_head), acc.type(scale))
+        if is_bf16(qkv.dtype):  # no tf32 argument: one instance per head size
+            specs, tiles = (FLASH16_BWD_DQ, FLASH16_BWD_DKV), (FLASH16_DQ_TILE, FLASH16_DKV_TILE)
+        else:
+            specs, tiles = (FLASH_BWD_DQ, FLASH_BWD_DKV), (FLASH_DQ_TILE[qkv.dtype], FLASH_DKV_TILE[qkv.dtype])
+            common += (_tf32_flag(tf32, qkv),)
+        rows = tiles[0][0]  # 16 a warp
+        cuda.launch(specs[0], qkv.dtype, (-(-T // rows), B * n_head), (2 * rows,),
+                    (qkv, b, y, dy, lse, delta, out, *common))
+        keys = tiles[1][0]
+        cuda.launch(specs[1], qkv.dtype, (-(-T // keys), B * n_head), (2 * keys,),
+                    (qkv, b, dy, lse, delta, out, *common))
+    return out
+
+
+def _bias(xp, qkv, b):
+    """b, or where there is none, zeros of c_attn's bias's shape (the kernels add a bias whatever)."""
+    return xp.zeros(3 * math.prod(qkv.shape[3:]), dtype=qkv.dtype) if b is None else b
+
+
+def _heads_of(fn, name, a, qkv):
+    """a holds the heads' rows of qkv's q as (B, T, n_head, hs), contiguous."""
+    B, T, _, n_head, hs = qkv.shape
+    if a.dtype != qkv.dtype or a.size != B * T * n_head * hs or not a.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must be a contiguous {qkv.dtype} array of {B * n_head} heads' (T, hs) rows "
+                         f"as {(B, T, n_head, hs)}, got {a.dtype} {a.shape}")
+
+
+def pack_heads(xp, heads, n_head):
+    """q, k, v, each (BH, T, hs) (heads bh = b n_head + h), as the kernels take them: one (B, T, 3, n_head,
+    hs) array (a copy)."""
+    BH, T, hs = heads[0].shape
+    qkv = xp.empty((BH // n_head, T, 3, n_head, hs), dtype=heads[0].dtype)
+    for i, a in enumerate(heads):
+        qkv[:, :, i] = a.reshape(BH // n_head, n_head, T, hs).transpose(0, 2, 1, 3)
+    return qkv
+
+
 def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32=True):
-    """y = softmax(scale q k^T + causal mask) v for q, k, v (BH, T, hs) (CuPy, contiguous), without the
-    (T, T) scores in memory; returns (y, lse). y: (BH, T, hs), or with n_head, the heads' rows of a
-    (B, T, n_head, hs) array (e.g. the layer's (B, T, C) output); lse (BH, T): each row's log-sum-exp, in
-    the summed type (float32 for bfloat16 q, k, v: the bf16 kernels). tf32: float32 products on TF32 tensor
-    cores (else, as float64's, by FMAs); bfloat16's run on bf16 tensor cores whatever it says."""
+    """flash_forward for q, k, v given apart, each (BH, T, hs) (CuPy, contiguous; heads bh = b n_head + h),
+    no bias: the kernels' own tests' and gpu_check's form (they are packed into one array first, a copy);
+    returns (y, lse). y: (BH, T, hs), or with n_head, the heads' rows of a (B, T, n_head, hs) array."""
     fn = "flash_attention_forward_gpu"
     BH, T, hs = _flash_operands(fn, q, k, v)
     xp = array_module(q)
-    acc = precision.accumulate_of(q.dtype)
     y = xp.empty_like(q) if y is None else y
-    lse = xp.empty((BH, T), dtype=acc) if lse is None else lse
     _flash_rows(fn, "y", y, q, n_head)
-    _stats(fn, "lse", lse, q)
-    if q.size:
-        common = (np.int32(T), np.int32(hs), np.int32(n_head), acc.type(scale))
-        if is_bf16(q.dtype):
-            rows = FLASH16_FWD_TILE[0]
-            cuda.launch(FLASH16_FWD, q.dtype, (-(-T // rows), BH), (2 * rows,), (q, k, v, y, lse, *common))
-        else:
-            rows = FLASH_FWD_TILE[q.dtype][0]
-            cuda.launch(FLASH_FWD, q.dtype, (-(-T // rows), BH), (2 * rows,),
-                        (q, k, v, y, lse, *common, _tf32_flag(tf32, q)))
-    return y, lse
+    if lse is not None:
+        _stats(fn, "lse", lse, q)
+    if not q.size:
+        return y, xp.empty((BH, T), dtype=precision.accumulate_of(q.dtype)) if lse is None else lse
+    qkv = pack_heads(xp, (q, k, v), n_head)
+    return y, flash_forward(qkv, None, scale, y.reshape(BH // n_head, T, n_head, hs), lse, tf32)
 
 
 def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None, tf32=True):
-    """(dq, dk, dv) of flash_attention_forward_gpu's y = attention(q, k, v) from dy (laid out as y, with
-    the same n_head) and the forward's y and lse; into out ((3, BH, T, hs), contiguous) or a new array.
-    Deterministic: delta = rowsum(dy y) and dq per query tile, then dk and dv per key tile. bfloat16 q, k,
-    v, y, dy (lse float32): bfloat16 gradients from the bf16 kernels, every sum in float32."""
+    """flash_backward for q, k, v given apart, as flash_attention_forward_gpu takes them: (dq, dk, dv), into
+    out ((3, BH, T, hs), contiguous) or a new array."""
     fn = "flash_attention_backward_gpu"
     BH, T, hs = _flash_operands(fn, q, k, v)
     for name, a in (("y", y), ("dy", dy)):
@@ -236,24 +329,16 @@ def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None,
     if grads.shape != (3, BH, T, hs) or grads.dtype != q.dtype or not grads.flags.c_contiguous:
         raise ValueError(f"{fn}: out must be a contiguous {q.dtype} array of shape {(3, BH, T, hs)}")
     if q.size:
-        acc = precision.accumulate_of(q.dtype)
-        delta = xp.empty((BH, T), dtype=acc)
-        common = (np.int32(T), np.int32(hs), np.int32(n_head), acc.type(scale))
-        if is_bf16(q.dtype):  # no tf32 argument: one instance per head size
-            specs, tiles = (FLASH16_BWD_DQ, FLASH16_BWD_DKV), (FLASH16_DQ_TILE, FLASH16_DKV_TILE)
-        else:
-            specs, tiles = (FLASH_BWD_DQ, FLASH_BWD_DKV), (FLASH_DQ_TILE[q.dtype], FLASH_DKV_TILE[q.dtype])
-            common += (_tf32_flag(tf32, q),)
-        rows = tiles[0][0]  # 16 a warp
-        cuda.launch(specs[0], q.dtype, (-(-T // rows), BH), (2 * rows,),
-                    (q, k, v, y, dy, lse, delta, grads[0], *common))
-        keys = tiles[1][0]
-        cuda.launch(specs[1], q.dtype, (-(-T // keys), BH), (2 * keys,),
-                    (q, k, v, dy, lse, delta, grads[1], grads[2], *common))
+        rows = (BH // n_head, T, n_head, hs)
+        packed = flash_backward(pack_heads(xp, (q, k, v), n_head), None, y.reshape(rows), dy.reshape(rows), lse,
+                                scale, tf32=tf32)
+        for i in range(3):
+            grads[i] = packed[:, :, i].transpose(0, 2, 1, 3).reshape(BH, T, hs)
     return grads
 
 
-# --- the heads as the fused cores take them: q, k, v (B*n_head, T, hs) contiguous, c_attn's bias added ---
+# --- the heads as the dense fused core takes them (kernels/causal_softmax.py): q, k, v (B*n_head, T, hs)
+# contiguous, c_attn's bias added; and the packed heads the flash kernels read in place ---
 
 
 def stacked_heads(views):
@@ -304,33 +389,34 @@ def write_heads(dqkv4, grads):
         g[...] = d.reshape(B, nh, T, hs)
 
 
-def head_rows(xp, a4, write=False):
-    """(rows, n_head, in place) for the flash kernels from a (B, nh, T, hs) array: the (B, T, nh, hs)
-    array it is a view of, read (and written) in place, where it is one (the heads of a (B, T, C)
-    array); else a contiguous (B*nh, T, hs) copy (write: an empty one) with n_head 1."""
+def packed_heads(views):
+    """The (B, T, 3, n_head, hs) array the three (B, n_head, T, hs) views q, k, v are the heads of (c_attn's
+    (B * T, 3 C) output, CausalSelfAttention._heads), contiguous; None where they are not exactly that."""
+    stacked = stacked_heads(views)
+    return None if stacked is None else stacked.transpose(1, 3, 0, 2, 4)
+
+
+def _rows(xp, a4):
+    """The (B, T, n_head, hs) rows of a (B, n_head, T, hs) array: the array it is a view of where it is one (the
+    heads of a (B, T, C) array), else a contiguous copy."""
     rows = a4.transpose(0, 2, 1, 3)
-    if rows.flags.c_contiguous:
-        return rows, a4.shape[1], True
-    B, nh, T, hs = a4.shape
-    if write:
-        return xp.empty((B * nh, T, hs), dtype=a4.dtype), 1, False
-    return xp.ascontiguousarray(a4).reshape(B * nh, T, hs), 1, False
+    return rows if rows.flags.c_contiguous else xp.ascontiguousarray(rows)
 
 
 # --- the fused piece flash_attention: the Ops methods it replaces, the self-check's sample, gpu_check's
 # cases, its record ---
 #
-# No (T, T) array at all. q is kept unscaled (the kernels take the scale), y and dy are read and
-# written where they lie in the layer's (B, T, C) arrays, rowsum(dy y) is computed by the backward's
-# first kernel.
+# No (T, T) array at all, and no copy of q, k, v: the kernels read them where c_attn wrote them, adding its
+# bias as they read, and write their gradients where c_attn's backward reads them. q is kept unscaled (the
+# kernels take the scale), y and dy are read and written where they lie in the layer's (B, T, C) arrays,
+# rowsum(dy y) is computed by the backward's first kernel.
 
 
 class FlashAttentionCache(NamedTuple):
-    """What the flash core keeps: q (unscaled), k, v (B*n_head, T, hs); y4, the output as a
-    (B, n_head, T, hs) view; lse, each query row's log-sum-exp."""
-    q: object
-    k: object
-    v: object
+    """What the flash core keeps: qkv, c_attn's output (B, T, 3, n_head, hs) (q unscaled, no bias), and b, its
+    bias; y4, the output as a (B, n_head, T, hs) view; lse, each query row's log-sum-exp."""
+    qkv: object
+    b: object
     y4: object
     lse: object
 
@@ -345,32 +431,44 @@ def tensor_cores(ops):
 
 def _fused_attention_forward(ops, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
     """Ops.attention_forward by the flash kernels, unless dense or blocks are asked for or they do not
-    take the head size and dtype."""
+    take the head size and dtype. q, k, v read where c_attn wrote them (packed by a copy where they are not
+    the heads of one array of y's dtype), its bias added by the kernels."""
     B, nh, T, hs = qkv4[0].shape
     if dense is not None or not flash_fits(hs, y4.dtype):
         return cuda.FALLBACK
     xp = ops.xp
-    q, k, v = split_heads(xp, qkv4, b, y4.dtype)
-    rows, n_head, in_place = head_rows(xp, y4, write=True)
-    _, lse = flash_attention_forward_gpu(q, k, v, 1.0 / math.sqrt(hs), rows, n_head=n_head, tf32=tensor_cores(ops))
-    if not in_place:                                      # y4 is not the heads of a (B, T, C) array
-        y4[...] = rows.reshape(B, nh, T, hs)
-    return FlashAttentionCache(q, k, v, y4, lse)
+    qkv = packed_heads(qkv4)
+    if qkv is None or qkv.dtype != y4.dtype:
+        qkv = xp.empty((B, T, 3, nh, hs), dtype=y4.dtype)
+        for i, src in enumerate(qkv4):
+            qkv[:, :, i] = src.transpose(0, 2, 1, 3)
+    if b is not None and b.dtype != qkv.dtype:
+        b = b.astype(qkv.dtype)
+    y = y4.transpose(0, 2, 1, 3)
+    in_place = y.flags.c_contiguous                       # y4: the heads of a (B, T, C) array
+    if not in_place:
+        y = xp.empty((B, T, nh, hs), dtype=y4.dtype)
+    lse = flash_forward(qkv, b, 1.0 / math.sqrt(hs), y, tf32=tensor_cores(ops))
+    if not in_place:
+        y4[...] = y.transpose(0, 2, 1, 3)
+    return FlashAttentionCache(qkv, b, y4, lse)
 
 
 def _fused_attention_backward(ops, dy4, saved, dqkv4):
-    """Ops.attention_backward from what _fused_attention_forward kept."""
+    """Ops.attention_backward from what _fused_attention_forward kept: the gradients written where
+    c_attn's backward reads them (dqkv4 the heads of one (B * T, 3 C) array), else copied into dqkv4."""
     if not isinstance(saved, FlashAttentionCache):
         return cuda.FALLBACK
     xp = ops.xp
-    q, k, v, y4, lse = saved
-    BH, T, hs = q.shape
-    y, n_y, _ = head_rows(xp, y4)
-    dy, n_dy, _ = head_rows(xp, dy4)
-    if n_y != n_dy:                                       # one n_head for both: both as (BH, T, hs)
-        (y, n_y), (dy, n_dy) = ((xp.ascontiguousarray(a).reshape(BH, T, hs), 1) for a in (y4, dy4))
-    write_heads(dqkv4, flash_attention_backward_gpu(q, k, v, y, dy, lse, 1.0 / math.sqrt(hs), n_head=n_y,
-                                                     tf32=tensor_cores(ops)))
+    qkv, b, y4, lse = saved
+    hs = qkv.shape[-1]
+    out = packed_heads(dqkv4)
+    in_place = out is not None and out.dtype == qkv.dtype
+    grads = flash_backward(qkv, b, _rows(xp, y4), _rows(xp, dy4), lse, 1.0 / math.sqrt(hs),
+                           out if in_place else None, tf32=tensor_cores(ops))
+    if not in_place:
+        for i, d in enumerate(dqkv4):
+            d[...] = grads[:, :, i].transpose(0, 2, 1, 3)
 
 
 # TF32 rounds each product's operands to 11 significant bits (relative error up to 2**-11, ~5e-4): the

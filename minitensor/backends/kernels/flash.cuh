@@ -108,11 +108,20 @@ template <int TF32> __device__ __forceinline__ void a_from_acc(T *a, const T *c)
   a[3] = operand<TF32>(c[3]);
 }
 
+/* 16 bytes of p (4 floats or 2 doubles) into v */
+__device__ __forceinline__ void load16(T *v, const T *p) {
+  if constexpr (sizeof(T) == 4) *(float4 *)v = *(const float4 *)p;
+  else *(double2 *)v = *(const double2 *)p;
+}
+
 /* ROWS rows r0.. of a matrix whose row r is src[r * stride ..] (HS wide) into the tile dst (stride LD)
    by the block's THREADS threads, operands rounded as the products need them; rows at or past n_ctx as
-   zeros. 16-byte vectors, 8 lanes to a row of 128 bytes: conflict-free stores. */
-template <int ROWS, int THREADS, int HS, int TF32>
-__device__ __forceinline__ void load_tile(T *dst, const T *src, int r0, int n_ctx, long long stride) {
+   zeros. With BIAS, bias[c] is added to column c first (c_attn's bias, to q, k and v as they are read:
+   the sum, then its rounding, as a separate add and load would give). 16-byte vectors, 8 lanes to a row
+   of 128 bytes: conflict-free stores. */
+template <int ROWS, int THREADS, int HS, int TF32, bool BIAS = false>
+__device__ __forceinline__ void load_tile(T *dst, const T *src, int r0, int n_ctx, long long stride,
+                                          const T *bias = nullptr) {
   constexpr int PER = 16 / sizeof(T), PER_ROW = HS / PER;
 #pragma unroll 2 /* two 16-byte loads in flight a thread: more would hold registers the hot loop needs */
   for (int e0 = 0; e0 < ROWS * PER_ROW; e0 += THREADS) {
@@ -120,14 +129,27 @@ __device__ __forceinline__ void load_tile(T *dst, const T *src, int r0, int n_ct
     if (ROWS * PER_ROW % THREADS && e >= ROWS * PER_ROW) break;
     T v[PER];
     if (r0 + r < n_ctx) {
-      if constexpr (PER == 4) *(float4 *)v = *(const float4 *)(src + (r0 + r) * stride + c);
-      else *(double2 *)v = *(const double2 *)(src + (r0 + r) * stride + c);
+      load16(v, src + (r0 + r) * stride + c);
+      if constexpr (BIAS) {
+        T b[PER];
+        load16(b, bias + c);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) v[i] += b[i];
+      }
     }
 #pragma unroll
     for (int i = 0; i < PER; ++i) v[i] = r0 + r < n_ctx ? operand<TF32>(v[i]) : (T)0;
     if constexpr (PER == 4) *(float4 *)(dst + r * LD + c) = *(float4 *)v;
     else *(double2 *)(dst + r * LD + c) = *(double2 *)v;
   }
+}
+
+/* q, k and v as c_attn writes them, read in place: rows of a (B, T, 3, n_head, HS) array (c_attn's (B * T, 3 C)
+   output), the rows of head bh's q from qkv_head on, 3 n_head HS apart; its k's n_head HS further, its v's
+   2 n_head HS; c_attn's bias for each at the same offset within a row ((bh % n_head) HS, + n_head HS, + 2 n_head
+   HS). Its gradients are written in the same layout. */
+template <int HS> __device__ __forceinline__ long long qkv_head(int bh, int n_ctx, int n_head) {
+  return ((long long)(bh / n_head) * n_ctx * 3 * n_head + bh % n_head) * HS;
 }
 
 /* this warp's A operands of its 16 rows r0.. of a tile, for every 8-deep step of the head */

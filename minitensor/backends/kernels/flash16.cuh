@@ -91,20 +91,45 @@ template <int N> __device__ __forceinline__ void a_from_accs(unsigned (*a)[4], c
   for (int k = 0; k < N / 2; ++k) a_from_acc(a[k], c[2 * k], c[2 * k + 1]);
 }
 
+/* the bfloat16 pair in w plus the pair in b, summed in float and rounded once: bf16(a + b) per half */
+__device__ __forceinline__ unsigned add_pair(unsigned w, unsigned b) {
+  return pack_bf16(widen((T)(w & 0xffffu)) + widen((T)(b & 0xffffu)), widen((T)(w >> 16)) + widen((T)(b >> 16)));
+}
+
 /* ROWS rows r0.. of a matrix whose row r is src[r * stride ..] (HS wide) into the tile dst (stride LD) by the
-   block's THREADS threads; rows at or past n_ctx as zeros. 16-byte vectors (8 bfloat16, moved as their bits),
-   8 lanes to a row of 128 bytes: conflict-free stores. */
-template <int ROWS, int THREADS, int HS>
-__device__ __forceinline__ void load_tile(T *dst, const T *src, int r0, int n_ctx, long long stride) {
+   block's THREADS threads; rows at or past n_ctx as zeros. With BIAS, bias[c] is added to column c (c_attn's
+   bias, to q, k and v as they are read: summed in float and rounded to bfloat16 once, as Ops' add of two
+   bfloat16 arrays). 16-byte vectors (8 bfloat16, moved as their bits), 8 lanes to a row of 128 bytes:
+   conflict-free stores. */
+template <int ROWS, int THREADS, int HS, bool BIAS = false>
+__device__ __forceinline__ void load_tile(T *dst, const T *src, int r0, int n_ctx, long long stride,
+                                          const T *bias = nullptr) {
   constexpr int PER_ROW = HS / 8;
-#pragma unroll 2
+#pragma unroll (BIAS ? 1 : 2) /* a row and its bias in flight, or two rows: the same registers */
   for (int e0 = 0; e0 < ROWS * PER_ROW; e0 += THREADS) {
     const int e = e0 + threadIdx.x, r = e / PER_ROW, c = (e - r * PER_ROW) * 8;
     if (ROWS * PER_ROW % THREADS && e >= ROWS * PER_ROW) break;
     float4 v = {0.0f, 0.0f, 0.0f, 0.0f};  /* zero bits: bfloat16 zeros */
-    if (r0 + r < n_ctx) v = *(const float4 *)(src + (r0 + r) * stride + c);
+    if (r0 + r < n_ctx) {
+      v = *(const float4 *)(src + (r0 + r) * stride + c);
+      if constexpr (BIAS) {
+        const float4 b = *(const float4 *)(bias + c);
+        v.x = __uint_as_float(add_pair(__float_as_uint(v.x), __float_as_uint(b.x)));
+        v.y = __uint_as_float(add_pair(__float_as_uint(v.y), __float_as_uint(b.y)));
+        v.z = __uint_as_float(add_pair(__float_as_uint(v.z), __float_as_uint(b.z)));
+        v.w = __uint_as_float(add_pair(__float_as_uint(v.w), __float_as_uint(b.w)));
+      }
+    }
     *(float4 *)(dst + r * LD + c) = v;
   }
+}
+
+/* q, k and v as c_attn writes them, read in place: rows of a (B, T, 3, n_head, HS) array (c_attn's (B * T, 3 C)
+   output), the rows of head bh's q from qkv_head on, 3 n_head HS apart; its k's n_head HS further, its v's
+   2 n_head HS; c_attn's bias for each at the same offset within a row ((bh % n_head) HS, + n_head HS, + 2 n_head
+   HS). Its gradients are written in the same layout. */
+template <int HS> __device__ __forceinline__ long long qkv_head(int bh, int n_ctx, int n_head) {
+  return ((long long)(bh / n_head) * n_ctx * 3 * n_head + bh % n_head) * HS;
 }
 
 /* this warp's A operands of its 16 rows r0.. of a tile, for every 16-deep step of the head */
