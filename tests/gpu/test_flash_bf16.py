@@ -297,3 +297,31 @@ def test_the_wrappers_take_bf16_and_refuse_what_the_kernels_do_not():
     assert [spec.name for spec, *_ in launches] == [s.name for s in KERNELS]
     assert y.dtype == BF16 and lse.dtype == np.float32
     assert all(type(a) is np.float32 for *_, args in launches for a in args[-1:])  # the scale is float32
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_bias_the_kernels_add_as_they_read_gives_the_bits_of_the_add_it_replaced(emulated, dtype):
+    """c_attn's bias, added by the flash kernels as they read q, k and v where c_attn wrote them (the packed
+    (B, T, 3, n_head, hs) array), gives the bits that adding it first gives (the add the kernels replaced:
+    summed in float32, a bfloat16 sum rounded once) with the kernels then adding none: y, lse, and dq, dk,
+    dv written into the packed gradient. float32 on TF32 tensor cores (its operands rounded after the add,
+    as before). Two sequences of 2 heads of 16 over 40 positions (a partial tile); the bias does change the
+    result (else the check would be empty)."""
+    dt = BF16 if dtype == "bfloat16" else np.dtype(np.float32)
+    B, T, nh, hs = 2, 40, 2, 16
+    rng = np.random.default_rng(5)
+    qkv = rng.standard_normal((B, T, 3, nh, hs)).astype(dt)
+    b = rng.standard_normal(3 * nh * hs).astype(dt)
+    dy = rng.standard_normal((B, T, nh, hs)).astype(dt)
+    added = (qkv.astype(np.float32) + b.astype(np.float32).reshape(3, nh, hs)).astype(dt)
+
+    def run(x, bias):
+        y = np.empty((B, T, nh, hs), dt)
+        lse = attention.flash_forward(x, bias, hs ** -0.5, y)
+        return y, lse, attention.flash_backward(x, bias, y, dy, lse, hs ** -0.5)
+
+    got, want = run(qkv, b), run(added, None)
+    for name, g, w in zip(("y", "lse", "dqkv"), got, want, strict=True):
+        assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), name
+    assert run(qkv, None)[0].tobytes() != want[0].tobytes()
