@@ -198,16 +198,28 @@ def _still_at(fd: int, directory: Path) -> bool:
         return False
 
 
-def _refuse_if_in_use(directory: Path, kind: str) -> None:
+def _refuse_if_in_use(directory: Path, kind: str, tries: int = 3) -> None:
     """A shared lock taken and dropped at once: it fails only while a claim holds the directory
-    (several processes may probe at the same time, as the ranks of one run do)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        free = flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, directory, WRITERS)
-    finally:
-        os.close(fd)
-    if not free:
-        raise _in_use(directory, kind)
+    (several processes may probe at the same time, as the ranks of one run do).
+
+    Another command's check of the same new path (andrea.run.paths.check_directory: made, locked for a
+    moment while it removes it again) is no claim: a lock that is gone a moment later was that (tried
+    again, as Claim does), and a directory gone meanwhile holds nothing in use. The ranks of one run meet
+    it: each rank's preflight checks the new --out while another rank probes it here."""
+    for attempt in range(tries):
+        try:
+            fd = os.open(directory, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            free = flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, directory, WRITERS)
+        finally:
+            os.close(fd)
+        if free:
+            return
+        if attempt + 1 < tries:
+            time.sleep(0.05)
+    raise _in_use(directory, kind)
 
 
 def _in_use(directory: Path, kind: str) -> UserError:

@@ -262,3 +262,32 @@ def test_a_file_system_without_locks_is_a_warning_not_a_refusal(tmp_path, monkey
     with rundir.claim(out, "run"):
         assert rundir.kind_of(out) == "run"
     assert "cannot be locked here (No locks available)" in capsys.readouterr().err
+
+
+def test_another_checks_moment_on_a_new_out_is_not_a_run_in_use(tmp_path):
+    """The race the ranks of one run met (1 in ~40 suites, 3 processes): rank 0's preflight makes the new
+    --out, locks it for a moment and removes it (andrea.run.paths.check_directory), while rank 2 probes it
+    (rundir.check). A lock that is gone a moment later is not a run in use, and neither is a directory gone
+    meanwhile; a lock that stays is (the probe tries 3 times, 50 ms apart)."""
+    import fcntl
+    import threading
+
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out, os.O_RDONLY)  # flock locks an open file: another open in this process conflicts
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    timer = threading.Timer(0.02, os.close, (fd,))  # the other check's moment: the lock dropped 20 ms on
+    timer.start()
+    try:
+        rundir.check(out, "run")                    # no error: it saw the lock, then a free directory
+    finally:
+        timer.join()
+    gone = tmp_path / "gone"
+    rundir._refuse_if_in_use(gone, "run")           # removed between is_dir() and the probe's open: nothing in use
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)                  # held throughout: a claim
+    try:
+        with pytest.raises(UserError, match="in use by another andrea.train"):
+            rundir.check(out, "run")
+    finally:
+        os.close(fd)
