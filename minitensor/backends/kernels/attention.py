@@ -289,14 +289,20 @@ def _heads_of(fn, name, a, qkv):
                          f"as {(B, T, n_head, hs)}, got {a.dtype} {a.shape}")
 
 
-def pack_heads(xp, heads, n_head):
-    """q, k, v, each (BH, T, hs) (heads bh = b n_head + h), as the kernels take them: one (B, T, 3, n_head,
-    hs) array (a copy)."""
-    BH, T, hs = heads[0].shape
-    qkv = xp.empty((BH // n_head, T, 3, n_head, hs), dtype=heads[0].dtype)
-    for i, a in enumerate(heads):
-        qkv[:, :, i] = a.reshape(BH // n_head, n_head, T, hs).transpose(0, 2, 1, 3)
+def pack_heads(xp, views, dtype):
+    """q, k, v, each (B, n_head, T, hs), as the kernels take them: one (B, T, 3, n_head, hs) array of dtype (a
+    copy)."""
+    B, nh, T, hs = views[0].shape
+    qkv = xp.empty((B, T, 3, nh, hs), dtype=dtype)
+    for i, a in enumerate(views):
+        qkv[:, :, i] = a.transpose(0, 2, 1, 3)
     return qkv
+
+
+def _apart(q, k, v, n_head):
+    """q, k, v (BH, T, hs) as (B, n_head, T, hs) views, heads bh = b n_head + h."""
+    BH, T, hs = q.shape
+    return [a.reshape(BH // n_head, n_head, T, hs) for a in (q, k, v)]
 
 
 def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32=True):
@@ -312,7 +318,7 @@ def flash_attention_forward_gpu(q, k, v, scale, y=None, lse=None, n_head=1, tf32
         _stats(fn, "lse", lse, q)
     if not q.size:
         return y, xp.empty((BH, T), dtype=precision.accumulate_of(q.dtype)) if lse is None else lse
-    qkv = pack_heads(xp, (q, k, v), n_head)
+    qkv = pack_heads(xp, _apart(q, k, v, n_head), q.dtype)
     return y, flash_forward(qkv, None, scale, y.reshape(BH // n_head, T, n_head, hs), lse, tf32)
 
 
@@ -330,8 +336,8 @@ def flash_attention_backward_gpu(q, k, v, y, dy, lse, scale, n_head=1, out=None,
         raise ValueError(f"{fn}: out must be a contiguous {q.dtype} array of shape {(3, BH, T, hs)}")
     if q.size:
         rows = (BH // n_head, T, n_head, hs)
-        packed = flash_backward(pack_heads(xp, (q, k, v), n_head), None, y.reshape(rows), dy.reshape(rows), lse,
-                                scale, tf32=tf32)
+        packed = flash_backward(pack_heads(xp, _apart(q, k, v, n_head), q.dtype), None, y.reshape(rows),
+                                dy.reshape(rows), lse, scale, tf32=tf32)
         for i in range(3):
             grads[i] = packed[:, :, i].transpose(0, 2, 1, 3).reshape(BH, T, hs)
     return grads
@@ -431,19 +437,17 @@ def tensor_cores(ops):
 
 def _fused_attention_forward(ops, qkv4, b, y4, block=128, keep_probs_max_bytes=16 << 20, dense=None):
     """Ops.attention_forward by the flash kernels, unless dense or blocks are asked for or they do not
-    take the head size and dtype. q, k, v read where c_attn wrote them (packed by a copy where they are not
-    the heads of one array of y's dtype), its bias added by the kernels."""
+    take the head size and dtype, or the bias is of another dtype (the kernels add it in theirs). q, k, v read
+    where c_attn wrote them (packed by a copy where they are not the heads of one array of y's dtype), its
+    bias added by the kernels (zeros kept for the backward where there is none)."""
     B, nh, T, hs = qkv4[0].shape
-    if dense is not None or not flash_fits(hs, y4.dtype):
+    if dense is not None or not flash_fits(hs, y4.dtype) or (b is not None and b.dtype != y4.dtype):
         return cuda.FALLBACK
     xp = ops.xp
     qkv = packed_heads(qkv4)
     if qkv is None or qkv.dtype != y4.dtype:
-        qkv = xp.empty((B, T, 3, nh, hs), dtype=y4.dtype)
-        for i, src in enumerate(qkv4):
-            qkv[:, :, i] = src.transpose(0, 2, 1, 3)
-    if b is not None and b.dtype != qkv.dtype:
-        b = b.astype(qkv.dtype)
+        qkv = pack_heads(xp, qkv4, y4.dtype)
+    b = _bias(xp, qkv, b)
     y = y4.transpose(0, 2, 1, 3)
     in_place = y.flags.c_contiguous                       # y4: the heads of a (B, T, C) array
     if not in_place:
