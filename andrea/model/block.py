@@ -101,12 +101,13 @@ class MLP(Layer):
         self._save(MLPCache(x2, h, x.shape))
         return out.reshape(x.shape)
 
-    def backward(self, dout):
+    def backward(self, dout, sum_bias=True):
+        """dx from dout; sum_bias False leaves c_proj's bias gradient to the caller (as the attention's)."""
         x2, h, shape = self._pop()
         dout2 = dout.reshape(-1, shape[-1])
         dg = self.ops.matmul(dout2, self.c_proj.W.T)
         dh, g = self.act_backward(h, self.c_fc.b, dg, recompute_output=True)
-        self.c_proj.weight_grads(g, dout2)
+        self.c_proj.weight_grads(g, dout2, bias=sum_bias)
         self.c_fc.weight_grads(x2, dh)
         return self.ops.matmul(dh, self.c_fc.W.T).reshape(shape)
 
@@ -184,9 +185,13 @@ class Block:
         skip = self.residual
         if self.position != "post":
             # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
-            # added in the pass of the norm's backward it goes around
-            dx1 = self.ln_2.backward(self.mlp.backward(dx2), skip=dx2 if skip else None)
-            dx = self.ln_1.backward(self.attn.backward(dx1), skip=dx1 if skip else None)
+            # added in the pass of the norm's backward it goes around, which also sums its columns: the
+            # skip's gradient is the sublayer's output's, so they are the gradient of c_proj's bias
+            if skip:
+                dx1 = self.ln_2.backward_and_sum_skip(self.mlp.backward(dx2, sum_bias=False), dx2, self.mlp.c_proj)
+                dx = self.ln_1.backward_and_sum_skip(self.attn.backward(dx1, sum_bias=False), dx1, self.attn.c_proj)
+            else:
+                dx = self.ln_1.backward(self.attn.backward(self.ln_2.backward(self.mlp.backward(dx2))))
         else:
             # forward was: x2 = ln_2(s2), s2 = x1 + mlp(x1); x1 = ln_1(s1), s1 = x + attn(x): every
             # gradient passes through a norm before it reaches the skip that goes around f

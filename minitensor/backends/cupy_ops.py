@@ -111,6 +111,11 @@ class CupyOps(BlockedAttention, Ops):
         (minitensor.backends.cublas). Ops' code where cuBLAS cannot take an operand as it is laid out."""
         if not cublas.gemm(x.T, dy, dW, 0.0 if self.grad_writes.first(dW) else 1.0):
             return super().linear_weight_grads(x, dy, dW, db)  # Ops adds (to zeros, where it was first)
+        self.add_bias_grad(dy, db)
+
+    def add_bias_grad(self, dy, db):
+        """db = or += the GEMV dy^T ones by cuBLAS (beta 0 into a view nothing has written since
+        fill_zero), or CuPy's sum where cuBLAS cannot read dy in place (nothing where db is None)."""
         if db is None:
             return
         beta = 0.0 if self.grad_writes.first(db) else 1.0

@@ -105,10 +105,16 @@ class Ops:
     def linear_weight_grads(self, x, dy, dW, db):
         """forward was y = x @ W + b, x (N, n_in), dy (N, n_out): dW += x^T dy, db += sum_n dy (summed in
         the accumulate dtype, which is dW's and db's: the float32 gradient buffer under bf16)."""
-        x, dy = self.summed(x, dy)
-        dW += x.T @ dy
+        x, dy_sum = self.summed(x, dy)
+        dW += x.T @ dy_sum
+        self.add_bias_grad(dy, db)
+
+    def add_bias_grad(self, dy, db):
+        """db += sum over rows of dy (N, n_out), summed in db's dtype: the gradient of a bias added to
+        every row (a Linear's, or the last bias of a sublayer whose output gradient a norm's backward
+        reads: layernorm_backward's dres_db); nothing where db is None (a Linear without a bias)."""
         if db is not None:
-            db += dy.sum(axis=0)
+            db += self.summed(dy).sum(axis=0)
 
     def gemm(self, a, b, out, accumulate=False):
         """out = a @ b, or out += a @ b with accumulate, for 2-D a (M, K), b (K, N), out (M, N); out of a
@@ -134,9 +140,14 @@ class Ops:
         rstd = 1.0 / self.xp.sqrt(var + eps)
         return self.stored(xc * rstd * w + b, dtype), mean, rstd
 
-    def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
+    def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None, dres_db=None):
         """dx (N, C) from dy and the forward's x, mean, rstd; dw and db accumulate. dres (N, C),
-        if given, is added to dx: the gradient that reaches x around the layer (a skip). dx has dy's dtype."""
+        if given, is added to dx: the gradient that reaches x around the layer (a skip). dx has dy's dtype.
+        dres_db (C,), if given, accumulates dres's column sums (add_bias_grad): in a pre-norm block dres is
+        the gradient of the sublayer's output, so they are its last bias's gradient (c_proj's), which a
+        backend can sum in the pass that reads dres anyway."""
+        if dres_db is not None:
+            self.add_bias_grad(dres, dres_db)
         dtype = dy.dtype
         dy, x, w, dres = self.summed(dy, x, w, dres)
         xhat = (x - mean) * rstd

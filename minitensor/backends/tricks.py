@@ -100,9 +100,10 @@ class GradWrites:
 
 
 # The names Ops gives the parameter gradient views its methods write (linear_weight_grads' dW and db,
-# layernorm_backward's dw and db, scatter_add_rows' dW, add_batch_sum's dW); the layers hand their views
-# to these methods and never write one themselves (tests/engine/test_grad_writes.py checks both).
-GRAD_VIEWS = ("dW", "dw", "db")
+# add_bias_grad's db, layernorm_backward's dw, db and dres_db, scatter_add_rows' dW, add_batch_sum's dW);
+# the layers hand their views to these methods and never write one themselves
+# (tests/engine/test_grad_writes.py checks both).
+GRAD_VIEWS = ("dW", "dw", "db", "dres_db")
 
 
 def grad_writers():

@@ -68,11 +68,13 @@ class CausalSelfAttention(Layer):
         self._save(SelfAttentionCache(x2, y.reshape(B * T, C), cache, x.shape))
         return out.reshape(B, T, C)
 
-    def backward(self, dout):
+    def backward(self, dout, sum_bias=True):
+        """dx from dout; sum_bias False leaves c_proj's bias gradient to the caller (a pre-norm block's
+        norm sums it in the pass that reads dout as its skip: Norm.backward_and_sum_skip)."""
         x2, y2, cache, (B, T, C) = self._pop()
         dout2 = dout.reshape(B * T, C)
         # forward was: out = y @ W_proj + b_proj
-        self.c_proj.weight_grads(y2, dout2)
+        self.c_proj.weight_grads(y2, dout2, bias=sum_bias)
         dy = self.ops.matmul(dout2, self.c_proj.W.T)         # (B*T, C)
         dqkv = self.ops.xp.empty((B * T, 3 * C), dtype=dout.dtype)
         self.ops.attention_backward(self._heads(dy, B, T, 1)[0], cache, self._heads(dqkv, B, T))

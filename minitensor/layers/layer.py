@@ -78,3 +78,11 @@ class Norm(Layer):
 
     params = ()
     stats = ()
+
+    def backward_and_sum_skip(self, dy, skip, linear):
+        """backward(dy, skip), and linear.db += the column sums of skip (unless linear.db is None): in a
+        pre-norm block the skip is the gradient of the sublayer's output, so these are the gradient of
+        the bias of its last Linear (c_proj), `linear`. Here by the backend's add_bias_grad; a norm whose
+        backend sums them in the pass that reads skip anyway overrides it (LayerNorm)."""
+        self.ops.add_bias_grad(skip.reshape(-1, skip.shape[-1]), linear.db)
+        return self.backward(dy, skip)

@@ -49,8 +49,16 @@ class LayerNorm(Norm):
     def backward(self, dy, skip=None):
         """dx; plus skip (x's shape), if given, in the same pass: the gradient that reaches x
         around this layer (the residual path of a pre-norm block)."""
+        return self.backward_and_sum_skip(dy, skip, None)
+
+    def backward_and_sum_skip(self, dy, skip, linear):
+        """backward(dy, skip), skip's column sums added into linear.db (Norm) by layernorm_backward, in the
+        pass that reads skip (linear None: none)."""
         x2, mean, rstd, shape = self._pop()
         dy2 = self.ops.xp.ascontiguousarray(dy.reshape(x2.shape))
         dres = None if skip is None else skip.reshape(x2.shape)
-        dx = self.ops.layernorm_backward(dy2, x2, mean, rstd, self.w, self.dw, self.db, dres)
+        if linear is None:
+            dx = self.ops.layernorm_backward(dy2, x2, mean, rstd, self.w, self.dw, self.db, dres)
+        else:
+            dx = self.ops.layernorm_backward(dy2, x2, mean, rstd, self.w, self.dw, self.db, dres, linear.db)
         return dx.reshape(shape)

@@ -39,7 +39,11 @@ class Linear(Layer):
         self.weight_grads(x2, dy2)
         return self.ops.matmul(dy2, self.W.T).reshape(x_shape)  # dx = dy W^T
 
-    def weight_grads(self, x2, dy2):
-        """dW += x^T dy, db += sum over rows of dy, for x2 (N, n_in) and dy2 (N, n_out)."""
+    def weight_grads(self, x2, dy2, bias=True):
+        """dW += x^T dy, db += sum over rows of dy (unless bias is False: a pass that reads dy anyway sums
+        it, as a pre-norm block's norm does for c_proj's), for x2 (N, n_in) and dy2 (N, n_out)."""
         self._take_ops(x2)  # also called without a forward (by an attention or MLP layer)
-        self.ops.linear_weight_grads(x2, dy2, self.dW, self.db)
+        if bias:
+            self.ops.linear_weight_grads(x2, dy2, self.dW, self.db)
+        else:
+            self.ops.linear_weight_grads(x2, dy2, self.dW, None)

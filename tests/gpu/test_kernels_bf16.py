@@ -106,10 +106,12 @@ def test_layernorm_bf16_emulated(emulated, shape):
     joined = (x.astype(np.float32) + r.astype(np.float32)).astype(BF16)
     y2_ref = F.layernorm_forward(f64(joined).reshape(-1, C), f64(w), f64(b))[0]
     assert_bf16_close(y2.reshape(-1, C), y2_ref)
-    kept = r.copy()  # residual + dx: summed in float32, rounded once
-    total = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept)
+    kept, kept_db = r.copy(), np.full(C, 0.5, np.float32)  # residual + dx: summed in float32, rounded once
+    total = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept, res_db=kept_db)
     assert np.array_equal(kept, r)
     assert_bf16_close(total.reshape(-1, C), f64(r).reshape(-1, C) + dx_ref, scale)
+    # the residual's column sums (c_proj's bias gradient), of its bfloat16 values in float32, accumulated
+    assert_f32_close(kept_db, 0.5 + f64(r).reshape(-1, C).sum(axis=0), scale=1.0)
 
 
 @pytest.mark.parametrize("shape", [(3, 1), (2, 3, 70), (40, 300)])

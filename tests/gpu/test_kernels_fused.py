@@ -349,14 +349,16 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     y2, _, _ = layernorm.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
     assert y2 is xs
     assert_close(y2.reshape(-1, C), F.layernorm_forward(x2 + r2, f64(w), f64(b))[0])
-    acc = r.copy()
-    assert layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc) is acc
+    acc, acc_db = r.copy(), np.full(C, 0.25, dtype)  # with the column sums of what was added, accumulated
+    assert layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc, res_db=acc_db) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)
+    assert_close(acc_db, 0.25 + r2.sum(axis=0), scale=1.0)
     # or residual + dx into a new array, the residual kept (the skip gradient needs no copy)
-    kept = r.copy()
-    joined = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept)
+    kept, kept_db = r.copy(), np.zeros(C, dtype)
+    joined = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept, res_db=kept_db)
     assert joined is not kept and np.array_equal(kept, r)
     assert_close(joined.reshape(-1, C), r2 + dx_ref, scale=scale)
+    assert_close(kept_db, r2.sum(axis=0), scale=1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -399,15 +401,16 @@ def test_layernorm_backward_over_several_row_chunks(emulated, monkeypatch, N, C,
         monkeypatch.setattr(layernorm, "LN_CHUNKS", chunks)
         monkeypatch.setattr(layernorm, "LN_CHUNK_ROWS", least)
     rng = np.random.default_rng(6)
-    x, dy = normal(rng, (N, C), np.float64), normal(rng, (N, C), np.float64)
+    x, dy, r = (normal(rng, (N, C), np.float64) for _ in range(3))
     w, b = normal(rng, C, np.float64), normal(rng, C, np.float64)
     _, mean, rstd = F.layernorm_forward(x, w, b)
-    dw, db = np.full(C, 0.25), np.full(C, -0.75)
-    dx = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db)
+    dw, db, dr = np.full(C, 0.25), np.full(C, -0.75), np.full(C, 0.5)
+    dx = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=r, res_db=dr)
     dx_ref, dw_ref, db_ref = F.layernorm_backward(dy, x, w, mean, rstd)
-    assert_close(dx, dx_ref, scale=float(np.max(np.abs(dy * w * rstd))))
+    assert_close(dx, r + dx_ref, scale=float(np.max(np.abs(dy * w * rstd))))
     assert_close(dw, 0.25 + dw_ref)
     assert_close(db, -0.75 + db_ref)
+    assert_close(dr, 0.5 + r.sum(axis=0))  # the residual's column sums, over every chunk
 
 
 def test_layernorm_backward_kernel_refuses_rows_longer_than_its_registers_and_cupyops_falls_back():

@@ -30,7 +30,9 @@ class LayerNormCPU:
                      cost_per_item=C, min_work=LN_MIN_WORK)
         return y, mean, rstd
 
-    def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None):
+    def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None, dres_db=None):
+        if dres_db is not None:
+            self.add_bias_grad(dres, dres_db)
         if not (self.numba and numba_jit.takes(x, dy, w) and (dres is None or numba_jit.takes(x, dres))):
             return self._layernorm_backward_rows(dy, x, mean, rstd, w, dw, db, dres)
         N, C = x.shape

@@ -37,11 +37,17 @@ class LinearCPU:
             np.matmul(x.T, dy, out=dW)
         else:
             dW += x.T @ dy
-        if db is not None:
-            if self.grad_writes.first(db):
-                db[...] = self.bias_grad(dy)
-            else:
-                db += self.bias_grad(dy)
+        self.add_bias_grad(dy, db)
+
+    def add_bias_grad(self, dy, db):
+        """db += sum_n dy by the GEMV bias_grad, written instead of added into a view nothing has
+        written since fill_zero (nothing where db is None)."""
+        if db is None:
+            return
+        if self.grad_writes.first(db):
+            db[...] = self.bias_grad(dy)
+        else:
+            db += self.bias_grad(dy)
 
     def bias_grad(self, dy):
         """A GEMV (ones @ dy): multi-threaded BLAS, 2-5x NumPy's axis-0 sum at these sizes."""

@@ -47,18 +47,21 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
 // (rpc = rows_per_chunk) one after another: each row's dx, written or (with accumulate) written as
 // res + dx, the residual gradient of a pre-norm block, fused (res may be dx itself: each thread reads
 // res[j] before it writes dx[j]); and, over the block's rows in order, the partial parameter sums
-// part_w[b] = sum dy xhat, part_b[b] = sum dy, each thread holding its columns' sums in registers
-// (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so C <= LN_COLS blockDim.x: layernorm.py's LN_COLS
-// is this value). The row's dy w and xhat stay in registers between the two passes over it.
+// part_w[b] = sum dy xhat, part_b[b] = sum dy, and with sum_res part_r[b] = sum res (the column sums of
+// the skip gradient: the bias gradient of the sublayer it is the output gradient of), each thread
+// holding its columns' sums in registers (column j = threadIdx.x + k blockDim.x, k < LN_COLS, so
+// C <= LN_COLS blockDim.x: layernorm.py's LN_COLS is this value). The row's dy w and xhat stay in
+// registers between the two passes over it.
 #include "bf16.cuh"
 #include "rows.cuh"
 #define LN_COLS 8
 extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, const ACC *mean, const ACC *rstd,
-                                         const T *res, T *dx, ACC *part_w, ACC *part_b, const int N, const int C,
-                                         const int rows_per_chunk, const int accumulate) {
+                                         const T *res, T *dx, ACC *part_w, ACC *part_b, ACC *part_r, const int N,
+                                         const int C, const int rows_per_chunk, const int accumulate,
+                                         const int sum_res) {
   __shared__ ACC buf[32];
-  ACC acc_w[LN_COLS], acc_b[LN_COLS], g[LN_COLS], xhat[LN_COLS];
-  for (int k = 0; k < LN_COLS; ++k) acc_w[k] = acc_b[k] = g[k] = xhat[k] = 0;
+  ACC acc_w[LN_COLS], acc_b[LN_COLS], acc_r[LN_COLS], g[LN_COLS], xhat[LN_COLS];
+  for (int k = 0; k < LN_COLS; ++k) acc_w[k] = acc_b[k] = acc_r[k] = g[k] = xhat[k] = 0;
   const int first = blockIdx.x * rows_per_chunk;
   const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
   for (int row = first; row < stop; ++row) {  /* the same rows for every thread: the barriers match */
@@ -83,7 +86,9 @@ extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, co
       const int j = threadIdx.x + k * blockDim.x;
       if (j < C) {
         const ACC v = r * (g[k] - mg - xhat[k] * mgx);
-        dx[base + j] = to_stored<T>(accumulate ? widen(res[base + j]) + v : v);
+        const ACC s = accumulate ? widen(res[base + j]) : (ACC)0;
+        acc_r[k] += s;
+        dx[base + j] = to_stored<T>(accumulate ? s + v : v);
       }
     }
   }
@@ -92,36 +97,43 @@ extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, co
     if (j < C) {
       part_w[(long long)blockIdx.x * C + j] = acc_w[k];
       part_b[(long long)blockIdx.x * C + j] = acc_b[k];
+      if (sum_res) part_r[(long long)blockIdx.x * C + j] = acc_r[k];
     }
   }
 }
 
 // @kernel layernorm_bwd_params
-// dw += the sum of part_w's rows, db += part_b's, over the (chunks, C) partial sums of layernorm_bwd:
-// block (32, 8) for 32 columns, thread y adding chunks y, y + 8, ... in order, then thread y = 0 the
-// eight in order, so the sums are the same on every run (no atomics). All ACC: the weight gradients are
-// summed in float32 under bf16 (the master weights' dtype).
-extern "C" __global__ void layernorm_bwd_params(const ACC *part_w, const ACC *part_b, ACC *dw, ACC *db,
-                                                const int chunks, const int C) {
+// dw += the sum of part_w's rows, db += part_b's, and with sum_res dr += part_r's, over the (chunks, C)
+// partial sums of layernorm_bwd: block (32, 8) for 32 columns, thread y adding chunks y, y + 8, ... in
+// order, then thread y = 0 the eight in order, so the sums are the same on every run (no atomics). All
+// ACC: the weight gradients are summed in float32 under bf16 (the master weights' dtype).
+extern "C" __global__ void layernorm_bwd_params(const ACC *part_w, const ACC *part_b, const ACC *part_r, ACC *dw,
+                                                ACC *db, ACC *dr, const int chunks, const int C,
+                                                const int sum_res) {
   __shared__ ACC acc_w[8][32];
   __shared__ ACC acc_b[8][32];
+  __shared__ ACC acc_r[8][32];
   const int j = blockIdx.x * 32 + threadIdx.x;
-  ACC sw = 0, sb = 0;
+  ACC sw = 0, sb = 0, sr = 0;
   if (j < C) {
     for (int c = threadIdx.y; c < chunks; c += 8) {
       sw += part_w[(long long)c * C + j];
       sb += part_b[(long long)c * C + j];
+      if (sum_res) sr += part_r[(long long)c * C + j];
     }
   }
   acc_w[threadIdx.y][threadIdx.x] = sw;
   acc_b[threadIdx.y][threadIdx.x] = sb;
+  acc_r[threadIdx.y][threadIdx.x] = sr;
   __syncthreads();
   if (threadIdx.y == 0 && j < C) {
     for (int k = 1; k < 8; ++k) {
       sw += acc_w[k][threadIdx.x];
       sb += acc_b[k][threadIdx.x];
+      sr += acc_r[k][threadIdx.x];
     }
     dw[j] += sw;
     db[j] += sb;
+    if (sum_res) dr[j] += sr;
   }
 }

@@ -21,11 +21,12 @@ def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
 
 def _layernorm_model(m):
     """A block's ln_2 at the model's sizes, as the step calls it: forward joining the residual, backward
-    adding the residual gradient (minitensor.checks.counts)."""
+    adding the residual gradient and summing its columns (c_proj's bias gradient; minitensor.checks.counts)."""
     x, residual, dy = (np.zeros((m.N, m.C), np.float32) for _ in range(3))
     w, b = np.ones(m.C, np.float32), np.zeros(m.C, np.float32)
     _, mean, rstd = layernorm_forward_gpu(x, w, b, residual=residual)
-    layernorm_backward_gpu(dy, x, w, mean, rstd, np.zeros_like(w), np.zeros_like(b), residual=residual)
+    layernorm_backward_gpu(dy, x, w, mean, rstd, np.zeros_like(w), np.zeros_like(b), residual=residual,
+                           res_db=np.zeros_like(b))
 
 
 # Every kernel here is built for bfloat16 too (bf16=True): rows stored in T, summed in ACC, the statistics
@@ -49,10 +50,18 @@ LN_MAX_C = LN_COLS * LN_THREADS  # 2048: at most 256 threads, so that any regist
 LN_CHUNKS, LN_CHUNK_ROWS = 512, 16
 
 
-def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, accumulate, **_):
-    """dy, x and the statistics read once, and res when accumulating; dx and the partial sums written."""
+def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, part_r, accumulate, sum_res, **_):
+    """dy, x and the statistics read once, and res when accumulating; dx and the partial sums written (res's
+    too with sum_res)."""
     read = dy.nbytes + x.nbytes + w.nbytes + mean.nbytes + rstd.nbytes + (res.nbytes if accumulate else 0)
-    return read, dx.nbytes + part_w.nbytes + part_b.nbytes
+    return read, dx.nbytes + part_w.nbytes + part_b.nbytes + (part_r.nbytes if sum_res else 0)
+
+
+def _layernorm_bwd_params_traffic(part_w, part_b, part_r, dw, db, dr, sum_res, **_):
+    """The partial sums read and dw, db (dr with sum_res) written (part_r and dr stand in for part_b and
+    db without sum_res, unread and unwritten)."""
+    n = 3 if sum_res else 2
+    return n * part_w.nbytes, n * dw.nbytes
 
 
 LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic, model=_layernorm_model,
@@ -61,7 +70,8 @@ LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm
 
 # The parameter sums' second launch: blocks of (32, 8) threads, each adding 32 columns' partials.
 LN_PARAM_BLOCK = (32, 8)
-LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu", model=_layernorm_model, bf16=True)
+LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu", traffic=_layernorm_bwd_params_traffic,
+                                    model=_layernorm_model, bf16=True)
 
 
 def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
@@ -91,15 +101,17 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
     return y, mean, rstd
 
 
-def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None):
+def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None, res_db=None):
     """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
     (..., C), C at most LN_MAX_C, mean and rstd N values); accumulates dw += sum(dy xhat),
     db += sum(dy) over rows. mean, rstd, dw and db are in what x is summed in (float32 for bfloat16).
 
     Returns a new dx; with `residual` (x's shape, contiguous), a new residual + dx, the residual
     gradient of a pre-norm block, fused (residual is kept); with `add_to` instead, adds dx into
-    add_to in place and returns it. Two launches: dx with the parameters' partial sums per chunk of
-    rows (layernorm_bwd), then those summed into dw and db (layernorm_bwd_params)."""
+    add_to in place and returns it. res_db (C values, like db), with either: accumulates the column
+    sums of what was added (residual's, or add_to's as it was), summed as dw and db are (in chunks of
+    rows, then the chunks in order). Two launches: dx with the partial sums per chunk of rows
+    (layernorm_bwd), then those summed into dw, db (and res_db) (layernorm_bwd_params)."""
     fn = "layernorm_backward_gpu"
     N, C = cuda.rows(fn, x, LAYERNORM_BWD)
     if C > LN_MAX_C:
@@ -109,10 +121,13 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     cuda.vector(fn, "w", w, x)
     for name, a in (("mean", mean), ("rstd", rstd)):
         cuda.row_values(fn, name, a, x, N)
-    for name, a in (("dw", dw), ("db", db)):
-        cuda.vector(fn, name, a, x, summed=True)
+    for name, a in (("dw", dw), ("db", db), ("res_db", res_db)):
+        if a is not None:
+            cuda.vector(fn, name, a, x, summed=True)
     if add_to is not None and residual is not None:
         raise ValueError(f"{fn}: give add_to (in place) or residual (kept), not both")
+    if res_db is not None and add_to is None and residual is None:
+        raise ValueError(f"{fn}: res_db sums the columns of residual or add_to; give one of them")
     for name, a in (("add_to", add_to), ("residual", residual)):
         if a is not None:
             cuda.like(fn, name, a, x)
@@ -123,12 +138,15 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
         return dx
     rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
     chunks = -(-N // rows_per_chunk)
-    parts = xp.empty((2, chunks, C), dtype=precision.accumulate_of(x.dtype))  # dw's and db's partial sums per chunk
+    sum_res = np.int32(res_db is not None)
+    # dw's, db's (and res_db's) partial sums per chunk
+    parts = xp.empty((2 + int(sum_res), chunks, C), dtype=precision.accumulate_of(x.dtype))
+    part_r, dr = (parts[2], res_db) if sum_res else (parts[1], db)  # unread and unwritten without sum_res
     cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), LN_THREADS)),),
-                (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], np.int32(N), np.int32(C),
-                 np.int32(rows_per_chunk), np.int32(res is not None)))
+                (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], part_r, np.int32(N),
+                 np.int32(C), np.int32(rows_per_chunk), np.int32(res is not None), sum_res))
     cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32),), LN_PARAM_BLOCK,
-                (parts[0], parts[1], dw, db, np.int32(chunks), np.int32(C)))
+                (parts[0], parts[1], part_r, dw, db, dr, np.int32(chunks), np.int32(C), sum_res))
     return dx
 
 
@@ -141,27 +159,29 @@ def _fused_layernorm_forward(ops, x, w, b, eps):
     return layernorm_forward_gpu(x, w, b, eps)
 
 
-def _fused_layernorm_backward(ops, dy, x, mean, rstd, w, dw, db, dres=None):
-    """Ops.layernorm_backward for rows of at most LN_MAX_C values, the skip gradient dres added in
-    the same pass."""
+def _fused_layernorm_backward(ops, dy, x, mean, rstd, w, dw, db, dres=None, dres_db=None):
+    """Ops.layernorm_backward for rows of at most LN_MAX_C values, the skip gradient dres added, and its
+    columns summed into dres_db, in the same pass."""
     if x.shape[-1] > LN_MAX_C:
         return cuda.FALLBACK
     # the kernel reads the skip gradient and writes dx beside it: the caller's array is kept
     residual = None if dres is None else ops.xp.ascontiguousarray(dres)
-    return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=residual)
+    return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=residual, res_db=dres_db)
 
 
 def _layernorm_sample(ops, rng):
-    """LayerNorm forward and backward (with a skip gradient) over 40 rows of 100 columns."""
+    """LayerNorm forward and backward (with a skip gradient, its columns summed) over 40 rows of 100 columns."""
     from minitensor.layers.layernorm import LayerNorm
+    from minitensor.layers.linear import Linear
 
     xp = ops.xp
     C = 100  # not a multiple of the 32-thread warps
-    dw, db = xp.zeros(C, np.float32), xp.zeros(C, np.float32)
+    dw, db, skip_db = (xp.zeros(C, np.float32) for _ in range(3))
     ln = LayerNorm(draw(xp, rng, C, shift=1.0), dw, draw(xp, rng, C), db, ops=ops)
     y = ln.forward(draw(xp, rng, 4, 10, C, scale=3.0, shift=0.5))
-    dx = ln.backward(draw(xp, rng, 4, 10, C), skip=draw(xp, rng, 4, 10, C))
-    return y, dx, dw, db
+    skipped = Linear(None, None, None, skip_db)  # the sublayer's c_proj: only its bias gradient is read
+    dx = ln.backward_and_sum_skip(draw(xp, rng, 4, 10, C), draw(xp, rng, 4, 10, C), skipped)
+    return y, dx, dw, db, skip_db
 
 
 def _layernorm_cases(k):
