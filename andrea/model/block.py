@@ -78,7 +78,9 @@ class MLP(Layer):
                out = g W_proj + b_proj + residual  (one epilogue)
     backward:  dg = dout W_proj^T;  the activation's backward recomputes g in the pass it makes
                anyway (so no (N, 4C) activation per block waits from forward to backward besides h),
-               dW_proj += g^T dout;  dW_fc += x^T dh;  dx = dh W_fc^T
+               and GELU's sums c_fc's bias gradient db_fc += sum over rows of dh in it too;
+               dW_proj += g^T dout (db_proj += sum over rows of dout, unless a norm sums it);
+               dW_fc += x^T dh;  dx = dh W_fc^T
     """
 
     def __init__(self, c_fc, c_proj, ops, activation="gelu"):
@@ -89,6 +91,7 @@ class MLP(Layer):
                   "swiglu": (ops.bias_swiglu_forward, ops.bias_swiglu_backward)}
         if activation not in pieces:
             raise ValueError(f"activation must be one of {sorted(pieces)}, got {activation!r}")
+        self.activation = activation
         self.act_forward, self.act_backward = pieces[activation]
 
     def forward(self, x, residual=None):
@@ -106,9 +109,13 @@ class MLP(Layer):
         x2, h, shape = self._pop()
         dout2 = dout.reshape(-1, shape[-1])
         dg = self.ops.matmul(dout2, self.c_proj.W.T)
-        dh, g = self.act_backward(h, self.c_fc.b, dg, recompute_output=True)
+        gelu = self.activation == "gelu"
+        if gelu:  # c_fc's bias gradient summed in the activation's backward pass, which writes dh
+            dh, g = self.ops.bias_gelu_backward(h, self.c_fc.b, dg, recompute_output=True, db=self.c_fc.db)
+        else:
+            dh, g = self.act_backward(h, self.c_fc.b, dg, recompute_output=True)
         self.c_proj.weight_grads(g, dout2, bias=sum_bias)
-        self.c_fc.weight_grads(x2, dh)
+        self.c_fc.weight_grads(x2, dh, bias=not gelu)
         return self.ops.matmul(dh, self.c_fc.W.T).reshape(shape)
 
 

@@ -210,9 +210,18 @@ class Ops:
         """GELU(x + b), of x's dtype (the sum rounded once, in the activation's output)."""
         return self.stored(self.gelu_forward(self.summed(x) + self.summed(b)), x.dtype)
 
-    def bias_gelu_backward(self, x, b, dy, recompute_output=False):
-        """The gradient at h = x + b (forward was y = GELU(h)); with recompute_output, also GELU(h)."""
-        return self.gelu_backward(self.summed(x) + self.summed(b), dy, recompute_output)
+    def bias_gelu_backward(self, x, b, dy, recompute_output=False, db=None):
+        """The gradient dh at h = x + b (forward was y = GELU(h)); with recompute_output, also GELU(h).
+        db, if given, accumulates dh's column sums (b's gradient: add_bias_grad), which a backend can sum
+        in the same pass."""
+        out = self.gelu_backward(self.summed(x) + self.summed(b), dy, recompute_output)
+        self._add_dh_sums(out[0] if recompute_output else out, db)
+        return out
+
+    def _add_dh_sums(self, dh, db):
+        """add_bias_grad over dh's rows (nothing where db is None)."""
+        if db is not None:
+            self.add_bias_grad(dh.reshape(-1, dh.shape[-1]), db)
 
     # --- ReLU: y = max(x, 0), dy/dx = 1 where x > 0, else 0 (the kink at 0 takes the 0 side) ---
 

@@ -157,6 +157,37 @@ def test_the_backward_with_the_output_recomputed_in_bf16_is_the_ops_within_one_r
     assert np.array_equal(y.view(np.uint16), gelu.bias_gelu_forward_gpu(X, B).get().view(np.uint16))
 
 
+@pytest.mark.parametrize("chunk_rows", [64, 7])  # 2 chunks of rows (the last partly); 14, more than the 8 adders
+def test_the_recomputing_backward_sums_the_bias_gradient_in_its_pass(cupy, monkeypatch, chunk_rows):
+    """With db, bias_gelu_bwd_fwd16 also sums each column of dh as stored over its chunk of rows and
+    column_sums_add adds the chunks into db (float32, accumulated): dh and y the same bits as without, db
+    the float64 column sums of those bfloat16 dh within float32's rounding, the same bits on a second run,
+    and the Ops' own db (add_bias_grad over its dh) within its rounding. Through CupyOps' piece too."""
+    monkeypatch.setattr(gelu, "GELU16_CHUNK_ROWS", chunk_rows)
+    x, b, dy = inputs(5)
+    X, B, DY = cupy.asarray(x), cupy.asarray(b), cupy.asarray(dy)
+    dh, y = (a.get() for a in gelu.bias_gelu_backward_recompute_gpu(X, B, DY))
+    DB = cupy.asarray(np.full(C, 0.5, np.float32))
+    dh2, y2 = (a.get() for a in gelu.bias_gelu_backward_recompute_gpu(X, B, DY, DB))
+    assert np.array_equal(dh2.view(np.uint16), dh.view(np.uint16))
+    assert np.array_equal(y2.view(np.uint16), y.view(np.uint16))
+    sums = dh.astype(np.float64).sum(axis=0)
+    scale = np.abs(dh.astype(np.float64)).sum(axis=0)
+    db = DB.get()
+    assert db.dtype == np.float32 and np.all(np.abs(db - (0.5 + sums)) <= 1e-6 * (1.0 + scale))
+    again = cupy.asarray(np.full(C, 0.5, np.float32))
+    gelu.bias_gelu_backward_recompute_gpu(X, B, DY, again)
+    assert np.array_equal(again.get().view(np.uint32), db.view(np.uint32))  # a fixed order: the same bits
+    ops_db = np.full(C, 0.5, np.float32)
+    REF.bias_gelu_backward(x, b, dy, recompute_output=True, db=ops_db)
+    assert np.all(np.abs(db - ops_db) <= 2 ** -8 * scale + 1e-6)  # the Ops' dh within a bf16 step of these
+    ops, OPS_DB = cupy_ops.CupyOps(cupy, fused=("bias_gelu",)), cupy.asarray(np.full(C, 0.5, np.float32))
+    ops.bias_gelu_backward(X, B, DY, recompute_output=True, db=OPS_DB)
+    assert np.array_equal(OPS_DB.get().view(np.uint32), db.view(np.uint32))
+    with pytest.raises(ValueError, match="db must be a contiguous float32 vector"):
+        gelu.bias_gelu_backward_recompute_gpu(X, B, DY, cupy.asarray(np.zeros(C, BF16)))
+
+
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_the_epilogue_in_bf16_is_the_ops_bit_for_bit(cupy, with_residual):
     rng = np.random.default_rng(3)

@@ -49,9 +49,11 @@ class GeluCPU:
         x += b                                               # x becomes h = x + b (bias_gelu_backward)
         return self.gelu_forward(x)
 
-    def bias_gelu_backward(self, x, b, dy, recompute_output=False):
-        """The gradient at h = x + b, which bias_gelu_forward left in x."""
-        return self.gelu_backward(x, dy, recompute_output)
+    def bias_gelu_backward(self, x, b, dy, recompute_output=False, db=None):
+        """The gradient at h = x + b, which bias_gelu_forward left in x; db as Ops'."""
+        out = self.gelu_backward(x, dy, recompute_output)
+        self._add_dh_sums(out[0] if recompute_output else out, db)
+        return out
 
     def gelu_backward(self, x, dy, recompute_output=False):
         if self.numba and numba_jit.takes(x, dy) and x.ndim >= 1 and x.size and dy.shape == x.shape:

@@ -69,16 +69,52 @@ extern "C" __global__ void bias_gelu_bwd16(const T *x, const T *b, const T *dy, 
 
 // @kernel bias_gelu_bwd_fwd16
 #include "bf16.cuh"
-// The backward and the recomputed output in one pass, as bias_gelu_bwd_fwd: h read once, the exp shared.
-extern "C" __global__ void bias_gelu_bwd_fwd16(const T *x, const T *b, const T *dy, T *dh, T *y, const int C,
-                                               const int n) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const ACC h = widen(x[i]) + widen(b[(unsigned int)i % (unsigned int)C]);
-  const ACC h2 = h * h;
-  const ACC den = (ACC)1 + exp(h * (h2 * (ACC)-0.07135481627260025 + (ACC)-1.5957691216057308));
-  const ACC sig = (ACC)1 / den;
-  dh[i] = to_stored<T>((((ACC)1 - sig) * (h * (h2 * (ACC)0.21406444881780073 + (ACC)1.5957691216057308)) + (ACC)1)
-                       * sig * widen(dy[i]));
-  y[i] = to_stored<T>(h / den);
+// The backward and the recomputed output in one pass, as bias_gelu_bwd_fwd: h read once, the exp shared;
+// and with sum_db the column sums of dh, the bias's gradient, over the block's rows. x, dy, dh, y are
+// (N, C) rows; thread x of block (bx, by) takes column j = bx blockDim.x + x down rows [by rpc,
+// (by + 1) rpc) (rpc = rows_per_chunk) in order, a warp's 32 columns side by side in each row, and
+// writes the sum of its dh as stored (what a GEMV over dh would read) to part[by][j];
+// column_sums_add then adds the chunks' sums in order (no atomics: the same bits on every run).
+extern "C" __global__ void bias_gelu_bwd_fwd16(const T *x, const T *b, const T *dy, T *dh, T *y, ACC *part,
+                                               const int C, const int N, const int rows_per_chunk,
+                                               const int sum_db) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= C) return;
+  const ACC bj = widen(b[j]);
+  const int first = blockIdx.y * rows_per_chunk;
+  const int stop = first + rows_per_chunk < N ? first + rows_per_chunk : N;
+  ACC s = 0;
+  for (int row = first; row < stop; ++row) {
+    const long long i = (long long)row * C + j;
+    const ACC h = widen(x[i]) + bj;
+    const ACC h2 = h * h;
+    const ACC den = (ACC)1 + exp(h * (h2 * (ACC)-0.07135481627260025 + (ACC)-1.5957691216057308));
+    const ACC sig = (ACC)1 / den;
+    const T d = to_stored<T>((((ACC)1 - sig) * (h * (h2 * (ACC)0.21406444881780073 + (ACC)1.5957691216057308))
+                              + (ACC)1) * sig * widen(dy[i]));
+    dh[i] = d;
+    s += widen(d);
+    y[i] = to_stored<T>(h / den);
+  }
+  if (sum_db) part[(long long)blockIdx.y * C + j] = s;
+}
+
+// @kernel column_sums_add
+// out += the sum of part's rows, over (chunks, C) partial column sums (bias_gelu_bwd_fwd16's): block
+// (32, 8) for 32 columns, thread y adding chunks y, y + 8, ... in order, then thread y = 0 the eight in
+// order (layernorm_bwd_params' order), so the sums are the same on every run. All ACC (float32 under bf16:
+// the gradient buffer's dtype).
+extern "C" __global__ void column_sums_add(const ACC *part, ACC *out, const int chunks, const int C) {
+  __shared__ ACC acc[8][32];
+  const int j = blockIdx.x * 32 + threadIdx.x;
+  ACC s = 0;
+  if (j < C) {
+    for (int c = threadIdx.y; c < chunks; c += 8) s += part[(long long)c * C + j];
+  }
+  acc[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < C) {
+    for (int k = 1; k < 8; ++k) s += acc[k][threadIdx.x];
+    out[j] += s;
+  }
 }

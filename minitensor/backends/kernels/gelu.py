@@ -68,25 +68,30 @@ BIAS_GELU_BWD_FWD = cuda.ElementwiseSpec(
 
 
 # The bfloat16 forms (kernels/gelu.cu, RawKernels over T stored and ACC summed): one thread per element
-# in blocks of GELU16_THREADS; every pointer read or written once (the default traffic).
+# in blocks of GELU16_THREADS; every pointer read or written once (the default traffic). The backward with
+# the output recomputed (the MLP's) goes down columns instead, GELU16_CHUNK_ROWS rows a block, so that it
+# sums the bias gradient too: 128 chunks of 64 rows at 8 x 1024, their partial sums 128 x 4C float32
+# values (1.5 MB at C = 768, against the pass's 201 MB), which column_sums_add adds up.
 GELU16_THREADS = 256
+GELU16_CHUNK_ROWS = 64
 
 
 def _bias_gelu16_model(m):
     """The MLP's bias + GELU at the model's sizes in bfloat16, as a bf16 step launches them: forward, backward
-    with the output recomputed, and the plain backward (minitensor.checks.counts; bfloat16 alone: float32
-    runs the ElementwiseKernels)."""
+    with the output recomputed and the bias gradient summed, and the plain backward
+    (minitensor.checks.counts; bfloat16 alone: float32 runs the ElementwiseKernels)."""
     bf16 = precision.bfloat16()
-    x, dy, out, out2 = (np.zeros((m.N, m.F), bf16) for _ in range(4))
+    x, dy, out = (np.zeros((m.N, m.F), bf16) for _ in range(3))
     b, C, n = np.zeros(m.F, bf16), np.int32(m.F), np.int32(m.N * m.F)
     launch_elementwise16(BIAS_GELU_FWD16, x, (x, b, out, C, n))
-    launch_elementwise16(BIAS_GELU_BWD_FWD16, x, (x, b, dy, out, out2, C, n))
+    launch_bwd_fwd16(x, b, dy, out, out.copy(), np.zeros(m.F, np.float32))
     launch_elementwise16(BIAS_GELU_BWD16, x, (x, b, dy, out, C, n))
 
 
 BIAS_GELU_FWD16 = cuda.RawSpec("bias_gelu_fwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
 BIAS_GELU_BWD16 = cuda.RawSpec("bias_gelu_bwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
 BIAS_GELU_BWD_FWD16 = cuda.RawSpec("bias_gelu_bwd_fwd16", "gelu.cu", model=_bias_gelu16_model, bf16=True)
+COLUMN_SUMS_ADD = cuda.RawSpec("column_sums_add", "gelu.cu", model=_bias_gelu16_model, bf16=True)
 
 
 def is_bf16(x):
@@ -133,15 +138,38 @@ def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
     return dh
 
 
-def bias_gelu_backward_recompute_gpu(x, b, dy):
-    """(dh, y): bias_gelu_backward_gpu's dh and bias_gelu_forward_gpu's y in one pass, new arrays."""
-    _check_bias_gpu(x, b, None, "bias_gelu_backward_recompute_gpu", dy)
-    cuda.on_cupy("bias_gelu_backward_recompute_gpu", x, "Ops.bias_gelu_backward")
-    if is_bf16(x):
-        dh, y = array_module(x).empty_like(x), array_module(x).empty_like(x)
-        launch_elementwise16(BIAS_GELU_BWD_FWD16, x, (x, b, dy, dh, y, np.int32(x.shape[-1]), np.int32(x.size)))
-        return dh, y
-    return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
+def bias_gelu_backward_recompute_gpu(x, b, dy, db=None):
+    """(dh, y): bias_gelu_backward_gpu's dh and bias_gelu_forward_gpu's y in one pass, new arrays. db
+    (bfloat16 x only: a float32 vector like b): db += dh's column sums, in the same pass (bias_gelu_bwd_fwd16
+    then column_sums_add)."""
+    fn = "bias_gelu_backward_recompute_gpu"
+    _check_bias_gpu(x, b, None, fn, dy)
+    cuda.on_cupy(fn, x, "Ops.bias_gelu_backward")
+    if not is_bf16(x):
+        if db is not None:
+            raise ValueError(f"{fn}: db is summed in the pass for bfloat16 x only, got {x.dtype}")
+        return BIAS_GELU_BWD_FWD.kernel()(x, b, np.int32(x.shape[-1]), dy)
+    if db is not None:
+        cuda.vector(fn, "db", db, x, summed=True)
+    dh, y = array_module(x).empty_like(x), array_module(x).empty_like(x)
+    launch_bwd_fwd16(x, b, dy, dh, y, db)
+    return dh, y
+
+
+def launch_bwd_fwd16(x, b, dy, dh, y, db=None):
+    """bias_gelu_bwd_fwd16 over x's rows into dh and y, and with db column_sums_add after it (nothing for an
+    empty x)."""
+    C, N = x.shape[-1], x.size // max(1, x.shape[-1])
+    if not x.size:
+        return
+    xp = array_module(x)
+    chunks = -(-N // GELU16_CHUNK_ROWS)
+    part = xp.empty((chunks, C), np.float32) if db is not None else xp.empty(1, np.float32)
+    cuda.launch(BIAS_GELU_BWD_FWD16, x.dtype, (-(-C // GELU16_THREADS), chunks), (GELU16_THREADS,),
+                (x, b, dy, dh, y, part, np.int32(C), np.int32(N), np.int32(GELU16_CHUNK_ROWS),
+                 np.int32(db is not None)))
+    if db is not None:
+        cuda.launch(COLUMN_SUMS_ADD, x.dtype, (-(-C // 32),), (32, 8), (part, db, np.int32(chunks), np.int32(C)))
 
 
 # --- the fused piece bias_gelu: the Ops methods it replaces, the self-check's sample, gpu_check's cases,
@@ -160,22 +188,26 @@ def _fused_bias_gelu_forward(ops, x, b):
     return bias_gelu_forward_gpu(x, b)
 
 
-def _fused_bias_gelu_backward(ops, x, b, dy, recompute_output=False):
-    """Ops.bias_gelu_backward: dh, and with recompute_output GELU(x + b) from the same pass."""
+def _fused_bias_gelu_backward(ops, x, b, dy, recompute_output=False, db=None):
+    """Ops.bias_gelu_backward: dh, and with recompute_output GELU(x + b) from the same pass, which sums db
+    too for bfloat16 x (float32: ops.add_bias_grad after it, as Ops')."""
     if _strided16(x, b, dy):
         return cuda.FALLBACK
-    if recompute_output:
-        return bias_gelu_backward_recompute_gpu(x, b, dy)
-    return bias_gelu_backward_gpu(x, b, dy)
+    if recompute_output and is_bf16(x):
+        return bias_gelu_backward_recompute_gpu(x, b, dy, db)
+    out = bias_gelu_backward_recompute_gpu(x, b, dy) if recompute_output else bias_gelu_backward_gpu(x, b, dy)
+    ops._add_dh_sums(out[0] if recompute_output else out, db)
+    return out
 
 
 def _bias_gelu_sample(ops, rng):
     """GELU(x + b) forward and backward over (150, 70), wide enough to reach the tails; the backward
-    also with the output recomputed (as MLP.backward asks)."""
+    also with the output recomputed and the bias gradient summed (as MLP.backward asks)."""
     xp = ops.xp
     x, b, dy = draw(xp, rng, 150, 70, scale=4.0), draw(xp, rng, 70), draw(xp, rng, 150, 70)
-    y = ops.bias_gelu_forward(x, b)
-    return y, ops.bias_gelu_backward(x, b, dy), *ops.bias_gelu_backward(x, b, dy, recompute_output=True)
+    y, db = ops.bias_gelu_forward(x, b), xp.zeros(70, np.float32)
+    return (y, ops.bias_gelu_backward(x, b, dy), *ops.bias_gelu_backward(x, b, dy, recompute_output=True, db=db),
+            db)
 
 
 def _bias_gelu_cases(k):
@@ -212,7 +244,8 @@ def _bias_gelu_timed(ops, sizes):
 BIAS_GELU = cuda.fused_piece(
     "bias_gelu",
     replaces={"bias_gelu_forward": _fused_bias_gelu_forward, "bias_gelu_backward": _fused_bias_gelu_backward},
-    kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD, BIAS_GELU_FWD16, BIAS_GELU_BWD16, BIAS_GELU_BWD_FWD16),
+    kernels=(BIAS_GELU_FWD, BIAS_GELU_BWD, BIAS_GELU_BWD_FWD, BIAS_GELU_FWD16, BIAS_GELU_BWD16, BIAS_GELU_BWD_FWD16,
+             COLUMN_SUMS_ADD),
     sample=_bias_gelu_sample,
     cases=_bias_gelu_cases,
     timed=_bias_gelu_timed,
