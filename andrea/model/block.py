@@ -142,9 +142,15 @@ class Block:
     def forward(self, x):
         skip = self.residual
         if self.position != "post":
-            # the residual adds run in the epilogue of each branch's last product
-            s1 = x1 = self.attn.forward(self.ln_1.forward(x), residual=x if skip else None)
-            s2 = x2 = self.mlp.forward(self.ln_2.forward(x1), residual=x1 if skip else None)
+            # the residual adds run in the epilogue of each branch's last product; the attention's in the
+            # first pass of ln_2 over it (forward_joined: x1 = product + bias + x, in place, then normalised)
+            if skip:
+                s1 = x1 = self.attn.forward(self.ln_1.forward(x), epilogue=False)
+                h = self.ln_2.forward_joined(x1, self.attn.c_proj.b, x)
+            else:
+                s1 = x1 = self.attn.forward(self.ln_1.forward(x))
+                h = self.ln_2.forward(x1)
+            s2 = x2 = self.mlp.forward(h, residual=x1 if skip else None)
         else:
             s1 = self.attn.forward(x, residual=x if skip else None)          # x + attn(x)
             x1 = self.ln_1.forward(s1)

@@ -140,6 +140,13 @@ class Ops:
         rstd = 1.0 / self.xp.sqrt(var + eps)
         return self.stored(xc * rstd * w + b, dtype), mean, rstd
 
+    def joined_layernorm_forward(self, x, bias, residual, w, b, eps):
+        """The residual join of a pre-norm block and the LayerNorm after it: x += bias (if any) and
+        += residual in place (add_epilogue's adds: x is the sublayer's last product, bias its bias), then
+        layernorm_forward(x): (y, mean, rstd). A backend can make both in one pass over x."""
+        self.add_epilogue(x, bias, residual)
+        return self.layernorm_forward(x, w, b, eps)
+
     def layernorm_backward(self, dy, x, mean, rstd, w, dw, db, dres=None, dres_db=None):
         """dx (N, C) from dy and the forward's x, mean, rstd; dw and db accumulate. dres (N, C),
         if given, is added to dx: the gradient that reaches x around the layer (a skip). dx has dy's dtype.

@@ -54,8 +54,9 @@ class CausalSelfAttention(Layer):
             raise ValueError(f"d_model {C} is not divisible by n_head {n_head}")
         self.c_attn, self.c_proj, self.n_head = c_attn, c_proj, n_head
 
-    def forward(self, x, residual=None):
-        """out = c_proj(attention(c_attn(x))) (+ residual, added in c_proj's epilogue, if given)."""
+    def forward(self, x, residual=None, epilogue=True):
+        """out = c_proj(attention(c_attn(x))) (+ residual, added in c_proj's epilogue, if given); epilogue
+        False: c_proj's product without its bias, for the caller to join (Norm.forward_joined)."""
         xp = self._take_ops(x).xp
         B, T, C = x.shape
         x2 = x.reshape(B * T, C)
@@ -64,7 +65,8 @@ class CausalSelfAttention(Layer):
         cache = self.ops.attention_forward(self._heads(qkv, B, T), self.c_attn.b, self._heads(y, B, T, 1)[0],
                                            self.block, self.keep_probs_max_bytes, self.dense)
         out = self.ops.matmul(y.reshape(B * T, C), self.c_proj.W)
-        self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
+        if epilogue:
+            self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
         self._save(SelfAttentionCache(x2, y.reshape(B * T, C), cache, x.shape))
         return out.reshape(B, T, C)
 

@@ -79,6 +79,15 @@ class Norm(Layer):
     params = ()
     stats = ()
 
+    def forward_joined(self, x, bias, residual):
+        """forward of the residual join x += bias + residual, made in place in x (x: a sublayer's last
+        product, bias its bias, residual the stream it joins; the adds of its epilogue: Ops.add_epilogue).
+        Here by the backend's add_epilogue then forward; a norm whose backend joins in its own first pass
+        over x overrides it (LayerNorm)."""
+        C = x.shape[-1]
+        self._take_ops(x).add_epilogue(x.reshape(-1, C), bias, residual.reshape(-1, C))
+        return self.forward(x)
+
     def backward_and_sum_skip(self, dy, skip, linear):
         """backward(dy, skip), and linear.db += the column sums of skip (unless linear.db is None): in a
         pre-norm block the skip is the gradient of the sublayer's output, so these are the gradient of

@@ -39,6 +39,16 @@ class LayerNorm(Norm):
         self._save(LayerNormCache(x2, mean, rstd, x.shape))
         return y.reshape(x.shape)
 
+    def forward_joined(self, x, bias, residual):
+        """forward of x += bias + residual, the join made in place in x (Norm) by joined_layernorm_forward,
+        in the pass that normalises it. x must be contiguous."""
+        self._take_ops(x)
+        x2 = x.reshape(-1, x.shape[-1])                      # a view: the join lands in x
+        y, mean, rstd = self.ops.joined_layernorm_forward(x2, bias, residual.reshape(x2.shape), self.w, self.b,
+                                                          self.eps)
+        self._save(LayerNormCache(x2, mean, rstd, x.shape))
+        return y.reshape(x.shape)
+
     def infer_stats(self, x):
         """infer(x) and the statistics it normalised by: (y, {"mean": (..., 1), "rstd": (..., 1)})."""
         x2 = self.ops.xp.ascontiguousarray(x.reshape(-1, x.shape[-1]))

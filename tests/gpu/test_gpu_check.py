@@ -333,7 +333,7 @@ def test_a_fused_piece_without_cases_is_compared_through_its_sample():
             launched.append({kernel for _, kernel, _ in cupy.standin.kernels})
         errors = [normwise(f, g) for f, g in zip(fused(setup()), generic(setup()), strict=True)]
     assert {"layernorm_fwd", "layernorm_bwd"} <= launched[0] and not launched[1] & {s.name for s in piece.kernels}
-    assert len(outputs) == 5 and max(errors) <= 1e-5, errors  # y, dx, dw, db, the skip's column sums
+    assert len(outputs) == 7 and max(errors) <= 1e-5, errors  # y, dx, dw, db, the skip's sums, a join and its y
     assert len(gpu_check.piece_cases(fused_pieces()["layernorm"], k)) == 4  # the record's own cases
 
 

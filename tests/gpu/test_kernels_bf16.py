@@ -106,6 +106,12 @@ def test_layernorm_bf16_emulated(emulated, shape):
     joined = (x.astype(np.float32) + r.astype(np.float32)).astype(BF16)
     y2_ref = F.layernorm_forward(f64(joined).reshape(-1, C), f64(w), f64(b))[0]
     assert_bf16_close(y2.reshape(-1, C), y2_ref)
+    # with the sublayer's bias too: x becomes (x + bias) + r, Ops.add_epilogue's bits, then is normalised
+    bias, xb, want = bf16(rng, C), x.copy(), x.reshape(-1, C).copy()
+    y3, _, _ = layernorm.layernorm_forward_gpu(xb, w, b, 1e-5, residual=r, bias=bias)
+    Ops(np).add_epilogue(want, bias, r.reshape(-1, C))
+    assert np.array_equal(xb.reshape(-1, C).view(np.uint16), want.view(np.uint16))
+    assert_bf16_close(y3.reshape(-1, C), F.layernorm_forward(f64(want), f64(w), f64(b))[0])
     kept, kept_db = r.copy(), np.full(C, 0.5, np.float32)  # residual + dx: summed in float32, rounded once
     total = layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=kept, res_db=kept_db)
     assert np.array_equal(kept, r)

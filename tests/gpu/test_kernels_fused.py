@@ -349,6 +349,14 @@ def test_layernorm_kernels_emulated(emulated, dtype, shape):
     y2, _, _ = layernorm.layernorm_forward_gpu(xs, w, b, 1e-5, residual=r, out=xs)
     assert y2 is xs
     assert_close(y2.reshape(-1, C), F.layernorm_forward(x2 + r2, f64(w), f64(b))[0])
+    # with the sublayer's bias too: x becomes (x + bias) + r, Ops.add_epilogue's two adds bit for bit
+    bias, xb, want = normal(rng, C, dtype), x.copy(), x.reshape(-1, C).copy()
+    y3, _, _ = layernorm.layernorm_forward_gpu(xb, w, b, 1e-5, residual=r, bias=bias)
+    Ops(np).add_epilogue(want, bias, r.reshape(-1, C))
+    assert np.array_equal(xb.reshape(-1, C), want)
+    assert_close(y3.reshape(-1, C), F.layernorm_forward(f64(want), f64(w), f64(b))[0])
+    with pytest.raises(ValueError, match="give residual too"):
+        layernorm.layernorm_forward_gpu(x.copy(), w, b, 1e-5, bias=bias)
     acc, acc_db = r.copy(), np.full(C, 0.25, dtype)  # with the column sums of what was added, accumulated
     assert layernorm.layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=acc, res_db=acc_db) is acc
     assert_close(acc.reshape(-1, C), r2 + dx_ref, scale=scale)

@@ -5,14 +5,17 @@
 // rstd) and the parameters' partial sums are ACC.
 
 // @kernel layernorm_fwd
-// One block per row of x (N, C). With add_residual, x is first updated in place to x + residual
-// (the residual join before a pre-norm LayerNorm, fused); otherwise `residual` is not read. Each
-// thread touches the same columns in every loop, so y may be x itself. The row summed is the x stored
-// (x + residual rounded to T), which the second pass and the backward read.
+// One block per row of x (N, C). With add_bias and add_residual, x is first updated in place to
+// (x + bias) + residual, add_epilogue's two adds (the residual join of a pre-norm block, the sublayer's
+// last bias with it, fused before the LayerNorm that follows); with add_residual alone to x + residual;
+// otherwise `bias` and `residual` are not read. Each thread touches the same columns in every loop, so y
+// may be x itself. The row summed is the x stored (the join rounded once to T), which the second pass and
+// the backward read.
 #include "bf16.cuh"
 #include "rows.cuh"
-extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, const T *b, T *y, ACC *mean,
-                                         ACC *rstd, const int C, const ACC eps, const int add_residual) {
+extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *bias, const T *w, const T *b, T *y,
+                                         ACC *mean, ACC *rstd, const int C, const ACC eps, const int add_residual,
+                                         const int add_bias) {
   __shared__ ACC buf[32];
   const long long row = blockIdx.x;
   T *xr = x + row * C;
@@ -21,6 +24,7 @@ extern "C" __global__ void layernorm_fwd(T *x, const T *residual, const T *w, co
   for (int j = threadIdx.x; j < C; j += blockDim.x) {
     ACC v = widen(xr[j]);
     if (add_residual) {
+      if (add_bias) v += widen(bias[j]);
       const T joined = to_stored<T>(v + widen(residual[row * C + j]));  /* rounded once, for bfloat16 */
       xr[j] = joined;
       v = widen(joined);

@@ -13,10 +13,12 @@ from minitensor.device import array_module
 # against the textbook form in tests/support/reference.py. The kernels: kernels/layernorm.cu.
 
 
-def _layernorm_fwd_traffic(x, residual, w, b, y, mean, rstd, add_residual, **_):
-    """x (and the residual, when added: x is then written back) read once, y and the statistics written."""
+def _layernorm_fwd_traffic(x, residual, bias, w, b, y, mean, rstd, add_residual, add_bias, **_):
+    """x (and the residual and bias, when added: x is then written back) read once, y and the statistics
+    written."""
     joined = x.nbytes if add_residual else 0
-    return x.nbytes + joined + w.nbytes + b.nbytes, y.nbytes + mean.nbytes + rstd.nbytes + joined
+    read = x.nbytes + joined + w.nbytes + b.nbytes + (bias.nbytes if add_bias else 0)
+    return read, y.nbytes + mean.nbytes + rstd.nbytes + joined
 
 
 def _layernorm_model(m):
@@ -24,7 +26,7 @@ def _layernorm_model(m):
     adding the residual gradient and summing its columns (c_proj's bias gradient; minitensor.checks.counts)."""
     x, residual, dy = (np.zeros((m.N, m.C), np.float32) for _ in range(3))
     w, b = np.ones(m.C, np.float32), np.zeros(m.C, np.float32)
-    _, mean, rstd = layernorm_forward_gpu(x, w, b, residual=residual)
+    _, mean, rstd = layernorm_forward_gpu(x, w, b, residual=residual, bias=b)
     layernorm_backward_gpu(dy, x, w, mean, rstd, np.zeros_like(w), np.zeros_like(b), residual=residual,
                            res_db=np.zeros_like(b))
 
@@ -74,18 +76,23 @@ LAYERNORM_BWD_PARAMS = cuda.RawSpec("layernorm_bwd_params", "layernorm.cu", traf
                                     model=_layernorm_model, bf16=True)
 
 
-def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
+def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None, bias=None):
     """LayerNorm of the rows of x (..., C) (CuPy, contiguous); returns (y, mean, rstd), y shaped
     like x, mean and rstd (N, 1) as minitensor/layers/layernorm.py caches them (N = x.size / C), in
     what x is summed in (x's dtype; float32 for bfloat16 x, w and b).
 
     With `residual` (x's shape), x is first updated in place to x + residual, the residual join
-    of a pre-norm block fused into the normalisation; the caller then caches x as the input.
-    `out` may be x itself."""
+    of a pre-norm block fused into the normalisation; the caller then caches x as the input. With
+    `bias` too (C values like w), to (x + bias) + residual: Ops.add_epilogue(x, bias, residual)'s adds, the
+    sublayer's last bias joined with its residual. `out` may be x itself."""
     fn = "layernorm_forward_gpu"
     N, C = cuda.rows(fn, x, LAYERNORM_FWD)
     cuda.vector(fn, "w", w, x)
     cuda.vector(fn, "b", b, x)
+    if bias is not None:
+        cuda.vector(fn, "bias", bias, x)
+        if residual is None:
+            raise ValueError(f"{fn}: bias is joined with a residual; give residual too")
     for name, a in (("residual", residual), ("out", out)):
         if a is not None:
             cuda.like(fn, name, a, x)
@@ -96,8 +103,8 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None):
     rstd = xp.empty((N, 1), dtype=acc)
     if N:
         cuda.launch(LAYERNORM_FWD, x.dtype, (N,), (cuda.threads(C, 128),),
-                (x, x if residual is None else residual, w, b, y, mean, rstd, np.int32(C), acc.type(eps),
-                 np.int32(residual is not None)))
+                (x, x if residual is None else residual, b if bias is None else bias, w, b, y, mean, rstd,
+                 np.int32(C), acc.type(eps), np.int32(residual is not None), np.int32(bias is not None)))
     return y, mean, rstd
 
 
@@ -159,6 +166,17 @@ def _fused_layernorm_forward(ops, x, w, b, eps):
     return layernorm_forward_gpu(x, w, b, eps)
 
 
+def _fused_joined_layernorm_forward(ops, x, bias, residual, w, b, eps):
+    """Ops.joined_layernorm_forward, the join in the normalisation's first pass over x (one launch, x read
+    once, for add_epilogue's launch and the LayerNorm's); Ops' code where an operand is not laid out as
+    the kernel reads it."""
+    if not (x.flags.c_contiguous and residual.flags.c_contiguous and residual.shape == x.shape
+            and residual.dtype == x.dtype and (bias is None or (bias.dtype == x.dtype and bias.flags.c_contiguous))
+            and not ops.xp.may_share_memory(x, residual)):
+        return cuda.FALLBACK
+    return layernorm_forward_gpu(x, w, b, eps, residual=residual, bias=bias)
+
+
 def _fused_layernorm_backward(ops, dy, x, mean, rstd, w, dw, db, dres=None, dres_db=None):
     """Ops.layernorm_backward for rows of at most LN_MAX_C values, the skip gradient dres added, and its
     columns summed into dres_db, in the same pass."""
@@ -181,7 +199,9 @@ def _layernorm_sample(ops, rng):
     y = ln.forward(draw(xp, rng, 4, 10, C, scale=3.0, shift=0.5))
     skipped = Linear(None, None, None, skip_db)  # the sublayer's c_proj: only its bias gradient is read
     dx = ln.backward_and_sum_skip(draw(xp, rng, 4, 10, C), draw(xp, rng, 4, 10, C), skipped)
-    return y, dx, dw, db, skip_db
+    joined = draw(xp, rng, 4, 10, C)  # a sublayer's product, joined with its bias and the residual
+    y2 = ln.forward_joined(joined, draw(xp, rng, C), draw(xp, rng, 4, 10, C))
+    return y, dx, dw, db, skip_db, joined, y2
 
 
 def _layernorm_cases(k):
@@ -245,7 +265,8 @@ def _layernorm_timed(ops, sizes):
 
 LAYERNORM = cuda.fused_piece(
     "layernorm",
-    replaces={"layernorm_forward": _fused_layernorm_forward, "layernorm_backward": _fused_layernorm_backward},
+    replaces={"layernorm_forward": _fused_layernorm_forward, "joined_layernorm_forward": _fused_joined_layernorm_forward,
+              "layernorm_backward": _fused_layernorm_backward},
     kernels=(LAYERNORM_FWD, LAYERNORM_BWD, LAYERNORM_BWD_PARAMS),
     sample=_layernorm_sample,
     cases=_layernorm_cases,
