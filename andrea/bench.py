@@ -115,8 +115,19 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
     xp = model.xp
     totals = defaultdict(float)
 
+    active = set()  # the keys being timed: a method timed under a key its caller is timed under counts once
+
     def timer(fn, key):
         def timed(*a, **k):
+            if key in active:  # a norm's forward_joined or backward_and_sum_skip through its forward or backward
+                return fn(*a, **k)
+            active.add(key)
+            try:
+                return measured(*a, **k)
+            finally:
+                active.discard(key)
+
+        def measured(*a, **k):
             synchronize(xp)
             t = time.perf_counter()
             r = fn(*a, **k)
@@ -128,6 +139,9 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
     def wrap(layer, label):
         for pass_name in ("forward", "backward"):
             setattr(layer, pass_name, timer(getattr(layer, pass_name), (label, pass_name)))
+        for method, pass_name in (("forward_joined", "forward"), ("backward_and_sum_skip", "backward")):
+            if hasattr(layer, method):  # a norm's: the residual join, the skip's sums, in its own pass
+                setattr(layer, method, timer(getattr(layer, method), (label, pass_name)))
 
     for blk in model.blocks:
         wrap(blk.ln_1, "layernorm")
@@ -142,6 +156,7 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
     ops = model.ops
     pieces = {"attention_forward": ("attention core", "forward"), "attention_backward": ("attention core", "backward"),
               "bias_gelu_forward": ("gelu", "forward"), "bias_gelu_backward": ("gelu", "backward")}
+    kept = {name: vars(ops).get(name) for name in pieces}  # an instance's own (a gradient writer's count)
     for name, key in pieces.items():
         setattr(ops, name, timer(getattr(ops, name), key))
     try:
@@ -155,8 +170,11 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
             step_total += dt + do
             opt_total += do
     finally:
-        for name in pieces:
-            delattr(ops, name)                               # the class's methods again
+        for name, own in kept.items():                       # the methods as they were
+            if own is None:
+                delattr(ops, name)
+            else:
+                setattr(ops, name, own)
     rows = {f"{k[0]} {k[1]}": v / steps for k, v in totals.items()}
     for pass_name in ("forward", "backward"):  # each composite's own products = whole minus its timed core
         whole = rows.pop(f"attention (whole) {pass_name}", 0.0)

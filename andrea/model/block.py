@@ -94,13 +94,16 @@ class MLP(Layer):
         self.activation = activation
         self.act_forward, self.act_backward = pieces[activation]
 
-    def forward(self, x, residual=None):
+    def forward(self, x, residual=None, epilogue=True):
+        """out (+ residual); epilogue False: c_proj's product without its bias, for the caller to join
+        (Norm.forward_joined)."""
         C = x.shape[-1]
         x2 = x.reshape(-1, C)
         h = self.ops.matmul(x2, self.c_fc.W)                 # (N, 4C)
         g = self.act_forward(h, self.c_fc.b)
         out = self.ops.matmul(g, self.c_proj.W)              # (N, C)
-        self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
+        if epilogue:
+            self.ops.add_epilogue(out, self.c_proj.b, None if residual is None else residual.reshape(out.shape))
         self._save(MLPCache(x2, h, x.shape))
         return out.reshape(x.shape)
 
@@ -138,6 +141,23 @@ class Block:
         self.mlp = MLP(_linear(p, prefix + "mlp.c_fc", ops), _linear(p, prefix + "mlp.c_proj", ops), ops,
                        cfg.activation)
         self.flow = None       # (a recorder, this block's index) while ANDREA.record_flow records
+
+    @property
+    def opens(self):
+        """Whether forward_open applies: pre-norm with residuals, no flow being recorded."""
+        return self.position != "post" and self.residual and self.flow is None
+
+    def forward_open(self, x, joined=None):
+        """forward(x) with the MLP's epilogue left open: (its product, c_proj's bias, x1), which the next
+        norm joins in its first pass (Norm.forward_joined: x2 = product + bias + x1). joined: the previous
+        block's open triple, joined here by ln_1 (x then unused: the join is x). Only where `opens`."""
+        if joined is None:
+            h = self.ln_1.forward(x)
+        else:
+            x, h = joined[0], self.ln_1.forward_joined(*joined)
+        x1 = self.attn.forward(h, epilogue=False)
+        h = self.ln_2.forward_joined(x1, self.attn.c_proj.b, x)
+        return self.mlp.forward(h, epilogue=False), self.mlp.c_proj.b, x1
 
     def forward(self, x):
         skip = self.residual

@@ -167,9 +167,16 @@ class ANDREA:
         B, T = idx.shape
         x = self.wte.forward(idx)                            # (B, T, C), a fresh array
         x += self.wpe.forward(B, T)
+        if not all(block.opens for block in self.blocks):
+            for block in self.blocks:
+                x = block.forward(x)
+            return self.ln_f.forward(x)
+        # pre-norm: each residual join is made by the norm that follows it, in its first pass (the last
+        # block's MLP's by ln_f)
+        joined = None
         for block in self.blocks:
-            x = block.forward(x)
-        return self.ln_f.forward(x)
+            joined = block.forward_open(x, joined)
+        return self.ln_f.forward_joined(*joined)
 
     def backward(self, dloss=1.0, on_block=None):
         """Accumulates the gradients of the last loss into the gradient buffer. on_block(i), if given, is

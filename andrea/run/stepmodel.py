@@ -103,18 +103,26 @@ def _scoped(rec, obj, name, label):
     setattr(obj, name, wrapped)
 
 
+# the methods a step calls on a layer, scoped alike: a block's forward_open, a norm's forward_joined and
+# backward_and_sum_skip (the residual join and the skip's column sums in the norm's own pass)
+PASSES = ("forward", "backward", "forward_open", "forward_joined", "backward_and_sum_skip")
+
+
+def _scope_passes(rec, layer, label):
+    for name in PASSES:
+        if hasattr(layer, name):
+            _scoped(rec, layer, name, label)
+
+
 def _label_layers(rec, model, opt):
     """Scopes for every part of the model and the step, named as the table names them."""
     for i, block in enumerate(model.blocks):
-        for name in ("forward", "backward"):
-            _scoped(rec, block, name, f"block {i}")
+        _scope_passes(rec, block, f"block {i}")
         for part, layer in (("ln_1", block.ln_1), ("attention", block.attn), ("ln_2", block.ln_2), ("mlp", block.mlp)):
-            for name in ("forward", "backward"):
-                _scoped(rec, layer, name, part)
+            _scope_passes(rec, layer, part)
     for label, layer in (("embeddings", model.wte), ("embeddings", model.wpe), ("ln_f", model.ln_f),
                          ("head", model.head), ("cross-entropy", model.loss_fn)):
-        for name in ("forward", "backward"):
-            _scoped(rec, layer, name, label)
+        _scope_passes(rec, layer, label)
     for name in ("attention_forward", "attention_backward"):
         _scoped(rec, model.ops, name, "attention core")
     for name in ("global_norm", "clip_scale"):
