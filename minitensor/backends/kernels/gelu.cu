@@ -100,21 +100,12 @@ extern "C" __global__ void bias_gelu_bwd_fwd16(const T *x, const T *b, const T *
 }
 
 // @kernel column_sums_add
-// out += the sum of part's rows, over (chunks, C) partial column sums (bias_gelu_bwd_fwd16's): block
-// (32, 8) for 32 columns, thread y adding chunks y, y + 8, ... in order, then thread y = 0 the eight in
-// order (layernorm_bwd_params' order), so the sums are the same on every run. All ACC (float32 under bf16:
-// the gradient buffer's dtype).
+// out += the sum of part's rows, over (chunks, C) partial column sums (bias_gelu_bwd_fwd16's), in a fixed
+// order (rows.cuh's add_column_partials, as rmsnorm_bwd_params). All ACC (float32 under bf16: the gradient
+// buffer's dtype).
+#include "bf16.cuh"
+#include "rows.cuh"
 extern "C" __global__ void column_sums_add(const ACC *part, ACC *out, const int chunks, const int C) {
   __shared__ ACC acc[8][32];
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  ACC s = 0;
-  if (j < C) {
-    for (int c = threadIdx.y; c < chunks; c += 8) s += part[(long long)c * C + j];
-  }
-  acc[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < C) {
-    for (int k = 1; k < 8; ++k) s += acc[k][threadIdx.x];
-    out[j] += s;
-  }
+  add_column_partials(part, out, chunks, C, acc);
 }

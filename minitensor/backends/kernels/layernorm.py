@@ -205,7 +205,8 @@ def _layernorm_sample(ops, rng):
 
 
 def _layernorm_cases(k):
-    """LayerNorm forward and backward, each also with the residual add folded in, against the layer."""
+    """LayerNorm forward and backward, each also with the residual join folded in (the forward's with the
+    sublayer's bias, the backward's summing the skip's columns), against the layer."""
     from minitensor.layers.layernorm import LayerNorm
 
     N, C = k.N, k.C
@@ -215,8 +216,8 @@ def _layernorm_cases(k):
         x, dy, w, b = k.rand(N, C, shift=0.3), k.rand(N, C), k.rand(C, scale=0.2, shift=1.0), k.rand(C, scale=0.1)
         layer = LayerNorm(w, k.zeros(C), b, k.zeros(C), ops=k.ref)
         layer.forward(x)
-        return dict(x=x, dy=dy, w=w, b=b, r=k.rand(N, C), layer=layer, cache=layer._cache, dw=k.zeros(C),
-                    db=k.zeros(C))
+        return dict(x=x, dy=dy, w=w, b=b, r=k.rand(N, C), rb=k.rand(C, scale=0.1), layer=layer, cache=layer._cache,
+                    dw=k.zeros(C), db=k.zeros(C), rdb=k.zeros(C))
 
     def generic_fwd(d):
         y = d["layer"].forward(d["x"])
@@ -226,26 +227,30 @@ def _layernorm_cases(k):
         layer = d["layer"]
         layer._save(d["cache"])
         dx = layer.backward(d["dy"])
-        if add_to is not None:
-            dx += add_to
-        return dx, layer.dw, layer.db
+        if add_to is None:
+            return dx, layer.dw, layer.db
+        d["rdb"] += add_to.sum(axis=0)                      # the skip's column sums: c_proj's bias gradient
+        dx += add_to
+        return dx, layer.dw, layer.db, d["rdb"]
 
     def generic_res(d):
+        d["x"] += d["rb"]                                    # (y + b) + x: add_epilogue's order
         d["x"] += d["r"]
         return d["layer"].forward(d["x"]), d["x"]
 
     def fused_bwd(d, add_to=None):
-        return (layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd,
-                                                d["dw"], d["db"], add_to=add_to), d["dw"], d["db"])
+        dx = layernorm_backward_gpu(d["dy"], d["x"], d["w"], d["cache"].mean, d["cache"].rstd, d["dw"], d["db"],
+                                    add_to=add_to, res_db=None if add_to is None else d["rdb"])
+        return (dx, d["dw"], d["db"]) if add_to is None else (dx, d["dw"], d["db"], d["rdb"])
 
     return [
         ("layernorm fwd", setup, lambda d: layernorm_forward_gpu(d["x"], d["w"], d["b"]), generic_fwd,
          False),
         ("layernorm bwd", setup, fused_bwd, generic_bwd, False),
-        ("layernorm fwd + residual", setup,
-         lambda d: (layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"])[0], d["x"]),
+        ("layernorm fwd + bias + residual", setup,
+         lambda d: (layernorm_forward_gpu(d["x"], d["w"], d["b"], residual=d["r"], bias=d["rb"])[0], d["x"]),
          generic_res, False),
-        ("layernorm bwd + residual", setup, lambda d: fused_bwd(d, add_to=d["r"]),
+        ("layernorm bwd + residual, its column sums", setup, lambda d: fused_bwd(d, add_to=d["r"]),
          lambda d: generic_bwd(d, add_to=d["r"]), False),
     ]
 

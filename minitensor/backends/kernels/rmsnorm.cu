@@ -72,18 +72,11 @@ extern "C" __global__ void rmsnorm_bwd(const T *dy, const T *x, const T *w, cons
 // @kernel rmsnorm_bwd_params
 // dw += the sum of part_w's rows over the (chunks, C) partial sums of rmsnorm_bwd: block (32, 8) for
 // 32 columns, thread y adding chunks y, y + 8, ... in order, then thread y = 0 the eight in order, so
-// the sum is the same on every run (no atomics). All ACC, as layernorm_bwd_params.
+// the sum is the same on every run (no atomics: rows.cuh's add_column_partials). All ACC, as
+// layernorm_bwd_params.
+#include "bf16.cuh"
+#include "rows.cuh"
 extern "C" __global__ void rmsnorm_bwd_params(const ACC *part_w, ACC *dw, const int chunks, const int C) {
   __shared__ ACC acc_w[8][32];
-  const int j = blockIdx.x * 32 + threadIdx.x;
-  ACC sw = 0;
-  if (j < C) {
-    for (int c = threadIdx.y; c < chunks; c += 8) sw += part_w[(long long)c * C + j];
-  }
-  acc_w[threadIdx.y][threadIdx.x] = sw;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < C) {
-    for (int k = 1; k < 8; ++k) sw += acc_w[k][threadIdx.x];
-    dw[j] += sw;
-  }
+  add_column_partials(part_w, dw, chunks, C, acc_w);
 }

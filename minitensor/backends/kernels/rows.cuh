@@ -44,3 +44,21 @@ __device__ ACC block_max(ACC v, ACC *buf) {
   }
   return v;
 }
+
+/* out[j] += the sum of part's rows, over (chunks, C) partial column sums (a backward's, per chunk of rows),
+   for this block's 32 columns j = blockIdx.x 32 + threadIdx.x: a block of (32, 8) threads, thread y adding
+   chunks y, y + 8, ... in order into acc[y] (8 x 32 ACCs of shared memory), then thread y = 0 the eight in
+   order, so the sums are the same on every run (no atomics). */
+__device__ void add_column_partials(const ACC *part, ACC *out, const int chunks, const int C, ACC (*acc)[32]) {
+  const int j = blockIdx.x * 32 + threadIdx.x;
+  ACC s = 0;
+  if (j < C) {
+    for (int c = threadIdx.y; c < chunks; c += 8) s += part[(long long)c * C + j];
+  }
+  acc[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < C) {
+    for (int k = 1; k < 8; ++k) s += acc[k][threadIdx.x];
+    out[j] += s;
+  }
+}
