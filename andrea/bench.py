@@ -109,17 +109,15 @@ def _forward_backward(model, x):
     model.backward()
 
 
-def profile_step(model, opt, B, T, steps=3, seed=0):
-    """Seconds per step by layer kind and pass, from timers wrapped around every layer's forward and
-    backward, and around the backend's attention core and GELU (model.ops, restored afterwards)."""
-    xp = model.xp
-    totals = defaultdict(float)
-
-    active = set()  # the keys being timed: a method timed under a key its caller is timed under counts once
+def _timers(xp, totals):
+    """timer(fn, key): fn timed into totals[key] (seconds, the device synchronized around it); a call made
+    while another under the same key is being timed counts once, in the outer one (a norm's forward_joined
+    or backward_and_sum_skip through its forward or backward)."""
+    active = set()
 
     def timer(fn, key):
         def timed(*a, **k):
-            if key in active:  # a norm's forward_joined or backward_and_sum_skip through its forward or backward
+            if key in active:
                 return fn(*a, **k)
             active.add(key)
             try:
@@ -135,6 +133,15 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
             totals[key] += time.perf_counter() - t
             return r
         return timed
+    return timer
+
+
+def profile_step(model, opt, B, T, steps=3, seed=0):
+    """Seconds per step by layer kind and pass, from timers wrapped around every layer's forward and
+    backward, and around the backend's attention core and GELU (model.ops, restored afterwards)."""
+    xp = model.xp
+    totals = defaultdict(float)
+    timer = _timers(xp, totals)
 
     def wrap(layer, label):
         for pass_name in ("forward", "backward"):

@@ -585,15 +585,15 @@ def test_launch_checks_the_c_types_of_its_arguments():
     x = np.zeros((2, 4), np.float32)
     w = np.ones(4, np.float32)
     mean = rstd = np.zeros((2, 1), np.float32)
-    good = (x, x, w, w, x, mean, rstd, np.int32(4), np.float32(1e-5), np.int32(0))
+    good = (x, x, w, w, w, x, mean, rstd, np.int32(4), np.float32(1e-5), np.int32(0), np.int32(0))
     cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good)
     with pytest.raises(TypeError, match="argument C must be a NumPy scalar of int32"):
-        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:7] + (4,) + good[8:])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:8] + (4,) + good[9:])
     with pytest.raises(TypeError, match="argument eps must be a NumPy scalar of float32"):
-        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:8] + (1e-5,) + good[9:])
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:9] + (1e-5,) + good[10:])
     with pytest.raises(TypeError, match="argument w must be a contiguous array of float32"):
-        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:2] + (w.astype(np.float64),) + good[3:])
-    with pytest.raises(TypeError, match="takes 10 arguments"):
+        cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:3] + (w.astype(np.float64),) + good[4:])
+    with pytest.raises(TypeError, match="takes 12 arguments"):
         cuda.check_launch_args(layernorm.LAYERNORM_FWD, np.float32, good[:-1])
     with pytest.raises(TypeError, match="runs on CuPy arrays"):
         cuda.launch(layernorm.LAYERNORM_FWD, np.float32, (2,), (32,), good)
