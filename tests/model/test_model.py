@@ -88,6 +88,45 @@ def test_whole_model_gradients_match_finite_differences(model_backend, seed, B, 
     assert len(report.checked) == len(m.params.names())
 
 
+def test_the_open_epilogues_give_the_bits_of_block_forward(model_backend, monkeypatch):
+    """The trunk joins each residual in the norm after it (Block.forward_open, Norm.forward_joined) and
+    sums c_proj's bias gradients in the norms' backward (Norm.backward_and_sum_skip): the loss and every
+    gradient bit for bit those of Block.forward and Linear's own bias gradients, which a block recording its
+    flow (or any block that is not pre-norm with residuals) still runs, on each backend; except, where the
+    fused kernels run, c_proj's bias gradients, which layernorm_bwd sums in chunks of rows where cuBLAS's
+    GEMV summed them in its own order: those within float32's rounding of the same sum."""
+    from andrea.model.block import Block
+
+    cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, n_layer=2, n_head=2)
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 50, (2, 17))
+    runs = []
+    for opens in (True, False):
+        if not opens:
+            monkeypatch.setattr(Block, "opens", property(lambda self: False))
+            monkeypatch.setattr(Block, "backward", _backward_with_linear_bias_grads)
+        m = ANDREA(cfg, **model_backend.args, seed=0)
+        loss = m.forward(x[:, :-1], x[:, 1:])
+        m.zero_grad()
+        m.backward()
+        runs.append((loss, to_numpy(m.params.grads).copy()))
+    assert runs[0][0] == runs[1][0]
+    reordered = np.zeros(runs[0][1].shape, bool)
+    if model_backend.kernels == "fused":
+        for name in m.params.names():
+            if name.endswith("c_proj.bias"):
+                start = m.params.offsets[name]
+                reordered[start:start + int(np.prod(m.params.shapes[name]))] = True
+    np.testing.assert_array_equal(runs[0][1][~reordered], runs[1][1][~reordered])
+    np.testing.assert_allclose(runs[0][1][reordered], runs[1][1][reordered], rtol=1e-5, atol=1e-7)
+
+
+def _backward_with_linear_bias_grads(self, dx2):
+    """Block.backward as before the norms summed c_proj's bias gradients: each Linear its own."""
+    dx1 = self.ln_2.backward(self.mlp.backward(dx2), skip=dx2)
+    return self.ln_1.backward(self.attn.backward(dx1), skip=dx1)
+
+
 def test_overfits_one_batch(model_backend):
     cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, n_layer=2, n_head=2)
     m = ANDREA(cfg, **model_backend.args, seed=0)
