@@ -105,9 +105,9 @@ class Ops:
     def linear_weight_grads(self, x, dy, dW, db):
         """forward was y = x @ W + b, x (N, n_in), dy (N, n_out): dW += x^T dy, db += sum_n dy (summed in
         the accumulate dtype, which is dW's and db's: the float32 gradient buffer under bf16)."""
-        x, dy_sum = self.summed(x, dy)
-        dW += x.T @ dy_sum
-        self.add_bias_grad(dy, db)
+        x, dy = self.summed(x, dy)
+        dW += x.T @ dy
+        self.add_bias_grad(dy, db)  # dy already in the accumulate dtype: summed() there is dy itself
 
     def add_bias_grad(self, dy, db):
         """db += sum over rows of dy (N, n_out), summed in db's dtype: the gradient of a bias added to
