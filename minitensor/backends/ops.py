@@ -348,6 +348,15 @@ class Ops:
         dqkv4[1][...] = (ds.swapaxes(-1, -2) @ q) * scale
         dqkv4[2][...] = dv
 
+    def attention_backward_and_bias(self, dy4, saved, dqkv, db):
+        """attention_backward into dqkv, c_attn's output gradient (B*T, 3C) (its heads cut as
+        CausalSelfAttention cuts them: qkv_heads), and db += its column sums (c_attn's bias gradient,
+        add_bias_grad; nothing where db is None): a backend whose kernels write dqkv can sum them as they
+        write (the flash piece)."""
+        B, nh, T, _ = dy4.shape
+        self.attention_backward(dy4, saved, qkv_heads(dqkv, B, T, nh))
+        self.add_bias_grad(dqkv, db)
+
     # --- softmax cross-entropy: loss = mean_n (logsumexp(z_n) - z_n[t_n]) ---
 
     def softmax_xent_forward(self, z, t, inplace=False, valid=None):
@@ -445,3 +454,12 @@ def causal_mask(xp, n_q, n_k, dtype):
     0 where the key is at or before the query, -inf after it."""
     rows = np.arange(n_k - n_q, n_k)[:, None]
     return xp.asarray(np.where(np.arange(n_k)[None, :] <= rows, 0.0, -np.inf).astype(dtype))
+
+
+def qkv_heads(a, B, T, n_head, parts=3):
+    """The heads of a (B*T, parts*C) array of rows, c_attn's output or its gradient (parts 3: q, k, v side
+    by side in each row; 1: the heads' output), as `parts` (B, n_head, T, hs) views: head h is columns
+    h*hs .. (h+1)*hs of each part, hs = C / n_head."""
+    hs = a.shape[-1] // parts // n_head
+    a = a.reshape(B, T, parts, n_head, hs)
+    return [a[:, :, i].transpose(0, 2, 1, 3) for i in range(parts)]

@@ -18,7 +18,9 @@ lines as written, dense; the CPU and the GPU past a memory budget run it over bl
 that never compute the scores above the diagonal (minitensor.backends.blocked). b_attn goes into
 the core with c_attn's output (a backend adds it in the copies that make each head contiguous, or, the
 flash kernels, as they read q, k and v where c_attn wrote them), and
-the block's residual (`forward(x, residual=r)`) into c_proj's epilogue.
+the block's residual (`forward(x, residual=r)`) into c_proj's epilogue. In backward the core also
+sums b_attn's gradient, the column sums of dqkv (`ops.attention_backward_and_bias`: the flash kernels
+as they write dqkv, other backends by add_bias_grad after it).
 `forward_kv` is the inference path: it appends to a key/value cache so each new token costs one
 row of attention instead of re-running the whole sequence.
 """
@@ -26,6 +28,7 @@ row of attention instead of re-running the whole sequence.
 import math
 from typing import NamedTuple
 
+from minitensor.backends.ops import qkv_heads
 from minitensor.layers.layer import Layer
 
 
@@ -79,16 +82,15 @@ class CausalSelfAttention(Layer):
         self.c_proj.weight_grads(y2, dout2, bias=sum_bias)
         dy = self.ops.matmul(dout2, self.c_proj.W.T)         # (B*T, C)
         dqkv = self.ops.xp.empty((B * T, 3 * C), dtype=dout.dtype)
-        self.ops.attention_backward(self._heads(dy, B, T, 1)[0], cache, self._heads(dqkv, B, T))
-        # forward was: qkv = x @ W_attn + b_attn
-        self.c_attn.weight_grads(x2, dqkv)
+        # forward was: qkv = x @ W_attn + b_attn (the bias added by the core): its bias gradient, dqkv's
+        # column sums, summed by the core's backward as it writes dqkv
+        self.ops.attention_backward_and_bias(self._heads(dy, B, T, 1)[0], cache, dqkv, self.c_attn.db)
+        self.c_attn.weight_grads(x2, dqkv, bias=False)
         return self.ops.matmul(dqkv, self.c_attn.W.T).reshape(B, T, C)
 
     def _heads(self, a, B, T, parts=3):
         """(B*T, parts*C) -> parts (B, nh, T, hs) views."""
-        hs = a.shape[-1] // parts // self.n_head
-        a = a.reshape(B, T, parts, self.n_head, hs)
-        return [a[:, :, i].transpose(0, 2, 1, 3) for i in range(parts)]
+        return qkv_heads(a, B, T, self.n_head, parts)
 
     def forward_kv(self, x, cache, pos, residual=None, record=None):
         """Inference: x (B, T_new, C) at positions pos.., with cache = (k, v) arrays (B, nh, T_max, hs).

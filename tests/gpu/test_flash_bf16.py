@@ -296,7 +296,8 @@ def test_the_wrappers_take_bf16_and_refuse_what_the_kernels_do_not():
         attention.flash_attention_backward_gpu(q, q, q, y, q, lse, 1.0)
     assert [spec.name for spec, *_ in launches] == [s.name for s in KERNELS]
     assert y.dtype == BF16 and lse.dtype == np.float32
-    assert all(type(a) is np.float32 for *_, args in launches for a in args[-1:])  # the scale is float32
+    scales = [args[[name for name, *_ in cuda.raw_params(spec)].index("scale")] for spec, *_, args in launches]
+    assert all(type(a) is np.float32 for a in scales)  # the scale is float32
 
 
 @needs_cxx

@@ -25,7 +25,10 @@
 //           then flash_attention_bwd_dkv (per key tile: dv = P^T dy and dk = scale dS^T q over the
 //           query tiles from the diagonal down), P = exp(scale q k^T - lse) recomputed, dS = P (dP -
 //           delta), dP = dy v^T. Without atomics, the scores and dP are computed twice (7 products
-//           against the 5 of a backward that adds dq atomically).
+//           against the 5 of a backward that adds dq atomically). With sum_bias each block also sums the
+//           columns of the gradients it stores, as stored (colsums.cuh): c_attn's bias gradient, a row of
+//           bias_sums (B * tiles, 3 C) per sequence and tile of 64 rows, which column_sums_add adds up
+//           (kernels/attention.py, flash_backward), instead of a GEMV that reads all of dq, dk, dv again.
 //
 // float with tf32 runs every product on tensor cores (mma.sync m16n8k8, operands rounded by cvt.rna
 // where they are stored, sums in float); double, and float without tf32, the same fragments by FMAs.
@@ -111,6 +114,7 @@ flash_attention_fwd(const T *qkv, const T *b, T *y, T *lse, const int n_ctx, con
 // delta = rowsum(dy y) and dq per query tile of DQ_Q rows (16 per warp), over key tiles of DQ_K keys up to
 // the diagonal (before flash_attention_bwd_dkv).
 #include "flash.cuh"
+#include "colsums.cuh"
 constexpr int DQ_Q = 64;
 constexpr int DQ_K = sizeof(T) == 4 ? 32 : 16;
 constexpr int DQ_THREADS = 2 * DQ_Q;
@@ -118,7 +122,8 @@ __shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v 
 template <int HS, int TF32>
 __global__ void __launch_bounds__(DQ_THREADS, 3)
 flash_attention_bwd_dq(const T *qkv, const T *b, const T *y, const T *dy, const T *lse, T *delta, T *dqkv,
-                       const int n_ctx, const int hs, const int n_head, const T scale, const int tf32) {
+                       ACC *bias_sums, const int n_ctx, const int hs, const int n_head, const T scale,
+                       const int sum_bias, const int tf32) {
   const T *ks = tiles, *vs = tiles + DQ_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * DQ_Q, r0 = i0 + 16 * warp;
@@ -164,11 +169,20 @@ flash_attention_bwd_dq(const T *qkv, const T *b, const T *y, const T *dy, const 
   }
   const T ones[2] = {1, 1};
   store_acc<HS>(dqkv + head, row, acc, r0, n_ctx, scale, ones);
+  if (sum_bias) {  /* dq's column sums over the tile: its row of bias_sums, q's columns of head bh % n_head */
+    __syncthreads();  /* every warp's last reads of the tiles are done: they hold the sums now */
+    T *sums = tiles;
+    warp_column_sums<HS>(sums + warp * HS, acc, r0, n_ctx, [scale](T a) { return a * scale; });
+    __syncthreads();
+    add_warp_sums<HS, DQ_THREADS / 32>(bias_sums + ((long long)(bh / n_head) * gridDim.x + i0 / DQ_Q) * row
+                                       + bh % n_head * HS, part, sums, 1);
+  }
 }
 
 // @kernel flash_attention_bwd_dkv
 // dk and dv per key tile of DKV_K keys (16 per warp), over query tiles of DKV_Q rows from the diagonal down.
 #include "flash.cuh"
+#include "colsums.cuh"
 constexpr int DKV_K = 64;
 constexpr int DKV_Q = sizeof(T) == 4 ? 32 : 16;
 constexpr int DKV_THREADS = 2 * DKV_K;
@@ -177,7 +191,8 @@ __shared__ T lse_s[DKV_Q], delta_s[DKV_Q];
 template <int HS, int TF32>
 __global__ void __launch_bounds__(DKV_THREADS, 2)
 flash_attention_bwd_dkv(const T *qkv, const T *b, const T *dy, const T *lse, const T *delta, T *dqkv,
-                        const int n_ctx, const int hs, const int n_head, const T scale, const int tf32) {
+                        ACC *bias_sums, const int n_ctx, const int hs, const int n_head, const T scale,
+                        const int sum_bias, const int tf32) {
   const T *qs = tiles, *dys = tiles + DKV_Q * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, j0 = blockIdx.x * DKV_K, c0 = j0 + 16 * warp;  /* this warp's keys c0 .. c0 + 15 */
@@ -219,6 +234,15 @@ flash_attention_bwd_dkv(const T *qkv, const T *b, const T *dy, const T *lse, con
   const T ones[2] = {1, 1};
   store_acc<HS>(dqkv + head + part, row, acc_k, c0, n_ctx, scale, ones);
   store_acc<HS>(dqkv + head + 2 * part, row, acc_v, c0, n_ctx, (T)1, ones);
+  if (sum_bias) {  /* dk's and dv's column sums over the tile: its row of bias_sums, k's and v's columns */
+    __syncthreads();  /* every warp's last reads of the tiles are done: they hold the sums now */
+    T *sums = tiles;
+    warp_column_sums<HS>(sums + warp * HS, acc_k, c0, n_ctx, [scale](T a) { return a * scale; });
+    warp_column_sums<HS>(sums + (DKV_THREADS / 32 + warp) * HS, acc_v, c0, n_ctx, [](T a) { return a; });
+    __syncthreads();
+    add_warp_sums<HS, DKV_THREADS / 32>(bias_sums + ((long long)(bh / n_head) * gridDim.x + blockIdx.x) * row
+                                        + part + bh % n_head * HS, part, sums, 2);
+  }
 }
 
 // @kernel flash_attention_fwd_bf16
@@ -291,12 +315,14 @@ flash_attention_fwd_bf16(const T *qkv, const T *b, T *y, ACC *lse, const int n_c
 // flash_attention_bwd_dq; P, dP and dS float, dS rounded to bfloat16 for dS k.
 #include "bf16.cuh"
 #include "flash16.cuh"
+#include "colsums.cuh"
 constexpr int DQ_Q = 64, DQ_K = 32, DQ_THREADS = 2 * DQ_Q;
 __shared__ __align__(16) T tiles[2 * DQ_Q * LD];  /* q and dy, then the k and v tiles */
 template <int HS>
 __global__ void __launch_bounds__(DQ_THREADS, 4)
 flash_attention_bwd_dq_bf16(const T *qkv, const T *b, const T *y, const T *dy, const ACC *lse, ACC *delta, T *dqkv,
-                            const int n_ctx, const int hs, const int n_head, const ACC scale) {
+                            ACC *bias_sums, const int n_ctx, const int hs, const int n_head, const ACC scale,
+                            const int sum_bias) {
   const T *ks = tiles, *vs = tiles + DQ_K * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, i0 = (gridDim.x - 1 - blockIdx.x) * DQ_Q, r0 = i0 + 16 * warp;
@@ -342,6 +368,14 @@ flash_attention_bwd_dq_bf16(const T *qkv, const T *b, const T *y, const T *dy, c
   }
   const float ones[2] = {1.0f, 1.0f};
   store_acc<HS>(dqkv + head, row, acc, r0, n_ctx, scale, ones);
+  if (sum_bias) {  /* dq's column sums as stored (bfloat16, widened), as flash_attention_bwd_dq's */
+    __syncthreads();
+    ACC *sums = (ACC *)tiles;
+    warp_column_sums<HS>(sums + warp * HS, acc, r0, n_ctx, [scale](float a) { return widen(narrow_bf16(a * scale)); });
+    __syncthreads();
+    add_warp_sums<HS, DQ_THREADS / 32>(bias_sums + ((long long)(bh / n_head) * gridDim.x + i0 / DQ_Q) * row
+                                       + bh % n_head * HS, part, sums, 1);
+  }
 }
 
 // @kernel flash_attention_bwd_dkv_bf16
@@ -349,13 +383,15 @@ flash_attention_bwd_dq_bf16(const T *qkv, const T *b, const T *y, const T *dy, c
 // for P^T dy and dS^T q.
 #include "bf16.cuh"
 #include "flash16.cuh"
+#include "colsums.cuh"
 constexpr int DKV_K = 64, DKV_Q = 32, DKV_THREADS = 2 * DKV_K;
 __shared__ __align__(16) T tiles[2 * DKV_K * LD];  /* k and v, then the q and dy tiles */
 __shared__ float lse_s[DKV_Q], delta_s[DKV_Q];
 template <int HS>
 __global__ void __launch_bounds__(DKV_THREADS, 3)
 flash_attention_bwd_dkv_bf16(const T *qkv, const T *b, const T *dy, const ACC *lse, const ACC *delta, T *dqkv,
-                             const int n_ctx, const int hs, const int n_head, const ACC scale) {
+                             ACC *bias_sums, const int n_ctx, const int hs, const int n_head, const ACC scale,
+                             const int sum_bias) {
   const T *qs = tiles, *dys = tiles + DKV_Q * LD;
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const int bh = blockIdx.y, j0 = blockIdx.x * DKV_K, c0 = j0 + 16 * warp;  /* this warp's keys c0 .. c0 + 15 */
@@ -405,4 +441,14 @@ flash_attention_bwd_dkv_bf16(const T *qkv, const T *b, const T *dy, const ACC *l
   const float ones[2] = {1.0f, 1.0f};
   store_acc<HS>(dqkv + head + part, row, acc_k, c0, n_ctx, scale, ones);
   store_acc<HS>(dqkv + head + 2 * part, row, acc_v, c0, n_ctx, 1.0f, ones);
+  if (sum_bias) {  /* dk's and dv's column sums as stored, as flash_attention_bwd_dkv's */
+    __syncthreads();
+    ACC *sums = (ACC *)tiles;
+    warp_column_sums<HS>(sums + warp * HS, acc_k, c0, n_ctx, [scale](float a) { return widen(narrow_bf16(a * scale)); });
+    warp_column_sums<HS>(sums + (DKV_THREADS / 32 + warp) * HS, acc_v, c0, n_ctx,
+                         [](float a) { return widen(narrow_bf16(a)); });
+    __syncthreads();
+    add_warp_sums<HS, DKV_THREADS / 32>(bias_sums + ((long long)(bh / n_head) * gridDim.x + blockIdx.x) * row
+                                        + part + bh % n_head * HS, part, sums, 2);
+  }
 }

@@ -12,6 +12,7 @@ import numpy as np
 from minitensor import precision
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
+from minitensor.backends.kernels.gelu import add_column_sums
 from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH, array_module, math_mode
 
 # The kernels' tiles (attention.cu's constants), by dtype: (query rows, keys) of the forward's and of
@@ -23,6 +24,11 @@ FLASH_HS_MAX = {np.dtype(np.float32): 64, np.dtype(np.float64): 32}  # flash.cuh
 # The bf16 kernels' (attention.cu's *_bf16 sections, flash16.cuh): the same tiles but the forward's keys (32:
 # its registers), heads up to 64
 FLASH16_FWD_TILE, FLASH16_DQ_TILE, FLASH16_DKV_TILE, FLASH16_HS_MAX = (128, 32), (64, 32), (64, 32), 64
+# The backward's blocks, every dtype's: 64 query rows (dq) or keys (dk, dv), 16 a warp; a block's column sums of
+# its gradients are one row of flash_backward's partial bias sums
+FLASH_BIAS_ROWS = 64
+assert all(t[0] == FLASH_BIAS_ROWS for tiles in (FLASH_DQ_TILE, FLASH_DKV_TILE) for t in tiles.values())
+assert FLASH16_DQ_TILE[0] == FLASH16_DKV_TILE[0] == FLASH_BIAS_ROWS
 
 
 def is_bf16(dtype):
@@ -90,7 +96,7 @@ def _flash_model(m, dtype=np.float32):
     b = np.zeros(3 * m.C, dtype)
     y, dy = (np.zeros((m.B, m.T, m.n_head, m.hs), dtype) for _ in range(2))
     lse = flash_forward(qkv, b, m.hs ** -0.5, y)
-    flash_backward(qkv, b, y, dy, lse, m.hs ** -0.5, dqkv)
+    flash_backward(qkv, b, y, dy, lse, m.hs ** -0.5, dqkv, db=np.zeros(3 * m.C, precision.accumulate_of(dtype)))
 
 
 def _flash16_model(m):
@@ -242,12 +248,14 @@ def flash_forward(qkv, b, scale, y=None, lse=None, tf32=True):
     return lse
 
 
-def flash_backward(qkv, b, y, dy, lse, scale, out=None, tf32=True):
+def flash_backward(qkv, b, y, dy, lse, scale, out=None, tf32=True, db=None):
     """The gradients of flash_forward's y = attention(q, k, v) with respect to q, k and v from dy (laid out as
     y), the forward's qkv, b, y and lse: into out, an array of qkv's layout (what c_attn's backward reads:
     dq, dk, dv side by side in each row), or a new one; returns it. Deterministic: delta = rowsum(dy y) and
     dq per query tile, then dk and dv per key tile. bfloat16: bfloat16 gradients from the bf16 kernels,
-    every sum in float32."""
+    every sum in float32. db ((3C,), the summed type): c_attn's bias gradient, db += the column sums of the
+    gradients as written, summed by the kernels that write them (a row of partial sums per sequence and
+    tile of FLASH_BIAS_ROWS rows, then column_sums_add: no atomics, the same bits on every run)."""
     fn = "flash_backward"
     xp = array_module(qkv)
     b = _bias(xp, qkv, b)
@@ -258,21 +266,26 @@ def flash_backward(qkv, b, y, dy, lse, scale, out=None, tf32=True):
     out = xp.empty_like(qkv) if out is None else out
     if out.shape != qkv.shape or out.dtype != qkv.dtype or not out.flags.c_contiguous:
         raise ValueError(f"{fn}: out must be a contiguous {qkv.dtype} array of shape {qkv.shape}")
+    acc = precision.accumulate_of(qkv.dtype)
+    rows = out.reshape(B * T, -1)
+    if db is not None:
+        cuda.vector(fn, "db", db, rows, summed=True)
     if qkv.size:
-        acc = precision.accumulate_of(qkv.dtype)
         delta = xp.empty((B * n_head, T), dtype=acc)
-        common = (np.int32(T), np.int32(hs), np.int32(n_head), acc.type(scale))
+        tiles = -(-T // FLASH_BIAS_ROWS)
+        sums = xp.empty((B * tiles, rows.shape[1]) if db is not None else 1, dtype=acc)
+        common = (sums, np.int32(T), np.int32(hs), np.int32(n_head), acc.type(scale), np.int32(db is not None))
         if is_bf16(qkv.dtype):  # no tf32 argument: one instance per head size
-            specs, tiles = (FLASH16_BWD_DQ, FLASH16_BWD_DKV), (FLASH16_DQ_TILE, FLASH16_DKV_TILE)
+            specs = (FLASH16_BWD_DQ, FLASH16_BWD_DKV)
         else:
-            specs, tiles = (FLASH_BWD_DQ, FLASH_BWD_DKV), (FLASH_DQ_TILE[qkv.dtype], FLASH_DKV_TILE[qkv.dtype])
+            specs = (FLASH_BWD_DQ, FLASH_BWD_DKV)
             common += (_tf32_flag(tf32, qkv),)
-        rows = tiles[0][0]  # 16 a warp
-        cuda.launch(specs[0], qkv.dtype, (-(-T // rows), B * n_head), (2 * rows,),
+        cuda.launch(specs[0], qkv.dtype, (tiles, B * n_head), (2 * FLASH_BIAS_ROWS,),
                     (qkv, b, y, dy, lse, delta, out, *common))
-        keys = tiles[1][0]
-        cuda.launch(specs[1], qkv.dtype, (-(-T // keys), B * n_head), (2 * keys,),
+        cuda.launch(specs[1], qkv.dtype, (tiles, B * n_head), (2 * FLASH_BIAS_ROWS,),
                     (qkv, b, dy, lse, delta, out, *common))
+        if db is not None:
+            add_column_sums(sums, db, qkv.dtype)
     return out
 
 
@@ -475,6 +488,20 @@ def _fused_attention_backward(ops, dy4, saved, dqkv4):
             d[...] = grads[:, :, i].transpose(0, 2, 1, 3)
 
 
+def _fused_attention_backward_and_bias(ops, dy4, saved, dqkv, db):
+    """Ops.attention_backward_and_bias from what _fused_attention_forward kept, into dqkv (B*T, 3C) of its
+    dtype, contiguous: the bias gradient summed by the kernels that write dqkv (flash_backward's db)."""
+    if not isinstance(saved, FlashAttentionCache) or db is None:
+        return cuda.FALLBACK
+    qkv, b, y4, lse = saved
+    if dqkv.dtype != qkv.dtype or dqkv.shape != (qkv.shape[0] * qkv.shape[1], qkv[0, 0].size) \
+            or not dqkv.flags.c_contiguous or db.dtype != precision.accumulate_of(qkv.dtype):
+        return cuda.FALLBACK
+    xp = ops.xp
+    flash_backward(qkv, b, _rows(xp, y4), _rows(xp, dy4), lse, 1.0 / math.sqrt(qkv.shape[-1]), dqkv.reshape(qkv.shape),
+                   tf32=tensor_cores(ops), db=db)
+
+
 # TF32 rounds each product's operands to 11 significant bits (relative error up to 2**-11, ~5e-4): the
 # attention's outputs and gradients land within ~1e-3 of float32's; 5e-3 still refuses a wrong mask, tile
 # or fragment layout, whose errors are of the outputs' own size.
@@ -560,7 +587,8 @@ def _flash_attention_cases(k):
 
 FLASH_ATTENTION = cuda.fused_piece(
     "flash_attention",
-    replaces={"attention_forward": _fused_attention_forward, "attention_backward": _fused_attention_backward},
+    replaces={"attention_forward": _fused_attention_forward, "attention_backward": _fused_attention_backward,
+              "attention_backward_and_bias": _fused_attention_backward_and_bias},
     kernels=(FLASH_FWD, FLASH_BWD_DQ, FLASH_BWD_DKV, FLASH16_FWD, FLASH16_BWD_DQ, FLASH16_BWD_DKV),
     sample=_flash_attention_sample,
     cases=_flash_attention_cases,

@@ -169,7 +169,15 @@ def launch_bwd_fwd16(x, b, dy, dh, y, db=None):
                 (x, b, dy, dh, y, part, np.int32(C), np.int32(N), np.int32(GELU16_CHUNK_ROWS),
                  np.int32(db is not None)))
     if db is not None:
-        cuda.launch(COLUMN_SUMS_ADD, x.dtype, (-(-C // 32),), (32, 8), (part, db, np.int32(chunks), np.int32(C)))
+        add_column_sums(part, db, x.dtype)
+
+
+def add_column_sums(part, out, dtype):
+    """out += the sum of part's rows (chunks, C), partial column sums in dtype's summed type (a bias gradient
+    summed by the kernel that wrote its gradient, of dtype: bias_gelu_bwd_fwd16's, the flash backward's),
+    added in a fixed order by column_sums_add (its build for dtype)."""
+    chunks, C = part.shape
+    cuda.launch(COLUMN_SUMS_ADD, dtype, (-(-C // 32),), (32, 8), (part, out, np.int32(chunks), np.int32(C)))
 
 
 # --- the fused piece bias_gelu: the Ops methods it replaces, the self-check's sample, gpu_check's cases,
