@@ -162,6 +162,7 @@ def profile_step(model, opt, B, T, steps=3, seed=0):
     wrap(model.wpe, "embeddings")
     ops = model.ops
     pieces = {"attention_forward": ("attention core", "forward"), "attention_backward": ("attention core", "backward"),
+              "attention_backward_and_bias": ("attention core", "backward"),  # c_attn's bias gradient with it
               "bias_gelu_forward": ("gelu", "forward"), "bias_gelu_backward": ("gelu", "backward")}
     kept = {name: vars(ops).get(name) for name in pieces}  # an instance's own (a gradient writer's count)
     for name, key in pieces.items():

@@ -133,7 +133,7 @@ class Block:
     """
 
     def __init__(self, p, prefix, cfg, ops):
-        self.position, self.residual = cfg.norm_position, cfg.residual
+        self.position, self.residual, self.ops = cfg.norm_position, cfg.residual, ops
         self.ln_1 = norm_layer(p, prefix + "ln_1", cfg, ops)
         self.attn = CausalSelfAttention(_linear(p, prefix + "attn.c_attn", ops),
                                         _linear(p, prefix + "attn.c_proj", ops), cfg.n_head, ops=ops)
@@ -219,10 +219,14 @@ class Block:
         if self.position != "post":
             # forward was: x2 = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)); each skip's gradient is
             # added in the pass of the norm's backward it goes around, which also sums its columns: the
-            # skip's gradient is the sublayer's output's, so they are the gradient of c_proj's bias
+            # skip's gradient is the sublayer's output's, so they are the gradient of c_proj's bias; a
+            # backend may leave c_fc's and c_attn's bias sums to the norm's backward after each (nothing reads
+            # them before this block's backward returns: ops.deferred_bias_sums)
             if skip:
-                dx1 = self.ln_2.backward_and_sum_skip(self.mlp.backward(dx2, sum_bias=False), dx2, self.mlp.c_proj)
-                dx = self.ln_1.backward_and_sum_skip(self.attn.backward(dx1, sum_bias=False), dx1, self.attn.c_proj)
+                with self.ops.deferred_bias_sums():
+                    dx1 = self.ln_2.backward_and_sum_skip(self.mlp.backward(dx2, sum_bias=False), dx2, self.mlp.c_proj)
+                    dx = self.ln_1.backward_and_sum_skip(self.attn.backward(dx1, sum_bias=False), dx1,
+                                                         self.attn.c_proj)
             else:
                 dx = self.ln_1.backward(self.attn.backward(self.ln_2.backward(self.mlp.backward(dx2))))
         else:

@@ -123,7 +123,7 @@ def _label_layers(rec, model, opt):
     for label, layer in (("embeddings", model.wte), ("embeddings", model.wpe), ("ln_f", model.ln_f),
                          ("head", model.head), ("cross-entropy", model.loss_fn)):
         _scope_passes(rec, layer, label)
-    for name in ("attention_forward", "attention_backward"):
+    for name in ("attention_forward", "attention_backward", "attention_backward_and_bias"):
         _scoped(rec, model.ops, name, "attention core")
     for name in ("global_norm", "clip_scale"):
         _scoped(rec, model.ops, name, "grad norm and clip")

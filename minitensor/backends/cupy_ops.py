@@ -41,6 +41,8 @@ minitensor.backends.cuda, cupy.cuda for the device, cuBLAS through cupy_backends
 minitensor.backends.cublas), so a NumPy-backed stand-in of CuPy can run them in CI.
 """
 
+import contextlib
+
 import numpy as np
 
 from minitensor import precision
@@ -48,7 +50,7 @@ from minitensor.backends import cublas, cuda
 from minitensor.backends.blocked import BlockedAttention
 from minitensor.backends.kernels import fused_pieces
 from minitensor.backends.kernels.embedding import SCATTER_ADD_ROWS, scatter_add_rows_gpu
-from minitensor.backends.kernels.gelu import GELU_BWD, GELU_FWD
+from minitensor.backends.kernels.gelu import GELU_BWD, GELU_FWD, add_column_sums
 from minitensor.backends.kernels.linear import BIAS_RESIDUAL_ADD, bias_residual_add16_gpu, epilogue16_fits, epilogue_fits
 from minitensor.backends.ops import Ops
 from minitensor.backends.tricks import keep_grad_writes
@@ -91,6 +93,45 @@ class CupyOps(BlockedAttention, Ops):
     def fill_zero(self, a):
         super().fill_zero(a)
         self.grad_writes.zeroed(a)
+
+    # --- bias gradients from partial sums (the flash backward's, the bf16 GELU backward's) ---
+
+    _pending = None  # within deferred_bias_sums: the partial sums left to a later pass, [(part, out, dtype)]
+
+    @contextlib.contextmanager
+    def deferred_bias_sums(self):
+        """Ops.deferred_bias_sums: add_partial_sums keeps what it is given for take_partial_sums (the
+        LayerNorm backward's second launch adds it up); what is left is added at the scope's end. Nested,
+        the outer scope's."""
+        if self._pending is not None:
+            yield
+            return
+        self._pending = []
+        try:
+            yield
+        finally:
+            pending, self._pending = self._pending, None
+            for part, out, dtype in pending:
+                add_column_sums(part, out, dtype)
+
+    def add_partial_sums(self, part, out, dtype):
+        """out += the sum of part's rows: a bias gradient from the partial column sums (chunks, n) a kernel
+        of dtype wrote (in its summed type), by column_sums_add now, or within deferred_bias_sums by a later
+        pass (take_partial_sums) or at the scope's end."""
+        if self._pending is None:
+            add_column_sums(part, out, dtype)
+        else:
+            self._pending.append((part, out, dtype))
+
+    def take_partial_sums(self, dtype):
+        """(part, out) of partial sums left by add_partial_sums, in dtype's summed type, for a pass of dtype
+        that adds them up in a launch of its own (out += the sum of part's rows): taken, they are its to add;
+        None where none is left."""
+        for i, (part, out, kept) in enumerate(self._pending or ()):
+            if precision.accumulate_of(kept) == precision.accumulate_of(dtype):
+                del self._pending[i]
+                return part, out
+        return None
 
     # --- Linear ---
 

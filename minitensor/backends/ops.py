@@ -28,6 +28,7 @@ into the float32 gradient buffer. Given float32 or float64 arrays both helpers a
 same objects, nothing copied), so those paths compute exactly as they did before bf16 existed.
 """
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -108,6 +109,15 @@ class Ops:
         x, dy = self.summed(x, dy)
         dW += x.T @ dy
         self.add_bias_grad(dy, db)  # dy already in the accumulate dtype: summed() there is dy itself
+
+    @contextlib.contextmanager
+    def deferred_bias_sums(self):
+        """A scope (with ops.deferred_bias_sums(): ...) in which a backend whose kernels sum a bias gradient
+        in partial sums as they write the gradient may leave their last reduction to the next pass that
+        reduces partial sums anyway (a LayerNorm backward's), one launch fewer each; all are added by the
+        scope's end. Nothing in the scope may read those bias gradients (a pre-norm block's backward: its
+        gradients are read after it). Ops sums every bias gradient at once: nothing is left."""
+        yield
 
     def add_bias_grad(self, dy, db):
         """db += sum over rows of dy (N, n_out), summed in db's dtype: the gradient of a bias added to

@@ -13,6 +13,7 @@ from minitensor import precision
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
 from minitensor.backends.kernels.gelu import add_column_sums
+from minitensor.backends.ops import qkv_heads
 from minitensor.device import CUBLAS_TF32_TENSOR_OP_MATH, array_module, math_mode
 
 # The kernels' tiles (attention.cu's constants), by dtype: (query rows, keys) of the forward's and of
@@ -248,14 +249,15 @@ def flash_forward(qkv, b, scale, y=None, lse=None, tf32=True):
     return lse
 
 
-def flash_backward(qkv, b, y, dy, lse, scale, out=None, tf32=True, db=None):
+def flash_backward(qkv, b, y, dy, lse, scale, out=None, tf32=True, db=None, add_sums=add_column_sums):
     """The gradients of flash_forward's y = attention(q, k, v) with respect to q, k and v from dy (laid out as
     y), the forward's qkv, b, y and lse: into out, an array of qkv's layout (what c_attn's backward reads:
     dq, dk, dv side by side in each row), or a new one; returns it. Deterministic: delta = rowsum(dy y) and
     dq per query tile, then dk and dv per key tile. bfloat16: bfloat16 gradients from the bf16 kernels,
     every sum in float32. db ((3C,), the summed type): c_attn's bias gradient, db += the column sums of the
     gradients as written, summed by the kernels that write them (a row of partial sums per sequence and
-    tile of FLASH_BIAS_ROWS rows, then column_sums_add: no atomics, the same bits on every run)."""
+    tile of FLASH_BIAS_ROWS rows, then add_sums(part, db, dtype), column_sums_add by default: no atomics, the
+    same bits on every run)."""
     fn = "flash_backward"
     xp = array_module(qkv)
     b = _bias(xp, qkv, b)
@@ -285,7 +287,7 @@ def flash_backward(qkv, b, y, dy, lse, scale, out=None, tf32=True, db=None):
         cuda.launch(specs[1], qkv.dtype, (tiles, B * n_head), (2 * FLASH_BIAS_ROWS,),
                     (qkv, b, dy, lse, delta, out, *common))
         if db is not None:
-            add_column_sums(sums, db, qkv.dtype)
+            add_sums(sums, db, qkv.dtype)
     return out
 
 
@@ -490,7 +492,9 @@ def _fused_attention_backward(ops, dy4, saved, dqkv4):
 
 def _fused_attention_backward_and_bias(ops, dy4, saved, dqkv, db):
     """Ops.attention_backward_and_bias from what _fused_attention_forward kept, into dqkv (B*T, 3C) of its
-    dtype, contiguous: the bias gradient summed by the kernels that write dqkv (flash_backward's db)."""
+    dtype, contiguous: the bias gradient summed by the kernels that write dqkv (flash_backward's db), their
+    partial sums added up by ops.add_partial_sums (within deferred_bias_sums, by the LayerNorm backward's
+    second launch)."""
     if not isinstance(saved, FlashAttentionCache) or db is None:
         return cuda.FALLBACK
     qkv, b, y4, lse = saved
@@ -499,7 +503,7 @@ def _fused_attention_backward_and_bias(ops, dy4, saved, dqkv, db):
         return cuda.FALLBACK
     xp = ops.xp
     flash_backward(qkv, b, _rows(xp, y4), _rows(xp, dy4), lse, 1.0 / math.sqrt(qkv.shape[-1]), dqkv.reshape(qkv.shape),
-                   tf32=tensor_cores(ops), db=db)
+                   tf32=tensor_cores(ops), db=db, add_sums=ops.add_partial_sums)
 
 
 # TF32 rounds each product's operands to 11 significant bits (relative error up to 2**-11, ~5e-4): the
@@ -582,7 +586,28 @@ def _flash_attention_cases(k):
         k.ref.attention_backward(d["dy"][:, None], cache, grads)
         return (y4[:, 0], *(g[:, 0] for g in grads))
 
-    return [("flash attention fwd + bwd", setup, fused, generic, False)]
+    def heads(d):  # q, k, v as one head each of BH in a sequence: the (1, T, 3, BH, hs) array c_attn writes
+        return pack_heads(k.xp, [d[n][None] for n in "qkv"], k.dtype)
+
+    def fused_bias(d):  # c_attn's bias gradient from the flash backward's own column sums, and the gradients
+        qkv, acc = heads(d), precision.accumulate_of(k.dtype)
+        y = k.xp.empty((1, T, BH, hs), k.dtype)
+        lse = flash_forward(qkv, None, scale, y, tf32=False)
+        db = k.xp.zeros(3 * BH * hs, acc)
+        dy = k.xp.ascontiguousarray(d["dy"].transpose(1, 0, 2)[None])  # (1, T, BH, hs), as y
+        dqkv = flash_backward(qkv, None, y, dy, lse, scale, tf32=False, db=db)
+        return db, dqkv
+
+    def generic_bias(d):  # Ops' dense core, then add_bias_grad over its gradients' rows
+        qkv4 = qkv_heads(heads(d).reshape(T, -1), 1, T, BH)
+        y4 = k.xp.empty((1, BH, T, hs), k.dtype)
+        cache = k.ref.attention_forward(qkv4, None, y4, dense=True)
+        dqkv, db = k.xp.empty((T, 3 * BH * hs), k.dtype), k.xp.zeros(3 * BH * hs, precision.accumulate_of(k.dtype))
+        k.ref.attention_backward_and_bias(d["dy"][None], cache, dqkv, db)
+        return db, dqkv.reshape(1, T, 3, BH, hs)
+
+    return [("flash attention fwd + bwd", setup, fused, generic, False),
+            ("flash attention bwd, c_attn's bias gradient", setup, fused_bias, generic_bias, False)]
 
 
 FLASH_ATTENTION = cuda.fused_piece(

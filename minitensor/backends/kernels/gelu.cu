@@ -107,5 +107,5 @@ extern "C" __global__ void bias_gelu_bwd_fwd16(const T *x, const T *b, const T *
 #include "rows.cuh"
 extern "C" __global__ void column_sums_add(const ACC *part, ACC *out, const int chunks, const int C) {
   __shared__ ACC acc[8][32];
-  add_column_partials(part, out, chunks, C, acc);
+  add_column_partials(part, out, chunks, C, acc, blockIdx.x);
 }

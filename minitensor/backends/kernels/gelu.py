@@ -138,10 +138,10 @@ def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
     return dh
 
 
-def bias_gelu_backward_recompute_gpu(x, b, dy, db=None):
+def bias_gelu_backward_recompute_gpu(x, b, dy, db=None, add_sums=None):
     """(dh, y): bias_gelu_backward_gpu's dh and bias_gelu_forward_gpu's y in one pass, new arrays. db
-    (bfloat16 x only: a float32 vector like b): db += dh's column sums, in the same pass (bias_gelu_bwd_fwd16
-    then column_sums_add)."""
+    (bfloat16 x only: a float32 vector like b): db += dh's column sums, in the same pass (bias_gelu_bwd_fwd16's
+    partial sums, then add_sums(part, db, dtype): column_sums_add by default)."""
     fn = "bias_gelu_backward_recompute_gpu"
     _check_bias_gpu(x, b, None, fn, dy)
     cuda.on_cupy(fn, x, "Ops.bias_gelu_backward")
@@ -152,13 +152,13 @@ def bias_gelu_backward_recompute_gpu(x, b, dy, db=None):
     if db is not None:
         cuda.vector(fn, "db", db, x, summed=True)
     dh, y = array_module(x).empty_like(x), array_module(x).empty_like(x)
-    launch_bwd_fwd16(x, b, dy, dh, y, db)
+    launch_bwd_fwd16(x, b, dy, dh, y, db, add_sums)
     return dh, y
 
 
-def launch_bwd_fwd16(x, b, dy, dh, y, db=None):
-    """bias_gelu_bwd_fwd16 over x's rows into dh and y, and with db column_sums_add after it (nothing for an
-    empty x)."""
+def launch_bwd_fwd16(x, b, dy, dh, y, db=None, add_sums=None):
+    """bias_gelu_bwd_fwd16 over x's rows into dh and y, and with db its partial sums added up by add_sums
+    (column_sums_add by default) (nothing for an empty x)."""
     C, N = x.shape[-1], x.size // max(1, x.shape[-1])
     if not x.size:
         return
@@ -169,7 +169,7 @@ def launch_bwd_fwd16(x, b, dy, dh, y, db=None):
                 (x, b, dy, dh, y, part, np.int32(C), np.int32(N), np.int32(GELU16_CHUNK_ROWS),
                  np.int32(db is not None)))
     if db is not None:
-        add_column_sums(part, db, x.dtype)
+        (add_sums or add_column_sums)(part, db, x.dtype)
 
 
 def add_column_sums(part, out, dtype):
@@ -202,7 +202,7 @@ def _fused_bias_gelu_backward(ops, x, b, dy, recompute_output=False, db=None):
     if _strided16(x, b, dy):
         return cuda.FALLBACK
     if recompute_output and is_bf16(x):
-        return bias_gelu_backward_recompute_gpu(x, b, dy, db)
+        return bias_gelu_backward_recompute_gpu(x, b, dy, db, ops.add_partial_sums)
     out = bias_gelu_backward_recompute_gpu(x, b, dy) if recompute_output else bias_gelu_backward_gpu(x, b, dy)
     ops._add_dh_sums(out[0] if recompute_output else out, db)
     return out

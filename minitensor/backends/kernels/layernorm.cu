@@ -110,13 +110,25 @@ extern "C" __global__ void layernorm_bwd(const T *dy, const T *x, const T *w, co
 // dw += the sum of part_w's rows, db += part_b's, and with sum_res dr += part_r's, over the (chunks, C)
 // partial sums of layernorm_bwd: block (32, 8) for 32 columns, thread y adding chunks y, y + 8, ... in
 // order, then thread y = 0 the eight in order, so the sums are the same on every run (no atomics). All
-// ACC: the weight gradients are summed in float32 under bf16 (the master weights' dtype).
+// ACC: the weight gradients are summed in float32 under bf16 (the master weights' dtype). The blocks past
+// the first ceil(C / 32) add up another backward's partial column sums in the same way, more_out += the sum
+// of more's rows over (more_chunks, more_C) (rows.cuh's add_column_partials, as column_sums_add): a bias
+// gradient whose kernel left its last reduction to this launch (CupyOps.deferred_bias_sums), one launch
+// fewer.
+#include "bf16.cuh"
+#include "rows.cuh"
 extern "C" __global__ void layernorm_bwd_params(const ACC *part_w, const ACC *part_b, const ACC *part_r, ACC *dw,
                                                 ACC *db, ACC *dr, const int chunks, const int C,
-                                                const int sum_res) {
+                                                const int sum_res, const ACC *more, ACC *more_out,
+                                                const int more_chunks, const int more_C) {
   __shared__ ACC acc_w[8][32];
   __shared__ ACC acc_b[8][32];
   __shared__ ACC acc_r[8][32];
+  const int blocks = (C + 31) / 32;
+  if (blockIdx.x >= blocks) {  /* the whole block: add_column_partials' barrier is reached by all or none */
+    add_column_partials(more, more_out, more_chunks, more_C, acc_w, blockIdx.x - blocks);
+    return;
+  }
   const int j = blockIdx.x * 32 + threadIdx.x;
   ACC sw = 0, sb = 0, sr = 0;
   if (j < C) {

@@ -6,6 +6,7 @@ import numpy as np
 from minitensor import precision
 from minitensor.backends import cuda
 from minitensor.backends.cuda import draw
+from minitensor.backends.kernels.gelu import add_column_sums
 from minitensor.device import array_module
 
 # What these kernels must equal is Ops.layernorm_forward / _backward: the start-up self-check runs
@@ -59,11 +60,13 @@ def _layernorm_bwd_traffic(dy, x, w, mean, rstd, res, dx, part_w, part_b, part_r
     return read, dx.nbytes + part_w.nbytes + part_b.nbytes + (part_r.nbytes if sum_res else 0)
 
 
-def _layernorm_bwd_params_traffic(part_w, part_b, part_r, dw, db, dr, sum_res, **_):
+def _layernorm_bwd_params_traffic(part_w, part_b, part_r, dw, db, dr, sum_res, more, more_out, more_C, **_):
     """The partial sums read and dw, db (dr with sum_res) written (part_r and dr stand in for part_b and
-    db without sum_res, unread and unwritten)."""
+    db without sum_res, unread and unwritten); another set's partial sums read and its sums added (more_C
+    0: none, more and more_out unread)."""
     n = 3 if sum_res else 2
-    return n * part_w.nbytes, n * dw.nbytes
+    more_bytes = (more.nbytes, 2 * more_out.nbytes) if more_C else (0, 0)  # out read and written (+=)
+    return n * part_w.nbytes + more_bytes[0], n * dw.nbytes + more_bytes[1]
 
 
 LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic, model=_layernorm_model,
@@ -108,7 +111,7 @@ def layernorm_forward_gpu(x, w, b, eps=1e-5, residual=None, out=None, bias=None)
     return y, mean, rstd
 
 
-def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None, res_db=None):
+def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=None, res_db=None, more=None):
     """dx of LayerNorm from dy and the forward's x, w, mean, rstd (all CuPy, contiguous; x and dy
     (..., C), C at most LN_MAX_C, mean and rstd N values); accumulates dw += sum(dy xhat),
     db += sum(dy) over rows. mean, rstd, dw and db are in what x is summed in (float32 for bfloat16).
@@ -118,9 +121,40 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     add_to in place and returns it. res_db (C values, like db), with either: accumulates the column
     sums of what was added (residual's, or add_to's as it was), summed as dw and db are (in chunks of
     rows, then the chunks in order). Two launches: dx with the partial sums per chunk of rows
-    (layernorm_bwd), then those summed into dw, db (and res_db) (layernorm_bwd_params)."""
+    (layernorm_bwd), then those summed into dw, db (and res_db) (layernorm_bwd_params). more: (part, out),
+    another backward's partial column sums (chunks, n) in the summed type and the gradient (n,) they add up
+    into, out += the sum of part's rows, in the second launch (as column_sums_add would)."""
     fn = "layernorm_backward_gpu"
     N, C = cuda.rows(fn, x, LAYERNORM_BWD)
+    _check_backward(fn, dy, x, w, mean, rstd, dw, db, add_to, residual, res_db, N, C)
+    if more is not None:
+        _check_more(fn, *more, x)
+    xp = array_module(x)
+    dx = xp.empty_like(x) if add_to is None else add_to
+    res = add_to if add_to is not None else residual
+    if not N:
+        if more is not None:
+            add_column_sums(*more, x.dtype)
+        return dx
+    rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
+    chunks = -(-N // rows_per_chunk)
+    sum_res = np.int32(res_db is not None)
+    # dw's, db's (and res_db's) partial sums per chunk
+    parts = xp.empty((2 + int(sum_res), chunks, C), dtype=precision.accumulate_of(x.dtype))
+    part_r, dr = (parts[2], res_db) if sum_res else (parts[1], db)  # unread and unwritten without sum_res
+    cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), LN_THREADS)),),
+                (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], part_r, np.int32(N),
+                 np.int32(C), np.int32(rows_per_chunk), np.int32(res is not None), sum_res))
+    more_part, more_out = more if more is not None else (parts[0], dw)  # unread and unwritten without more
+    more_chunks, more_C = more_part.shape if more is not None else (0, 0)
+    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32) + -(-more_C // 32),), LN_PARAM_BLOCK,
+                (parts[0], parts[1], part_r, dw, db, dr, np.int32(chunks), np.int32(C), sum_res, more_part, more_out,
+                 np.int32(more_chunks), np.int32(more_C)))
+    return dx
+
+
+def _check_backward(fn, dy, x, w, mean, rstd, dw, db, add_to, residual, res_db, N, C):
+    """layernorm_backward_gpu's arguments as its docstring says, or a ValueError saying which is not."""
     if C > LN_MAX_C:
         raise ValueError(f"{fn}: rows of {C} values; at most {LN_MAX_C} are supported (Ops.layernorm_backward "
                          f"takes any)")
@@ -138,23 +172,15 @@ def layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, add_to=None, residual=N
     for name, a in (("add_to", add_to), ("residual", residual)):
         if a is not None:
             cuda.like(fn, name, a, x)
-    xp = array_module(x)
-    dx = xp.empty_like(x) if add_to is None else add_to
-    res = add_to if add_to is not None else residual
-    if not N:
-        return dx
-    rows_per_chunk = max(LN_CHUNK_ROWS, -(-N // LN_CHUNKS))
-    chunks = -(-N // rows_per_chunk)
-    sum_res = np.int32(res_db is not None)
-    # dw's, db's (and res_db's) partial sums per chunk
-    parts = xp.empty((2 + int(sum_res), chunks, C), dtype=precision.accumulate_of(x.dtype))
-    part_r, dr = (parts[2], res_db) if sum_res else (parts[1], db)  # unread and unwritten without sum_res
-    cuda.launch(LAYERNORM_BWD, x.dtype, (chunks,), (max(128, cuda.threads(-(-C // LN_COLS), LN_THREADS)),),
-                (dy, x, w, mean, rstd, dx if res is None else res, dx, parts[0], parts[1], part_r, np.int32(N),
-                 np.int32(C), np.int32(rows_per_chunk), np.int32(res is not None), sum_res))
-    cuda.launch(LAYERNORM_BWD_PARAMS, x.dtype, (-(-C // 32),), LN_PARAM_BLOCK,
-                (parts[0], parts[1], part_r, dw, db, dr, np.int32(chunks), np.int32(C), sum_res))
-    return dx
+
+
+def _check_more(fn, part, out, x):
+    """more = (part, out): partial column sums (chunks, n), contiguous, in what x is summed in, and out (n,)."""
+    acc = precision.accumulate_of(x.dtype)
+    if part.ndim != 2 or part.dtype != acc or not part.flags.c_contiguous:
+        raise ValueError(f"{fn}: more's partial sums must be a contiguous {acc} array (chunks, n), got "
+                         f"{part.dtype} {part.shape}")
+    cuda.vector(fn, "more's gradient", out, part, summed=True)
 
 
 # --- the fused piece layernorm: the Ops methods it replaces, the self-check's sample, gpu_check's
@@ -179,12 +205,14 @@ def _fused_joined_layernorm_forward(ops, x, bias, residual, w, b, eps):
 
 def _fused_layernorm_backward(ops, dy, x, mean, rstd, w, dw, db, dres=None, dres_db=None):
     """Ops.layernorm_backward for rows of at most LN_MAX_C values, the skip gradient dres added, and its
-    columns summed into dres_db, in the same pass."""
+    columns summed into dres_db, in the same pass; a bias gradient's partial sums left within
+    deferred_bias_sums (CupyOps.take_partial_sums) added up in its second launch."""
     if x.shape[-1] > LN_MAX_C:
         return cuda.FALLBACK
     # the kernel reads the skip gradient and writes dx beside it: the caller's array is kept
     residual = None if dres is None else ops.xp.ascontiguousarray(dres)
-    return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=residual, res_db=dres_db)
+    return layernorm_backward_gpu(dy, x, w, mean, rstd, dw, db, residual=residual, res_db=dres_db,
+                                  more=ops.take_partial_sums(x.dtype))
 
 
 def _layernorm_sample(ops, rng):

@@ -78,5 +78,5 @@ extern "C" __global__ void rmsnorm_bwd(const T *dy, const T *x, const T *w, cons
 #include "rows.cuh"
 extern "C" __global__ void rmsnorm_bwd_params(const ACC *part_w, ACC *dw, const int chunks, const int C) {
   __shared__ ACC acc_w[8][32];
-  add_column_partials(part_w, dw, chunks, C, acc_w);
+  add_column_partials(part_w, dw, chunks, C, acc_w, blockIdx.x);
 }

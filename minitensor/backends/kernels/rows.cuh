@@ -46,11 +46,13 @@ __device__ ACC block_max(ACC v, ACC *buf) {
 }
 
 /* out[j] += the sum of part's rows, over (chunks, C) partial column sums (a backward's, per chunk of rows),
-   for this block's 32 columns j = blockIdx.x 32 + threadIdx.x: a block of (32, 8) threads, thread y adding
-   chunks y, y + 8, ... in order into acc[y] (8 x 32 ACCs of shared memory), then thread y = 0 the eight in
-   order, so the sums are the same on every run (no atomics). */
-__device__ void add_column_partials(const ACC *part, ACC *out, const int chunks, const int C, ACC (*acc)[32]) {
-  const int j = blockIdx.x * 32 + threadIdx.x;
+   for the 32 columns j = block 32 + threadIdx.x (block: blockIdx.x, or its place among the blocks of a
+   launch that adds up more than one set): a block of (32, 8) threads, thread y adding chunks y, y + 8, ...
+   in order into acc[y] (8 x 32 ACCs of shared memory), then thread y = 0 the eight in order, so the sums are
+   the same on every run (no atomics). */
+__device__ void add_column_partials(const ACC *part, ACC *out, const int chunks, const int C, ACC (*acc)[32],
+                                    const int block) {
+  const int j = block * 32 + threadIdx.x;
   ACC s = 0;
   if (j < C) {
     for (int c = threadIdx.y; c < chunks; c += 8) s += part[(long long)c * C + j];
