@@ -607,7 +607,7 @@ def _flash_attention_cases(k):
         return db, dqkv.reshape(1, T, 3, BH, hs)
 
     return [("flash attention fwd + bwd", setup, fused, generic, False),
-            ("flash attention bwd, c_attn's bias gradient", setup, fused_bias, generic_bias, False)]
+            ("flash attention bias grad", setup, fused_bias, generic_bias, False)]
 
 
 FLASH_ATTENTION = cuda.fused_piece(
