@@ -105,6 +105,14 @@ def launch_elementwise16(spec, x, args):
         cuda.launch(spec, x.dtype, (-(-x.size // GELU16_THREADS),), (GELU16_THREADS,), args)
 
 
+def add_column_sums(part, out, dtype):
+    """out += the sum of part's rows (chunks, C), partial column sums in dtype's summed type (a bias gradient
+    summed by the kernel that wrote its gradient, of dtype: bias_gelu_bwd_fwd16's, the flash backward's),
+    added in a fixed order by column_sums_add (its build for dtype)."""
+    chunks, C = part.shape
+    cuda.launch(COLUMN_SUMS_ADD, dtype, (-(-C // 32),), (32, 8), (part, out, np.int32(chunks), np.int32(C)))
+
+
 def bias_gelu_forward_gpu(x, b, out=None):
     """GELU(x + b) for x (..., C) and b (C,) CuPy arrays, into `out` if given; returns y.
 
@@ -138,7 +146,7 @@ def bias_gelu_backward_gpu(x, b, dy, db=None, out=None):
     return dh
 
 
-def bias_gelu_backward_recompute_gpu(x, b, dy, db=None, add_sums=None):
+def bias_gelu_backward_recompute_gpu(x, b, dy, db=None, add_sums=add_column_sums):
     """(dh, y): bias_gelu_backward_gpu's dh and bias_gelu_forward_gpu's y in one pass, new arrays. db
     (bfloat16 x only: a float32 vector like b): db += dh's column sums, in the same pass (bias_gelu_bwd_fwd16's
     partial sums, then add_sums(part, db, dtype): column_sums_add by default)."""
@@ -156,7 +164,7 @@ def bias_gelu_backward_recompute_gpu(x, b, dy, db=None, add_sums=None):
     return dh, y
 
 
-def launch_bwd_fwd16(x, b, dy, dh, y, db=None, add_sums=None):
+def launch_bwd_fwd16(x, b, dy, dh, y, db=None, add_sums=add_column_sums):
     """bias_gelu_bwd_fwd16 over x's rows into dh and y, and with db its partial sums added up by add_sums
     (column_sums_add by default) (nothing for an empty x)."""
     C, N = x.shape[-1], x.size // max(1, x.shape[-1])
@@ -169,15 +177,7 @@ def launch_bwd_fwd16(x, b, dy, dh, y, db=None, add_sums=None):
                 (x, b, dy, dh, y, part, np.int32(C), np.int32(N), np.int32(GELU16_CHUNK_ROWS),
                  np.int32(db is not None)))
     if db is not None:
-        (add_sums or add_column_sums)(part, db, x.dtype)
-
-
-def add_column_sums(part, out, dtype):
-    """out += the sum of part's rows (chunks, C), partial column sums in dtype's summed type (a bias gradient
-    summed by the kernel that wrote its gradient, of dtype: bias_gelu_bwd_fwd16's, the flash backward's),
-    added in a fixed order by column_sums_add (its build for dtype)."""
-    chunks, C = part.shape
-    cuda.launch(COLUMN_SUMS_ADD, dtype, (-(-C // 32),), (32, 8), (part, out, np.int32(chunks), np.int32(C)))
+        add_sums(part, db, x.dtype)
 
 
 # --- the fused piece bias_gelu: the Ops methods it replaces, the self-check's sample, gpu_check's cases,

@@ -65,8 +65,8 @@ def _layernorm_bwd_params_traffic(part_w, part_b, part_r, dw, db, dr, sum_res, m
     db without sum_res, unread and unwritten); another set's partial sums read and its sums added (more_C
     0: none, more and more_out unread)."""
     n = 3 if sum_res else 2
-    more_bytes = (more.nbytes, 2 * more_out.nbytes) if more_C else (0, 0)  # out read and written (+=)
-    return n * part_w.nbytes + more_bytes[0], n * dw.nbytes + more_bytes[1]
+    more_read, more_written = (more.nbytes + more_out.nbytes, more_out.nbytes) if more_C else (0, 0)  # out +=
+    return n * part_w.nbytes + more_read, n * dw.nbytes + more_written
 
 
 LAYERNORM_BWD = cuda.RawSpec("layernorm_bwd", "layernorm.cu", traffic=_layernorm_bwd_traffic, model=_layernorm_model,
