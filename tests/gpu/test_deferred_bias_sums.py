@@ -15,6 +15,7 @@ from minitensor.backends import cuda
 from minitensor.backends.cupy_ops import CupyOps
 from minitensor.backends.kernels import gelu, layernorm
 from minitensor.backends.ops import Ops
+from minitensor.checks.gradcheck import check_gradients
 from minitensor.device import to_numpy
 
 BF16 = precision.bfloat16()
@@ -51,6 +52,30 @@ def test_a_blocks_bias_sums_are_added_up_by_its_norms_backward(cupy, monkeypatch
     assert counted == [0, cfg.n_layer * (2 if name == "bf16" else 1)]
     assert np.array_equal(grads[0].view(np.uint32), grads[1].view(np.uint32))
 
+
+
+def test_the_gradients_through_the_flash_bias_sums_match_finite_differences(cupy, launches):
+    """float64 ANDREA (heads of 16, which the flash kernels take; 5 positions: a partial tile) on every fused
+    piece: c_attn's bias gradient from the flash backward's column sums, added up by ln_1's backward, and
+    every other gradient, against central differences along 6 random directions, within 1e-6."""
+    cfg = ModelConfig(vocab_size=13, context_length=8, d_model=32, n_layer=1, n_head=2)
+    m = ANDREA(cfg, device="gpu", kernels="fused", dtype="float64", seed=1)
+    rng = np.random.default_rng(1)
+    for _, view in m.named_parameters():  # off the symmetric init, so that every path matters
+        view += cupy.asarray(rng.normal(0, 0.3, view.shape))
+    idx, targets = rng.integers(0, 13, (2, 5)), rng.integers(0, 13, (2, 5))
+    pairs = {n: (m.params[n], m.params.grad(n)) for n in m.params.names()}
+
+    def backward(dloss):
+        m.backward(dloss)
+        return {}
+
+    m.loss(idx, targets)
+    launches.clear()
+    report = check_gradients(lambda: m.loss(idx, targets), backward, {}, pairs, 1.0, directions=6)
+    assert {"flash_attention_bwd_dkv", "layernorm_bwd_params"} <= set(launches) and "column_sums_add" not in launches
+    assert report.max_rel_error <= 1e-6, report
+    assert len(report.checked) == len(m.params.names())
 
 def test_the_scope_adds_what_no_pass_took_and_outside_it_nothing_waits(cupy):
     ops = CupyOps(cupy)
